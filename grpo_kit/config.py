@@ -1,0 +1,255 @@
+"""The one config object of the kit: ``GRPOKitConfig``.
+
+Field names follow TRL's ``GRPOConfig`` where the meaning is the same. The config is
+validated once, at the edge (CLI, YAML, notebook parameters), by ``validate()``; every
+problem is reported in one ``ConfigError`` naming the field, the value and what is
+allowed, before any model is loaded. Inside the kit it is trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+TASKS = ("arithmetic", "word_problems", "gsm8k")
+REWARD_FUNCS = ("correctness", "format_strict", "format_soft")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+TRAINERS = ("trl",)
+GENERATION_BACKENDS = ("auto", "hf", "vllm")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class ConfigError(ValueError):
+    """A config value that is not allowed; the message names the field and the options."""
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field whose help text lives in its metadata (as in TRL's configs)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class GRPOKitConfig:
+    # --- run -------------------------------------------------------------------------
+    model: str = _f("smollm2-135m-instruct", "Built-in name (see `grpo_kit.models.BUILTIN_MODELS`), a local "
+                    "folder, or a hub id such as `Qwen/Qwen2.5-1.5B-Instruct`.")
+    output_dir: str = _f("runs/default", "Run folder: metrics.csv, rewards.png, samples, adapter/weights.")
+    seed: int = _f(0, "Seed for data, sampling and initialisation.")
+    max_steps: int = _f(40, "Optimiser steps to run.")
+    save_steps: int = _f(0, "Save a checkpoint every N steps (0: only at the end).")
+    logging_steps: int = _f(1, "Log metrics every N steps.")
+    device: str = _f("auto", f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.")
+    dtype: str = _f("auto", f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
+                    "on GPU (with a GradScaler), fp32 on CPU.")
+    trainer: str = _f("trl", f"Which trainer runs the job, one of {TRAINERS}: `trl` is TRL's stock GRPOTrainer.")
+    # --- data ------------------------------------------------------------------------
+    task: str = _f("arithmetic", f"Training task, one of {TASKS}.")
+    levels: list = _f([1, 2], "Difficulty levels of the generated tasks (1 = one-digit +/-, 2 = two-digit +/-, "
+                      "3 = two-digit incl. x, 4 = three-digit).")
+    dataset_path: str = _f("", "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "
+                           "the hub dataset openai/gsm8k (needs network).")
+    num_train_samples: int = _f(2000, "Training problems to generate (or to take from the jsonl).")
+    num_eval_samples: int = _f(200, "Held-out problems for before/after accuracy (0: no evaluation).")
+    system_prompt: str = _f("", "System prompt; empty: the kit's default asking for brief reasoning and a final "
+                            "line `Answer: <number>`.")
+    # --- GRPO (names as in TRL's GRPOConfig) -------------------------------------------
+    num_generations: int = _f(8, "Completions sampled per prompt (the group size); at least 2.")
+    per_device_train_batch_size: int = _f(8, "Completions per micro-batch; must be a multiple of num_generations.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.")
+    max_prompt_length: int = _f(256, "Longest prompt in tokens; longer prompts are an error, not silently cut.")
+    max_completion_length: int = _f(32, "Longest completion in tokens.")
+    temperature: float = _f(0.7, "Sampling temperature (> 0).")
+    top_p: float = _f(1.0, "Nucleus sampling threshold in (0, 1].")
+    top_k: int = _f(0, "Top-k sampling (0: off).")
+    min_p: float = _f(0.0, "Min-p sampling threshold in [0, 1) (0: off).")
+    beta: float = _f(0.04, "KL coefficient (k3 estimator against the reference model); 0 skips the reference pass.")
+    epsilon: float = _f(0.2, "Lower clipping range of the ratio.")
+    epsilon_high: float = _f(0.0, "Upper clipping range (0: same as epsilon).")
+    loss_type: str = _f("grpo", f"Loss normalisation, one of {LOSS_TYPES}.")
+    scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
+    num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
+    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
+    reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions by name, from {REWARD_FUNCS}.")
+    reward_weights: list = _f([], "One weight per reward function (empty: all 1.0).")
+    learning_rate: float = _f(2e-4, "Peak learning rate (AdamW).")
+    lr_scheduler_type: str = _f("constant_with_warmup", "transformers scheduler name.")
+    warmup_steps: int = _f(2, "Linear warm-up steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
+    # --- LoRA ------------------------------------------------------------------------
+    use_lora: bool = _f(True, "Train a LoRA adapter (the reference model is then the base with it disabled).")
+    lora_rank: int = _f(16, "LoRA rank r.")
+    lora_alpha: int = _f(32, "LoRA alpha.")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                   "Module names that get LoRA adapters.")
+    # --- memory / generation -----------------------------------------------------------
+    generation_backend: str = _f("hf", f"Generation backend, one of {GENERATION_BACKENDS}.")
+    gradient_checkpointing: bool = _f(False, "Gradient checkpointing (offloaded to CPU RAM on GPUs with the "
+                                      "grpo_kit trainer).")
+    loss_chunk_size: int = _f(0, "Rows per logits chunk in the efficient loss (0: chosen from free memory).")
+
+    # ---------------------------------------------------------------------------------
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GRPOKitConfig":
+        """Build from a mapping; unknown keys and wrong types raise ``ConfigError``."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"config must be a mapping of field: value, got {type(values).__name__}")
+        cfg = cls()
+        for key, value in values.items():
+            cfg.set(key, value)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> "GRPOKitConfig":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        cfg = cls.from_dict(values)
+        cfg.apply_overrides(overrides)
+        return cfg
+
+    def apply_overrides(self, overrides: typing.Sequence[str]) -> "GRPOKitConfig":
+        """Apply ``key=value`` strings (as given to ``--set``); values are parsed as YAML scalars."""
+        import yaml
+
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"--set expects key=value, got {item!r}")
+            key, raw = item.split("=", 1)
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
+            self.set(key.strip(), value)
+        return self
+
+    def set(self, key: str, value) -> None:
+        """Set one field with type coercion; unknown names suggest the closest field."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}.{hint} Known keys: {', '.join(fields)}")
+        setattr(self, key, _coerce(key, value, fields[key].type))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    # ---------------------------------------------------------------------------------
+    def validate(self) -> "GRPOKitConfig":
+        """Check every field; raise one ``ConfigError`` listing all problems. Loads nothing heavy."""
+        from .models import check_model_name
+
+        errors: list[str] = []
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                errors.append(msg)
+
+        def choice(name: str, options):
+            value = getattr(self, name)
+            need(value in options, f"{name}={value!r} is not allowed; choose one of {list(options)}")
+
+        try:
+            check_model_name(self.model)
+        except ValueError as e:
+            errors.append(str(e))
+        for name, options in [("device", DEVICES), ("dtype", DTYPES), ("trainer", TRAINERS), ("task", TASKS),
+                              ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
+                              ("generation_backend", GENERATION_BACKENDS)]:
+            choice(name, options)
+        need(self.num_generations >= 2, f"num_generations={self.num_generations} must be at least 2 "
+             "(advantages compare completions within a group)")
+        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1")
+        if self.num_generations >= 2 and self.per_device_train_batch_size >= 1:
+            total = self.per_device_train_batch_size * self.gradient_accumulation_steps
+            need(total % self.num_generations == 0,
+                 f"per_device_train_batch_size × gradient_accumulation_steps = {total} must be a multiple of "
+                 f"num_generations={self.num_generations} (e.g. {self.num_generations} or "
+                 f"{2 * self.num_generations})")
+        for name in ("max_steps", "gradient_accumulation_steps", "max_prompt_length", "max_completion_length",
+                     "num_train_samples", "num_iterations", "logging_steps", "lora_rank", "lora_alpha"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("save_steps", "num_eval_samples", "warmup_steps", "top_k", "loss_chunk_size"):
+            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+        need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        need(0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1)")
+        need(self.beta >= 0, f"beta={self.beta} must be >= 0")
+        need(0 <= self.epsilon < 1, f"epsilon={self.epsilon} must be in [0, 1)")
+        need(self.epsilon_high >= 0, f"epsilon_high={self.epsilon_high} must be >= 0")
+        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
+        need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        bad = [r for r in self.reward_funcs if r not in REWARD_FUNCS]
+        need(not bad and len(self.reward_funcs) > 0,
+             f"reward_funcs={self.reward_funcs!r}: each must be one of {list(REWARD_FUNCS)}, at least one")
+        need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
+             f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}")
+        bad_levels = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
+        need(self.task == "gsm8k" or (self.levels and not bad_levels),
+             f"levels={self.levels!r}: each must be one of [1, 2, 3, 4], at least one")
+        if self.task == "gsm8k" and self.dataset_path:
+            need(os.path.isfile(self.dataset_path), f"dataset_path={self.dataset_path!r} does not exist")
+        if errors:
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+        return self
+
+
+def _coerce(key: str, value, annotation):
+    """Coerce YAML/CLI/papermill values to the field's type, or raise a clear error."""
+    typ = {"int": int, "float": float, "bool": bool, "str": str, "list": list}.get(
+        annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""), None)
+    err = ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(typ, '__name__', annotation)}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise err
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise err
+        return int(value)
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise err
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise err
+        return value
+    if typ is list:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise err
+        return list(value)
+    return value

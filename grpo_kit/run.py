@@ -1,0 +1,285 @@
+"""The main job: GRPO on a model and task from one ``GRPOKitConfig``, into a run folder.
+
+Run folder contents: ``config.yaml`` (what ran), ``metrics.csv`` (one row per logged
+step), ``rewards.png``, ``samples.jsonl`` (completions with their rewards),
+``eval.json`` (held-out accuracy before/after), ``adapter/`` or ``model/``
+(safetensors) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from .config import GRPOKitConfig
+from .data import build_datasets, make_prompt, to_prompt_dataset
+from .rewards import get_reward_funcs
+
+METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
+                  "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio"]
+
+
+def resolve_device(cfg: GRPOKitConfig) -> str:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device=auto or cpu")
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def resolve_dtype(cfg: GRPOKitConfig, device: str) -> torch.dtype:
+    """bf16 where the GPU supports it, fp16 on older GPUs (T4), fp32 on the CPU."""
+    if cfg.dtype != "auto":
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    if device == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def peak_memory_gib(device: str) -> float:
+    """Peak allocated CUDA memory, or the process's peak resident set size on the CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class SampleRecorder:
+    """Wraps the reward functions to keep what each step generated and how it scored.
+
+    Only the first function's calls are recorded (once per generation batch), which is
+    enough to follow the completions; the wrappers keep the names TRL logs under.
+    """
+
+    def __init__(self, funcs, path: Path, keep_per_step: int = 4):
+        self.path, self.keep, self.step = path, keep_per_step, 0
+        self.first = funcs[0]
+        self.wrapped = [self._wrap(f) for f in funcs]
+
+    def _wrap(self, fn):
+        def wrapper(prompts, completions, **kwargs):
+            rewards = fn(prompts, completions, **kwargs)
+            if fn is self.first:
+                self._write(prompts, completions, kwargs, rewards, fn.__name__)
+            return rewards
+
+        wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+        return wrapper
+
+    def _write(self, prompts, completions, kwargs, rewards, name):
+        from .rewards import completion_text
+
+        with self.path.open("a", encoding="utf-8") as fh:
+            for i in range(min(self.keep, len(completions))):
+                prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
+                fh.write(json.dumps({"step": self.step, "prompt": prompt, "completion": completion_text(completions[i]),
+                                     "answer": kwargs.get("answer", [None] * len(completions))[i],
+                                     name: rewards[i]}) + "\n")
+        self.step += 1
+
+
+def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list):
+    from transformers import TrainerCallback
+
+    class MetricsCallback(TrainerCallback):
+        """Writes one metrics.csv row per logged step, with step time and peak memory."""
+
+        def __init__(self):
+            self._t0 = None
+            self._times: list[float] = []
+            self.csv_path = run_dir / "metrics.csv"
+            with self.csv_path.open("w", newline="") as fh:
+                csv.writer(fh).writerow(METRIC_COLUMNS)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self._t0 is not None:
+                self._times.append(time.perf_counter() - self._t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = logs or {}
+            if "reward" not in logs:  # the final train summary, not a step
+                return
+            row = {
+                "step": state.global_step,
+                "reward_mean": logs.get("reward"),
+                "reward_std": logs.get("reward_std"),
+                "loss": logs.get("loss"),
+                "kl": logs.get("kl"),
+                "completion_length": logs.get("completions/mean_length"),
+                "step_time_s": sum(self._times) / len(self._times) if self._times else None,
+                "peak_memory_gib": peak_memory_gib(device),
+                "learning_rate": logs.get("learning_rate"),
+                "grad_norm": logs.get("grad_norm"),
+                "clip_ratio": logs.get("clip_ratio/region_mean"),
+            }
+            row.update({k: v for k, v in logs.items() if k.startswith("rewards/")})
+            self._times.clear()
+            history.append(row)
+            with self.csv_path.open("a", newline="") as fh:
+                csv.writer(fh).writerow([row[c] for c in METRIC_COLUMNS])
+
+    return MetricsCallback()
+
+
+def plot_rewards(history: list[dict], path: Path) -> None:
+    """Reward mean ± std per step (and each reward function's mean) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in history]
+    mean = [r["reward_mean"] for r in history]
+    std = [r["reward_std"] or 0.0 for r in history]
+    ax.plot(steps, mean, label="reward (weighted sum)", color="C0")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    for key in sorted({k for r in history for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
+        ax.plot(steps, [r.get(key) for r in history], label=key.split("/")[1], lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig) -> int:
+    """Longest rendered prompt in tokens; one over ``max_prompt_length`` is an error, not a silent cut."""
+    longest, worst = 0, None
+    for e in examples:
+        text = tokenizer.apply_chat_template(make_prompt(e["question"], cfg.system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n > longest:
+            longest, worst = n, e["question"]
+    if longest > cfg.max_prompt_length:
+        raise ValueError(f"a prompt is {longest} tokens, over max_prompt_length={cfg.max_prompt_length}: "
+                         f"{worst[:80]!r}... Raise max_prompt_length or shorten the prompts.")
+    return longest
+
+
+def check_lora_targets(model, targets: list[str]) -> None:
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"lora_target_modules {missing} do not exist in {type(model).__name__}; "
+                         f"its linear layers are: {linear}")
+
+
+def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
+    """TRL ``GRPOConfig`` from the kit's config (same names, same meaning)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=cfg.output_dir, seed=cfg.seed, data_seed=cfg.seed, max_steps=cfg.max_steps,
+        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
+        logging_steps=cfg.logging_steps, report_to="none", disable_tqdm=False,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, min_p=cfg.min_p or None, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+        num_iterations=cfg.num_iterations, mask_truncated_completions=cfg.mask_truncated_completions,
+        reward_weights=cfg.reward_weights or None, learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm, use_cpu=(device == "cpu"),
+        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
+        gradient_checkpointing=cfg.gradient_checkpointing, log_completions=False, remove_unused_columns=False,
+    )
+
+
+def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
+    """Run the main job for a config; returns the summary also written to ``summary.json``.
+
+    The config is validated and the data built before any model is loaded, so bad input
+    fails in seconds. Nothing already in the run folder is deleted.
+    """
+    cfg.validate()
+    train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
+    reward_funcs = get_reward_funcs(cfg.reward_funcs)
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+
+    from .evaluation import evaluate_accuracy
+    from .models import load_model
+
+    t_start = time.perf_counter()
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)
+    check_prompt_lengths(tokenizer, train_ex + heldout, cfg)
+    if cfg.use_lora:
+        check_lora_targets(model, cfg.lora_target_modules)
+
+    eval_kw = dict(system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_completion_length)
+    evals = {}
+    if heldout:
+        evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw)
+        print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)")
+
+    peft_config = None
+    if cfg.use_lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                 target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+
+    samples_path = run_dir / "samples.jsonl"
+    samples_path.write_text("")
+    recorder = SampleRecorder(reward_funcs, samples_path)
+    history: list[dict] = []
+    callback = _make_callback(cfg, run_dir, device, history)
+
+    from .trainer import make_trainer
+
+    trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
+                           args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, cfg.system_prompt),
+                           callbacks=[callback], peft_config=peft_config)
+    if not progress:
+        trainer.args.disable_tqdm = True
+    t_train = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
+        save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
+        trainer.model.save_pretrained(save_dir, safe_serialization=True)
+        tokenizer.save_pretrained(save_dir)
+        if history:
+            plot_rewards(history, run_dir / "rewards.png")
+    train_seconds = time.perf_counter() - t_train
+
+    trained = trainer.model
+    if heldout:
+        evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw)
+        print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}")
+    (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
+
+    finite = all(math.isfinite(r[k]) for r in history for k in ("reward_mean", "loss") if r[k] is not None)
+    summary = {
+        "model": cfg.model, "task": cfg.task, "steps": len(history), "device": device, "dtype": str(dtype),
+        "trainer": cfg.trainer, "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        "mean_step_time_s": (sum(r["step_time_s"] for r in history if r["step_time_s"]) / max(1, len(history))),
+        "peak_memory_gib": peak_memory_gib(device), "metrics_finite": finite,
+        "accuracy_before": evals.get("before", {}).get("accuracy"),
+        "accuracy_after": evals.get("after", {}).get("accuracy"),
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
