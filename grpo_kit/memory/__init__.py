@@ -1,0 +1,38 @@
+"""VRAM calculator and profiler: ``estimate()`` before a run, ``profile()`` during it.
+
+* :func:`estimate` / :func:`compare` / :func:`published_table` (``estimate.py``; every byte count
+  in ``formulas.py`` with its derivation);
+* :func:`profile` / :class:`Profiler` / :func:`phase` (``profiler.py``): measured peak memory per
+  phase (CUDA allocator statistics and snapshot; CPU resident set size);
+* :func:`plot_components` / :func:`plot_vs_context` (``plot.py``, matplotlib, Agg-safe; imported
+  on first use);
+* :func:`cli_main` (``cli.py``): ``python -m grpo_kit vram ...``.
+"""
+
+from grpo_kit.memory.estimate import METHODS, compare, estimate, published_table, resolve_arch, total_gpu_bytes
+from grpo_kit.memory.profiler import Profiler, ProfileResult, phase, profile
+
+
+def cli_main(argv: list[str]) -> int:
+    """``python -m grpo_kit vram`` (see :mod:`grpo_kit.memory.cli`)."""
+    from grpo_kit.memory.cli import cli_main as _main
+
+    return _main(argv)
+
+
+def plot_components(*args, **kwargs):
+    """Stacked bars by component (see :func:`grpo_kit.memory.plot.plot_components`)."""
+    from grpo_kit.memory.plot import plot_components as _f
+
+    return _f(*args, **kwargs)
+
+
+def plot_vs_context(*args, **kwargs):
+    """GPU peak vs context length (see :func:`grpo_kit.memory.plot.plot_vs_context`)."""
+    from grpo_kit.memory.plot import plot_vs_context as _f
+
+    return _f(*args, **kwargs)
+
+
+__all__ = ["METHODS", "estimate", "compare", "published_table", "resolve_arch", "total_gpu_bytes", "Profiler",
+           "ProfileResult", "phase", "profile", "cli_main", "plot_components", "plot_vs_context"]

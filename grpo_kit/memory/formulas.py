@@ -1,0 +1,255 @@
+"""Every byte count of the VRAM calculator, in one place, each derived in its docstring.
+
+All functions return **bytes** (int or float) and take plain numbers, so the table code in
+``estimate.py`` and the published-table reproduction share them. Notation:
+
+* ``L`` decoder layers, ``h`` hidden size, ``I`` MLP intermediate size, ``V`` vocabulary,
+  ``q`` = heads x head_dim (query width), ``kv`` = KV heads x head_dim (key/value width),
+  ``r`` LoRA rank.
+* ``b`` bytes of one activation / weight element in the training dtype (bf16/fp16: 2, fp32: 4);
+  ``f`` = 4, the fp32 copies HF's RMSNorm and PEFT's LoRA make of bf16/fp16 inputs.
+* ``tokens`` = sequences x tokens per sequence in one forward/backward (a micro-batch).
+
+Per-layer activation counts (:func:`layer_saved_terms`) were derived by reading the HF Llama /
+Qwen2 / Mistral decoder layer and PEFT LoRA forward, and are checked in ``tests/test_memory.py``
+against the tensors autograd actually saves (``torch.autograd.graph.saved_tensors_hooks``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+GiB = 2**30
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+FP32 = 4
+
+# bitsandbytes NF4 with double quantisation (what QLoRA / Unsloth load): 4 bits per weight,
+# one 8-bit absmax per 64 weights, one fp32 absmax per 256 of those blocks.
+NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The config numbers the calculator needs (from a transformers config)."""
+
+    name: str
+    model_type: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_linears(self) -> list[tuple[str, int, int]]:
+        """(name, in_features, out_features) of the 7 linear layers of one decoder layer."""
+        h, q, kv, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+                ("gate_proj", h, I), ("up_proj", h, I), ("down_proj", I, h)]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def param_counts(a: Arch) -> dict[str, int]:
+    """Parameter counts: ``layer_linear`` (the 7 projections of all layers, the part 4-bit
+    quantisation applies to), ``other`` (embedding, untied head, norms, biases), ``total``.
+
+    Per layer: q h*q, k and v h*kv each, o q*h, gate and up h*I each, down I*h; biases where the
+    architecture has them (Qwen2: q, k, v); two RMSNorm weights of h. Plus the embedding V*h,
+    the head V*h unless tied, the final norm h. Checked against a meta-device model in tests.
+    """
+    lin = sum(i * o for _, i, o in a.layer_linears()) * a.layers
+    bias = 0
+    if a.qkv_bias:
+        bias += a.q_dim + 2 * a.kv_dim
+    if a.o_bias:
+        bias += a.hidden
+    if a.mlp_bias:
+        bias += 2 * a.intermediate + a.hidden
+    other = a.vocab * a.hidden * (1 if a.tied else 2) + a.layers * (2 * a.hidden + bias) + a.hidden
+    return {"layer_linear": lin, "other": other, "total": lin + other}
+
+
+def weight_bytes(a: Arch, b: int, quantization: str | None) -> float:
+    """Model weights: ``total * b``; with ``"4bit"`` the layer projections take
+    ``NF4_BITS_PER_PARAM / 8`` bytes each (4.127 bits: NF4 + double-quantised absmax) while the
+    embedding, head and norms stay in the training dtype (bitsandbytes does not quantise them).
+    """
+    n = param_counts(a)
+    if quantization is None:
+        return n["total"] * b
+    if quantization == "4bit":
+        return n["layer_linear"] * NF4_BITS_PER_PARAM / 8 + n["other"] * b
+    raise ValueError(f"quantization must be None or '4bit', got {quantization!r}")
+
+
+def lora_param_count(a: Arch, r: int) -> int:
+    """LoRA on all 7 linear layers of every decoder layer: A is r x in, B is out x r, so
+    ``r * (in + out)`` per adapted linear."""
+    return a.layers * sum(r * (i + o) for _, i, o in a.layer_linears())
+
+
+def lora_state_bytes(n_lora: int) -> int:
+    """LoRA weights + AdamW states: PEFT keeps adapters in fp32 on a bf16/fp16 base
+    (``autocast_adapter_dtype=True``), AdamW adds exp_avg and exp_avg_sq of the same dtype:
+    ``3 * 4`` bytes per adapter parameter (their gradients are a separate row)."""
+    return n_lora * 3 * FP32
+
+
+def full_optimizer_bytes(n_params: int, b: int) -> int:
+    """Full fine-tuning: torch AdamW allocates exp_avg and exp_avg_sq like each parameter,
+    ``2 * b`` bytes per parameter (the weights themselves are the weights row)."""
+    return n_params * 2 * b
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def checkpoint_bytes(a: Arch, tokens: int, b: int, n_layers: int) -> int:
+    """Gradient-checkpoint inputs: each checkpointed decoder layer keeps its input hidden states,
+    ``tokens * h * b`` bytes per layer (cos/sin are shared by all layers and counted with the
+    layer, see :func:`layer_saved_terms`)."""
+    return n_layers * tokens * a.hidden * b
+
+
+def final_norm_bytes(a: Arch, tokens: int, b: int, trainable_base: bool) -> int:
+    """The final RMSNorm runs outside the checkpointed layers, over every token. HF's RMSNorm
+    upcasts: it saves the fp32 input (``f*h``; the input itself when b = 4) and the fp32 rsqrt
+    (4 bytes); with a trainable norm weight also the normalised bf16 value (``b*h``)."""
+    per_tok = FP32 * a.hidden + FP32 + (b * a.hidden if trainable_base else 0)
+    return tokens * per_tok
+
+
+def layer_saved_terms(a: Arch, b: int, lora: bool) -> dict[str, dict[str, int]]:
+    """Bytes per token that autograd saves inside ONE decoder layer's forward, by tensor.
+
+    Returns ``{"attn": {...}, "mlp": {...}}``: the input-norm / q,k,v / attention part and the
+    o_proj / post-norm / MLP part (grpo_kit's checkpointing chunks only the latter). The layer
+    input itself is excluded (it is the checkpoint). SDPA / flash attention without a padding
+    mask: K and V keep their ``kv`` width (GQA inside SDPA) and no T x T tensor exists.
+
+    Derivation (``f`` = 4, ``new32`` = an fp32 copy exists only when b != 4):
+
+    * RMSNorm ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``: saves ``x.float()``
+      (f*h, new32; for the post-attention norm with b = 4 it is the residual sum itself, still
+      f*h), rsqrt (4); a trainable ``w`` also saves the normalised value (b*h), and a trainable
+      q/k/v (or gate/up) saves the norm output (b*h).
+    * rotary ``q*cos + rotate_half(q)*sin``: saves cos and sin (2 * head_dim * b, shared).
+    * SDPA: saves q, k, v after rotary (b*(q + 2kv)), its output (b*q) and the fp32
+      log-sum-exp (4 * heads). o_proj's input is a view of that output.
+    * MLP ``down(silu(gate(n)) * up(n))``: silu saves gate (b*I), the product saves silu(gate)
+      and up (2 b*I); a trainable down saves the product (b*I).
+    * LoRA (base frozen, fp32 adapters, dropout 0): frozen projections save nothing, but each
+      adapted linear casts its input to fp32 for lora_A (f * in, new32; with b = 4 the shared
+      input is saved once) and lora_B saves lora_A's output (4r). The down projection's input is
+      therefore saved in fp32 (4I) and the bf16 product is not.
+    """
+    h, q, kv, I = a.hidden, a.q_dim, a.kv_dim, a.intermediate
+    new32 = b != FP32
+    attn: dict[str, int] = {}
+    mlp: dict[str, int] = {}
+    attn["input_norm fp32 input + rsqrt"] = (FP32 * h if new32 else 0) + FP32
+    attn["rotary cos, sin"] = 2 * a.head_dim * b
+    attn["sdpa q, k, v"] = b * (q + 2 * kv)
+    attn["sdpa output + lse"] = b * q + FP32 * a.heads
+    mlp["post_norm fp32 input + rsqrt"] = FP32 * h + FP32
+    mlp["silu(gate) input, silu output, up"] = 3 * b * I
+    if not lora:
+        attn["input_norm normalised + output"] = 2 * b * h
+        mlp["post_norm normalised + output"] = 2 * b * h
+        mlp["down_proj input"] = b * I
+        return {"attn": attn, "mlp": mlp}
+    attn["lora q, k, v fp32 inputs"] = 3 * FP32 * h if new32 else b * h
+    mlp["lora o fp32 input"] = FP32 * q if new32 else 0  # b = 4: the SDPA output itself
+    mlp["lora gate, up fp32 inputs"] = 2 * FP32 * h if new32 else b * h
+    mlp["lora down fp32 input"] = FP32 * I
+    return {"attn": attn, "mlp": mlp}
+
+
+def layer_saved_bytes_per_token(a: Arch, b: int, lora_rank: int | None) -> tuple[int, int]:
+    """(attention part, MLP part) of :func:`layer_saved_terms`, including the LoRA A outputs
+    (4r bytes per adapted linear: 3 in the attention part, 4 in the MLP part)."""
+    terms = layer_saved_terms(a, b, lora_rank is not None)
+    attn, mlp = sum(terms["attn"].values()), sum(terms["mlp"].values())
+    if lora_rank is not None:
+        attn += 3 * FP32 * lora_rank
+        mlp += 4 * FP32 * lora_rank
+    return attn, mlp
+
+
+def mlp_backward_transient_per_token(a: Arch, b: int, lora: bool) -> int:
+    """Gradients alive at the MLP backward (the largest moment of one layer's backward),
+    bytes per token, approximate: the gradient of the down input (b*I; with LoRA also its fp32
+    lora path, f*I), then those of silu(gate) and up (2 b*I) before the saved tensors go."""
+    I = a.intermediate
+    return 3 * b * I + (FP32 * I if lora else 0)
+
+
+def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int) -> int:
+    """One layer's backward under standard (HF / Unsloth) checkpointing: the whole layer is
+    recomputed with grad, so all of :func:`layer_saved_bytes_per_token` exists at once, plus the
+    MLP-backward gradients, plus the incoming and outgoing hidden-state gradients (2 b*h), plus
+    ``brought_back`` layer inputs (b*h each) copied back from the CPU by offloading."""
+    attn, mlp = layer_saved_bytes_per_token(a, b, lora_rank)
+    per_tok = attn + mlp + mlp_backward_transient_per_token(a, b, lora_rank is not None) + 2 * b * a.hidden
+    return tokens * (per_tok + brought_back * b * a.hidden)
+
+
+def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
+                           chunk_tokens: int) -> int:
+    """One layer's backward under ``grpo_kit.checkpointing`` (per-token work in slices of
+    ``chunk_tokens`` tokens; only attention sees the whole sequence). Per token of the whole
+    micro-batch: incoming gradient gy, outgoing gx and ``brought_back`` inputs (b*h each),
+    q/k/v recomputed without grad (b*(q+2kv)), the attention output and its gradient (2 b*q),
+    the fp32 log-sum-exp (4*heads). Then the larger of two moments:
+
+    * the o_proj + MLP slice loop: + one slice's saved MLP part and MLP-backward gradients;
+    * the attention backward: + the q/k/v gradients (b*(q+2kv)).
+    """
+    h, q, kv = a.hidden, a.q_dim, a.kv_dim
+    base = tokens * (b * h * (2 + brought_back) + b * (q + 2 * kv) + 2 * b * q + FP32 * a.heads)
+    _, mlp = layer_saved_bytes_per_token(a, b, lora_rank)
+    slice_tok = min(chunk_tokens, tokens)
+    loop = slice_tok * (mlp + mlp_backward_transient_per_token(a, b, lora_rank is not None) + 2 * b * h)
+    attn_bwd = tokens * b * (q + 2 * kv)
+    return base + max(loop, attn_bwd)
+
+
+# ----------------------------------------------------------------------------- loss, generation
+
+
+def logits_bytes(n_tensors: int, sequences: int, tokens: int, vocab: int, b: int) -> int:
+    """``n_tensors`` (sequences, tokens, V) tensors of ``b`` bytes. TRL's bf16 path keeps two:
+    the logits (scaled by 1/temperature) and the log-softmax saved for backward; in backward
+    their two gradients replace them. The published TRL figure counts two tensors too
+    (policy + reference)."""
+    return n_tensors * sequences * tokens * vocab * b
+
+
+def loss_chunk_rows(vocab: int, b: int, budget_bytes: int) -> int:
+    """Token rows per logits chunk of ``grpo_kit.loss`` (its ``_auto_chunk_rows`` rule with the
+    Triton epilogue): as many (V,) rows of ``b`` bytes as fit the budget, a multiple of 64."""
+    rows = max(1, budget_bytes // (vocab * b))
+    return int(rows // 64 * 64) if rows >= 128 else int(rows)
+
+
+def kv_cache_bytes(a: Arch, cached_tokens: int, kv_b: int) -> int:
+    """K and V for every layer: ``2 * L * cached_tokens * kv * kv_b`` (GQA: only the KV heads)."""
+    return 2 * a.layers * cached_tokens * a.kv_dim * kv_b

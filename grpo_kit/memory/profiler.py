@@ -1,0 +1,240 @@
+"""Measured memory per phase: CUDA allocator statistics on a GPU, resident set size on the CPU.
+
+    prof = Profiler()                       # device: "cuda" when available, else "cpu"
+    with prof:
+        with prof.phase("forward"):
+            loss = model(x).sum()
+        with prof.phase("backward"):
+            loss.backward()
+    prof.table()                            # one row per phase (+ "total")
+
+or ``result = profile(fn, *args, **kwargs)``: runs ``fn`` under a profiler; inside ``fn``, code
+may open phases with ``grpo_kit.memory.phase("name")`` (a no-op when no profiler is active).
+
+CUDA: each phase resets the peak statistics at its start and reads
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` at its end; enclosing phases keep
+their own running maximum, so nesting is exact. ``snapshot=True`` also records the allocator
+history (``torch.cuda.memory._record_memory_history``) and keeps ``torch.cuda.memory._snapshot()``
+(open it at https://pytorch.org/memory_viz).
+
+CPU: a daemon thread samples the process RSS (psutil) every ``interval`` seconds; a phase's peak
+is the largest sample (or boundary reading) inside it. Short spikes between samples can be missed;
+the RSS also counts memory the allocator keeps for reuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+GiB = 2**30
+
+_ACTIVE: contextvars.ContextVar["Profiler | None"] = contextvars.ContextVar("grpo_kit_memory_profiler", default=None)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@dataclass
+class _Phase:
+    name: str
+    start_s: float
+    start: int
+    peak: int
+    peak_reserved: int = 0
+    end: int | None = None
+    end_s: float | None = None
+    depth: int = 0
+
+
+class _Sampler(threading.Thread):
+    """Samples RSS into every open phase's running peak."""
+
+    def __init__(self, prof: "Profiler", interval: float):
+        super().__init__(daemon=True, name="grpo_kit-rss-sampler")
+        self.prof, self.interval = prof, interval
+        self.stop_event = threading.Event()
+
+    def run(self):
+        while not self.stop_event.wait(self.interval):
+            self.prof._observe(_rss())
+
+
+@dataclass
+class ProfileResult:
+    """What :func:`profile` returns: ``fn``'s return value, the phase table, the snapshot."""
+
+    value: object
+    table: pd.DataFrame
+    snapshot: dict | None = None
+    device: str = "cpu"
+
+    def peak_gib(self, phase: str = "total") -> float:
+        row = self.table.loc[self.table["phase"] == phase]
+        if row.empty:
+            raise ValueError(f"phase={phase!r} not recorded; recorded: {list(self.table['phase'])}")
+        return float(row["peak_GiB"].iloc[0])
+
+
+@dataclass
+class Profiler:
+    """Peak memory per phase; see the module docstring. ``device``: ``"cpu"``, ``"cuda"`` or
+    ``"cuda:N"`` (None: cuda when available)."""
+
+    device: str | None = None
+    interval: float = 0.002
+    snapshot: bool = False
+    max_entries: int = 100_000
+    phases: list = field(default_factory=list)
+
+    def __post_init__(self):
+        import torch
+
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available")
+        if not (isinstance(self.interval, (int, float)) and 0 < self.interval <= 1):
+            raise ValueError(f"interval must be a number of seconds in (0, 1], got {self.interval!r}")
+        self._open: list[_Phase] = []
+        self._lock = threading.Lock()
+        self._sampler: _Sampler | None = None
+        self._token = None
+        self._snapshot = None
+
+    # ------------------------------------------------------------------ readings
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def _now(self) -> int:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        return _rss()
+
+    def _observe(self, value: int):
+        with self._lock:
+            for ph in self._open:
+                ph.peak = max(ph.peak, value)
+
+    def _fold_cuda_peak(self):
+        """Fold the allocator's peak since the last reset into every open phase, then reset."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        for ph in self._open:
+            ph.peak = max(ph.peak, peak)
+            ph.peak_reserved = max(ph.peak_reserved, reserved)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ------------------------------------------------------------------ phases
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Measure the enclosed block as phase ``name`` (phases may nest)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase name must be a non-empty string, got {name!r}")
+        if self.cuda:
+            self._fold_cuda_peak()
+        now = self._now()
+        ph = _Phase(name=name, start_s=time.perf_counter(), start=now, peak=now, depth=len(self._open))
+        with self._lock:
+            self._open.append(ph)
+        try:
+            yield ph
+        finally:
+            if self.cuda:
+                self._fold_cuda_peak()
+            end = self._now()
+            with self._lock:
+                self._open.remove(ph)
+            ph.end, ph.end_s = end, time.perf_counter()
+            ph.peak = max(ph.peak, end)
+            for outer in self._open:  # a sample may have landed only in the inner phase
+                outer.peak = max(outer.peak, ph.peak)
+            self.phases.append(ph)
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            if self.snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        else:
+            self._sampler = _Sampler(self, self.interval)
+        self._total_cm = self.phase("total")
+        self._total_cm.__enter__()
+        if self._sampler is not None:
+            self._sampler.start()
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        _ACTIVE.reset(self._token)
+        self._total_cm.__exit__(*exc)
+        if self._sampler is not None:
+            self._sampler.stop_event.set()
+            self._sampler.join()
+        if self.cuda and self.snapshot:
+            self._snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return False
+
+    def memory_snapshot(self) -> dict | None:
+        """The allocator snapshot (``snapshot=True`` on CUDA), else None."""
+        return self._snapshot
+
+    def table(self) -> pd.DataFrame:
+        """One row per finished phase in start order: ``phase, depth, device, start_GiB, end_GiB,
+        peak_GiB, peak_over_start_GiB, peak_reserved_GiB`` (CUDA only, else NaN), ``seconds``."""
+        rows = []
+        for ph in sorted(self.phases, key=lambda p: p.start_s):
+            rows.append(dict(
+                phase=ph.name, depth=ph.depth, device=self.device,
+                start_GiB=ph.start / GiB, end_GiB=ph.end / GiB, peak_GiB=ph.peak / GiB,
+                peak_over_start_GiB=(ph.peak - ph.start) / GiB,
+                peak_reserved_GiB=ph.peak_reserved / GiB if self.cuda else float("nan"),
+                seconds=ph.end_s - ph.start_s))
+        return pd.DataFrame(rows, columns=["phase", "depth", "device", "start_GiB", "end_GiB", "peak_GiB",
+                                           "peak_over_start_GiB", "peak_reserved_GiB", "seconds"])
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Open phase ``name`` on the active :class:`Profiler` (the one :func:`profile` runs); a
+    no-op when none is active, so library code can mark phases unconditionally."""
+    prof = _ACTIVE.get()
+    if prof is None:
+        yield None
+        return
+    with prof.phase(name) as ph:
+        yield ph
+
+
+def profile(fn, *args, device: str | None = None, interval: float = 0.002, snapshot: bool = False, **kwargs) -> ProfileResult:
+    """Run ``fn(*args, **kwargs)`` and measure its memory: phase ``total`` plus any phases ``fn``
+    opens with :func:`phase`. Returns a :class:`ProfileResult` (``.value``, ``.table``,
+    ``.snapshot``). ``device``/``interval``/``snapshot`` as for :class:`Profiler`."""
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    prof = Profiler(device=device, interval=interval, snapshot=snapshot)
+    with prof:
+        value = fn(*args, **kwargs)
+    return ProfileResult(value=value, table=prof.table(), snapshot=prof.memory_snapshot(), device=prof.device)
