@@ -1,0 +1,623 @@
+"""Benchmark: one whole GRPO optimiser step on a real architecture with random weights.
+
+Model: ``grpo_kit.models.build_random_model(name)`` in bf16 on the GPU, LoRA r=16 (alpha 16,
+dropout 0) on every linear layer of the decoder via peft (adapter weights fp32, peft's
+default), AdamW (lr 1e-5) on the adapter. One step =
+
+1. reference log-probs of all G generations, LoRA adapter disabled, ``torch.no_grad``,
+   ``micro_batch`` sequences at a time;
+2. policy forward + backward over all G generations, ``micro_batch`` at a time, loss scaled
+   by micro_batch / G (gradient accumulation), loss_type ``grpo``, beta, eps 0.2;
+3. optimiser step, ``zero_grad(set_to_none=True)``.
+
+Rows (same model object, same inputs, one after another in one process):
+
+* ``baseline``     HF ``gradient_checkpointing_enable`` (non-reentrant), TRL-style loss:
+                   full (B, C, V) logits of the completion -> fp32 log_softmax -> gather ->
+                   ``grpo_loss_reference``; the reference pass the same way under no_grad.
+* ``ours``         ``enable_offloaded_checkpointing(offload=False)`` (recompute, sequence
+                   chunks) + ``efficient_grpo_loss`` / ``per_token_logps``.
+* ``ours_offload`` the same with layer inputs offloaded to pinned host RAM.
+
+Measured per row: peak ``max_memory_allocated`` and ``max_memory_reserved`` over the step,
+step time (``cuda.synchronize`` + wall clock, after a short warm-up step), tokens/s
+(G x seq_len / step time), and a per-phase breakdown from the allocator's counters
+(allocated at the start / peak / at the end of: reference pass, first micro-batch's body
+forward, its loss, its backward, the other micro-batches, the optimiser step), plus host
+bytes held by the offload buffers. Out-of-memory is caught and reported as such.
+
+Longest context within a budget: not a bisection over full steps (a step of Llama-3.1-8B at
+256K tokens takes minutes); the peaks measured at several lengths are fitted with
+peak = a + b*T (ours: linear, attention is SDPA), the fit predicts the longest T within the
+budget, and a confirmation step at a chosen length runs under
+``torch.cuda.set_per_process_memory_fraction(budget)`` (an overshoot fails with OOM).
+
+Run: ``python -m grpo_kit bench step --plan full`` (GPU) or single configs, e.g.
+``python bench/step.py --model llama-3.1-8b --gens 8 --seq-len 20480 --micro-batch 1``.
+CPU debug: ``python bench/step.py --device cpu --model tiny-llama --gens 4 --seq-len 64``.
+Re-plot: ``python bench/step.py --replot bench/results/step_h200.json``.
+"""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from contextlib import contextmanager, nullcontext  # noqa: E402
+
+import torch  # noqa: E402
+
+from grpo_kit.checkpointing import (  # noqa: E402
+    disable_offloaded_checkpointing,
+    enable_offloaded_checkpointing,
+    offload_stats,
+)
+from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit.models import build_random_model, model_config  # noqa: E402
+
+GiB = 2**30
+ROWS = ("baseline", "ours", "ours_offload")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LOSS_KW = dict(epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo")
+# Budgets for "longest context that fits" (GiB handed to set_per_process_memory_fraction):
+# an 80 GB card shows ~79.2 GiB to torch, a 16 GB T4 ~14.6 GiB; take a little less for the
+# CUDA context and allocator slack.
+BUDGETS = {"80GB": 78.0, "15GB": 14.0}
+
+
+# ------------------------------------------------------------------------------------------------
+# model, modes, one step
+# ------------------------------------------------------------------------------------------------
+def build(name, device, lora_r, seed=0, layers=None, random_lora=False):
+    import peft
+
+    cfg = model_config(name)
+    if layers is not None:
+        cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": layers})
+    cfg.use_cache = False
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_random_model(cfg, dtype=dtype, device=device, seed=seed)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.manual_seed(seed + 1)
+    # random_lora: lora_B not zero, so the correctness check sees non-zero lora_A gradients too
+    conf = peft.LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                           init_lora_weights=not random_lora)
+    model = peft.get_peft_model(model, conf)
+    return model, weights
+
+
+def parts(model):
+    """(causal-LM module, body returning hidden states, head weight (V, H))."""
+    lm = model.base_model.model
+    return lm, lm.model, lm.lm_head.weight
+
+
+def set_row(model, row):
+    lm, _, _ = parts(model)
+    disable_offloaded_checkpointing(model)
+    lm.gradient_checkpointing_disable()
+    if getattr(lm, "_require_grads_hook", None) is not None:
+        lm.disable_input_require_grads()
+    if row == "baseline":
+        # what TRL / HF Trainer do with gradient_checkpointing=True and a PEFT model
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif row == "ours":
+        enable_offloaded_checkpointing(model, offload=False)
+    elif row == "ours_offload":
+        enable_offloaded_checkpointing(model, offload=True)
+    elif row != "none":  # "none": no checkpointing at all (correctness check only)
+        raise ValueError(f"row must be one of {ROWS}, got {row!r}")
+
+
+def full_logits_logps(lm, hidden, ids):
+    """TRL style: (B, C, V) logits, fp32 log_softmax, gather. hidden (B, C, H) -> (B, C) fp32."""
+    logits = lm.lm_head(hidden)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+class Phases:
+    """Allocator counters per phase: allocated at start, peak inside, allocated at end (bytes)."""
+
+    def __init__(self, dev):
+        self.dev, self.rows, self.peak, self.peak_reserved = dev, {}, 0, 0
+
+    @contextmanager
+    def __call__(self, name):
+        if self.dev.type != "cuda":
+            yield
+            return
+        torch.cuda.synchronize(self.dev)
+        start = torch.cuda.memory_allocated(self.dev)
+        torch.cuda.reset_peak_memory_stats(self.dev)
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize(self.dev)
+            peak = torch.cuda.max_memory_allocated(self.dev)
+            self.peak = max(self.peak, peak)
+            # reset_peak_memory_stats resets the reserved peak too: keep the max across phases
+            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.dev))
+            self.rows[name] = dict(start=start, peak=peak, end=torch.cuda.memory_allocated(self.dev))
+
+
+def grpo_step(model, opt, row, batch, args, phases):
+    lm, body, W = parts(model)
+    ids, adv, mask = batch["ids"], batch["adv"], batch["mask"]
+    G, P, mb = ids.shape[0], args.prompt_len, args.micro_batch
+    comp = ids[:, P:]
+    ref = torch.empty(comp.shape, dtype=torch.float32, device=ids.device)
+    with phases("ref_pass"), torch.no_grad(), model.disable_adapter():
+        for s in range(0, G, mb):
+            h = body(input_ids=ids[s:s + mb], use_cache=False).last_hidden_state[:, P - 1:-1]
+            if row == "baseline":
+                ref[s:s + mb] = full_logits_logps(lm, h, comp[s:s + mb])
+            else:
+                ref[s:s + mb] = per_token_logps(h, W, comp[s:s + mb])
+            del h
+    for s in range(0, G, mb):
+        first = s == 0
+        sl = slice(s, s + mb)
+        with phases("mb0_forward") if first else nullcontext():
+            h = body(input_ids=ids[sl], use_cache=False).last_hidden_state[:, P - 1:-1]
+        with phases("mb0_loss") if first else nullcontext():
+            if row == "baseline":
+                lp = full_logits_logps(lm, h, comp[sl])
+                loss, _ = grpo_loss_reference(lp, None, ref[sl], adv[sl], mask[sl], beta=args.beta, **LOSS_KW)
+            else:
+                loss, _ = efficient_grpo_loss(h, W, comp[sl], mask[sl], adv[sl], ref_logps=ref[sl],
+                                              beta=args.beta, **LOSS_KW)
+            loss = loss * (ids[sl].shape[0] / G)
+        with phases("mb0_backward") if first else phases("other_microbatches") if s == mb else nullcontext():
+            loss.backward()
+        del h, loss
+        if row == "baseline":
+            del lp
+    with phases("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def make_batch(G, T, P, vocab, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (G, T), generator=g).to(device)
+    adv = torch.randn(G, generator=g).to(device)
+    mask = torch.ones(G, T - P, dtype=torch.bool, device=device)
+    return dict(ids=ids, adv=adv, mask=mask)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def cleanup(dev):
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
+    """One measured step of ``row`` (after a short warm-up step). Returns a result dict."""
+    res = dict(row=row, model=args.model, gens=G, seq_len=T, prompt_len=args.prompt_len,
+               completion_len=T - args.prompt_len, micro_batch=args.micro_batch, beta=args.beta,
+               budget_gib=budget_gib)
+    opt = None
+    try:
+        set_row(model, row)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        vocab = parts(model)[2].shape[0]
+        if warmup:  # kernels, cuBLAS handles, Triton compiles, AdamW state allocation
+            wb = make_batch(min(G, args.micro_batch), min(T, args.prompt_len + 256), args.prompt_len, vocab, dev, 1)
+            grpo_step(model, opt, row, wb, args, Phases(dev))
+            del wb
+        batch = make_batch(G, T, args.prompt_len, vocab, dev, 2)
+        cleanup(dev)
+        if budget_gib is not None and dev.type == "cuda":
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GiB / total), dev)
+        phases = Phases(dev)
+        sync(dev)
+        t0 = time.perf_counter()
+        grpo_step(model, opt, row, batch, args, phases)
+        sync(dev)
+        dt = time.perf_counter() - t0
+        res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt)
+        if dev.type == "cuda":
+            res.update(peak_allocated_gib=phases.peak / GiB,
+                       peak_reserved_gib=phases.peak_reserved / GiB,
+                       phases={k: {kk: vv / GiB for kk, vv in v.items()} for k, v in phases.rows.items()})
+        res["host_offload_gib"] = offload_stats(model)["host_bytes"] / GiB
+        res["host_pinned_gib"] = offload_stats(model)["pinned_bytes"] / GiB
+    except torch.OutOfMemoryError as e:
+        res.update(status="oom", error=str(e).splitlines()[0][:300])
+        if dev.type == "cuda":
+            res["peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        model.zero_grad(set_to_none=True)
+        del opt
+        disable_offloaded_checkpointing(model)  # frees the host buffers
+        cleanup(dev)
+    print(json.dumps({k: v for k, v in res.items() if k != "phases"}), flush=True)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU correctness check: offload vs no offload vs HF checkpointing, gradients on CUDA
+# ------------------------------------------------------------------------------------------------
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def lora_grads(model, row, batch, P):
+    set_row(model, row)
+    lm, body, W = parts(model)
+    model.zero_grad(set_to_none=True)
+    ids, adv, mask = batch["ids"], batch["adv"], batch["mask"]
+    for s in range(ids.shape[0]):  # 2 micro-batches of 1: gradient accumulation
+        h = body(input_ids=ids[s:s + 1], use_cache=False).last_hidden_state[:, P - 1:-1]
+        loss, _ = efficient_grpo_loss(h, W, ids[s:s + 1, P:], mask[s:s + 1], adv[s:s + 1], **LOSS_KW)
+        (loss / ids.shape[0]).backward()
+    g = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    disable_offloaded_checkpointing(model)
+    return g
+
+
+def gpu_check(args, dev):
+    out = {}
+    # copies: pinned (cudaHostRegister) buffers, 1 GiB each way
+    from grpo_kit.checkpointing import _HostBuffer
+
+    side = torch.cuda.Stream(dev)
+    hb = _HostBuffer(GiB, True, side)
+    x = torch.randn(GiB // 2, dtype=torch.bfloat16, device=dev)
+    for name, fn in (("d2h", lambda: hb.view(x.shape, x.dtype).copy_(x, non_blocking=True)),
+                     ("h2d", lambda: x.copy_(hb.view(x.shape, x.dtype), non_blocking=True))):
+        fn()
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        sync(dev)
+        out[f"{name}_GBps"] = 3 * GiB / (time.perf_counter() - t0) / 1e9
+    out["host_buffer_pinned"] = hb.pinned
+    out["host_buffer_registered"] = hb._registered
+    del hb, x
+    for dtype_name, layers, T in (("float32", 2, 1536), ("bfloat16", None, 4096)):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        model, _ = build(args.check_model, dev, args.lora_r, layers=layers, random_lora=True)
+        if dtype_name == "float32":
+            model = model.float()
+        vocab = parts(model)[2].shape[0]
+        batch = make_batch(2, T, 256, vocab, dev, 5)
+        g_none = lora_grads(model, "none", batch, 256) if layers else None
+        g_hf = lora_grads(model, "baseline", batch, 256)
+        g_ours = lora_grads(model, "ours", batch, 256)
+        g_off = lora_grads(model, "ours_offload", batch, 256)
+        r = dict(model=args.check_model, layers=layers or "all", seq_len=T, gens=2,
+                 offload_vs_ours_bitwise_equal=all(torch.equal(g_ours[n], g_off[n]) for n in g_ours),
+                 offload_vs_ours_max_rel=max(rel(g_off[n], g_ours[n]) for n in g_ours),
+                 ours_vs_hf_max_rel=max(rel(g_ours[n], g_hf[n]) for n in g_ours),
+                 ours_vs_hf_median_rel=sorted(rel(g_ours[n], g_hf[n]) for n in g_ours)[len(g_ours) // 2],
+                 n_params=len(g_ours))
+        if g_none is not None:
+            r["hf_vs_none_max_rel"] = max(rel(g_hf[n], g_none[n]) for n in g_hf)
+            r["ours_vs_none_max_rel"] = max(rel(g_ours[n], g_none[n]) for n in g_ours)
+        out[f"parity_{dtype_name}"] = r
+        print(json.dumps(r), flush=True)
+        del model
+        cleanup(dev)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# plans: sets of configs run in one process
+# ------------------------------------------------------------------------------------------------
+def fit_max_len(points, budget_gib):
+    """Least-squares peak = a + b*T over (T, peak GiB); longest T with peak <= budget (or None)."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(p for _, p in points) / n
+    sxx = sum((t - mx) ** 2 for t, _ in points)
+    if sxx == 0:
+        return None
+    b = sum((t - mx) * (p - my) for t, p in points) / sxx
+    a = my - b * mx
+    if b <= 0:
+        return None
+    return dict(a_gib=a, b_gib_per_token=b, t_max=int((budget_gib - a) / b), budget_gib=budget_gib)
+
+
+PLANS = {
+    # GPU smoke: correctness on CUDA + one small step of each row
+    "smoke": [dict(kind="check"),
+              dict(model="llama-3.2-1b", gens=8, seq_len=2048, micro_batch=1, rows=ROWS),
+              dict(model="llama-3.2-1b", gens=1, seq_len=32768, micro_batch=1, rows=("ours", "ours_offload"))],
+    # headline table + calibration points for the memory calculator
+    "full": [
+        dict(model="qwen2.5-1.5b", gens=8, seq_len=1024, micro_batch=8, rows=ROWS, tag="headline_qwen"),
+        dict(model="qwen2.5-1.5b", gens=8, seq_len=1024, micro_batch=1, rows=ROWS, tag="headline_qwen_mb1"),
+        dict(model="qwen2.5-1.5b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="qwen2.5-1.5b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="llama-3.1-8b", gens=8, seq_len=20480, micro_batch=1, rows=("ours_offload", "ours", "baseline"),
+             tag="headline_8b"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload", "ours"), tag="long"),
+    ],
+    # long context: confirmation under an 80 GB budget (minutes per step)
+    "long": [
+        dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours_offload",), tag="long"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=262144, micro_batch=1, rows=("ours_offload",), tag="confirm",
+             budget="80GB"),
+    ],
+}
+
+
+def hardware(dev):
+    h = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             torch=torch.__version__, python=platform.python_version(), host=platform.node(),
+             cpu_count=os.cpu_count())
+    try:
+        import transformers
+        import peft
+
+        h.update(transformers=transformers.__version__, peft=peft.__version__)
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        h["triton"] = triton.__version__
+    except ImportError:
+        h["triton"] = None
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        h.update(gpu=p.name, gpu_total_gib=p.total_memory / GiB, cuda=torch.version.cuda)
+    try:
+        h["host_ram_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    except (ValueError, OSError):
+        pass
+    return h
+
+
+def run_plan(configs, args, dev, sink):
+    models = {}
+    for cfg in configs:
+        if cfg.get("kind") == "check":
+            sink["check"] = gpu_check(args, dev)
+            sink.flush()
+            continue
+        name = cfg["model"]
+        if name not in models:
+            for old in list(models):  # one model on the GPU at a time
+                del models[old]
+            cleanup(dev)
+            m, w = build(name, dev, args.lora_r)
+            models[name] = m
+            sink["weights_gib"][name] = w / GiB
+        args.model, args.micro_batch = name, cfg["micro_batch"]
+        budget = cfg.get("budget")
+        for row in cfg["rows"]:
+            r = run_row(models[name], row, args, dev, cfg["gens"], cfg["seq_len"],
+                        budget_gib=BUDGETS[budget] if budget else None)
+            r["tag"] = cfg.get("tag", "")
+            r["weights_gib"] = sink["weights_gib"][name]
+            r["budget_name"] = budget
+            sink["results"].append(r)
+            sink.flush()
+
+
+class Sink(dict):
+    """The results json, rewritten after every row (partial results survive a timeout)."""
+
+    def __init__(self, path, **kw):
+        super().__init__(**kw)
+        self.path = path
+
+    def flush(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self, indent=1, default=str))
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def derive(data):
+    """Fits for the longest context, offload overhead, calibration points (added to the json)."""
+    res = [r for r in data["results"] if r.get("status") == "ok"]
+    out = {}
+    for model in sorted({r["model"] for r in res}):
+        for row in ROWS:
+            pts = sorted({(r["seq_len"], r["peak_allocated_gib"]) for r in res
+                          if r["model"] == model and r["row"] == row and r["gens"] == 1 and r["micro_batch"] == 1
+                          and "peak_allocated_gib" in r and r.get("budget_gib") is None})
+            if len(pts) >= 2:
+                out.setdefault("fit_max_context", []).append(dict(
+                    model=model, row=row, points=pts,
+                    **{k: fit_max_len(pts, b) for k, b in BUDGETS.items()}))
+    over = []
+    for r in res:
+        if r["row"] != "ours_offload":
+            continue
+        twin = [q for q in res if q["row"] == "ours" and all(q[k] == r[k] for k in ("model", "gens", "seq_len", "micro_batch"))]
+        if twin:
+            over.append(dict(model=r["model"], gens=r["gens"], seq_len=r["seq_len"], micro_batch=r["micro_batch"],
+                             ours_s=twin[0]["step_s"], offload_s=r["step_s"],
+                             overhead_pct=100 * (r["step_s"] / twin[0]["step_s"] - 1)))
+    out["offload_overhead"] = over
+    out["calibration_for_memory_calculator"] = [
+        {k: r.get(k) for k in ("model", "row", "gens", "micro_batch", "seq_len", "prompt_len", "completion_len",
+                                "beta", "peak_allocated_gib", "peak_reserved_gib", "weights_gib", "host_offload_gib")}
+        for r in res if r["row"] in ("baseline", "ours_offload") and "peak_allocated_gib" in r]
+    return out
+
+
+def fmt(v, nd=1):
+    return "—" if v is None else f"{v:.{nd}f}"
+
+
+def write_report(data, out_dir, tag):
+    data["derived"] = derive(data)
+    jpath = out_dir / f"step_{tag}.json"
+    jpath.write_text(json.dumps(data, indent=1, default=str))
+    hw = data["hardware"]
+    L = [f"# Whole GRPO step benchmark ({hw.get('gpu', 'cpu')})", "",
+         f"Command: `{data['command']}`  ", f"Date: {hw['date']}; torch {hw['torch']}, triton {hw.get('triton')}, "
+         f"transformers {hw.get('transformers')}, peft {hw.get('peft')}; GPU {hw.get('gpu')} "
+         f"({fmt(hw.get('gpu_total_gib'))} GiB); host RAM {fmt(hw.get('host_ram_gib'))} GiB.", "",
+         "Random bf16 weights, LoRA r=16 on all linear layers (fp32 adapter), AdamW; one step = reference "
+         "log-probs (adapter off, no grad) + policy forward/backward over all generations in micro-batches + "
+         "optimiser step. Peaks are `torch.cuda.max_memory_allocated` / `max_memory_reserved` over the measured "
+         "step; time is one step after a short warm-up step. Loss: grpo, eps 0.2, beta as listed. "
+         "Every sequence is full length (no padding).", "",
+         "| model | G x seq (prompt) | micro-batch | row | status | peak alloc GiB | peak reserved GiB | step s | tokens/s | host offload GiB |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']} | {r['row']}"
+                 f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
+                 f"{fmt(r.get('peak_allocated_gib'), 2)} | {fmt(r.get('peak_reserved_gib'), 2)} | "
+                 f"{fmt(r.get('step_s'), 2)} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('host_offload_gib'), 2)} |")
+    d = data["derived"]
+    if d.get("offload_overhead"):
+        L += ["", "Offload cost (same config, ours_offload vs ours):", "",
+              "| model | G x seq | micro-batch | ours s | ours_offload s | overhead |", "|---|---|---|---|---|---|"]
+        for o in d["offload_overhead"]:
+            L.append(f"| {o['model']} | {o['gens']} x {o['seq_len']} | {o['micro_batch']} | {o['ours_s']:.2f} | "
+                     f"{o['offload_s']:.2f} | {o['overhead_pct']:+.1f}% |")
+    if d.get("fit_max_context"):
+        L += ["", "Longest single sequence within a budget: linear fit peak = a + b*T over the measured one-sequence "
+              "peaks above (not a bisection); budgets 80GB -> " + fmt(BUDGETS["80GB"]) + " GiB, 15GB -> "
+              + fmt(BUDGETS["15GB"]) + " GiB. Confirmation runs, if any, are the rows with a budget.", "",
+              "| model | row | points (T, GiB) | a GiB | b KiB/token | T max (80GB) | T max (15GB) |",
+              "|---|---|---|---|---|---|---|"]
+        for f in d["fit_max_context"]:
+            f80, f15 = f["80GB"], f["15GB"]
+            pts = ", ".join(f"({t}, {p:.1f})" for t, p in f["points"])
+            L.append(f"| {f['model']} | {f['row']} | {pts} | {fmt(f80 and f80['a_gib'], 2)} | "
+                     f"{fmt(f80 and f80['b_gib_per_token'] * 2**20, 1)} | {f80['t_max'] if f80 else '—'} | "
+                     f"{(f15['t_max'] if f15['t_max'] > 0 else 'weights alone exceed it') if f15 else '—'} |")
+    if data.get("check"):
+        L += ["", "CUDA correctness check (LoRA gradients, 2 micro-batches):", "", "```",
+              json.dumps(data["check"], indent=1), "```"]
+    L += ["", "Per-phase allocator counters (GiB: allocated at start / peak / at end) of each measured step are in the "
+          f"json; plot: `step_{tag}_phases.png`."]
+    (out_dir / f"step_{tag}.md").write_text("\n".join(L) + "\n")
+    try:
+        plot(data, out_dir / f"step_{tag}_phases.png")
+    except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are not
+        print(f"plot failed: {type(e).__name__}: {e}")
+    return jpath
+
+
+def plot(data, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in data["results"] if r.get("phases")]
+    groups = {}
+    for r in res:
+        groups.setdefault((r["model"], r["gens"], r["seq_len"], r["micro_batch"]), []).append(r)
+    groups = {k: v for k, v in groups.items() if len(v) >= 2 or k[2] >= 65536}
+    if not groups:
+        return
+    order = ["ref_pass", "mb0_forward", "mb0_loss", "mb0_backward", "other_microbatches", "optimizer"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], groups.items()):
+        width = 0.8 / len(rows)
+        for i, r in enumerate(rows):
+            ph = [p for p in order if p in r["phases"]]
+            xs = [j + i * width for j in range(len(ph))]
+            ax.bar(xs, [r["phases"][p]["peak"] for p in ph], width, label=f"{r['row']} peak")
+            ax.scatter(xs, [r["phases"][p]["end"] for p in ph], marker="_", s=200, color="k", zorder=3)
+        ax.axhline(r["weights_gib"], ls="--", color="grey", lw=1, label="bf16 weights")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(order))])
+        ax.set_xticklabels([p.replace("_", "\n") for p in order], fontsize=7)
+        ax.set_title(f"{key[0]}: {key[1]} x {key[2]}, micro-batch {key[3]}", fontsize=9)
+        ax.set_ylabel("GiB (bar: peak in phase; tick: allocated at end)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", choices=sorted(PLANS), help="a predefined set of configs (GPU)")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--gens", type=int, default=8, help="generations per step (G)")
+    p.add_argument("--seq-len", type=int, default=20480, help="tokens per sequence, prompt included")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--budget", choices=sorted(BUDGETS), help="run under this memory budget (fraction cap)")
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--check-model", default="llama-3.2-1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    p.add_argument("--tag", default=None, help="file tag (default: gpu name, e.g. h200)")
+    p.add_argument("--replot", help="re-write the md/png from an existing json")
+    args = p.parse_args(argv)
+
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        tag = Path(args.replot).stem.removeprefix("step_")
+        write_report(data, Path(args.replot).parent, tag)
+        return 0
+    for name in ("gens", "seq_len", "micro_batch", "lora_r"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 1 <= args.prompt_len < args.seq_len:
+        raise ValueError(f"--prompt-len must be in [1, seq_len), got {args.prompt_len} (seq_len {args.seq_len})")
+    rows = tuple(r for r in args.rows.split(",") if r)
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        raise ValueError(f"--rows: unknown {bad}; allowed: {', '.join(ROWS)}")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu for a debug run")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    hw = hardware(dev)
+    tag = args.tag or (hw.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if dev.type == "cuda" else "cpu")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sink = Sink(out_dir / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                hardware=hw, results=[], weights_gib={})
+    if args.plan:
+        configs = PLANS[args.plan]
+    else:
+        configs = [dict(model=args.model, gens=args.gens, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                        rows=rows, budget=args.budget)]
+    try:
+        run_plan(configs, args, dev, sink)
+    except Exception:  # noqa: BLE001 - keep what was measured, then fail loudly
+        traceback.print_exc()
+        sink["error"] = traceback.format_exc()[-2000:]
+        write_report(sink, out_dir, tag)
+        return 1
+    path = write_report(sink, out_dir, tag)
+    print(Path(str(path).replace(".json", ".md")).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
