@@ -1,0 +1,293 @@
+"""grpo_kit.memory: the published table, formulas against autograd, monotonicity, bad input, profiler, CLI."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo_kit.memory import (
+    METHODS, Profiler, compare, estimate, phase, profile, published_table, resolve_arch, total_gpu_bytes,
+)
+from grpo_kit.memory import formulas as F
+from grpo_kit.memory.cli import cli_main
+from grpo_kit.models import BUILTIN_MODELS, build_random_model, model_config
+
+LLAMA = "llama-3.1-8b"
+PUB = dict(num_generations=8, prompt_length=0, completion_length=20480)
+
+
+# ----------------------------------------------------------------------------- published table
+
+
+def test_published_table_reproduced_to_the_decimal_shown():
+    t = published_table().set_index("component")
+    # derived from the config numbers, rounded as published
+    assert t.at["GRPO loss (logits)", "trl_derived"] == 78.3
+    assert t.at["GRPO loss (logits)", "unsloth_derived"] == 9.8
+    assert t.at["KV cache (20K)", "trl_derived"] == 2.5 and t.at["KV cache (20K)", "unsloth_derived"] == 2.5
+    assert t.at["inference weights", "trl_derived"] == 16 and t.at["inference weights", "unsloth_derived"] == 0
+    for comp in ("GRPO loss (logits)", "KV cache (20K)", "inference weights"):
+        assert t.at[comp, "trl_status"] == "exact" and t.at[comp, "unsloth_status"] == "exact"
+    # 414 has no derivation: shown as published and flagged, never fitted
+    assert t.at["training memory", "trl_status"] == "published, not derived"
+    assert t.at["training memory", "trl_derived"] == 414
+    # 42: one bf16 checkpoint per layer = 42.9 GB; flagged approximate, not forced to 42
+    assert t.at["training memory", "unsloth_derived"] == 42.9
+    assert t.at["training memory", "unsloth_status"] == "approx"
+    # the published totals are the sums of the rows as shown
+    assert round(t.loc[t.index != "total", "trl_published"].sum(), 1) == t.at["total", "trl_published"] == 510.8
+    assert round(t.loc[t.index != "total", "unsloth_published"].sum(), 1) == t.at["total", "unsloth_published"] == 54.3
+    assert t.at["total", "trl_derived"] == 510.8 and t.at["total", "trl_status"] == "exact"
+    assert t.at["total", "unsloth_derived"] == 55.2 and t.at["total", "unsloth_status"] == "approx"
+
+
+def test_estimate_shows_published_figures_only_for_the_published_setup():
+    trl = estimate(LLAMA, method="trl", **PUB).set_index("component")
+    assert trl.at["logits for the loss", "published"] == 78.3
+    assert round(trl.at["logits for the loss", "GiB"], 1) == 78.3  # same formula as the table
+    assert trl.at["inference copy (vLLM)", "published"] == 16.0
+    assert round(trl.at["inference copy (vLLM)", "GB"]) == 16
+    assert trl.at["total GPU (peak)", "published"] == 510.8
+    assert "no published derivation" in trl.at["saved activations (GPU)", "note"]
+    uns = estimate(LLAMA, method="unsloth", **PUB).set_index("component")
+    assert round(uns.at["logits for the loss", "GiB"], 1) == 9.8
+    assert uns.at["saved activations (CPU)", "published"] == 42.0
+    other = estimate(LLAMA, method="trl", num_generations=4, prompt_length=0, completion_length=20480)
+    assert other["published"].isna().all()
+
+
+# ----------------------------------------------------------------------------- formulas vs reality
+
+
+@pytest.mark.parametrize("name", [n for n, s in BUILTIN_MODELS.items() if s.kind != "embedded"])
+def test_param_count_matches_a_meta_model(name):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(model_config(name))
+    assert F.param_counts(resolve_arch(name))["total"] == sum(p.numel() for p in m.parameters())
+
+
+def _autograd_saved_bytes_per_token(name, dtype, lora_rank):
+    """Bytes of the distinct activation storages one decoder layer's forward saves for backward
+    (parameters and the layer input excluded), per token."""
+    cfg = model_config(name)
+    cfg._attn_implementation = "sdpa"
+    m = build_random_model(cfg, dtype=dtype)
+    if lora_rank:
+        import peft
+
+        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_rank, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        m = m.get_base_model()
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    B, T = 3, 40
+    x = torch.randn(B, T, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    pos = m.model.rotary_emb(x, torch.arange(T)[None].expand(B, T))
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr != x.untyped_storage().data_ptr():
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m.model.layers[0](x, position_embeddings=pos, attention_mask=None)
+    return sum(seen.values()) / (B * T)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("dtype,b", [(torch.bfloat16, 2), (torch.float32, 4)])
+@pytest.mark.parametrize("lora_rank", [None, 8])
+def test_layer_saved_bytes_match_autograd(name, dtype, b, lora_rank):
+    attn, mlp = F.layer_saved_bytes_per_token(resolve_arch(name), b, lora_rank)
+    assert attn + mlp == _autograd_saved_bytes_per_token(name, dtype, lora_rank)
+
+
+def test_config_json_path_and_config_object_match_the_builtin(tmp_path):
+    cfg = model_config("qwen2.5-1.5b")
+    cfg.to_json_file(tmp_path / "config.json")
+    kw = dict(num_generations=4, prompt_length=128, completion_length=1024, lora_rank=16)
+    ref = estimate("qwen2.5-1.5b", **kw)
+    for model in (str(tmp_path / "config.json"), str(tmp_path), cfg):
+        pd.testing.assert_series_equal(estimate(model, **kw)["GB"], ref["GB"])
+
+
+def test_known_component_values():
+    a = resolve_arch(LLAMA)
+    df = estimate(LLAMA, method="grpo_kit", lora_rank=16, **PUB).set_index("component")
+    assert df.at["model weights", "GB"] == pytest.approx(8_030_261_248 * 2 / 1e9)
+    assert df.at["inference copy (vLLM)", "GB"] == 0
+    # 31 layer inputs on the CPU, the last one on the GPU
+    assert df.at["saved activations (CPU)", "GiB"] == pytest.approx(31 * 8 * 20480 * 4096 * 2 / 2**30)
+    assert df.at["saved activations (GPU)", "GiB"] == pytest.approx(1.25)
+    # one logits chunk of the loss: ~0.25 GiB
+    assert 0.2 < df.at["logits for the loss", "GiB"] <= 0.25
+    assert df.at["KV cache (generation)", "GiB"] == pytest.approx(8 * 2.5)  # 8 concurrent sequences
+    q4 = estimate(LLAMA, method="grpo_kit", lora_rank=16, quantization="4bit", kv_cache_dtype="fp8", **PUB)
+    q4 = q4.set_index("component")
+    n = F.param_counts(a)
+    assert q4.at["model weights", "GB"] * 1e9 == pytest.approx(n["layer_linear"] * 4.127 / 8 + n["other"] * 2, rel=1e-3)
+    assert q4.at["KV cache (generation)", "GiB"] == pytest.approx(df.at["KV cache (generation)", "GiB"] / 2)
+    full = estimate(LLAMA, method="trl", **PUB).set_index("component")
+    assert full.at["gradients", "GB"] == pytest.approx(n["total"] * 2 / 1e9)
+
+
+def test_peak_rule_and_totals():
+    df = estimate(LLAMA, method="trl", lora_rank=16, **PUB)
+    gpu = df[(df["where"] == "GPU") & ~df["component"].str.startswith("total")]
+    assert df["GB"].iloc[-2] == pytest.approx(gpu.loc[gpu["in_peak"], "GB"].sum())
+    assert df.attrs["peak_phase"] == "loss"  # 78 GiB of logits beat one layer's recompute
+    hf = estimate(LLAMA, method="grpo_kit", vllm=False, lora_rank=16, num_generations=8, prompt_length=100,
+                  completion_length=100)
+    assert not hf.set_index("component").at["KV cache (generation)", "in_peak"]
+    train_only = estimate(LLAMA, method="grpo_kit", lora_rank=16, include_generation=False, **PUB)
+    assert train_only.set_index("component").at["KV cache (generation)", "GB"] == 0
+
+
+# ----------------------------------------------------------------------------- monotonicity
+
+
+@settings(max_examples=40, deadline=None)
+@given(method=st.sampled_from(METHODS), c=st.integers(1, 200_000), dc=st.integers(1, 50_000),
+       g=st.integers(1, 16), p=st.integers(0, 4096), lora=st.sampled_from([None, 8, 64]),
+       vllm=st.booleans(), mb1=st.booleans())
+def test_more_context_or_generations_never_needs_less(method, c, dc, g, p, lora, vllm, mb1):
+    kw = dict(model="qwen2.5-1.5b", method=method, prompt_length=p, lora_rank=lora, vllm=vllm)
+    mb = dict(micro_batch_size=1) if mb1 else {}
+    base = estimate(num_generations=g, completion_length=c, **mb, **kw)
+    longer = estimate(num_generations=g, completion_length=c + dc, **mb, **kw)
+    more = estimate(num_generations=g + 1, completion_length=c, **mb, **kw)
+    for bigger in (longer, more):
+        assert (bigger["GB"].to_numpy() >= base["GB"].to_numpy() - 1e-12).all()
+        assert total_gpu_bytes(bigger) >= total_gpu_bytes(base)
+
+
+def test_ordering_of_methods_at_long_context():
+    t = compare(LLAMA, lora_rank=16, unit="GiB", **PUB).loc["total GPU (peak)"]
+    assert t["grpo_kit"] < t["unsloth"] < t["trl"]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(model="llama-9000"), "Built-in names: .*llama-3.1-8b"),
+    (dict(num_generations=0), "num_generations must be an int >= 1"),
+    (dict(num_generations=2.5), "num_generations"),
+    (dict(completion_length=0), "completion_length must be an int >= 1"),
+    (dict(completion_length=-5), "completion_length"),
+    (dict(prompt_length=-1), "prompt_length must be an int >= 0"),
+    (dict(lora_rank=0), "lora_rank must be an int >= 1"),
+    (dict(quantization="4bit"), "needs lora_rank"),
+    (dict(quantization="3bit", lora_rank=8), "quantization must be None or '4bit'"),
+    (dict(method="deepspeed"), "method must be one of"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+    (dict(micro_batch_size=9), "micro_batch_size must be <= num_generations=8"),
+    (dict(vllm="yes"), "vllm must be a bool"),
+])
+def test_bad_input_raises_one_clear_error(kwargs, match):
+    kw = dict(model="qwen2.5-1.5b", num_generations=8, prompt_length=16, completion_length=64) | kwargs
+    with pytest.raises(ValueError, match=match):
+        estimate(kw.pop("model"), **kw)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "nope", "--context", "100"], "Built-in names"),
+    (["--model", LLAMA, "--context", "0"], "must be >= 1"),
+    (["--model", LLAMA, "--context", "100", "--generations", "0"], "must be >= 1"),
+    (["--model", LLAMA, "--context", "100", "--prompt-length", "100"], "must be smaller than --context"),
+    (["--model", LLAMA, "--context", "100", "--quantization", "4bit"], "needs --lora-rank"),
+    (["--model", LLAMA, "--context", "100", "--method", "peft"], "invalid choice"),
+])
+def test_cli_bad_input(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_cli_prints_the_table_and_plots(tmp_path, capsys):
+    out_png = tmp_path / "vram.png"
+    assert cli_main(["--model", LLAMA, "--context", "20480", "--generations", "8", "--plot", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("78.3", "510.8", "54.3", "published, not derived", "method grpo_kit", "total GPU (peak)"):
+        assert needle in text
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_return_figures():
+    from grpo_kit.memory import plot_components, plot_vs_context
+
+    fig = plot_components({m: estimate("qwen2.5-1.5b", method=m, num_generations=8, prompt_length=64,
+                                       completion_length=1024, lora_rank=16) for m in METHODS}, budget_gib=15)
+    assert len(fig.axes[0].patches) > 0
+    fig = plot_vs_context("qwen2.5-1.5b", [1024, 4096, 16384], num_generations=8, lora_rank=16,
+                          measured={"bench": [(1024, 4.0), (4096, 5.0)]})
+    assert len(fig.axes[0].lines) == len(METHODS) + 1
+
+
+# ----------------------------------------------------------------------------- profiler (CPU)
+
+
+def test_cpu_profile_of_a_tiny_model_step():
+    torch.manual_seed(0)
+    model = build_random_model("tiny-llama", dtype=torch.float32)
+    ids = torch.randint(0, 49152, (4, 256))
+
+    def step():
+        with phase("forward"):
+            logits = model(ids).logits  # (4, 256, 49152) fp32: 201 MB
+            loss = torch.log_softmax(logits, -1).mean()
+        with phase("backward"):
+            loss.backward()
+        return float(loss.detach())
+
+    res = profile(step, device="cpu")
+    t = res.table.set_index("phase")
+    assert list(res.table["phase"]) == ["total", "forward", "backward"]
+    assert math.isfinite(res.value)
+    assert (t["peak_GiB"] >= t["start_GiB"]).all() and (t["peak_GiB"] >= t["end_GiB"]).all()
+    # the forward holds the logits and the log-softmax: at least 0.3 GiB over its start
+    assert t.at["forward", "peak_over_start_GiB"] > 0.3
+    assert t.at["total", "peak_GiB"] >= t[["peak_GiB"]].drop(index="total").max().iloc[0]
+    assert t.at["total", "peak_GiB"] < 24  # the machine's RAM: a sane number
+    assert (t["seconds"] > 0).all() and res.snapshot is None
+
+
+def test_profiler_catches_a_transient_spike_and_nests():
+    prof = Profiler(device="cpu", interval=0.001)
+    with prof:
+        with prof.phase("outer"):
+            with prof.phase("spike"):
+                x = torch.ones(64 * 2**20)  # 256 MB, freed before the phase ends
+                x.add_(1)
+                del x
+    t = prof.table().set_index("phase")
+    assert t.at["spike", "peak_over_start_GiB"] > 0.2
+    assert t.at["outer", "peak_GiB"] >= t.at["spike", "peak_GiB"]
+    assert t.at["spike", "end_GiB"] < t.at["spike", "peak_GiB"] - 0.1
+    assert t.at["spike", "depth"] == 2 and t.at["outer", "depth"] == 1
+
+
+def test_phase_is_a_noop_without_a_profiler_and_bad_profiler_args():
+    with phase("nothing") as ph:
+        assert ph is None
+    with pytest.raises(ValueError, match="device must be"):
+        Profiler(device="tpu")
+    with pytest.raises(ValueError, match="interval"):
+        Profiler(device="cpu", interval=0)
+    with pytest.raises(ValueError, match="fn must be callable"):
+        profile(42)
+    with pytest.raises(ValueError, match="phase name"):
+        with Profiler(device="cpu") as p:
+            with p.phase(""):
+                pass
