@@ -281,6 +281,15 @@ def write_report(out_dir, tag, meta, rows):
                 cells.append(fmt_cell(rr[0]) if rr else "")
             lines.append(f"| {impl} | " + " | ".join(cells) + " |")
         lines.append("")
+        lines.append("Targets (ours): time <= unsloth's; extra peak <= hidden grad + 0.25 GiB:")
+        for t in Ts:
+            o = [r for r in hr if r["T"] == t and r["impl"] == "ours" and r["status"] == "ok"]
+            u = [r for r in hr if r["T"] == t and r["impl"] == "unsloth" and r["status"] == "ok"]
+            if o:
+                o = o[0]
+                tt = f"ours/unsloth time {o['ms'] / u[0]['ms']:.3f}" if u else "unsloth not measured"
+                lines.append(f"- T={t}: {tt}; extra peak {o['extra_gib']:.3f} GiB vs target {o['grad_gib'] + 0.25:.3f} GiB")
+        lines.append("")
         lines.append("Relative error vs ours (loss, hidden grad):")
         for r in hr:
             if r["status"] == "ok" and r["impl"] != "ours" and r.get("rel_loss") is not None:
@@ -325,6 +334,47 @@ def gpu_check(dev):
     return out
 
 
+def micro(dev, heads, head_names, rows=1024):
+    """Where one chunk's time goes: the two GEMMs, each epilogue pass, and a plain copy."""
+    from grpo_kit.kernels import grpo_epilogue as E
+
+    out = {}
+    for hn in head_names:
+        H, V = heads[hn]
+        g = torch.Generator(device="cpu").manual_seed(1)
+        h = torch.randn(rows, H, generator=g).to(dev, torch.bfloat16)
+        W = (torch.randn(V, H, generator=g) * H**-0.5).to(dev, torch.bfloat16)
+        ids = torch.randint(0, V, (rows,), generator=g).to(dev)
+        z = h @ W.t()
+        coef = torch.randn(rows, device=dev)
+        lse = E.lse_logp_torch(z, ids, 1.0)[1]
+        zc = z.clone()
+
+        def med(fn, n=10):
+            for _ in range(3):
+                fn()
+            sync(dev)
+            return statistics.median(timed(fn, dev) for _ in range(n))
+
+        r = {"gemm_fwd_ms": med(lambda: torch.mm(h, W.t(), out=zc)),
+             "gemm_bwd_ms": med(lambda: torch.mm(z, W)),
+             "copy_ms": med(lambda: zc.copy_(z)),
+             "chunk_mib": z.numel() * 2 / 2**20}
+        for be in (["triton", "torch"] if dev.type == "cuda" else ["torch"]):
+            r[f"lse_{be}_ms"] = med(lambda: E.lse_logp(z, ids, 1.0, False, be))
+            r[f"grad_{be}_ms"] = med(lambda: E.softmax_grad_(zc, ids, lse, coef, 1.0, be))
+        if dev.type == "cuda":
+            lk, gk, tuned = E._kernels()
+            if tuned:
+                r["lse_best"] = str(getattr(lk, "best_config", None))
+                r["grad_best"] = str(getattr(gk, "best_config", None))
+        r["copy_GBps"] = 2 * z.numel() * 2 / (r["copy_ms"] * 1e-3) / 1e9
+        out[hn] = r
+        print("micro", hn, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+        del h, W, z, zc
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", default="llama,qwen", help="comma list of: " + ",".join(HEADS))
@@ -333,13 +383,14 @@ def main(argv=None):
     ap.add_argument("--impls", default="ours,ours_torch,unsloth,cce,liger,naive")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--slow-max-len", type=int, default=20480,
-                    help="longest T for liger (about 11x the floor: it alone would eat the GPU budget)")
+    ap.add_argument("--slow-max-len", type=int, default=8192,
+                    help="longest T for liger and ours_torch (3-12x the floor: they would eat the GPU budget)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new size after this many seconds")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny heads and lengths, for debugging on a CPU")
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     ap.add_argument("--check", action="store_true", help="first check ours against an fp64 oracle on the device")
+    ap.add_argument("--micro", action="store_true", help="time one chunk's GEMMs and epilogue passes")
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -365,6 +416,7 @@ def main(argv=None):
     B = 2 if args.tiny else args.batch
 
     check = gpu_check(dev) if args.check else None
+    micro_res = micro(dev, heads, head_names, rows=1024 if dev.type == "cuda" else 64) if args.micro else None
     peers, reasons = load_peers(impls)
     try:
         import triton
@@ -382,15 +434,15 @@ def main(argv=None):
         peer_versions={k: v[1] for k, v in peers.items()}, peer_import_errors=reasons,
         tflops_square=tflops_sq, tflops_head=tflops_head, batch=B, reps=args.reps, warmup=args.warmup,
         heads=head_names, impls=impls, lengths=lengths,
-        alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""), check=check,
+        alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""), check=check, micro=micro_res,
     )
     print(f"matmul rate {tflops_sq:.0f} TFLOP/s; head GEMMs {tflops_head}; peers {meta['peer_versions']}; "
           f"import errors {reasons}", flush=True)
 
     rows = []
-    for hn in head_names:
-        H, V = heads[hn]
-        for T in lengths:
+    for T in lengths:  # length-major, so that every head gets the short lengths if the budget runs out
+        for hn in head_names:
+            H, V = heads[hn]
             floor_ms = 4 * B * T * H * V / (tflops_sq * 1e12) * 1e3
             base = dict(head=hn, H=H, V=V, B=B, T=T, floor_ms=floor_ms, grad_gib=B * T * H * 2 / GiB)
             if time.time() - t_start > args.budget_s:
@@ -403,7 +455,7 @@ def main(argv=None):
                 row = dict(base, impl=impl, status="ok", reason="")
                 if impl in ("liger", "cce", "unsloth") and impl not in peers:
                     row.update(status="not run", reason=reasons.get(impl, "not importable"))
-                elif impl == "liger" and T > args.slow_max_len and not args.tiny:
+                elif impl in ("liger", "ours_torch") and T > args.slow_max_len and not args.tiny:
                     row.update(status="not run", reason=f"T > --slow-max-len {args.slow_max_len} (time budget)")
                 elif impl == "naive" and not naive_fits(B, T, V, dev)[0]:
                     row.update(status="OOM", reason=f"estimated {naive_fits(B, T, V, dev)[1] / GiB:.0f} GiB of logits "

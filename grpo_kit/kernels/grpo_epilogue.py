@@ -120,14 +120,38 @@ def interpreter_active() -> bool:
     return HAS_TRITON and bool(triton.knobs.runtime.interpret)
 
 
+# (BLOCK, num_warps) tried by the autotuner on the GPU, once per vocabulary size. Wider tiles put
+# more bytes in flight per row; the best one depends on V and on the chip.
+_TUNE_CONFIGS = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
+
+
+def _prune(configs, named_args, **kwargs):
+    n_cols = named_args.get("n_cols", kwargs.get("n_cols"))
+    cap = triton.next_power_of_2(int(n_cols)) if n_cols else 1 << 30
+    kept = [c for c in configs if c.kwargs["BLOCK"] <= cap]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK"])]
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The two kernels, jit-wrapped on first use. Under TRITON_INTERPRET=1 (which must be set
-    before Triton is imported, since its standard library is wrapped at import) ``triton.jit``
-    gives interpreted functions that run on CPU tensors: that is how CI checks this code."""
+    """The two kernels, jit-wrapped on first use; returns (lse_kernel, grad_kernel, autotuned).
+
+    On the GPU they are autotuned over ``_TUNE_CONFIGS`` keyed by V (the in-place kernel restores
+    its chunk between trials, which costs one chunk-sized copy during the first call only).
+    Under TRITON_INTERPRET=1 (which must be set before Triton is imported, since its standard
+    library is wrapped at import) ``triton.jit`` gives interpreted functions that run on CPU
+    tensors with a fixed small tile: that is how CI checks this code.
+    """
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use the torch epilogue")
-    return triton.jit(_lse_logp_kernel), triton.jit(_softmax_grad_kernel)
+    lse_k, grad_k = triton.jit(_lse_logp_kernel), triton.jit(_softmax_grad_kernel)
+    if interpreter_active():
+        return lse_k, grad_k, False
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in _TUNE_CONFIGS]
+    prune = {"early_config_prune": _prune}
+    lse_k = triton.autotune(configs, key=["n_cols", "COMPUTE_ENT"], prune_configs_by=prune)(lse_k)
+    grad_k = triton.autotune(configs, key=["n_cols"], prune_configs_by=prune, restore_value=["Z"])(grad_k)
+    return lse_k, grad_k, True
 
 
 def _check_device(z):
@@ -137,9 +161,9 @@ def _check_device(z):
         )
 
 
-def _launch_config(n_cols: int):
-    block = min(4096, triton.next_power_of_2(n_cols))
-    return block, (8 if block >= 2048 else 4)
+def _interp_config(n_cols: int):
+    """Fixed tile for the interpreter (small, so that masking of the last tile is exercised)."""
+    return {"BLOCK": min(128, triton.next_power_of_2(n_cols)), "num_warps": 4}
 
 
 def lse_logp_triton(z, ids, inv_temp, compute_entropy=False):
@@ -150,10 +174,9 @@ def lse_logp_triton(z, ids, inv_temp, compute_entropy=False):
     ent = torch.empty_like(logp) if compute_entropy else logp  # dummy pointer when unused
     if n:
         _check_device(z)
-        k, _ = _kernels()
-        block, warps = _launch_config(v)
-        k[(n,)](z, z.stride(0), ids, logp, lse, ent, float(inv_temp), v,
-                COMPUTE_ENT=bool(compute_entropy), BLOCK=block, num_warps=warps)
+        k, _, tuned = _kernels()
+        extra = {} if tuned else _interp_config(v)
+        k[(n,)](z, z.stride(0), ids, logp, lse, ent, float(inv_temp), v, COMPUTE_ENT=bool(compute_entropy), **extra)
     return logp, lse, (ent if compute_entropy else None)
 
 
@@ -162,9 +185,9 @@ def softmax_grad_triton_(z, ids, lse, coef, inv_temp):
     n, v = z.shape
     if n:
         _check_device(z)
-        _, k = _kernels()
-        block, warps = _launch_config(v)
-        k[(n,)](z, z.stride(0), ids, lse, coef, float(inv_temp), v, BLOCK=block, num_warps=warps)
+        _, k, tuned = _kernels()
+        extra = {} if tuned else _interp_config(v)
+        k[(n,)](z, z.stride(0), ids, lse, coef, float(inv_temp), v, **extra)
     return z
 
 
