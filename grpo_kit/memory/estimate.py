@@ -154,7 +154,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              lora_rank: int | None = None, quantization: str | None = None, method: str = "grpo_kit",
              vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
              loss_chunk_bytes: int = 256 * 2**20, chunk_tokens: int = 8192, prefetch: bool = True,
-             include_generation: bool = True) -> pd.DataFrame:
+             include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -177,6 +177,12 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             layer input (``grpo_kit.checkpointing`` defaults).
         include_generation: False leaves out the KV cache (a training step alone, as the
             whole-step benchmark measures it).
+        offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
+            False: every layer input stays on the GPU (e.g. grpo_kit's recompute without offload).
+        loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF
+            style; the whole-step benchmark's baseline). At the loss backward the fp32 saved
+            output, its incoming gradient and the input gradient coexist: 3 x 4 B per logit,
+            instead of TRL's bf16 path (2 x 2 B, as published).
 
     Returns:
         DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last
@@ -187,8 +193,15 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     """
     _check(num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
            kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch)
-    if not isinstance(include_generation, bool):
-        raise ValueError(f"include_generation must be a bool, got {include_generation!r}")
+    for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32)):
+        if not isinstance(val, bool):
+            raise ValueError(f"{name} must be a bool, got {val!r}")
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"offload must be None or a bool, got {offload!r}")
+    if offload and method == "trl":
+        raise ValueError("offload=True is not available with method='trl' (TRL has no offloaded checkpointing)")
+    if loss_fp32 and method != "trl":
+        raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
     a = resolve_arch(model)
     G, P, C = int(num_generations), int(prompt_length), int(completion_length)
     T = P + C
@@ -196,7 +209,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     b = F.DTYPE_BYTES[dtype]
     kv_b = F.KV_DTYPE_BYTES[kv_cache_dtype or dtype]
     lora = lora_rank is not None
-    offload = method in ("unsloth", "grpo_kit")
+    offload = method in ("unsloth", "grpo_kit") if offload is None else offload
     tokens = M * T
     n = F.param_counts(a)
 
@@ -236,7 +249,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
 
     # The layer being recomputed uses its own input (counted above: the last layer's, or one
     # brought back in its place); grpo_kit's prefetch adds the next one.
-    extra_in = 1 if (method == "grpo_kit" and prefetch and a.layers > 1) else 0
+    extra_in = 1 if (method == "grpo_kit" and offload and prefetch and a.layers > 1) else 0
     if method == "grpo_kit":
         rec = F.chunked_recompute_peak(a, tokens, b, lora_rank, extra_in, chunk_tokens)
         rec_note = (f"chunked recompute ({chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
@@ -248,8 +261,13 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
 
     norm = F.final_norm_bytes(a, tokens, b, not lora)
     if method == "trl":
-        add("logits for the loss", "GPU", F.logits_bytes(2, M, C, a.vocab, b), ("loss",),
-            f"2 x ({M} seq, {C} tok, {a.vocab} vocab) x {b} B: logits + log-softmax saved for backward")
+        if loss_fp32:
+            add("logits for the loss", "GPU", F.logits_bytes(3, M, C, a.vocab, F.FP32), ("loss",),
+                f"3 x ({M} seq, {C} tok, {a.vocab} vocab) x 4 B: fp32 log-softmax output, its gradient and the "
+                "input gradient at the loss backward")
+        else:
+            add("logits for the loss", "GPU", F.logits_bytes(2, M, C, a.vocab, b), ("loss",),
+                f"2 x ({M} seq, {C} tok, {a.vocab} vocab) x {b} B: logits + log-softmax saved for backward")
         add("final norm + hidden states (loss)", "GPU", norm, ("loss",),
             "final RMSNorm's saved fp32 input; the head's gradient is built in backward")
     else:
@@ -282,7 +300,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     for r in rows:
         r["in_peak"] = r["where"] == "GPU" and peak_phase in r["phases"] and r["bytes"] > 0
 
-    published = _is_published_setup(a, G, P, C, dtype) and method in METHODS
+    published = (_is_published_setup(a, G, P, C, dtype) and not loss_fp32
+                 and offload == (method in ("unsloth", "grpo_kit")))
     pub_map = {"saved activations (GPU)": "training memory", "logits for the loss": "GRPO loss (logits)",
                "inference copy (vLLM)": "inference weights", "KV cache (generation)": "KV cache (20K)"}
     if method == "unsloth" or method == "grpo_kit":
@@ -318,6 +337,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
+                         offload=offload, loss_fp32=loss_fp32,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
     return df
