@@ -193,6 +193,9 @@ def test_ordering_of_methods_at_long_context():
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
     (dict(micro_batch_size=9), "micro_batch_size must be <= num_generations=8"),
     (dict(vllm="yes"), "vllm must be a bool"),
+    (dict(method="trl", offload=True), "offload=True is not available with method='trl'"),
+    (dict(method="grpo_kit", loss_fp32=True), "loss_fp32 applies to method='trl' only"),
+    (dict(include_generation=1), "include_generation must be a bool"),
 ])
 def test_bad_input_raises_one_clear_error(kwargs, match):
     kw = dict(model="qwen2.5-1.5b", num_generations=8, prompt_length=16, completion_length=64) | kwargs
@@ -291,3 +294,35 @@ def test_phase_is_a_noop_without_a_profiler_and_bad_profiler_args():
         with Profiler(device="cpu") as p:
             with p.phase(""):
                 pass
+
+
+def test_validation_script_on_a_small_results_file(tmp_path):
+    """bench/memory_validation.py end to end on a hand-written results file (numbers are inputs,
+    not results): estimates, errors and the verdict come out as computed."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    rows = [dict(row="ours_offload", model="qwen2.5-1.5b", gens=1, seq_len=T, prompt_len=512, completion_len=T - 512,
+                 micro_batch=1, status="ok", peak_allocated_gib=g, phases={}, weights_gib=2.9, budget_gib=None)
+            for T, g in ((1024, 3.4), (4096, 4.0), (16384, 9.9))]
+    src = tmp_path / "step.json"
+    src.write_text(json.dumps(dict(results=rows, command="hand-written", hardware={})))
+    out = tmp_path / "mv.md"
+    argv = sys.argv
+    try:
+        sys.argv = ["bench/memory_validation.py", "--step-json", str(src), "--out", str(out), "--plot", ""]
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(str(Path(__file__).parents[1] / "bench" / "memory_validation.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert e.value.code == 0
+    got = json.loads(out.with_suffix(".json").read_text())["rows"]
+    for r, g in zip(got, (3.4, 4.0, 9.9)):
+        est = total_gpu_bytes(estimate("qwen2.5-1.5b", num_generations=1, prompt_length=512,
+                                       completion_length=r["seq_len"] - 512, micro_batch_size=1, lora_rank=16,
+                                       vllm=False, include_generation=False)) / 2**30
+        assert r["estimate_gib"] == pytest.approx(est) and r["error"] == pytest.approx(est / g - 1)
+    text = out.read_text()
+    assert "2/3 steps within" in text and "target NOT met" in text  # 9.9 GiB is far off the estimate

@@ -221,15 +221,22 @@ def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, 
     the fp32 log-sum-exp (4*heads). Then the larger of two moments:
 
     * the o_proj + MLP slice loop: + one slice's saved MLP part and MLP-backward gradients;
-    * the attention backward: + the q/k/v gradients (b*(q+2kv)).
+    * the attention backward: + the q/k/v gradients (b*(q+2kv)) + :func:`attention_backward_workspace`.
     """
     h, q, kv = a.hidden, a.q_dim, a.kv_dim
     base = tokens * (b * h * (2 + brought_back) + b * (q + 2 * kv) + 2 * b * q + FP32 * a.heads)
     _, mlp = layer_saved_bytes_per_token(a, b, lora_rank)
     slice_tok = min(chunk_tokens, tokens)
     loop = slice_tok * (mlp + mlp_backward_transient_per_token(a, b, lora_rank is not None) + 2 * b * h)
-    attn_bwd = tokens * b * (q + 2 * kv)
+    attn_bwd = tokens * (b * (q + 2 * kv) + attention_backward_workspace_per_token(a, b))
     return base + max(loop, attn_bwd)
+
+
+def attention_backward_workspace_per_token(a: Arch, b: int) -> int:
+    """Scratch of the flash-attention backward (FlashAttention-2 as bundled in PyTorch), bytes per
+    token: an fp32 dq accumulator (4*q) and, with grouped-query attention, dK and dV expanded to all
+    query heads before the sum over each group (2 b*q)."""
+    return FP32 * a.q_dim + (2 * b * a.q_dim if a.kv_heads < a.heads else 0)
 
 
 # ----------------------------------------------------------------------------- loss, generation
