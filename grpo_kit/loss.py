@@ -492,7 +492,8 @@ def efficient_grpo_loss(
         hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), w, adv_n, old_n, ref_n, opts
     )
     loss, logp = outs[0], outs[1]
-    if not bool(torch.isfinite(loss)):
+    if not bool(torch.isfinite(loss)) or not bool(torch.isfinite(logp).all()):
+        # one sync; checked on the outputs so that the inputs need no extra full pass
         raise ValueError("the GRPO loss is not finite: hidden or lm_head_weight (or lm_head_bias) hold NaN/inf")
 
     mask = completion_mask.float()
