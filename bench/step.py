@@ -195,6 +195,10 @@ def make_batch(G, T, P, vocab, device, seed):
     return dict(ids=ids, adv=adv, mask=mask)
 
 
+def _index(dev):
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -225,7 +229,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
         cleanup(dev)
         if budget_gib is not None and dev.type == "cuda":
             total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GiB / total), dev)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GiB / total), _index(dev))
         phases = Phases(dev)
         sync(dev)
         t0 = time.perf_counter()
@@ -245,7 +249,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
             res["peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
     finally:
         if dev.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, dev)
+            torch.cuda.set_per_process_memory_fraction(1.0, _index(dev))
         model.zero_grad(set_to_none=True)
         del opt
         disable_offloaded_checkpointing(model)  # frees the host buffers
@@ -308,9 +312,15 @@ def gpu_check(args, dev):
         g_hf = lora_grads(model, "baseline", batch, 256)
         g_ours = lora_grads(model, "ours", batch, 256)
         g_off = lora_grads(model, "ours_offload", batch, 256)
+        # run-to-run spread of the same path: the noise floor the other differences are read against
+        g_ours2 = lora_grads(model, "ours", batch, 256)
+        g_hf2 = lora_grads(model, "baseline", batch, 256)
         r = dict(model=args.check_model, layers=layers or "all", seq_len=T, gens=2,
                  offload_vs_ours_bitwise_equal=all(torch.equal(g_ours[n], g_off[n]) for n in g_ours),
                  offload_vs_ours_max_rel=max(rel(g_off[n], g_ours[n]) for n in g_ours),
+                 ours_vs_ours_rerun_bitwise_equal=all(torch.equal(g_ours[n], g_ours2[n]) for n in g_ours),
+                 ours_vs_ours_rerun_max_rel=max(rel(g_ours2[n], g_ours[n]) for n in g_ours),
+                 hf_vs_hf_rerun_max_rel=max(rel(g_hf2[n], g_hf[n]) for n in g_hf),
                  ours_vs_hf_max_rel=max(rel(g_ours[n], g_hf[n]) for n in g_ours),
                  ours_vs_hf_median_rel=sorted(rel(g_ours[n], g_hf[n]) for n in g_ours)[len(g_ours) // 2],
                  n_params=len(g_ours))

@@ -311,7 +311,11 @@ def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
 
     attn = layer.self_attn
     mod = __import__(type(attn).__module__, fromlist=["eager_attention_forward"])
-    iface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, mod.eager_attention_forward)
+    impl = attn.config._attn_implementation
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        iface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, mod.eager_attention_forward)
+    else:  # older transformers: a plain mapping, eager not in it
+        iface = mod.eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
     extra = {}
     if sliding == "module":
         extra["sliding_window"] = attn.sliding_window
