@@ -15,9 +15,8 @@ import json
 import random
 from pathlib import Path
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a careful math tutor. Solve the problem with brief reasoning, then give the final "
-    "answer on its own last line in the form: Answer: <number>")
+# Short on purpose: on a 2-core CPU every prompt token is paid for in every generation.
+DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the line: Answer: <number>"
 HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
 
 LEVELS = {

@@ -1,0 +1,65 @@
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, cwd, timeout=600):
+    return subprocess.run([sys.executable, "-m", "grpo_kit", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_tiny_two_steps_writes_run_folder(tmp_path, repo_root):
+    out = tmp_path / "run"
+    r = run_cli("train", "--set", "model=tiny-llama", "--set", "max_steps=2", "--set", "num_train_samples=32",
+                "--set", "num_eval_samples=4", "--set", "max_completion_length=8", "--set", "num_generations=4",
+                "--set", "per_device_train_batch_size=4", "--output-dir", str(out), cwd=repo_root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("config.yaml", "metrics.csv", "rewards.png", "samples.jsonl", "eval.json", "summary.json",
+                 "adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s", "peak_memory_gib"):
+            assert math.isfinite(float(row[key])), (key, row)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["metrics_finite"]
+    evals = json.loads((out / "eval.json").read_text())
+    assert set(evals) == {"before", "after"} and evals["before"]["n"] == 4
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"prompt", "completion", "answer", "correctness_reward"} <= set(samples[0])
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--set", "model=gpt-17"], "model='gpt-17' is not a built-in name"),
+    (["--set", "num_generations=1"], "num_generations=1 must be at least 2"),
+    (["--set", "per_device_train_batch_size=5"], "must be a multiple of num_generations"),
+    (["--set", "bogus_key=1"], "unknown config key 'bogus_key'"),
+    (["--set", "task=gsm8k", "--set", "dataset_path=nope.jsonl"], "dataset_path='nope.jsonl' does not exist"),
+    (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+])
+def test_bad_input_one_clear_line(args, match, repo_root, tmp_path):
+    r = run_cli("train", *args, "--output-dir", str(tmp_path / "r"), cwd=repo_root, timeout=60)
+    assert r.returncode == 2
+    assert match in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "r").exists()  # stopped before any work
+
+
+def test_malformed_jsonl_stops_before_model_load(repo_root, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 3"}\n{"question": "q2"\n')
+    r = run_cli("train", "--set", "task=gsm8k", "--set", f"dataset_path={bad}", "--set", "num_eval_samples=0",
+                "--output-dir", str(tmp_path / "r"), cwd=repo_root, timeout=60)
+    assert r.returncode == 2 and "bad.jsonl:2: not valid JSON" in r.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_doctor_and_unknown_bench(repo_root):
+    r = run_cli("doctor", cwd=repo_root, timeout=120)
+    assert r.returncode == 0 and "torch" in r.stdout and "generation" in r.stdout
+    r = run_cli("bench", "no-such-bench", cwd=repo_root, timeout=60)
+    assert r.returncode == 2 and "no benchmark named 'no-such-bench'" in r.stderr

@@ -1,0 +1,49 @@
+import math
+
+import pytest
+
+from grpo_kit import rewards
+from grpo_kit.data import load_gsm8k_jsonl
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("$1,234.50", 1234.5), ("1234.", 1234.0), ("-7", -7.0), ("−7 degrees", -7.0), ("3/4", 0.75),
+    ("It costs 18 dollars.", 18.0), ("#### 1,000", 1000.0), ("The answer is 42, not 41", 42.0),
+    ("\\boxed{17}", 17.0), ("Answer: -3.5 m/s", -3.5), ("", None), ("none", None), ("x2 y3", None),
+    ("1/0", None), ("9" * 400, None),
+])
+def test_extract_number(text, expected):
+    assert rewards.extract_number(text) == expected
+
+
+def test_correctness_on_real_gsm8k_solutions(repo_root):
+    """Every real GSM8K solution, scored as a completion against its own answer, is correct."""
+    rows = load_gsm8k_jsonl(repo_root / "data" / "gsm8k_sample.jsonl")
+    scores = rewards.correctness_reward(None, [r["solution"] for r in rows], [r["answer"] for r in rows])
+    assert scores == [1.0] * len(rows)
+    shifted = rewards.correctness_reward(None, [r["solution"] for r in rows[1:]], [r["answer"] for r in rows[:-1]])
+    assert sum(shifted) < 0.1 * len(shifted)  # mismatched pairs are (almost all) wrong
+
+
+def test_conversational_and_plain_agree():
+    plain = ["Answer: 5", "so 6", "Answer: 7 cows"]
+    conv = [[{"role": "assistant", "content": c}] for c in plain]
+    for fn in rewards.REWARD_FUNCTIONS.values():
+        assert fn(None, plain, answer=["5", "6", "7"]) == fn(None, conv, answer=["5", "6", "7"])
+
+
+def test_format_rewards():
+    comps = ["2 + 3 = 5\nAnswer: 5", "Answer: 5\nbecause", "answer: 5", "five"]
+    assert rewards.format_strict_reward(None, comps) == [1.0, 0.0, 0.0, 0.0]
+    assert rewards.format_soft_reward(None, comps) == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        rewards.correctness_reward(None, ["1", "2"], ["1"])
+    with pytest.raises(ValueError, match="unknown reward"):
+        rewards.get_reward_funcs(["correctness", "vibes"])
+    with pytest.raises(TypeError, match="completion must be"):
+        rewards.completion_text(3)
+    huge = "9" * 100_000
+    assert rewards.extract_number(huge) is None or math.isfinite(rewards.extract_number(huge))
