@@ -45,6 +45,7 @@ __all__ = [
     "enable_offloaded_checkpointing",
     "disable_offloaded_checkpointing",
     "offload_stats",
+    "reserve_offload_buffers",
 ]
 
 # Decoder-layer class name -> how its attention passes the sliding window (None: not at all).
@@ -281,6 +282,14 @@ def _rotary_fn(layer: nn.Module):
     return fn
 
 
+def _auto_chunk_tokens(layer) -> int:
+    """Tokens per slice so one MLP intermediate (tokens x intermediate) is <= 2**26 elements
+    (256 MiB in fp32, the dtype peft's default LoRA casts to); a power of two in [1024, 16384]."""
+    inter = getattr(layer.mlp, "intermediate_size", None) or layer.mlp.gate_proj.out_features
+    t = 1 << max(0, (2**26 // max(int(inter), 1)).bit_length() - 1)
+    return min(16384, max(1024, t))
+
+
 def _slices(T: int, B: int, chunk_tokens: int):
     """Token slices along the sequence: about ``chunk_tokens`` tokens (B x t) each."""
     t = max(1, chunk_tokens // max(B, 1))
@@ -431,8 +440,7 @@ class _OffloadedLayer(torch.autograd.Function):
         if job.whole:
             job.rng = _rng_state(x.device)
             return job.orig_forward(x, **job.call_kwargs)
-        return _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
-                                job.offloader.chunk_tokens)
+        return _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk)
 
     @staticmethod
     def backward(ctx, gy):
@@ -456,7 +464,7 @@ class _OffloadedLayer(torch.autograd.Function):
                 gx = xg.grad if need_gx else None
             else:
                 gx = _chunked_backward(job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
-                                       job.offloader.chunk_tokens, need_gx)
+                                       job.chunk, need_gx)
         return None, None, gx
 
 
@@ -464,7 +472,7 @@ class _Job:
     """Everything one layer call needs again in backward (tensors shared across layers)."""
 
     __slots__ = ("layer", "offloader", "layer_index", "is_last", "orig_forward", "call_kwargs", "cos_sin",
-                 "mask", "attn_kwargs", "sliding", "whole", "rec", "rng", "autocast")
+                 "mask", "attn_kwargs", "sliding", "whole", "rec", "rng", "autocast", "chunk")
 
 
 def _autocast_state(device):
@@ -512,6 +520,7 @@ def _wrapped_forward(layer, hidden_states, attention_mask=None, position_ids=Non
     """Replacement ``forward`` of a supported decoder layer (same call signature as HF's)."""
     st = layer.__dict__[_STATE_ATTR]
     off: _Offloader = st["offloader"]
+    chunk = off.chunk_tokens or st["auto_chunk"]
     call_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
                        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     if position_embeddings is None:
@@ -524,7 +533,7 @@ def _wrapped_forward(layer, hidden_states, attention_mask=None, position_ids=Non
         cos, sin = position_embeddings
         return _chunked_forward(layer, hidden_states, cos, sin, attention_mask,
                                 dict(position_ids=position_ids, use_cache=use_cache, **kwargs),
-                                st["sliding"], off.chunk_tokens)
+                                st["sliding"], chunk)
     for k, v in list(call_kwargs.items()) + [("cos", position_embeddings[0]), ("sin", position_embeddings[1])]:
         if isinstance(v, torch.Tensor) and v.requires_grad:
             raise ValueError(f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
@@ -537,7 +546,7 @@ def _wrapped_forward(layer, hidden_states, attention_mask=None, position_ids=Non
     job.orig_forward, job.call_kwargs = st["orig_forward"], call_kwargs
     job.cos_sin, job.mask = position_embeddings, attention_mask
     job.attn_kwargs = dict(position_ids=position_ids, use_cache=False, **kwargs)
-    job.sliding, job.whole = st["sliding"], _has_active_dropout(layer)
+    job.sliding, job.whole, job.chunk = st["sliding"], _has_active_dropout(layer), chunk
     anchor = _GradAnchor.get()
     return _OffloadedLayer.apply(job, anchor, hidden_states)
 
@@ -557,7 +566,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pin_memory: bool = True,
-                                   min_bytes: int = 2 * 2**20, prefetch: bool = True, chunk_tokens: int = 8192,
+                                   min_bytes: int = 2 * 2**20, prefetch: bool = True, chunk_tokens: int | None = None,
                                    _offload_on_cpu: bool = False) -> nn.Module:
     """Turn on offloaded checkpointing for every supported decoder layer of ``model``.
 
@@ -572,7 +581,8 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
         prefetch: in backward, start bringing back the previous layer's input while this one
             recomputes (costs one more layer input of GPU memory).
         chunk_tokens: tokens (batch x sequence) per slice of per-token work (norms, projections,
-            MLP). Smaller: lower peak, smaller matmuls.
+            MLP). Smaller: lower peak, smaller matmuls. None: so that one (tokens x intermediate)
+            activation is <= 2**26 elements (4096 for Llama-3.1-8B, 4096 for Qwen2.5-1.5B).
         _offload_on_cpu: testing only: "offload" CPU tensors too (into the host buffer pool), so
             the pool and prefetch logic run on machines without CUDA.
 
@@ -585,8 +595,9 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
             raise ValueError(f"{name} must be a bool, got {val!r}")
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be None or an int >= 1, got {chunk_tokens!r}")
     layers = _decoder_layers(model)
     opts = dict(offload=offload, pin_memory=pin_memory, min_bytes=min_bytes, prefetch=prefetch,
                 chunk_tokens=chunk_tokens, offload_cpu=_offload_on_cpu)
@@ -605,6 +616,7 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
             offloader=offloader, index=i, is_last=i == len(layers) - 1,
             orig_forward=layer.forward, instance_forward=layer.__dict__.get("forward") if had_instance_forward else None,
             had_instance_forward=had_instance_forward, sliding=SUPPORTED_LAYERS[type(layer).__name__],
+            auto_chunk=_auto_chunk_tokens(layer),
             hf_gc=getattr(layer, "gradient_checkpointing", None))
         if getattr(layer, "gradient_checkpointing", False):
             layer.gradient_checkpointing = False
@@ -641,3 +653,35 @@ def offload_stats(model: nn.Module) -> dict:
             pool = st["offloader"].pool
             return dict(host_bytes=pool.allocated_bytes, pinned_bytes=pool.pinned_bytes, free_buffers=len(pool.free))
     return dict(host_bytes=0, pinned_bytes=0, free_buffers=0)
+
+
+def reserve_offload_buffers(model: nn.Module, batch_size: int, seq_len: int) -> int:
+    """Allocate (and page-lock) the host buffers a (batch_size, seq_len) micro-batch will use,
+    before training: page-locking costs ~0.1-0.3 s per GiB and is otherwise paid inside the
+    first step (and again whenever a longer micro-batch arrives). Returns bytes now pooled.
+
+    Only when offloading applies (enabled with ``offload=True`` on CUDA); else returns 0.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    layers = [l for l in model.modules() if _STATE_ATTR in l.__dict__]
+    if not layers:
+        raise ValueError("reserve_offload_buffers: call enable_offloaded_checkpointing(model) first")
+    off: _Offloader = layers[0].__dict__[_STATE_ATTR]["offloader"]
+    param = next(layers[0].parameters())
+    on_cuda = param.is_cuda
+    if not off.offload or not (on_cuda or off.offload_cpu):
+        return 0
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    dtype = layers[0].input_layernorm.weight.dtype
+    nbytes = batch_size * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
+    if nbytes < off.min_bytes:
+        return 0
+    stream = off.side_stream(param.device)
+    # the last layer keeps its input on the device; take them all, then give them all back
+    taken = [off.pool.acquire(nbytes, stream) for _ in range(len(layers) - 1)]
+    for b in taken:
+        off.pool.release(b)
+    return sum(b.nbytes for b in off.pool.free)

@@ -17,6 +17,7 @@ from grpo_kit.checkpointing import (
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
     offload_stats,
+    reserve_offload_buffers,
 )
 
 peft = pytest.importorskip("peft")
@@ -272,3 +273,34 @@ def test_slices_cover_sequence():
         for s in parts:
             seen[s] += 1
         assert (seen == 1).all()
+
+
+def test_reserve_buffers_then_no_new_host_memory():
+    model = _lora(_tiny("tiny-llama"))
+    ids, mask = _batches()[0]
+    with pytest.raises(ValueError, match="enable_offloaded_checkpointing"):
+        reserve_offload_buffers(model, 2, 13)
+    enable_offloaded_checkpointing(model, **OURS)
+    with pytest.raises(ValueError, match="seq_len"):
+        reserve_offload_buffers(model, 2, 0)
+    reserved = reserve_offload_buffers(model, *ids.shape)
+    assert reserved > 0 and offload_stats(model)["free_buffers"] == len(_layers(model)) - 1
+    assert reserve_offload_buffers(model, *ids.shape) == reserved  # idempotent
+    model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert offload_stats(model)["host_bytes"] == reserved
+    disable_offloaded_checkpointing(model)
+    enable_offloaded_checkpointing(model, offload=False)
+    assert reserve_offload_buffers(model, *ids.shape) == 0
+    disable_offloaded_checkpointing(model)
+
+
+def test_auto_chunk_size():
+    from grpo_kit.models import model_config
+    from transformers import AutoModelForCausalLM
+
+    for name, want in (("llama-3.1-8b", 4096), ("qwen2.5-1.5b", 4096), ("llama-3.2-1b", 8192)):
+        cfg = model_config(name)
+        cfg.num_hidden_layers = 1
+        with torch.device("meta"):
+            layer = AutoModelForCausalLM.from_config(cfg).model.layers[0]
+        assert ck._auto_chunk_tokens(layer) == want, name
