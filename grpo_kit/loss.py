@@ -255,12 +255,13 @@ def per_token_loss_and_grad(logp, old_logp, ref_logp, adv, beta, epsilon_low, ep
     return loss, dloss, ratio
 
 
-def _auto_chunk_rows(vocab, dtype, device, backend):
-    """Rows per chunk so one logits chunk (plus epilogue temporaries) fits ~0.25 GiB of free memory."""
+def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
+    """Rows per chunk so that one logits chunk (plus epilogue temporaries) and the per-token fp32/int64
+    vectors (~48 bytes a token: weights, advantages, old/ref/log-probs, ids) fit in ~0.25 GiB."""
     per_row = vocab * torch.empty((), dtype=dtype).element_size()
     if backend == "torch":
         per_row += vocab * 4 * 3  # fp32 copies made by the torch epilogue
-    budget = _CHUNK_BUDGET_BYTES
+    budget = max(_CHUNK_BUDGET_BYTES - 48 * n_tokens, _CHUNK_BUDGET_BYTES // 4)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = min(budget, free // 4)
@@ -470,7 +471,7 @@ def efficient_grpo_loss(
         raise ValueError("ref_logps is required when beta != 0")
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
-        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend)
+        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T)
 
     N = B * T
     w = token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch).reshape(N)

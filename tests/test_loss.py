@@ -390,3 +390,16 @@ def test_padding_may_hold_garbage_and_empty_batch_is_zero():
     loss.backward()
     assert loss.item() == 0.0 and h.grad.abs().max() == 0
     assert all(not torch.isnan(v) for k, v in m.items() if not k.endswith(("_min", "_max")))
+
+
+@pytest.mark.parametrize("n_tokens", [0, 8 * 4096, 8 * 65536])
+@pytest.mark.parametrize("vocab", [128256, 151936])
+def test_auto_chunk_fits_the_quarter_gib_budget(n_tokens, vocab):
+    """The chunk plus the per-token vectors stays within 0.25 GiB (the memory target's allowance)."""
+    from grpo_kit.loss import _auto_chunk_rows
+
+    rows = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "triton", n_tokens)
+    assert rows >= 64 and rows % 64 == 0
+    assert rows * vocab * 2 + 48 * n_tokens <= 2**28
+    rows_t = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "torch", n_tokens)
+    assert rows_t * vocab * (2 + 12) + 48 * n_tokens <= 2**28
