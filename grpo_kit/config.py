@@ -21,7 +21,7 @@ TASKS = ("arithmetic", "word_problems", "gsm8k")
 REWARD_FUNCS = ("correctness", "format_strict", "format_soft")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-TRAINERS = ("trl",)
+TRAINERS = ("grpo_kit", "trl")
 GENERATION_BACKENDS = ("auto", "hf", "vllm")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -50,7 +50,8 @@ class GRPOKitConfig:
     device: str = _f("auto", f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.")
     dtype: str = _f("auto", f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
                     "on GPU (with a GradScaler), fp32 on CPU.")
-    trainer: str = _f("trl", f"Which trainer runs the job, one of {TRAINERS}: `trl` is TRL's stock GRPOTrainer.")
+    trainer: str = _f("grpo_kit", f"Which trainer runs the job, one of {TRAINERS}: `grpo_kit` is the kit's "
+                      "EfficientGRPOTrainer (no full logits), `trl` TRL's stock GRPOTrainer.")
     # --- data ------------------------------------------------------------------------
     task: str = _f("arithmetic", f"Training task, one of {TASKS}.")
     levels: list = _f([1, 2], "Difficulty levels of the generated tasks (1 = one-digit +/-, 2 = two-digit +/-, "

@@ -1,12 +1,185 @@
-"""Trainer construction: TRL's stock ``GRPOTrainer``, selected by ``GRPOKitConfig.trainer``."""
+"""``EfficientGRPOTrainer``: TRL's ``GRPOTrainer`` with the kit's memory-efficient loss.
+
+It keeps TRL's API (``GRPOConfig``, reward functions, datasets, callbacks, logging)
+and overrides two methods, the smallest set that decides how memory is spent:
+
+* ``_get_per_token_logps_and_entropies`` (the no-grad reference and old-policy passes,
+  and TRL's own helper wherever it calls it): final hidden states from the model, then
+  chunked log-probs, :func:`grpo_kit.loss.per_token_logps`; no (B, T, V) logits.
+* ``_compute_loss`` (the policy pass): the same hidden states into
+  :func:`grpo_kit.loss.efficient_grpo_loss`, which computes the gradient with respect to
+  the hidden states chunk by chunk inside the forward.
+
+With PEFT LoRA, TRL already uses the base model with the adapter disabled as the
+reference (no second copy of the weights); that path goes through the first override.
+On a GPU, offloaded gradient checkpointing (:mod:`grpo_kit.checkpointing`) is turned on
+by default. ``tests/test_trainer.py`` fails loudly when the pinned TRL changes a method
+signature or attribute this class relies on.
+
+Hidden states are captured with a forward hook on the body's final norm while the model
+is called through its own (possibly DDP-wrapped) forward with ``logits_to_keep=1``, so
+distributed gradient hooks still fire and the full-vocabulary head runs on one position.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+from trl import GRPOTrainer
+
+from .loss import efficient_grpo_loss, per_token_logps
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(final norm of the decoder body, the ``*ForCausalLM``), under DDP and PEFT wrappers."""
+    m = model
+    while hasattr(m, "module") and isinstance(m.module, torch.nn.Module):  # DDP / accelerate wrappers
+        m = m.module
+    if hasattr(m, "get_base_model"):  # PEFT
+        m = m.get_base_model()
+    norm = getattr(getattr(m, "model", None), "norm", None)
+    if not isinstance(norm, torch.nn.Module) or not hasattr(m, "get_output_embeddings"):
+        raise ValueError(f"{type(m).__name__} has no final norm at .model.norm; supported: Llama, Qwen2, Mistral "
+                         "families (HF transformers layout)")
+    return norm, m
+
+
+@contextlib.contextmanager
+def _capture_output(module: torch.nn.Module):
+    box: list[torch.Tensor] = []
+    handle = module.register_forward_hook(lambda _m, _i, out: box.append(out))
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+class EfficientGRPOTrainer(GRPOTrainer):
+    """Drop-in ``GRPOTrainer`` that never builds full logits. Extra keyword arguments:
+
+    ``loss_chunk_size`` (rows per logits chunk; None: chosen from free memory) and
+    ``offload_checkpointing`` (None: on when the model is on CUDA and the config asks for
+    gradient checkpointing; True/False to force).
+    """
+
+    def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
+                 **kwargs):
+        training_args = kwargs.get("args")
+        if training_args is not None:
+            self._check_supported(training_args)
+        super().__init__(*args, **kwargs)
+        self.loss_chunk_size = loss_chunk_size
+        self._norm, self._causal_lm = _final_norm(self.model)
+        on_cuda = next(self.model.parameters()).is_cuda
+        if offload_checkpointing is None:
+            offload_checkpointing = on_cuda and bool(self.args.gradient_checkpointing)
+        if offload_checkpointing:
+            from .checkpointing import enable_offloaded_checkpointing
+
+            enable_offloaded_checkpointing(self.model, offload=on_cuda)
+
+    @staticmethod
+    def _check_supported(args) -> None:
+        problems = []
+        if args.loss_type not in SUPPORTED_LOSS_TYPES:
+            problems.append(f"loss_type={args.loss_type!r} (supported: {list(SUPPORTED_LOSS_TYPES)})")
+        if getattr(args, "importance_sampling_level", "token") != "token":
+            problems.append(f"importance_sampling_level={args.importance_sampling_level!r} (supported: 'token')")
+        if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+            problems.append("top_entropy_quantile < 1.0")
+        if getattr(args, "delta", None) is not None:
+            problems.append("delta (two-sided clipping)")
+        if getattr(args, "off_policy_mask_threshold", None) is not None:
+            problems.append("off_policy_mask_threshold")
+        if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
+            problems.append("an entropy bonus")
+        if getattr(args, "use_vllm", False):
+            problems.append("use_vllm (use the kit's generation_backend instead)")
+        if getattr(args, "use_bias_correction_kl", False):
+            problems.append("use_bias_correction_kl=True (the kit's KL term is the plain k3 estimator; "
+                            "set use_bias_correction_kl=False)")
+        if problems:
+            raise ValueError("EfficientGRPOTrainer does not support: " + "; ".join(problems)
+                             + ". Use trainer='trl' (TRL's GRPOTrainer) for these settings.")
+
+    # -- hidden states ------------------------------------------------------------------
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t."""
+        with _capture_output(self._norm) as box, self.accelerator.autocast():
+            model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+        hidden = box[-1]
+        return hidden[:, -logits_to_keep - 1:-1, :]
+
+    def _head(self):
+        head = self._causal_lm.get_output_embeddings()
+        return head.weight, getattr(head, "bias", None)
+
+    # -- override 1: log-probs without logits ----------------------------------------------
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if any(v is not None for v in multimodal.values()) or compute_aux_loss:
+            raise ValueError("EfficientGRPOTrainer supports text-only dense models (no images, no MoE aux loss)")
+        batch_size = batch_size or input_ids.size(0)
+        weight, bias = self._head()
+        out = []
+        for start in range(0, input_ids.size(0), batch_size):
+            sl = slice(start, start + batch_size)
+            with torch.no_grad():
+                hidden = self._completion_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep)
+                out.append(per_token_logps(hidden.to(weight.dtype), weight, input_ids[sl, -logits_to_keep:],
+                                           temperature=self.temperature, chunk_size=self.loss_chunk_size,
+                                           lm_head_bias=bias))
+        # Entropy needs the full distribution per token: the loss pass reports it instead.
+        return torch.cat(out, 0), None, None
+
+    # -- override 2: the loss ------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+
+        hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
+        weight, bias = self._head()
+        mode = "train" if self.model.training else "eval"
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        num_items = None
+        if self.loss_type == "dapo":  # TRL's normaliser: the window's active tokens per process
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        loss, metrics = efficient_grpo_loss(
+            hidden.to(weight.dtype), weight, completion_ids, mask, inputs["advantages"],
+            old_logps=inputs.get("old_per_token_logps"), ref_logps=inputs.get("ref_per_token_logps"),
+            beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
+            temperature=self.temperature, max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True)
+        if self.loss_type != "dapo":
+            loss = loss / accum
+        self._log_loss_metrics(mode, metrics)
+        return loss
+
+    def _log_loss_metrics(self, mode: str, metrics: dict) -> None:
+        """Same metric names as TRL, averaged over processes."""
+        names = {"kl": "kl", "entropy": "entropy", "clip_ratio/low_mean": "clip_ratio/low_mean",
+                 "clip_ratio/high_mean": "clip_ratio/high_mean", "clip_ratio/region_mean": "clip_ratio/region_mean"}
+        for ours, theirs in names.items():
+            value = metrics.get(ours)
+            if value is None or (ours == "kl" and self.beta == 0.0):
+                continue
+            self._metrics[mode][theirs].append(self.accelerator.gather(value.detach().reshape(1)).nanmean().item())
+
 
 def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None):
-    """Build the trainer the config asks for, with TRL's constructor arguments."""
-    from trl import GRPOTrainer
-
+    """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments."""
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
-    return GRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
-                       processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
+    kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
+                  processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
+    if cfg.trainer == "trl":
+        return GRPOTrainer(**kwargs)
+    return EfficientGRPOTrainer(**kwargs, loss_chunk_size=cfg.loss_chunk_size or None)
