@@ -417,7 +417,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
         scale, shape, wdtype = ctx.meta
         factor = grad_loss.float() / scale
         if grad_h is not None:
-            grad_h = grad_h.mul_(factor.to(grad_h.dtype) if grad_h.dtype == torch.float32 else factor).view(shape)
+            grad_h = grad_h.mul_(factor).view(shape)  # in place: no second hidden-sized buffer
         if grad_w is not None:
             grad_w = grad_w.mul_(factor).to(wdtype)
         if grad_b is not None:
