@@ -148,7 +148,9 @@ class Phases:
             self.peak = max(self.peak, peak)
             # reset_peak_memory_stats resets the reserved peak too: keep the max across phases
             self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.dev))
-            self.rows[name] = dict(start=start, peak=peak, end=torch.cuda.memory_allocated(self.dev))
+            prev = self.rows.get(name)  # a phase entered several times: first start, max peak, last end
+            self.rows[name] = dict(start=prev["start"] if prev else start, peak=max(peak, prev["peak"] if prev else 0),
+                                   end=torch.cuda.memory_allocated(self.dev))
 
 
 def grpo_step(model, opt, row, batch, args, phases):
@@ -165,9 +167,12 @@ def grpo_step(model, opt, row, batch, args, phases):
             else:
                 ref[s:s + mb] = per_token_logps(h, W, comp[s:s + mb])
             del h
+    # every line runs inside some phase: the step's peak is the max over phases
     for s in range(0, G, mb):
         first = s == 0
         sl = slice(s, s + mb)
+        rest = nullcontext() if first else phases("other_microbatches")
+        rest.__enter__()
         with phases("mb0_forward") if first else nullcontext():
             h = body(input_ids=ids[sl], use_cache=False).last_hidden_state[:, P - 1:-1]
         with phases("mb0_loss") if first else nullcontext():
@@ -178,11 +183,12 @@ def grpo_step(model, opt, row, batch, args, phases):
                 loss, _ = efficient_grpo_loss(h, W, comp[sl], mask[sl], adv[sl], ref_logps=ref[sl],
                                               beta=args.beta, **LOSS_KW)
             loss = loss * (ids[sl].shape[0] / G)
-        with phases("mb0_backward") if first else phases("other_microbatches") if s == mb else nullcontext():
+        with phases("mb0_backward") if first else nullcontext():
             loss.backward()
         del h, loss
         if row == "baseline":
             del lp
+        rest.__exit__(None, None, None)
     with phases("optimizer"):
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -563,10 +569,12 @@ def plot(data, path):
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
     for ax, (key, rows) in zip(axes[0], groups.items()):
         width = 0.8 / len(rows)
+        colors = {"baseline": "tab:blue", "ours": "tab:orange", "ours_offload": "tab:green"}
         for i, r in enumerate(rows):
             ph = [p for p in order if p in r["phases"]]
-            xs = [j + i * width for j in range(len(ph))]
-            ax.bar(xs, [r["phases"][p]["peak"] for p in ph], width, label=f"{r['row']} peak")
+            xs = [order.index(p) + i * width for p in ph]  # fixed slot per phase, even if one is missing
+            ax.bar(xs, [r["phases"][p]["peak"] for p in ph], width, label=f"{r['row']} peak",
+                   color=colors.get(r["row"]))
             ax.scatter(xs, [r["phases"][p]["end"] for p in ph], marker="_", s=200, color="k", zorder=3)
         ax.axhline(r["weights_gib"], ls="--", color="grey", lw=1, label="bf16 weights")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(order))])
