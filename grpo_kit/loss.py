@@ -235,24 +235,32 @@ def token_weights(mask, loss_type, max_completion_length=None, num_items_in_batc
     return m / n.clamp(min=1.0)
 
 
-def per_token_loss_and_grad(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high):
-    """Per-token GRPO loss and its derivative d(loss)/d(logp), elementwise, fp32.
+def per_token_loss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high):
+    """Per-token GRPO loss, elementwise, fp32: -min(r*A, clip(r)*A) + beta * k3(ref, logp).
 
     logp, adv: (n,) fp32; old_logp, ref_logp: (n,) fp32 or None (None old: on-policy, ratio 1).
-    The clip is inactive (gradient flows) unless A > 0 and r > 1+eps_high, or A < 0 and
-    r < 1-eps_low: exactly torch's min/clamp subgradient used by the reference.
+    """
+    ratio = torch.ones_like(logp) if old_logp is None else torch.exp(logp - old_logp)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+    if beta != 0:
+        d = ref_logp - logp
+        loss = loss + beta * (torch.exp(d) - d - 1)
+    return loss
+
+
+def per_token_dloss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high):
+    """d(per_token_loss)/d(logp), elementwise, fp32 (same arguments as :func:`per_token_loss`).
+
+    The clip is inactive (gradient -A*r flows) unless A > 0 and r > 1+eps_high, or A < 0 and
+    r < 1-eps_low: exactly the subgradient torch's min/clamp give the reference. The k3 term
+    contributes beta * (1 - exp(ref - logp)).
     """
     ratio = torch.ones_like(logp) if old_logp is None else torch.exp(logp - old_logp)
     clipped = ((adv > 0) & (ratio > 1 + epsilon_high)) | ((adv < 0) & (ratio < 1 - epsilon_low))
-    clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-    loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    dloss = torch.where(clipped, torch.zeros_like(ratio), -adv * ratio)
+    dloss = torch.where(clipped, 0.0, -adv * ratio)
     if beta != 0:
-        d = ref_logp - logp
-        ed = torch.exp(d)
-        loss = loss + beta * (ed - d - 1)
-        dloss = dloss + beta * (1 - ed)
-    return loss, dloss, ratio
+        dloss = dloss + beta * (1 - torch.exp(ref_logp - logp))
+    return dloss
 
 
 def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
@@ -367,7 +375,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
                 ent_a[s:e] = ent_c
             if not any_grad:
                 continue
-            _, dloss, _ = per_token_loss_and_grad(
+            dloss = per_token_dloss(
                 logp_c, None if old_a is None else old_a[s:e], None if ref_a is None else ref_a[s:e],
                 adv_a[s:e], opts["beta"], opts["epsilon_low"], opts["epsilon_high"],
             )
@@ -398,7 +406,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
             if ent is not None:
                 ent.index_copy_(0, rows, ent_a)
 
-        loss_tok, _, _ = per_token_loss_and_grad(
+        loss_tok = per_token_loss(
             logp, old if old is None else torch.where(active, old, logp), None if ref is None else torch.where(active, ref, logp),
             adv, opts["beta"], opts["epsilon_low"], opts["epsilon_high"],
         )

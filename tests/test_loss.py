@@ -403,3 +403,20 @@ def test_auto_chunk_fits_the_quarter_gib_budget(n_tokens, vocab):
     assert rows * vocab * 2 + 48 * n_tokens <= 2**28
     rows_t = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "torch", n_tokens)
     assert rows_t * vocab * (2 + 12) + 48 * n_tokens <= 2**28
+
+
+@pytest.mark.parametrize("with_old,beta", [(True, 0.0), (True, 0.3), (False, 0.3)])
+def test_per_token_dloss_is_the_autograd_derivative(with_old, beta):
+    from grpo_kit.loss import per_token_dloss, per_token_loss
+
+    g = torch.Generator().manual_seed(17)
+    logp = (torch.randn(4000, generator=g) - 3).double().requires_grad_()
+    old = (logp.detach() + 0.5 * torch.randn(4000, generator=g)) if with_old else None
+    ref = logp.detach() + 0.5 * torch.randn(4000, generator=g)
+    adv = torch.randn(4000, generator=g).double()
+    loss = per_token_loss(logp, old, ref, adv, beta, 0.2, 0.28)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    if not with_old:  # on-policy: the reference's old = logp.detach() semantics
+        loss2 = per_token_loss(logp, logp.detach(), ref, adv, beta, 0.2, 0.28)
+        (grad,) = torch.autograd.grad(loss2.sum(), logp)
+    assert torch.allclose(per_token_dloss(logp.detach(), old, ref, adv, beta, 0.2, 0.28), grad, atol=1e-12)
