@@ -112,7 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `bench NAME ...` and `vram ...` hand every later argument (options included) to their own parser.
+    if argv[:1] == ["vram"]:
+        args = argparse.Namespace(func=_vram, rest=argv[1:])
+    elif argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
+        args = argparse.Namespace(func=_bench, name=argv[1], rest=argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:  # ConfigError included: bad input gets one clear line
