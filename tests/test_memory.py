@@ -111,6 +111,17 @@ def test_layer_saved_bytes_match_autograd(name, dtype, b, lora_rank):
     assert attn + mlp == _autograd_saved_bytes_per_token(name, dtype, lora_rank)
 
 
+@pytest.mark.parametrize("inter", [160, 1536, 8960, 14336, 18944, 100_000])
+def test_auto_chunk_tokens_matches_checkpointing(inter):
+    from types import SimpleNamespace
+
+    from grpo_kit.checkpointing import _auto_chunk_tokens
+
+    layer = SimpleNamespace(mlp=SimpleNamespace(intermediate_size=inter))
+    a = F.Arch("x", "llama", 1000, 64, inter, 2, 4, 2, 16, False)
+    assert F.auto_chunk_tokens(a) == _auto_chunk_tokens(layer)
+
+
 def test_config_json_path_and_config_object_match_the_builtin(tmp_path):
     cfg = model_config("qwen2.5-1.5b")
     cfg.to_json_file(tmp_path / "config.json")

@@ -135,7 +135,8 @@ def _check(num_generations, prompt_length, completion_length, dtype, lora_rank, 
         if mb > G:
             raise ValueError(f"micro_batch_size must be <= num_generations={G}, got {mb}")
     _int_at_least("loss_chunk_bytes", loss_chunk_bytes, 1)
-    _int_at_least("chunk_tokens", chunk_tokens, 1)
+    if chunk_tokens is not None:
+        _int_at_least("chunk_tokens", chunk_tokens, 1)
     if not isinstance(prefetch, bool):
         raise ValueError(f"prefetch must be a bool, got {prefetch!r}")
 
@@ -153,8 +154,9 @@ def _is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
 def estimate(model, *, num_generations: int, prompt_length: int, completion_length: int, dtype: str = "bf16",
              lora_rank: int | None = None, quantization: str | None = None, method: str = "grpo_kit",
              vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
-             loss_chunk_bytes: int = 256 * 2**20, chunk_tokens: int = 8192, prefetch: bool = True,
-             include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False) -> pd.DataFrame:
+             loss_chunk_bytes: int = 256 * 2**20, chunk_tokens: int | None = None, prefetch: bool = True,
+             include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
+             loss_epilogue: str = "triton") -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -173,8 +175,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         kv_cache_dtype: ``None`` (= dtype) or ``"fp8"`` etc.
         micro_batch_size: sequences per forward/backward (None: all G at once, as published).
         loss_chunk_bytes: grpo_kit's logits chunk budget (``grpo_kit.loss``: 256 MiB).
-        chunk_tokens / prefetch: grpo_kit's checkpointing slice size and prefetch of the next
-            layer input (``grpo_kit.checkpointing`` defaults).
+        chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
+            :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
         include_generation: False leaves out the KV cache (a training step alone, as the
             whole-step benchmark measures it).
         offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
@@ -183,6 +185,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             style; the whole-step benchmark's baseline). At the loss backward the fp32 saved
             output, its incoming gradient and the input gradient coexist: 3 x 4 B per logit,
             instead of TRL's bf16 path (2 x 2 B, as published).
+        loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"``
+            (CPU: the chunk budget counts three fp32 temporaries per logit; two exist at a time).
 
     Returns:
         DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last
@@ -200,6 +204,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         raise ValueError(f"offload must be None or a bool, got {offload!r}")
     if offload and method == "trl":
         raise ValueError("offload=True is not available with method='trl' (TRL has no offloaded checkpointing)")
+    if loss_epilogue not in ("triton", "torch"):
+        raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
     if loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
     a = resolve_arch(model)
@@ -251,6 +257,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     # brought back in its place); grpo_kit's prefetch adds the next one.
     extra_in = 1 if (method == "grpo_kit" and offload and prefetch and a.layers > 1) else 0
     if method == "grpo_kit":
+        chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
         rec = F.chunked_recompute_peak(a, tokens, b, lora_rank, extra_in, chunk_tokens)
         rec_note = (f"chunked recompute ({chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
                     + (", next layer's input prefetched" if extra_in else ""))
@@ -275,9 +282,11 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             logit = F.logits_bytes(2, 1, C, a.vocab, b)
             lnote = f"one sequence at a time: 2 x ({C} tok, {a.vocab} vocab) x {b} B"
         else:
-            rows_c = min(F.loss_chunk_rows(a.vocab, b, loss_chunk_bytes), M * C)
-            logit = rows_c * a.vocab * b
-            lnote = f"one chunk of {rows_c} token rows x {a.vocab} vocab x {b} B"
+            # the torch epilogue budgets three fp32 temporaries per logit; two exist at a time
+            budget_elt, per_elt = (b + 3 * F.FP32, b + 2 * F.FP32) if loss_epilogue == "torch" else (b, b)
+            rows_c = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), M * C)
+            logit = rows_c * a.vocab * per_elt
+            lnote = f"one chunk of {rows_c} token rows x {a.vocab} vocab x {per_elt} B"
         add("logits for the loss", "GPU", logit, ("loss",), lnote)
         add("final norm + hidden states (loss)", "GPU", norm + tokens * a.hidden * b + M * C * a.hidden * b,
             ("loss",), "final RMSNorm's fp32 input, the final hidden states and their gradient (computed in the "
@@ -337,7 +346,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
-                         offload=offload, loss_fp32=loss_fp32,
+                         offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
     return df

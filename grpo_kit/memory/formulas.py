@@ -212,6 +212,14 @@ def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, bro
     return tokens * (per_tok + brought_back * b * a.hidden)
 
 
+def auto_chunk_tokens(a: Arch) -> int:
+    """``grpo_kit.checkpointing``'s default slice (``chunk_tokens=None``): the largest power of two
+    with tokens x intermediate <= 2**26 elements, clamped to [1024, 16384] (Llama-3.1-8B and
+    Qwen2.5-1.5B: 4096). Held equal to ``checkpointing._auto_chunk_tokens`` in tests."""
+    t = 1 << max(0, (2**26 // max(a.intermediate, 1)).bit_length() - 1)
+    return min(16384, max(1024, t))
+
+
 def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
                            chunk_tokens: int) -> int:
     """One layer's backward under ``grpo_kit.checkpointing`` (per-token work in slices of
@@ -250,10 +258,11 @@ def logits_bytes(n_tensors: int, sequences: int, tokens: int, vocab: int, b: int
     return n_tensors * sequences * tokens * vocab * b
 
 
-def loss_chunk_rows(vocab: int, b: int, budget_bytes: int) -> int:
-    """Token rows per logits chunk of ``grpo_kit.loss`` (its ``_auto_chunk_rows`` rule with the
-    Triton epilogue): as many (V,) rows of ``b`` bytes as fit the budget, a multiple of 64."""
-    rows = max(1, budget_bytes // (vocab * b))
+def loss_chunk_rows(vocab: int, bytes_per_logit: int, budget_bytes: int) -> int:
+    """Token rows per logits chunk of ``grpo_kit.loss`` (its ``_auto_chunk_rows`` rule): as many
+    (V,) rows as fit the budget, a multiple of 64 from 128 rows up. ``bytes_per_logit``: b with the
+    Triton epilogue, b + 12 with the torch one (three fp32 temporaries)."""
+    rows = max(1, budget_bytes // (vocab * bytes_per_logit))
     return int(rows // 64 * 64) if rows >= 128 else int(rows)
 
 
