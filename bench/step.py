@@ -388,6 +388,19 @@ PLANS = {
         dict(model="llama-3.1-8b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
         dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours_offload",), tag="long"),
     ],
+    # the same without the slow long-context points and the 8K calibration points
+    "core": [
+        dict(model="qwen2.5-1.5b", gens=8, seq_len=1024, micro_batch=8, rows=ROWS, tag="headline_qwen"),
+        dict(model="qwen2.5-1.5b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="qwen2.5-1.5b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="qwen2.5-1.5b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
+        dict(model="llama-3.1-8b", gens=8, seq_len=20480, micro_batch=1, rows=("ours_offload", "ours", "baseline"),
+             tag="headline_8b"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload", "ours"),
+             tag="calib"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
+    ],
     # long context: confirmation under an 80 GB budget (minutes per step)
     "long": [
         dict(model="llama-3.1-8b", gens=1, seq_len=262144, micro_batch=1, rows=("ours_offload",), tag="confirm",
