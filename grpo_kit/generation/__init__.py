@@ -1,0 +1,61 @@
+"""Generation backends behind one interface: ``HFGenerator`` and ``VLLMGenerator``.
+
+``make_generator(backend, ...)`` picks one. vLLM is optional: this package imports
+without it, ``backend="auto"`` then uses HF, and ``backend="vllm"`` stops with the exact
+install command for the machine. An architecture vLLM cannot load falls back to HF
+with a warning.
+
+Trainer integration: :class:`grpo_kit.generation.trainer_hook.KitGenerationMixin`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from .base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
+from .hf import HFGenerator, process_logits, sampling_logprobs_reference
+from .vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, plan_gpu_memory_utilization,
+                           vllm_available, vllm_install_command)
+
+BACKENDS = ("auto", "hf", "vllm")
+
+__all__ = ["BACKENDS", "GenerationEngineError", "GenerationResult", "Generator", "HFGenerator", "SamplingConfig",
+           "UnsupportedArchitectureError", "VLLMNotInstalledError", "make_generator", "plan_gpu_memory_utilization",
+           "process_logits", "sampling_logprobs_reference", "vllm_available", "vllm_install_command"]
+
+
+def __getattr__(name):
+    if name == "VLLMGenerator":  # importing it is cheap, but keep one import path for it
+        from .vllm_backend import VLLMGenerator
+
+        return VLLMGenerator
+    raise AttributeError(name)
+
+
+def make_generator(backend: str = "auto", *, model=None, tokenizer=None, model_dir=None, **vllm_kwargs) -> Generator:
+    """A generator for ``backend`` (``"auto"``, ``"hf"`` or ``"vllm"``).
+
+    ``model``/``tokenizer``: the training model (HF backend; may also be given later via
+    ``sync_weights``). ``model_dir``: the HF folder vLLM starts from (for the embedded
+    model :func:`grpo_kit.models.embedded_model_dir`). ``vllm_kwargs`` go to
+    :class:`VLLMGenerator`. ``"auto"``: vLLM when it is importable and ``model_dir`` is
+    given, else HF.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed; choose one of {list(BACKENDS)}")
+    if backend == "hf" or (backend == "auto" and (model_dir is None or not vllm_available())):
+        return HFGenerator(model, tokenizer)
+    if model_dir is None:
+        raise ValueError("backend='vllm' needs model_dir (the HF folder the engine loads)")
+    if not Path(model_dir, "config.json").is_file():
+        raise ValueError(f"model_dir={str(model_dir)!r} is not a HF model folder (no config.json)")
+    import_vllm()  # VLLMNotInstalledError with the install command
+    from .vllm_backend import VLLMGenerator, check_vllm_architecture
+
+    try:
+        check_vllm_architecture(model_dir)
+    except UnsupportedArchitectureError as e:
+        warnings.warn(f"{e}; falling back to HF generate", RuntimeWarning, stacklevel=2)
+        return HFGenerator(model, tokenizer)
+    return VLLMGenerator(model_dir, tokenizer=tokenizer, **vllm_kwargs)

