@@ -54,20 +54,20 @@ class GRPOKitConfig:
                       "EfficientGRPOTrainer (no full logits), `trl` TRL's stock GRPOTrainer.")
     # --- data ------------------------------------------------------------------------
     task: str = _f("arithmetic", f"Training task, one of {TASKS}.")
-    levels: list = _f([1, 2], "Difficulty levels of the generated tasks (1 = one-digit +/-, 2 = two-digit +/-, "
-                      "3 = two-digit incl. x, 4 = three-digit).")
+    levels: list = _f([1, 2], "Difficulty levels of the generated tasks (1 = one-digit +/-, 2 = two-digit +/- "
+                      "one-digit, 3 = two-digit +/-, 4 = two-digit x one-digit and three-digit +/-).")
     dataset_path: str = _f("", "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "
                            "the hub dataset openai/gsm8k (needs network).")
     num_train_samples: int = _f(2000, "Training problems to generate (or to take from the jsonl).")
     num_eval_samples: int = _f(200, "Held-out problems for before/after accuracy (0: no evaluation).")
-    system_prompt: str = _f("", "System prompt; empty: the kit's default asking for brief reasoning and a final "
-                            "line `Answer: <number>`.")
+    system_prompt: str = _f("", "System prompt; empty: the kit's default for the task (arithmetic: the answer only, "
+                            "as `Answer: <number>`; word problems and GSM8K: brief reasoning, then that line).")
     # --- GRPO (names as in TRL's GRPOConfig) -------------------------------------------
     num_generations: int = _f(8, "Completions sampled per prompt (the group size); at least 2.")
     per_device_train_batch_size: int = _f(8, "Completions per micro-batch; must be a multiple of num_generations.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.")
     max_prompt_length: int = _f(256, "Longest prompt in tokens; longer prompts are an error, not silently cut.")
-    max_completion_length: int = _f(32, "Longest completion in tokens.")
+    max_completion_length: int = _f(24, "Longest completion in tokens.")
     temperature: float = _f(0.7, "Sampling temperature (> 0).")
     top_p: float = _f(1.0, "Nucleus sampling threshold in (0, 1].")
     top_k: int = _f(0, "Top-k sampling (0: off).")

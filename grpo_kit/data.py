@@ -17,13 +17,20 @@ from pathlib import Path
 
 # Short on purpose: on a 2-core CPU every prompt token is paid for in every generation.
 DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the line: Answer: <number>"
+# Bare arithmetic needs no reasoning; a 135M model that reasons first runs out of tokens before answering.
+ARITHMETIC_SYSTEM_PROMPT = "Give only the final answer, in the form: Answer: <number>"
+
+
+def default_system_prompt(task: str) -> str:
+    """The kit's system prompt for a task: answer-only for arithmetic, brief reasoning otherwise."""
+    return ARITHMETIC_SYSTEM_PROMPT if task == "arithmetic" else DEFAULT_SYSTEM_PROMPT
 HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
 
 LEVELS = {
     1: "one-digit addition and subtraction",
-    2: "two-digit addition and subtraction",
-    3: "two-digit addition, subtraction and multiplication by one digit",
-    4: "three-digit addition and subtraction, two-digit multiplication",
+    2: "two-digit plus or minus one-digit",
+    3: "two-digit addition and subtraction",
+    4: "two-digit times one-digit, three-digit addition and subtraction",
 }
 
 
@@ -36,14 +43,13 @@ def arithmetic_problem(rng: random.Random, level: int) -> dict:
     if level == 1:
         a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
     elif level == 2:
-        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+        a, b, op = rng.randint(10, 99), rng.randint(1, 9), rng.choice("+-")
     elif level == 3:
-        op = rng.choice("+-*")
-        a, b = (rng.randint(10, 99), rng.randint(2, 9)) if op == "*" else (rng.randint(10, 99), rng.randint(10, 99))
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
     elif level == 4:
         op = rng.choice("+-*")
-        a, b = (rng.randint(10, 99), rng.randint(10, 99)) if op == "*" else (rng.randint(100, 999),
-                                                                             rng.randint(100, 999))
+        a, b = (rng.randint(10, 99), rng.randint(2, 9)) if op == "*" else (rng.randint(100, 999),
+                                                                           rng.randint(100, 999))
     else:
         raise ValueError(f"level={level!r} is not allowed; choose one of {sorted(LEVELS)}")
     if op == "-" and b > a:  # keep results non-negative at the easy levels

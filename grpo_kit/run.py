@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import GRPOKitConfig
-from .data import build_datasets, make_prompt, to_prompt_dataset
+from .data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
 from .rewards import get_reward_funcs
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
@@ -154,11 +154,11 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig) -> int:
+def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
     """Longest rendered prompt in tokens; one over ``max_prompt_length`` is an error, not a silent cut."""
     longest, worst = 0, None
     for e in examples:
-        text = tokenizer.apply_chat_template(make_prompt(e["question"], cfg.system_prompt), tokenize=False,
+        text = tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
                                              add_generation_prompt=True)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n > longest:
@@ -214,6 +214,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
+    system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
 
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -225,15 +226,15 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
 
     t_start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)
-    check_prompt_lengths(tokenizer, train_ex + heldout, cfg)
+    check_prompt_lengths(tokenizer, train_ex + heldout, cfg, system_prompt)
     if cfg.use_lora:
         check_lora_targets(model, cfg.lora_target_modules)
 
-    eval_kw = dict(system_prompt=cfg.system_prompt, max_new_tokens=cfg.max_completion_length)
+    eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
     evals = {}
     if heldout:
         evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw)
-        print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)")
+        print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)", flush=True)
 
     peft_config = None
     if cfg.use_lora:
@@ -251,7 +252,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
     from .trainer import make_trainer
 
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
-                           args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, cfg.system_prompt),
+                           args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
                            callbacks=[callback], peft_config=peft_config)
     if not progress:
         trainer.args.disable_tqdm = True
@@ -270,7 +271,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
     trained = trainer.model
     if heldout:
         evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw)
-        print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}")
+        print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}", flush=True)
     (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
 
     finite = all(math.isfinite(r[k]) for r in history for k in ("reward_mean", "loss") if r[k] is not None)
