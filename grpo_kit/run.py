@@ -203,8 +203,10 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
     )
 
 
-def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
+def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -> dict:
     """Run the main job for a config; returns the summary also written to ``summary.json``.
+
+    ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard).
 
     The config is validated and the data built before any model is loaded, so bad input
     fails in seconds. Nothing already in the run folder is deleted.
@@ -253,7 +255,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True) -> dict:
 
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
                            args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
-                           callbacks=[callback], peft_config=peft_config)
+                           callbacks=[callback, *callbacks], peft_config=peft_config)
     if not progress:
         trainer.args.disable_tqdm = True
     t_train = time.perf_counter()
