@@ -28,6 +28,8 @@ def _train(args) -> int:
     from .run import train
 
     summary = train(cfg)
+    if not summary.get("main_process", True):  # other processes of an `accelerate launch` run
+        return 0
     print("run folder:", summary["run_dir"])
     for k in ("steps", "train_seconds", "mean_step_time_s", "peak_memory_gib", "accuracy_before", "accuracy_after"):
         print(f"  {k}: {summary[k]}")

@@ -58,7 +58,7 @@ class GRPOKitConfig:
                       "one-digit, 3 = two-digit +/-, 4 = two-digit x one-digit and three-digit +/-).")
     dataset_path: str = _f("", "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "
                            "the hub dataset openai/gsm8k (needs network).")
-    num_train_samples: int = _f(2000, "Training problems to generate (or to take from the jsonl).")
+    num_train_samples: int = _f(1000, "Training problems to generate (or to take from the jsonl).")
     num_eval_samples: int = _f(200, "Held-out problems for before/after accuracy (0: no evaluation).")
     system_prompt: str = _f("", "System prompt; empty: the kit's default for the task (arithmetic: the answer only, "
                             "as `Answer: <number>`; word problems and GSM8K: brief reasoning, then that line).")

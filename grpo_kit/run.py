@@ -94,8 +94,7 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
             self._t0 = None
             self._times: list[float] = []
             self.csv_path = run_dir / "metrics.csv"
-            with self.csv_path.open("w", newline="") as fh:
-                csv.writer(fh).writerow(METRIC_COLUMNS)
+            self._started = False
 
         def on_step_begin(self, args, state, control, **kw):
             self._t0 = time.perf_counter()
@@ -106,8 +105,12 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
 
         def on_log(self, args, state, control, logs=None, **kw):
             logs = logs or {}
-            if "reward" not in logs:  # the final train summary, not a step
+            if "reward" not in logs or not state.is_world_process_zero:  # summary line, or another process
                 return
+            if not self._started:  # created on the first row, so other processes never truncate it
+                with self.csv_path.open("w", newline="") as fh:
+                    csv.writer(fh).writerow(METRIC_COLUMNS)
+                self._started = True
             row = {
                 "step": state.global_step,
                 "reward_mean": logs.get("reward"),
@@ -218,9 +221,14 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
     dtype = resolve_dtype(cfg, device)
     system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
 
+    from accelerate import PartialState
+
+    # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
+    is_main = PartialState(cpu=(device == "cpu")).is_main_process
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.yaml")
+    if is_main:
+        cfg.save(run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
 
     from .evaluation import evaluate_accuracy
@@ -234,7 +242,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
 
     eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
     evals = {}
-    if heldout:
+    if heldout and is_main:
         evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw)
         print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)", flush=True)
 
@@ -245,7 +253,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
         peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                  target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
 
-    samples_path = run_dir / "samples.jsonl"
+    samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
     samples_path.write_text("")
     recorder = SampleRecorder(reward_funcs, samples_path)
     history: list[dict] = []
@@ -263,12 +271,15 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
         trainer.train()
     finally:
         # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
-        save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
-        trainer.model.save_pretrained(save_dir, safe_serialization=True)
-        tokenizer.save_pretrained(save_dir)
-        if history:
-            plot_rewards(history, run_dir / "rewards.png")
+        if is_main:
+            save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
+            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
+            tokenizer.save_pretrained(save_dir)
+            if history:
+                plot_rewards(history, run_dir / "rewards.png")
     train_seconds = time.perf_counter() - t_train
+    if not is_main:
+        return {"run_dir": str(run_dir), "main_process": False}
 
     trained = trainer.model
     if heldout:
