@@ -178,3 +178,68 @@ def get_reward_funcs(names) -> list:
     if unknown:
         raise ValueError(f"unknown reward function(s) {unknown}; known: {list(REWARD_FUNCTIONS)}")
     return [REWARD_FUNCTIONS[n] for n in names]
+
+class RewardFunctionError(ValueError):
+    """A reward function returned something unusable or raised; the message names it and the sample."""
+
+
+def _excerpt(x, n: int = 80) -> str:
+    text = completion_text(x) if isinstance(x, (str, list, dict)) else str(x)
+    return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+def checked_reward_func(fn):
+    """Wrap a reward function so bad output stops training with a message naming it and the sample.
+
+    Allowed per sample: a finite number, or ``None`` (TRL's "not applicable to this sample").
+    Wrong length, NaN/inf, a non-number, or an exception raise ``RewardFunctionError``; when the
+    function raises on the batch, it is re-run sample by sample to name the first failing sample.
+
+    >>> ok = checked_reward_func(correctness_reward)
+    >>> ok(None, ["Answer: 3"], answer=["3"])
+    [1.0]
+    >>> checked_reward_func(lambda prompts, completions, **kw: [1.0])(None, ["a", "b"])
+    Traceback (most recent call last):
+    ...
+    grpo_kit.rewards.RewardFunctionError: reward function '<lambda>' returned 1 values for 2 completions
+    """
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if getattr(fn, "_grpo_kit_checked", False):
+        return fn
+
+    def wrapper(prompts, completions, **kwargs):
+        n = len(completions)
+        try:
+            out = fn(prompts, completions, **kwargs)
+        except Exception as e:
+            for i in range(n):  # find the sample that breaks it
+                one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+                try:
+                    fn(None if prompts is None else prompts[i:i + 1], completions[i:i + 1], **one)
+                except Exception as e1:
+                    raise RewardFunctionError(
+                        f"reward function {name!r} raised {type(e1).__name__}: {e1} on sample {i} "
+                        f"(completion {_excerpt(completions[i])})") from e1
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e} "
+                                      f"on a batch of {n} completions") from e
+        if not isinstance(out, (list, tuple)) and not hasattr(out, "__len__"):
+            raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}, expected a list "
+                                      f"of {n} floats (or None)")
+        out = list(out)
+        if len(out) != n:
+            raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions")
+        for i, r in enumerate(out):
+            if r is None:
+                continue
+            if isinstance(r, bool) or not isinstance(r, (int, float)) and not hasattr(r, "__float__"):
+                raise RewardFunctionError(f"reward function {name!r} returned {r!r} for sample {i}; expected a "
+                                          "number or None")
+            if not math.isfinite(float(r)):
+                raise RewardFunctionError(f"reward function {name!r} returned {float(r)} for sample {i} "
+                                          f"(completion {_excerpt(completions[i])}); rewards must be finite "
+                                          "(None means 'not applicable')")
+        return [None if r is None else float(r) for r in out]
+
+    wrapper.__name__, wrapper.__doc__ = name, fn.__doc__
+    wrapper._grpo_kit_checked = True
+    return wrapper

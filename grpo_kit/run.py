@@ -20,7 +20,7 @@ import torch
 
 from .config import GRPOKitConfig
 from .data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
-from .rewards import get_reward_funcs
+from .rewards import checked_reward_func, get_reward_funcs
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
                   "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio"]
@@ -255,7 +255,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
 
     samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
     samples_path.write_text("")
-    recorder = SampleRecorder(reward_funcs, samples_path)
+    recorder = SampleRecorder([checked_reward_func(f) for f in reward_funcs], samples_path)
     history: list[dict] = []
     callback = _make_callback(cfg, run_dir, device, history)
 

@@ -24,11 +24,13 @@ distributed gradient hooks still fire and the full-vocabulary head runs on one p
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from trl import GRPOTrainer
 
 from .loss import efficient_grpo_loss, per_token_logps
+from .rewards import checked_reward_func
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -45,6 +47,15 @@ def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
         raise ValueError(f"{type(m).__name__} has no final norm at .model.norm; supported: Llama, Qwen2, Mistral "
                          "families (HF transformers layout)")
     return norm, m
+
+
+def _checked(funcs):
+    """Wrap plain (synchronous, callable) reward functions with :func:`grpo_kit.rewards.checked_reward_func`."""
+    single = not isinstance(funcs, (list, tuple))
+    out = [checked_reward_func(f) if callable(f) and not isinstance(f, torch.nn.Module)
+           and not inspect.iscoroutinefunction(f) and not getattr(f, "_grpo_kit_checked", False) else f
+           for f in ([funcs] if single else funcs)]
+    return out[0] if single else out
 
 
 @contextlib.contextmanager
@@ -70,6 +81,8 @@ class EfficientGRPOTrainer(GRPOTrainer):
         training_args = kwargs.get("args")
         if training_args is not None:
             self._check_supported(training_args)
+        if "reward_funcs" in kwargs:  # bad reward output names the function and the sample
+            kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"])
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
         self._norm, self._causal_lm = _final_norm(self.model)

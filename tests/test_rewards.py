@@ -47,3 +47,33 @@ def test_bad_inputs():
         rewards.completion_text(3)
     huge = "9" * 100_000
     assert rewards.extract_number(huge) is None or math.isfinite(rewards.extract_number(huge))
+
+
+def test_checked_reward_func_names_function_and_sample():
+    def nan_on_second(prompts, completions, **kw):
+        return [1.0, float("nan"), 0.0]
+
+    def raises_on_x(prompts, completions, **kw):
+        return [1.0 / (0 if "x" in rewards.completion_text(c) else 1) for c in completions]
+
+    def wrong_len(prompts, completions, **kw):
+        return [1.0]
+
+    def not_numbers(prompts, completions, **kw):
+        return ["high"] * len(completions)
+
+    def not_applicable(prompts, completions, **kw):
+        return [None] * len(completions)
+
+    comps = ["a", "x marks", "c"]
+    with pytest.raises(rewards.RewardFunctionError, match=r"'nan_on_second' returned nan for sample 1 \(completion 'x marks'\)"):
+        rewards.checked_reward_func(nan_on_second)(None, comps)
+    with pytest.raises(rewards.RewardFunctionError, match=r"'raises_on_x' raised ZeroDivisionError: .* on sample 1"):
+        rewards.checked_reward_func(raises_on_x)(["p"] * 3, comps)
+    with pytest.raises(rewards.RewardFunctionError, match="'wrong_len' returned 1 values for 3 completions"):
+        rewards.checked_reward_func(wrong_len)(None, comps)
+    with pytest.raises(rewards.RewardFunctionError, match="'not_numbers' returned 'high' for sample 0"):
+        rewards.checked_reward_func(not_numbers)(None, comps)
+    assert rewards.checked_reward_func(not_applicable)(None, comps) == [None, None, None]  # TRL: not applicable
+    wrapped = rewards.checked_reward_func(rewards.correctness_reward)
+    assert wrapped.__name__ == "correctness_reward" and rewards.checked_reward_func(wrapped) is wrapped
