@@ -26,6 +26,7 @@ while training runs; :meth:`wake` restores them. On the CPU both are no-ops retu
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -142,12 +143,34 @@ def _memory_budget(device: str) -> tuple[float, float, str]:
     return float(total), float(free), "GPU memory"
 
 
-def check_gpu_memory_utilization(value, device: str) -> float:
-    """ValueError when ``value`` is out of (0, 1] or asks for more memory than is free."""
+def check_gpu_memory_utilization(value, device: str, *, explicit_kv: bool = False) -> float:
+    """ValueError when ``value`` is out of (0, 1] or cannot fit.
+
+    On the CPU, vLLM sizes the KV cache as ``value * RAM - RSS of this process`` (the
+    training model counts against it), which must be > 0 and fit in free RAM; with an
+    explicit ``kv_cache_memory_bytes`` (``explicit_kv``) only the range is checked.
+    """
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
         raise ValueError(f"gpu_memory_utilization={value!r} is not allowed: a fraction in (0, 1]")
+    if explicit_kv:
+        return float(value)
     total, available, what = _memory_budget(device)
-    if value * total > available:
+    if device == "cpu":
+        import psutil
+
+        rss = float(psutil.Process().memory_info().rss)
+        kv = value * total - rss
+        if kv <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={value} cannot fit: on the CPU vLLM gives the KV cache {value} x "
+                f"{total / 2**30:.1f} GiB of RAM minus what this process already holds ({rss / 2**30:.1f} GiB), "
+                f"which is nothing; use at least {min(1.0, (rss + 2**30) / total):.2f} or pass kv_cache_memory_bytes")
+        if kv > available:
+            raise ValueError(
+                f"gpu_memory_utilization={value} cannot fit: it asks for {kv / 2**30:.1f} GiB of {what} for the KV "
+                f"cache but only {available / 2**30:.1f} GiB is free; use at most "
+                f"{int((available + rss) / total * 100) / 100:.2f} or pass kv_cache_memory_bytes")
+    elif value * total > available:
         raise ValueError(
             f"gpu_memory_utilization={value} cannot fit: it asks for {value * total / 2**30:.1f} GiB of {what} "
             f"({total / 2**30:.1f} GiB in all) but only {available / 2**30:.1f} GiB is free; "
@@ -168,23 +191,30 @@ class VLLMGenerator:
     """Colocated vLLM generation from the HF folder ``model_dir``.
 
     ``gpu_memory_utilization``: share of GPU memory (CUDA) or of host RAM (CPU) for vLLM;
-    None: 0.3, lowered to what is free on the CPU (see :func:`plan_gpu_memory_utilization`
-    to derive it from a training memory plan). ``max_model_len``: context (prompt +
+    None: 0.3 (see :func:`plan_gpu_memory_utilization` to derive it from a training memory
+    plan). ``kv_cache_memory_bytes``: explicit KV cache size (then the share is not used
+    for it); None on the CPU with no share given: a quarter of free RAM, at most 4 GiB,
+    because vLLM's CPU backend subtracts this whole process's RSS from the share. ``max_model_len``: context (prompt +
     completion) in tokens. ``dtype``: engine dtype (``"auto"``: the checkpoint's).
     ``seed``: engine seed. ``lora_sync``: how a PEFT model is synced, ``"merge"`` (merged
     weights, full reload; default, cheaper on the CPU per ``bench/generation.py``) or
-    ``"adapter"`` (``LoRARequest``). ``enable_sleep_mode``: None: on where the platform
+    ``"adapter"`` (``LoRARequest``; the engine starts with LoRA support, and the attribute
+    ``lora_sync`` may later be switched to ``"merge"``, not the other way round; several
+    engines in one process share vLLM's global state, so keep to one).
+    ``enable_sleep_mode``: None: on where the platform
     supports it (CUDA). ``kv_cache_dtype``: ``"auto"`` or ``"fp8"`` (FP8 KV cache where the
     platform supports it). ``enforce_eager``: None: True on the CPU (no torch.compile
     warm-up; starts in seconds instead of minutes). ``llm_kwargs``: passed to ``vllm.LLM``.
     """
 
     name = "vllm"
+    _live = 0  # engines open in this process: they share vLLM's global parallel state
 
     def __init__(self, model_dir, *, tokenizer=None, gpu_memory_utilization: float | None = None,
                  max_model_len: int = 2048, dtype: str = "auto", seed: int = 0, lora_sync: str = "merge",
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
-                 enforce_eager: bool | None = None, max_num_seqs: int = 256, llm_kwargs: dict | None = None):
+                 enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
+                 llm_kwargs: dict | None = None):
         vllm = import_vllm()
         mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         if mp not in (None, "0"):
@@ -203,10 +233,20 @@ class VLLMGenerator:
         if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not allowed; choose 'auto' or 'fp8'")
         self.device = _device_type()
+        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
+                                                  or kv_cache_memory_bytes < 2**20):
+            raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an "
+                             "integer >= 1 MiB")
         if gpu_memory_utilization is None:
-            total, available, _ = _memory_budget(self.device)
-            gpu_memory_utilization = min(0.3, int(0.9 * available / total * 100) / 100)
-        self.gpu_memory_utilization = check_gpu_memory_utilization(gpu_memory_utilization, self.device)
+            gpu_memory_utilization = 0.3
+            if self.device == "cpu" and kv_cache_memory_bytes is None:
+                # In a training process the RSS already counts against 0.3 x RAM: size the
+                # KV cache explicitly instead (a quarter of free RAM, at most 4 GiB).
+                _, available, _ = _memory_budget(self.device)
+                kv_cache_memory_bytes = int(min(4 * 2**30, available / 4))
+        self.gpu_memory_utilization = check_gpu_memory_utilization(
+            gpu_memory_utilization, self.device, explicit_kv=kv_cache_memory_bytes is not None)
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
         from vllm.platforms import current_platform
 
         sleep_ok = bool(current_platform.is_sleep_mode_available())
@@ -224,6 +264,8 @@ class VLLMGenerator:
         kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=seed, gpu_memory_utilization=self.gpu_memory_utilization,
                       max_model_len=max_model_len, logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs)
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if lora_sync == "adapter":
@@ -236,9 +278,11 @@ class VLLMGenerator:
             raise GenerationEngineError(f"vLLM could not start for {self.model_dir} with {kwargs}: "
                                         f"{type(e).__name__}: {e}") from e
         self.startup_s = time.perf_counter() - start
+        VLLMGenerator._live += 1
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._lora_enabled = lora_sync == "adapter"
         self._lora_request = None
         self._lora_dir = None
         self._lora_id = 0
@@ -316,8 +360,14 @@ class VLLMGenerator:
         start = time.perf_counter()
         try:
             if self.lora_sync == "adapter" and is_peft_model(model):
+                if not self._lora_enabled:
+                    raise ValueError("lora_sync='adapter' needs an engine started with lora_sync='adapter' "
+                                     "(vLLM's LoRA support is chosen at start-up)")
                 info = self._sync_adapter(model)
             else:
+                if self._lora_request is not None:  # merged weights replace the adapter
+                    self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+                    self._lora_request = None
                 self.llm.collective_rpc(_reload_in_worker, args=(iter_vllm_weights(model, dtype=self.dtype),))
                 info = {"mode": "lora_merge" if is_peft_model(model) else "full"}
             self.llm.reset_prefix_cache()
@@ -369,10 +419,16 @@ class VLLMGenerator:
         self._closed = True
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # already down (e.g. after a crash): nothing left to release
-                pass
+            VLLMGenerator._live -= 1
+            # Shutting an in-process engine down tears down vLLM's process-wide parallel
+            # groups, which would break any other open engine: only the last one does it.
+            if VLLMGenerator._live == 0:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:  # already down (e.g. after a crash): nothing left to release
+                    pass
+            del llm
+            gc.collect()
         if self._lora_dir is not None:
             self._lora_dir.cleanup()
             self._lora_dir = None
@@ -382,5 +438,6 @@ class VLLMGenerator:
         return {"backend": "vllm", "vllm_version": _vllm_version(), "device": self.device,
                 "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
                 "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
-                "kv_cache_dtype": self.kv_cache_dtype, "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode,
+                "kv_cache_dtype": self.kv_cache_dtype, "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+                "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode,
                 "enforce_eager": self.enforce_eager, "seed": self.seed, "startup_s": round(self.startup_s, 2)}
