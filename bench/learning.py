@@ -1,0 +1,111 @@
+"""Does the main job learn? Held-out accuracy before/after over seeds, and step time vs stock TRL.
+
+    python -m grpo_kit bench learning --seeds 0 1 2
+
+Runs the default ``python -m grpo_kit train`` once per seed (each in its own process and run
+folder), then, for step time, a short run of the kit's trainer and of TRL's stock
+``GRPOTrainer`` with the same settings, interleaved (ours, TRL, ours, TRL). Writes
+``bench/results/learning_<hw>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def run_job(out: Path, sets: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "grpo_kit", "train", "--output-dir", str(out)]
+    for s in sets:
+        cmd += ["--set", s]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    summary["wall_seconds"] = round(time.perf_counter() - t, 1)
+    summary["command"] = " ".join(["python -m grpo_kit train", *[f"--set {s}" for s in sets]])
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--timing-steps", type=int, default=8, help="steps of each short timing run (0: skip)")
+    p.add_argument("--timing-rounds", type=int, default=2)
+    p.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_cpu"))
+    args = p.parse_args(argv)
+    runs = Path(args.runs_dir)
+
+    seeds = []
+    for seed in args.seeds:
+        s = run_job(runs / f"seed{seed}", [f"seed={seed}"])
+        print(f"seed {seed}: before {s['accuracy_before']:.3f} after {s['accuracy_after']:.3f} "
+              f"({s['wall_seconds']:.0f} s, {s['mean_step_time_s']:.2f} s/step)", flush=True)
+        seeds.append(s)
+
+    timing = {"grpo_kit": [], "trl": []}
+    for rnd in range(args.timing_rounds if args.timing_steps else 0):
+        for trainer in ("grpo_kit", "trl"):
+            s = run_job(runs / f"timing_{trainer}_{rnd}", [f"trainer={trainer}", f"max_steps={args.timing_steps}",
+                                                           "num_eval_samples=0"])
+            timing[trainer].append({"mean_step_time_s": s["mean_step_time_s"], "peak_rss_gib": s["peak_memory_gib"]})
+            print(f"timing {trainer} round {rnd}: {s['mean_step_time_s']:.2f} s/step, "
+                  f"peak RSS {s['peak_memory_gib']:.2f} GiB", flush=True)
+
+    before = [s["accuracy_before"] for s in seeds]
+    after = [s["accuracy_after"] for s in seeds]
+    gains = [a - b for a, b in zip(after, before)]
+    spread = statistics.pstdev(after) if len(after) > 1 else 0.0
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m grpo_kit bench learning " + " ".join(sys.argv[1:]),
+        "hardware": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores (CPU only)",
+        "seeds": seeds, "timing": timing,
+        "mean_gain": statistics.mean(gains), "after_std": spread,
+        "learns": statistics.mean(gains) > 2 * spread,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    lines = [
+        "# Learning on the embedded model (CPU)", "",
+        f"- command: `{result['command']}`", f"- date: {result['date']}", f"- hardware: {result['hardware']}",
+        "- each seed: `python -m grpo_kit train --set seed=S` (default config: SmolLM2-135M-Instruct, LoRA r=16, "
+        "arithmetic levels 1-2, 8 generations x 24 tokens, 40 steps); held-out: the fixed 200 problems "
+        "(`data/arithmetic_heldout.jsonl`), greedy", "",
+        "| seed | accuracy before | accuracy after | gain | level 1 after | level 2 after | s/step | wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in seeds:
+        ev = json.loads((Path(s["run_dir"]) / "eval.json").read_text())
+        lv = ev["after"].get("by_level", {})
+        lines.append(f"| {s['run_dir'].rsplit('seed', 1)[-1]} | {s['accuracy_before']:.3f} | {s['accuracy_after']:.3f} | "
+                     f"{s['accuracy_after'] - s['accuracy_before']:+.3f} | {lv.get('1', float('nan')):.3f} | "
+                     f"{lv.get('2', float('nan')):.3f} | {s['mean_step_time_s']:.2f} | {s['wall_seconds']:.0f} s |")
+    lines += ["", f"Mean gain {result['mean_gain']:+.3f}; seed-to-seed std of the after-accuracy {spread:.3f}; "
+              f"gain > 2 x spread: {result['learns']}."]
+    if any(timing.values()):
+        lines += ["", f"Step time, short runs of {args.timing_steps} steps without evaluation, interleaved:", "",
+                  "| trainer | mean s/step per round | peak RSS (GiB) |", "|---|---|---|"]
+        for k, v in timing.items():
+            times = ", ".join(f"{x['mean_step_time_s']:.2f}" for x in v)
+            rss = ", ".join(f"{x['peak_rss_gib']:.2f}" for x in v)
+            lines.append(f"| {k} | {times} | {rss} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
