@@ -204,10 +204,20 @@ def engine(embedded):
     if VLLM_MISSING:
         pytest.skip(VLLM_MISSING)
     _, tok = embedded
-    # One engine for the module (several in one process share vLLM's global state); started
-    # with LoRA support so both LoRA sync modes can be tested on it.
     gen = make_generator("vllm", model_dir=embedded_model_dir(), tokenizer=tok, dtype="float32",
-                         gpu_memory_utilization=0.3, max_model_len=512, lora_sync="adapter", max_lora_rank=8)
+                         gpu_memory_utilization=0.3, max_model_len=512)
+    yield gen
+    gen.close()
+
+
+@pytest.fixture(scope="module")
+def lora_engine(engine, embedded):
+    """A second engine, with LoRA support. Engines in one process share vLLM's global state:
+    both stay open until the module ends (releasing one would break the other)."""
+    _, tok = embedded
+    gen = make_generator("vllm", model_dir=embedded_model_dir(), tokenizer=tok, dtype="float32",
+                         gpu_memory_utilization=0.3, kv_cache_memory_bytes=256 * 2**20, max_model_len=512,
+                         lora_sync="adapter", max_lora_rank=8)
     yield gen
     gen.close()
 
@@ -283,25 +293,26 @@ def _random_lora(model, seed=0):
 
 
 @needs_vllm
-def test_vllm_lora_sync_as_adapter_and_merged(engine, embedded):
+def test_vllm_lora_sync_merged_and_as_adapter(engine, lora_engine, embedded):
     model, tok = embedded
     prompts = [_chat(tok, "What is 12+7?"), _chat(tok, "Say hello.")]
     base = engine.generate(prompts, 1, GREEDY).completion_ids
     pm = _random_lora(model)
     w_before = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.clone()
-    assert engine.lora_sync == "adapter"
-    try:
-        assert engine.sync_weights(pm)["mode"] == "lora_adapter"
-        as_adapter = _greedy_parity(engine, pm, tok, prompts).completion_ids
-        assert as_adapter != base
-        engine.lora_sync = "merge"
-        assert engine.sync_weights(pm)["mode"] == "lora_merge"
-        assert _greedy_parity(engine, pm, tok, prompts).completion_ids == as_adapter
-        assert torch.equal(pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, w_before)
-    finally:
-        engine.lora_sync = "adapter"
+    assert engine.sync_weights(pm)["mode"] == "lora_merge"
+    merged = _greedy_parity(engine, pm, tok, prompts).completion_ids
+    assert merged != base
+    assert torch.equal(pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, w_before)
     engine.sync_weights(model)  # back to the base weights for the other tests
     assert engine.generate(prompts, 1, GREEDY).completion_ids == base
+    assert lora_engine.sync_weights(pm)["mode"] == "lora_adapter"
+    assert _greedy_parity(lora_engine, pm, tok, prompts).completion_ids == merged
+    with pytest.raises(ValueError, match="lora_sync='adapter' needs an engine started"):
+        engine.lora_sync = "adapter"
+        try:
+            engine.sync_weights(pm)
+        finally:
+            engine.lora_sync = "merge"
 
 
 @needs_vllm
@@ -349,7 +360,7 @@ def test_mixin_vllm_two_steps_sync_each_step(engine, embedded, tmp_path):
     trainer = KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path), train_dataset=ds,
                          processing_class=tok, peft_config=_lora(), generator=engine)
     trainer.train()
-    assert [(s["step"], s["mode"]) for s in trainer.kit_sync_log] == [(0, "lora_adapter"), (1, "lora_adapter")]
+    assert [(s["step"], s["mode"]) for s in trainer.kit_sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
     assert engine.syncs == syncs_before + 2
     logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
     assert len(logs) == 2
