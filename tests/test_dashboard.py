@@ -1,0 +1,170 @@
+"""LiveDashboard (grpo_kit.dashboard) and the notebook helpers (grpo_kit.notebook_utils)."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import matplotlib
+
+matplotlib.use("Agg")
+import pytest
+import torch
+
+from grpo_kit.config import ConfigError
+from grpo_kit.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
+from grpo_kit.notebook_utils import (choose_setup, exact_kl, group_advantages, in_colab, kl_estimates,
+                                     validate_params)
+
+TRL_LOG = {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.002, "completions/mean_length": 7.5,
+           "learning_rate": 1e-4}
+
+
+def _state(step):
+    return SimpleNamespace(global_step=step, is_world_process_zero=True)
+
+
+def test_on_log_records_trl_keys_and_memory(tmp_path):
+    dash = LiveDashboard(mode="static", display=False)
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    dash.on_train_begin(args, _state(0), None)
+    dash.on_log(args, _state(1), None, logs=dict(TRL_LOG))
+    dash.on_log(args, _state(2), None, logs=dict(TRL_LOG, reward=0.75))
+    dash.on_log(args, _state(2), None, logs={"train_runtime": 3.0, "train_loss": 0.4})  # end summary: ignored
+    assert [r["step"] for r in dash.history] == [1, 2]
+    row = dash.history[1]
+    assert row["reward_mean"] == 0.75 and row["reward_std"] == 0.1 and row["kl"] == 0.002
+    assert row["completion_length"] == 7.5 and row["loss"] == 0.5
+    assert row["cpu_rss_gib"] > 0
+    assert dash.samples_path == tmp_path / "samples.jsonl"
+
+
+def test_figure_has_one_panel_per_metric_with_the_data():
+    dash = LiveDashboard(mode="static", display=False)
+    for step, r in enumerate([0.0, 0.5, 1.0], start=1):
+        dash.record(step, dict(TRL_LOG, reward=r))
+    fig = dash.figure()
+    assert len(fig.axes) == len(PANELS)
+    ydata = list(fig.axes[0].lines[0].get_ydata())
+    assert ydata == [0.0, 0.5, 1.0]
+    assert fig.axes[-1].get_legend() is not None  # memory panel has the CPU RSS line
+    matplotlib.pyplot.close(fig)
+
+
+def test_missing_metric_is_nan_not_an_error():
+    dash = LiveDashboard(mode="static", display=False)
+    dash.record(1, {"reward": 0.5})  # beta = 0: TRL logs no kl
+    fig = dash.figure()
+    kl_axis = fig.axes[[k for k, _ in PANELS].index("kl")]
+    assert math.isnan(kl_axis.lines[0].get_ydata()[0])
+    matplotlib.pyplot.close(fig)
+
+
+def test_samples_table_reads_the_last_records_and_escapes(tmp_path):
+    p = tmp_path / "samples.jsonl"
+    rows = [{"step": i, "prompt": f"q{i}", "completion": "<b>7</b>", "answer": "7", "correctness_reward": 1.0}
+            for i in range(10)]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 10, \"pro")  # partial last line
+    got = read_samples(p, 3)
+    assert [r["step"] for r in got] == [8, 9]
+    html = samples_html(got)
+    assert "&lt;b&gt;7&lt;/b&gt;" in html and "<b>7</b>" not in html
+    assert "correctness_reward" in html
+    assert read_samples(tmp_path / "absent.jsonl") == []
+    assert "no samples" in samples_html([])
+
+
+def test_static_mode_shows_once_at_train_end(monkeypatch, tmp_path):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(type(obj).__name__))
+    dash = LiveDashboard(mode="static")
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    dash.on_train_begin(args, _state(0), None)
+    dash.on_log(args, _state(1), None, logs=dict(TRL_LOG))
+    assert shown == []
+    dash.on_train_end(args, _state(1), None)
+    assert shown == ["Figure", "HTML"]
+
+
+def test_headless_has_no_widget_frontend(monkeypatch):
+    monkeypatch.setenv("GRPO_KIT_STATIC_DASHBOARD", "1")
+    assert widget_frontend_available() is False
+    assert LiveDashboard(mode="auto").widgets is False
+
+
+@pytest.mark.parametrize("kw, msg", [({"mode": "live"}, "mode='live'"), ({"num_samples": -1}, "num_samples")])
+def test_dashboard_bad_arguments(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        LiveDashboard(**kw)
+
+
+# ---------------------------------------------------------------- notebook_utils
+def test_validate_params_errors_name_the_parameter():
+    cfg = validate_params({"model": "tiny-llama", "max_steps": 2})
+    assert cfg.max_steps == 2
+    with pytest.raises(ConfigError, match="max_steps='two' has the wrong type"):
+        validate_params({"max_steps": "two"})
+    with pytest.raises(ConfigError, match="model='nope' is not a built-in name"):
+        validate_params({"model": "nope"})
+    with pytest.raises(ValueError, match="context_length='20K' has the wrong type: expected int"):
+        validate_params({}, {"context_length": "20K"}, {"context_length": int})
+    with pytest.raises(ValueError, match="four_bit=1 has the wrong type: expected bool"):
+        validate_params({}, {"four_bit": 1}, {"four_bit": bool})
+    with pytest.raises(ValueError, match="no declared type"):
+        validate_params({}, {"x": 1}, {})
+    validate_params({}, {"gpu_gib": 80}, {"gpu_gib": float})  # an int is a fine float
+
+
+def test_choose_setup_falls_back_without_gpu():
+    name, settings = choose_setup({"model": "big"}, {"model": "small"})
+    if not torch.cuda.is_available():
+        assert (name, settings) == ("fallback", {"model": "small"})
+    assert choose_setup({"a": 1}, {"a": 2}, force="full") == ("full", {"a": 1})
+    with pytest.raises(ValueError, match="force='gpu'"):
+        choose_setup({}, {}, force="gpu")
+    assert in_colab() is False
+
+
+def test_group_advantages_match_trl_formula():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(r, 4)
+    assert torch.allclose(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
+    assert torch.equal(adv[4:], torch.zeros(4))  # equal rewards: no signal
+    assert torch.allclose(group_advantages(r, 4, "none")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert torch.allclose(group_advantages(r, 4, "batch"), (r - r.view(2, 4).mean(1).repeat_interleave(4))
+                          / (r.std() + 1e-4))
+    with pytest.raises(ValueError, match="divisible by num_generations=3"):
+        group_advantages(r, 3)
+    with pytest.raises(ValueError, match="scale='max'"):
+        group_advantages(r, 4, "max")
+
+
+def test_k3_is_nonnegative_and_unbiased_for_reverse_kl():
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.randn(20, generator=g, dtype=torch.float64), torch.randn(20, generator=g, dtype=torch.float64)
+    tokens = torch.multinomial(p.softmax(-1), 400_000, replacement=True, generator=g)
+    est = kl_estimates(p.log_softmax(-1)[tokens], q.log_softmax(-1)[tokens])
+    exact = exact_kl(p, q).item()
+    assert est["k3"].min() >= 0 and est["k1"].min() < 0
+    assert abs(est["k3"].mean().item() - exact) < 0.02 * exact + 0.01
+    assert abs(est["k1"].mean().item() - exact) < 0.05 * exact + 0.01
+    assert exact_kl(p, p).abs().item() < 1e-12
+
+
+def test_widget_mode_redraws_every_step(monkeypatch, tmp_path):
+    pytest.importorskip("ipywidgets")
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(type(obj).__name__))
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 0, "prompt": "1+1", "completion": "Answer: 2",
+                                                        "answer": "2", "correctness_reward": 1.0}) + "\n")
+    dash = LiveDashboard(mode="widgets")
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    dash.on_train_begin(args, _state(0), None)
+    assert shown == ["VBox"]
+    for step in (1, 2):
+        dash.on_log(args, _state(step), None, logs=dict(TRL_LOG))
+    assert shown.count("Figure") == 2  # one redraw per logged step, inside the Output widget
+    assert "Answer: 2" in dash._table.value
+    dash.on_train_end(args, _state(2), None)
+    assert shown.count("Figure") == 2  # no extra static figure in widget mode
