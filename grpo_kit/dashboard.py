@@ -5,8 +5,9 @@ memory (CUDA allocated / peak, process RSS), and shows them as matplotlib panels
 table of the latest sample completions (read from the run folder's ``samples.jsonl``,
 which ``grpo_kit.run.train`` writes). With a widget front end (Jupyter, Colab) the
 figure and table live in an ``ipywidgets.Output`` redrawn in place; without one
-(papermill, CI, a plain script) nothing is redrawn during training and one static
-figure and table are shown at the end.
+(CI, a plain script) nothing is redrawn during training. In both modes one static
+figure and table are shown at the end (papermill saves no widget views, and cannot be
+told apart from Jupyter from inside the kernel).
 
 Usage::
 
@@ -141,7 +142,9 @@ class LiveDashboard(TrainerCallback):
             self._redraw()
 
     def on_train_end(self, args, state, control, **kw):
-        if self.display and not self.widgets:
+        # Also in widget mode: a kernel driven by papermill looks like Jupyter but saves no widget
+        # views, so a final static figure is the only record the executed notebook keeps.
+        if self.display:
             self.show()
 
     # --- data and drawing --------------------------------------------------------------
