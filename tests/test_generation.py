@@ -33,7 +33,7 @@ except ImportError as e:
 needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 
 SAMPLED = SamplingConfig(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, max_tokens=12, seed=4)
-GREEDY = SamplingConfig(temperature=0.0, max_tokens=16)
+GREEDY = SamplingConfig(temperature=0.0, max_tokens=12)
 
 
 class KitTrainer(KitGenerationMixin, GRPOTrainer):
@@ -222,7 +222,7 @@ def lora_engine(engine, embedded):
     gen.close()
 
 
-def _greedy_parity(engine, hf_model, tok, prompts, n_tokens=16, atol=2e-3):
+def _greedy_parity(engine, hf_model, tok, prompts, n_tokens=12, atol=2e-3):
     a = engine.generate(prompts, 1, GREEDY)
     b = HFGenerator(hf_model, tok).generate(prompts, 1, GREEDY)
     for ca, cb, la, lb in zip(a.completion_ids, b.completion_ids, a.logprobs, b.logprobs):
@@ -252,9 +252,9 @@ def test_vllm_shapes_and_texts(engine, embedded):
 @needs_vllm
 def test_vllm_greedy_and_sampled_logprobs_match_hf(engine, embedded):
     model, tok = embedded
-    prompts = [_chat(tok, "What is 12+7?"), _chat(tok, "Write one word."), _chat(tok, "Count to five.")]
+    prompts = [_chat(tok, "What is 12+7?"), _chat(tok, "Count to five.")]
     _greedy_parity(engine, model, tok, prompts)
-    res = engine.generate(prompts, 2, SAMPLED)  # log-probs of vLLM's sampling distribution = our reference's
+    res = engine.generate(prompts, 1, SAMPLED)  # log-probs of vLLM's sampling distribution = our reference's
     for p, c, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs):
         torch.testing.assert_close(lp, sampling_logprobs_reference(model, p, c, SAMPLED), atol=2e-3, rtol=0)
 
