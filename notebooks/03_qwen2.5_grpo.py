@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -12,9 +17,10 @@
 # # 03 · A full GRPO run: Qwen2.5-1.5B-Instruct on GSM8K
 #
 # Online with a GPU (Colab T4 or better): Qwen2.5-1.5B-Instruct, GSM8K from the hub, vLLM generation, LoRA,
-# the kit's efficient loss (about 1-2 h for the default 100 steps on a T4). Otherwise (CPU, no network) the
-# notebook falls back by itself to the embedded SmolLM2-135M-Instruct on the arithmetic tasks (minutes on a
-# CPU). The dashboard redraws every step; the run folder keeps metrics.csv, samples.jsonl, eval.json and the
+# the kit's efficient loss (not run or timed here: no GPU). Otherwise (CPU, no network) the notebook falls back
+# by itself to the embedded SmolLM2-135M-Instruct on the arithmetic tasks (CI's 2 steps × 4 generations × 8
+# tokens take about 2 minutes on a 2-core CPU). `-p max_steps N` sets the full run's steps,
+# `-p fallback_max_steps N` the fallback's. The dashboard redraws every step; the run folder keeps metrics.csv, samples.jsonl, eval.json and the
 # adapter.
 
 # %%

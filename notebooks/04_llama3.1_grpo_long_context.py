@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -11,11 +16,11 @@
 # %% [markdown]
 # # 04 · Llama-3.1-8B-Instruct, long completions (up to 20K context)
 #
-# On a GPU (an 80 GB card; a T4 is far too small at 20K, see the calculator) the run uses everything the kit
-# has for long context: offloaded gradient checkpointing (each layer's input parked in CPU RAM), the
+# On a GPU (how much memory: see the calculator below; the full run was not timed or run here) the run uses
+# everything the kit has for long context: offloaded gradient checkpointing (each layer's input parked in CPU RAM), the
 # efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
 # weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a small
-# context (minutes on a CPU).
+# context (CI's 2 steps × 4 generations take a few minutes on a 2-core CPU).
 
 # %%
 # Colab only: install the pinned stack and the kit; torch stays Colab's own. Locally this does nothing.
