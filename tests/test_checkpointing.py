@@ -106,6 +106,8 @@ OURS = dict(_offload_on_cpu=True, min_bytes=0, chunk_tokens=6)  # 6 tokens / 2 r
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_gradients_match_none_and_hf(name, lora, dtype):
+    if dtype == torch.float32 and not lora and name != "tiny-llama":
+        pytest.skip("fp32 full fine-tuning: covered by tiny-llama; fp64 covers every architecture (CI time)")
     model = _tiny(name, dtype=dtype)
     if lora:
         model = _lora(model).to(dtype)
