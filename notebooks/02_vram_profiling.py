@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -198,7 +203,8 @@ else:
     print(df.pivot_table(index="T", columns="impl", values=["ms", "extra_gib"]).round(2).to_string())
 
 # %% [markdown]
-# Whole-step results (`step_h200*.json`): peak allocated memory per configuration.
+# Whole-step results (`step_h200*.json`): peak allocated memory per configuration, and for one sequence per
+# micro-batch, against context length (baseline = TRL-style full logits and standard checkpointing).
 
 # %%
 import glob
@@ -211,3 +217,16 @@ for path in sorted(glob.glob(str(results_dir / "step_h200*.json"))) if results_d
             if c in sdf.columns]
     print(path.rsplit("/", 1)[-1], "-", step["command"])
     print(sdf[cols].round(2).to_string(index=False))
+    one = sdf[(sdf.get("gens") == 1) & (sdf.get("status") == "ok")] if {"gens", "status"} <= set(sdf.columns) else sdf[:0]
+    if len(one):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for (m, row), g in one.groupby(["model", "row"]):
+            g = g.sort_values("seq_len")
+            ax.plot(g["seq_len"], g["peak_allocated_gib"], marker="o", label=f"{m} {row}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per sequence")
+        ax.set_ylabel("peak allocated (GiB)")
+        ax.set_title(path.rsplit("/", 1)[-1], fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        plt.show()
