@@ -114,3 +114,19 @@ def repo_file(relative: str):
 
     p = Path(__file__).resolve().parents[1] / relative
     return p if p.exists() else None
+
+
+def run_report(summary: dict) -> str:
+    """Text summary of a finished run (``grpo_kit.run.train``'s return): accuracy, time, saved files."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(summary["run_dir"])
+    evals = json.loads((run_dir / "eval.json").read_text())
+    lines = [f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)"
+             for when in ("before", "after") if when in evals]
+    lines.append(f"{summary['steps']} steps in {summary['train_seconds']} s, "
+                 f"peak memory {summary['peak_memory_gib']:.2f} GiB")
+    saved = run_dir / ("adapter" if (run_dir / "adapter").is_dir() else "model")
+    lines.append(f"{saved.name} files: {sorted(p.name for p in saved.iterdir())}")
+    return "\n".join(lines)

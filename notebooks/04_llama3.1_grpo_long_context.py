@@ -134,13 +134,6 @@ dash = LiveDashboard(mode=dashboard)
 summary = train(cfg, progress=True, callbacks=(dash,))
 
 # %%
-import json
-from pathlib import Path
+from grpo_kit.notebook_utils import run_report
 
-run_dir = Path(summary["run_dir"])
-evals = json.loads((run_dir / "eval.json").read_text())
-for when in ("before", "after"):
-    if when in evals:
-        print(f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)")
-print(f"{summary['steps']} steps in {summary['train_seconds']} s, peak memory {summary['peak_memory_gib']:.2f} GiB")
-print("adapter files:", sorted(p.name for p in (run_dir / "adapter").iterdir()))
+print(run_report(summary))
