@@ -5,7 +5,9 @@ Notation (shapes; dtypes): B completions, T completion tokens, H hidden size, V 
 * ``grpo_loss_reference(logps, ...)`` works on per-token log-probs (B, T) and reads like the
   paper / TRL 1.16 ``GRPOTrainer._compute_loss``: ratio r = exp(logp - old_logp), per-token loss
   ``-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + beta*(exp(ref-logp) - (ref-logp) - 1)``, then a
-  ``loss_type`` normalisation:
+  ``loss_type`` normalisation. Optional ``importance_weights`` (B, T) or (B, 1), no gradient,
+  multiply the policy term (not the KL term) per token, as TRL multiplies it by
+  ``inputs["importance_sampling_ratio"]`` when generation came from another engine (vLLM):
 
   ===========  ==============================================================
   ``grpo``     mean over sequences of each sequence's masked token mean
@@ -92,6 +94,28 @@ def _check_token_tensor(name, x, shape, *, allow_none=True, mask=None):
         raise ValueError(f"{name} holds NaN or inf at unmasked positions")
 
 
+def _check_importance_weights(weights, batch, length, mask):
+    """None, or a floating (B, T) / (B, 1) / (B,) tensor, finite and >= 0 where ``mask`` is
+    non-zero; returned as (B, T) or (B, 1)."""
+    if weights is None:
+        return None
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        raise ValueError("importance_weights must be None or a floating tensor of shape (B, T), (B, 1) or (B,), got "
+                         f"{type(weights).__name__} {getattr(weights, 'dtype', '')}")
+    if tuple(weights.shape) not in ((batch,), (batch, 1), (batch, length)):
+        raise ValueError(f"importance_weights must have shape ({batch}, {length}), ({batch}, 1) or ({batch},), got "
+                         f"{tuple(weights.shape)}")
+    weights = weights.view(batch, 1) if weights.dim() == 1 else weights
+    bad = ~torch.isfinite(weights) | (weights < 0)
+    if weights.shape[1] == length:
+        bad = bad & (mask != 0)
+    else:
+        bad = bad & (mask != 0).any(-1, keepdim=True)
+    if bool(bad.any()):
+        raise ValueError("importance_weights hold NaN, inf or a negative value at unmasked positions")
+    return weights
+
+
 def _check_advantages(advantages, batch, length):
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         raise ValueError("advantages must be a floating tensor of shape (B,), (B, 1) or (B, T)")
@@ -174,18 +198,22 @@ def grpo_loss_reference(
     loss_type,
     max_completion_length=None,
     num_items_in_batch=None,
+    importance_weights=None,
 ):
     """GRPO loss on per-token log-probs; the oracle for :func:`efficient_grpo_loss`.
 
     logps: (B, T) float (requires grad); old_logps: (B, T) or None (then logps.detach(): ratio 1,
     gradient A * grad(logp)); ref_logps: (B, T), needed when beta != 0; advantages: (B,), (B, 1) or
-    (B, T); mask: (B, T) bool/int/float. Returns (loss 0-d, metrics dict of detached 0-d tensors).
+    (B, T); mask: (B, T) bool/int/float; importance_weights: None or (B, T) / (B, 1) / (B,), no
+    gradient, multiplying the policy term per token before the KL term is added (TRL's
+    ``importance_sampling_ratio``). Returns (loss 0-d, metrics dict of detached 0-d tensors).
     """
     epsilon_high = _check_loss_args(loss_type, beta, epsilon_low, epsilon_high, max_completion_length, num_items_in_batch)
     if beta != 0 and ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
     B, T = logps.shape
     advantages = _check_advantages(advantages, B, T)
+    importance_weights = _check_importance_weights(importance_weights, B, T, mask)
     mask = mask.to(logps.dtype)
 
     # The detach is essential: the ratio's value is 1 but its gradient must be A * grad(logp).
@@ -193,6 +221,11 @@ def grpo_loss_reference(
     ratio = torch.exp(logps - old)
     clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if importance_weights is not None:  # TRL: after clipping, before the KL term
+        w = importance_weights.detach().to(per_token_loss.dtype)
+        if w.shape[1] == T:
+            w = torch.where(mask != 0, w, torch.ones_like(w))  # padding may hold anything
+        per_token_loss = per_token_loss * w
     kl = None
     if beta != 0:
         # k3 estimator of KL(pi_theta || pi_ref)
@@ -235,20 +268,23 @@ def token_weights(mask, loss_type, max_completion_length=None, num_items_in_batc
     return m / n.clamp(min=1.0)
 
 
-def per_token_loss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high):
-    """Per-token GRPO loss, elementwise, fp32: -min(r*A, clip(r)*A) + beta * k3(ref, logp).
+def per_token_loss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high, weight=None):
+    """Per-token GRPO loss, elementwise, fp32: -w * min(r*A, clip(r)*A) + beta * k3(ref, logp).
 
-    logp, adv: (n,) fp32; old_logp, ref_logp: (n,) fp32 or None (None old: on-policy, ratio 1).
+    logp, adv: (n,) fp32; old_logp, ref_logp: (n,) fp32 or None (None old: on-policy, ratio 1);
+    weight: (n,) fp32 importance weight of the policy term, or None (1).
     """
     ratio = torch.ones_like(logp) if old_logp is None else torch.exp(logp - old_logp)
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
+    if weight is not None:
+        loss = loss * weight
     if beta != 0:
         d = ref_logp - logp
         loss = loss + beta * (torch.exp(d) - d - 1)
     return loss
 
 
-def per_token_dloss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high):
+def per_token_dloss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high, weight=None):
     """d(per_token_loss)/d(logp), elementwise, fp32 (same arguments as :func:`per_token_loss`).
 
     The clip is inactive (gradient -A*r flows) unless A > 0 and r > 1+eps_high, or A < 0 and
@@ -258,6 +294,8 @@ def per_token_dloss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_hi
     ratio = torch.ones_like(logp) if old_logp is None else torch.exp(logp - old_logp)
     clipped = ((adv > 0) & (ratio > 1 + epsilon_high)) | ((adv < 0) & (ratio < 1 - epsilon_low))
     dloss = torch.where(clipped, 0.0, -adv * ratio)
+    if weight is not None:
+        dloss = dloss * weight
     if beta != 0:
         dloss = dloss + beta * (1 - torch.exp(ref_logp - logp))
     return dloss
@@ -329,9 +367,10 @@ class _EfficientGRPOFn(torch.autograd.Function):
     """Forward computes loss, log-probs and the (pre-scaled) gradients; backward rescales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, w, adv, old, ref, opts):
+    def forward(ctx, hidden, weight, bias, ids, w, adv, old, ref, isw, opts):
         # hidden (B,T,H); weight (V,H); bias (V,) or None; ids (N,) int64; w, adv (N,) fp32;
-        # old, ref (N,) fp32 or None; all per-token tensors already flattened to N = B*T.
+        # old, ref, isw (importance weights of the policy term) (N,) fp32 or None; all per-token
+        # tensors already flattened to N = B*T.
         B, T, H = hidden.shape
         N = B * T
         V = weight.shape[0]
@@ -346,7 +385,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
         def sel(x):
             return None if x is None else (x if rows is None else x.index_select(0, rows))
 
-        ids_a, w_a, adv_a, old_a, ref_a = sel(ids), sel(w), sel(adv), sel(old), sel(ref)
+        ids_a, w_a, adv_a, old_a, ref_a, isw_a = sel(ids), sel(w), sel(adv), sel(old), sel(ref), sel(isw)
 
         # Scale the in-forward gradient by a power of two so its largest per-token coefficient is
         # O(1): otherwise fp16 chunks underflow (the normaliser w can be ~1/(B*T)). Exact in binary,
@@ -378,6 +417,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
             dloss = per_token_dloss(
                 logp_c, None if old_a is None else old_a[s:e], None if ref_a is None else ref_a[s:e],
                 adv_a[s:e], opts["beta"], opts["epsilon_low"], opts["epsilon_high"],
+                None if isw_a is None else isw_a[s:e],
             )
             # dL/dz = w * dloss * (onehot - softmax) / temp; the kernel writes coef * (softmax - onehot) / temp
             coef = -(w_a[s:e] * dloss) * scale
@@ -409,6 +449,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
         loss_tok = per_token_loss(
             logp, old if old is None else torch.where(active, old, logp), None if ref is None else torch.where(active, ref, logp),
             adv, opts["beta"], opts["epsilon_low"], opts["epsilon_high"],
+            None if isw is None else torch.where(active, isw, torch.ones_like(isw)),
         )
         loss = (w * loss_tok).sum()
         outs = (loss, logp) if ent is None else (loss, logp, ent)
@@ -430,7 +471,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
             grad_w = grad_w.mul_(factor).to(wdtype)
         if grad_b is not None:
             grad_b = grad_b.mul_(factor).to(wdtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def efficient_grpo_loss(
@@ -453,6 +494,7 @@ def efficient_grpo_loss(
     lm_head_bias=None,
     compute_entropy=False,
     epilogue="auto",
+    importance_weights=None,
 ):
     """GRPO loss from final hidden states without materialising (B, T, V) logits.
 
@@ -460,6 +502,9 @@ def efficient_grpo_loss(
     lm_head_weight: (V, H), same dtype; completion_ids: (B, T) int in [0, V);
     completion_mask: (B, T) bool/int/float; advantages: (B,), (B, 1) or (B, T) float;
     old_logps / ref_logps: (B, T) float or None (ref needed when beta != 0).
+    ``importance_weights``: None or (B, T) / (B, 1) / (B,) float, no gradient: multiplies the
+    policy term of each token (not the KL term), as TRL applies ``importance_sampling_ratio``; the
+    per-token gradient coefficient handed to the epilogue (torch or Triton) carries it.
     ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of logits).
     ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
 
@@ -475,6 +520,7 @@ def efficient_grpo_loss(
     adv = _check_advantages(advantages, B, T)
     _check_token_tensor("old_logps", old_logps, (B, T), mask=completion_mask)
     _check_token_tensor("ref_logps", ref_logps, (B, T), mask=completion_mask)
+    isw = _check_importance_weights(importance_weights, B, T, completion_mask)
     if beta != 0 and ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
     backend = _epi.resolve_backend(epilogue, hidden.device)
@@ -486,6 +532,7 @@ def efficient_grpo_loss(
     adv_n = adv.float().expand(B, T).reshape(N)
     old_n = None if old_logps is None else old_logps.detach().float().reshape(N)
     ref_n = None if (ref_logps is None or beta == 0) else ref_logps.detach().float().reshape(N)
+    isw_n = None if isw is None else isw.detach().float().expand(B, T).reshape(N)
     grad_on = torch.is_grad_enabled()
     opts = dict(
         beta=float(beta), epsilon_low=float(epsilon_low), epsilon_high=epsilon_high,
@@ -498,7 +545,7 @@ def efficient_grpo_loss(
         ),
     )
     outs = _EfficientGRPOFn.apply(
-        hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), w, adv_n, old_n, ref_n, opts
+        hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), w, adv_n, old_n, ref_n, isw_n, opts
     )
     loss, logp = outs[0], outs[1]
     if not bool(torch.isfinite(loss)) or not bool(torch.isfinite(logp).all()):

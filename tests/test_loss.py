@@ -169,9 +169,10 @@ def test_auto_chunk_and_no_grad_give_same_loss():
 # ------------------------------------------------------------------------------------------------
 # TRL 1.16's own _compute_loss on the same per-token log-probs
 # ------------------------------------------------------------------------------------------------
-def _bare_trl_trainer(loss_type, beta, eps_low, eps_high, max_len, logps):
+def _bare_trl_trainer(loss_type, beta, eps_low, eps_high, max_len, logps, use_vllm=False):
     """A GRPOTrainer without __init__: just the attributes TRL's real _compute_loss reads. The
-    distributed helpers are identities (one process); the model call returns our log-probs."""
+    distributed helpers are identities (one process); the model call returns our log-probs.
+    ``use_vllm``: TRL then multiplies the policy term by ``inputs["importance_sampling_ratio"]``."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     tr = object.__new__(GRPOTrainer)
@@ -185,8 +186,8 @@ def _bare_trl_trainer(loss_type, beta, eps_low, eps_high, max_len, logps):
     tr.top_entropy_quantile = 1.0
     tr.off_policy_mask_threshold = None
     tr.importance_sampling_level = "token"
-    tr.use_vllm = False
-    tr.vllm_importance_sampling_correction = False
+    tr.use_vllm = use_vllm
+    tr.vllm_importance_sampling_correction = use_vllm
     tr._entropy_bonus_enabled = False
     tr._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     tr.loss_type, tr.beta, tr.epsilon_low, tr.epsilon_high = loss_type, beta, eps_low, eps_high
@@ -242,6 +243,106 @@ def test_reference_matches_trl_compute_loss(loss_type, beta, with_old):
     loss_e.backward()
     assert abs(loss_e.item() - loss_trl.item()) < 1e-5 * max(1e-2, abs(loss_trl.item()))
     assert rel(h.grad, h64.grad) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# importance weights (TRL's importance_sampling_ratio for generations from another engine)
+# ------------------------------------------------------------------------------------------------
+def _isw(c, shape, seed=0):
+    """Ratios as TRL makes them: exp of a log-prob difference, some masked to 0 (token_mask mode),
+    garbage (NaN) at padding, which must not matter."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(shape, generator=g) * 0.3)
+    w[w > 1.4] = 0.0
+    if shape == (B, T):
+        w = w.masked_fill(~c["mask"], float("nan"))
+    return w
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("shape", [(B, T), (B, 1)], ids=["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_importance_weights_efficient_matches_fp64(loss_type, shape, beta):
+    c = make_case(40 + LOSS_TYPES.index(loss_type))
+    isw = _isw(c, shape, seed=LOSS_TYPES.index(loss_type))
+    h64, W64, b64 = (x.double().requires_grad_() for x in (c["h"], c["W"], c["b"]))
+    lp64 = fp64_logps(h64, W64, b64, c["ids"], 0.8)
+    old = (lp64.detach() + c["noise"][0]).float()
+    ref = (lp64.detach() + c["noise"][1]).float()
+    kw = dict(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, **LENGTH_KW)
+    l64, m64 = grpo_loss_reference(lp64, old.double(), ref.double(), c["adv"].double(), c["mask"],
+                                   importance_weights=isw.double(), **kw)
+    l64.backward()
+    h, W, b = (x.clone().requires_grad_() for x in (c["h"], c["W"], c["b"]))
+    loss, m = efficient_grpo_loss(h, W, c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref, temperature=0.8,
+                                  chunk_size=5, lm_head_bias=b, importance_weights=isw, **kw)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(h.grad).all()
+    assert abs(loss.item() - l64.item()) <= 1e-5 * loss_scale(lp64, old, ref, c, kw)
+    for got, want in ((h.grad, h64.grad), (W.grad, W64.grad), (b.grad, b64.grad)):
+        assert rel(got, want) < 1e-5
+    for k in m:  # the metrics are those of the unweighted ratio, as TRL logs them
+        assert abs(m[k].item() - m64[k].item()) < 1e-5 or (math.isnan(m[k].item()) and math.isnan(m64[k].item())), k
+    # the weights change the result (else the test would prove nothing), and weights of 1 change nothing
+    l_plain, _ = grpo_loss_reference(lp64.detach(), old.double(), ref.double(), c["adv"].double(), c["mask"], **kw)
+    assert abs(l_plain.item() - l64.item()) > 1e-4 * loss_scale(lp64, old, ref, c, kw)
+    ones = torch.ones(shape)
+    l_none = efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
+                                 temperature=0.8, chunk_size=5, lm_head_bias=c["b"], **kw)[0]
+    l_ones = efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
+                                 temperature=0.8, chunk_size=5, lm_head_bias=c["b"], importance_weights=ones, **kw)[0]
+    assert l_none.item() == l_ones.item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_importance_weights_reference_matches_trl_compute_loss(dtype, tol):
+    """TRL 1.16's real _compute_loss with use_vllm: loss and gradient equal the reference's."""
+    pytest.importorskip("trl")
+    for loss_type in LOSS_TYPES:
+        c = make_case(50 + LOSS_TYPES.index(loss_type))
+        lp_base = fp64_logps(c["h"], c["W"], c["b"], c["ids"], 1.0).to(dtype)
+        old, ref = lp_base + c["noise"][0].to(dtype), lp_base + c["noise"][1].to(dtype)
+        isw = _isw(c, (B, T), seed=7).nan_to_num(1.0).to(dtype)  # TRL's ratio is exp(0) = 1 at padding
+        mask = c["mask"].long()
+        n_items = int(mask.sum()) + 3
+        lp_trl = lp_base.clone().requires_grad_()
+        tr = _bare_trl_trainer(loss_type, 0.04, 0.2, 0.28, LENGTH_KW["max_completion_length"], lp_trl, use_vllm=True)
+        inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
+                      completion_ids=c["ids"], completion_mask=mask, advantages=c["adv"].to(dtype),
+                      ref_per_token_logps=ref, old_per_token_logps=old, importance_sampling_ratio=isw,
+                      num_items_in_batch=torch.tensor(float(n_items), dtype=dtype))
+        loss_trl = tr._compute_loss(None, inputs)
+        loss_trl.backward()
+        lp_ours = lp_base.clone().requires_grad_()
+        loss, _ = grpo_loss_reference(lp_ours, old, ref, c["adv"].to(dtype), mask, beta=0.04, epsilon_low=0.2,
+                                      epsilon_high=0.28, loss_type=loss_type, importance_weights=isw,
+                                      max_completion_length=LENGTH_KW["max_completion_length"],
+                                      num_items_in_batch=n_items)
+        loss.backward()
+        assert abs(loss.item() - loss_trl.item()) <= tol * max(1e-2, abs(loss_trl.item())), loss_type
+        assert rel(lp_ours.grad, lp_trl.grad) < tol, loss_type
+        # without the ratio TRL's loss differs: the ratio really entered it
+        l_plain, _ = grpo_loss_reference(lp_base, old, ref, c["adv"].to(dtype), mask, beta=0.04, epsilon_low=0.2,
+                                         epsilon_high=0.28, loss_type=loss_type,
+                                         max_completion_length=LENGTH_KW["max_completion_length"],
+                                         num_items_in_batch=n_items)
+        assert abs(l_plain.item() - loss_trl.item()) > 1e3 * tol * max(1e-2, abs(loss_trl.item())), loss_type
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.ones(B, T + 1), "importance_weights must have shape"),
+    (torch.ones(B, T, dtype=torch.long), "importance_weights must be None or a floating tensor"),
+    (torch.full((B, T), float("inf")), "importance_weights hold NaN, inf or a negative"),
+    (-torch.ones(B, 1), "importance_weights hold NaN, inf or a negative"),
+])
+def test_importance_weights_bad_input(bad, match):
+    c = make_case(60)
+    with pytest.raises(ValueError, match=match):
+        efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], importance_weights=bad)
+    lp = fp64_logps(c["h"], c["W"], c["b"], c["ids"], 1.0).float()
+    with pytest.raises(ValueError, match=match):
+        grpo_loss_reference(lp, None, None, c["adv"], c["mask"], beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
+                            loss_type="grpo", importance_weights=bad)
 
 
 # ------------------------------------------------------------------------------------------------
