@@ -403,8 +403,10 @@ PLANS = {
     ],
     # long context: confirmation under an 80 GB budget (minutes per step)
     "long": [
+        dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours_offload",), tag="long"),
         dict(model="llama-3.1-8b", gens=1, seq_len=262144, micro_batch=1, rows=("ours_offload",), tag="confirm",
              budget="80GB"),
+        dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours",), tag="long"),
     ],
 }
 

@@ -210,12 +210,21 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def _embedded_tokenizer_dir() -> Path:
+    """The cached folder when its tokenizer files are there (the export writes them with the
+    weights, atomically); otherwise export first. Tiny models need only the tokenizer."""
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    return embedded_model_dir()
+
+
 def load_tokenizer(name: str = EMBEDDED_NAME):
     """Tokenizer with chat template; tiny and config-only models share the embedded one."""
     from transformers import AutoTokenizer
 
     kind = check_model_name(name)
-    src = embedded_model_dir() if kind in ("embedded", "tiny", "config-only") else name
+    src = _embedded_tokenizer_dir() if kind in ("embedded", "tiny", "config-only") else name
     tok = AutoTokenizer.from_pretrained(src)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -1,0 +1,182 @@
+"""The whole trainer on a GPU: ``python -m grpo_kit train`` runs, kit trainer vs stock TRL.
+
+    python -m grpo_kit bench trainer_gpu [--model llama-3.2-1b] [--steps 3] [--completion 512]
+
+Each row is one ``grpo_kit.run.train`` call in its own process (so peaks do not mix), on a
+config-only architecture with random weights (memory and speed do not depend on weight
+values; the embedded tokenizer is used, so only the tokenizer files need be cached):
+
+* ``kit_bf16_offload``  the kit's trainer, bf16, gradient checkpointing on -> offloaded
+                        checkpointing (the trainer's default on CUDA) + efficient loss;
+* ``kit_fp16_offload``  the same in fp16 (the T4 path: GradScaler through accelerate);
+* ``kit_bf16``          the kit's trainer without checkpointing;
+* ``trl_bf16_ckpt``     stock TRL ``GRPOTrainer``, bf16, HF gradient checkpointing.
+
+Reported per row: peak ``max_memory_allocated`` over the run, mean step time (steps after
+the first), whether offload buffers were in use, loss/reward finite, LoRA weights changed.
+Results: ``bench/results/trainer_gpu_<tag>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROWS = {
+    "kit_bf16_offload": ["trainer=grpo_kit", "dtype=bf16", "gradient_checkpointing=true"],
+    "kit_fp16_offload": ["trainer=grpo_kit", "dtype=fp16", "gradient_checkpointing=true"],
+    "kit_bf16": ["trainer=grpo_kit", "dtype=bf16", "gradient_checkpointing=false"],
+    "trl_bf16_ckpt": ["trainer=trl", "dtype=bf16", "gradient_checkpointing=true"],
+}
+
+
+def one_row(sets: list[str], out_dir: str) -> dict:
+    """Child process: one training run with a probe callback; prints a JSON line."""
+    import torch
+    from transformers import TrainerCallback
+
+    from grpo_kit.checkpointing import offload_stats
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.run import train
+
+    class Probe(TrainerCallback):
+        def __init__(self):
+            self.first = None
+            self.host_gib = 0.0
+            self.scaler = None
+            self.step_peaks = []
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.host_gib = max(self.host_gib, offload_stats(model)["host_bytes"] / 2**30)
+            if torch.cuda.is_available():
+                self.step_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            if self.first is None:
+                self.first = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()
+                              if p.requires_grad}
+
+        def on_train_end(self, args, state, control, model=None, **kw):
+            last = {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            self.changed = any(not torch.equal(self.first[n], last[n]) for n in last) if self.first else None
+            self.trainable_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+
+    # Random weights score 0 on every task reward, so advantages (and the policy gradient)
+    # would be zero; a bench-only reward with spread makes the update real.
+    import grpo_kit.config as kit_config
+    import grpo_kit.rewards as kit_rewards
+
+    def spread_reward(prompts, completions, **kw):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [(sum(map(ord, t)) % 7) / 6.0 for t in texts]
+
+    kit_rewards.REWARD_FUNCTIONS["bench_spread"] = spread_reward
+    kit_config.REWARD_FUNCS = (*kit_config.REWARD_FUNCS, "bench_spread")
+    cfg = GRPOKitConfig()
+    cfg.output_dir = out_dir
+    cfg.apply_overrides(sets)
+    probe = Probe()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    summary = train(cfg, progress=False, callbacks=(probe,))
+    import csv
+
+    rows = list(csv.DictReader(open(Path(out_dir) / "metrics.csv")))
+    times = [float(r["step_time_s"]) for r in rows if r.get("step_time_s")]
+    res = dict(summary, host_offload_gib=probe.host_gib, lora_changed_after_step1=probe.changed,
+               trainable_dtypes=probe.trainable_dtypes, step_peaks_gib=probe.step_peaks,
+               step_times_s=times, mean_step_s_after_first=(sum(times[1:]) / max(1, len(times) - 1)),
+               losses=[r.get("loss") for r in rows], rewards=[r.get("reward_mean") for r in rows])
+    print("ROW " + json.dumps(res), flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--completion", type=int, default=512, help="max_completion_length (random weights rarely stop)")
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--tag", default="h200")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        one_row(json.loads(a.one), a.run_dir)
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench trainer_gpu needs a CUDA GPU")
+    common = [f"model={a.model}", f"max_steps={a.steps}", f"num_generations={a.generations}",
+              f"per_device_train_batch_size={a.generations}", f"max_completion_length={a.completion}",
+              "num_eval_samples=0", "num_train_samples=64", "device=cuda", "generation_backend=hf",
+              "warmup_steps=0",
+              "reward_funcs=[correctness, bench_spread]"]
+    results = []
+    for name in a.rows.split(","):
+        sets = common + ROWS[name]
+        with tempfile.TemporaryDirectory() as run_dir:
+            cmd = [sys.executable, __file__, "--one", json.dumps(sets), "--run-dir", run_dir]
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            wall = time.perf_counter() - t0
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+        if r.returncode != 0 or not line:
+            res = dict(row=name, status="failed", error=(r.stderr or r.stdout)[-2500:])
+        else:
+            res = dict(json.loads(line[-1][4:]), row=name, status="ok")
+        res.update(sets=sets, wall_s=round(wall, 1))
+        print(json.dumps({k: v for k, v in res.items() if k not in ("error",)})[:1500], flush=True)
+        if res["status"] != "ok":
+            print(res["error"], flush=True)
+        results.append(res)
+
+    import transformers
+
+    hw = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
+              python=platform.python_version())
+    try:
+        import trl
+
+        hw["trl"] = trl.__version__
+    except ImportError:
+        pass
+    cmd = "python -m grpo_kit bench trainer_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"trainer_gpu_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, results=results),
+                                                                 indent=1))
+    lines = [f"# The whole trainer on a GPU ({hw['gpu']})", "",
+             f"Command: `{cmd}`  ", f"Date: {hw['date']}; torch {hw['torch']}, transformers {hw['transformers']}, "
+             f"trl {hw.get('trl')}.", "",
+             f"`python -m grpo_kit train` in-process per row (own process each), model {a.model} (random weights, "
+             f"embedded tokenizer), {a.generations} generations x up to {a.completion} completion tokens per step, "
+             f"{a.steps} steps, LoRA r=16 on all linear layers, HF generate.", "",
+             "| row | status | peak alloc GiB | mean step s (after 1st) | host offload GiB | loss/reward finite "
+             "| LoRA changed | trainable dtype |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"| {r['row']} | failed | | | | | | |")
+            continue
+        lines.append(f"| {r['row']} | ok | {r['peak_memory_gib']:.2f} | {r['mean_step_s_after_first']:.2f} | "
+                     f"{r['host_offload_gib']:.2f} | {r['metrics_finite']} | {r['lora_changed_after_step1']} | "
+                     f"{','.join(r['trainable_dtypes'])} |")
+    (out / f"trainer_gpu_{a.tag}.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
