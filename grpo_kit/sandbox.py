@@ -1,0 +1,379 @@
+"""Run untrusted, model-generated Python in a subprocess with limits; a code-verifier reward.
+
+``run_python(code)`` runs one program; ``run_many(codes)`` runs many in parallel (a bounded
+thread pool, one subprocess each); :func:`make_python_code_reward` builds a TRL reward function
+``fn(prompts, completions, **columns)`` that extracts a ```` ```python ```` block from each
+completion, runs it sandboxed, and scores 1.0 (tests pass / output right) or 0.0. A hang, a
+crash, a memory bomb or a network attempt scores 0 for that sample with a logged reason (logger
+``grpo_kit.sandbox``) and never stalls training: the wall-clock timeout kills the child's whole
+process group.
+
+What each run gets (applied by a small bootstrap in the child before the user code runs):
+
+* a fresh ``python -I`` (isolated mode: no user site, ``PYTHON*`` variables ignored) in its own
+  session / process group, with a **minimal environment** (``PATH``, ``LANG``, ``HOME`` and
+  ``TMPDIR`` = the scratch folder, one thread for BLAS/OpenMP) and a **scratch temporary folder
+  as its working directory**, deleted afterwards;
+* **wall-clock timeout** (parent side, ``SIGKILL`` to the process group), **CPU time**
+  (``RLIMIT_CPU``, ``SIGXCPU``), **address space** (``RLIMIT_AS``: a memory bomb gets a
+  ``MemoryError``), largest file written (``RLIMIT_FSIZE``, stdout/stderr included, so endless
+  printing is cut off), no core dumps;
+* **no network**: (1) when the process may create namespaces (root, or unprivileged user
+  namespaces enabled), it moves into a new, empty network namespace (``unshare``), where no
+  interface is up, so even raw ``ctypes`` socket calls reach nothing; (2) always, a Python audit
+  hook (PEP 578, cannot be removed from Python code) refuses creating non-``AF_UNIX`` sockets,
+  ``connect``, ``bind`` and DNS look-ups with ``PermissionError``. ``SandboxResult.network``
+  says which applied (``"namespace+audit"`` or ``"audit"``);
+* by default, no new processes: the audit hook refuses ``subprocess``, ``os.system``,
+  ``os.exec*``, ``os.fork`` and ``os.posix_spawn`` (``allow_subprocess=True`` lifts this; any
+  children stay in the process group that the timeout kills);
+* when the parent runs as root and ``nobody`` (uid/gid 65534) can run this interpreter (checked
+  once with a probe child; not the case when Python lives under ``/root``), the child drops to
+  ``nobody`` after applying the limits, so the user code cannot raise them again.
+
+What is **not** guaranteed: this is a guard against accidents in model output (infinite loops,
+huge allocations, crashes, stray network calls), not a security boundary against code written
+to escape. Without the network namespace, code that calls the C library directly (``ctypes``)
+can still open sockets; without root the limits are soft/hard rlimits the code could lower but
+not raise; files outside the scratch folder are readable and, as far as file permissions allow,
+writable; a grandchild (with ``allow_subprocess=True``) that calls ``setsid`` escapes the
+process-group kill. Run training inside a container or VM if you execute hostile code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("grpo_kit.sandbox")
+
+_BOOTSTRAP = r'''
+import os, sys, resource, signal
+cfg = eval(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+net = "audit"
+if cfg["netns"]:
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        flags = 0x40000000 if os.geteuid() == 0 else 0x40000000 | 0x10000000  # CLONE_NEWNET (| CLONE_NEWUSER)
+        if libc.unshare(flags) == 0:
+            net = "namespace+audit"
+    except Exception:
+        pass
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over-long output: write() fails instead of a kill
+cpu = cfg["cpu"]
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+if cfg["mem"]:
+    resource.setrlimit(resource.RLIMIT_AS, (cfg["mem"], cfg["mem"]))
+resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"]))
+import socket as _s  # before dropping privileges, as the hook needs it
+if os.geteuid() == 0 and cfg["drop"]:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+with open("net_mode", "w") as fh:
+    fh.write(net)
+_ALLOWED_FAMILIES = {int(_s.AF_UNIX)}
+_NO_PROC = not cfg["subprocess"]
+_PROC_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                "os.forkpty", "pty.spawn"}
+def _hook(event, args):
+    if event == "socket.__new__":
+        if len(args) > 1 and args[1] is not None and int(args[1]) not in _ALLOWED_FAMILIES:
+            raise PermissionError("network access is disabled in the sandbox")
+    elif event in ("socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
+                   "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"):
+        raise PermissionError("network access is disabled in the sandbox")
+    elif _NO_PROC and event in _PROC_EVENTS:
+        raise PermissionError("starting processes is disabled in the sandbox")
+sys.addaudithook(_hook)
+del _hook, cfg
+sys.argv = ["main.py"]
+_src = open("main.py", encoding="utf-8").read()
+_g = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+exec(compile(_src, "main.py", "exec"), _g)
+'''
+
+
+@dataclass
+class SandboxLimits:
+    """Limits for one sandboxed run (see the module docstring for what each one does)."""
+
+    timeout_s: float = 5.0  # wall clock; the process group is killed after it
+    cpu_s: int | None = None  # CPU seconds (RLIMIT_CPU); None: ceil(timeout_s)
+    memory_mb: int | None = 512  # address space (RLIMIT_AS); None: no limit
+    max_output_bytes: int = 1 << 20  # largest file the program may write (stdout/stderr included)
+    network_namespace: bool = True  # try an empty network namespace (the audit hook applies anyway)
+    allow_subprocess: bool = False
+    drop_privileges: bool = True  # as root: run the code as nobody (65534)
+
+    def __post_init__(self):
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if self.cpu_s is not None and (not isinstance(self.cpu_s, int) or self.cpu_s < 1):
+            raise ValueError(f"cpu_s={self.cpu_s!r} must be a whole number of seconds >= 1, or None")
+        if self.memory_mb is not None and (not isinstance(self.memory_mb, int) or self.memory_mb < 32):
+            raise ValueError(f"memory_mb={self.memory_mb!r} must be an int >= 32 (MiB), or None")
+        if not isinstance(self.max_output_bytes, int) or self.max_output_bytes < 1024:
+            raise ValueError(f"max_output_bytes={self.max_output_bytes!r} must be an int >= 1024")
+
+
+@dataclass
+class SandboxResult:
+    """What one run did. ``ok``: exited with status 0 within the limits."""
+
+    ok: bool
+    reason: str  # "ok", "timeout after 5.0 s", "CPU time limit", "memory limit", "crashed: SIGSEGV", ...
+    returncode: int | None
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+    network: str = ""  # "namespace+audit" or "audit" (how network access was blocked)
+    extra: dict = field(default_factory=dict)
+
+
+def _tail(text: str, n: int = 300) -> str:
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _reason(rc: int | None, stderr: str, timed_out: bool, timeout_s: float) -> str:
+    if timed_out:
+        return f"timeout after {timeout_s:g} s (wall clock)"
+    if rc == 0:
+        return "ok"
+    if rc is not None and rc < 0:
+        sig = -rc
+        if sig == signal.SIGXCPU:
+            return "CPU time limit"
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if sig == signal.SIGKILL:
+            return "killed (SIGKILL: CPU hard limit or out of memory)"
+        return f"crashed: {name}"
+    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    if "MemoryError" in last or "MemoryError" in stderr[-2000:]:
+        return "memory limit (MemoryError)"
+    if "network access is disabled" in stderr[-2000:]:
+        return "network access refused (PermissionError)"
+    return f"exit code {rc}" + (f": {_tail(last, 200)}" if last else "")
+
+
+def _read(path: str, limit: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit)
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run ``code`` (a Python program) in a sandboxed subprocess; never raises for what the code does.
+
+    ``stdin`` is fed to the program; stdout and stderr come back (up to ``max_output_bytes``).
+    """
+    if not isinstance(code, str):
+        raise ValueError(f"code must be a str, got {type(code).__name__}")
+    lim = limits or SandboxLimits()
+    scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
+    t0 = time.perf_counter()
+    timed_out = False
+    proc = None
+    try:
+        drop = lim.drop_privileges and os.geteuid() == 0 and _nobody_can_run_python()
+        if drop:
+            os.chown(scratch, 65534, 65534)
+        os.chmod(scratch, 0o700)
+        main = os.path.join(scratch, "main.py")
+        with open(main, "w", encoding="utf-8", errors="surrogatepass") as fh:
+            fh.write(code)
+        with open(os.path.join(scratch, "stdin.txt"), "w", encoding="utf-8", errors="surrogatepass") as fh:
+            fh.write(stdin)
+        cfg = dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))),
+                   mem=None if lim.memory_mb is None else lim.memory_mb * 2**20,
+                   fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
+                   drop=drop)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONIOENCODING": "utf-8"}
+        out_path, err_path = os.path.join(scratch, "stdout.txt"), os.path.join(scratch, "stderr.txt")
+        with open(out_path, "wb") as out, open(err_path, "wb") as err, \
+                open(os.path.join(scratch, "stdin.txt"), "rb") as inp:
+            if drop:
+                for p in (out_path, err_path):
+                    os.chown(p, 65534, 65534)
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, repr(cfg)], cwd=scratch, env=env,
+                                    stdin=inp, stdout=out, stderr=err, start_new_session=True, close_fds=True)
+            try:
+                proc.wait(timeout=lim.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        rc = proc.returncode
+        stdout, stderr = _read(out_path, lim.max_output_bytes), _read(err_path, lim.max_output_bytes)
+        net = _read(os.path.join(scratch, "net_mode"), 64)
+        reason = _reason(rc, stderr, timed_out, lim.timeout_s)
+        return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout,
+                             stderr=stderr, duration_s=time.perf_counter() - t0, network=net)
+    except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
+        return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
+                             duration_s=time.perf_counter() - t0)
+    finally:
+        if proc is not None:
+            _kill_group(proc)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+_NOBODY_OK: bool | None = None
+
+
+def _nobody_can_run_python() -> bool:
+    """Whether uid/gid 65534 can start this interpreter and import the standard library (probed once)."""
+    global _NOBODY_OK
+    if _NOBODY_OK is None:
+        code = "import os, sys; os.setgroups([]); os.setgid(65534); os.setuid(65534); import json, socket, ast"
+        try:
+            _NOBODY_OK = subprocess.run([sys.executable, "-I", "-c", code], cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                        capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _NOBODY_OK = False
+    return _NOBODY_OK
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole process group (it leads its own session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def run_many(codes, *, stdins=None, limits: SandboxLimits | None = None,
+             max_workers: int | None = None) -> list[SandboxResult]:
+    """Run many programs, ``max_workers`` at a time (default: the CPU count, at most 8).
+
+    Wall time is bounded by about ``ceil(len(codes) / max_workers) * timeout_s`` plus start-up
+    costs, whatever the programs do.
+    """
+    codes = list(codes)
+    stdins = [""] * len(codes) if stdins is None else list(stdins)
+    if len(stdins) != len(codes):
+        raise ValueError(f"{len(codes)} programs but {len(stdins)} stdin strings")
+    if not codes:
+        return []
+    workers = max(1, min(len(codes), max_workers or default_workers()))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpo_kit_sandbox") as pool:
+        return list(pool.map(lambda cs: run_python(cs[0], stdin=cs[1], limits=limits), zip(codes, stdins)))
+
+
+# --- the example verifier -----------------------------------------------------------------------
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block (```` ```python ```` preferred, else any ```` ``` ````), or ``None``.
+
+    >>> extract_code("Here:\\n```python\\nprint(1 + 1)\\n```\\nDone.")
+    'print(1 + 1)\\n'
+    >>> extract_code("no code") is None
+    True
+    """
+    if not isinstance(text, str):
+        return None
+    blocks = _FENCE.findall(text)
+    python = [b for b, m in zip(blocks, _FENCE.finditer(text)) if re.match(r"```[ \t]*(python3?|py)", m.group(0),
+                                                                             re.IGNORECASE)]
+    chosen = python or blocks
+    return chosen[-1] if chosen and chosen[-1].strip() else None
+
+
+def _column(kwargs: dict, name: str, n: int):
+    value = kwargs.get(name)
+    if value is None:
+        return [None] * n
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise ValueError(f"python_code_reward: column {name!r} must be a list with one entry per completion ({n})")
+    return list(value)
+
+
+def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers: int | None = None,
+                            name: str = "python_code_reward"):
+    """A TRL reward function that runs the completion's Python code in the sandbox.
+
+    Per sample, the dataset columns decide what "right" means (the first one present wins):
+
+    * ``tests``: Python code (a string, or a list of strings) appended to the program, e.g.
+      ``assert add(2, 3) == 5``; 1.0 when the whole program exits with status 0;
+    * ``expected_output``: 1.0 when the program's stdout, stripped, equals it (``stdin`` column
+      optional, fed to the program);
+    * ``answer``: 1.0 when the last number the program prints equals it (as
+      :func:`grpo_kit.rewards.extract_number` reads numbers).
+
+    No code block, a failing test, a wrong answer, a timeout, a crash or a refused network call
+    all score 0.0; anything other than a plain wrong result is logged at WARNING with its reason.
+    The latest batch's :class:`SandboxResult` objects are kept on ``fn.last_results``.
+    """
+    from .rewards import completion_text, extract_number, numbers_equal, _reference
+
+    lim = limits or SandboxLimits()
+
+    def reward(prompts, completions, **kwargs) -> list[float]:
+        n = len(completions)
+        tests, expected = _column(kwargs, "tests", n), _column(kwargs, "expected_output", n)
+        answers, stdins = _column(kwargs, "answer", n), _column(kwargs, "stdin", n)
+        programs, idx = [], []
+        for i, c in enumerate(completions):
+            code = extract_code(completion_text(c) if isinstance(c, (str, list, dict)) else "")
+            if code is None:
+                continue
+            if tests[i] is not None:
+                t = tests[i] if isinstance(tests[i], str) else "\n".join(map(str, tests[i]))
+                code = code + "\n\n" + t + "\n"
+            elif expected[i] is None and answers[i] is None:
+                raise ValueError(f"{name}: sample {i} has none of the columns 'tests', 'expected_output', 'answer'")
+            programs.append(code)
+            idx.append(i)
+        results = run_many(programs, stdins=[str(stdins[i] or "") for i in idx], limits=lim,
+                           max_workers=max_workers)
+        scores = [0.0] * n
+        reward.last_results = [None] * n
+        for i, res in zip(idx, results):
+            reward.last_results[i] = res
+            if res.ok:
+                if tests[i] is not None:
+                    scores[i] = 1.0
+                elif expected[i] is not None:
+                    scores[i] = 1.0 if res.stdout.strip() == str(expected[i]).strip() else 0.0
+                else:
+                    scores[i] = 1.0 if numbers_equal(extract_number(res.stdout), _reference(answers[i])) else 0.0
+            elif not res.reason.startswith("exit code") or "MemoryError" in res.stderr[-2000:]:
+                logger.warning("%s: sample %d scored 0: %s (%.2f s)", name, i, res.reason, res.duration_s)
+            else:
+                logger.info("%s: sample %d scored 0: %s", name, i, res.reason)
+        return scores
+
+    reward.__name__ = name
+    reward.last_results = []
+    return reward
+
+
+python_code_reward = make_python_code_reward()
+python_code_reward.__doc__ = make_python_code_reward.__doc__

@@ -1,0 +1,148 @@
+"""The sandbox for model-generated code (grpo_kit.sandbox) and the python_code_reward verifier."""
+
+import logging
+import time
+
+import pytest
+
+from grpo_kit.sandbox import SandboxLimits, extract_code, make_python_code_reward, run_many, run_python
+
+FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
+
+
+def _block(code: str) -> str:
+    return f"Let me write it.\n```python\n{code}\n```\nDone."
+
+
+def test_correct_code_runs_in_a_scratch_folder_with_a_minimal_environment():
+    r = run_python("import os, sys\nprint(6 * 7)\nprint(os.getcwd())\nprint(sorted(os.environ))\n"
+                   "open('scratch.txt', 'w').write('x')\nprint(sys.stdin.read().strip())", stdin="hello", limits=FAST)
+    assert r.ok and r.reason == "ok" and r.returncode == 0, r
+    lines = r.stdout.splitlines()
+    assert lines[0] == "42"
+    assert "grpo_kit_sandbox_" in lines[1]
+    assert "HOME" in lines[2] and "PYTHONPATH" not in lines[2] and "HF_HUB_OFFLINE" not in lines[2]
+    assert lines[3] == "hello"
+
+
+@pytest.mark.parametrize("code", ["while True: pass", "import time\ntime.sleep(60)"])
+def test_hang_is_killed_at_the_wall_clock_timeout(code):
+    t = time.perf_counter()
+    r = run_python(code, limits=SandboxLimits(timeout_s=1.0, memory_mb=256))
+    took = time.perf_counter() - t
+    assert not r.ok and r.reason.startswith("timeout after 1 s"), r
+    assert took < 1.0 + 2.0, took
+
+
+def test_cpu_time_limit():
+    r = run_python("while True: pass", limits=SandboxLimits(timeout_s=20.0, cpu_s=1, memory_mb=256))
+    assert not r.ok and r.reason == "CPU time limit", r
+    assert r.duration_s < 15
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(10 ** 10)", "l = []\nwhile True: l.append('x' * 10 ** 6)"])
+def test_memory_bomb_fails_inside_the_limit(code):
+    r = run_python(code, limits=FAST)
+    assert not r.ok and r.reason == "memory limit (MemoryError)", r
+
+
+@pytest.mark.parametrize("code, reason", [
+    ("import os\nos._exit(3)", "exit code 3"),
+    ("import ctypes\nctypes.string_at(0)", "crashed: SIGSEGV"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "killed (SIGKILL"),
+    ("raise SystemExit('bye')", "exit code 1"),
+])
+def test_crashes_are_reported(code, reason):
+    r = run_python(code, limits=FAST)
+    assert not r.ok and r.reason.startswith(reason), r
+
+
+@pytest.mark.parametrize("namespace", [True, False])
+@pytest.mark.parametrize("code", [
+    "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)",
+    "import socket\nsocket.getaddrinfo('example.com', 80)",
+    "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)",
+])
+def test_network_attempts_fail(code, namespace):
+    r = run_python(code, limits=SandboxLimits(timeout_s=5.0, memory_mb=256, network_namespace=namespace))
+    assert not r.ok and "network access" in r.reason + r.stderr, r
+    assert r.network in ("audit", "namespace+audit")
+    if not namespace:
+        assert r.network == "audit"
+
+
+def test_network_namespace_stops_raw_sockets_when_available():
+    code = ("import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.socket(2, 1, 0)\n"
+            "addr = struct.pack('<HH4s8x', 2, 0x5000, bytes([1, 1, 1, 1]))\n"
+            "rc = libc.connect(fd, addr, len(addr))\nprint(fd, rc, ctypes.get_errno())")
+    r = run_python(code, limits=SandboxLimits(timeout_s=5.0, memory_mb=256))
+    if r.network != "namespace+audit":
+        pytest.skip("no network namespace here (needs root or unprivileged user namespaces)")
+    fd, rc, errno = map(int, r.stdout.split())
+    assert rc == -1 and errno == 101, r.stdout  # ENETUNREACH: nothing is up in the empty namespace
+
+
+def test_subprocesses_refused_and_output_capped():
+    r = run_python("import subprocess\nsubprocess.run(['echo', 'hi'])", limits=FAST)
+    assert not r.ok and "starting processes is disabled" in r.stderr
+    r = run_python("while True: print('x' * 1000)", limits=SandboxLimits(timeout_s=5.0, max_output_bytes=4096))
+    assert not r.ok and len(r.stdout) <= 4096 and "File too large" in r.stderr
+
+
+def test_many_hangs_in_parallel_stay_within_the_timeout_bound():
+    n, timeout = 8, 1.5
+    t = time.perf_counter()
+    results = run_many(["while True: pass"] * (n // 2) + ["import time\ntime.sleep(60)"] * (n // 2),
+                       limits=SandboxLimits(timeout_s=timeout, memory_mb=256), max_workers=n)
+    took = time.perf_counter() - t
+    assert all(r.reason.startswith("timeout") for r in results)
+    assert took < timeout + 3.0, f"{n} hanging programs took {took:.1f} s with an {timeout} s timeout"
+
+
+def test_extract_code():
+    assert extract_code(_block("print(1)")) == "print(1)\n"
+    assert extract_code("```\nx = 1\n```\n```python\ny = 2\n```") == "y = 2\n"
+    assert extract_code("```python\n```") is None
+    assert extract_code(None) is None
+
+
+def test_python_code_reward_scores_and_logs(caplog):
+    fn = make_python_code_reward(SandboxLimits(timeout_s=1.5, memory_mb=256), max_workers=6)
+    completions = [
+        _block("def add(a, b):\n    return a + b"),  # tests pass
+        _block("def add(a, b):\n    return a - b"),  # tests fail
+        [{"role": "assistant", "content": _block("while True: pass")}],  # hang, conversational
+        _block("x = bytearray(10 ** 10)"),  # memory bomb
+        "no code at all",
+        _block("print(sum(range(10)))"),  # answer column
+        _block("print('hello')"),  # expected_output column
+        _block("import socket\nsocket.create_connection(('1.1.1.1', 80))\nprint(45)"),
+    ]
+    tests = ["assert add(2, 3) == 5"] * 5 + [None, None, None]
+    answer = [None] * 5 + ["45", None, "45"]
+    expected = [None] * 6 + ["hello", None]
+    with caplog.at_level(logging.INFO, logger="grpo_kit.sandbox"):
+        scores = fn(None, completions, tests=tests, answer=answer, expected_output=expected)
+    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    text = caplog.text
+    assert "sample 2 scored 0: timeout" in text and "sample 3 scored 0: memory limit" in text
+    assert "sample 7 scored 0: network access refused" in text
+    assert fn.__name__ == "python_code_reward" and fn.last_results[4] is None
+
+
+def test_python_code_reward_in_the_checked_wrapper():
+    from grpo_kit.rewards import checked_reward_func
+
+    fn = checked_reward_func(make_python_code_reward(FAST))
+    assert fn(None, [_block("print(2 + 2)"), "nothing"], answer=[4, 4]) == [1.0, 0.0]
+
+
+def test_bad_limits_and_columns_are_clear_errors():
+    with pytest.raises(ValueError, match="timeout_s"):
+        SandboxLimits(timeout_s=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxLimits(memory_mb=1)
+    with pytest.raises(ValueError, match="column 'answer'"):
+        make_python_code_reward(FAST)(None, [_block("print(1)")], answer=[1, 2])
+    with pytest.raises(ValueError, match="none of the columns"):
+        make_python_code_reward(FAST)(None, [_block("print(1)")])
