@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 TRAINERS = ("grpo_kit", "trl")
 GENERATION_BACKENDS = ("auto", "hf", "vllm")
 SCALE_REWARDS = ("group", "batch", "none")
+REWARD_ERRORS = ("raise", "zero")
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,9 @@ class GRPOKitConfig:
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
     reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions by name, from {REWARD_FUNCS}.")
     reward_weights: list = _f([], "One weight per reward function (empty: all 1.0).")
+    reward_errors: str = _f("raise", f"When a reward function raises, one of {REWARD_ERRORS}: `raise` stops training "
+                            "with an error naming the function and the sample; `zero` scores that sample 0.0 and "
+                            "logs a warning with the same details.")
     learning_rate: float = _f(2e-4, "Peak learning rate (AdamW).")
     lr_scheduler_type: str = _f("constant_with_warmup", "transformers scheduler name.")
     warmup_steps: int = _f(2, "Linear warm-up steps.")
@@ -181,7 +185,7 @@ class GRPOKitConfig:
         except ValueError as e:
             errors.append(str(e))
         for name, options in [("device", DEVICES), ("dtype", DTYPES), ("trainer", TRAINERS), ("task", TASKS),
-                              ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
+                              ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("reward_errors", REWARD_ERRORS),
                               ("generation_backend", GENERATION_BACKENDS)]:
             choice(name, options)
         need(self.num_generations >= 2, f"num_generations={self.num_generations} must be at least 2 "

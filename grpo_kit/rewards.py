@@ -9,9 +9,12 @@ The examples below run as tests (``pytest --doctest-modules grpo_kit/rewards.py`
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from fractions import Fraction
+
+_log = logging.getLogger("grpo_kit.rewards")
 
 ANSWER_PREFIX = "Answer:"
 
@@ -188,12 +191,18 @@ def _excerpt(x, n: int = 80) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
-def checked_reward_func(fn):
+REWARD_ERRORS = ("raise", "zero")
+
+
+def checked_reward_func(fn, on_error: str = "raise"):
     """Wrap a reward function so bad output stops training with a message naming it and the sample.
 
     Allowed per sample: a finite number, or ``None`` (TRL's "not applicable to this sample").
     Wrong length, NaN/inf, a non-number, or an exception raise ``RewardFunctionError``; when the
     function raises on the batch, it is re-run sample by sample to name the first failing sample.
+    ``on_error="zero"`` (config ``reward_errors: zero``): a function that raises instead scores
+    0.0 for each sample it raises on (re-run one by one; the others keep their scores), with a
+    warning naming the function, the sample and the exception. Bad return values still raise.
 
     >>> ok = checked_reward_func(correctness_reward)
     >>> ok(None, ["Answer: 3"], answer=["3"])
@@ -203,6 +212,8 @@ def checked_reward_func(fn):
     ...
     grpo_kit.rewards.RewardFunctionError: reward function '<lambda>' returned 1 values for 2 completions
     """
+    if on_error not in REWARD_ERRORS:
+        raise ValueError(f"on_error={on_error!r} is not allowed; choose one of {list(REWARD_ERRORS)}")
     name = getattr(fn, "__name__", type(fn).__name__)
     if getattr(fn, "_grpo_kit_checked", False):
         return fn
@@ -212,16 +223,23 @@ def checked_reward_func(fn):
         try:
             out = fn(prompts, completions, **kwargs)
         except Exception as e:
+            zeroed = []
             for i in range(n):  # find the sample that breaks it
                 one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
                 try:
-                    fn(None if prompts is None else prompts[i:i + 1], completions[i:i + 1], **one)
+                    r1 = fn(None if prompts is None else prompts[i:i + 1], completions[i:i + 1], **one)
+                    zeroed.append(list(r1)[0] if isinstance(r1, (list, tuple)) and len(r1) == 1 else r1)
                 except Exception as e1:
-                    raise RewardFunctionError(
-                        f"reward function {name!r} raised {type(e1).__name__}: {e1} on sample {i} "
-                        f"(completion {_excerpt(completions[i])})") from e1
-            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e} "
-                                      f"on a batch of {n} completions") from e
+                    msg = (f"reward function {name!r} raised {type(e1).__name__}: {e1} on sample {i} "
+                           f"(completion {_excerpt(completions[i])})")
+                    if on_error == "raise":
+                        raise RewardFunctionError(msg) from e1
+                    _log.warning("%s; scored 0.0 (reward_errors='zero')", msg)
+                    zeroed.append(0.0)
+            if on_error == "raise":
+                raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e} "
+                                          f"on a batch of {n} completions") from e
+            out = zeroed
         if not isinstance(out, (list, tuple)) and not hasattr(out, "__len__"):
             raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}, expected a list "
                                       f"of {n} floats (or None)")

@@ -255,7 +255,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
 
     samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
     samples_path.write_text("")
-    recorder = SampleRecorder([checked_reward_func(f) for f in reward_funcs], samples_path)
+    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors) for f in reward_funcs],
+                              samples_path)
     history: list[dict] = []
     callback = _make_callback(cfg, run_dir, device, history)
 

@@ -49,10 +49,10 @@ def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return norm, m
 
 
-def _checked(funcs):
+def _checked(funcs, on_error: str = "raise"):
     """Wrap plain (synchronous, callable) reward functions with :func:`grpo_kit.rewards.checked_reward_func`."""
     single = not isinstance(funcs, (list, tuple))
-    out = [checked_reward_func(f) if callable(f) and not isinstance(f, torch.nn.Module)
+    out = [checked_reward_func(f, on_error) if callable(f) and not isinstance(f, torch.nn.Module)
            and not inspect.iscoroutinefunction(f) and not getattr(f, "_grpo_kit_checked", False) else f
            for f in ([funcs] if single else funcs)]
     return out[0] if single else out
@@ -77,12 +77,14 @@ class EfficientGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
-                 **kwargs):
+                 reward_errors: str = "raise", **kwargs):
         training_args = kwargs.get("args")
         if training_args is not None:
             self._check_supported(training_args)
-        if "reward_funcs" in kwargs:  # bad reward output names the function and the sample
-            kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"])
+        # Bad reward output names the function and the sample; reward_errors="zero": a function that
+        # raises scores 0.0 on that sample with a warning instead of stopping training.
+        if "reward_funcs" in kwargs:
+            kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], reward_errors)
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
         self._norm, self._causal_lm = _final_norm(self.model)

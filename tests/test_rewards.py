@@ -77,3 +77,30 @@ def test_checked_reward_func_names_function_and_sample():
     assert rewards.checked_reward_func(not_applicable)(None, comps) == [None, None, None]  # TRL: not applicable
     wrapped = rewards.checked_reward_func(rewards.correctness_reward)
     assert wrapped.__name__ == "correctness_reward" and rewards.checked_reward_func(wrapped) is wrapped
+
+
+def test_reward_errors_zero_scores_raising_samples_zero_with_a_warning(caplog):
+    from grpo_kit.config import ConfigError, GRPOKitConfig
+    from grpo_kit.trainer import _checked
+
+    def raises_on_x(prompts, completions, **kw):
+        if any("x" in c for c in completions):
+            raise KeyError("boom")
+        return [float(len(c)) for c in completions]
+
+    comps = ["ab", "x", "abc"]
+    with caplog.at_level("WARNING", logger="grpo_kit.rewards"):
+        assert rewards.checked_reward_func(raises_on_x, on_error="zero")(None, comps) == [2.0, 0.0, 3.0]
+    assert "'raises_on_x' raised KeyError" in caplog.text and "sample 1" in caplog.text
+    assert "scored 0.0" in caplog.text
+    with pytest.raises(rewards.RewardFunctionError, match="sample 1"):  # the default still stops
+        rewards.checked_reward_func(raises_on_x)(None, comps)
+    assert _checked([raises_on_x], "zero")[0](None, comps) == [2.0, 0.0, 3.0]  # the trainer's wrapper
+    with pytest.raises(rewards.RewardFunctionError, match="returned nan"):  # bad values are still errors
+        rewards.checked_reward_func(lambda p, c, **k: [float("nan")] * len(c), on_error="zero")(None, comps)
+    with pytest.raises(ValueError, match="on_error"):
+        rewards.checked_reward_func(raises_on_x, on_error="ignore")
+    assert GRPOKitConfig().reward_errors == "raise"
+    GRPOKitConfig().apply_overrides(["reward_errors=zero"]).validate()
+    with pytest.raises(ConfigError, match="reward_errors='skip'"):
+        GRPOKitConfig().apply_overrides(["reward_errors=skip"]).validate()
