@@ -8,7 +8,14 @@ and overrides two methods, the smallest set that decides how memory is spent:
   chunked log-probs, :func:`grpo_kit.loss.per_token_logps`; no (B, T, V) logits.
 * ``_compute_loss`` (the policy pass): the same hidden states into
   :func:`grpo_kit.loss.efficient_grpo_loss`, which computes the gradient with respect to
-  the hidden states chunk by chunk inside the forward.
+  the hidden states chunk by chunk inside the forward. When TRL's importance-sampling
+  correction is on (``self.use_vllm and self.vllm_importance_sampling_correction``, as
+  TRL 1.16 tests it) the policy term of each token is multiplied by
+  ``inputs["importance_sampling_ratio"]``, exactly as TRL's own ``_compute_loss`` does.
+
+Generation goes through :class:`grpo_kit.generation.trainer_hook.KitGenerationMixin`
+(``generator=``, a kit generator; None keeps TRL's own generation): ``make_trainer``
+builds it from the config's ``generation_backend``.
 
 With PEFT LoRA, TRL already uses the base model with the adapter disabled as the
 reference (no second copy of the weights); that path goes through the first override.
@@ -29,6 +36,7 @@ import inspect
 import torch
 from trl import GRPOTrainer
 
+from .generation.trainer_hook import KitGenerationMixin
 from .loss import efficient_grpo_loss, per_token_logps
 from .rewards import checked_reward_func
 
@@ -68,12 +76,14 @@ def _capture_output(module: torch.nn.Module):
         handle.remove()
 
 
-class EfficientGRPOTrainer(GRPOTrainer):
+class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     """Drop-in ``GRPOTrainer`` that never builds full logits. Extra keyword arguments:
 
-    ``loss_chunk_size`` (rows per logits chunk; None: chosen from free memory) and
+    ``loss_chunk_size`` (rows per logits chunk; None: chosen from free memory),
     ``offload_checkpointing`` (None: on when the model is on CUDA and the config asks for
-    gradient checkpointing; True/False to force).
+    gradient checkpointing; True/False to force), and those of :class:`KitGenerationMixin`:
+    ``generator`` (a kit generator, e.g. ``make_generator("vllm", ...)``; None: TRL's own
+    generation) and ``importance_sampling_correction``.
     """
 
     def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
@@ -173,11 +183,19 @@ class EfficientGRPOTrainer(GRPOTrainer):
             old_logps=inputs.get("old_per_token_logps"), ref_logps=inputs.get("ref_per_token_logps"),
             beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
             temperature=self.temperature, max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True)
+            num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True,
+            importance_weights=self._importance_weights(inputs))
         if self.loss_type != "dapo":
             loss = loss / accum
         self._log_loss_metrics(mode, metrics)
         return loss
+
+    def _importance_weights(self, inputs):
+        """TRL's per-token (or per-sequence) importance-sampling ratio, when TRL's ``_compute_loss``
+        would apply it (same condition; ``vespo`` is refused at construction)."""
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            return inputs["importance_sampling_ratio"]
+        return None
 
     def _log_loss_metrics(self, mode: str, metrics: dict) -> None:
         """Same metric names as TRL, averaged over processes."""
@@ -190,11 +208,126 @@ class EfficientGRPOTrainer(GRPOTrainer):
             self._metrics[mode][theirs].append(self.accelerator.gather(value.detach().reshape(1)).nanmean().item())
 
 
-def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None):
-    """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments."""
+def generation_model_dir(name: str):
+    """The HF folder a vLLM engine loads for model ``name``: the embedded model's cached export, a
+    local folder, or a hub id's cached snapshot; None for the random-weight built-ins."""
+    from .models import check_model_name, embedded_model_dir
+
+    kind = check_model_name(name)
+    if kind in ("tiny", "config-only"):
+        return None
+    if kind == "embedded":
+        return embedded_model_dir()
+    from pathlib import Path
+
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download  # already in the cache: load_model fetched it
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
+    """The kit generator for ``cfg.generation_backend``, and a record of what was chosen.
+
+    Returns ``(generator or None, info)``; None means TRL's own generation (``trainer='trl'``).
+    ``info`` (for the run folder): ``requested``, ``backend`` (``hf`` or ``vllm``), ``reason``
+    when ``auto`` did not pick vLLM, and the generator's effective options (vLLM: dtype,
+    kv_cache_dtype, 4-bit, memory share, max_model_len, ...). ``auto``: vLLM when it is
+    importable, the model has a checkpoint folder, one process runs, and the engine starts;
+    otherwise HF, with a warning when vLLM is installed but could not be used. Options the user
+    set for vLLM (``kv_cache_dtype``, ``load_in_4bit``, ``vllm_gpu_memory_utilization``) are
+    never dropped silently: when vLLM cannot honour them, this raises.
+    """
+    import warnings
+
+    from .generation import HFGenerator, UnsupportedArchitectureError, make_generator, vllm_available
+    from .generation.base import GenerationEngineError
+
+    requested = cfg.generation_backend
+    info = {"requested": requested}
+    if cfg.trainer == "trl":
+        return None, dict(info, backend="trl", reason="trainer='trl' generates with TRL's own HF path")
+    explicit = [f"{n}={getattr(cfg, n)!r}" for n, off in (("kv_cache_dtype", "auto"), ("load_in_4bit", False),
+                                                          ("vllm_gpu_memory_utilization", 0.0))
+                if getattr(cfg, n) != off]
+
+    def hf(reason: str, warn: bool):
+        if explicit:
+            raise ValueError(f"{', '.join(explicit)} need vLLM generation, but {reason}; "
+                             "leave them at their defaults or make vLLM usable")
+        if warn:
+            warnings.warn(f"generation_backend='auto': {reason}; generating with HF generate", RuntimeWarning,
+                          stacklevel=3)
+        gen = HFGenerator(model, tokenizer)
+        return gen, dict(info, backend="hf", **({"reason": reason} if requested == "auto" else {}), **gen.options())
+
+    context = cfg.max_prompt_length + cfg.max_completion_length
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit and context > limit:  # either backend would fail at the first generate call
+        raise ValueError(f"max_prompt_length + max_completion_length = {cfg.max_prompt_length} + "
+                         f"{cfg.max_completion_length} = {context} is beyond the model's context ({limit} tokens, "
+                         f"max_position_embeddings); lower max_completion_length to at most "
+                         f"{limit - cfg.max_prompt_length}")
+    if requested == "hf":
+        return hf("", False)
+    model_dir = generation_model_dir(cfg.model)
+    if requested == "auto":
+        if not vllm_available():
+            from .generation import vllm_install_command
+
+            return hf(f"vLLM is not installed (install: {vllm_install_command()})", False)
+        if model_dir is None:
+            return hf(f"model={cfg.model!r} has random weights and no checkpoint folder for vLLM", False)
+        if num_processes > 1:
+            return hf(f"{num_processes} processes (colocated vLLM runs with one process here; set "
+                      "generation_backend='vllm' to force it)", True)
+    vllm_kwargs = dict(max_model_len=context, seed=cfg.seed,
+                       kv_cache_dtype=cfg.kv_cache_dtype, load_in_4bit=cfg.load_in_4bit,
+                       load_in_4bit_skip_modules=list(cfg.load_in_4bit_skip_modules),
+                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gen = make_generator("vllm", model=model, tokenizer=tokenizer, model_dir=model_dir, **vllm_kwargs)
+    except (GenerationEngineError, UnsupportedArchitectureError) as e:
+        if requested == "vllm":
+            raise
+        return hf(f"vLLM could not start ({e})", True)
+    fell_back = [w for w in caught if "falling back" in str(w.message)]
+    for w in caught:  # hand the other warnings on
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if isinstance(gen, HFGenerator):  # architecture vLLM cannot load: make_generator warned
+        if explicit:
+            raise ValueError(f"{', '.join(explicit)} need vLLM generation, but {fell_back[0].message}")
+        return gen, dict(info, backend="hf", reason=str(fell_back[0].message) if fell_back else "", **gen.options())
+    if gen.device == "cpu" and cfg.kv_cache_dtype == "fp8":
+        warnings.warn("kv_cache_dtype='fp8' on vLLM's CPU backend: the KV cache really is FP8 (twice the tokens in "
+                      "the same memory), but generation ran 3.7x slower than with the default KV cache when measured "
+                      "here (README, generation section); use it to save memory, not time", RuntimeWarning,
+                      stacklevel=2)
+    return gen, dict(info, **gen.options())
+
+
+def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
+                 generator=None):
+    """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
+
+    ``generator``: a kit generator (:func:`grpo_kit.generation.make_generator`, e.g. from
+    :func:`build_generator`) for the ``grpo_kit`` trainer; None: TRL's own generation. TRL's
+    stock trainer always generates its own way. TRL's importance-sampling correction is on
+    for a generator other than HF (vLLM: another engine, another dtype); ``HFGenerator``
+    samples from the training model itself, so the ratio would be 1 and its extra
+    old-policy pass is skipped.
+    """
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
     kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
                   processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
     if cfg.trainer == "trl":
+        if generator is not None:
+            raise ValueError("trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
+                             "a kit generator needs trainer='grpo_kit'")
         return GRPOTrainer(**kwargs)
-    return EfficientGRPOTrainer(**kwargs, loss_chunk_size=cfg.loss_chunk_size or None)
+    if generator is not None:
+        kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
+    return EfficientGRPOTrainer(**kwargs, loss_chunk_size=cfg.loss_chunk_size or None, generator=generator)

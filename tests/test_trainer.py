@@ -39,8 +39,11 @@ def tiny():
     return {name: load_model(name) for name in ("tiny-llama", "tiny-qwen2")}
 
 
+@pytest.mark.parametrize("is_ratio", [None, "token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, loss_type):
+def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, loss_type, is_ratio):
+    """is_ratio: TRL's importance-sampling correction on (``use_vllm``, as the kit's generation mixin
+    sets it for vLLM), with a per-token (B, C) or per-sequence (B, 1) ``importance_sampling_ratio``."""
     model, tok = tiny["tiny-llama"]
     tok.padding_side = "left"
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
@@ -74,9 +77,22 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, loss_type
     for t in trainers:
         t.current_gradient_accumulation_steps = 2
         t.args.steps_per_generation = 2
+    if is_ratio is not None:
+        ratio = torch.exp(0.3 * torch.randn((B, C) if is_ratio == "token" else (B, 1), generator=gen))
+        ratio[ratio > 1.5] = 0.0  # TRL's *_mask modes zero out ratios beyond the clip
+        inputs["importance_sampling_ratio"] = ratio
+        for t in trainers:
+            t.use_vllm = True  # what KitGenerationMixin sets; TRL's _compute_loss then applies the ratio
+            assert t.vllm_importance_sampling_correction
+        unweighted = ours._compute_loss(ours.model, {k: v for k, v in inputs.items()
+                                                     if k != "importance_sampling_ratio"} | {
+                                            "importance_sampling_ratio": torch.ones_like(ratio)})
+        ours.model.zero_grad(set_to_none=True)
     loss_stock = stock._compute_loss(stock.model, inputs)
     loss_ours = ours._compute_loss(ours.model, inputs)
     torch.testing.assert_close(loss_ours, loss_stock, rtol=1e-5, atol=1e-7)
+    if is_ratio is not None:  # the ratio really changed the loss (else the comparison proves nothing)
+        assert abs(unweighted.item() - loss_ours.item()) > 1e-3 * abs(loss_ours.item())
     loss_stock.backward(), loss_ours.backward()
     checked = 0
     for (n, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
@@ -143,7 +159,9 @@ def test_trl_loss_still_reads_what_we_feed_it():
                    'inputs.get("old_per_token_logps")', 'inputs["ref_per_token_logps"]',
                    'inputs["num_items_in_batch"]', "self.current_gradient_accumulation_steps",
                    "self.args.steps_per_generation", "self.accelerator.num_processes",
-                   "torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1"):
+                   "torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1",
+                   'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]',
+                   "if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type"):
         assert needle in src, f"TRL's _compute_loss no longer contains {needle!r}"
     gen_src = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "_get_per_token_logps_and_entropies" in gen_src  # ref/old passes still go through our override

@@ -178,6 +178,30 @@ def check_gpu_memory_utilization(value, device: str, *, explicit_kv: bool = Fals
     return float(value)
 
 
+def check_4bit_support(load_in_4bit: bool, skip_modules=()) -> dict:
+    """``vllm.LLM`` keyword arguments for 4-bit (bitsandbytes NF4) weights with ``skip_modules``
+    kept in 16 bit, or ValueError saying why this installation cannot do it. {} when off."""
+    if not load_in_4bit:
+        return {}
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if "bitsandbytes" not in QUANTIZATION_METHODS:
+        raise ValueError(f"load_in_4bit=True is not supported by the installed vLLM {_vllm_version()}: it has no "
+                         f"bitsandbytes quantization (its methods: {', '.join(QUANTIZATION_METHODS)}); set "
+                         "load_in_4bit=False, or generate from a pre-quantized checkpoint (AWQ/GPTQ) via llm_kwargs")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("load_in_4bit=True needs the bitsandbytes package, which is not installed: "
+                         "python -m pip install bitsandbytes (CUDA), or set load_in_4bit=False")
+    skip = list(skip_modules)
+    if not all(isinstance(m, str) and m for m in skip):
+        raise ValueError(f"load_in_4bit_skip_modules={skip_modules!r}: each must be a non-empty module name")
+    # vLLM's in-flight bitsandbytes loader reads this HF quantization config (not run here: no CUDA, and
+    # the pinned vLLM has no bitsandbytes method).
+    return dict(quantization="bitsandbytes", hf_overrides={"quantization_config": {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True, "llm_int8_skip_modules": skip}})
+
+
 def _reload_in_worker(worker, weights) -> None:
     # Runs inside the (in-process) worker: re-pack the new weights like a fresh load.
     worker.model_runner.reload_weights(weights_iterator=weights)
@@ -204,7 +228,11 @@ class VLLMGenerator:
     ``enable_sleep_mode``: None: on where the platform
     supports it (CUDA). ``kv_cache_dtype``: ``"auto"`` or ``"fp8"`` (FP8 KV cache where the
     platform supports it). ``enforce_eager``: None: True on the CPU (no torch.compile
-    warm-up; starts in seconds instead of minutes). ``llm_kwargs``: passed to ``vllm.LLM``.
+    warm-up; starts in seconds instead of minutes). ``load_in_4bit``: 4-bit (bitsandbytes NF4)
+    weights in the engine, except module names containing one of ``load_in_4bit_skip_modules``;
+    refused with the reason where the installed vLLM has no bitsandbytes quantization (vLLM
+    0.32, the pinned CPU build, has none) or bitsandbytes is missing. ``llm_kwargs``: passed to
+    ``vllm.LLM``.
     """
 
     name = "vllm"
@@ -214,7 +242,7 @@ class VLLMGenerator:
                  max_model_len: int = 2048, dtype: str = "auto", seed: int = 0, lora_sync: str = "merge",
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
-                 llm_kwargs: dict | None = None):
+                 load_in_4bit: bool = False, load_in_4bit_skip_modules=("lm_head",), llm_kwargs: dict | None = None):
         vllm = import_vllm()
         mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         if mp not in (None, "0"):
@@ -233,6 +261,7 @@ class VLLMGenerator:
         if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not allowed; choose 'auto' or 'fp8'")
         self.device = _device_type()
+        quant_kwargs = check_4bit_support(load_in_4bit, load_in_4bit_skip_modules)
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
                                                   or kv_cache_memory_bytes < 2**20):
             raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an "
@@ -266,6 +295,9 @@ class VLLMGenerator:
                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs)
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        kwargs.update(quant_kwargs)
+        self.load_in_4bit = bool(load_in_4bit)
+        self.load_in_4bit_skip_modules = list(load_in_4bit_skip_modules) if load_in_4bit else []
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if lora_sync == "adapter":
@@ -439,5 +471,6 @@ class VLLMGenerator:
                 "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
                 "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
                 "kv_cache_dtype": self.kv_cache_dtype, "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+                "load_in_4bit": self.load_in_4bit, "load_in_4bit_skip_modules": self.load_in_4bit_skip_modules,
                 "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode,
                 "enforce_eager": self.enforce_eager, "seed": self.seed, "startup_s": round(self.startup_s, 2)}
