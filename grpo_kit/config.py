@@ -23,6 +23,7 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 TRAINERS = ("grpo_kit", "trl")
 GENERATION_BACKENDS = ("auto", "hf", "vllm")
+KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
 REWARD_ERRORS = ("raise", "zero")
 
@@ -98,7 +99,26 @@ class GRPOKitConfig:
     lora_target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                    "Module names that get LoRA adapters.")
     # --- memory / generation -----------------------------------------------------------
-    generation_backend: str = _f("hf", f"Generation backend, one of {GENERATION_BACKENDS}.")
+    generation_backend: str = _f("auto", f"Generation backend of the grpo_kit trainer, one of {GENERATION_BACKENDS}: "
+                                 "`vllm` runs vLLM in the training process (weights synced every optimiser step; "
+                                 "an error when vLLM is not installed, with the install command); `hf` is "
+                                 "transformers `generate` on the training model; `auto` is vLLM where it is "
+                                 "installed and can load the model (the embedded model, a local folder or a hub "
+                                 "id; not the random-weight built-ins), else HF (with a warning when vLLM is "
+                                 "installed but cannot be used). trainer=trl always uses TRL's own HF generation.")
+    vllm_gpu_memory_utilization: float = _f(0.0, "Share of GPU memory (CUDA) or of host RAM (vLLM's CPU backend) "
+                                            "that vLLM reserves for its weights and KV cache, in (0, 1]; 0: "
+                                            "automatic (0.3 on CUDA; on the CPU a KV cache of a quarter of free "
+                                            "RAM, at most 4 GiB). A value that cannot fit stops the run before "
+                                            "training starts.")
+    kv_cache_dtype: str = _f("auto", f"vLLM KV cache dtype, one of {KV_CACHE_DTYPES}: `fp8` stores the KV cache in "
+                             "FP8 (half of bf16), on platforms whose vLLM supports it; needs the vLLM backend.")
+    load_in_4bit: bool = _f(False, "Generate with 4-bit (bitsandbytes NF4) weights in vLLM, except the modules in "
+                            "load_in_4bit_skip_modules (\"dynamic 4-bit\"); needs the vLLM backend on CUDA and the "
+                            "bitsandbytes package. Training weights are not affected.")
+    load_in_4bit_skip_modules: list = _f(["lm_head"], "Module names kept in 16 bit when load_in_4bit is on "
+                                         "(substrings of the checkpoint names, e.g. `lm_head`, `down_proj`, "
+                                         "`model.layers.0.`).")
     gradient_checkpointing: bool = _f(False, "Gradient checkpointing (offloaded to CPU RAM on GPUs with the "
                                       "grpo_kit trainer).")
     loss_chunk_size: int = _f(0, "Rows per logits chunk in the efficient loss (0: chosen from free memory).")
@@ -218,6 +238,37 @@ class GRPOKitConfig:
         bad_levels = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
         need(self.task == "gsm8k" or (self.levels and not bad_levels),
              f"levels={self.levels!r}: each must be one of [1, 2, 3, 4], at least one")
+        need(self.vllm_gpu_memory_utilization == 0 or 0 < self.vllm_gpu_memory_utilization <= 1,
+             f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1], or 0 for automatic")
+        choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        need(all(isinstance(m, str) and m for m in self.load_in_4bit_skip_modules),
+             f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r}: each must be a non-empty module name")
+        vllm_only = [f"{name}={getattr(self, name)!r}" for name, off in
+                     (("kv_cache_dtype", "auto"), ("load_in_4bit", False), ("vllm_gpu_memory_utilization", 0.0))
+                     if getattr(self, name) != off]
+        if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
+            need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
+                 f"{', '.join(vllm_only) or 'vLLM'} needs trainer='grpo_kit' (trainer='trl' generates with TRL's own "
+                 "HF path)")
+        if vllm_only:
+            need(self.generation_backend != "hf", f"{', '.join(vllm_only)} only apply to vLLM generation, but "
+                 "generation_backend='hf'; set generation_backend='vllm' (or 'auto'), or leave them at their defaults")
+        if self.generation_backend == "vllm":
+            from .models import check_model_name as _kind
+
+            try:
+                kind = _kind(self.model)
+            except ValueError:
+                kind = None
+            need(kind not in ("tiny", "config-only"), f"generation_backend='vllm' needs a model with a checkpoint "
+                 f"folder; model={self.model!r} is a random-weight built-in; use generation_backend='hf' or 'auto'")
+        if self.load_in_4bit:
+            import importlib.util
+
+            need(importlib.util.find_spec("bitsandbytes") is not None,
+                 "load_in_4bit=True needs the bitsandbytes package (4-bit weights in vLLM, CUDA only), which is not "
+                 "installed; install it on a CUDA machine (python -m pip install bitsandbytes) or set "
+                 "load_in_4bit=False")
         if self.task == "gsm8k" and self.dataset_path:
             need(os.path.isfile(self.dataset_path), f"dataset_path={self.dataset_path!r} does not exist")
         if errors:

@@ -240,6 +240,16 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
     if cfg.use_lora:
         check_lora_targets(model, cfg.lora_target_modules)
 
+    from .trainer import build_generator
+
+    # Generation backend (config: generation_backend, kv_cache_dtype, load_in_4bit, ...), built before the
+    # evaluation so that a bad option stops the run early; what was used goes to summary.json.
+    generator, generation_info = build_generator(cfg, model=model, tokenizer=tokenizer,
+                                                 num_processes=PartialState().num_processes)
+    if is_main:
+        print(f"generation: {generation_info['backend']}" + (f" ({generation_info['reason']})"
+                                                             if generation_info.get("reason") else ""), flush=True)
+
     eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
     evals = {}
     if heldout and is_main:
@@ -264,13 +274,21 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
 
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
                            args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
-                           callbacks=[callback, *callbacks], peft_config=peft_config)
+                           callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator)
     if not progress:
         trainer.args.disable_tqdm = True
     t_train = time.perf_counter()
     try:
         trainer.train()
     finally:
+        if generator is not None:
+            syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
+            generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
+                round(sum(syncs) / len(syncs), 4) if syncs else None))
+            try:
+                generator.close()  # frees the engine's memory before evaluation
+            except Exception as e:  # never lose the trained weights over a failing engine shutdown
+                print(f"warning: closing the {generator.name} generator failed: {e}", flush=True)
         # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
         if is_main:
             save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
@@ -297,6 +315,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
         "peak_memory_gib": peak_memory_gib(device), "metrics_finite": finite,
         "accuracy_before": evals.get("before", {}).get("accuracy"),
         "accuracy_after": evals.get("after", {}).get("accuracy"),
+        "generation": generation_info,
         "run_dir": str(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
