@@ -260,7 +260,7 @@ def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
             warnings.warn(f"generation_backend='auto': {reason}; generating with HF generate", RuntimeWarning,
                           stacklevel=3)
         gen = HFGenerator(model, tokenizer)
-        return gen, dict(info, backend="hf", **({"reason": reason} if requested == "auto" else {}), **gen.options())
+        return gen, {**info, **gen.options(), **({"reason": reason} if requested == "auto" else {})}
 
     context = cfg.max_prompt_length + cfg.max_completion_length
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -300,13 +300,13 @@ def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
     if isinstance(gen, HFGenerator):  # architecture vLLM cannot load: make_generator warned
         if explicit:
             raise ValueError(f"{', '.join(explicit)} need vLLM generation, but {fell_back[0].message}")
-        return gen, dict(info, backend="hf", reason=str(fell_back[0].message) if fell_back else "", **gen.options())
+        return gen, {**info, **gen.options(), "reason": str(fell_back[0].message) if fell_back else ""}
     if gen.device == "cpu" and cfg.kv_cache_dtype == "fp8":
         warnings.warn("kv_cache_dtype='fp8' on vLLM's CPU backend: the KV cache really is FP8 (twice the tokens in "
                       "the same memory), but generation ran 3.7x slower than with the default KV cache when measured "
                       "here (README, generation section); use it to save memory, not time", RuntimeWarning,
                       stacklevel=2)
-    return gen, dict(info, **gen.options())
+    return gen, {**info, **gen.options()}
 
 
 def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,

