@@ -40,10 +40,26 @@ def completion_text(completion) -> str:
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list):
-        return "".join(m.get("content") or "" for m in completion if isinstance(m, dict))
+        return "".join(_content_text(m.get("content")) for m in completion if isinstance(m, dict))
     if isinstance(completion, dict):
-        return completion.get("content") or ""
-    raise TypeError(f"completion must be a str or a list of messages, got {type(completion).__name__}")
+        return _content_text(completion.get("content"))
+    raise CompletionFormatError(f"completion must be a str or a list of messages, got {type(completion).__name__}")
+
+
+class CompletionFormatError(ValueError, TypeError):
+    """A completion that is neither text nor a list of chat messages (a ValueError; also a TypeError)."""
+
+
+def _content_text(content) -> str:
+    """A message's content: a string, None, or a list of parts (``{"type": "text", "text": ...}``)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multimodal / OpenAI-style parts: the text parts, in order
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    raise CompletionFormatError(f"message content must be a str, None or a list of parts, got "
+                                f"{type(content).__name__}")
 
 
 def _to_number(m: re.Match) -> float | None:
@@ -118,14 +134,17 @@ def numbers_equal(a: float | None, b: float | None, rel: float = 1e-6) -> bool:
     >>> numbers_equal(0.30000000000000004, 0.3), numbers_equal(None, 3.0), numbers_equal(2.0, 3.0)
     (True, False, False)
     """
-    if a is None or b is None:
-        return False
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return False  # an infinite reference used to equal every number (inf <= 1e-6 * inf)
     return abs(a - b) <= rel * max(1.0, abs(b))
 
 
 def _reference(answer) -> float | None:
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        return float(answer)
+        try:
+            return float(answer)
+        except OverflowError:  # an int beyond float range cannot be compared
+            return None
     return extract_number(str(answer))
 
 
