@@ -121,6 +121,19 @@ def test_gradients_match_none_and_hf(name, lora, dtype):
         assert all("lora_" in n for n in ours)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fp32_unsliced_within_1e6(name, lora):
+    """The issue's fp32 bound, 1e-6 relative, holds for the offloaded wrapper itself (offload copies
+    and recompute) when each sequence is recomputed in one slice; only slicing (above) reorders sums."""
+    model = _tiny(name)
+    if lora:
+        model = _lora(model)
+    batches = _batches(pad=(name == "tiny-qwen2"))
+    ref = _grads(model, "none", batches)
+    _assert_close(ref, _grads(model, "ours", batches, _offload_on_cpu=True, min_bytes=0, chunk_tokens=100000), 1e-6)
+
+
 @pytest.mark.parametrize("kw", [dict(offload=False), dict(prefetch=False, **OURS), dict(chunk_tokens=100000)])
 def test_gradients_other_options(kw):
     model = _lora(_tiny("tiny-llama"))
