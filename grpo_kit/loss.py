@@ -77,6 +77,14 @@ def _check_loss_args(loss_type, beta, epsilon_low, epsilon_high, max_completion_
     return float(epsilon_high)
 
 
+# exp() of a log-prob gap overflows fp32 beyond ~88 nats, and inf * 0 (a zero advantage, a clipped
+# branch) is NaN. Gaps (logp - old for the ratio, ref - logp for the k3 KL) are clamped at 60 nats:
+# e^60 ~ 1e26 stays finite even times large advantages, and such a token then gets no gradient from
+# that term (as torch's clamp gives the reference). Real training never comes near: a ratio of e^60
+# is a policy that has left the trust region by 26 orders of magnitude.
+MAX_LOG_GAP = 60.0
+
+
 def _check_token_tensor(name, x, shape, *, allow_none=True, mask=None):
     """(B, T) floating tensor, finite where ``mask`` is non-zero (padding may hold anything)."""
     if x is None:
@@ -211,14 +219,26 @@ def grpo_loss_reference(
     epsilon_high = _check_loss_args(loss_type, beta, epsilon_low, epsilon_high, max_completion_length, num_items_in_batch)
     if beta != 0 and ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
+    if not isinstance(logps, torch.Tensor) or not logps.is_floating_point() or logps.dim() != 2:
+        raise ValueError(f"logps must be a floating (B, T) tensor, got {type(logps).__name__} "
+                         f"{getattr(logps, 'dtype', '')} of shape {tuple(getattr(logps, 'shape', ()))}")
     B, T = logps.shape
+    _check_mask(mask, (B, T))
     advantages = _check_advantages(advantages, B, T)
+    _check_token_tensor("old_logps", old_logps, (B, T), mask=mask)
+    _check_token_tensor("ref_logps", ref_logps, (B, T), mask=mask)
     importance_weights = _check_importance_weights(importance_weights, B, T, mask)
     mask = mask.to(logps.dtype)
 
     # The detach is essential: the ratio's value is 1 but its gradient must be A * grad(logp).
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
+    # Padding may hold anything: there old/ref equal logp (ratio 1, KL 0), so an extreme padded value
+    # cannot overflow exp() into inf * 0 = NaN (the efficient loss does the same).
+    active = mask != 0
+    old = torch.where(active, old, logps.detach())
+    if ref_logps is not None:
+        ref_logps = torch.where(active, ref_logps, logps.detach())
+    ratio = torch.exp((logps - old).clamp(max=MAX_LOG_GAP))
     clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
     if importance_weights is not None:  # TRL: after clipping, before the KL term
@@ -229,7 +249,8 @@ def grpo_loss_reference(
     kl = None
     if beta != 0:
         # k3 estimator of KL(pi_theta || pi_ref)
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        d = (ref_logps - logps).clamp(max=MAX_LOG_GAP)
+        kl = torch.exp(d) - d - 1
         per_token_loss = per_token_loss + beta * kl
 
     if loss_type == "grpo":
@@ -274,12 +295,12 @@ def per_token_loss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_hig
     logp, adv: (n,) fp32; old_logp, ref_logp: (n,) fp32 or None (None old: on-policy, ratio 1);
     weight: (n,) fp32 importance weight of the policy term, or None (1).
     """
-    ratio = torch.ones_like(logp) if old_logp is None else torch.exp(logp - old_logp)
+    ratio = torch.ones_like(logp) if old_logp is None else torch.exp((logp - old_logp).clamp(max=MAX_LOG_GAP))
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
     if weight is not None:
         loss = loss * weight
     if beta != 0:
-        d = ref_logp - logp
+        d = (ref_logp - logp).clamp(max=MAX_LOG_GAP)
         loss = loss + beta * (torch.exp(d) - d - 1)
     return loss
 
@@ -291,13 +312,18 @@ def per_token_dloss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_hi
     r < 1-eps_low: exactly the subgradient torch's min/clamp give the reference. The k3 term
     contributes beta * (1 - exp(ref - logp)).
     """
-    ratio = torch.ones_like(logp) if old_logp is None else torch.exp(logp - old_logp)
+    if old_logp is None:
+        ratio, frozen = torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
+    else:
+        lr = logp - old_logp
+        ratio, frozen = torch.exp(lr.clamp(max=MAX_LOG_GAP)), lr > MAX_LOG_GAP
     clipped = ((adv > 0) & (ratio > 1 + epsilon_high)) | ((adv < 0) & (ratio < 1 - epsilon_low))
-    dloss = torch.where(clipped, 0.0, -adv * ratio)
+    dloss = torch.where(clipped | frozen, 0.0, -adv * ratio)
     if weight is not None:
         dloss = dloss * weight
     if beta != 0:
-        dloss = dloss + beta * (1 - torch.exp(ref_logp - logp))
+        d = ref_logp - logp
+        dloss = dloss + torch.where(d > MAX_LOG_GAP, 0.0, beta * (1 - torch.exp(d.clamp(max=MAX_LOG_GAP))))
     return dloss
 
 
@@ -548,18 +574,21 @@ def efficient_grpo_loss(
         hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), w, adv_n, old_n, ref_n, isw_n, opts
     )
     loss, logp = outs[0], outs[1]
-    if not bool(torch.isfinite(loss)) or not bool(torch.isfinite(logp).all()):
+    if not bool(torch.isfinite(logp).all()):
         # one sync; checked on the outputs so that the inputs need no extra full pass
         raise ValueError("the GRPO loss is not finite: hidden or lm_head_weight (or lm_head_bias) hold NaN/inf")
+    if not bool(torch.isfinite(loss)):  # gaps are clamped (MAX_LOG_GAP): only astronomic advantages get here
+        raise ValueError(f"the GRPO loss overflowed fp32: advantages up to {float(adv.abs().max()):.3g} times a "
+                         f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale")
 
     mask = completion_mask.float()
     active = mask != 0
     logp = logp.view(B, T)
     old_full = logp if old_logps is None else torch.where(active, old_logps.detach().float(), logp)
-    ratio = torch.exp(logp - old_full)
+    ratio = torch.exp((logp - old_full).clamp(max=MAX_LOG_GAP))
     kl = None
     if beta != 0:
-        d = torch.where(active, ref_logps.detach().float(), logp) - logp
+        d = (torch.where(active, ref_logps.detach().float(), logp) - logp).clamp(max=MAX_LOG_GAP)
         kl = torch.exp(d) - d - 1
     ent = outs[2].view(B, T) if compute_entropy else None
     metrics = grpo_metrics(ratio, adv, mask, float(epsilon_low), epsilon_high, kl=kl, entropy=ent)
