@@ -119,11 +119,17 @@ class GRPOKitConfig:
     load_in_4bit_skip_modules: list = _f(["lm_head"], "Module names kept in 16 bit when load_in_4bit is on "
                                          "(substrings of the checkpoint names, e.g. `lm_head`, `down_proj`, "
                                          "`model.layers.0.`).")
-    gradient_checkpointing: bool = _f(False, "Gradient checkpointing (offloaded to CPU RAM on GPUs with the "
-                                      "grpo_kit trainer).")
+    gradient_checkpointing: bool | str = _f("auto", "Gradient checkpointing: true, false or `auto` (on when "
+                                            "training on a CUDA GPU, off on the CPU, where it would only "
+                                            "recompute). With the grpo_kit trainer on a GPU the layer inputs are "
+                                            "offloaded to CPU RAM (grpo_kit.checkpointing).")
     loss_chunk_size: int = _f(0, "Rows per logits chunk in the efficient loss (0: chosen from free memory).")
 
     # ---------------------------------------------------------------------------------
+    def checkpointing_on(self, device: str) -> bool:
+        """Whether gradient checkpointing runs on ``device`` (``cpu`` / ``cuda``): ``auto`` means on a GPU."""
+        return device == "cuda" if self.gradient_checkpointing == "auto" else bool(self.gradient_checkpointing)
+
     @classmethod
     def field_help(cls) -> dict[str, str]:
         return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
@@ -208,6 +214,8 @@ class GRPOKitConfig:
                               ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("reward_errors", REWARD_ERRORS),
                               ("generation_backend", GENERATION_BACKENDS)]:
             choice(name, options)
+        need(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
+             f"gradient_checkpointing={self.gradient_checkpointing!r} is not allowed: true, false or 'auto'")
         need(self.num_generations >= 2, f"num_generations={self.num_generations} must be at least 2 "
              "(advantages compare completions within a group)")
         need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1")
@@ -281,6 +289,13 @@ def _coerce(key: str, value, annotation):
     typ = {"int": int, "float": float, "bool": bool, "str": str, "list": list}.get(
         annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""), None)
     err = ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(typ, '__name__', annotation)}")
+    if annotation == "bool | str":  # true / false / "auto"
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return _coerce(key, value, "bool")
+        except ConfigError:
+            raise ConfigError(f"{key}={value!r} is not allowed: true, false or 'auto'") from None
     if typ is bool:
         if isinstance(value, bool):
             return value

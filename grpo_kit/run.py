@@ -199,7 +199,7 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
         lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm, use_cpu=(device == "cpu"),
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
-        gradient_checkpointing=cfg.gradient_checkpointing, log_completions=False, remove_unused_columns=False,
+        gradient_checkpointing=cfg.checkpointing_on(device), log_completions=False, remove_unused_columns=False,
         # The kit's KL term is the plain k3 estimator of the DeepSeekMath paper (TRL 1.16 defaults to
         # multiplying it by the ratio); set explicitly so both trainers optimise the same objective.
         use_bias_correction_kl=False,

@@ -227,6 +227,24 @@ def generation_model_dir(name: str):
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
 
 
+def vllm_memory_share(cfg, model_config, device_total_bytes: float) -> tuple[float, float]:
+    """``(share, training_bytes)``: vLLM's ``gpu_memory_utilization`` when it shares one device
+    with training. ``training_bytes`` is the VRAM calculator's peak of the kit's training step for
+    this config (LoRA, micro-batch, offloaded checkpointing; generation not included); vLLM gets
+    the rest less 1 GiB of headroom, at most 0.9. ValueError when under 5% would be left."""
+    from .generation.vllm_backend import plan_gpu_memory_utilization
+    from .memory import estimate, total_gpu_bytes
+
+    df = estimate(model_config, num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
+                  completion_length=cfg.max_completion_length,
+                  dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
+                  lora_rank=cfg.lora_rank if cfg.use_lora else None, method="grpo_kit", vllm=False,
+                  include_generation=False, micro_batch_size=cfg.per_device_train_batch_size,
+                  offload=None if cfg.checkpointing_on("cuda") else False)
+    training = float(total_gpu_bytes(df))
+    return plan_gpu_memory_utilization(training, device_total_bytes), training
+
+
 def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
     """The kit generator for ``cfg.generation_backend``, and a record of what was chosen.
 
@@ -286,6 +304,13 @@ def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
                        kv_cache_dtype=cfg.kv_cache_dtype, load_in_4bit=cfg.load_in_4bit,
                        load_in_4bit_skip_modules=list(cfg.load_in_4bit_skip_modules),
                        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None)
+    if not cfg.vllm_gpu_memory_utilization and torch.cuda.is_available() and cfg.device != "cpu":
+        # Colocated on one card: vLLM gets what the training step (VRAM calculator) leaves free.
+        free, total = torch.cuda.mem_get_info()
+        share, training = vllm_memory_share(cfg, model.config, total)
+        vllm_kwargs["gpu_memory_utilization"] = share
+        info["memory_plan"] = {"training_estimate_gib": round(training / 2**30, 2),
+                               "device_total_gib": round(total / 2**30, 2), "vllm_share": share}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

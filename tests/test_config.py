@@ -48,3 +48,36 @@ def test_several_problems_reported_together():
     with pytest.raises(ConfigError) as e:
         cfg.validate()
     assert "num_generations" in str(e.value) and "temperature" in str(e.value)
+
+
+def test_gradient_checkpointing_auto_true_false():
+    cfg = GRPOKitConfig().validate()
+    assert cfg.gradient_checkpointing == "auto"  # on a GPU on, on the CPU off (it would only recompute)
+    assert cfg.checkpointing_on("cuda") and not cfg.checkpointing_on("cpu")
+    for raw, want in (("true", True), ("False", False), ("AUTO", "auto")):
+        c = GRPOKitConfig().apply_overrides([f"gradient_checkpointing={raw}"]).validate()
+        assert c.gradient_checkpointing == want
+    assert GRPOKitConfig(gradient_checkpointing=True).checkpointing_on("cpu")
+    assert not GRPOKitConfig(gradient_checkpointing=False).checkpointing_on("cuda")
+    with pytest.raises(ConfigError, match="gradient_checkpointing='maybe' is not allowed: true, false or 'auto'"):
+        GRPOKitConfig().apply_overrides(["gradient_checkpointing=maybe"])
+    with pytest.raises(ConfigError, match="gradient_checkpointing=1 is not allowed"):
+        GRPOKitConfig(gradient_checkpointing=1).validate()
+
+
+def test_vllm_share_from_the_memory_plan():
+    """On one card vLLM gets what the VRAM calculator's training estimate leaves (less 1 GiB)."""
+    from grpo_kit.memory import estimate, total_gpu_bytes
+    from grpo_kit.models import model_config
+    from grpo_kit.trainer import vllm_memory_share
+
+    cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=2048, num_generations=8,
+                        per_device_train_batch_size=1, gradient_checkpointing=True, lora_rank=16)
+    share, training = vllm_memory_share(cfg, model_config("llama-3.1-8b"), 80 * 2**30)
+    want = total_gpu_bytes(estimate("llama-3.1-8b", num_generations=8, prompt_length=cfg.max_prompt_length,
+                                    completion_length=2048, lora_rank=16, vllm=False, include_generation=False,
+                                    micro_batch_size=1))
+    assert training == pytest.approx(want) and 15 * 2**30 < training < 40 * 2**30
+    assert share == pytest.approx(round((80 * 2**30 - training - 2**30) / (80 * 2**30), 3))
+    with pytest.raises(ValueError, match="less than 5% is left for a colocated vLLM"):
+        vllm_memory_share(cfg, model_config("llama-3.1-8b"), 16 * 2**30)  # a T4 cannot hold both
