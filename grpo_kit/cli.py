@@ -20,14 +20,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def _train(args) -> int:
     from .config import GRPOKitConfig
 
-    cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
-    cfg.apply_overrides(args.set or [])
-    if args.output_dir:
-        cfg.output_dir = args.output_dir
+    if getattr(args, "resume", None):  # the run folder's saved config; only safe overrides
+        from .resume import resume_config
+
+        values = GRPOKitConfig.from_yaml(args.config).to_dict() if args.config else None
+        if values is not None:  # only the keys the file sets
+            import yaml
+
+            values = {k: values[k] for k in (yaml.safe_load(Path(args.config).read_text()) or {})}
+        extra = [f"output_dir={args.output_dir}"] if args.output_dir else []
+        cfg = resume_config(args.resume, [*(args.set or []), *extra], config_values=values)
+    else:
+        cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
+        cfg.apply_overrides(args.set or [])
+        if args.output_dir:
+            cfg.output_dir = args.output_dir
     cfg.validate()
     from .run import train
 
-    summary = train(cfg)
+    summary = train(cfg, resume=bool(getattr(args, "resume", None)))
     if not summary.get("main_process", True):  # other processes of an `accelerate launch` run
         return 0
     print("run folder:", summary["run_dir"])
@@ -100,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML file with GRPOKitConfig fields")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
     t.add_argument("--output-dir", help="run folder (same as --set output_dir=...)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
+                   "with its saved config (--set only for max_steps, save_steps, keep_checkpoints, max_bad_steps, "
+                   "loss_chunk_size)")
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="run a benchmark script from bench/ (loss, step, ...)")
     b.add_argument("name")
@@ -127,3 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConfigError included: bad input gets one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a guard stopped training (state saved), or nothing to resume from
+        from .guards import TrainingStopped
+        from .resume import CheckpointError
+
+        if not isinstance(e, (TrainingStopped, CheckpointError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -47,7 +47,13 @@ class GRPOKitConfig:
     output_dir: str = _f("runs/default", "Run folder: metrics.csv, rewards.png, samples, adapter/weights.")
     seed: int = _f(0, "Seed for data, sampling and initialisation.")
     max_steps: int = _f(40, "Optimiser steps to run.")
-    save_steps: int = _f(0, "Save a checkpoint every N steps (0: only at the end).")
+    save_steps: int = _f(10, "Write a resumable checkpoint (run folder's checkpoints/checkpoint-N: weights, "
+                         "optimiser, scheduler, RNG and data position, metrics so far) every N steps and at the end; "
+                         "0: none. A multiple of logging_steps. Resume with `train --resume RUN_DIR`.")
+    keep_checkpoints: int = _f(2, "Complete checkpoints kept (the newest N; 0: all). Older ones are deleted only "
+                               "after a new one is complete.")
+    max_bad_steps: int = _f(3, "Consecutive steps with a non-finite loss or gradient (each one skipped: no "
+                            "optimiser update) before training stops with the state saved.")
     logging_steps: int = _f(1, "Log metrics every N steps.")
     device: str = _f("auto", f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.")
     dtype: str = _f("auto", f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
@@ -108,7 +114,8 @@ class GRPOKitConfig:
                                  "installed but cannot be used). trainer=trl always uses TRL's own HF generation.")
     vllm_gpu_memory_utilization: float = _f(0.0, "Share of GPU memory (CUDA) or of host RAM (vLLM's CPU backend) "
                                             "that vLLM reserves for its weights and KV cache, in (0, 1]; 0: "
-                                            "automatic (0.3 on CUDA; on the CPU a KV cache of a quarter of free "
+                                            "automatic (on CUDA what the VRAM calculator's training estimate leaves "
+                                            "of the card, less 1 GiB; on the CPU a KV cache of a quarter of free "
                                             "RAM, at most 4 GiB). A value that cannot fit stops the run before "
                                             "training starts.")
     kv_cache_dtype: str = _f("auto", f"vLLM KV cache dtype, one of {KV_CACHE_DTYPES}: `fp8` stores the KV cache in "
@@ -228,8 +235,12 @@ class GRPOKitConfig:
         for name in ("max_steps", "gradient_accumulation_steps", "max_prompt_length", "max_completion_length",
                      "num_train_samples", "num_iterations", "logging_steps", "lora_rank", "lora_alpha"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("save_steps", "num_eval_samples", "warmup_steps", "top_k", "loss_chunk_size"):
+        for name in ("save_steps", "num_eval_samples", "warmup_steps", "top_k", "loss_chunk_size", "keep_checkpoints"):
             need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+        need(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
+        need(self.save_steps <= 0 or self.logging_steps < 1 or self.save_steps % self.logging_steps == 0,
+             f"save_steps={self.save_steps} must be a multiple of logging_steps={self.logging_steps} (a checkpoint "
+             "between two logged steps would lose the metrics of the steps in between on resume)")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
         need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
         need(0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1)")

@@ -94,7 +94,7 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
             self._t0 = None
             self._times: list[float] = []
             self.csv_path = run_dir / "metrics.csv"
-            self._started = False
+            self._started = bool(history)  # resumed: metrics.csv already has the rows so far
 
         def on_step_begin(self, args, state, control, **kw):
             self._t0 = time.perf_counter()
@@ -206,13 +206,16 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
     )
 
 
-def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -> dict:
+def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False) -> dict:
     """Run the main job for a config; returns the summary also written to ``summary.json``.
 
     ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard).
 
     The config is validated and the data built before any model is loaded, so bad input
     fails in seconds. Nothing already in the run folder is deleted.
+
+    ``resume=True``: continue the run in ``cfg.output_dir`` from its last complete checkpoint (use
+    :func:`grpo_kit.resume.resume`, which also checks the config against the saved one).
     """
     cfg.validate()
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
@@ -227,6 +230,13 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
     is_main = PartialState(cpu=(device == "cpu")).is_main_process
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt, resumed = None, {}
+    if resume:
+        from .resume import find_resume_checkpoint, read_run_state
+
+        ckpt = find_resume_checkpoint(run_dir)
+        resumed = read_run_state(ckpt)
+        print(f"resuming from {ckpt}", flush=True)
     if is_main:
         cfg.save(run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
@@ -251,8 +261,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
                                                              if generation_info.get("reason") else ""), flush=True)
 
     eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
-    evals = {}
-    if heldout and is_main:
+    evals = dict(resumed.get("evals") or {})
+    if heldout and is_main and "before" not in evals:
         evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw)
         print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)", flush=True)
 
@@ -264,10 +274,16 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
                                  target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
 
     samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
-    samples_path.write_text("")
+    history: list[dict] = []
+    if resume:
+        from .resume import restore_run_files
+
+        history = restore_run_files(run_dir, resumed, METRIC_COLUMNS, samples_path) if is_main else []
+    else:
+        samples_path.write_text("")
     recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors) for f in reward_funcs],
                               samples_path)
-    history: list[dict] = []
+    recorder.step = int(resumed.get("recorder_step") or 0)
     callback = _make_callback(cfg, run_dir, device, history)
 
     from .trainer import make_trainer
@@ -275,11 +291,17 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
                            args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
                            callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator)
+    from .guards import attach_reliability
+
+    # NaN/inf and OOM guards, atomic resumable checkpoints (grpo_kit.guards, grpo_kit.resume).
+    attach_reliability(trainer, cfg, run_state_provider=lambda: {
+        "metrics": list(history), "evals": evals, "recorder_step": recorder.step,
+        "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
     if not progress:
         trainer.args.disable_tqdm = True
     t_train = time.perf_counter()
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     finally:
         if generator is not None:
             syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
@@ -296,6 +318,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = ()) -
             tokenizer.save_pretrained(save_dir)
             if history:
                 plot_rewards(history, run_dir / "rewards.png")
+    if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
+        raise trainer.stop_error
     train_seconds = time.perf_counter() - t_train
     if not is_main:
         return {"run_dir": str(run_dir), "main_process": False}

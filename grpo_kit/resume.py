@@ -1,0 +1,531 @@
+"""Checkpoints that survive a kill at any moment, and resuming a run from the last complete one.
+
+Layout: ``RUN_DIR/checkpoints/checkpoint-<step>/`` holding
+
+* ``adapter/`` (PEFT ``save_pretrained``, safetensors) or ``weights.safetensors`` (full fine-tuning),
+* ``optimizer``, ``scheduler``, ``scaler``, ``rng``, ``trl_buffer``: each a ``NAME.json`` (structure,
+  numbers, strings) plus ``NAME.safetensors`` (every tensor or numpy array in it); no pickle anywhere,
+* ``trainer_state.json`` (transformers' ``TrainerState``: global step, epoch, log history),
+* ``kit_state.json`` (TRL's micro-step counter, the data sampler's generator state, the run folder's
+  metrics rows so far, the byte length of ``samples.jsonl``, the evaluation before training),
+* ``manifest.json`` (size and SHA-256 of every other file), written last.
+
+A checkpoint is built in ``checkpoints/.tmp-checkpoint-<step>-<pid>/``; every file is fsync'ed, then the
+folder is renamed to its final name and the parent folder fsync'ed. A kill before the rename leaves a
+``.tmp-*`` folder that the next save or resume deletes; a kill after it leaves a complete checkpoint. On
+resume, checkpoints are tried newest first and one whose files do not match its manifest is skipped
+(with a message), so a truncated file falls back to the previous checkpoint.
+
+Resuming goes through transformers' own ``resume_from_checkpoint`` path (data skipping, trainer
+state); :class:`ResumableTrainerMixin` replaces its save/load methods with the formats above.
+:func:`resume` is the notebook entry point; ``python -m grpo_kit train --resume RUN_DIR`` the CLI's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+PREFIX = "checkpoint-"
+MANIFEST = "manifest.json"
+KIT_STATE = "kit_state.json"
+TRAINER_STATE = "trainer_state.json"
+
+# Config fields that may differ from the run folder's saved config when resuming: they change how
+# long the run goes or what is kept, not the math of the steps already taken.
+SAFE_RESUME_OVERRIDES = ("max_steps", "save_steps", "keep_checkpoints", "max_bad_steps", "loss_chunk_size")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit the run."""
+
+
+# ----------------------------------------------------------------------------------------------
+# fsync helpers
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(dirpath)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a file so that a reader sees the old content or the new, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------------------------------
+# A pickle-free codec for state trees (optimizer/scheduler/RNG state dicts, TRL's buffered batch):
+# structure and scalars in JSON, tensors and numpy arrays in safetensors.
+def _encode(obj, tensors: dict, key: str):
+    if isinstance(obj, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = obj.detach().to("cpu").contiguous().clone()
+        return {"__tensor__": name}
+    if isinstance(obj, np.ndarray):
+        name = f"t{len(tensors)}"
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": name, "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return _encode(obj.item(), tensors, key)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {"__dict__": [[_encode(k, tensors, key), _encode(v, tensors, f"{key}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, key) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, key) for v in obj]
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise TypeError(f"cannot store {type(obj).__name__} at {key!r} in a checkpoint (no pickle)")
+
+
+def _decode(obj, tensors: dict):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"], copy=False)
+        if "__dict__" in obj:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__dict__"]}
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        if "__dtype__" in obj:
+            return getattr(torch, obj["__dtype__"])
+        raise ValueError(f"unknown entry in a stored state: {sorted(obj)}")
+    return obj
+
+
+def save_state(obj, folder: str | os.PathLike, name: str) -> None:
+    """``obj`` (nested dict/list/tuple of tensors, arrays and scalars) to ``name.json`` + ``name.safetensors``."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _encode(obj, tensors, name)
+    folder = Path(folder)
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(tree))
+
+
+def load_state(folder: str | os.PathLike, name: str, device: str | torch.device = "cpu"):
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    tensors = load_file(str(folder / f"{name}.safetensors"), device=str(device))
+    return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG states
+def get_rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint folders
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def _step_of(path: Path) -> int | None:
+    m = re.fullmatch(rf"{PREFIX}(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete (renamed) checkpoint folders, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": _file_digest(p)}
+    (folder / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> str | None:
+    """None when every file listed in the manifest is there with its size and hash; else the problem."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json"
+    except json.JSONDecodeError:
+        return "manifest.json is not valid JSON"
+    for rel, meta in manifest.get("files", {}).items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != meta["bytes"]:
+            return f"{rel} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}"
+        if _file_digest(p) != meta["sha256"]:
+            return f"{rel} does not match its SHA-256 in the manifest"
+    return None
+
+
+def last_checkpoint(run_dir: str | os.PathLike, *, log=None) -> Path | None:
+    """The newest checkpoint that passes :func:`verify_checkpoint` (broken ones are reported and skipped)."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        msg = f"[grpo_kit] skipping checkpoint {path}: {problem}"
+        log(msg) if log is not None else print(msg, file=sys.stderr, flush=True)
+    return None
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete ``.tmp-*`` folders left by a writer that was killed before its rename."""
+    root = checkpoints_dir(run_dir)
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-") or p.name.startswith(".old-"):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def write_checkpoint(run_dir: str | os.PathLike, step: int, fill, *, keep: int = 2) -> Path:
+    """Build a checkpoint with ``fill(tmp_folder)``, then publish it atomically as ``checkpoint-<step>``.
+
+    ``keep``: complete checkpoints kept afterwards (the newest; 0 keeps all).
+    """
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
+    tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
+    tmp.mkdir()
+    fill(tmp)
+    write_manifest(tmp)
+    _fsync_tree(tmp)
+    final = root / f"{PREFIX}{step}"
+    if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
+        old = root / f".old-{PREFIX}{step}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(root)
+    if keep and keep > 0:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(root)
+    return final
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer side
+def _find_repeat_sampler(obj, depth: int = 0):
+    """The data sampler with its own ``torch.Generator`` (TRL's RepeatSampler) inside a (wrapped) DataLoader."""
+    if obj is None or depth > 5:
+        return None
+    if isinstance(getattr(obj, "generator", None), torch.Generator) and hasattr(obj, "mini_repeat_count"):
+        return obj
+    for attr in ("batch_sampler", "sampler", "base_dataloader"):
+        found = _find_repeat_sampler(getattr(obj, attr, None), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+class ResumableTrainerMixin:
+    """Put before a transformers/TRL ``Trainer`` class: pickle-free, atomic, verified checkpoints.
+
+    Attributes set by the caller: ``keep_checkpoints`` (int), ``run_state_provider`` (a callable
+    returning a JSON-able dict stored as ``kit_state["run"]``; the run folder's metrics so far).
+    """
+
+    keep_checkpoints: int = 2
+    run_state_provider = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kit_init_resume()
+
+    def _kit_init_resume(self):
+        if getattr(self, "_kit_resume_ready", False):
+            return
+        self._kit_resume_ready = True
+        self._kit_step_begin = None  # snapshot taken at the start of each optimiser step
+        self._kit_epoch_begin = None  # (epoch index, sampler generator state) at each epoch start
+        self._kit_resume_state = None  # kit_state of the checkpoint being resumed
+        from transformers import TrainerCallback
+
+        trainer = self
+
+        class _Snapshots(TrainerCallback):
+            def on_epoch_begin(self, args, state, control, **kw):
+                trainer._kit_on_epoch_begin(state)
+
+            def on_step_begin(self, args, state, control, **kw):
+                trainer._kit_step_begin = trainer._kit_snapshot()
+
+        self.add_callback(_Snapshots())
+
+    # -- what is saved besides model/optimizer --------------------------------------------------
+    def _kit_sampler(self):
+        return _find_repeat_sampler(getattr(self.callback_handler, "train_dataloader", None))
+
+    def _kit_on_epoch_begin(self, state):
+        sampler = self._kit_sampler()
+        resume = self._kit_resume_state
+        if resume is not None and sampler is not None and resume.get("sampler") is not None:
+            # First epoch after a resume: put the sampler's generator where the original run had it
+            # when it started this epoch (its permutation is drawn lazily, after this callback).
+            s = resume["sampler"]
+            epoch_now = int(state.epoch or 0)
+            key = "epoch_start" if epoch_now == s["epoch"] else "current"
+            sampler.generator.set_state(torch.tensor(s[key], dtype=torch.uint8))
+            self._kit_resume_state = None
+        if sampler is not None:
+            self._kit_epoch_begin = (int(state.epoch or 0), sampler.generator.get_state().tolist())
+
+    def _kit_snapshot(self) -> dict:
+        metrics = getattr(self, "_metrics", None)
+        return {"rng": get_rng_state(), "trl_step": int(getattr(self, "_step", 0)),
+                "trl_metrics": ({m: {k: list(v) for k, v in d.items()} for m, d in metrics.items()}
+                                if isinstance(metrics, dict) else None),
+                "run": self.run_state_provider() if self.run_state_provider else None}
+
+    def _kit_state(self, snapshot: dict) -> dict:
+        sampler = self._kit_sampler()
+        sampler_state = None
+        if sampler is not None and self._kit_epoch_begin is not None:
+            sampler_state = {"epoch": self._kit_epoch_begin[0], "epoch_start": self._kit_epoch_begin[1],
+                             "current": sampler.generator.get_state().tolist()}
+        return {"format": 1, "global_step": self.state.global_step, "trl_step": snapshot["trl_step"],
+                "sampler": sampler_state, "trl_metrics": snapshot["trl_metrics"], "run": snapshot["run"]}
+
+    # -- save ------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial=None, *, mid_step: bool = False):
+        """Write ``checkpoints/checkpoint-<global_step>`` atomically.
+
+        ``mid_step``: called while an optimiser step is half done (a stop on OOM): the RNG state, TRL's
+        step counter and the run files are taken from the snapshot at the start of that step, and the
+        weights and optimiser have not changed since, so resuming redoes the step from its beginning.
+        """
+        self._kit_init_resume()
+        self.store_flos()
+        snapshot = self._kit_step_begin if (mid_step and self._kit_step_begin is not None) else self._kit_snapshot()
+        if not self.args.should_save:  # other processes of a multi-process run keep their RNG only
+            return None
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        buffered = getattr(self, "_buffered_inputs", None)
+
+        def fill(tmp: Path):
+            if hasattr(unwrapped, "peft_config"):
+                unwrapped.save_pretrained(tmp / "adapter", safe_serialization=True)
+            else:
+                from safetensors.torch import save_model
+
+                save_model(unwrapped, str(tmp / "weights.safetensors"))
+            save_state(self.optimizer.state_dict(), tmp, "optimizer")
+            if self.lr_scheduler is not None:
+                save_state(self.lr_scheduler.state_dict(), tmp, "scheduler")
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                save_state(scaler.state_dict(), tmp, "scaler")
+            save_state(snapshot["rng"], tmp, "rng")
+            if buffered is not None:
+                save_state(buffered, tmp, "trl_buffer")
+            self.state.save_to_json(str(tmp / TRAINER_STATE))
+            (tmp / KIT_STATE).write_text(json.dumps(self._kit_state(snapshot)))
+
+        return write_checkpoint(self.args.output_dir, self.state.global_step, fill,
+                                keep=int(getattr(self, "keep_checkpoints", 2) or 0))
+
+    # -- load (called by transformers' Trainer.train(resume_from_checkpoint=...)) ----------------
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        self._kit_init_resume()
+        folder = Path(resume_from_checkpoint)
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        from safetensors.torch import load_file
+
+        if (folder / "adapter").is_dir():
+            from peft import set_peft_model_state_dict
+
+            if not hasattr(model, "peft_config"):
+                raise CheckpointError(f"{folder} holds a LoRA adapter but the model has none (use_lora differs)")
+            sd = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(model, sd)
+            unexpected = getattr(result, "unexpected_keys", None)
+            if unexpected:
+                raise CheckpointError(f"{folder}: adapter tensors that do not fit the model: {unexpected[:5]}")
+        else:
+            from safetensors.torch import load_model
+
+            load_model(model, str(folder / "weights.safetensors"))
+        kit = json.loads((folder / KIT_STATE).read_text())
+        self._kit_resume_state = kit
+        self._step = kit["trl_step"]
+        if (folder / "trl_buffer.json").is_file():
+            device = self.accelerator.device
+            self._buffered_inputs = load_state(folder, "trl_buffer", device=device)
+        if kit.get("trl_metrics") is not None and isinstance(getattr(self, "_metrics", None), dict):
+            for mode, values in kit["trl_metrics"].items():
+                self._metrics[mode].clear()
+                self._metrics[mode].update(values)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        folder = Path(checkpoint)
+        self.optimizer.load_state_dict(load_state(folder, "optimizer", device=self.args.device))
+        if self.lr_scheduler is not None and (folder / "scheduler.json").is_file():
+            self.lr_scheduler.load_state_dict(load_state(folder, "scheduler"))
+
+    def _load_scaler(self, checkpoint):
+        scaler = getattr(self.accelerator, "scaler", None)
+        if checkpoint is not None and scaler is not None and (Path(checkpoint) / "scaler.json").is_file():
+            scaler.load_state_dict(load_state(checkpoint, "scaler"))
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is not None and (Path(checkpoint) / "rng.json").is_file():
+            set_rng_state(load_state(checkpoint, "rng"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run-folder side
+def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict | None = None):
+    """The run folder's saved config, with only the overrides that are safe on resume.
+
+    ``overrides``: ``key=value`` strings; ``config_values``: a mapping (e.g. a YAML file the user
+    passed again). A value that differs from the saved one in a field outside
+    :data:`SAFE_RESUME_OVERRIDES` raises ``ConfigError`` naming it.
+    """
+    from .config import ConfigError, GRPOKitConfig
+
+    run_dir = Path(run_dir)
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        raise ConfigError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a grpo_kit run folder)")
+    saved = GRPOKitConfig.from_yaml(saved_path)
+    wanted = GRPOKitConfig.from_dict(saved.to_dict())
+    for key, value in (config_values or {}).items():
+        wanted.set(key, value)
+    wanted.apply_overrides(list(overrides))
+    given_dir = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "output_dir"]
+    given_dir += [str(config_values["output_dir"])] if config_values and "output_dir" in config_values else []
+    for d in given_dir:
+        if Path(d).resolve() != run_dir.resolve():
+            raise ConfigError(f"output_dir={d!r}: a resumed run writes to its own folder {str(run_dir)!r}")
+    wanted.output_dir = str(run_dir)
+    saved.output_dir = str(run_dir)
+    conflicts = [(k, v, getattr(wanted, k)) for k, v in saved.to_dict().items()
+                 if getattr(wanted, k) != v and k not in SAFE_RESUME_OVERRIDES]
+    if conflicts:
+        lines = "; ".join(f"{k}: saved {a!r}, given {b!r}" for k, a, b in conflicts)
+        raise ConfigError(f"cannot resume {str(run_dir)!r} with a different config ({lines}). A resumed run uses the "
+                          f"run folder's config.yaml; the fields that may change on resume are "
+                          f"{', '.join(SAFE_RESUME_OVERRIDES)}. Start a new run folder to change the others.")
+    return wanted.validate()
+
+
+def find_resume_checkpoint(run_dir: str | os.PathLike) -> Path:
+    remove_stale_temporaries(run_dir)
+    ckpt = last_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"no complete checkpoint in {checkpoints_dir(run_dir)}; the run saves one every "
+                              "save_steps steps (save_steps=0: none), so there is nothing to resume from. "
+                              "Start the run again instead.")
+    return ckpt
+
+
+def read_run_state(ckpt: str | os.PathLike) -> dict:
+    return json.loads((Path(ckpt) / KIT_STATE).read_text()).get("run") or {}
+
+
+def resume(run_dir: str | os.PathLike, overrides=(), **train_kwargs) -> dict:
+    """Continue the run in ``run_dir`` from its last complete checkpoint (notebook entry point).
+
+    ``overrides``: ``key=value`` strings, only for :data:`SAFE_RESUME_OVERRIDES` (e.g. ``max_steps=80``).
+    Other keyword arguments go to :func:`grpo_kit.run.train` (``progress``, ``callbacks``).
+    """
+    from .run import train
+
+    cfg = resume_config(run_dir, overrides)
+    return train(cfg, resume=True, **train_kwargs)
+
+
+def restore_run_files(run_dir: str | os.PathLike, run_state: dict, columns: list[str], samples_path: Path) -> list[dict]:
+    """Put ``metrics.csv`` and ``samples.jsonl`` back to what they were at the checkpoint.
+
+    Rows and samples written after it (by the run that was killed) are dropped, so the resumed run
+    appends exactly the steps it redoes: no duplicate or missing rows. Returns the metrics rows.
+    """
+    import csv
+    import io
+
+    history = list(run_state.get("metrics") or [])
+    buf = io.StringIO(newline="")
+    writer = csv.writer(buf)
+    writer.writerow(columns)
+    for row in history:
+        writer.writerow([row.get(c) for c in columns])
+    atomic_write_text(Path(run_dir) / "metrics.csv", buf.getvalue())
+    keep = int(run_state.get("samples_bytes") or 0)
+    samples_path = Path(samples_path)
+    if samples_path.is_file() and samples_path.stat().st_size >= keep:
+        with open(samples_path, "r+b") as fh:
+            fh.truncate(keep)
+            os.fsync(fh.fileno())
+    else:
+        samples_path.write_text("")
+    return history

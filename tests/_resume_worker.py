@@ -1,0 +1,54 @@
+"""Subprocess for tests/test_resume.py: ``python -m grpo_kit`` with a reward that varies on random text.
+
+The tiny random models never produce a correct answer, so the built-in rewards are all 0, the advantages
+too, and nothing would train. This worker swaps in a deterministic reward of the completion text (a
+function of its characters) so that every step changes the weights; the rest is the real CLI.
+
+``GRPO_KIT_TEST_PAUSE_AT_SAVE=STEP``: the write of checkpoint-STEP pauses (120 s) once its files are in
+the ``.tmp-checkpoint-STEP-*`` folder, before its manifest and rename, and says so in
+``checkpoints/SAVE_PAUSED``, so a test can SIGKILL the process in the middle of a checkpoint write
+(the math of the run is not affected).
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The tiny random-weight models always generate with HF (no checkpoint folder for vLLM); hiding an
+# installed vLLM only saves TRL's import of it (seconds per process). The tests start several runs at
+# once on a small machine: one thread each (same results, computed in the same order).
+sys.modules["vllm"] = None
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import grpo_kit.run as run  # noqa: E402
+from grpo_kit.cli import main  # noqa: E402
+from grpo_kit.rewards import completion_text  # noqa: E402
+
+
+def char_reward(prompts, completions, **kwargs):
+    """(sum of character codes mod 7) / 6: arbitrary but deterministic, different across completions."""
+    return [(sum(map(ord, completion_text(c))) % 7) / 6.0 for c in completions]
+
+
+run.get_reward_funcs = lambda names: [char_reward]
+
+_pause_at = os.environ.get("GRPO_KIT_TEST_PAUSE_AT_SAVE")
+if _pause_at:
+    import grpo_kit.resume as resume_mod
+
+    _write_manifest = resume_mod.write_manifest
+
+    def _paused_manifest(folder):
+        if folder.name.startswith(f".tmp-checkpoint-{_pause_at}-"):
+            (folder.parent / "SAVE_PAUSED").write_text(folder.name)  # tells the test the files are there
+            time.sleep(120)
+        _write_manifest(folder)
+
+    resume_mod.write_manifest = _paused_manifest
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
