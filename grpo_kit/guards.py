@@ -160,16 +160,43 @@ class GuardedTrainerMixin:
 
     # -- non-finite loss --------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        except ValueError as err:
+            # The kit's efficient loss refuses non-finite inputs (advantages, old/ref log-probs, hidden states)
+            # with a ValueError instead of returning NaN. When the diagnosis finds such a term, this is a bad
+            # step like any other (skipped, counted); any other ValueError is a real error and propagates.
+            if not self.model.training:
+                raise
+            report = self._diagnose(model, inputs, None)
+            if not report.pop("found"):
+                raise
+            report["error"] = str(err)[:300]
+            self._guard_reports.append(report)
+            return self._nan_loss(model)
         if self._loss_weight != 1.0:
             loss = loss * self._loss_weight
         if self.model.training and not bool(torch.isfinite(loss.detach()).all()):
-            self._guard_reports.append(self._diagnose(model, inputs, loss))
+            report = self._diagnose(model, inputs, loss)
+            report.pop("found")
+            self._guard_reports.append(report)
         return loss
 
+    @staticmethod
+    def _nan_loss(model) -> torch.Tensor:
+        """A NaN loss (for the logs) whose backward gives zero gradients (the step is skipped anyway)."""
+        zero = sum((p.reshape(-1)[:1] * 0).sum() for p in model.parameters() if p.requires_grad)
+        if not isinstance(zero, torch.Tensor):  # nothing trainable
+            zero = torch.zeros((), requires_grad=True)
+        return zero + float("nan")
+
     @torch.no_grad()
-    def _diagnose(self, model, inputs: dict, loss: torch.Tensor) -> dict:
-        """Which term of the GRPO loss is non-finite, for which samples of the micro-batch."""
+    def _diagnose(self, model, inputs: dict, loss: torch.Tensor | None) -> dict:
+        """Which term of the GRPO loss is non-finite, for which samples of the micro-batch.
+
+        ``found``: whether any term was (False: every input term finite, e.g. the loss itself overflowed).
+        """
         terms: dict[str, list[int]] = {}
         mask = inputs.get("completion_mask")
 
@@ -201,6 +228,7 @@ class GuardedTrainerMixin:
             bad = [i for i, v in enumerate(list(values)) if isinstance(v, float) and not math.isfinite(v)]
             if bad:
                 terms[f"reward {name} (indices in the generation batch)"] = bad
+        found = any(not name.startswith("(") for name in terms)
         if not terms:
             terms["loss (every input term finite)"] = []
         samples = sorted({i for name, rows in terms.items() if not name.startswith("reward") for i in rows})[:4]
@@ -212,7 +240,8 @@ class GuardedTrainerMixin:
                 texts[i] = tok.decode(ids_i, skip_special_tokens=True)[:200] if tok is not None else ids_i.tolist()[:50]
             except Exception:
                 pass
-        return {"loss": float(loss.detach().float().reshape(-1)[0]), "terms": terms, "samples": texts}
+        return {"loss": float(loss.detach().float().reshape(-1)[0]) if loss is not None else float("nan"),
+                "terms": terms, "samples": texts, "found": found}
 
     def _guard_check_grads(self) -> None:
         if self._guard_checked:

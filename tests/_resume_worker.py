@@ -8,6 +8,9 @@ function of its characters) so that every step changes the weights; the rest is 
 the ``.tmp-checkpoint-STEP-*`` folder, before its manifest and rename, and says so in
 ``checkpoints/SAVE_PAUSED``, so a test can SIGKILL the process in the middle of a checkpoint write
 (the math of the run is not affected).
+
+``GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP=N``: from optimiser step N on, sample 1 of each micro-batch gets
+a NaN advantage (for the NaN guard's CLI test).
 """
 
 import os
@@ -49,6 +52,22 @@ if _pause_at:
         _write_manifest(folder)
 
     resume_mod.write_manifest = _paused_manifest
+
+_nan_from = os.environ.get("GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP")
+if _nan_from:  # for tests/test_guards.py: sample 1 of every micro-batch from that step on gets a NaN advantage
+    from grpo_kit.trainer import EfficientGRPOTrainer
+
+    _prepare = EfficientGRPOTrainer._prepare_inputs
+
+    def _nan_prepare(self, batch):
+        out = _prepare(self, batch)
+        if self.model.training and self.state.global_step + 1 >= int(_nan_from):
+            out = dict(out)
+            out["advantages"] = out["advantages"].clone()
+            out["advantages"][1] = float("nan")
+        return out
+
+    EfficientGRPOTrainer._prepare_inputs = _nan_prepare
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
