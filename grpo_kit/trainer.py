@@ -304,19 +304,21 @@ def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
                        kv_cache_dtype=cfg.kv_cache_dtype, load_in_4bit=cfg.load_in_4bit,
                        load_in_4bit_skip_modules=list(cfg.load_in_4bit_skip_modules),
                        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None)
-    if not cfg.vllm_gpu_memory_utilization and torch.cuda.is_available() and cfg.device != "cpu":
-        # Colocated on one card: vLLM gets what the training step (VRAM calculator) leaves free.
-        free, total = torch.cuda.mem_get_info()
-        share, training = vllm_memory_share(cfg, model.config, total)
-        vllm_kwargs["gpu_memory_utilization"] = share
-        info["memory_plan"] = {"training_estimate_gib": round(training / 2**30, 2),
-                               "device_total_gib": round(total / 2**30, 2), "vllm_share": share}
     try:
+        if not cfg.vllm_gpu_memory_utilization and torch.cuda.is_available() and cfg.device != "cpu":
+            # Colocated on one card: vLLM gets what the training step (VRAM calculator) leaves free.
+            free, total = torch.cuda.mem_get_info()
+            share, training = vllm_memory_share(cfg, model.config, total)
+            vllm_kwargs["gpu_memory_utilization"] = share
+            info["memory_plan"] = {"training_estimate_gib": round(training / 2**30, 2),
+                                   "device_total_gib": round(total / 2**30, 2), "vllm_share": share}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             gen = make_generator("vllm", model=model, tokenizer=tokenizer, model_dir=model_dir, **vllm_kwargs)
-    except (GenerationEngineError, UnsupportedArchitectureError) as e:
-        if requested == "vllm":
+    except (GenerationEngineError, UnsupportedArchitectureError, ValueError) as e:
+        # ValueError: memory that cannot fit. A value the user set is their error to fix; with
+        # defaults only, `auto` generates with HF instead.
+        if requested == "vllm" or (isinstance(e, ValueError) and explicit):
             raise
         return hf(f"vLLM could not start ({e})", True)
     fell_back = [w for w in caught if "falling back" in str(w.message)]

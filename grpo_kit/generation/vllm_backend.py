@@ -307,6 +307,8 @@ class VLLMGenerator:
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types here; say what failed and what to do
+            if "memory utilization" in str(e):  # vLLM's own view of free memory (per NUMA node on the CPU)
+                raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} cannot fit: {e}") from e
             raise GenerationEngineError(f"vLLM could not start for {self.model_dir} with {kwargs}: "
                                         f"{type(e).__name__}: {e}") from e
         self.startup_s = time.perf_counter() - start
