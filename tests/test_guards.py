@@ -208,7 +208,15 @@ def test_oom_halves_once_and_retries_with_the_same_result(tiny, tmp_path, traine
     assert event["event"] == "oom" and event["setting"] == setting and event["step"] == 1
     assert event["new"] == max(1, event["old"] // 2)
     # Same completions (no new generation for the retry), same loss and weights up to float rounding.
+    print(f"{trainer_name}: losses {_losses(t)} vs unhalved {_losses(ref)}; grad norms "
+          f"{[h['grad_norm'] for h in t.state.log_history if 'grad_norm' in h]} vs "
+          f"{[h['grad_norm'] for h in ref.state.log_history if 'grad_norm' in h]}; max weight difference "
+          f"{max(float((p - q).abs().max()) for p, q in zip(t.model.parameters(), ref.model.parameters())):.3g}")
     torch.testing.assert_close(torch.tensor(_losses(t)), torch.tensor(_losses(ref)), rtol=1e-4, atol=1e-7)
+    # The loss of a GRPO step at ratio 1 is ~0 by construction; the gradient norm is the telling figure.
+    norms = [[h["grad_norm"] for h in x.state.log_history if "grad_norm" in h] for x in (t, ref)]
+    assert len(norms[0]) == 2 and min(norms[1]) > 0.01
+    torch.testing.assert_close(torch.tensor(norms[0]), torch.tensor(norms[1]), rtol=1e-4, atol=0)
     for (n, p), (_, q) in zip(t.model.named_parameters(), ref.model.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
     assert [h.get("reward") for h in t.state.log_history[:2]] == [h.get("reward") for h in ref.state.log_history[:2]]
