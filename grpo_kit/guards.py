@@ -87,15 +87,9 @@ def split_weights(halves: list[dict], full: dict, loss_type: str) -> list[float]
 def vram_estimate_text(cfg, model_config=None) -> str:
     """The VRAM calculator's peak for a kit config, as one phrase (never raises)."""
     try:
-        from .memory import estimate, total_gpu_bytes
+        from .memory import estimate_for_config, total_gpu_bytes
 
-        df = estimate(model_config if model_config is not None else cfg.model,
-                      num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
-                      completion_length=cfg.max_completion_length,
-                      dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
-                      lora_rank=cfg.lora_rank if cfg.use_lora else None,
-                      method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
-                      micro_batch_size=cfg.per_device_train_batch_size)
+        df = estimate_for_config(cfg, model_config)
         gib = total_gpu_bytes(df) / 2**30
         return (f"the VRAM calculator estimates {gib:.1f} GiB peak for this config (prompt up to "
                 f"{cfg.max_prompt_length} + completion {cfg.max_completion_length} tokens, micro-batch "

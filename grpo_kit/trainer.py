@@ -233,14 +233,10 @@ def vllm_memory_share(cfg, model_config, device_total_bytes: float) -> tuple[flo
     this config (LoRA, micro-batch, offloaded checkpointing; generation not included); vLLM gets
     the rest less 1 GiB of headroom, at most 0.9. ValueError when under 5% would be left."""
     from .generation.vllm_backend import plan_gpu_memory_utilization
-    from .memory import estimate, total_gpu_bytes
+    from .memory import estimate_for_config, total_gpu_bytes
 
-    df = estimate(model_config, num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
-                  completion_length=cfg.max_completion_length,
-                  dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
-                  lora_rank=cfg.lora_rank if cfg.use_lora else None, method="grpo_kit", vllm=False,
-                  include_generation=False, micro_batch_size=cfg.per_device_train_batch_size,
-                  offload=None if cfg.checkpointing_on("cuda") else False)
+    df = estimate_for_config(cfg, model_config, method="grpo_kit", vllm=False, include_generation=False,
+                             offload=None if cfg.checkpointing_on("cuda") else False)
     training = float(total_gpu_bytes(df))
     return plan_gpu_memory_utilization(training, device_total_bytes), training
 
@@ -307,7 +303,7 @@ def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
     try:
         if not cfg.vllm_gpu_memory_utilization and torch.cuda.is_available() and cfg.device != "cpu":
             # Colocated on one card: vLLM gets what the training step (VRAM calculator) leaves free.
-            free, total = torch.cuda.mem_get_info()
+            _, total = torch.cuda.mem_get_info()
             share, training = vllm_memory_share(cfg, model.config, total)
             vllm_kwargs["gpu_memory_utilization"] = share
             info["memory_plan"] = {"training_estimate_gib": round(training / 2**30, 2),

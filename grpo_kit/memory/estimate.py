@@ -352,6 +352,20 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     return df
 
 
+def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
+    """:func:`estimate` for a ``GRPOKitConfig``: its generations, prompt/completion lengths, dtype,
+    LoRA rank, trainer (``trl`` or ``grpo_kit`` method), backend and micro-batch. ``model``: a
+    config or name (default ``cfg.model``); ``overrides`` replace any of the derived arguments."""
+    kw = dict(num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
+              completion_length=cfg.max_completion_length,
+              dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
+              lora_rank=cfg.lora_rank if cfg.use_lora else None,
+              method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
+              micro_batch_size=cfg.per_device_train_batch_size)
+    kw.update(overrides)
+    return estimate(model if model is not None else cfg.model, **kw)
+
+
 def total_gpu_bytes(df: pd.DataFrame) -> float:
     """The ``total GPU (peak)`` of an :func:`estimate` table, in bytes."""
     return float(df.loc[df["component"] == "total GPU (peak)", "GB"].iloc[0] * GB)
