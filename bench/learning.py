@@ -11,6 +11,7 @@ folder), then, for step time, a short run of the kit's trainer and of TRL's stoc
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import platform
 import statistics
@@ -37,11 +38,30 @@ def run_job(out: Path, sets: list[str]) -> dict:
     return summary
 
 
+def signal_steps(run_dir: Path) -> int:
+    """Steps in which at least one group's rewards differed (the others have zero advantage)."""
+    with (run_dir / "metrics.csv").open() as fh:
+        return sum(1 for row in csv.DictReader(fh) if row.get("frac_reward_zero_std") not in (None, "")
+                   and float(row["frac_reward_zero_std"]) < 1.0)
+
+
+def config_line(run_dir: Path) -> str:
+    from grpo_kit.config import GRPOKitConfig
+
+    c = GRPOKitConfig.from_yaml(run_dir / "config.yaml")
+    prompts = c.per_device_train_batch_size * c.gradient_accumulation_steps // c.num_generations
+    return (f"{c.model}, LoRA r={c.lora_rank}, {c.task} levels {c.levels}, {prompts} prompt(s) x "
+            f"{c.num_generations} generations x {c.max_completion_length} tokens per step, "
+            f"{c.max_steps} steps, rewards {c.reward_funcs}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--timing-steps", type=int, default=8, help="steps of each short timing run (0: skip)")
     p.add_argument("--timing-rounds", type=int, default=2)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override passed to every run (repeatable), e.g. generation_backend=hf")
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_cpu"))
     args = p.parse_args(argv)
@@ -49,7 +69,8 @@ def main(argv=None) -> int:
 
     seeds = []
     for seed in args.seeds:
-        s = run_job(runs / f"seed{seed}", [f"seed={seed}"])
+        s = run_job(runs / f"seed{seed}", [*args.sets, f"seed={seed}"])
+        s["seed"], s["signal_steps"] = seed, signal_steps(Path(s["run_dir"]))
         print(f"seed {seed}: before {s['accuracy_before']:.3f} after {s['accuracy_after']:.3f} "
               f"({s['wall_seconds']:.0f} s, {s['mean_step_time_s']:.2f} s/step)", flush=True)
         seeds.append(s)
@@ -57,7 +78,7 @@ def main(argv=None) -> int:
     timing = {"grpo_kit": [], "trl": []}
     for rnd in range(args.timing_rounds if args.timing_steps else 0):
         for trainer in ("grpo_kit", "trl"):
-            s = run_job(runs / f"timing_{trainer}_{rnd}", [f"trainer={trainer}", f"max_steps={args.timing_steps}",
+            s = run_job(runs / f"timing_{trainer}_{rnd}", [*args.sets, f"trainer={trainer}", f"max_steps={args.timing_steps}",
                                                            "num_eval_samples=0"])
             timing[trainer].append({"mean_step_time_s": s["mean_step_time_s"], "peak_rss_gib": s["peak_memory_gib"]})
             print(f"timing {trainer} round {rnd}: {s['mean_step_time_s']:.2f} s/step, "
@@ -81,18 +102,21 @@ def main(argv=None) -> int:
     lines = [
         "# Learning on the embedded model (CPU)", "",
         f"- command: `{result['command']}`", f"- date: {result['date']}", f"- hardware: {result['hardware']}",
-        "- each seed: `python -m grpo_kit train --set seed=S` (default config: SmolLM2-135M-Instruct, LoRA r=16, "
-        "arithmetic levels 1-2, 8 generations x 24 tokens, 40 steps); held-out: the fixed 200 problems "
-        "(`data/arithmetic_heldout.jsonl`), greedy", "",
-        "| seed | accuracy before | accuracy after | gain | level 1 after | level 2 after | s/step | wall |",
-        "|---|---|---|---|---|---|---|---|",
+        f"- each seed: `python -m grpo_kit train {' '.join('--set ' + x for x in args.sets)} --set seed=S` "
+        f"({config_line(Path(seeds[0]['run_dir'])) if seeds else 'no seeds'}); generation: "
+        f"{seeds[0].get('generation', {}).get('backend', '?') if seeds else '?'}; held-out: the fixed 200 problems "
+        "(`data/arithmetic_heldout.jsonl`), greedy; signal steps: steps with at least one group whose rewards "
+        "differed", "",
+        "| seed | accuracy before | accuracy after | gain | level 1 after | level 2 after | signal steps | s/step | wall |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in seeds:
         ev = json.loads((Path(s["run_dir"]) / "eval.json").read_text())
         lv = ev["after"].get("by_level", {})
-        lines.append(f"| {s['run_dir'].rsplit('seed', 1)[-1]} | {s['accuracy_before']:.3f} | {s['accuracy_after']:.3f} | "
+        lines.append(f"| {s['seed']} | {s['accuracy_before']:.3f} | {s['accuracy_after']:.3f} | "
                      f"{s['accuracy_after'] - s['accuracy_before']:+.3f} | {lv.get('1', float('nan')):.3f} | "
-                     f"{lv.get('2', float('nan')):.3f} | {s['mean_step_time_s']:.2f} | {s['wall_seconds']:.0f} s |")
+                     f"{lv.get('2', float('nan')):.3f} | {s['signal_steps']}/{s['steps']} | "
+                     f"{s['mean_step_time_s']:.2f} | {s['wall_seconds']:.0f} s |")
     lines += ["", f"Mean gain {result['mean_gain']:+.3f}; seed-to-seed std of the after-accuracy {spread:.3f}; "
               f"gain > 2 x spread: {result['learns']}."]
     if any(timing.values()):

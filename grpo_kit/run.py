@@ -23,7 +23,7 @@ from .data import build_datasets, default_system_prompt, make_prompt, to_prompt_
 from .rewards import checked_reward_func, get_reward_funcs
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
-                  "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio"]
+                  "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
 
 
 def resolve_device(cfg: GRPOKitConfig) -> str:
@@ -123,6 +123,8 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
                 "learning_rate": logs.get("learning_rate"),
                 "grad_norm": logs.get("grad_norm"),
                 "clip_ratio": logs.get("clip_ratio/region_mean"),
+                # Share of groups whose rewards are all equal: zero advantage, so no learning signal.
+                "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
             }
             row.update({k: v for k, v in logs.items() if k.startswith("rewards/")})
             self._times.clear()

@@ -23,7 +23,7 @@ TINY = ["--set", "model=tiny-llama", "--set", "max_steps=6", "--set", "save_step
         "--set", "per_device_train_batch_size=4", "--set", "learning_rate=0.01", "--set", "seed=3"]
 # Columns that are a function of the math only (step_time_s and peak_memory_gib are measurements).
 EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "learning_rate", "grad_norm",
-                 "clip_ratio"]
+                 "clip_ratio", "frac_reward_zero_std"]
 
 
 def _worker(args, cwd, log, env=None):
