@@ -38,6 +38,23 @@ def run_job(out: Path, sets: list[str]) -> dict:
     return summary
 
 
+def timing_runs(runs: Path, rows, *, steps: int, rounds: int, sets=()) -> dict:
+    """Short runs without evaluation, interleaved (each row once per round), for step time.
+
+    ``rows``: ``(name, [KEY=VALUE, ...])`` pairs; ``sets`` go to every run. Returns, per name, one
+    dict per round: mean s/step, peak RSS, generation backend and the command.
+    """
+    res = {name: [] for name, _ in rows}
+    for rnd in range(rounds):
+        for name, row_sets in rows:
+            s = run_job(runs / f"timing_{name}_{rnd}", [*sets, *row_sets, f"max_steps={steps}", "num_eval_samples=0"])
+            res[name].append({"mean_step_time_s": s["mean_step_time_s"], "peak_rss_gib": s["peak_memory_gib"],
+                              "backend": s["generation"].get("backend"), "command": s["command"]})
+            print(f"timing {name} round {rnd}: {s['mean_step_time_s']:.2f} s/step, "
+                  f"peak RSS {s['peak_memory_gib']:.2f} GiB", flush=True)
+    return res
+
+
 def signal_steps(run_dir: Path) -> int:
     """Steps in which at least one group's rewards differed (the others have zero advantage)."""
     with (run_dir / "metrics.csv").open() as fh:
@@ -75,14 +92,8 @@ def main(argv=None) -> int:
               f"({s['wall_seconds']:.0f} s, {s['mean_step_time_s']:.2f} s/step)", flush=True)
         seeds.append(s)
 
-    timing = {"grpo_kit": [], "trl": []}
-    for rnd in range(args.timing_rounds if args.timing_steps else 0):
-        for trainer in ("grpo_kit", "trl"):
-            s = run_job(runs / f"timing_{trainer}_{rnd}", [*args.sets, f"trainer={trainer}", f"max_steps={args.timing_steps}",
-                                                           "num_eval_samples=0"])
-            timing[trainer].append({"mean_step_time_s": s["mean_step_time_s"], "peak_rss_gib": s["peak_memory_gib"]})
-            print(f"timing {trainer} round {rnd}: {s['mean_step_time_s']:.2f} s/step, "
-                  f"peak RSS {s['peak_memory_gib']:.2f} GiB", flush=True)
+    timing = timing_runs(runs, (("grpo_kit", ["trainer=grpo_kit"]), ("trl", ["trainer=trl"])),
+                         steps=args.timing_steps, rounds=args.timing_rounds if args.timing_steps else 0, sets=args.sets)
 
     before = [s["accuracy_before"] for s in seeds]
     after = [s["accuracy_after"] for s in seeds]

@@ -2,7 +2,7 @@
 
     python bench/start_rewards.py --backend vllm --dtype auto --n 100
 
-Samples 8 completions for each of the first ``n`` training prompts of ``seed`` with the
+Samples ``num_generations`` (8) completions for each of the first ``n`` training prompts of ``seed`` with the
 untrained embedded model and reports the share correct, the share with ``Answer: <n>``
 (format_soft) and the share of groups in which every reward is 0: such a group has zero
 advantage and gives the update nothing. Prints one JSON line.
@@ -51,11 +51,12 @@ def main(argv=None) -> int:
     gen = make_generator(a.backend, model=model, tokenizer=tok, **kw)
     sampling = SamplingConfig.from_config(cfg, seed=123, stop_token_ids=[tok.eos_token_id])
     t = time.time()
-    res = gen.generate(prompts, num_generations=8, sampling=sampling)
-    answers = [e["answer"] for e in ex for _ in range(8)]
+    g = cfg.num_generations
+    res = gen.generate(prompts, num_generations=g, sampling=sampling)
+    answers = [e["answer"] for e in ex for _ in range(g)]
     corr = correctness_reward(None, res.texts, answers)
     fmt = format_soft_reward(None, res.texts)
-    zero = sum(1 for i in range(a.n) if sum(corr[8 * i:8 * i + 8]) + sum(fmt[8 * i:8 * i + 8]) == 0)
+    zero = sum(1 for i in range(a.n) if sum(corr[g * i:g * (i + 1)]) + sum(fmt[g * i:g * (i + 1)]) == 0)
     print(json.dumps(dict(backend=a.backend, dtype=a.dtype, n=a.n, temperature=a.temperature, system_prompt=system,
                           seconds=round(time.time() - t, 1), correct=sum(corr) / len(corr), format_soft=sum(fmt) / len(fmt),
                           zero_reward_groups=zero / a.n, samples=res.texts[:4])))

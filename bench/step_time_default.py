@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning import run_job  # noqa: E402
+from learning import timing_runs  # noqa: E402
 
 ROWS = (("grpo_kit_vllm", ["trainer=grpo_kit"]),
         ("grpo_kit_hf", ["trainer=grpo_kit", "generation_backend=hf"]),
@@ -28,14 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs-dir", default="/tmp/timing_runs")
     p.add_argument("--out", default="/tmp/timing.json")
     a = p.parse_args(argv)
-    res = {}
-    for rnd in range(a.rounds):
-        for name, sets in ROWS:
-            s = run_job(Path(a.runs_dir) / f"{name}_{rnd}", sets + [f"max_steps={a.steps}", "num_eval_samples=0"])
-            res.setdefault(name, []).append({"mean_step_time_s": s["mean_step_time_s"],
-                                             "peak_rss_gib": s["peak_memory_gib"],
-                                             "backend": s["generation"].get("backend"), "command": s["command"]})
-            print(name, rnd, round(s["mean_step_time_s"], 2), round(s["peak_memory_gib"], 2), flush=True)
+    res = timing_runs(Path(a.runs_dir), ROWS, steps=a.steps, rounds=a.rounds)
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
