@@ -13,7 +13,9 @@ values; the embedded tokenizer is used, so only the tokenizer files need be cach
 * ``trl_bf16_ckpt``     stock TRL ``GRPOTrainer``, bf16, HF gradient checkpointing.
 
 Reported per row: peak ``max_memory_allocated`` over the run, mean step time (steps after
-the first), whether offload buffers were in use, loss/reward finite, LoRA weights changed.
+the first) split into phases (generation, scoring + old/ref log-probs, forward + backward,
+the rest: optimiser and logging), mean completion length, whether offload buffers were in
+use, loss/reward finite, LoRA weights changed.
 Results: ``bench/results/trainer_gpu_<tag>.md`` and ``.json``.
 """
 
@@ -40,14 +42,63 @@ ROWS = {
 }
 
 
+PHASES = (("_generate_single_turn", "generate"), ("_generate_and_score_completions", "gen_score"),
+          ("training_step", "training_step"))
+
+
+def time_phases(classes) -> dict:
+    """Wrap the trainer methods in ``PHASES`` on ``classes`` with synchronised timers that add
+    into the returned dict. Only the outermost call of a name counts, so a subclass method
+    calling ``super()`` is not timed twice."""
+    import functools
+
+    import torch
+
+    totals = dict.fromkeys((n for _, n in PHASES), 0.0)
+    depth = dict.fromkeys(totals, 0)
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            depth[name] += 1
+            outer = depth[name] == 1
+            if outer:
+                sync()
+                start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if outer:
+                    sync()
+                    totals[name] += time.perf_counter() - start
+                depth[name] -= 1
+        return wrapper
+
+    for cls in classes:
+        for attr, name in PHASES:
+            if attr in cls.__dict__:
+                setattr(cls, attr, timed(name, cls.__dict__[attr]))
+    return totals
+
+
 def one_row(sets: list[str], out_dir: str) -> dict:
     """Child process: one training run with a probe callback; prints a JSON line."""
     import torch
     from transformers import TrainerCallback
 
+    from trl import GRPOTrainer
+
     from grpo_kit.checkpointing import offload_stats
     from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.generation.trainer_hook import KitGenerationMixin
     from grpo_kit.run import train
+    from grpo_kit.trainer import EfficientGRPOTrainer
+
+    totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
 
     class Probe(TrainerCallback):
         def __init__(self):
@@ -55,8 +106,12 @@ def one_row(sets: list[str], out_dir: str) -> dict:
             self.host_gib = 0.0
             self.scaler = None
             self.step_peaks = []
+            self.phases = []  # per optimiser step: seconds per phase name
 
         def on_step_end(self, args, state, control, model=None, **kw):
+            self.phases.append(dict(totals))
+            for k in totals:
+                totals[k] = 0.0
             self.host_gib = max(self.host_gib, offload_stats(model)["host_bytes"] / 2**30)
             if torch.cuda.is_available():
                 self.step_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
@@ -91,9 +146,17 @@ def one_row(sets: list[str], out_dir: str) -> dict:
 
     rows = list(csv.DictReader(open(Path(out_dir) / "metrics.csv")))
     times = [float(r["step_time_s"]) for r in rows if r.get("step_time_s")]
+    later = probe.phases[1:] or probe.phases
+    mean = {k: sum(p[k] for p in later) / len(later) for k in totals}
+    step_s = sum(times[1:]) / max(1, len(times) - 1)
+    phase_s = {"generate": mean["generate"], "score_and_logps": mean["gen_score"] - mean["generate"],
+               "forward_backward": mean["training_step"] - mean["gen_score"],
+               "rest": step_s - mean["training_step"]}
+    lengths = [float(r["completion_length"]) for r in rows if r.get("completion_length")]
     res = dict(summary, host_offload_gib=probe.host_gib, lora_changed_after_step1=probe.changed,
                trainable_dtypes=probe.trainable_dtypes, step_peaks_gib=probe.step_peaks,
-               step_times_s=times, mean_step_s_after_first=(sum(times[1:]) / max(1, len(times) - 1)),
+               step_times_s=times, mean_step_s_after_first=step_s, phase_s_after_first=phase_s,
+               phases_per_step=probe.phases, completion_lengths=lengths,
                losses=[r.get("loss") for r in rows], rewards=[r.get("reward_mean") for r in rows])
     print("ROW " + json.dumps(res), flush=True)
     return res
@@ -165,13 +228,18 @@ def main(argv=None) -> int:
              f"`python -m grpo_kit train` in-process per row (own process each), model {a.model} (random weights, "
              f"embedded tokenizer), {a.generations} generations x up to {a.completion} completion tokens per step, "
              f"{a.steps} steps, LoRA r=16 on all linear layers, HF generate.", "",
-             "| row | status | peak alloc GiB | mean step s (after 1st) | host offload GiB | loss/reward finite "
-             "| LoRA changed | trainable dtype |", "|---|---|---|---|---|---|---|---|"]
+             "| row | status | peak alloc GiB | mean step s (after 1st) | generate s | score + old/ref logp s "
+             "| fwd + bwd s | rest s | mean completion tokens | host offload GiB | loss/reward finite "
+             "| LoRA changed | trainable dtype |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['row']} | failed | | | | | | |")
+            lines.append(f"| {r['row']} | failed |" + " |" * 11)
             continue
+        ph = r["phase_s_after_first"]
+        length = sum(r["completion_lengths"]) / len(r["completion_lengths"]) if r["completion_lengths"] else float("nan")
         lines.append(f"| {r['row']} | ok | {r['peak_memory_gib']:.2f} | {r['mean_step_s_after_first']:.2f} | "
+                     f"{ph['generate']:.2f} | {ph['score_and_logps']:.2f} | {ph['forward_backward']:.2f} | "
+                     f"{ph['rest']:.2f} | {length:.0f} | "
                      f"{r['host_offload_gib']:.2f} | {r['metrics_finite']} | {r['lora_changed_after_step1']} | "
                      f"{','.join(r['trainable_dtypes'])} |")
     (out / f"trainer_gpu_{a.tag}.md").write_text("\n".join(lines) + "\n")
