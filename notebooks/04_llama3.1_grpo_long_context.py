@@ -94,6 +94,8 @@ fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallb
                 max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
 validate_params(full)
 chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=setup)
+if chosen == "full":  # vLLM-only options; checked here, so a GPU without bitsandbytes stops now, not mid-run
+    settings.update(load_in_4bit=four_bit, kv_cache_dtype="fp8" if fp8_kv_cache else "auto")
 cfg = validate_params(settings)
 print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
       f"steps={cfg.max_steps}  G={cfg.num_generations}")
@@ -124,9 +126,10 @@ fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=
 # %% [markdown]
 # ## Train
 # `gradient_checkpointing=True` is offloaded to CPU RAM on a GPU with the kit's trainer; the loss is always the
-# efficient one. 4-bit weights and the FP8 KV cache are not yet options of `grpo_kit.run.train` (the
-# calculator prices them; the run trains bf16/fp16 LoRA), so on a GPU the full setup needs the memory the
-# `grpo_kit` column shows without them.
+# efficient one. In the full setup `four_bit` and `fp8_kv_cache` become the config's `load_in_4bit` (vLLM
+# generates from 4-bit NF4 weights, `lm_head` kept in 16 bit; needs bitsandbytes, which the Colab cell installs
+# on a GPU runtime) and `kv_cache_dtype="fp8"`; the trained LoRA weights stay bf16/fp16 either way. The
+# fallback generates with HF and uses neither.
 
 # %%
 from grpo_kit.dashboard import LiveDashboard
