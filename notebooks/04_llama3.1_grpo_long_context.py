@@ -59,6 +59,7 @@ lora_rank = 16
 four_bit = True  # priced by the calculator; see the note before training
 fp8_kv_cache = True
 gpu_gib = 80.0  # the card's memory, for the calculator's budget line
+generation_backend = "vllm"  # full setup; "hf" generates with transformers (slow at long context, no 4-bit/FP8)
 fallback_model = "smollm2-135m-instruct"
 fallback_max_prompt_length = 64
 fallback_context_length = 96
@@ -87,14 +88,15 @@ common = dict(num_generations=num_generations, per_device_train_batch_size=num_g
               num_train_samples=num_train_samples, num_eval_samples=num_eval_samples, output_dir=output_dir,
               seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank, gradient_checkpointing=True)
 full = dict(common, model=model, max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
-            max_completion_length=context_length - max_prompt_length, generation_backend="vllm",
+            max_completion_length=context_length - max_prompt_length, generation_backend=generation_backend,
             learning_rate=2e-5)
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
                 max_prompt_length=fallback_max_prompt_length,
                 max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
 validate_params(full)
 chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=setup)
-if chosen == "full":  # vLLM-only options; checked here, so a GPU without bitsandbytes stops now, not mid-run
+if chosen == "full" and generation_backend != "hf":  # vLLM-only options (the calculator prices them either way);
+    # checked by validate_params below, so a GPU without bitsandbytes stops here, not mid-run
     settings.update(load_in_4bit=four_bit, kv_cache_dtype="fp8" if fp8_kv_cache else "auto")
 cfg = validate_params(settings)
 print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
