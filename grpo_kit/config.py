@@ -72,7 +72,10 @@ class GRPOKitConfig:
                             "as `Answer: <number>`; word problems and GSM8K: brief reasoning, then that line).")
     # --- GRPO (names as in TRL's GRPOConfig) -------------------------------------------
     num_generations: int = _f(8, "Completions sampled per prompt (the group size); at least 2.")
-    per_device_train_batch_size: int = _f(8, "Completions per micro-batch; must be a multiple of num_generations.")
+    per_device_train_batch_size: int = _f(16, "Completions per micro-batch; must be a multiple of num_generations. "
+                                          "The default 16 is 2 prompts per step: with 1 prompt most early steps of "
+                                          "the untrained embedded model had no reward spread, and a seed could fail "
+                                          "to learn (bench/results/learning_cpu_vllm*.md).")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.")
     max_prompt_length: int = _f(256, "Longest prompt in tokens; longer prompts are an error, not silently cut.")
     max_completion_length: int = _f(24, "Longest completion in tokens.")
