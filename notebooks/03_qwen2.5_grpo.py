@@ -75,7 +75,10 @@ common = dict(num_generations=num_generations, per_device_train_batch_size=num_g
 full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps=max_steps,
             max_completion_length=max_completion_length, learning_rate=learning_rate,
             generation_backend=generation_backend, reward_funcs=["correctness", "format_soft"])
+# 2 prompts per step, as the main job's default: with 1, the untrained embedded model's sparse rewards left
+# most early steps without signal (bench/results/learning_cpu_vllm_b16.md)
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
+                per_device_train_batch_size=2 * num_generations,
                 max_completion_length=fallback_max_completion_length, generation_backend="hf")
 extras = dict(setup=setup, dashboard=dashboard)
 validate_params(full, extras, dict(setup=str, dashboard=str))  # both checked now, whichever runs
