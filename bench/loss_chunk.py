@@ -1,0 +1,89 @@
+"""How the efficient loss's time and memory depend on its chunk size (rows per head GEMM).
+
+    python -m grpo_kit bench loss_chunk [--head llama] [--length 65536] [--chunks auto,768,896,1024]
+
+One set of inputs (as ``bench/loss.py`` builds them: B=8, bf16, grpo loss with old/ref
+log-probs), then forward + backward of ``efficient_grpo_loss`` per chunk size (``auto``: the
+loss's own choice), median over ``--reps`` after a warm-up, and the extra peak memory over the
+inputs. Written to ``loss_chunk_<tag>.md``/``.json``; CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loss import HEADS, LOSS_KW, GiB, make_inputs, sync, timed  # noqa: E402
+
+import torch  # noqa: E402
+
+from grpo_kit.loss import efficient_grpo_loss  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", default="llama", choices=list(HEADS))
+    ap.add_argument("--length", type=int, default=65536)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--chunks", default="auto,768,896,1024")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--tag", default="h200")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench loss_chunk needs a CUDA GPU")
+    dev = torch.device("cuda")
+    H, V = HEADS[a.head]
+    inp = make_inputs(a.batch, a.length, H, V, dev, torch.bfloat16, seed=0)
+    h = inp["hidden"]
+    args = (h, inp["W"], inp["ids"], inp["mask"], inp["adv"])
+    rows, ref_grad = [], None
+    for c in a.chunks.split(","):
+        chunk = None if c == "auto" else int(c)
+
+        def run():
+            loss, _ = efficient_grpo_loss(*args, old_logps=inp["old"], ref_logps=inp["ref"], chunk_size=chunk,
+                                          **LOSS_KW)
+            loss.backward()
+
+        h.grad = None
+        run()  # warm-up (autotuning, allocator)
+        sync(dev)
+        h.grad = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        times = []
+        for _ in range(a.reps):
+            h.grad = None
+            times.append(timed(run, dev))
+        peak = (torch.cuda.max_memory_allocated(dev) - base) / GiB
+        grad = h.grad.float()
+        diff = 0.0 if ref_grad is None else ((grad - ref_grad).norm() / ref_grad.norm()).item()
+        ref_grad = grad if ref_grad is None else ref_grad
+        rows.append(dict(chunk=c, median_ms=statistics.median(times), times_ms=times, extra_peak_gib=peak,
+                         rel_grad_diff_vs_first=diff))
+        print(json.dumps(rows[-1]), flush=True)
+    hw = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    cmd = "python -m grpo_kit bench loss_chunk " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"loss_chunk_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, rows=rows), indent=1))
+    md = [f"# Efficient loss vs chunk size ({hw['gpu']})", "", f"Command: `{cmd}`  ",
+          f"Date: {hw['date']}; torch {hw['torch']}. {a.head} head (H={H}, V={V}), B={a.batch}, T={a.length}, "
+          f"bf16, forward + backward, median of {a.reps} after 1 warm-up.", "",
+          "| chunk rows | median ms | extra peak GiB | rel. grad diff vs first row |", "|---|---|---|---|"]
+    md += [f"| {r['chunk']} | {r['median_ms']:.1f} | {r['extra_peak_gib']:.3f} | {r['rel_grad_diff_vs_first']:.1e} |"
+           for r in rows]
+    (out / f"loss_chunk_{a.tag}.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
