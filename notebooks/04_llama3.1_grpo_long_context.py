@@ -130,8 +130,10 @@ fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=
 # `gradient_checkpointing=True` is offloaded to CPU RAM on a GPU with the kit's trainer; the loss is always the
 # efficient one. In the full setup `four_bit` and `fp8_kv_cache` become the config's `load_in_4bit` (vLLM
 # generates from 4-bit NF4 weights, `lm_head` kept in 16 bit; needs bitsandbytes, which the Colab cell installs
-# on a GPU runtime) and `kv_cache_dtype="fp8"`; the trained LoRA weights stay bf16/fp16 either way. The
-# fallback generates with HF and uses neither.
+# on a GPU runtime) and `kv_cache_dtype="fp8"`. Both shrink vLLM's side only: training keeps the base weights
+# in bf16/fp16. The calculator's 4-bit prices NF4 base weights in training too (as Unsloth does), which the
+# kit's run does not do yet, so its training side needs what the calculator shows with `four_bit=False`.
+# The fallback generates with HF and uses neither.
 
 # %%
 from grpo_kit.dashboard import LiveDashboard
