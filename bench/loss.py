@@ -90,7 +90,8 @@ def load_peers(names):
 # ------------------------------------------------------------------------------------------------
 # one forward + backward per implementation; each returns (loss, ) and leaves hidden.grad set
 # ------------------------------------------------------------------------------------------------
-def make_runner(name, peers, inp):
+def make_runner(name, peers, inp, chunk_size=None):
+    """``chunk_size``: rows per chunk for ours/ours_torch (None: the loss's automatic choice)."""
     h, W, ids, mask, adv, old, ref = (inp[k] for k in ("hidden", "W", "ids", "mask", "adv", "old", "ref"))
 
     def grpo_on_logps(logp):
@@ -107,7 +108,8 @@ def make_runner(name, peers, inp):
         epi = "auto" if name == "ours" else "torch"
 
         def run():
-            loss, _ = efficient_grpo_loss(h, W, ids, mask, adv, old_logps=old, ref_logps=ref, epilogue=epi, **LOSS_KW)
+            loss, _ = efficient_grpo_loss(h, W, ids, mask, adv, old_logps=old, ref_logps=ref, epilogue=epi,
+                                          chunk_size=chunk_size, **LOSS_KW)
             loss.backward()
             return loss
     elif name == "liger":
@@ -199,9 +201,9 @@ def naive_fits(B, T, V, dev):
     return need < 8 * GiB, need
 
 
-def bench_one(name, peers, inp, dev, warmup, reps):
+def bench_one(name, peers, inp, dev, warmup, reps, chunk_size=None):
     """Warm up, then time ``reps`` forward+backward passes; peak memory over the inputs."""
-    run = make_runner(name, peers, inp)
+    run = make_runner(name, peers, inp, chunk_size)
     h = inp["hidden"]
     for _ in range(warmup):
         h.grad = None

@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loss import HEADS, LOSS_KW, GiB, make_inputs, sync, timed  # noqa: E402
+from loss import HEADS, bench_one, make_inputs, rel_err  # noqa: E402
 
 import torch  # noqa: E402
-
-from grpo_kit.loss import efficient_grpo_loss  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,34 +37,12 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     H, V = HEADS[a.head]
     inp = make_inputs(a.batch, a.length, H, V, dev, torch.bfloat16, seed=0)
-    h = inp["hidden"]
-    args = (h, inp["W"], inp["ids"], inp["mask"], inp["adv"])
-    rows, ref_grad = [], None
+    rows, first_grad = [], None
     for c in a.chunks.split(","):
-        chunk = None if c == "auto" else int(c)
-
-        def run():
-            loss, _ = efficient_grpo_loss(*args, old_logps=inp["old"], ref_logps=inp["ref"], chunk_size=chunk,
-                                          **LOSS_KW)
-            loss.backward()
-
-        h.grad = None
-        run()  # warm-up (autotuning, allocator)
-        sync(dev)
-        h.grad = None
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        times = []
-        for _ in range(a.reps):
-            h.grad = None
-            times.append(timed(run, dev))
-        peak = (torch.cuda.max_memory_allocated(dev) - base) / GiB
-        grad = h.grad.float()
-        diff = 0.0 if ref_grad is None else ((grad - ref_grad).norm() / ref_grad.norm()).item()
-        ref_grad = grad if ref_grad is None else ref_grad
-        rows.append(dict(chunk=c, median_ms=statistics.median(times), times_ms=times, extra_peak_gib=peak,
-                         rel_grad_diff_vs_first=diff))
+        res = bench_one("ours", {}, inp, dev, warmup=1, reps=a.reps, chunk_size=None if c == "auto" else int(c))
+        first_grad = res["grad"] if first_grad is None else first_grad
+        rows.append(dict(chunk=c, median_ms=res["ms"], times_ms=res["ms_all"], extra_peak_gib=res["extra_gib"],
+                         rel_grad_diff_vs_first=rel_err(res["grad"], first_grad)))
         print(json.dumps(rows[-1]), flush=True)
     hw = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               gpu=torch.cuda.get_device_name(), torch=torch.__version__)
