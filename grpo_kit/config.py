@@ -25,6 +25,9 @@ TRAINERS = ("grpo_kit", "trl")
 GENERATION_BACKENDS = ("auto", "hf", "vllm")
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
+# Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
+VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("load_in_4bit", False), ("vllm_gpu_memory_utilization", 0.0),
+                     ("vllm_kv_cache_gib", None))
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -123,6 +126,17 @@ class GRPOKitConfig:
                                             "training starts.")
     kv_cache_dtype: str = _f("auto", f"vLLM KV cache dtype, one of {KV_CACHE_DTYPES}: `fp8` stores the KV cache in "
                              "FP8 (half of bf16), on platforms whose vLLM supports it; needs the vLLM backend.")
+    vllm_kv_cache_gib: float | None = _f(None, "vLLM's KV cache in GiB (CUDA); null: what one generation batch needs "
+                                         "(prompts x (prompt + num_generations x completion) tokens, the VRAM "
+                                         "calculator's KV row), so the engine holds no more than that. A budget that "
+                                         "cannot fit beside training stops the run before any model loads, with the "
+                                         "calculator's numbers.")
+    vllm_share_weights: bool | str = _f("auto", "One copy of the weights on CUDA: the training model's frozen base "
+                                        "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
+                                        "memory each step, and the engine releases only its KV cache while "
+                                        "training runs (standby). true, false (a separate engine copy, weights "
+                                        "synced each step) or `auto` (shared on CUDA with LoRA and 16-bit engine "
+                                        "weights; a layout vLLM cannot share falls back to a copy with a warning).")
     load_in_4bit: bool = _f(False, "Generate with 4-bit (bitsandbytes NF4) weights in vLLM, except the modules in "
                             "load_in_4bit_skip_modules (\"dynamic 4-bit\"); needs the vLLM backend on CUDA and the "
                             "bitsandbytes package. Training weights are not affected.")
@@ -262,12 +276,18 @@ class GRPOKitConfig:
              f"levels={self.levels!r}: each must be one of [1, 2, 3, 4], at least one")
         need(self.vllm_gpu_memory_utilization == 0 or 0 < self.vllm_gpu_memory_utilization <= 1,
              f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1], or 0 for automatic")
+        need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0,
+             f"vllm_kv_cache_gib={self.vllm_kv_cache_gib} must be > 0 GiB, or null for automatic")
+        need(isinstance(self.vllm_share_weights, bool) or self.vllm_share_weights == "auto",
+             f"vllm_share_weights={self.vllm_share_weights!r} is not allowed: true, false or 'auto'")
+        need(self.vllm_share_weights is not True or (self.use_lora and not self.load_in_4bit),
+             f"vllm_share_weights=True needs use_lora=True and load_in_4bit=False (use_lora={self.use_lora}, "
+             f"load_in_4bit={self.load_in_4bit}): full fine-tuning updates the weights vLLM would share, and "
+             "4-bit engine weights cannot back 16-bit training")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         need(all(isinstance(m, str) and m for m in self.load_in_4bit_skip_modules),
              f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r}: each must be a non-empty module name")
-        vllm_only = [f"{name}={getattr(self, name)!r}" for name, off in
-                     (("kv_cache_dtype", "auto"), ("load_in_4bit", False), ("vllm_gpu_memory_utilization", 0.0))
-                     if getattr(self, name) != off]
+        vllm_only = [f"{name}={getattr(self, name)!r}" for name, off in VLLM_ONLY_OPTIONS if getattr(self, name) != off]
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
                  f"{', '.join(vllm_only) or 'vLLM'} needs trainer='grpo_kit' (trainer='trl' generates with TRL's own "
@@ -303,6 +323,10 @@ def _coerce(key: str, value, annotation):
     typ = {"int": int, "float": float, "bool": bool, "str": str, "list": list}.get(
         annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""), None)
     err = ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(typ, '__name__', annotation)}")
+    if isinstance(annotation, str) and annotation.endswith(" | None"):  # null, or a value of the type
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
+            return None
+        return _coerce(key, value, annotation.removesuffix(" | None"))
     if annotation == "bool | str":  # true / false / "auto"
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"

@@ -183,6 +183,24 @@ def check_lora_targets(model, targets: list[str]) -> None:
                          f"its linear layers are: {linear}")
 
 
+def _meta_model(config):
+    """The model ``config`` describes, on the meta device (names and shapes only, no memory)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _release(generator, *, standby: bool) -> None:
+    """Put the engine in standby (``standby``) or close it; never lose the run over a failing shutdown."""
+    try:
+        generator.sleep() if standby else generator.close()
+    except Exception as e:
+        print(f"warning: {'standby of' if standby else 'closing'} the {generator.name} generator failed: {e}",
+              flush=True)
+
+
 def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
     """TRL ``GRPOConfig`` from the kit's config (same names, same meaning)."""
     from trl import GRPOConfig
@@ -244,23 +262,30 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     torch.manual_seed(cfg.seed)
 
     from .evaluation import evaluate_accuracy
-    from .models import load_model
+    from .models import load_model, load_tokenizer, model_config
 
     t_start = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)
+    tokenizer = load_tokenizer(cfg.model)
     check_prompt_lengths(tokenizer, train_ex + heldout, cfg, system_prompt)
+    config = model_config(cfg.model)
     if cfg.use_lora:
-        check_lora_targets(model, cfg.lora_target_modules)
+        check_lora_targets(_meta_model(config), cfg.lora_target_modules)
 
-    from .trainer import build_generator
+    from .generation.plan import plan_generation, start_generation
 
-    # Generation backend (config: generation_backend, kv_cache_dtype, load_in_4bit, ...), built before the
-    # evaluation so that a bad option stops the run early; what was used goes to summary.json.
-    generator, generation_info = build_generator(cfg, model=model, tokenizer=tokenizer,
-                                                 num_processes=PartialState().num_processes)
+    # Generation backend (config: generation_backend, kv_cache_dtype, vllm_share_weights, ...), decided before any
+    # model loads so that a bad option or a plan that cannot fit stops the run early; what was used goes to
+    # summary.json. With shared weights the engine starts first and the training model is built on its tensors.
+    plan = plan_generation(cfg, model_config=config, device=device, dtype=dtype,
+                           num_processes=PartialState().num_processes)
+    generator, model, generation_info = start_generation(
+        plan, tokenizer=tokenizer, dtype=dtype,
+        load_model=lambda: load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)[0])
+    shared = bool(getattr(generator, "share_weights", False))
     if is_main:
         print(f"generation: {generation_info['backend']}" + (f" ({generation_info['reason']})"
-                                                             if generation_info.get("reason") else ""), flush=True)
+                                                             if generation_info.get("reason") else "")
+              + (f", weights {generation_info['weights']}" if generation_info.get("weights") else ""), flush=True)
 
     eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
     evals = dict(resumed.get("evals") or {})
@@ -303,35 +328,37 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
         trainer.args.disable_tqdm = True
     t_train = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        try:
+            trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        finally:
+            if generator is not None:
+                syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
+                generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
+                    round(sum(syncs) / len(syncs), 4) if syncs else None))
+                # Free the engine's memory before evaluation; an engine whose weights the model uses goes to
+                # standby instead (KV cache released) and is closed after the last use of the model.
+                _release(generator, standby=shared)
+            # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
+            if is_main:
+                save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
+                trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
+                tokenizer.save_pretrained(save_dir)
+                if history:
+                    plot_rewards(history, run_dir / "rewards.png")
+        if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
+            raise trainer.stop_error
+        train_seconds = time.perf_counter() - t_train
+        if not is_main:
+            return {"run_dir": str(run_dir), "main_process": False}
+
+        trained = trainer.model
+        if heldout:
+            evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw)
+            print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}", flush=True)
+        (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
     finally:
-        if generator is not None:
-            syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
-            generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
-                round(sum(syncs) / len(syncs), 4) if syncs else None))
-            try:
-                generator.close()  # frees the engine's memory before evaluation
-            except Exception as e:  # never lose the trained weights over a failing engine shutdown
-                print(f"warning: closing the {generator.name} generator failed: {e}", flush=True)
-        # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
-        if is_main:
-            save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
-            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
-            tokenizer.save_pretrained(save_dir)
-            if history:
-                plot_rewards(history, run_dir / "rewards.png")
-    if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
-        raise trainer.stop_error
-    train_seconds = time.perf_counter() - t_train
-    if not is_main:
-        return {"run_dir": str(run_dir), "main_process": False}
-
-    trained = trainer.model
-    if heldout:
-        evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw)
-        print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}", flush=True)
-    (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
-
+        if shared:
+            _release(generator, standby=False)
     finite = all(math.isfinite(r[k]) for r in history for k in ("reward_mean", "loss") if r[k] is not None)
     summary = {
         "model": cfg.model, "task": cfg.task, "steps": len(history), "device": device, "dtype": str(dtype),

@@ -65,19 +65,35 @@ def test_gradient_checkpointing_auto_true_false():
         GRPOKitConfig(gradient_checkpointing=1).validate()
 
 
-def test_vllm_share_from_the_memory_plan():
-    """On one card vLLM gets what the VRAM calculator's training estimate leaves (less 1 GiB)."""
-    from grpo_kit.memory import estimate, total_gpu_bytes
+def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
+    """The KV cache is what one generation batch needs; the step peak must fit the free memory."""
+    from grpo_kit.generation.plan import memory_plan
+    from grpo_kit.memory import formulas as F, resolve_arch
     from grpo_kit.models import model_config
-    from grpo_kit.trainer import vllm_memory_share
 
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=2048, num_generations=8,
-                        per_device_train_batch_size=1, gradient_checkpointing=True, lora_rank=16)
-    share, training = vllm_memory_share(cfg, model_config("llama-3.1-8b"), 80 * 2**30)
-    want = total_gpu_bytes(estimate("llama-3.1-8b", num_generations=8, prompt_length=cfg.max_prompt_length,
-                                    completion_length=2048, lora_rank=16, vllm=False, include_generation=False,
-                                    micro_batch_size=1))
-    assert training == pytest.approx(want) and 15 * 2**30 < training < 40 * 2**30
-    assert share == pytest.approx(round((80 * 2**30 - training - 2**30) / (80 * 2**30), 3))
-    with pytest.raises(ValueError, match="less than 5% is left for a colocated vLLM"):
-        vllm_memory_share(cfg, model_config("llama-3.1-8b"), 16 * 2**30)  # a T4 cannot hold both
+                        per_device_train_batch_size=1, gradient_accumulation_steps=8, gradient_checkpointing=True)
+    mc, gib = model_config("llama-3.1-8b"), 2**30
+    shared = memory_plan(cfg, mc, share_weights=True, free_bytes=139 * gib, total_bytes=140 * gib)
+    kv = F.kv_cache_bytes(resolve_arch("llama-3.1-8b"), F.vllm_kv_tokens(256, 2048, 8, 1), 2)
+    assert shared["kv_cache_memory_bytes"] == int(kv) and shared["generation_rows"] == 8
+    assert shared["engine_weight_copy_gib"] == 0 and 14.9 < shared["weights_gib"] < 15.0
+    phases = shared["calculator_phases_gib"]
+    assert shared["calculator_peak_gib"] == max(phases.values())
+    a = resolve_arch("llama-3.1-8b")
+    lora = F.lora_state_bytes(F.lora_param_count(a, 16))
+    assert phases["generation"] == pytest.approx(  # weights, LoRA + AdamW, KV cache, vLLM's workspace
+        (F.weight_bytes(a, 2, None) + lora + kv + F.vllm_workspace_bytes(a, 4096, 8, 2)) / gib, abs=0.01)
+    assert 0.1 < shared["vllm_share"] < 0.2  # weights + KV + workspace + 1 GiB of 140 GiB
+    copy = memory_plan(cfg, mc, share_weights=False, free_bytes=139 * gib, total_bytes=140 * gib)
+    assert copy["calculator_phases_gib"]["generation"] == pytest.approx(phases["generation"] + shared["weights_gib"],
+                                                                          abs=0.02)
+    fp8 = memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "kv_cache_dtype": "fp8"}), mc, share_weights=True,
+                      free_bytes=139 * gib, total_bytes=140 * gib)
+    assert fp8["kv_cache_memory_bytes"] == int(kv // 2)
+    budget = memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "vllm_kv_cache_gib": 3.0}), mc, share_weights=True,
+                         free_bytes=139 * gib, total_bytes=140 * gib)
+    assert budget["kv_cache_memory_bytes"] == 3 * gib and budget["kv_source"] == "vllm_kv_cache_gib"
+    with pytest.raises(ValueError, match=r"cannot fit beside training on this GPU.*15\.0 of 15\.0 GiB is free.*"
+                                         r"kv_cache_dtype=fp8"):
+        memory_plan(cfg, mc, share_weights=True, free_bytes=15 * gib, total_bytes=15 * gib)  # a T4 cannot hold it

@@ -142,7 +142,9 @@ def test_known_component_values():
     assert df.at["saved activations (GPU)", "GiB"] == pytest.approx(1.25)
     # one logits chunk of the loss: ~0.25 GiB
     assert 0.2 < df.at["logits for the loss", "GiB"] <= 0.25
-    assert df.at["KV cache (generation)", "GiB"] == pytest.approx(8 * 2.5)  # 8 concurrent sequences
+    # 8 concurrent sequences of 20,480 tokens in 16-token blocks, one block of slack each: 8 x 2.5 GiB + 8 blocks
+    assert F.vllm_kv_tokens(0, 20480, 8, 1) == 8 * (1280 + 1) * 16
+    assert df.at["KV cache (generation)", "GiB"] == pytest.approx(8 * 2.5 * 1281 / 1280)
     q4 = estimate(LLAMA, method="grpo_kit", lora_rank=16, quantization="4bit", kv_cache_dtype="fp8", **PUB)
     q4 = q4.set_index("component")
     n = F.param_counts(a)
@@ -150,6 +152,30 @@ def test_known_component_values():
     assert q4.at["KV cache (generation)", "GiB"] == pytest.approx(df.at["KV cache (generation)", "GiB"] / 2)
     full = estimate(LLAMA, method="trl", **PUB).set_index("component")
     assert full.at["gradients", "GB"] == pytest.approx(n["total"] * 2 / 1e9)
+
+
+def test_vllm_kv_slots_prefix_sharing_and_blocks():
+    # a 20-token prompt: one full block shared, its 4-token tail copied into each completion's blocks
+    assert F.vllm_kv_tokens(20, 12, 2, 1) == (1 + 2 * (1 + 1)) * 16
+    assert F.vllm_kv_tokens(20, 13, 2, 3) == 3 * (1 + 2 * (2 + 1)) * 16
+    assert F.vllm_kv_tokens(0, 1, 1, 1) == 2 * 16
+
+
+def test_standby_keeps_the_kv_cache_out_of_the_training_peak():
+    # one completion per forward/backward (8 micro-batches), as bench rl_step runs it
+    kw = dict(method="grpo_kit", lora_rank=16, num_generations=8, prompt_length=512, completion_length=20480,
+              kv_cache_dtype="fp8", micro_batch_size=1, generation_batch=8)
+    resident = estimate(LLAMA, **kw).attrs["phase_bytes"]
+    standby = estimate(LLAMA, standby=True, **kw)
+    ph = standby.attrs["phase_bytes"]
+    kv = standby.set_index("component").at["KV cache (generation)", "GB"] * 1e9
+    assert ph["backward"] == pytest.approx(resident["backward"] - kv)
+    assert ph["generation"] == pytest.approx(resident["generation"])
+    assert standby.attrs["peak_phase"] == "generation"  # weights + 10 GiB of fp8 KV beat the training step
+    # weights once (15 GiB), the fp8 KV cache of 512 + 8 x 20,480 tokens (10 GiB), vLLM's workspace
+    assert 25 < total_gpu_bytes(standby) / 2**30 < 27
+    given = estimate(LLAMA, standby=True, kv_cache_bytes=2.0 * 2**30, **kw).set_index("component")
+    assert given.at["KV cache (generation)", "GiB"] == pytest.approx(2.0)
 
 
 def test_peak_rule_and_totals():
@@ -203,7 +229,10 @@ def test_ordering_of_methods_at_long_context():
     (dict(method="deepspeed"), "method must be one of"),
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
-    (dict(micro_batch_size=9), "micro_batch_size must be <= num_generations=8"),
+    (dict(micro_batch_size=0), "micro_batch_size must be an int >= 1"),
+    (dict(generation_batch=12), "generation_batch must be a multiple of num_generations=8"),
+    (dict(standby=True, vllm=False), "standby=True describes a vLLM engine"),
+    (dict(kv_cache_bytes=-1.0), "kv_cache_bytes must be None or a number of bytes > 0"),
     (dict(vllm="yes"), "vllm must be a bool"),
     (dict(method="trl", offload=True), "offload=True is not available with method='trl'"),
     (dict(method="grpo_kit", loss_fp32=True), "loss_fp32 applies to method='trl' only"),

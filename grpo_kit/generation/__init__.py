@@ -15,13 +15,13 @@ from pathlib import Path
 
 from .base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
 from .hf import HFGenerator, process_logits, sampling_logprobs_reference
-from .vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, plan_gpu_memory_utilization,
-                           vllm_available, vllm_install_command)
+from .vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, vllm_available,
+                           vllm_install_command)
 
 BACKENDS = ("auto", "hf", "vllm")
 
 __all__ = ["BACKENDS", "GenerationEngineError", "GenerationResult", "Generator", "HFGenerator", "SamplingConfig",
-           "UnsupportedArchitectureError", "VLLMNotInstalledError", "make_generator", "plan_gpu_memory_utilization",
+           "UnsupportedArchitectureError", "VLLMNotInstalledError", "make_generator",
            "process_logits", "sampling_logprobs_reference", "vllm_available", "vllm_install_command"]
 
 

@@ -26,6 +26,7 @@ class SamplingConfig:
 
     ``temperature`` >= 0 (0: greedy), ``top_p`` in (0, 1], ``top_k`` >= 0 (0: off),
     ``min_p`` in [0, 1) (0: off), ``max_tokens`` >= 1 new tokens per completion,
+    ``min_tokens`` >= 0: no stop token before this many (fixed-length runs on random weights),
     ``seed`` (None: the backend's running generator; an int makes a call reproducible),
     ``stop_token_ids``: generation of a sample ends at the first of these (kept in the
     completion, as TRL does with EOS); empty: the tokenizer's EOS.
@@ -36,6 +37,7 @@ class SamplingConfig:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int = 32
+    min_tokens: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
@@ -56,6 +58,9 @@ class SamplingConfig:
             bad("min_p", "a number in [0, 1) (0 means off)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             bad("seed", "None or an integer >= 0")
         ids = tuple(self.stop_token_ids)

@@ -162,6 +162,7 @@ class HFGenerator:
         # recorded distribution is the sampled one.
         neutral = {} if sampling.greedy else dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
         config = GenerationConfig(max_new_tokens=sampling.max_tokens, do_sample=not sampling.greedy,
+                                  min_new_tokens=sampling.min_tokens or None,
                                   eos_token_id=stop, pad_token_id=pad, use_cache=True, **neutral)
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              generation_config=config, logits_processor=LogitsProcessorList([recorder]))

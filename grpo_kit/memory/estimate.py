@@ -111,7 +111,8 @@ def _int_at_least(name, val, lo):
 
 
 def _check(num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
-           kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch):
+           kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch, generation_batch, standby,
+           kv_cache_bytes):
     G = _int_at_least("num_generations", num_generations, 1)
     _int_at_least("prompt_length", prompt_length, 0)
     _int_at_least("completion_length", completion_length, 1)
@@ -131,9 +132,18 @@ def _check(num_generations, prompt_length, completion_length, dtype, lora_rank, 
     if kv_cache_dtype is not None and kv_cache_dtype not in F.KV_DTYPE_BYTES:
         raise ValueError(f"kv_cache_dtype must be None (= dtype) or one of {list(F.KV_DTYPE_BYTES)}, got {kv_cache_dtype!r}")
     if micro_batch_size is not None:
-        mb = _int_at_least("micro_batch_size", micro_batch_size, 1)
-        if mb > G:
-            raise ValueError(f"micro_batch_size must be <= num_generations={G}, got {mb}")
+        _int_at_least("micro_batch_size", micro_batch_size, 1)
+    if generation_batch is not None:
+        gb = _int_at_least("generation_batch", generation_batch, 1)
+        if gb % G:
+            raise ValueError(f"generation_batch must be a multiple of num_generations={G} (whole groups), got {gb}")
+    if not isinstance(standby, bool):
+        raise ValueError(f"standby must be a bool, got {standby!r}")
+    if standby and not vllm:
+        raise ValueError("standby=True describes a vLLM engine (vllm=True) that releases its KV cache while training")
+    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
+                                       or kv_cache_bytes <= 0):
+        raise ValueError(f"kv_cache_bytes must be None or a number of bytes > 0, got {kv_cache_bytes!r}")
     _int_at_least("loss_chunk_bytes", loss_chunk_bytes, 1)
     if chunk_tokens is not None:
         _int_at_least("chunk_tokens", chunk_tokens, 1)
@@ -156,7 +166,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
              loss_chunk_bytes: int = 256 * 2**20, chunk_tokens: int | None = None, prefetch: bool = True,
              include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
-             loss_epilogue: str = "triton") -> pd.DataFrame:
+             loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
+             kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -174,6 +185,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         vllm: generation by colocated vLLM (its KV pool stays resident) or by HF generate.
         kv_cache_dtype: ``None`` (= dtype) or ``"fp8"`` etc.
         micro_batch_size: sequences per forward/backward (None: all G at once, as published).
+        generation_batch: completions per generation call, whole groups of G (None: the larger of G and
+            the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
         loss_chunk_bytes: grpo_kit's logits chunk budget (``grpo_kit.loss``: 256 MiB).
         chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
             :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
@@ -187,6 +200,14 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             instead of TRL's bf16 path (2 x 2 B, as published).
         loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"``
             (CPU: the chunk budget counts three fp32 temporaries per logit; two exist at a time).
+        standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
+            (:mod:`grpo_kit.generation.standby`): the KV cache then counts in the generation phase only.
+        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs,
+            :func:`formulas.vllm_kv_tokens`).
+        vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
+
+    Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
+    ``backward`` (training); the GPU total is the largest.
 
     Returns:
         DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last
@@ -196,7 +217,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         inputs, the peak phase and the per-phase GPU totals (bytes).
     """
     _check(num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
-           kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch)
+           kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch, generation_batch, standby,
+           kv_cache_bytes)
+    _int_at_least("vllm_batched_tokens", vllm_batched_tokens, 1)
     for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32)):
         if not isinstance(val, bool):
             raise ValueError(f"{name} must be a bool, got {val!r}")
@@ -212,6 +235,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     G, P, C = int(num_generations), int(prompt_length), int(completion_length)
     T = P + C
     M = G if micro_batch_size is None else int(micro_batch_size)
+    gen_rows = int(generation_batch) if generation_batch is not None else -(-max(G, M) // G) * G
     b = F.DTYPE_BYTES[dtype]
     kv_b = F.KV_DTYPE_BYTES[kv_cache_dtype or dtype]
     lora = lora_rank is not None
@@ -293,14 +317,22 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             "forward, completion tokens)")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
+    prompts = gen_rows // G
     if not include_generation:
         add("KV cache (generation)", "GPU", 0, (), "not counted: training step only")
     elif vllm:
-        add("KV cache (generation)", "GPU", F.kv_cache_bytes(a, P + G * C, kv_b), persistent,
-            f"vLLM: prompt once (prefix cache) + {G} completions; {kv_what}; stays resident")
+        slots = F.vllm_kv_tokens(P, C, G, prompts)
+        kv = F.kv_cache_bytes(a, slots, kv_b) if kv_cache_bytes is None else float(kv_cache_bytes)
+        how = (f"{prompts} prompt(s) once (prefix cache) + {G} completions each, {slots} slots in "
+               f"{F.VLLM_BLOCK_TOKENS}-token blocks" if kv_cache_bytes is None else "the KV budget given")
+        add("KV cache (generation)", "GPU", kv, ("generation",) if standby else persistent,
+            f"vLLM: {how}; {kv_what}; " + ("released while training (standby)" if standby else "stays resident"))
+        add("vLLM workspace (generation)", "GPU", F.vllm_workspace_bytes(a, vllm_batched_tokens, gen_rows, b),
+            ("generation",), f"one layer's activations for {vllm_batched_tokens} batched tokens + fp32 sampler "
+            f"buffers for {gen_rows} rows")
     else:
-        add("KV cache (generation)", "GPU", F.kv_cache_bytes(a, M * T, kv_b), ("generation",),
-            f"HF generate, {M} sequences; {kv_what}; freed before training")
+        add("KV cache (generation)", "GPU", F.kv_cache_bytes(a, gen_rows * T, kv_b), ("generation",),
+            f"HF generate, {gen_rows} sequences; {kv_what}; freed before training")
 
     # peak phase
     phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"])
@@ -346,6 +378,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
+                         generation_batch=gen_rows, standby=standby,
                          offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
@@ -361,7 +394,9 @@ def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
               dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
               lora_rank=cfg.lora_rank if cfg.use_lora else None,
               method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
-              micro_batch_size=cfg.per_device_train_batch_size)
+              kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
+              micro_batch_size=cfg.per_device_train_batch_size,
+              generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
     kw.update(overrides)
     return estimate(model if model is not None else cfg.model, **kw)
 

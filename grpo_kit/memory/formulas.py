@@ -269,3 +269,27 @@ def loss_chunk_rows(vocab: int, bytes_per_logit: int, budget_bytes: int) -> int:
 def kv_cache_bytes(a: Arch, cached_tokens: int, kv_b: int) -> int:
     """K and V for every layer: ``2 * L * cached_tokens * kv * kv_b`` (GQA: only the KV heads)."""
     return 2 * a.layers * cached_tokens * a.kv_dim * kv_b
+
+
+VLLM_BLOCK_TOKENS = 16  # vLLM's KV cache block (tokens per block), its CUDA default
+
+
+def vllm_kv_tokens(prompt_tokens: int, completion_tokens: int, generations: int, prompts: int,
+                   block: int = VLLM_BLOCK_TOKENS) -> int:
+    """KV cache slots vLLM holds while it generates ``generations`` completions of each of
+    ``prompts`` prompts at once: per prompt its full blocks once (prefix caching shares them), then
+    per completion the prompt's last partial block (copied, not shared), its own tokens and one
+    block of slack for the block being filled, all in whole blocks."""
+    full, tail = divmod(prompt_tokens, block)
+    per_completion = -(-(tail + completion_tokens) // block) + 1
+    return prompts * (full + generations * per_completion) * block
+
+
+def vllm_workspace_bytes(a: Arch, batched_tokens: int, max_seqs: int, b: int) -> int:
+    """vLLM's own activations beside weights and KV cache, at its profile run: one forward over
+    ``batched_tokens`` tokens keeps the residual, the norm output, q/k/v, the attention output
+    (about ``2h + q + 2kv + q``) and the MLP's gate/up and their product (``3I``) of one layer
+    alive, ``b`` bytes each; the sampler holds fp32 logits, probabilities and log-probs
+    (``3 x 4 B``) for ``max_seqs`` rows of V. CUDA graphs reuse this pool."""
+    per_token = (2 * a.hidden + 2 * a.q_dim + 2 * a.kv_dim + 3 * a.intermediate) * b
+    return batched_tokens * per_token + max_seqs * a.vocab * 3 * FP32

@@ -1,0 +1,293 @@
+"""Which generator a run uses and how it shares the GPU with training, decided once, before any model loads.
+
+* :func:`plan_generation` reads the config, the model's config (no weights) and the device and
+  returns a :class:`GenerationPlan`: backend (``hf``, ``vllm``, ``trl``), the engine's folder,
+  whether the weights are shared, and on CUDA the memory plan, where the KV cache is what one
+  generation batch needs (or the config's ``vllm_kv_cache_gib``) and the VRAM calculator's step
+  peak (weights counted once, the KV cache in the generation phase only under standby) must fit the
+  free memory. Options the user set for vLLM are never dropped silently: when vLLM cannot honour
+  them, this raises; so does a KV budget that cannot fit, with the calculator's numbers.
+* :func:`start_generation` carries a plan out: the engine first and the training model on its
+  weights when they are shared, otherwise the training model from ``load_model`` and an engine copy
+  (or HF generate). Returns ``(generator, model, info)``; ``info`` goes to the run folder.
+* :func:`build_generator`: a generator for a training model that is already loaded (never shared).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# vLLM's ``max_num_batched_tokens`` on CUDA: prompts are short next to completions, and a smaller
+# profile run leaves more of the card to training.
+CUDA_BATCHED_TOKENS = 4096
+HEADROOM_BYTES = 1 << 30  # kept free beside the calculator's peak (CUDA context, fragmentation)
+ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass
+class GenerationPlan:
+    requested: str
+    backend: str  # "hf" | "vllm" | "trl"
+    reason: str = ""  # why auto did not pick vLLM
+    warn: bool = False  # say the reason as a warning (vLLM installed but unusable)
+    model_dir: Path | None = None
+    dummy_weights: bool = False
+    share_weights: bool = False
+    share_reason: str = ""  # why the weights are not shared
+    vllm_kwargs: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    explicit: list = field(default_factory=list)  # vLLM options the user set: never dropped for HF
+
+    def info(self) -> dict:
+        out = {"requested": self.requested, "backend": self.backend}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.backend == "vllm":
+            out["weights"] = "shared" if self.share_weights else f"separate copy ({self.share_reason})"
+        if self.memory:
+            out["memory_plan"] = self.memory
+        return out
+
+
+def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
+    """``(folder, dummy_weights)``: the HF folder a vLLM engine starts from for model ``name``.
+
+    The embedded model's cached export, a local folder, or a hub id's cached snapshot (real weights);
+    on CUDA, for the random-weight built-ins, a cached folder with their ``config.json`` and the
+    embedded tokenizer, which the engine fills with random weights (``load_format="dummy"``). None on
+    the CPU for those: there they are test models, and an engine start costs more than their run.
+    """
+    from ..models import BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir, load_tokenizer, model_config
+
+    kind = check_model_name(name)
+    if kind in ("tiny", "config-only"):
+        if device != "cuda":
+            return None, False
+        target = cache_dir() / "config-only" / name
+        if not (target / "config.json").is_file():
+            config = model_config(name)
+            config.architectures = [ARCH_CLASSES[BUILTIN_MODELS[name].model_type]]
+            target.mkdir(parents=True, exist_ok=True)
+            load_tokenizer(name).save_pretrained(target)
+            config.to_json_file(str(target / "config.json"))  # last: its presence marks a complete folder
+        return target, True
+    if kind == "embedded":
+        return embedded_model_dir(), False
+    if Path(name).is_dir():
+        return Path(name), False
+    from huggingface_hub import snapshot_download  # the training model's own files, already cached
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])), False
+
+
+def _explicit_vllm_options(cfg) -> list[str]:
+    from ..config import VLLM_ONLY_OPTIONS
+
+    return [f"{n}={getattr(cfg, n)!r}" for n, off in VLLM_ONLY_OPTIONS if getattr(cfg, n) != off]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+
+
+def _share_decision(cfg, device: str) -> tuple[bool, str]:
+    reasons = [why for why, bad in (("not on CUDA", device != "cuda"), ("full fine-tuning", not cfg.use_lora),
+                                    ("4-bit engine weights", cfg.load_in_4bit)) if bad]
+    if cfg.vllm_share_weights is False:
+        return False, "vllm_share_weights=False"
+    if reasons and cfg.vllm_share_weights is True:
+        raise ValueError(f"vllm_share_weights=True is not possible here: {', '.join(reasons)}; set it to 'auto' or "
+                         "false")
+    return not reasons, ", ".join(reasons)
+
+
+def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, total_bytes: float) -> dict:
+    """The CUDA memory plan: KV cache bytes, vLLM's share, and the calculator's phases, in GiB.
+
+    On CUDA the engine sleeps while training runs either way (standby with shared weights; vLLM's
+    level-1 sleep, weights to host RAM, for a separate copy), so the KV cache counts in the
+    generation phase only; a separate copy adds its weights there. ValueError when the largest
+    phase does not fit ``free_bytes`` less 1 GiB of headroom; the message names the numbers and
+    what to lower.
+    """
+    from ..memory import estimate_for_config
+
+    kv_gib = cfg.vllm_kv_cache_gib
+    df = estimate_for_config(cfg, model_config, vllm=True, standby=True, method="grpo_kit",
+                             offload=None if cfg.checkpointing_on("cuda") else False,
+                             vllm_batched_tokens=CUDA_BATCHED_TOKENS,
+                             kv_cache_bytes=kv_gib * 2**30 if kv_gib else None).set_index("component")
+    row = lambda c: float(df.at[c, "GB"] * 1e9)  # noqa: E731
+    weights, kv, workspace = row("model weights"), row("KV cache (generation)"), row("vLLM workspace (generation)")
+    copy = 0.0 if share_weights else weights
+    phases = dict(df.attrs["phase_bytes"])
+    phases["generation"] += copy
+    need = max(phases.values())
+    gib = lambda b: round(b / 2**30, 2)  # noqa: E731
+    plan = {"kv_cache_gib": round(kv / 2**30, 3), "kv_cache_dtype": cfg.kv_cache_dtype,
+            "kv_source": "vllm_kv_cache_gib" if kv_gib else "calculator (one generation batch)",
+            "generation_rows": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
+            "calculator_phases_gib": {k: gib(v) for k, v in phases.items()}, "calculator_peak_gib": gib(need),
+            "weights_gib": gib(weights), "engine_weight_copy_gib": gib(copy), "free_gib": gib(free_bytes),
+            "device_total_gib": gib(total_bytes)}
+    if need + HEADROOM_BYTES > free_bytes:
+        raise ValueError(
+            f"vLLM generation cannot fit beside training on this GPU: the VRAM calculator puts the step at "
+            f"{need / 2**30:.1f} GiB (weights {weights / 2**30:.1f}{' + a separate engine copy' if copy else ''}, "
+            f"KV cache {kv / 2**30:.1f} GiB in {cfg.kv_cache_dtype}; phases "
+            f"{ {k: gib(v) for k, v in phases.items()} } GiB) but {free_bytes / 2**30:.1f} of "
+            f"{total_bytes / 2**30:.1f} GiB is free (1 GiB kept as headroom). Lower vllm_kv_cache_gib, "
+            "max_completion_length, per_device_train_batch_size or gradient_accumulation_steps; set "
+            "kv_cache_dtype=fp8; or generate with generation_backend=hf")
+    # vLLM checks its share against free memory at start-up; with an explicit KV size it uses it for nothing else.
+    plan["vllm_share"] = min(0.95, math.ceil((weights + kv + workspace + HEADROOM_BYTES) / total_bytes * 100) / 100)
+    plan["kv_cache_memory_bytes"] = int(kv)
+    return plan
+
+
+def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_processes: int = 1) -> GenerationPlan:
+    """Decide the generator for ``cfg`` (see the module docstring); loads no model."""
+    from . import vllm_available, vllm_install_command
+
+    requested = cfg.generation_backend
+    if cfg.trainer == "trl":
+        return GenerationPlan(requested, "trl", reason="trainer='trl' generates with TRL's own HF path")
+    explicit = _explicit_vllm_options(cfg)
+
+    def hf(reason: str, warn: bool) -> GenerationPlan:
+        if explicit:
+            raise ValueError(f"{', '.join(explicit)} need vLLM generation, but {reason}; "
+                             "leave them at their defaults or make vLLM usable")
+        return GenerationPlan(requested, "hf", reason=reason if requested == "auto" else "", warn=warn)
+
+    context = cfg.max_prompt_length + cfg.max_completion_length
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit and context > limit:  # either backend would fail at the first generate call
+        raise ValueError(f"max_prompt_length + max_completion_length = {cfg.max_prompt_length} + "
+                         f"{cfg.max_completion_length} = {context} is beyond the model's context ({limit} tokens, "
+                         f"max_position_embeddings); lower max_completion_length to at most "
+                         f"{limit - cfg.max_prompt_length}")
+    if requested == "hf":
+        return hf("", False)
+    if requested == "auto" and not vllm_available():
+        return hf(f"vLLM is not installed (install: {vllm_install_command()})", device == "cuda")
+    model_dir, dummy = generation_model_dir(cfg.model, device)
+    if model_dir is None:
+        if requested == "vllm":
+            raise ValueError(f"generation_backend='vllm' needs a model folder; model={cfg.model!r} is a random-weight "
+                             "built-in, which vLLM runs on CUDA only; use generation_backend='hf' or 'auto'")
+        return hf(f"model={cfg.model!r} has random weights and no checkpoint folder for vLLM", False)
+    if requested == "auto" and num_processes > 1:
+        return hf(f"{num_processes} processes (colocated vLLM runs with one process here; set "
+                  "generation_backend='vllm' to force it)", True)
+    share, why = _share_decision(cfg, device)
+    gen_rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    kwargs = dict(max_model_len=context, seed=cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype,
+                  load_in_4bit=cfg.load_in_4bit, load_in_4bit_skip_modules=list(cfg.load_in_4bit_skip_modules),
+                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None, share_weights=share,
+                  dummy_weights=dummy, lora_sync="adapter" if share else "merge")
+    plan = GenerationPlan(requested, "vllm", model_dir=model_dir, dummy_weights=dummy, share_weights=share,
+                          share_reason=why, vllm_kwargs=kwargs, explicit=explicit)
+    if device == "cuda":
+        kwargs.update(dtype=_dtype_name(dtype), max_num_seqs=gen_rows,
+                      llm_kwargs={"max_num_batched_tokens": max(CUDA_BATCHED_TOKENS, context)})
+        free, total = torch.cuda.mem_get_info()
+        try:
+            mem = memory_plan(cfg, model_config, share_weights=share, free_bytes=free, total_bytes=total)
+        except ValueError as e:
+            if requested == "vllm" or explicit:
+                raise
+            return hf(f"vLLM could not be planned ({e})", True)
+        plan.memory = mem
+        if not cfg.vllm_gpu_memory_utilization:
+            kwargs.update(gpu_memory_utilization=mem["vllm_share"], kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
+        elif cfg.vllm_kv_cache_gib:
+            kwargs.update(kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
+    elif cfg.vllm_kv_cache_gib:
+        kwargs.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gib * 2**30))
+    return plan
+
+
+def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torch.dtype):
+    """Carry ``plan`` out: ``(generator or None, model, info)``.
+
+    ``load_model()``: returns the training model (called unless the weights are shared). With shared
+    weights the engine starts first and the model is built on its tensors; a layout that cannot be
+    shared keeps the engine and loads the model beside it (a separate copy, with a warning). With
+    ``auto`` an engine that fails to start falls back to HF generate with a warning (unless the user
+    set vLLM options).
+    """
+    from . import HFGenerator
+    from .base import GenerationEngineError
+    from .shared_weights import UnshareableError
+    from .vllm_backend import UnsupportedArchitectureError, VLLMGenerator
+
+    info = plan.info()
+    if plan.backend == "trl":
+        return None, load_model(), info
+    if plan.backend == "hf":
+        if plan.warn:
+            warnings.warn(f"generation_backend='auto': {plan.reason}; generating with HF generate", RuntimeWarning,
+                          stacklevel=2)
+        model = load_model()
+        gen = HFGenerator(model, tokenizer)
+        return gen, model, {**info, **gen.options()}
+    try:
+        gen = VLLMGenerator(plan.model_dir, tokenizer=tokenizer, **plan.vllm_kwargs)
+    except (GenerationEngineError, UnsupportedArchitectureError, ValueError) as e:
+        if plan.requested == "vllm" or plan.explicit:
+            raise
+        reason = f"vLLM could not start ({e})"
+        warnings.warn(f"generation_backend='auto': {reason}; generating with HF generate", RuntimeWarning,
+                      stacklevel=2)
+        model = load_model()
+        gen = HFGenerator(model, tokenizer)
+        return gen, model, {"requested": plan.requested, "backend": "hf", "reason": reason, **gen.options()}
+    if gen.device == "cpu" and gen.kv_cache_dtype == "fp8":
+        warnings.warn("kv_cache_dtype='fp8' on vLLM's CPU backend: the KV cache really is FP8 (twice the tokens in "
+                      "the same memory), but generation ran 3.7x slower than with the default KV cache when measured "
+                      "here (README, generation section); use it to save memory, not time", RuntimeWarning,
+                      stacklevel=2)
+    model = None
+    if plan.share_weights:
+        from transformers import AutoConfig
+
+        try:
+            model = gen.training_model(AutoConfig.from_pretrained(str(plan.model_dir)), dtype)
+        except UnshareableError as e:
+            warnings.warn(f"vLLM cannot share this model's weights ({e}); keeping a separate engine copy, synced "
+                          "each step", RuntimeWarning, stacklevel=2)
+            gen.share_weights = False
+            info["weights"] = f"separate copy ({e})"
+    if model is None:
+        model = load_model()
+    return gen, model, {**info, **gen.options()}
+
+
+def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
+    """The kit generator for ``cfg`` and an already loaded training ``model`` (its weights stay its own).
+
+    Returns ``(generator or None, info)``; None means TRL's own generation (``trainer='trl'``). Same
+    choices and errors as :func:`plan_generation` with ``vllm_share_weights=False``. ``model`` may be
+    None for HF generation (give it later through ``sync_weights``).
+    """
+    import dataclasses
+
+    param = next(model.parameters()) if model is not None else None
+    device = "cuda" if param is not None and param.is_cuda else "cpu"
+    dtype = param.dtype if param is not None else torch.float32
+    if model is None:
+        from ..models import model_config
+
+        config = model_config(cfg.model)
+    else:
+        config = model.config
+    plan = plan_generation(dataclasses.replace(cfg, vllm_share_weights=False), model_config=config, device=device,
+                           dtype=dtype, num_processes=num_processes)
+    gen, _, info = start_generation(plan, tokenizer=tokenizer, load_model=lambda: model, dtype=dtype)
+    return gen, info
