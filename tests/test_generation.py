@@ -382,8 +382,17 @@ def test_vllm_lora_sync_merged_and_as_adapter(engine, lora_engine, embedded):
     assert torch.equal(pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, w_before)
     engine.sync_weights(model)  # back to the base weights for the other tests
     assert engine.generate(prompts, 1, GREEDY).completion_ids == base
-    assert lora_engine.sync_weights(pm)["mode"] == "lora_adapter"
+    info = lora_engine.sync_weights(pm)
+    assert info["mode"] == "lora_adapter" and info["bytes"] > 0
+    # handed over in memory: the request's path is a placeholder vLLM's file loader could not open
+    assert lora_engine._lora_request.lora_path.startswith("grpo-kit-memory://")
     assert _greedy_parity(lora_engine, pm, tok, prompts).completion_ids == merged
+    with torch.no_grad():  # the next sync carries the changed adapter, not a cached one
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-3.0)
+    assert lora_engine.sync_weights(pm)["adapter_id"] == info["adapter_id"] + 1
+    assert _greedy_parity(lora_engine, pm, tok, prompts).completion_ids != merged
     with pytest.raises(ValueError, match="lora_sync='adapter' needs an engine started"):
         engine.lora_sync = "adapter"
         try:

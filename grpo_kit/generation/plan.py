@@ -25,6 +25,7 @@ import torch
 # vLLM's ``max_num_batched_tokens`` on CUDA: prompts are short next to completions, and a smaller
 # profile run leaves more of the card to training.
 CUDA_BATCHED_TOKENS = 4096
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 HEADROOM_BYTES = 1 << 30  # kept free beside the calculator's peak (CUDA context, fragmentation)
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -190,7 +191,8 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     kwargs = dict(max_model_len=context, seed=cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype,
                   load_in_4bit=cfg.load_in_4bit, load_in_4bit_skip_modules=list(cfg.load_in_4bit_skip_modules),
                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None, share_weights=share,
-                  dummy_weights=dummy, lora_sync="adapter" if share else "merge")
+                  dummy_weights=dummy, lora_sync="adapter" if share else "merge",
+                  max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512)
     plan = GenerationPlan(requested, "vllm", model_dir=model_dir, dummy_weights=dummy, share_weights=share,
                           share_reason=why, vllm_kwargs=kwargs, explicit=explicit)
     if device == "cuda":

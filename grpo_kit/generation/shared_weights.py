@@ -103,17 +103,25 @@ def build_shared_model(engine_model, config, dtype: torch.dtype):
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real (on the CPU)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    params = dict(model.named_parameters())  # tied tensors appear once
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # Meta init leaves a tied head as its own tensor: map the embedding only and tie the head to it after.
+    head = {n for n, _ in model.named_parameters() if n.startswith("lm_head.")} if tied else set()
+    params = {n: p for n, p in model.named_parameters() if n not in head}
     views = engine_views(engine_model, {n: (tuple(p.shape), p.dtype) for n, p in params.items()})
     device = next(iter(views.values())).device
     new = {id(p): torch.nn.Parameter(views[n], requires_grad=False) for n, p in params.items()}
     for module in model.modules():  # every slot, so tied heads follow their embedding
         for slot, p in list(module._parameters.items()):
-            if p is not None:
+            if p is not None and id(p) in new:
                 module._parameters[slot] = new[id(p)]
         for slot, b in list(module._buffers.items()):
             if b is not None:
                 module._buffers[slot] = b.to(device)
+    if tied:
+        model.tie_weights()
+    left = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    if left:
+        raise UnshareableError(f"{left[:3]}: no engine tensor was assigned (untied head of a tied config?)")
     model.grpo_kit_shared_weights = True
     return model
 

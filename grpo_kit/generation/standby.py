@@ -52,3 +52,10 @@ def resume_in_worker(worker) -> int:
         data.is_asleep = False
     worker.model_runner.post_kv_cache_wake_up()
     return need
+
+
+def kv_bytes_in_worker(worker) -> int:
+    """Bytes of the engine's KV cache allocations (mapped or not) in vLLM's CuMem pool."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.tag == KV_TAG)

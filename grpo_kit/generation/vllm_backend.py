@@ -359,7 +359,12 @@ class VLLMGenerator:
         self.syncs = 0
 
     def _kv_cache_bytes(self) -> int | None:
-        """The engine's KV cache size in bytes (from its block count), None where it is not reported."""
+        """The engine's KV cache size in bytes: on CUDA with sleep mode what vLLM's memory pool holds under
+        the KV tag, elsewhere from the block count; None where neither is reported."""
+        if self.device == "cuda" and self.sleep_mode:
+            from .standby import kv_bytes_in_worker
+
+            return int(self.llm.collective_rpc(kv_bytes_in_worker)[0])
         cache = self.llm.llm_engine.vllm_config.cache_config
         blocks = getattr(cache, "num_gpu_blocks", None) or getattr(cache, "num_cpu_blocks", None)
         if not blocks:

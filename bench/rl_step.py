@@ -1,0 +1,393 @@
+"""One GRPO step with generation, on one GPU: grpo_kit's shared-weight vLLM against a separate engine
+copy and stock TRL 1.16 ``GRPOTrainer`` with vLLM colocate.
+
+    python -m grpo_kit bench rl_step [--rows grpo_kit_fp8,grpo_kit_bf16,grpo_kit_copy,trl] [--completion 4096]
+                                     [--steps 2] [--model llama-3.1-8b] [--tag h200]
+    python -m grpo_kit bench rl_step --rows gen_vllm,gen_hf --models llama-3.1-8b,qwen2.5-1.5b --completion 1024
+
+Each row runs in its own process. Setup (the issue's): the model's architecture with random weights
+(generation is fixed-length, ``min_tokens = max_tokens``), bf16, LoRA r=16 (alpha 32) on all linear
+layers, 8 generations of one 512-token prompt, beta 0.04, one completion per micro-batch (gradient
+accumulation 8: one optimiser step per generation batch), temperature 1.0.
+
+* ``grpo_kit_fp8`` / ``grpo_kit_bf16``: the kit's trainer, ``generation_backend=vllm`` with shared weights
+  and standby (``vllm_share_weights=true``), KV cache fp8 / bf16, sized by the calculator; offloaded
+  checkpointing and the efficient loss.
+* ``grpo_kit_copy``: the same with ``vllm_share_weights=false``: the engine keeps its own copy, LoRA is
+  merged into it every step with ``load_weights``, vLLM's level-1 sleep offloads it while training.
+* ``trl``: ``GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)`` with TRL's
+  defaults otherwise (vllm_gpu_memory_utilization 0.3, HF gradient checkpointing, its chunked log-prob
+  head), fixed length through ``generation_kwargs={"min_tokens": C}``.
+* ``gen_vllm`` / ``gen_hf``: generation alone, 8 completions of one prompt: vLLM (the kit's engine,
+  CUDA graphs) against HF ``generate`` on the same architecture.
+
+Random weights: the engines start with vLLM's random init (``load_format="dummy"``); the shared model
+uses those tensors, the copy row and TRL push the training model's weights at each sync as always.
+
+Memory, ``peak_gib``: device memory in use (``cudaMemGetInfo``), sampled every 5 ms by a thread from
+before the engine starts to the end of the last step, minus what was in use before (the CUDA
+context): everything vLLM's pool and PyTorch hold, whichever allocator. Beside it
+``torch_max_reserved_gib`` (PyTorch's ``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool
+at the end). Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
+``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
+old log-probs, 8 forward/backward passes, the optimiser), ``step_s``; the last step is reported (the
+first includes one-off warm-ups) beside all. Results: ``bench/results/rl_step_<tag>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+KIT_ROWS = {"grpo_kit_fp8": ("fp8", True), "grpo_kit_bf16": ("auto", True), "grpo_kit_copy": ("auto", False)}
+ROWS = (*KIT_ROWS, "trl", "gen_vllm", "gen_hf")
+PROMPT_TOKENS = 512
+GENERATIONS = 8
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class DeviceMemory:
+    """Peak of the device memory in use, sampled by a thread, over a baseline taken at start."""
+
+    def __init__(self, interval_s: float = 0.005):
+        import torch
+
+        torch.cuda.init()
+        free, self.total = torch.cuda.mem_get_info()
+        self.base = self.total - free
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._t.start()
+
+    def _run(self, interval_s):
+        import torch
+
+        while not self._stop.is_set():
+            free, _ = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, self.total - free)
+            time.sleep(interval_s)
+
+    def stop(self) -> float:
+        """GiB over the baseline."""
+        self._stop.set()
+        self._t.join()
+        return (self.peak - self.base) / 2**30
+
+
+def _prompt_text(tok, n: int) -> str:
+    """A text the tokenizer turns into exactly ``n`` tokens (special tokens included)."""
+    k = n - (len(tok(" hello" * n)["input_ids"]) - n)
+    text = " hello" * k
+    assert len(tok(text)["input_ids"]) == n, "the prompt text does not tokenize to the asked length"
+    return text
+
+
+def _timed_into(totals: dict, fn):
+    """``fn`` with its synchronised wall time added to ``totals["sync"]``."""
+    import torch
+
+    totals.setdefault("sync", 0.0)
+
+    def wrapper(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            totals["sync"] += time.perf_counter() - t
+    return wrapper
+
+
+def _reward(prompts, completions, **kw):
+    # Random weights score nothing on a task; a reward with spread keeps the advantages (and the update) real.
+    return [(sum(map(ord, c if isinstance(c, str) else str(c))) % 7) / 6.0 for c in completions]
+
+
+class StepTimes:
+    """Per optimiser step: seconds in the wrapped phases (bench/trainer_gpu.time_phases) and the step."""
+
+    def __init__(self, totals):
+        from transformers import TrainerCallback
+
+        self.totals, self.steps, outer = totals, [], self
+
+        class CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                outer._t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                import torch
+
+                torch.cuda.synchronize()
+                outer.steps.append(dict(outer.totals, step_s=time.perf_counter() - outer._t0))
+                for k in outer.totals:
+                    outer.totals[k] = 0.0
+
+        self.callback = CB()
+
+
+def _cumem_gib() -> float | None:
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        inst = CuMemAllocator.instance
+        return None if inst is None else inst.get_current_usage() / 2**30
+    except Exception:
+        return None
+
+
+def kit_row(name: str, a) -> dict:
+    import dataclasses
+
+    import torch
+    from peft import LoraConfig
+
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.generation.plan import plan_generation, start_generation
+    from grpo_kit.generation.trainer_hook import KitGenerationMixin
+    from grpo_kit.models import load_model, load_tokenizer, model_config
+    from grpo_kit.run import grpo_args
+    from grpo_kit.trainer import EfficientGRPOTrainer, make_trainer
+    from trainer_gpu import time_phases
+    from trl import GRPOTrainer
+
+    kv, share = KIT_ROWS[name]
+    C = a.completion
+    cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=PROMPT_TOKENS, max_completion_length=C,
+                        num_generations=GENERATIONS, per_device_train_batch_size=1,
+                        gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
+                        kv_cache_dtype=kv, vllm_share_weights=share, generation_backend="vllm",
+                        gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
+                        save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
+    cfg.validate()
+    mem = DeviceMemory()
+    tok = load_tokenizer(a.model)
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    plan = plan_generation(cfg, model_config=model_config(a.model), device="cuda", dtype=dtype)
+    gen, model, info = start_generation(plan, tokenizer=tok, dtype=dtype,
+                                        load_model=lambda: load_model(a.model, dtype=dtype, device="cuda")[0])
+    setup_s = time.perf_counter() - t0
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
+    totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
+    gen.sync_weights = _timed_into(totals, gen.sync_weights)
+    times = StepTimes(totals)
+    trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
+                           train_dataset=ds, callbacks=[times.callback], generator=gen,
+                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+    trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
+    trainer.train()
+    peak = mem.stop()
+    steps = times.steps
+    out = dict(impl="grpo_kit" if share else "grpo_kit_copy", weights_shared=bool(gen.share_weights),
+               kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
+               steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+               vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
+               completion_tokens=GENERATIONS * C)
+    gen.close()
+    return out
+
+
+def trl_row(a) -> dict:
+    import torch
+    import trl.generation.vllm_generation as vg
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_kit.generation.plan import generation_model_dir
+    from grpo_kit.models import build_random_model, load_tokenizer
+    from trainer_gpu import time_phases
+
+    C = a.completion
+    folder, _ = generation_model_dir(a.model, "cuda")
+    start_llm = vg.LLM
+    vg.LLM = lambda *args, **kw: start_llm(*args, **{**kw, "load_format": "dummy"})  # TRL pushes the weights itself
+    totals = time_phases((GRPOTrainer,))
+    vg.VLLMGeneration.sync_weights = _timed_into(totals, vg.VLLMGeneration.sync_weights)
+    mem = DeviceMemory()
+    tok = load_tokenizer(a.model)
+    tok.padding_side = "left"
+    t0 = time.perf_counter()
+    model = build_random_model(a.model, dtype=torch.bfloat16, device="cuda")
+    model.name_or_path = str(folder)  # TRL's colocated engine starts from here
+    model.config._name_or_path = str(folder)
+    args = GRPOConfig(output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=1,
+                      gradient_accumulation_steps=GENERATIONS, num_generations=GENERATIONS, max_completion_length=C,
+                      beta=0.04, bf16=True, gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
+                      vllm_enable_sleep_mode=True, vllm_max_model_length=PROMPT_TOKENS + C,
+                      generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
+                      warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
+                      seed=0, disable_tqdm=True)
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
+    times = StepTimes(totals)
+    trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
+                          callbacks=[times.callback], peft_config=LoraConfig(r=16, lora_alpha=32,
+                                                                             target_modules=LORA_TARGETS))
+    setup_s = time.perf_counter() - t0
+    trainer.train()
+    peak = mem.stop()
+    # TRL syncs inside generation (after its level-2 sleep the weights must be pushed again)
+    return dict(impl="trl", weights_shared=False, kv_cache_dtype="bf16", setup_s=setup_s, steps=times.steps,
+                peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                vllm_pool_gib=_cumem_gib(), completion_tokens=GENERATIONS * C,
+                vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+
+
+def gen_row(name: str, a) -> dict:
+    import torch
+
+    from grpo_kit.generation import HFGenerator, SamplingConfig
+    from grpo_kit.models import build_random_model, load_tokenizer
+
+    C = a.completion
+    tok = load_tokenizer(a.model)
+    prompt = tok(_prompt_text(tok, PROMPT_TOKENS))["input_ids"][:PROMPT_TOKENS]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=C, min_tokens=C)
+    warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
+    if name == "gen_vllm":
+        from grpo_kit.generation.plan import generation_model_dir
+        from grpo_kit.generation.vllm_backend import VLLMGenerator
+        from grpo_kit.memory import formulas as F, resolve_arch
+
+        folder, _ = generation_model_dir(a.model, "cuda")
+        kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(PROMPT_TOKENS, C, GENERATIONS, 1), 2)
+        eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
+                            max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
+                            gpu_memory_utilization=0.5)
+    else:
+        eng = HFGenerator(build_random_model(a.model, dtype=torch.bfloat16, device="cuda").eval(), tok)
+    eng.generate([prompt], GENERATIONS, warm)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = eng.generate([prompt], GENERATIONS, sampling)
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    n = res.num_completion_tokens
+    return dict(impl=name, generation_s=s, completion_tokens=n, tokens_per_s=n / s,
+                lengths=sorted({len(c) for c in res.completion_ids}))
+
+
+def one(name: str, a) -> dict:
+    if name in KIT_ROWS:
+        return kit_row(name, a)
+    if name == "trl":
+        return trl_row(a)
+    return gen_row(name, a)
+
+
+def _summarise(r: dict) -> dict:
+    """The issue's row fields from one child's result (the last step)."""
+    if r.get("status") == "failed" or "steps" not in r:
+        return r
+    last = r["steps"][-1]
+    gen_s = last["generate"] - last.get("sync", 0.0)  # the sync runs inside _generate_single_turn
+    step_s = last["step_s"]
+    return dict(r, generation_s=gen_s, sync_last_s=last.get("sync"), training_s=step_s - last["generate"],
+                step_s=step_s, tokens_per_s=r["completion_tokens"] / gen_s if gen_s > 0 else None)
+
+
+def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
+    import torch
+
+    tag = a.tag
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hw = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import vllm
+
+        hw["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    rows = earlier + results
+    (out_dir / f"rl_step_{tag}.json").write_text(json.dumps({"command": cmd, "hardware": hw, "rows": rows}, indent=1,
+                                                            default=str))
+    lines = [f"# bench rl_step ({tag})", "", f"Command: `{cmd}`" + (" (rows appended to an earlier run's: each "
+                                                                   "row has its own command)" if earlier else ""),
+             f"Hardware: {hw}", "",
+             "| impl | model | KV | completion | weights shared | peak GiB | generation s | sync s | training s | "
+             "step s | tokens/s | status |", "|" + "---|" * 12]
+    for r in rows:
+        f = lambda k, d=2: (f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "")  # noqa: E731
+        lines.append(f"| {r.get('impl', r.get('row'))} | {r.get('model')} | {r.get('kv_cache_dtype', '')} | "
+                     f"{r.get('completion_len')} | {r.get('weights_shared', '')} | {f('peak_gib')} | "
+                     f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | "
+                     f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |")
+    lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]
+    (out_dir / f"rl_step_{tag}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="grpo_kit_fp8,grpo_kit_bf16,grpo_kit_copy,trl")
+    p.add_argument("--models", default="llama-3.1-8b")
+    p.add_argument("--completion", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--tag", default="h200")
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--append", action="store_true", help="add the rows to an existing rl_step_<tag>.json")
+    p.add_argument("--timeout", type=int, default=560, help="seconds per row")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if a.one:
+        res = one(a.one, a)
+        print("ROW " + json.dumps(res, default=str), flush=True)
+        return 0
+    cmd = "python -m grpo_kit bench rl_step " + " ".join(sys.argv[1:] if argv is None else argv)
+    json_path = Path(a.out_dir) / f"rl_step_{a.tag}.json"
+    earlier = json.loads(json_path.read_text())["rows"] if a.append and json_path.is_file() else []
+    results = []
+    for model in a.models.split(","):
+        for name in a.rows.split(","):
+            if name not in ROWS:
+                raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
+            with tempfile.TemporaryDirectory() as run_dir:
+                child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
+                         "--completion", str(a.completion), "--steps", str(a.steps)]
+                t0 = time.perf_counter()
+                try:
+                    r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
+                    out, err, rc = r.stdout, r.stderr, r.returncode
+                except subprocess.TimeoutExpired as e:
+                    out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
+                        "timeout", -1
+                wall = time.perf_counter() - t0
+            line = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
+            base = dict(row=name, model=model, completion_len=a.completion, prompt_len=PROMPT_TOKENS,
+                        generations=GENERATIONS, wall_s=wall, command=cmd)
+            if rc != 0 or not line:
+                res = dict(base, impl=name, status="failed", error=(err or out)[-3000:])
+            else:
+                res = _summarise(dict(base, **json.loads(line[-1].removeprefix("ROW "))))
+            results.append(res)
+            print(json.dumps({k: res.get(k) for k in ("row", "model", "status", "peak_gib", "generation_s",
+                                                       "training_s", "step_s", "tokens_per_s", "wall_s", "error")},
+                             default=str)[:3000], flush=True)
+            write(earlier, results, a, cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
