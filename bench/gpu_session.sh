@@ -22,6 +22,7 @@ step gpu_tests 480 python3 -m pytest -m gpu tests/test_gpu_vllm.py -q -s -p no:c
 step train 480 python3 -m grpo_kit train --output-dir "$out/run"
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
 step rl20k 600 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout 580
-step rl4k 1500 $bench --rows grpo_kit_fp8,grpo_kit_copy,trl,grpo_kit_bf16 --completion 4096 --steps 2 --timeout 360 --append
+step rl4k 1200 $bench --rows grpo_kit_fp8,grpo_kit_copy,trl --completion 4096 --steps 1 --timeout 360 --append
 step gen 600 $bench --rows gen_vllm,gen_hf --models llama-3.1-8b,qwen2.5-1.5b --completion 1024 --timeout 200 --append
+step rl4k_bf16 400 $bench --rows grpo_kit_bf16 --completion 4096 --steps 1 --timeout 360 --append
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"
