@@ -251,6 +251,7 @@ def test_bad_input_raises_one_clear_error(kwargs, match):
     (["--model", LLAMA, "--context", "100", "--prompt-length", "100"], "must be smaller than --context"),
     (["--model", LLAMA, "--context", "100", "--quantization", "4bit"], "needs --lora-rank"),
     (["--model", LLAMA, "--context", "100", "--method", "peft"], "invalid choice"),
+    (["--model", LLAMA, "--context", "100", "--standby", "--no-vllm"], "--standby describes a vLLM engine"),
 ])
 def test_cli_bad_input(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
@@ -266,6 +267,15 @@ def test_cli_prints_the_table_and_plots(tmp_path, capsys):
     for needle in ("78.3", "510.8", "54.3", "published, not derived", "method grpo_kit", "total GPU (peak)"):
         assert needle in text
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_standby_plans_the_shared_engine(capsys):
+    argv = ["--model", LLAMA, "--context", "20992", "--prompt-length", "512", "--lora-rank", "16", "--kv-cache-dtype",
+            "fp8", "--micro-batch", "16", "--method", "grpo_kit"]  # a micro-batch above the group size is fine now
+    assert cli_main(argv + ["--standby"]) == 0
+    assert "peak during the backward phase" in capsys.readouterr().out  # 16 x 21K tokens outweigh generation
+    assert cli_main(argv[:-4] + ["--micro-batch", "1", "--method", "grpo_kit", "--standby"]) == 0
+    assert "peak during the generation phase" in capsys.readouterr().out
 
 
 def test_plots_return_figures():

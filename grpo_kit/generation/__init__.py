@@ -5,6 +5,10 @@ without it, ``backend="auto"`` then uses HF, and ``backend="vllm"`` stops with t
 install command for the machine. An architecture vLLM cannot load falls back to HF
 with a warning.
 
+Which backend a run uses, whether the engine shares the training model's weights (CUDA), and how the GPU is
+split: :mod:`grpo_kit.generation.plan` (decided before any model loads). One copy of the weights:
+:mod:`.shared_weights`; LoRA in memory: :mod:`.lora_memory`; standby: :mod:`.standby`.
+
 Trainer integration: :class:`grpo_kit.generation.trainer_hook.KitGenerationMixin`.
 """
 

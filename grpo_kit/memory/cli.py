@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per forward/backward (default: all generations at once)")
     p.add_argument("--no-vllm", action="store_true", help="generation by HF generate (KV cache freed before training)")
     p.add_argument("--training-only", action="store_true", help="leave out generation (KV cache)")
+    p.add_argument("--standby", action="store_true", help="vLLM releases its KV cache while training runs "
+                   "(grpo_kit's shared-weight engine): the KV cache counts in the generation phase only")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="also draw stacked bars to this file")
     return p
 
@@ -86,8 +88,8 @@ def cli_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.prompt_length >= args.context:
         parser.error(f"--prompt-length ({args.prompt_length}) must be smaller than --context ({args.context})")
-    if args.micro_batch is not None and args.micro_batch > args.generations:
-        parser.error(f"--micro-batch ({args.micro_batch}) must be <= --generations ({args.generations})")
+    if args.standby and args.no_vllm:
+        parser.error("--standby describes a vLLM engine; it cannot go with --no-vllm")
     if args.quantization and args.lora_rank is None:
         parser.error("--quantization 4bit needs --lora-rank (4-bit weights are frozen; only LoRA trains)")
     try:
@@ -97,7 +99,7 @@ def cli_main(argv: list[str]) -> int:
     kw = dict(num_generations=args.generations, prompt_length=args.prompt_length,
               completion_length=args.context - args.prompt_length, dtype=args.dtype, lora_rank=args.lora_rank,
               quantization=args.quantization, vllm=not args.no_vllm, kv_cache_dtype=args.kv_cache_dtype,
-              micro_batch_size=args.micro_batch, include_generation=not args.training_only)
+              micro_batch_size=args.micro_batch, include_generation=not args.training_only, standby=args.standby)
     methods = list(METHODS) if args.method == "all" else [args.method]
     try:
         tables = {m: estimate(arch, method=m, **kw) for m in methods}
