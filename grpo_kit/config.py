@@ -154,6 +154,10 @@ class GRPOKitConfig:
         """Whether gradient checkpointing runs on ``device`` (``cpu`` / ``cuda``): ``auto`` means on a GPU."""
         return device == "cuda" if self.gradient_checkpointing == "auto" else bool(self.gradient_checkpointing)
 
+    def vllm_options_set(self) -> list[str]:
+        """``name=value`` of each vLLM-only option (``VLLM_ONLY_OPTIONS``) that is not at its off value."""
+        return [f"{name}={getattr(self, name)!r}" for name, off in VLLM_ONLY_OPTIONS if getattr(self, name) != off]
+
     @classmethod
     def field_help(cls) -> dict[str, str]:
         return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
@@ -287,7 +291,7 @@ class GRPOKitConfig:
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         need(all(isinstance(m, str) and m for m in self.load_in_4bit_skip_modules),
              f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r}: each must be a non-empty module name")
-        vllm_only = [f"{name}={getattr(self, name)!r}" for name, off in VLLM_ONLY_OPTIONS if getattr(self, name) != off]
+        vllm_only = self.vllm_options_set()
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
                  f"{', '.join(vllm_only) or 'vLLM'} needs trainer='grpo_kit' (trainer='trl' generates with TRL's own "

@@ -154,6 +154,16 @@ def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, de
     return model
 
 
+def meta_model(config, *, dtype: torch.dtype | None = None, real_buffers: bool = False):
+    """The ``*ForCausalLM`` that ``config`` describes with its parameters on the meta device (names and
+    shapes, no memory); ``real_buffers``: buffers (RoPE frequencies) are real CPU tensors."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=not real_buffers):
+        return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+
+
 def cache_dir() -> Path:
     """Where the kit caches exported models (``$GRPO_KIT_CACHE`` or ``~/.cache/grpo_kit``)."""
     return Path(os.environ.get("GRPO_KIT_CACHE", Path.home() / ".cache" / "grpo_kit"))

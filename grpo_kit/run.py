@@ -183,15 +183,6 @@ def check_lora_targets(model, targets: list[str]) -> None:
                          f"its linear layers are: {linear}")
 
 
-def _meta_model(config):
-    """The model ``config`` describes, on the meta device (names and shapes only, no memory)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config)
-
-
 def _release(generator, *, standby: bool) -> None:
     """Put the engine in standby (``standby``) or close it; never lose the run over a failing shutdown."""
     try:
@@ -269,7 +260,9 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     check_prompt_lengths(tokenizer, train_ex + heldout, cfg, system_prompt)
     config = model_config(cfg.model)
     if cfg.use_lora:
-        check_lora_targets(_meta_model(config), cfg.lora_target_modules)
+        from .models import meta_model
+
+        check_lora_targets(meta_model(config), cfg.lora_target_modules)
 
     from .generation.plan import plan_generation, start_generation
 

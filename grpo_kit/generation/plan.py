@@ -37,7 +37,6 @@ class GenerationPlan:
     reason: str = ""  # why auto did not pick vLLM
     warn: bool = False  # say the reason as a warning (vLLM installed but unusable)
     model_dir: Path | None = None
-    dummy_weights: bool = False
     share_weights: bool = False
     share_reason: str = ""  # why the weights are not shared
     vllm_kwargs: dict = field(default_factory=dict)
@@ -86,16 +85,6 @@ def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])), False
 
 
-def _explicit_vllm_options(cfg) -> list[str]:
-    from ..config import VLLM_ONLY_OPTIONS
-
-    return [f"{n}={getattr(cfg, n)!r}" for n, off in VLLM_ONLY_OPTIONS if getattr(cfg, n) != off]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-
-
 def _share_decision(cfg, device: str) -> tuple[bool, str]:
     reasons = [why for why, bad in (("not on CUDA", device != "cuda"), ("full fine-tuning", not cfg.use_lora),
                                     ("4-bit engine weights", cfg.load_in_4bit)) if bad]
@@ -107,21 +96,22 @@ def _share_decision(cfg, device: str) -> tuple[bool, str]:
     return not reasons, ", ".join(reasons)
 
 
-def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, total_bytes: float) -> dict:
+def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, total_bytes: float,
+                batched_tokens: int = CUDA_BATCHED_TOKENS) -> dict:
     """The CUDA memory plan: KV cache bytes, vLLM's share, and the calculator's phases, in GiB.
 
     On CUDA the engine sleeps while training runs either way (standby with shared weights; vLLM's
     level-1 sleep, weights to host RAM, for a separate copy), so the KV cache counts in the
     generation phase only; a separate copy adds its weights there. ValueError when the largest
     phase does not fit ``free_bytes`` less 1 GiB of headroom; the message names the numbers and
-    what to lower.
+    what to lower. ``batched_tokens``: the engine's ``max_num_batched_tokens`` (its workspace row).
     """
     from ..memory import estimate_for_config
 
     kv_gib = cfg.vllm_kv_cache_gib
     df = estimate_for_config(cfg, model_config, vllm=True, standby=True, method="grpo_kit",
                              offload=None if cfg.checkpointing_on("cuda") else False,
-                             vllm_batched_tokens=CUDA_BATCHED_TOKENS,
+                             vllm_batched_tokens=batched_tokens,
                              kv_cache_bytes=kv_gib * 2**30 if kv_gib else None).set_index("component")
     row = lambda c: float(df.at[c, "GB"] * 1e9)  # noqa: E731
     weights, kv, workspace = row("model weights"), row("KV cache (generation)"), row("vLLM workspace (generation)")
@@ -141,7 +131,7 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
             f"vLLM generation cannot fit beside training on this GPU: the VRAM calculator puts the step at "
             f"{need / 2**30:.1f} GiB (weights {weights / 2**30:.1f}{' + a separate engine copy' if copy else ''}, "
             f"KV cache {kv / 2**30:.1f} GiB in {cfg.kv_cache_dtype}; phases "
-            f"{ {k: gib(v) for k, v in phases.items()} } GiB) but {free_bytes / 2**30:.1f} of "
+            f"{plan['calculator_phases_gib']} GiB) but {free_bytes / 2**30:.1f} of "
             f"{total_bytes / 2**30:.1f} GiB is free (1 GiB kept as headroom). Lower vllm_kv_cache_gib, "
             "max_completion_length, per_device_train_batch_size or gradient_accumulation_steps; set "
             "kv_cache_dtype=fp8; or generate with generation_backend=hf")
@@ -158,7 +148,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     requested = cfg.generation_backend
     if cfg.trainer == "trl":
         return GenerationPlan(requested, "trl", reason="trainer='trl' generates with TRL's own HF path")
-    explicit = _explicit_vllm_options(cfg)
+    explicit = cfg.vllm_options_set()
 
     def hf(reason: str, warn: bool) -> GenerationPlan:
         if explicit:
@@ -193,14 +183,16 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None, share_weights=share,
                   dummy_weights=dummy, lora_sync="adapter" if share else "merge",
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512)
-    plan = GenerationPlan(requested, "vllm", model_dir=model_dir, dummy_weights=dummy, share_weights=share,
+    plan = GenerationPlan(requested, "vllm", model_dir=model_dir, share_weights=share,
                           share_reason=why, vllm_kwargs=kwargs, explicit=explicit)
     if device == "cuda":
-        kwargs.update(dtype=_dtype_name(dtype), max_num_seqs=gen_rows,
-                      llm_kwargs={"max_num_batched_tokens": max(CUDA_BATCHED_TOKENS, context)})
+        batched = max(CUDA_BATCHED_TOKENS, context)  # what the engine gets is what the calculator prices
+        kwargs.update(dtype=str(dtype).removeprefix("torch."), max_num_seqs=gen_rows,
+                      llm_kwargs={"max_num_batched_tokens": batched})
         free, total = torch.cuda.mem_get_info()
         try:
-            mem = memory_plan(cfg, model_config, share_weights=share, free_bytes=free, total_bytes=total)
+            mem = memory_plan(cfg, model_config, share_weights=share, free_bytes=free, total_bytes=total,
+                              batched_tokens=batched)
         except ValueError as e:
             if requested == "vllm" or explicit:
                 raise

@@ -97,12 +97,10 @@ def build_shared_model(engine_model, config, dtype: torch.dtype):
     Every parameter is frozen. Raises :class:`UnshareableError` (nothing allocated but buffers) when a
     weight cannot be mapped. ``model.grpo_kit_shared_weights`` is set to True.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from ..models import meta_model
 
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real (on the CPU)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(config, dtype=dtype, real_buffers=True)  # buffers real (on the CPU), moved below
     tied = bool(getattr(config, "tie_word_embeddings", False))
     # Meta init leaves a tied head as its own tensor: map the embedding only and tie the head to it after.
     head = {n for n, _ in model.named_parameters() if n.startswith("lm_head.")} if tied else set()

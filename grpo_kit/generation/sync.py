@@ -114,12 +114,11 @@ def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
 def config_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of the HF model that ``model_dir/config.json`` describes (for a folder without
     weights, started with random ones); the model is built on the meta device, nothing is allocated."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-    return weight_manifest(model)
+    from ..models import meta_model
+
+    return weight_manifest(meta_model(AutoConfig.from_pretrained(str(model_dir))))
 
 
 def check_compatible(model_weights: dict, checkpoint: dict, *, tied_head: bool) -> None:
