@@ -30,8 +30,10 @@ context): everything vLLM's pool and PyTorch hold, whichever allocator. Beside i
 ``torch_max_reserved_gib`` (PyTorch's ``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool
 at the end). Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
-old log-probs, 8 forward/backward passes, the optimiser), ``step_s``; the last step is reported (the
-first includes one-off warm-ups) beside all. Results: ``bench/results/rl_step_<tag>.md`` and ``.json``.
+old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
+first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
+it, every step in the JSON. ``--gen-tokens N``: the kit rows then also time generation alone in the same
+process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/results/rl_step_<tag>.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -196,12 +198,56 @@ def kit_row(name: str, a) -> dict:
     trainer.train()
     peak = mem.stop()
     steps = times.steps
-    out = dict(impl="grpo_kit" if share else "grpo_kit_copy", weights_shared=bool(gen.share_weights),
+    try:  # an extra measurement: its failure must not lose the row's step measurements
+        gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
+    except Exception as e:
+        gen_alone = {"error": f"{type(e).__name__}: {e}"}
+    out = dict(gen_alone=gen_alone, impl="grpo_kit" if share else "grpo_kit_copy", weights_shared=bool(gen.share_weights),
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
                completion_tokens=GENERATIONS * C)
     gen.close()
+    return out
+
+
+def _timed_generate(eng, prompt, sampling) -> dict:
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = eng.generate([prompt], GENERATIONS, sampling)
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    n = res.num_completion_tokens
+    return dict(generation_s=s, completion_tokens=n, tokens_per_s=n / s)
+
+
+def generation_alone(gen, model, tok, tokens: int) -> dict:
+    """Generation alone after the row's training, in the same process: 8 completions of ``tokens`` tokens of
+    the 512-token prompt by the row's engine with the trained adapter (as in the step) and with none (the
+    bare base weights), and by HF ``generate`` on the training model (adapter on). Each after a warm-up."""
+    import torch
+
+    from grpo_kit.generation import HFGenerator, SamplingConfig
+
+    prompt = tok(_prompt_text(tok, PROMPT_TOKENS))["input_ids"][:PROMPT_TOKENS]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=tokens, min_tokens=tokens)
+    warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
+    out = {}
+    if gen.needs_sync:
+        gen.sync_weights(model)
+    gen.generate([prompt], GENERATIONS, warm)
+    out["vllm_adapter"] = _timed_generate(gen, prompt, sampling)
+    adapter, gen._lora_request = gen._lora_request, None  # the engine's base weights, no LoRA kernels' work
+    out["vllm_no_adapter"] = _timed_generate(gen, prompt, sampling)
+    gen._lora_request = adapter
+    gen.sleep()
+    hf = HFGenerator(model.eval(), tok)
+    with torch.no_grad():
+        hf.generate([prompt], GENERATIONS, warm)
+        out["hf_adapter"] = _timed_generate(hf, prompt, sampling)
+    out["vllm_over_hf"] = out["vllm_adapter"]["tokens_per_s"] / out["hf_adapter"]["tokens_per_s"]
     return out
 
 
@@ -275,14 +321,7 @@ def gen_row(name: str, a) -> dict:
     else:
         eng = HFGenerator(build_random_model(a.model, dtype=torch.bfloat16, device="cuda").eval(), tok)
     eng.generate([prompt], GENERATIONS, warm)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    res = eng.generate([prompt], GENERATIONS, sampling)
-    torch.cuda.synchronize()
-    s = time.perf_counter() - t
-    n = res.num_completion_tokens
-    return dict(impl=name, generation_s=s, completion_tokens=n, tokens_per_s=n / s,
-                lengths=sorted({len(c) for c in res.completion_ids}))
+    return dict(impl=name, **_timed_generate(eng, prompt, sampling))
 
 
 def one(name: str, a) -> dict:
@@ -293,15 +332,25 @@ def one(name: str, a) -> dict:
     return gen_row(name, a)
 
 
+def _split(step: dict) -> dict:
+    gen_s = step["generate"] - step.get("sync", 0.0)  # the sync runs inside _generate_single_turn
+    return dict(generation_s=gen_s, sync_s=step.get("sync"), training_s=step["step_s"] - step["generate"],
+                step_s=step["step_s"])
+
+
 def _summarise(r: dict) -> dict:
-    """The issue's row fields from one child's result (the last step)."""
+    """The issue's row fields from one child's result: the median over the steps after the first (the
+    first carries one-off warm-ups: kernel autotuning, first host-buffer pinning), or the one step."""
     if r.get("status") == "failed" or "steps" not in r:
         return r
-    last = r["steps"][-1]
-    gen_s = last["generate"] - last.get("sync", 0.0)  # the sync runs inside _generate_single_turn
-    step_s = last["step_s"]
-    return dict(r, generation_s=gen_s, sync_last_s=last.get("sync"), training_s=step_s - last["generate"],
-                step_s=step_s, tokens_per_s=r["completion_tokens"] / gen_s if gen_s > 0 else None)
+    import statistics
+
+    splits = [_split(s) for s in r["steps"]]
+    later = splits[1:] or splits
+    med = {k: statistics.median(x[k] for x in later if x[k] is not None) for k in later[0] if later[0][k] is not None}
+    gen_s = med["generation_s"]
+    return dict(r, **med, sync_last_s=splits[-1]["sync_s"], first_step=splits[0], steps_in_median=len(later),
+                tokens_per_s=r["completion_tokens"] / gen_s if gen_s > 0 else None)
 
 
 def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
@@ -325,13 +374,24 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
                                                                    "row has its own command)" if earlier else ""),
              f"Hardware: {hw}", "",
              "| impl | model | KV | completion | weights shared | peak GiB | generation s | sync s | training s | "
-             "step s | tokens/s | status |", "|" + "---|" * 12]
+             "step s | first step s | tokens/s | status |", "|" + "---|" * 13]
     for r in rows:
         f = lambda k, d=2: (f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "")  # noqa: E731
+        first = f"{r['first_step']['step_s']:.2f}" if r.get("first_step") else ""
         lines.append(f"| {r.get('impl', r.get('row'))} | {r.get('model')} | {r.get('kv_cache_dtype', '')} | "
                      f"{r.get('completion_len')} | {r.get('weights_shared', '')} | {f('peak_gib')} | "
-                     f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | "
+                     f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | {first} | "
                      f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |")
+    alone = [r for r in rows if r.get("gen_alone") and "error" not in r["gen_alone"]]
+    if alone:
+        lines += ["", "Generation alone, same process after the row's training (8 completions):", "",
+                  "| impl | KV | tokens | vLLM + adapter tok/s | vLLM, no adapter tok/s | HF generate + adapter tok/s | "
+                  "vLLM / HF |", "|" + "---|" * 7]
+        for r in alone:
+            g = r["gen_alone"]
+            lines.append(f"| {r['impl']} | {r.get('kv_cache_dtype')} | {g['vllm_adapter']['completion_tokens']} | "
+                         f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
+                         f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |")
     lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]
     (out_dir / f"rl_step_{tag}.md").write_text("\n".join(lines) + "\n")
 
@@ -346,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--append", action="store_true", help="add the rows to an existing rl_step_<tag>.json")
     p.add_argument("--timeout", type=int, default=560, help="seconds per row")
+    p.add_argument("--gen-tokens", type=int, default=0,
+                   help="kit rows: after training, time generation alone (vLLM with / without the adapter, HF "
+                        "generate) of 8 completions of this many tokens; 0: skip")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -365,7 +428,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
             with tempfile.TemporaryDirectory() as run_dir:
                 child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
-                         "--completion", str(a.completion), "--steps", str(a.steps)]
+                         "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens)]
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)

@@ -67,12 +67,19 @@ def copy() -> dict:
     hf = HFGenerator(model, tok).generate(_prompts(tok), 1, greedy).completion_ids
     follows = all(a[:8] == b[:8] for a, b in zip(synced, hf)) and synced != base
     t = time.perf_counter()
-    gen.sleep()
+    gen.sleep()  # level 2: the copy's weights are dropped, the next sync brings them
     sleep_s = time.perf_counter() - t
+    try:
+        gen.generate(_prompts(tok), 1, greedy)
+        refused = False
+    except RuntimeError as e:
+        refused = "sync_weights" in str(e)
+    needed = gen.needs_sync
+    resync = gen.sync_weights(model)
     after = gen.generate(_prompts(tok), 1, greedy)
     out = {"sync_mode": info["mode"], "sync_s": info["seconds"], "follows_hf": follows,
-           "same_after_sleep": after.completion_ids == synced, "sleep_s": sleep_s,
-           "wake_s": after.timings.get("wake_s")}
+           "refused_without_weights": refused, "needs_sync_after_sleep": needed, "sleep": gen.options()["sleep"],
+           "same_after_sleep": after.completion_ids == synced, "sleep_s": sleep_s, "resync_s": resync["seconds"]}
     gen.close()
     return out
 

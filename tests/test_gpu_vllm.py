@@ -221,4 +221,6 @@ def test_fp8_kv_cache_with_shared_weights_and_standby():
 def test_full_finetuning_keeps_a_copy_synced_with_load_weights():
     out = _worker("copy")
     assert out["sync_mode"] == "full" and out["follows_hf"] and out["same_after_sleep"]
+    # level-2 sleep dropped the copy's weights: generating before the next sync is refused, the sync restores it
+    assert out["sleep"].startswith("level 2") and out["refused_without_weights"] and out["needs_sync_after_sleep"]
     assert out["sync_s"] < 5.0

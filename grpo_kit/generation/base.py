@@ -125,6 +125,7 @@ class Generator(Protocol):
     """What the trainer needs from a generation backend."""
 
     name: str
+    needs_sync: bool  # True while the backend holds no usable weights: sync_weights must run first
 
     def generate(self, prompts: list[list[int]] | list[str], num_generations: int = 1,
                  sampling: SamplingConfig | None = None) -> GenerationResult: ...

@@ -177,6 +177,8 @@ class HFGenerator:
         self.syncs += 1
         return {"mode": "shared", "seconds": 0.0}
 
+    needs_sync = False  # generates with the training model itself
+
     def sleep(self) -> bool:
         return False
 

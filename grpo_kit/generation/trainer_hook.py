@@ -93,7 +93,7 @@ class KitGenerationMixin:
 
         mode = "train" if self.model.training else "eval"
         try:
-            if self.state.global_step != self._kit_synced_step:
+            if self.state.global_step != self._kit_synced_step or self.kit_generator.needs_sync:
                 start = time.perf_counter()
                 with profiling_context(self, "kit.sync_weights"):
                     info = self.kit_generator.sync_weights(self.accelerator.unwrap_model(self.model))

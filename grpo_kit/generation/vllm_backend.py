@@ -354,6 +354,10 @@ class VLLMGenerator:
         self._lora_id = 0
         self._closed = False
         self._sleeping = False
+        # Level-2 sleep (copy path whose every sync rewrites all weights): the weights are dropped, not
+        # copied to host RAM; until the next full sync the engine has none and refuses to generate.
+        self._discard_on_sleep = not self.share_weights and self.lora_sync != "adapter"
+        self._weights_discarded = False
         self._shared_params: list = []  # weakrefs to the training model's views (share_weights)
         self.shared_report: dict | None = None
         self.kv_cache_bytes = self._kv_cache_bytes()
@@ -403,6 +407,11 @@ class VLLMGenerator:
         return model
 
     # -- generation -----------------------------------------------------------------------
+    @property
+    def needs_sync(self) -> bool:
+        """True when the engine holds no weights (after a level-2 sleep) until :meth:`sync_weights` runs."""
+        return self._weights_discarded
+
     def _check_open(self):
         if self._closed:
             raise GenerationEngineError("the vLLM engine is closed (after close() or a crash); create a new "
@@ -417,6 +426,9 @@ class VLLMGenerator:
         prompt_ids = encode_prompts(self.tokenizer, prompts, vocab_size=self.vocab_size)
         check_context(prompt_ids, sampling.max_tokens, self.max_model_len, "the engine's max_model_len")
         stop = list(sampling.stop_token_ids) or [self.tokenizer.eos_token_id]
+        if self._weights_discarded:
+            raise RuntimeError("the vLLM engine dropped its weights in level-2 sleep (a separate engine copy whose "
+                               "every sync rewrites all weights); call sync_weights(model) before generating")
         timings = {}
         if self._sleeping:
             start = time.perf_counter()
@@ -476,7 +488,7 @@ class VLLMGenerator:
         if self.lora_sync == "adapter" and is_peft_model(model) and not self._lora_enabled:
             raise ValueError("lora_sync='adapter' needs an engine started with lora_sync='adapter' "
                              "(vLLM's LoRA support is chosen at start-up)")
-        if self._sleeping and not self.share_weights:  # level-1 sleep: weights and LoRA slots are in host RAM
+        if self._sleeping and not self.share_weights:  # level 1: weights in host RAM; level 2: memory to map
             self.wake()
         start = time.perf_counter()  # standby keeps weights and adapter slots mapped: no wake needed
         try:
@@ -487,6 +499,7 @@ class VLLMGenerator:
                     self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
                     self._lora_request = None
                 self.llm.collective_rpc(_reload_in_worker, args=(iter_vllm_weights(model, dtype=self.dtype),))
+                self._weights_discarded = False
                 info = {"mode": "lora_merge" if is_peft_model(model) else "full"}
             self.llm.reset_prefix_cache()  # cached KV belongs to the old weights (scheduler metadata only)
         except ValueError:
@@ -519,8 +532,11 @@ class VLLMGenerator:
         """Release generation memory while training runs (CUDA); False (no-op) elsewhere.
 
         ``share_weights``: standby, the KV cache is released and the weights stay (the training
-        model uses them). Otherwise vLLM's level-1 sleep: the KV cache is dropped and the weights
-        are copied to host RAM.
+        model uses them). A separate copy that every sync rewrites whole (merged LoRA, full
+        fine-tuning): vLLM's level-2 sleep, the KV cache and the weights are dropped (the next
+        :meth:`sync_weights` brings them; copying them to host RAM first would cost a 16 GB round
+        trip per step on an 8B model for nothing). A copy with an in-memory adapter
+        (``lora_sync="adapter"``) keeps its checkpoint weights: level-1 sleep, copied to host RAM.
         """
         self._check_open()
         if not self.sleep_mode or self._sleeping:
@@ -532,9 +548,10 @@ class VLLMGenerator:
                 self.llm.reset_prefix_cache()  # the cached blocks are about to lose their contents
                 self.llm.collective_rpc(standby_in_worker)
             else:
-                self.llm.sleep(level=1)
+                self.llm.sleep(level=2 if self._discard_on_sleep else 1)
         except Exception as e:
             self._crashed(e, "sleep")
+        self._weights_discarded = self._discard_on_sleep
         self._sleeping = True
         return True
 
@@ -599,6 +616,9 @@ class VLLMGenerator:
                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "kv_cache_bytes": self.kv_cache_bytes,
                "load_in_4bit": self.load_in_4bit, "load_in_4bit_skip_modules": self.load_in_4bit_skip_modules,
                "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode, "share_weights": self.share_weights,
+               "sleep": None if not self.sleep_mode else "standby (KV cache only)" if self.share_weights
+               else "level 2 (weights and KV cache dropped)" if self._discard_on_sleep
+               else "level 1 (weights to host RAM)",
                "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager, "seed": self.seed,
                "startup_s": round(self.startup_s, 2)}
         if self.shared_report is not None:
