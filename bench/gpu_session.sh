@@ -21,9 +21,9 @@ python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
 step rl20k 500 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout 480
-step rl4k 700 $bench --rows grpo_kit_fp8,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340 --append
-step rl4k_copy 260 $bench --rows grpo_kit_copy --completion 4096 --steps 2 --gen-tokens 512 --timeout 250 --append
+step rl4k 520 $bench --rows grpo_kit_fp8,trl --completion 4096 --steps 2 --gen-tokens 512 --timeout 260 --append
 step gpu_tests 330 python3 -m pytest -m gpu tests/test_gpu_vllm.py -q -s -p no:cacheprovider
+step rl4k_copy 230 $bench --rows grpo_kit_copy --completion 4096 --steps 2 --gen-tokens 512 --timeout 220 --append
 step rl4k_bf16 260 $bench --rows grpo_kit_bf16 --completion 4096 --steps 2 --timeout 250 --append
 step gen 240 $bench --rows gen_vllm,gen_hf --models qwen2.5-1.5b --completion 1024 --timeout 115 --append
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 KIT_ROWS = {"grpo_kit_fp8": ("fp8", True), "grpo_kit_bf16": ("auto", True), "grpo_kit_copy": ("auto", False)}
+IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy"}
 ROWS = (*KIT_ROWS, "trl", "gen_vllm", "gen_hf")
 PROMPT_TOKENS = 512
 GENERATIONS = 8
@@ -137,6 +138,7 @@ class StepTimes:
 
                 torch.cuda.synchronize()
                 outer.steps.append(dict(outer.totals, step_s=time.perf_counter() - outer._t0))
+                print("STEP " + json.dumps(outer.steps[-1]), flush=True)  # kept by the parent if the row times out
                 for k in outer.totals:
                     outer.totals[k] = 0.0
 
@@ -202,7 +204,7 @@ def kit_row(name: str, a) -> dict:
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
     except Exception as e:
         gen_alone = {"error": f"{type(e).__name__}: {e}"}
-    out = dict(gen_alone=gen_alone, impl="grpo_kit" if share else "grpo_kit_copy", weights_shared=bool(gen.share_weights),
+    out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(gen.share_weights),
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
@@ -440,8 +442,10 @@ def main(argv=None) -> int:
             line = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
             base = dict(row=name, model=model, completion_len=a.completion, prompt_len=PROMPT_TOKENS,
                         generations=GENERATIONS, wall_s=wall, command=cmd)
+            impl = "trl" if name == "trl" else IMPL.get(name, name)
             if rc != 0 or not line:
-                res = dict(base, impl=name, status="failed", error=(err or out)[-3000:])
+                done = [json.loads(ln.removeprefix("STEP ")) for ln in out.splitlines() if ln.startswith("STEP ")]
+                res = dict(base, impl=impl, status="failed", error=(err or out)[-3000:], steps_done=done)
             else:
                 res = _summarise(dict(base, **json.loads(line[-1].removeprefix("ROW "))))
             results.append(res)
