@@ -26,8 +26,7 @@ GENERATION_BACKENDS = ("auto", "hf", "vllm")
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
-VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("load_in_4bit", False), ("vllm_gpu_memory_utilization", 0.0),
-                     ("vllm_kv_cache_gib", None))
+VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", 0.0), ("vllm_kv_cache_gib", None))
 REWARD_ERRORS = ("raise", "zero")
 
 
@@ -137,12 +136,17 @@ class GRPOKitConfig:
                                         "training runs (standby). true, false (a separate engine copy, weights "
                                         "synced each step) or `auto` (shared on CUDA with LoRA and 16-bit engine "
                                         "weights; a layout vLLM cannot share falls back to a copy with a warning).")
-    load_in_4bit: bool = _f(False, "Generate with 4-bit (bitsandbytes NF4) weights in vLLM, except the modules in "
-                            "load_in_4bit_skip_modules (\"dynamic 4-bit\"); needs the vLLM backend on CUDA and the "
-                            "bitsandbytes package. Training weights are not affected.")
-    load_in_4bit_skip_modules: list = _f(["lm_head"], "Module names kept in 16 bit when load_in_4bit is on "
-                                         "(substrings of the checkpoint names, e.g. `lm_head`, `down_proj`, "
-                                         "`model.layers.0.`).")
+    load_in_4bit: bool = _f(False, "QLoRA: the training model's base linear weights in 4 bit (bitsandbytes NF4, "
+                            "double quantisation; matmuls in the training dtype), LoRA on top, except the layers "
+                            "in load_in_4bit_skip_modules. Needs use_lora, a CUDA GPU and bitsandbytes; generates "
+                            "with HF generate (vLLM cannot take a 4-bit training model's weights yet).")
+    load_in_4bit_skip_modules: list | str = _f(["lm_head"], "Layers kept in 16 bit when load_in_4bit is on: a list "
+                                               "of names (substrings of the module names, e.g. `down_proj`, "
+                                               "`model.layers.0.`; lm_head always stays 16-bit) or `auto`: lm_head "
+                                               "plus the layers whose NF4 error on a short calibration pass is "
+                                               "largest, within load_in_4bit_auto_allowance (grpo_kit.quantize).")
+    load_in_4bit_auto_allowance: float = _f(0.1, "With load_in_4bit_skip_modules=auto: the extra memory the "
+                                            "16-bit layers may cost, as a fraction of the 4-bit weights' bytes.")
     gradient_checkpointing: bool | str = _f("auto", "Gradient checkpointing: true, false or `auto` (on when "
                                             "training on a CUDA GPU, off on the CPU, where it would only "
                                             "recompute). With the grpo_kit trainer on a GPU the layer inputs are "
@@ -287,10 +291,14 @@ class GRPOKitConfig:
         need(self.vllm_share_weights is not True or (self.use_lora and not self.load_in_4bit),
              f"vllm_share_weights=True needs use_lora=True and load_in_4bit=False (use_lora={self.use_lora}, "
              f"load_in_4bit={self.load_in_4bit}): full fine-tuning updates the weights vLLM would share, and "
-             "4-bit engine weights cannot back 16-bit training")
+             "a 4-bit training model has no 16-bit weights to share")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
-        need(all(isinstance(m, str) and m for m in self.load_in_4bit_skip_modules),
-             f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r}: each must be a non-empty module name")
+        need(self.load_in_4bit_skip_modules == "auto" or (isinstance(self.load_in_4bit_skip_modules, list) and all(
+            isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),
+             f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r} is not allowed: 'auto' or a list of "
+             "non-empty module names")
+        need(isinstance(self.load_in_4bit_auto_allowance, (int, float)) and 0 <= self.load_in_4bit_auto_allowance
+             <= 4, f"load_in_4bit_auto_allowance={self.load_in_4bit_auto_allowance!r} must be a number in [0, 4]")
         vllm_only = self.vllm_options_set()
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
@@ -302,10 +310,15 @@ class GRPOKitConfig:
         if self.load_in_4bit:
             import importlib.util
 
+            need(self.use_lora, "load_in_4bit=True needs use_lora=True: 4-bit weights are frozen (bitsandbytes "
+                 "stores them packed, they have no gradient), so full fine-tuning would train nothing")
+            need(self.device != "cpu", "load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), "
+                 "but device='cpu'; use device=auto on a GPU machine, or load_in_4bit=False")
+            need(self.generation_backend != "vllm", "load_in_4bit=True generates with HF generate: vLLM cannot "
+                 "take a 4-bit training model's weights yet; set generation_backend='hf' or 'auto'")
             need(importlib.util.find_spec("bitsandbytes") is not None,
-                 "load_in_4bit=True needs the bitsandbytes package (4-bit weights in vLLM, CUDA only), which is not "
-                 "installed; install it on a CUDA machine (python -m pip install bitsandbytes) or set "
-                 "load_in_4bit=False")
+                 "load_in_4bit=True needs the bitsandbytes package, which is not installed: python -m pip install "
+                 "bitsandbytes==0.50.2 (CUDA), or set load_in_4bit=False")
         if self.task == "gsm8k" and self.dataset_path:
             need(os.path.isfile(self.dataset_path), f"dataset_path={self.dataset_path!r} does not exist")
         if errors:
@@ -322,6 +335,10 @@ def _coerce(key: str, value, annotation):
         if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
             return None
         return _coerce(key, value, annotation.removesuffix(" | None"))
+    if annotation == "list | str":  # "auto", or a list
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return _coerce(key, value, "list")
     if annotation == "bool | str":  # true / false / "auto"
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"

@@ -241,20 +241,48 @@ def load_tokenizer(name: str = EMBEDDED_NAME):
     return tok
 
 
-def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0):
+def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0,
+               load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1):
     """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id.
 
     ``dtype`` defaults to fp32 on CPU (the embedded model is dequantised to fp32) and
     to the checkpoint's own dtype elsewhere. ``config-only`` names return random
     weights with the embedded tokenizer (whose vocabulary they do not share): use them
     for memory work, not for text.
+
+    ``load_in_4bit``: the base linear weights become NF4 on ``device`` (:mod:`grpo_kit.quantize`), but
+    lm_head and ``skip_modules`` (names, or ``"auto"``: chosen from a forward pass over
+    ``calibration``, a list of ``input_ids`` (1, T) tensors, within ``auto_allowance`` x the 4-bit
+    bytes). The 16-bit model is built in CPU RAM first and quantised layer by layer onto ``device``;
+    ``model.grpo_kit_quantization`` reports what was done.
     """
     from transformers import AutoModelForCausalLM
 
     kind = check_model_name(name)
+    target = "cpu" if load_in_4bit else device
     if kind in ("tiny", "config-only"):
-        model = build_random_model(name, dtype=dtype or torch.float32, device=device, seed=seed)
-        return model, load_tokenizer(name)
-    src = embedded_model_dir() if kind == "embedded" else name
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded" else "auto"))
+        model = build_random_model(name, dtype=dtype or torch.float32, device=target, seed=seed)
+    else:
+        src = embedded_model_dir() if kind == "embedded" else name
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded"
+                                                                           else "auto")).to(target)
+    if load_in_4bit:
+        _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)
     return model.to(device), load_tokenizer(name)
+
+
+def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -> None:
+    from .memory.formulas import NF4_BITS_PER_PARAM
+    from .quantize import auto_skip_modules, quantizable_linears, quantize_model
+
+    auto = None
+    skip = skip_modules
+    if skip_modules == "auto":
+        if not calibration:
+            raise ValueError("load_in_4bit_skip_modules='auto' needs calibration input_ids (a few prompts)")
+        n4 = sum(model.get_submodule(n).weight.numel() for n in quantizable_linears(model))
+        skip, auto = auto_skip_modules(model, calibration, allowance_bytes=auto_allowance * n4 * NF4_BITS_PER_PARAM / 8,
+                                       dtype_bytes=torch.finfo(dtype).bits // 8)
+    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip)
+    model.grpo_kit_quantization = {**report, "skip_modules": skip_modules if skip_modules == "auto" else list(skip),
+                                   "auto": auto}

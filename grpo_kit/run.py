@@ -174,6 +174,17 @@ def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, sy
     return longest
 
 
+def calibration_batches(tokenizer, examples: list[dict], system_prompt: str, n: int = 8) -> list[torch.Tensor]:
+    """``input_ids`` (1, T) of the first ``n`` training prompts as the model sees them: the activations
+    ``load_in_4bit_skip_modules: auto`` measures NF4's error on."""
+    out = []
+    for e in examples[:n]:
+        text = tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]]))
+    return out
+
+
 def check_lora_targets(model, targets: list[str]) -> None:
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
@@ -232,6 +243,9 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
     device = resolve_device(cfg)
+    if cfg.load_in_4bit and device != "cuda":
+        raise ValueError(f"load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), but the run "
+                         f"would train on {device!r}; run on a GPU machine or set load_in_4bit=False")
     dtype = resolve_dtype(cfg, device)
     system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
 
@@ -271,9 +285,12 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     # summary.json. With shared weights the engine starts first and the training model is built on its tensors.
     plan = plan_generation(cfg, model_config=config, device=device, dtype=dtype,
                            num_processes=PartialState().num_processes)
+    quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
+                 auto_allowance=cfg.load_in_4bit_auto_allowance,
+                 calibration=calibration_batches(tokenizer, train_ex, system_prompt)) if cfg.load_in_4bit else {}
     generator, model, generation_info = start_generation(
         plan, tokenizer=tokenizer, dtype=dtype,
-        load_model=lambda: load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)[0])
+        load_model=lambda: load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed, **quant)[0])
     shared = bool(getattr(generator, "share_weights", False))
     if is_main:
         print(f"generation: {generation_info['backend']}" + (f" ({generation_info['reason']})"
@@ -362,6 +379,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
         "accuracy_before": evals.get("before", {}).get("accuracy"),
         "accuracy_after": evals.get("after", {}).get("accuracy"),
         "generation": generation_info,
+        "quantization": getattr(model, "grpo_kit_quantization", None),
         "run_dir": str(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

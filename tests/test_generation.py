@@ -247,8 +247,6 @@ def test_build_generator_choices_and_bad_input(tiny):
         _cfg(kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="vllm_gpu_memory_utilization=1.5 must be in"):
         _cfg(vllm_gpu_memory_utilization=1.5)
-    with pytest.raises(ValueError, match="load_in_4bit=True needs the bitsandbytes package"):
-        _cfg(load_in_4bit=True)  # bitsandbytes is not installed here (CPU)
     help_text = GRPOKitConfig.field_help()
     assert all(help_text[k] for k in ("generation_backend", "kv_cache_dtype", "load_in_4bit",
                                       "load_in_4bit_skip_modules", "vllm_gpu_memory_utilization"))

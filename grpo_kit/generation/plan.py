@@ -87,7 +87,7 @@ def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
 
 def _share_decision(cfg, device: str) -> tuple[bool, str]:
     reasons = [why for why, bad in (("not on CUDA", device != "cuda"), ("full fine-tuning", not cfg.use_lora),
-                                    ("4-bit engine weights", cfg.load_in_4bit)) if bad]
+                                    ("4-bit training weights", cfg.load_in_4bit)) if bad]
     if cfg.vllm_share_weights is False:
         return False, "vllm_share_weights=False"
     if reasons and cfg.vllm_share_weights is True:
@@ -165,6 +165,8 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
                          f"{limit - cfg.max_prompt_length}")
     if requested == "hf":
         return hf("", False)
+    if cfg.load_in_4bit:  # config refuses 'vllm' with it
+        return hf("load_in_4bit: vLLM cannot take a 4-bit training model's weights yet", False)
     if requested == "auto" and not vllm_available():
         return hf(f"vLLM is not installed (install: {vllm_install_command()})", device == "cuda")
     model_dir, dummy = generation_model_dir(cfg.model, device)
@@ -179,7 +181,6 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     share, why = _share_decision(cfg, device)
     gen_rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     kwargs = dict(max_model_len=context, seed=cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype,
-                  load_in_4bit=cfg.load_in_4bit, load_in_4bit_skip_modules=list(cfg.load_in_4bit_skip_modules),
                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None, share_weights=share,
                   dummy_weights=dummy, lora_sync="adapter" if share else "merge",
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512)

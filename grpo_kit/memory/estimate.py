@@ -289,6 +289,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         rec = F.full_recompute_peak(a, tokens, b, lora_rank, extra_in)
         rec_note = "whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
     add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
+    if quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
+        add("dequantised 4-bit weight (transient)", "GPU", a.intermediate * a.hidden * b, ("loss", "backward"),
+            f"the largest projection ({a.intermediate} x {a.hidden}) dequantised to {b} B per weight for its matmul")
 
     norm = F.final_norm_bytes(a, tokens, b, not lora)
     if method == "trl":
@@ -392,7 +395,7 @@ def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
     kw = dict(num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
               completion_length=cfg.max_completion_length,
               dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
-              lora_rank=cfg.lora_rank if cfg.use_lora else None,
+              lora_rank=cfg.lora_rank if cfg.use_lora else None, quantization="4bit" if cfg.load_in_4bit else None,
               method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
               kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
               micro_batch_size=cfg.per_device_train_batch_size,
