@@ -10,7 +10,7 @@ import argparse
 import importlib
 import importlib.metadata as md
 import os
-import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,9 +53,10 @@ def _bench(args) -> int:
     script = bench_dir / f"{args.name}.py"
     if not script.is_file():
         raise ValueError(f"no benchmark named {args.name!r}; available: {available or 'none (bench/ not found)'}")
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    # Its own process, as `python bench/NAME.py` runs it: bench/ first on the path (scripts import their
+    # siblings), and this checkout's grpo_kit importable through PYTHONPATH even where it is not installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call([sys.executable, str(script), *args.rest], env=env)
 
 
 def _vram(args) -> int:

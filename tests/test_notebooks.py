@@ -90,8 +90,9 @@ def test_layout(name):
     assert code.index(tagged[0]) == 1, "the parameters cell follows the install cell"
     install = code[0].source
     assert '"google.colab" in sys.modules' in install and "GRPO_KIT_REPO" in install
-    reqs = "".join((ROOT / f).read_text() for f in ("requirements.txt", "requirements-nodeps.txt",
-                                                     "requirements-vllm-cpu.txt", "requirements-vllm-cuda.txt"))
+    reqs = "".join((ROOT / f).read_text() for f in ("requirements-kit.txt", "requirements-notebooks.txt",
+                                                     "grpo_kit/requirements-nodeps.txt", "requirements-vllm-cpu.txt",
+                                                     "requirements-vllm-cuda.txt"))
     for pin in re.findall(r'"([\w-]+==[\d.]+)"', install):
         assert pin in reqs, f"{name}: install cell pins {pin}, requirements differ"
     for c in code:
