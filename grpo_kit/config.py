@@ -340,6 +340,11 @@ def _coerce(key: str, value, annotation):
             raise err
         return int(value)
     if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (2e-4, 5e-5, 1e-6) as strings
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise err from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise err
         return float(value)
