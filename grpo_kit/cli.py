@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .console import warn_once_per_message
+
+    warn_once_per_message()
     argv = sys.argv[1:] if argv is None else list(argv)
     # `bench NAME ...` and `vram ...` hand every later argument (options included) to their own parser.
     if argv[:1] == ["vram"]:
