@@ -1,4 +1,4 @@
-"""Command line: ``python -m grpo_kit train|bench|vram|doctor``.
+"""Command line: ``python -m grpo_kit train|preflight|bench|vram|doctor`` (also ``grpo-kit ...``).
 
 Each command calls the same functions the notebooks call; errors in what the user
 typed are printed as one line (``error: ...``) with exit code 2, not a traceback.
@@ -17,6 +17,25 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _config_from_args(args):
+    """The config of ``--config``, ``--set`` and ``--output-dir`` (not validated yet)."""
+    from .config import GRPOKitConfig
+
+    cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
+    cfg.apply_overrides(args.set or [])
+    if getattr(args, "output_dir", None):
+        cfg.output_dir = args.output_dir
+    return cfg
+
+
+def _preflight(args) -> int:
+    from .preflight import preflight
+
+    report = preflight(_config_from_args(args).validate(), num_prompts=args.prompts, backend=args.backend)
+    print(report.text())
+    return 0
+
+
 def _train(args) -> int:
     from .config import GRPOKitConfig
 
@@ -31,10 +50,7 @@ def _train(args) -> int:
         extra = [f"output_dir={args.output_dir}"] if args.output_dir else []
         cfg = resume_config(args.resume, [*(args.set or []), *extra], config_values=values)
     else:
-        cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
-        cfg.apply_overrides(args.set or [])
-        if args.output_dir:
-            cfg.output_dir = args.output_dir
+        cfg = _config_from_args(args)
     cfg.validate()
     from .run import train
 
@@ -123,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("vram", help="VRAM estimate table (see grpo_kit.memory)", add_help=False)
     v.add_argument("rest", nargs=argparse.REMAINDER)
     v.set_defaults(func=_vram)
+    f = sub.add_parser("preflight", help="sample the untrained model: share of groups with no reward spread, "
+                       "truncation, reward histograms, advice")
+    f.add_argument("--config", help="YAML file with GRPOKitConfig fields")
+    f.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
+    f.add_argument("--prompts", type=int, default=8, help="training prompts to sample (default 8)")
+    f.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend (default hf)")
+    f.set_defaults(func=_preflight)
     d = sub.add_parser("doctor", help="what is installed and which features will be used")
     d.set_defaults(func=_doctor)
     return p

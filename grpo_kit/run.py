@@ -104,6 +104,7 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
             self.csv_path = run_dir / "metrics.csv"
             self._started = bool(history)  # resumed: metrics.csv already has the rows so far
             self.columns = metric_columns(history)
+            self._first_row = True
 
         def on_step_begin(self, args, state, control, **kw):
             self._t0 = time.perf_counter()
@@ -144,8 +145,24 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
             from tqdm import tqdm
 
             tqdm.write(step_line(row, cfg.max_steps))  # above the progress bar, not through it
+            if self._first_row:  # the short pre-flight check: did the start carry a learning signal?
+                self._first_row = False
+                tqdm.write(first_step_advice(cfg, row))
 
     return MetricsCallback()
+
+
+def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
+    """One line after the first logged step: its share of no-signal groups and, when most groups had none,
+    the pre-flight advice (grpo_kit.preflight.advice)."""
+    from .preflight import advice
+
+    zero = row.get("frac_reward_zero_std") or 0.0
+    means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean")}
+    tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
+    head = f"pre-flight (step {row.get('step')}): {zero:.0%} of groups had no reward spread"
+    return (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
+            f"{head}: the start has a learning signal")
 
 
 def plot_rewards(history: list[dict], path: Path) -> None:
