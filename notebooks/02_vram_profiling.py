@@ -101,6 +101,7 @@ print(compare(model, unit="GiB", **opts).round(2).to_string())
 
 # %%
 import matplotlib.pyplot as plt
+from IPython.display import display
 
 from grpo_kit.memory import estimate, plot_components
 
@@ -110,7 +111,7 @@ def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
               lora_rank=lora_rank, quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv else None)
     fig = plot_components({m: estimate(model, method=m, **kw) for m in ("trl", "unsloth", "grpo_kit")}, budget_gib=80,
                           title=f"{model}, {int(2 ** log2_context)} tokens, G={num_generations}")
-    plt.show()
+    display(fig)  # a matplotlib Figure (no pyplot): plt.show() would not draw it
 
 
 config_only = [n for n, s in BUILTIN_MODELS.items() if s.kind == "config-only"]

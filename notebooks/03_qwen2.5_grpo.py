@@ -62,6 +62,7 @@ setup = "auto"  # "auto" | "full" | "fallback"
 dashboard = "auto"  # "auto" | "widgets" | "static"
 output_dir = "runs/03_qwen2.5_grpo"
 seed = 0
+preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
 # %%
 from grpo_kit.notebook_utils import choose_setup, validate_params
@@ -108,6 +109,17 @@ print("correctness:", correctness_reward(None, completions, answer=["7", "7", "7
 print("format_soft:", format_soft_reward(None, completions))
 
 # %% [markdown]
+# ## Pre-flight: will the start carry a learning signal?
+# GRPO learns only from groups whose rewards differ. A few prompts sampled from the untrained model show the
+# share of groups with no reward spread, how many completions are cut, and what to change when most groups
+# give nothing (`python -m grpo_kit preflight` is the same check).
+
+# %%
+from grpo_kit.preflight import preflight
+
+print(preflight(cfg, num_prompts=preflight_prompts).text())
+
+# %% [markdown]
 # ## Train, with the live dashboard
 
 # %%
@@ -124,3 +136,8 @@ summary = train(cfg, progress=True, callbacks=(dash,))
 from grpo_kit.notebook_utils import run_report
 
 print(run_report(summary))
+
+# %%
+from IPython.display import Image, display
+
+display(Image(filename=f"{summary['run_dir']}/rewards.png"))  # the run folder's reward curve

@@ -117,10 +117,13 @@ table = compare(calculator_model, methods=("trl", "grpo_kit"), unit="GiB", micro
 print(table.round(2).to_string())
 
 # %%
+from IPython.display import display
+
 from grpo_kit.memory import estimate, plot_components
 
 fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=1, **opts) for m in ("trl", "grpo_kit")},
                       budget_gib=gpu_gib, title=f"{calculator_model}, {context_length} tokens, G={num_generations}")
+display(fig)  # a matplotlib Figure (no pyplot): it shows only when displayed
 
 # %% [markdown]
 # ## Train
