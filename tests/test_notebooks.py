@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,11 @@ EXPECTED = ["01_grpo_math", "02_vram_profiling", "03_qwen2.5_grpo", "04_llama3.1
 def pictures(outputs: list) -> list:
     """The figures among a cell's outputs (PNG display data, without their text stand-in): what the committed
     notebooks keep of the cells nbval does not check, so that they can be read without running them."""
-    return [dict(o, data={"image/png": o["data"]["image/png"]}) for o in outputs
+    import nbformat
+
+    return [nbformat.from_dict({"output_type": "display_data", "metadata": {},
+                                "data": {"image/png": o["data"]["image/png"]}})
+            for o in outputs
             if o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
 
 
@@ -155,8 +160,10 @@ def refresh(names) -> None:
     import nbformat
     import papermill as pm
 
-    os.environ.update(_env())
+    # The inline backend, as Jupyter and Colab use it: plt.show() then leaves its figure in the outputs.
+    os.environ.update(_env(), MPLBACKEND="module://matplotlib_inline.backend_inline")
     for name in names:
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             src = _prepare(name, Path(tmp))
             out = Path(tmp) / "executed.ipynb"
@@ -176,7 +183,7 @@ def refresh(names) -> None:
             if ref is None and c.outputs:
                 c.execution_count = figures_count[c.source]
         nbformat.write(committed, NB_DIR / f"{name}.ipynb")
-        print("refreshed", name)
+        print(f"refreshed {name} ({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
