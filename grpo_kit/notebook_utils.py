@@ -107,6 +107,19 @@ def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
+def show_figure(fig, dpi: int = 100) -> None:
+    """Display a matplotlib ``Figure`` in the notebook as a PNG, whatever the backend: a bare Figure (as
+    ``grpo_kit.memory.plot_components`` returns) has no pyplot manager, so ``plt.show()`` never draws it and
+    ``display(fig)`` shows only its text form unless the inline backend registered a formatter."""
+    import io
+
+    from IPython.display import Image, display
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    display(Image(data=buf.getvalue()))
+
+
 # Where an installed package keeps the checkout's data folders (pyproject.toml's package-dir maps them).
 _PACKAGED_DIRS = {"data": "_data", "bench/results": "_results"}
 

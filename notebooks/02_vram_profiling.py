@@ -18,11 +18,15 @@
 #
 # `grpo_kit.memory.estimate` prices one GRPO step component by component (weights, LoRA and optimizer state,
 # layer checkpoints, the loss's logits, the vLLM KV cache) from the architecture alone; every byte count has
-# its derivation in `grpo_kit/memory/formulas.py`. CPU, about a minute.
+# its derivation in `grpo_kit/memory/formulas.py`.
+#
+# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU). Measured: 12 s for the whole notebook
+# with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared machine).
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
-# the end; no vLLM: this notebook generates nothing). Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout).
+# the end; no vLLM: this notebook generates nothing).
+# Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 
 GRPO_KIT_REPO = ""  # @param {type:"string"} the kit's git URL; empty: the GRPO_KIT_REPO environment variable
@@ -101,9 +105,9 @@ print(compare(model, unit="GiB", **opts).round(2).to_string())
 
 # %%
 import matplotlib.pyplot as plt
-from IPython.display import display
 
 from grpo_kit.memory import estimate, plot_components
+from grpo_kit.notebook_utils import show_figure
 
 
 def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
@@ -111,7 +115,7 @@ def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
               lora_rank=lora_rank, quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv else None)
     fig = plot_components({m: estimate(model, method=m, **kw) for m in ("trl", "unsloth", "grpo_kit")}, budget_gib=80,
                           title=f"{model}, {int(2 ** log2_context)} tokens, G={num_generations}")
-    display(fig)  # a matplotlib Figure (no pyplot): plt.show() would not draw it
+    show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 
 config_only = [n for n, s in BUILTIN_MODELS.items() if s.kind == "config-only"]
@@ -174,7 +178,8 @@ print(pd.DataFrame(rows).round(4).to_string(index=False))
 # %% [markdown]
 # ## 5. The committed GPU benchmarks (`bench/results/`)
 # Loss alone on an H200 (Llama-3.1-8B head, 8 sequences, bf16): time and extra memory against completion
-# length for the naive loss, Liger-Kernel and the kit's. Read from `loss_h200.json`; nothing is typed in here.
+# length for the naive loss, Liger-Kernel, Unsloth's fused log-probs, Cut Cross-Entropy (cce) and the kit's. Read
+# from `loss_h200.json`; nothing is typed in here.
 
 # %%
 import json
@@ -187,7 +192,8 @@ if loss_json is None:
 else:
     data = json.loads(loss_json.read_text())
     df = pd.DataFrame(data["rows"])
-    df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(["naive", "liger", "ours"])]
+    shown = ["naive", "liger", "unsloth", "cce", "ours"]
+    df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(shown)]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for impl, g in df.groupby("impl"):
         g = g.sort_values("T")

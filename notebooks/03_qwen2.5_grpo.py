@@ -22,10 +22,16 @@
 # tokens take about 2 minutes on a 2-core CPU). `-p max_steps N` sets the full run's steps,
 # `-p fallback_max_steps N` the fallback's. The dashboard redraws every step; the run folder keeps metrics.csv, samples.jsonl, eval.json and the
 # adapter.
+#
+# **Runtime:** GPU, a T4 or better (Colab: Runtime > Change runtime type > T4 GPU; the notebook's metadata asks
+# for it). Measured: the CPU fallback took 132 s for the whole notebook with the CI parameters on a 2-core CPU
+# (`python tests/test_notebooks.py --refresh`, shared machine); the full setup (Qwen2.5-1.5B architecture, HF
+# generation, 3 steps x 128 tokens) 88 s on an H200 (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
-# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF). Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout).
+# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF).
+# Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 
 GRPO_KIT_REPO = ""  # @param {type:"string"} the kit's git URL; empty: the GRPO_KIT_REPO environment variable

@@ -21,10 +21,17 @@
 # efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
 # weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a small
 # context (CI's 2 steps × 4 generations take a few minutes on a 2-core CPU).
+#
+# **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for;
+# the calculator below says whether the chosen context fits). Measured: the CPU fallback took 68-129 s for
+# the whole notebook with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared
+# machine); the full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
+# (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
-# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF). Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout).
+# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF).
+# Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 
 GRPO_KIT_REPO = ""  # @param {type:"string"} the kit's git URL; empty: the GRPO_KIT_REPO environment variable
@@ -117,13 +124,12 @@ table = compare(calculator_model, methods=("trl", "grpo_kit"), unit="GiB", micro
 print(table.round(2).to_string())
 
 # %%
-from IPython.display import display
-
 from grpo_kit.memory import estimate, plot_components
+from grpo_kit.notebook_utils import show_figure
 
 fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=1, **opts) for m in ("trl", "grpo_kit")},
                       budget_gib=gpu_gib, title=f"{calculator_model}, {context_length} tokens, G={num_generations}")
-display(fig)  # a matplotlib Figure (no pyplot): it shows only when displayed
+show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 # %% [markdown]
 # ## Train
