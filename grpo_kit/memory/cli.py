@@ -46,16 +46,6 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def detected_gpu_gib() -> tuple[float, str] | None:
-    """(total memory in GiB, name) of CUDA device 0, or None without one."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(0)
-    return props.total_memory / 2**30, props.name
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo_kit vram",
                                 description="Estimate the GPU memory of one GRPO step, by component.")
@@ -150,13 +140,13 @@ def cli_main(argv: list[str]) -> int:
             print(f"  {comp}: {how}", file=out)
         print("  TRL's 414 GB training memory has no published derivation (shown as published, not derived); "
               "our own derivation for TRL's setup is the 'trl' table above.", file=out)
+    from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
+
     gpu = (args.gpu_gib, "--gpu-gib") if args.gpu_gib else detected_gpu_gib()
     if gpu is None:
         print("No GPU given or detected: pass --gpu-gib N for a verdict (e.g. 15 for a T4, 80 for an H100).",
               file=out)
     else:
-        from grpo_kit.memory.fit import fit_verdict
-
         print(f"Does it fit in {gpu[0]:.2f} GiB ({gpu[1]})?", file=out)
         for m in methods:
             v = fit_verdict(arch, gpu[0], context=args.context, method=m,

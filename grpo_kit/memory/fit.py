@@ -41,6 +41,16 @@ class FitVerdict:
         return f"{head}; {longest}"
 
 
+def detected_gpu_gib() -> tuple[float, str] | None:
+    """(total memory in GiB, name) of CUDA device 0, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.total_memory / GIB, props.name
+
+
 def _peak_bytes(model, context: int, prompt_length: int, kwargs: dict) -> float:
     return total_gpu_bytes(estimate(model, prompt_length=prompt_length, completion_length=context - prompt_length,
                                     **kwargs))
