@@ -132,6 +132,23 @@ fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=
 show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 # %% [markdown]
+# ## Does it fit? The calculator against this GPU
+# The estimate for the kit's trainer against the detected GPU's memory (`gpu_gib` without one): the full setup
+# stops here with the numbers when it would not fit, instead of running out of memory later.
+
+# %%
+from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
+
+gpu = detected_gpu_gib()
+budget_gib, source = gpu if gpu else (gpu_gib, "gpu_gib parameter")
+verdict = fit_verdict(calculator_model, budget_gib, context=context_length, micro_batch_size=1,
+                      **{k: v for k, v in opts.items() if k != "completion_length"})
+print(f"{source}: {verdict.text()}")
+if chosen == "full" and not verdict.fits:
+    fix = f"context_length={verdict.max_context}" if verdict.max_context else "a smaller model"
+    raise RuntimeError(f"the full setup does not fit: {verdict.text()}; try {fix}, four_bit or fp8_kv_cache")
+
+# %% [markdown]
 # ## Train
 # `gradient_checkpointing=True` is offloaded to CPU RAM on a GPU with the kit's trainer; the loss is always the
 # efficient one. In the full setup `four_bit` and `fp8_kv_cache` become the config's `load_in_4bit` (vLLM
