@@ -71,7 +71,8 @@ def _bench(args) -> int:
         raise ValueError(f"no benchmark named {args.name!r}; available: {available or 'none (bench/ not found)'}")
     # Its own process, as `python bench/NAME.py` runs it: bench/ first on the path (scripts import their
     # siblings), and this checkout's grpo_kit importable through PYTHONPATH even where it is not installed.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.call([sys.executable, str(script), *args.rest], env=env)
 
 
