@@ -104,7 +104,7 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
             self.csv_path = run_dir / "metrics.csv"
             self._started = bool(history)  # resumed: metrics.csv already has the rows so far
             self.columns = metric_columns(history)
-            self._first_row = True
+            self._first_row = not history  # a resumed run had its first step already
 
         def on_step_begin(self, args, state, control, **kw):
             self._t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
     from .preflight import advice
 
     zero = row.get("frac_reward_zero_std") or 0.0
-    means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean")}
+    means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
     tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
     head = f"pre-flight (step {row.get('step')}): {zero:.0%} of groups had no reward spread"
     return (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
