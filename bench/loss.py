@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -31,7 +30,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -73,11 +71,13 @@ def load_peers(names):
             os.environ.setdefault("UNSLOTH_IS_PRESENT", "1")
             import importlib.util
 
-            if importlib.util.find_spec("unsloth") is None:
-                stub = Path(tempfile.mkdtemp()) / "unsloth"
-                stub.mkdir()
-                (stub / "__init__.py").write_text("# empty stand-in so that unsloth_zoo imports\n")
-                sys.path.append(str(stub.parent))
+            if importlib.util.find_spec("unsloth") is None:  # an empty module with a spec: find_spec finds it
+                import importlib.machinery
+                import types
+
+                stub = types.ModuleType("unsloth")
+                stub.__spec__ = importlib.machinery.ModuleSpec("unsloth", None)
+                sys.modules["unsloth"] = stub
             import unsloth_zoo
             from unsloth_zoo.fused_losses.fused_linear import fused_linear_logprobs
 

@@ -16,7 +16,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loss import HEADS, bench_one, make_inputs, rel_err  # noqa: E402
 
 import torch  # noqa: E402

@@ -51,8 +51,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 KIT_ROWS = {"grpo_kit_fp8": ("fp8", True), "grpo_kit_bf16": ("auto", True), "grpo_kit_copy": ("auto", False)}
 IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy"}

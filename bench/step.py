@@ -42,7 +42,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402

@@ -13,7 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import timing_runs  # noqa: E402
 
 ROWS = (("grpo_kit_vllm", ["trainer=grpo_kit"]),

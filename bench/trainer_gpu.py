@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 ROWS = {
     "kit_bf16_offload": ["trainer=grpo_kit", "dtype=bf16", "gradient_checkpointing=true"],

@@ -1,4 +1,4 @@
-"""Command line: ``python -m grpo_kit train|bench|vram|doctor``.
+"""Command line: ``python -m grpo_kit train|preflight|bench|vram|doctor`` (also ``grpo-kit ...``).
 
 Each command calls the same functions the notebooks call; errors in what the user
 typed are printed as one line (``error: ...``) with exit code 2, not a traceback.
@@ -10,11 +10,30 @@ import argparse
 import importlib
 import importlib.metadata as md
 import os
-import runpy
+import subprocess
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config_from_args(args):
+    """The config of ``--config``, ``--set`` and ``--output-dir`` (not validated yet)."""
+    from .config import GRPOKitConfig
+
+    cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
+    cfg.apply_overrides(args.set or [])
+    if getattr(args, "output_dir", None):
+        cfg.output_dir = args.output_dir
+    return cfg
+
+
+def _preflight(args) -> int:
+    from .preflight import preflight
+
+    report = preflight(_config_from_args(args).validate(), num_prompts=args.prompts, backend=args.backend)
+    print(report.text())
+    return 0
 
 
 def _train(args) -> int:
@@ -31,10 +50,7 @@ def _train(args) -> int:
         extra = [f"output_dir={args.output_dir}"] if args.output_dir else []
         cfg = resume_config(args.resume, [*(args.set or []), *extra], config_values=values)
     else:
-        cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
-        cfg.apply_overrides(args.set or [])
-        if args.output_dir:
-            cfg.output_dir = args.output_dir
+        cfg = _config_from_args(args)
     cfg.validate()
     from .run import train
 
@@ -53,9 +69,11 @@ def _bench(args) -> int:
     script = bench_dir / f"{args.name}.py"
     if not script.is_file():
         raise ValueError(f"no benchmark named {args.name!r}; available: {available or 'none (bench/ not found)'}")
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    # Its own process, as `python bench/NAME.py` runs it: bench/ first on the path (scripts import their
+    # siblings), and this checkout's grpo_kit importable through PYTHONPATH even where it is not installed.
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.call([sys.executable, str(script), *args.rest], env=env)
 
 
 def _vram(args) -> int:
@@ -122,12 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("vram", help="VRAM estimate table (see grpo_kit.memory)", add_help=False)
     v.add_argument("rest", nargs=argparse.REMAINDER)
     v.set_defaults(func=_vram)
+    f = sub.add_parser("preflight", help="sample the untrained model: share of groups with no reward spread, "
+                       "truncation, reward histograms, advice")
+    f.add_argument("--config", help="YAML file with GRPOKitConfig fields")
+    f.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
+    f.add_argument("--prompts", type=int, default=8, help="training prompts to sample (default 8)")
+    f.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend (default hf)")
+    f.set_defaults(func=_preflight)
     d = sub.add_parser("doctor", help="what is installed and which features will be used")
     d.set_defaults(func=_doctor)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .console import warn_once_per_message
+
+    warn_once_per_message()
     argv = sys.argv[1:] if argv is None else list(argv)
     # `bench NAME ...` and `vram ...` hand every later argument (options included) to their own parser.
     if argv[:1] == ["vram"]:

@@ -92,7 +92,9 @@ class GRPOKitConfig:
     scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
     num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
-    reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions by name, from {REWARD_FUNCS}.")
+    reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions: built-in names from {REWARD_FUNCS}, "
+                            "`module:function` strings (an importable module, e.g. `my_rewards:length_penalty`) or, "
+                            "from Python (notebook, trainer API), callables `fn(prompts, completions, **columns)`.")
     reward_weights: list = _f([], "One weight per reward function (empty: all 1.0).")
     reward_errors: str = _f("raise", f"When a reward function raises, one of {REWARD_ERRORS}: `raise` stops training "
                             "with an error naming the function and the sample; `zero` scores that sample 0.0 and "
@@ -221,7 +223,11 @@ class GRPOKitConfig:
     def save(self, path: str | os.PathLike) -> None:
         import yaml
 
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        from .rewards import reward_func_spec
+
+        values = self.to_dict()
+        values["reward_funcs"] = [reward_func_spec(r) for r in values["reward_funcs"]]  # callables as module:name
+        Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
     # ---------------------------------------------------------------------------------
     def validate(self) -> "GRPOKitConfig":
@@ -274,9 +280,13 @@ class GRPOKitConfig:
         need(self.epsilon_high >= 0, f"epsilon_high={self.epsilon_high} must be >= 0")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
         need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
-        bad = [r for r in self.reward_funcs if r not in REWARD_FUNCS]
-        need(not bad and len(self.reward_funcs) > 0,
-             f"reward_funcs={self.reward_funcs!r}: each must be one of {list(REWARD_FUNCS)}, at least one")
+        need(len(self.reward_funcs) > 0, f"reward_funcs={self.reward_funcs!r}: at least one is needed")
+        try:  # built-in names, module:function strings (imported here) or callables
+            from .rewards import get_reward_funcs
+
+            get_reward_funcs(self.reward_funcs)
+        except ValueError as e:
+            errors.append(f"reward_funcs: {e}")
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
              f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}")
         bad_levels = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
@@ -357,6 +367,11 @@ def _coerce(key: str, value, annotation):
             raise err
         return int(value)
     if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (2e-4, 5e-5, 1e-6) as strings
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise err from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise err
         return float(value)

@@ -1,7 +1,8 @@
 """Live training dashboard for notebooks: a ``transformers.TrainerCallback``.
 
-Every logged step it records reward mean/std, loss, KL, mean completion length and
-memory (CUDA allocated / peak, process RSS), and shows them as matplotlib panels plus a
+Every logged step it records reward mean/std, each reward function's mean, the share of groups with no
+reward spread, loss, KL, mean completion length, step time and memory (CUDA allocated / peak, process
+RSS), and shows them as two rows of matplotlib panels plus a
 table of the latest sample completions (read from the run folder's ``samples.jsonl``,
 which ``grpo_kit.run.train`` writes). With a widget front end (Jupyter, Colab) the
 figure and table live in an ``ipywidgets.Output`` redrawn in place; without one
@@ -27,9 +28,16 @@ from transformers import TrainerCallback
 MODES = ("auto", "widgets", "static")
 # TRL 1.16 log keys -> dashboard column names
 _LOG_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "loss": "loss", "kl": "kl",
-             "completions/mean_length": "completion_length"}
-PANELS = (("reward_mean", "reward (mean ± std)"), ("loss", "loss"), ("kl", "KL (k3)"),
-          ("completion_length", "completion length (tokens)"), ("memory", "memory (GiB)"))
+             "completions/mean_length": "completion_length", "frac_reward_zero_std": "frac_reward_zero_std",
+             "step_time": "step_time_s"}
+# (row key, title); two rows of four panels. "rewards": one line per reward function (rewards/<fn>/mean).
+PANELS = (("reward_mean", "reward (mean ± std)"), ("rewards", "each reward function"),
+          ("frac_reward_zero_std", "no-signal groups"), ("loss", "loss"), ("kl", "KL (k3)"),
+          ("completion_length", "completion length"), ("step_time_s", "step time"), ("memory", "memory"))
+Y_LABELS = {"reward_mean": "reward", "rewards": "mean reward", "frac_reward_zero_std": "share of groups",
+            "loss": "loss", "kl": "KL", "completion_length": "tokens", "step_time_s": "seconds",
+            "memory": "GiB"}
+PANEL_ROWS = 2
 
 
 def widget_frontend_available() -> bool:
@@ -154,6 +162,8 @@ class LiveDashboard(TrainerCallback):
         for key, name in _LOG_KEYS.items():
             if logs.get(key) is not None:
                 row[name] = float(logs[key])
+        row.update({k: float(v) for k, v in logs.items()
+                    if k.startswith("rewards/") and k.endswith("/mean") and v is not None})
         row.update(memory_now())
         self.history.append(row)
         return row
@@ -162,12 +172,23 @@ class LiveDashboard(TrainerCallback):
         """A matplotlib Figure with one panel per entry of ``PANELS`` over the history."""
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(PANELS), figsize=(3.2 * len(PANELS), 2.8))
+        from .console import reward_name
+
+        cols = -(-len(PANELS) // PANEL_ROWS)
+        fig, axes = plt.subplots(PANEL_ROWS, cols, figsize=(3.2 * cols, 2.6 * PANEL_ROWS), squeeze=False)
         steps = [r["step"] for r in self.history]
-        for ax, (key, title) in zip(axes, PANELS):
+        for ax, (key, title) in zip(axes.flat, PANELS):
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
+            ax.set_ylabel(Y_LABELS[key], fontsize=8)
             ax.grid(alpha=0.3)
+            if key == "rewards":
+                names = sorted({k for r in self.history for k in r if k.startswith("rewards/")})
+                for k in names:
+                    ax.plot(steps, [r.get(k, float("nan")) for r in self.history], marker=".", label=reward_name(k))
+                if names:
+                    ax.legend(fontsize=7)
+                continue
             if key == "memory":
                 for mkey, label in (("cpu_rss_gib", "CPU RSS"), ("gpu_allocated_gib", "GPU allocated"),
                                     ("gpu_peak_gib", "GPU peak")):

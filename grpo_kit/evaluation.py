@@ -10,13 +10,17 @@ from .rewards import extract_number, numbers_equal
 
 @torch.no_grad()
 def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: str = "", max_new_tokens: int = 32,
-                      batch_size: int = 50, num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> dict:
+                      batch_size: int = 50, num_samples: int = 1, temperature: float = 0.0, seed: int = 0,
+                      progress: str | None = None) -> dict:
     """Accuracy of ``model`` on ``examples`` (``question``/``answer`` dicts).
 
     ``temperature=0`` is greedy decoding; otherwise ``num_samples`` samples per problem
     are drawn and accuracy is the mean over all samples. Returns ``accuracy``,
-    ``by_level`` (when examples carry a level), ``n`` and the first few ``samples``.
+    ``by_level`` (when examples carry a level), ``n`` and the first few ``samples``. ``progress``: the label
+    of a tqdm bar over the problems (None: no bar).
     """
+    from tqdm.auto import tqdm
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -25,6 +29,7 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     correct: list[float] = []
     samples = []
+    bar = tqdm(total=len(examples), desc=progress, unit="problem", disable=progress is None, leave=False)
     try:
         for start in range(0, len(examples), batch_size):
             batch = examples[start:start + batch_size]
@@ -48,7 +53,9 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
                 if len(samples) < 8:
                     samples.append({"question": ex["question"], "answer": ex["answer"], "completion": text,
                                     "correct": ok})
+            bar.update(len(batch))
     finally:
+        bar.close()
         tokenizer.padding_side = side
         model.train(was_training)
     result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(examples), "samples": samples}

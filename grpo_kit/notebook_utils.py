@@ -107,13 +107,38 @@ def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
+def show_figure(fig, dpi: int = 100) -> None:
+    """Display a matplotlib ``Figure`` in the notebook as a PNG, whatever the backend: a bare Figure (as
+    ``grpo_kit.memory.plot_components`` returns) has no pyplot manager, so ``plt.show()`` never draws it and
+    ``display(fig)`` shows only its text form unless the inline backend registered a formatter."""
+    import io
+
+    from IPython.display import Image, display
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    display(Image(data=buf.getvalue()))
+
+
+# Where an installed package keeps the checkout's data folders (pyproject.toml's package-dir maps them).
+_PACKAGED_DIRS = {"data": "_data", "bench/results": "_results"}
+
+
 def repo_file(relative: str):
-    """``Path`` of a file of the kit's source checkout (``data/...``, ``bench/results/...``), or None
-    when the kit was installed without its checkout (e.g. pip from git on Colab)."""
+    """``Path`` of a file of the kit's source checkout (``data/...``, ``bench/results/...``): the checkout's
+    copy, else the one an installed package carries (pip from git on Colab: ``grpo_kit/_data``,
+    ``grpo_kit/_results``), else None (a file that is not packaged, e.g. a PNG of ``bench/results``)."""
     from pathlib import Path
 
-    p = Path(__file__).resolve().parents[1] / relative
-    return p if p.exists() else None
+    package = Path(__file__).resolve().parent
+    p = package.parent / relative
+    if p.exists():
+        return p
+    for folder, packaged in _PACKAGED_DIRS.items():
+        if relative == folder or relative.startswith(folder + "/"):
+            p = package / packaged / relative[len(folder):].lstrip("/")
+            return p if p.exists() else None
+    return None
 
 
 def run_report(summary: dict) -> str:

@@ -194,12 +194,67 @@ REWARD_FUNCTIONS = {
 }
 
 
-def get_reward_funcs(names) -> list:
-    """Reward functions by name (see ``REWARD_FUNCTIONS``)."""
-    unknown = [n for n in names if n not in REWARD_FUNCTIONS]
-    if unknown:
-        raise ValueError(f"unknown reward function(s) {unknown}; known: {list(REWARD_FUNCTIONS)}")
-    return [REWARD_FUNCTIONS[n] for n in names]
+def resolve_reward_func(spec):
+    """One reward function from a config entry: a built-in name (``REWARD_FUNCTIONS``), a ``module:function``
+    string (the module is imported; dots allowed on both sides, e.g. ``my_rewards:Scorer.score``), or a
+    callable, returned as is. A bad entry raises ``ValueError`` naming it and what failed.
+
+    >>> resolve_reward_func("correctness") is correctness_reward
+    True
+    >>> resolve_reward_func("grpo_kit.rewards:format_soft_reward") is format_soft_reward
+    True
+    >>> resolve_reward_func("no_such_module_xyz:fn")
+    Traceback (most recent call last):
+    ...
+    ValueError: reward function 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz' (ModuleNotFoundError: No module named 'no_such_module_xyz')
+    """
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"reward function {spec!r}: expected a built-in name, 'module:function' or a callable, "
+                         f"got {type(spec).__name__}")
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"unknown reward function {spec!r}; use a built-in name ({', '.join(REWARD_FUNCTIONS)}), "
+                         "'module:function' (an importable module) or, from Python, a callable")
+    import importlib
+
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # the module's own import errors too: name the entry, keep the cause
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} "
+                         f"({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def get_reward_funcs(specs) -> list:
+    """Reward functions from config entries (see :func:`resolve_reward_func`); every bad entry in one error."""
+    funcs, errors = [], []
+    for spec in specs:
+        try:
+            funcs.append(resolve_reward_func(spec))
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ValueError("; ".join(errors))
+    return funcs
+
+
+def reward_func_spec(spec) -> str:
+    """How a config entry is written to ``config.yaml``: names and strings as they are, a callable as
+    ``module:qualname`` (a notebook's function reads ``__main__:name``)."""
+    if isinstance(spec, str):
+        return spec
+    builtin = next((name for name, fn in REWARD_FUNCTIONS.items() if fn is spec), None)
+    return builtin or f"{getattr(spec, '__module__', None) or '?'}:{getattr(spec, '__qualname__', type(spec).__name__)}"
 
 class RewardFunctionError(ValueError):
     """A reward function returned something unusable or raised; the message names it and the sample."""

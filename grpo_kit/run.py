@@ -19,11 +19,18 @@ from pathlib import Path
 import torch
 
 from .config import GRPOKitConfig
+from .console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
 from .data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
 from .rewards import checked_reward_func, get_reward_funcs
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
                   "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
+
+
+def metric_columns(history: list[dict]) -> list[str]:
+    """metrics.csv's header: ``METRIC_COLUMNS``, then every other key TRL logged in the first row (the full
+    dict: per-reward means and stds, entropy, clipped ratio, token counts, ...), in TRL's order."""
+    return METRIC_COLUMNS + [k for k in (history[0] if history else {}) if k not in METRIC_COLUMNS]
 
 
 def resolve_device(cfg: GRPOKitConfig) -> str:
@@ -88,13 +95,16 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
     from transformers import TrainerCallback
 
     class MetricsCallback(TrainerCallback):
-        """Writes one metrics.csv row per logged step, with step time and peak memory."""
+        """Writes one metrics.csv row per logged step (TRL's whole dict, with step time and peak memory) and
+        prints the step's compact line (grpo_kit.console.step_line)."""
 
         def __init__(self):
             self._t0 = None
             self._times: list[float] = []
             self.csv_path = run_dir / "metrics.csv"
             self._started = bool(history)  # resumed: metrics.csv already has the rows so far
+            self.columns = metric_columns(history)
+            self._first_row = not history  # a resumed run had its first step already
 
         def on_step_begin(self, args, state, control, **kw):
             self._t0 = time.perf_counter()
@@ -107,10 +117,6 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
             logs = logs or {}
             if "reward" not in logs or not state.is_world_process_zero:  # summary line, or another process
                 return
-            if not self._started:  # created on the first row, so other processes never truncate it
-                with self.csv_path.open("w", newline="") as fh:
-                    csv.writer(fh).writerow(METRIC_COLUMNS)
-                self._started = True
             row = {
                 "step": state.global_step,
                 "reward_mean": logs.get("reward"),
@@ -126,13 +132,37 @@ def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list
                 # Share of groups whose rewards are all equal: zero advantage, so no learning signal.
                 "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
             }
-            row.update({k: v for k, v in logs.items() if k.startswith("rewards/")})
+            row.update({k: v for k, v in logs.items() if k not in row})
             self._times.clear()
             history.append(row)
+            if not self._started:  # created on the first row, so other processes never truncate it
+                self.columns = metric_columns(history)
+                with self.csv_path.open("w", newline="") as fh:
+                    csv.writer(fh).writerow(self.columns)
+                self._started = True
             with self.csv_path.open("a", newline="") as fh:
-                csv.writer(fh).writerow([row[c] for c in METRIC_COLUMNS])
+                csv.writer(fh).writerow([row.get(c) for c in self.columns])
+            from tqdm import tqdm
+
+            tqdm.write(step_line(row, cfg.max_steps))  # above the progress bar, not through it
+            if self._first_row:  # the short pre-flight check: did the start carry a learning signal?
+                self._first_row = False
+                tqdm.write(first_step_advice(cfg, row))
 
     return MetricsCallback()
+
+
+def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
+    """One line after the first logged step: its share of no-signal groups and, when most groups had none,
+    the pre-flight advice (grpo_kit.preflight.advice)."""
+    from .preflight import advice
+
+    zero = row.get("frac_reward_zero_std") or 0.0
+    means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
+    tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
+    head = f"pre-flight (step {row.get('step')}): {zero:.0%} of groups had no reward spread"
+    return (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
+            f"{head}: the start has a learning signal")
 
 
 def plot_rewards(history: list[dict], path: Path) -> None:
@@ -239,6 +269,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     ``resume=True``: continue the run in ``cfg.output_dir`` from its last complete checkpoint (use
     :func:`grpo_kit.resume.resume`, which also checks the config against the saved one).
     """
+    warn_once_per_message()  # before TRL's imports, whose vLLM version warning comes from five lines
     cfg.validate()
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
@@ -300,7 +331,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
     evals = dict(resumed.get("evals") or {})
     if heldout and is_main and "before" not in evals:
-        evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw)
+        evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw,
+                                            progress="held-out before" if progress else None)
         print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)", flush=True)
 
     peft_config = None
@@ -315,7 +347,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     if resume:
         from .resume import restore_run_files
 
-        history = restore_run_files(run_dir, resumed, METRIC_COLUMNS, samples_path) if is_main else []
+        history = restore_run_files(run_dir, resumed, metric_columns(resumed.get("metrics") or []),
+                                    samples_path) if is_main else []
     else:
         samples_path.write_text("")
     recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors) for f in reward_funcs],
@@ -336,6 +369,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
         "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
     if not progress:
         trainer.args.disable_tqdm = True
+    quiet_trainer_logs(trainer, progress_bar=progress)  # the compact step line instead of TRL's dict
     t_train = time.perf_counter()
     try:
         try:
@@ -363,7 +397,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
 
         trained = trainer.model
         if heldout:
-            evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw)
+            evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw,
+                                               progress="held-out after" if progress else None)
             print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}", flush=True)
         (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
     finally:
@@ -382,5 +417,6 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
         "quantization": getattr(model, "grpo_kit_quantization", None),
         "run_dir": str(run_dir),
     }
+    summary = rounded(summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

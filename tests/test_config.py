@@ -34,6 +34,18 @@ def test_bad_values_are_named(overrides, match):
         cfg.validate()
 
 
+def test_floats_in_exponent_notation(tmp_path):
+    """YAML 1.1 (PyYAML) reads 5e-5 as a string; YAML files and --set accept it as a float."""
+    p = tmp_path / "c.yaml"
+    p.write_text("learning_rate: 5e-5\nbeta: 1e-6\nvllm_kv_cache_gib: 2E0\n")
+    cfg = GRPOKitConfig.from_yaml(p, ["weight_decay=2e-4", "max_grad_norm=1.5"])
+    assert (cfg.learning_rate, cfg.beta, cfg.vllm_kv_cache_gib, cfg.weight_decay, cfg.max_grad_norm) == \
+        (5e-5, 1e-6, 2.0, 2e-4, 1.5)
+    assert GRPOKitConfig().apply_overrides(["learning_rate=2e-4"]).validate().learning_rate == 2e-4
+    with pytest.raises(ConfigError, match="learning_rate='2e-4x' has the wrong type: expected float"):
+        GRPOKitConfig().apply_overrides(["learning_rate=2e-4x"])
+
+
 def test_unknown_key_and_wrong_type():
     with pytest.raises(ConfigError, match="unknown config key 'num_generation'. Did you mean num_generations"):
         GRPOKitConfig().apply_overrides(["num_generation=4"])

