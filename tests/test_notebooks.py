@@ -129,8 +129,8 @@ def test_notebook_runs(name, tmp_path):
 @pytest.mark.parametrize("name, params, needle", [
     ("05_rewards_and_verifiers", {"num_problems": "many"}, "num_problems='many' has the wrong type"),
     ("03_qwen2.5_grpo", {"model": "no-such-model"}, "model='no-such-model' is not a built-in name"),
-    # the full setup's 4-bit option is checked up front: no bitsandbytes here (nor on a CPU at all)
-    ("04_llama3.1_grpo_long_context", {"setup": "full"}, "load_in_4bit=True needs the bitsandbytes package"),
+    # the full setup's 4-bit option is refused before any model loads on a machine without a CUDA GPU
+    ("04_llama3.1_grpo_long_context", {"setup": "full", "four_bit": True}, "load_in_4bit=True needs a CUDA GPU"),
 ])
 def test_bad_parameter_fails_in_validation_cell(name, params, needle, tmp_path):
     """A wrong type or an unknown model stops the notebook in the cell after the parameters."""
