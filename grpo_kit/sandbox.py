@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -285,11 +284,34 @@ def run_many(codes, *, stdins=None, limits: SandboxLimits | None = None,
 
 
 # --- the example verifier -----------------------------------------------------------------------
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = "```"
+_PYTHON_TAGS = ("python3", "python", "py")
+
+
+def _fence_body_start(text: str, i: int) -> tuple[int, bool] | None:
+    """Where the body of an opening fence at ``text[i]`` starts, and whether it is tagged Python; None if it
+    is not an opening fence (three backticks, spaces, an optional ``python``/``python3``/``py`` tag, spaces,
+    a newline). Reads only to the end of that line."""
+    n = len(text)
+    j = i + len(_FENCE)
+    while j < n and text[j] in " \t":
+        j += 1
+    for tag in _PYTHON_TAGS:
+        if text[j:j + len(tag)].lower() == tag:
+            k = j + len(tag)
+            while k < n and text[k] in " \t":
+                k += 1
+            k += k < n and text[k] == "\r"
+            if k < n and text[k] == "\n":
+                return k + 1, True
+    k = j + (j < n and text[j] == "\r")
+    return (k + 1, False) if k < n and text[k] == "\n" else None
 
 
 def extract_code(text: str) -> str | None:
     """The last fenced code block (```` ```python ```` preferred, else any ```` ``` ````), or ``None``.
+
+    Found with ``str.find`` (linear time, no backtracking regex: completions are adversarial).
 
     >>> extract_code("Here:\\n```python\\nprint(1 + 1)\\n```\\nDone.")
     'print(1 + 1)\\n'
@@ -298,11 +320,22 @@ def extract_code(text: str) -> str | None:
     """
     if not isinstance(text, str):
         return None
-    blocks = _FENCE.findall(text)
-    python = [b for b, m in zip(blocks, _FENCE.finditer(text)) if re.match(r"```[ \t]*(python3?|py)", m.group(0),
-                                                                             re.IGNORECASE)]
-    chosen = python or blocks
-    return chosen[-1] if chosen and chosen[-1].strip() else None
+    last_any = last_python = None
+    i = text.find(_FENCE)
+    while i >= 0:
+        opened = _fence_body_start(text, i)
+        if opened is None:
+            i = text.find(_FENCE, i + 1)
+            continue
+        body, python = opened
+        end = text.find(_FENCE, body)
+        if end < 0:
+            break  # no closing fence anywhere after: no later block can close either
+        last_any = text[body:end]
+        last_python = last_any if python else last_python
+        i = text.find(_FENCE, end + len(_FENCE))
+    chosen = last_python if last_python is not None else last_any
+    return chosen if chosen is not None and chosen.strip() else None
 
 
 def _column(kwargs: dict, name: str, n: int):
@@ -331,7 +364,7 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
     all score 0.0; anything other than a plain wrong result is logged at WARNING with its reason.
     The latest batch's :class:`SandboxResult` objects are kept on ``fn.last_results``.
     """
-    from .rewards import completion_text, extract_number, numbers_equal, _reference
+    from .rewards import answer_matches, completion_text
 
     lim = limits or SandboxLimits()
 
@@ -363,7 +396,7 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
                 elif expected[i] is not None:
                     scores[i] = 1.0 if res.stdout.strip() == str(expected[i]).strip() else 0.0
                 else:
-                    scores[i] = 1.0 if numbers_equal(extract_number(res.stdout), _reference(answers[i])) else 0.0
+                    scores[i] = 1.0 if answer_matches(res.stdout, answers[i]) else 0.0
             elif not res.reason.startswith("exit code") or "MemoryError" in res.stderr[-2000:]:
                 logger.warning("%s: sample %d scored 0: %s (%.2f s)", name, i, res.reason, res.duration_s)
             else:
