@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConfigError included: bad input gets one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be used (permissions, a file where a folder must be)
+        if e.filename is None:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:  # a guard stopped training (state saved), or nothing to resume from
         from .guards import TrainingStopped
         from .resume import CheckpointError

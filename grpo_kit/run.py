@@ -301,8 +301,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
         history = restore_run_files(run_dir, resumed, METRIC_COLUMNS, samples_path) if is_main else []
     else:
         samples_path.write_text("")
-    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors) for f in reward_funcs],
-                              samples_path)
+    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors, time_limit_s=cfg.reward_time_limit_s)
+                               for f in reward_funcs], samples_path)
     recorder.step = int(resumed.get("recorder_step") or 0)
     callback = _make_callback(cfg, run_dir, device, history)
 
