@@ -230,6 +230,21 @@ def scan_numbers(text: str, start: int = 0):
             i += 1
 
 
+def single_number(text: str) -> Number | None:
+    """The one readable numeral that ``text`` is, whitespace aside (``" -1,000 "``), else None.
+
+    >>> single_number(" 3/4 ").value, single_number("3 apples"), single_number("1_000")
+    (Fraction(3, 4), None, None)
+    """
+    if not isinstance(text, str):
+        return None
+    text = text.strip()
+    found = scan_numbers(text)
+    number, extra = next(found, None), next(found, None)
+    ok = number is not None and extra is None and number.start == 0 and number.end == len(text)
+    return number if ok and number.value is not None else None
+
+
 def _first(text: str, start: int) -> Number | None:
     return next(scan_numbers(text, start), None)
 

@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from .answers import scan_numbers
+from .answers import single_number
 
 # Short on purpose: on a 2-core CPU every prompt token is paid for in every generation.
 DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the line: Answer: <number>"
@@ -140,10 +140,8 @@ def parse_gsm8k_answer(answer: str) -> str:
     tail = answer.rsplit("####", 1)[1].strip()
     if not tail:
         raise ValueError("answer has an empty '####' line")
-    found = scan_numbers(tail)
-    number, extra = next(found, None), next(found, None)
-    if (number is None or extra is not None or number.value is None or number.exponent or number.start != 0
-            or number.end != len(tail)):
+    number = single_number(tail)
+    if number is None or number.exponent:
         raise ValueError(f"answer's '####' line is not a plain number: {tail[:80]!r} (expected digits, optionally "
                          "with a sign, $, thousands commas, a decimal part or a /denominator)")
     if number.exact and number.value.denominator == 1:

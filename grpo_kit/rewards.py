@@ -14,7 +14,7 @@ import math
 import re
 import time
 
-from .answers import as_number, extract_answer, numbers_equal, scan_numbers, to_float
+from .answers import as_number, extract_answer, numbers_equal, single_number, to_float
 from .time_limit import TimeLimitExceeded, call_with_time_limit
 
 _log = logging.getLogger("grpo_kit.rewards")
@@ -128,11 +128,7 @@ def _is_answer_line(line: str) -> bool:
     if not line.startswith(ANSWER_PREFIX):
         return False
     rest = line[len(ANSWER_PREFIX):].strip()
-    rest = rest[:-1].rstrip() if rest.endswith(".") else rest
-    found = scan_numbers(rest)
-    first, second = next(found, None), next(found, None)
-    return (first is not None and second is None and first.value is not None and first.start == 0
-            and first.end == len(rest))
+    return single_number(rest[:-1] if rest.endswith(".") else rest) is not None
 
 
 def format_soft_reward(prompts, completions, **kwargs) -> list[float]:

@@ -42,9 +42,11 @@ process-group kill. Run training inside a container or VM if you execute hostile
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -57,32 +59,52 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("grpo_kit.sandbox")
 
 _BOOTSTRAP = r'''
-import os, sys, resource, signal
+import os, sys, resource, signal, json
 cfg = eval(sys.argv[1])
+with os.fdopen(cfg["payload_fd"], "rb") as fh:  # code, tests and the run's secret; never a file by path
+    _payload = json.loads(fh.read().decode("utf-8", "surrogatepass"))
+def _report(key, value, fd=cfg["report_fd"], tag=_payload["secret"]):  # the harness's channel, not stdout
+    os.write(fd, (json.dumps([key, value, tag]) + "\n").encode())
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 net = "audit"
 if cfg["netns"]:
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        flags = 0x40000000 if os.geteuid() == 0 else 0x40000000 | 0x10000000  # CLONE_NEWNET (| CLONE_NEWUSER)
-        if libc.unshare(flags) == 0:
+        # CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC (| CLONE_NEWUSER without root)
+        flags = 0x40000000 | 0x20000000 | 0x08000000
+        if libc.unshare(flags if os.geteuid() == 0 else flags | 0x10000000) == 0:
             net = "namespace+audit"
     except Exception:
         pass
+if net == "namespace+audit":
+    # The first child is PID 1 of a new PID namespace: when it ends, the kernel kills every process left in
+    # it, daemons and setsid() included. It only reaps; the program runs in its child, a normal process.
+    init = os.fork()
+    if init:
+        _report("init_pid", init)
+        os.waitpid(init, 0)
+        os._exit(0)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the outer bootstrap
+    worker = os.fork()
+    if worker:
+        while True:
+            pid, status = os.wait()
+            if pid == worker:
+                _report("status", status)
+                os._exit(0)
+_report("net", net)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over-long output: write() fails instead of a kill
 cpu = cfg["cpu"]
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 if cfg["mem"]:
     resource.setrlimit(resource.RLIMIT_AS, (cfg["mem"], cfg["mem"]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"]))
-import socket as _s  # before dropping privileges, as the hook needs it
+import socket as _s, ast as _ast  # before dropping privileges, as the hook and the test harness need them
 if os.geteuid() == 0 and cfg["drop"]:
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
-with open("net_mode", "w") as fh:
-    fh.write(net)
 _ALLOWED_FAMILIES = {int(_s.AF_UNIX)}
 _NO_PROC = not cfg["subprocess"]
 _PROC_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
@@ -97,11 +119,49 @@ def _hook(event, args):
     elif _NO_PROC and event in _PROC_EVENTS:
         raise PermissionError("starting processes is disabled in the sandbox")
 sys.addaudithook(_hook)
-del _hook, cfg
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), list, tuple, dict, set, frozenset)
+# == in the tests: a plain value (a number, a str, a container of them) equals only a plain value, so an
+# object of the program's own (e.g. one whose __eq__ is always True) cannot pass for the expected result.
+# The builtins it uses are bound now, before the program could replace them.
+def _make_same(type=type, len=len, zip=zip, all=all, PLAIN=_PLAIN):
+    numbers = (int, float, complex, bool)
+    def same(a, b):
+        ta, tb = type(a), type(b)
+        if ta not in PLAIN or tb not in PLAIN:
+            return ta not in PLAIN and tb not in PLAIN and a == b
+        if ta in numbers and tb in numbers:
+            return a == b
+        if ta is not tb:
+            return False
+        if ta in (list, tuple):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if ta is dict:
+            return (len(a) == len(b) and all(type(k) in PLAIN for k in a) and all(k in b for k in a)
+                    and all(same(a[k], b[k]) for k in a))
+        if ta in (set, frozenset):
+            return all(type(x) in PLAIN for x in a) and all(type(x) in PLAIN for x in b) and a == b
+        return a == b
+    return same
+class _StrictEq(_ast.NodeTransformer):
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (_ast.Eq, _ast.NotEq)):
+            return node
+        call = _ast.Call(_ast.Name("__grpo_kit_same__", _ast.Load()), [node.left, node.comparators[0]], [])
+        return _ast.UnaryOp(_ast.Not(), call) if isinstance(node.ops[0], _ast.NotEq) else call
+_tests = _payload["tests"]
+_tests = None if _tests is None else compile(_ast.fix_missing_locations(_StrictEq().visit(_ast.parse(_tests))),
+                                             "tests", "exec")
+def _run(src=_payload["code"], tests=_tests, same=_make_same(), report=_report,
+         dict=dict, exec=exec, compile=compile):
+    g = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+    exec(compile(src, "main.py", "exec"), g)
+    if tests is not None:
+        exec(tests, dict(g, __grpo_kit_same__=same))
+        report("tests_completed", True)  # after the last assertion, tagged with a value never handed to the program
+del _hook, cfg, _payload, _tests
 sys.argv = ["main.py"]
-_src = open("main.py", encoding="utf-8").read()
-_g = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
-exec(compile(_src, "main.py", "exec"), _g)
+_run()
 '''
 
 
@@ -116,6 +176,8 @@ class SandboxLimits:
     network_namespace: bool = True  # try an empty network namespace (the audit hook applies anyway)
     allow_subprocess: bool = False
     drop_privileges: bool = True  # as root: run the code as nobody (65534)
+    # As root where the code cannot run as nobody: refuse (score 0, one warning) unless this is True.
+    allow_root: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -140,6 +202,7 @@ class SandboxResult:
     duration_s: float = 0.0
     network: str = ""  # "namespace+audit" or "audit" (how network access was blocked)
     extra: dict = field(default_factory=dict)
+    tests_completed: bool = False  # the harness ran every test to its end (run_python's ``tests``)
 
 
 def _tail(text: str, n: int = 300) -> str:
@@ -168,68 +231,109 @@ def _reason(rc: int | None, stderr: str, timed_out: bool, timeout_s: float) -> s
     return f"exit code {rc}" + (f": {_tail(last, 200)}" if last else "")
 
 
-def _read(path: str, limit: int) -> str:
+def _read(fh, limit: int) -> str:
+    """What the child wrote into a file the parent opened (never reopened by path: no FIFO or symlink tricks)."""
+    fh.seek(0)
+    return fh.read(limit).decode("utf-8", errors="replace")
+
+
+def _reports(fh, secret: str) -> dict:
+    """The harness's ``[key, value, secret]`` lines: net mode, PID-namespace init, exit status, tests completed.
+    Lines without the run's secret are the program's and ignored; the exit status is the last one written."""
+    out = {}
+    for line in _read(fh, 1 << 16).splitlines():
+        try:
+            key, value, tag = json.loads(line)
+        except (ValueError, TypeError):
+            continue
+        if tag == secret and (key == "status" or key not in out):
+            out[key] = value
+    return out
+
+
+def _parent_pid(pid: int) -> int | None:
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(limit)
-    except OSError:
-        return ""
-    return data.decode("utf-8", errors="replace")
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+_ROOT_WARNED = False
+
+
+def _refuse_as_root() -> SandboxResult:
+    global _ROOT_WARNED
+    reason = ("refused: running as root and the code cannot run as an unprivileged user (nobody cannot start "
+              f"{sys.executable}); set SandboxLimits(allow_root=True) to run model code as root anyway")
+    if not _ROOT_WARNED:
+        logger.warning("grpo_kit.sandbox %s", reason)
+        _ROOT_WARNED = True
+    return SandboxResult(ok=False, reason=reason, returncode=None)
+
+
+def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = None,
+               tests: str | None = None) -> SandboxResult:
     """Run ``code`` (a Python program) in a sandboxed subprocess; never raises for what the code does.
 
     ``stdin`` is fed to the program; stdout and stderr come back (up to ``max_output_bytes``).
+    ``tests``: Python run after the program, in its namespace (``==`` there is plain-value equality);
+    ``tests_completed`` is True only when the harness saw the last of them finish.
     """
     if not isinstance(code, str):
         raise ValueError(f"code must be a str, got {type(code).__name__}")
     lim = limits or SandboxLimits()
+    drop = lim.drop_privileges and os.geteuid() == 0 and _nobody_can_run_python()
+    if os.geteuid() == 0 and not drop and not lim.allow_root:
+        return _refuse_as_root()
     scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
     t0 = time.perf_counter()
     timed_out = False
     proc = None
+    secret = secrets.token_hex(16)
+    # Every channel is a file the parent opened and keeps: no name in the scratch folder to swap.
+    out, err, inp, payload, report = (tempfile.TemporaryFile() for _ in range(5))
     try:
-        drop = lim.drop_privileges and os.geteuid() == 0 and _nobody_can_run_python()
         if drop:
             os.chown(scratch, 65534, 65534)
         os.chmod(scratch, 0o700)
-        main = os.path.join(scratch, "main.py")
-        with open(main, "w", encoding="utf-8", errors="surrogatepass") as fh:
-            fh.write(code)
-        with open(os.path.join(scratch, "stdin.txt"), "w", encoding="utf-8", errors="surrogatepass") as fh:
-            fh.write(stdin)
+        inp.write(stdin.encode("utf-8", "surrogatepass"))
+        payload.write(json.dumps({"code": code, "tests": tests, "secret": secret}).encode("utf-8", "surrogatepass"))
+        for fh in (inp, payload):
+            fh.flush()
+            fh.seek(0)
         cfg = dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))),
                    mem=None if lim.memory_mb is None else lim.memory_mb * 2**20,
                    fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
-                   drop=drop)
+                   drop=drop, payload_fd=payload.fileno(), report_fd=report.fileno())
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8"}
-        out_path, err_path = os.path.join(scratch, "stdout.txt"), os.path.join(scratch, "stderr.txt")
-        with open(out_path, "wb") as out, open(err_path, "wb") as err, \
-                open(os.path.join(scratch, "stdin.txt"), "rb") as inp:
-            if drop:
-                for p in (out_path, err_path):
-                    os.chown(p, 65534, 65534)
-            proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, repr(cfg)], cwd=scratch, env=env,
-                                    stdin=inp, stdout=out, stderr=err, start_new_session=True, close_fds=True)
-            try:
-                proc.wait(timeout=lim.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, repr(cfg)], cwd=scratch, env=env,
+                                stdin=inp, stdout=out, stderr=err, start_new_session=True, close_fds=True,
+                                pass_fds=(payload.fileno(), report.fileno()))
+        try:
+            proc.wait(timeout=lim.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_all(proc, report, secret)
+        got = _reports(report, secret)
         rc = proc.returncode
-        stdout, stderr = _read(out_path, lim.max_output_bytes), _read(err_path, lim.max_output_bytes)
-        net = _read(os.path.join(scratch, "net_mode"), 64)
+        if isinstance(got.get("status"), int):  # the program ran under a PID-namespace init: its own status
+            rc = os.waitstatus_to_exitcode(got["status"])
+        stdout, stderr = _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes)
         reason = _reason(rc, stderr, timed_out, lim.timeout_s)
         return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout,
-                             stderr=stderr, duration_s=time.perf_counter() - t0, network=net)
+                             stderr=stderr, duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
+                             tests_completed=got.get("tests_completed") is True)
     except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
         return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
                              duration_s=time.perf_counter() - t0)
     finally:
         if proc is not None:
-            _kill_group(proc)
+            _kill_all(proc, report, secret)
+        for fh in (out, err, inp, payload, report):
+            fh.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -249,12 +353,18 @@ def _nobody_can_run_python() -> bool:
     return _NOBODY_OK
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole process group (it leads its own session), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_all(proc: subprocess.Popen, report, secret: str) -> None:
+    """SIGKILL the child's PID-namespace init (whose end kills every process left in the namespace, setsid()
+    daemons included) and the child's process group, then reap the child."""
+    init = _reports(report, secret).get("init_pid")
+    if not (isinstance(init, int) and init > 1 and _parent_pid(init) == proc.pid):
+        init = None  # gone already, or not the child's own
+    for kill, target in ((os.kill, init), (os.killpg, proc.pid)):
+        if target is not None:
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -265,22 +375,24 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def run_many(codes, *, stdins=None, limits: SandboxLimits | None = None,
+def run_many(codes, *, stdins=None, tests=None, limits: SandboxLimits | None = None,
              max_workers: int | None = None) -> list[SandboxResult]:
     """Run many programs, ``max_workers`` at a time (default: the CPU count, at most 8).
 
-    Wall time is bounded by about ``ceil(len(codes) / max_workers) * timeout_s`` plus start-up
-    costs, whatever the programs do.
+    ``stdins``, ``tests``: one per program (see :func:`run_python`), or None. Wall time is bounded by
+    about ``ceil(len(codes) / max_workers) * timeout_s`` plus start-up costs, whatever the programs do.
     """
     codes = list(codes)
     stdins = [""] * len(codes) if stdins is None else list(stdins)
-    if len(stdins) != len(codes):
-        raise ValueError(f"{len(codes)} programs but {len(stdins)} stdin strings")
+    tests = [None] * len(codes) if tests is None else list(tests)
+    if not len(stdins) == len(tests) == len(codes):
+        raise ValueError(f"{len(codes)} programs but {len(stdins)} stdin strings and {len(tests)} tests")
     if not codes:
         return []
     workers = max(1, min(len(codes), max_workers or default_workers()))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpo_kit_sandbox") as pool:
-        return list(pool.map(lambda cs: run_python(cs[0], stdin=cs[1], limits=limits), zip(codes, stdins)))
+        return list(pool.map(lambda job: run_python(job[0], stdin=job[1], tests=job[2], limits=limits),
+                             zip(codes, stdins, tests)))
 
 
 # --- the example verifier -----------------------------------------------------------------------
@@ -353,18 +465,22 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
 
     Per sample, the dataset columns decide what "right" means (the first one present wins):
 
-    * ``tests``: Python code (a string, or a list of strings) appended to the program, e.g.
-      ``assert add(2, 3) == 5``; 1.0 when the whole program exits with status 0;
-    * ``expected_output``: 1.0 when the program's stdout, stripped, equals it (``stdin`` column
-      optional, fed to the program);
-    * ``answer``: 1.0 when the last number the program prints equals it (as
-      :func:`grpo_kit.rewards.extract_number` reads numbers).
+    * ``tests``: Python code (a string, or a list of strings) run after the program in its namespace,
+      e.g. ``assert add(2, 3) == 5``; 1.0 only when the harness saw the last test finish (exiting early,
+      ``atexit`` tricks and a faked exit status do not count), and ``==`` / ``!=`` in the tests compare
+      plain values (an object of the program's own never equals a number, string or container of them);
+    * ``expected_output``: 1.0 when the program exits 0 and its stdout, stripped, equals it (``stdin``
+      column optional, fed to the program);
+    * ``answer``: 1.0 when the program exits 0 and its final-answer line, the last non-empty line of
+      stdout, is exactly one number equal to it (:mod:`grpo_kit.answers`: exact for integers and
+      fractions); printing many numbers, or a number inside a sentence, scores 0.
 
     No code block, a failing test, a wrong answer, a timeout, a crash or a refused network call
     all score 0.0; anything other than a plain wrong result is logged at WARNING with its reason.
     The latest batch's :class:`SandboxResult` objects are kept on ``fn.last_results``.
     """
-    from .rewards import answer_matches, completion_text
+    from .answers import as_number, numbers_equal, single_number
+    from .rewards import completion_text
 
     lim = limits or SandboxLimits()
 
@@ -372,32 +488,38 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
         n = len(completions)
         tests, expected = _column(kwargs, "tests", n), _column(kwargs, "expected_output", n)
         answers, stdins = _column(kwargs, "answer", n), _column(kwargs, "stdin", n)
-        programs, idx = [], []
+        programs, idx, suites = [], [], []
         for i, c in enumerate(completions):
             code = extract_code(completion_text(c) if isinstance(c, (str, list, dict)) else "")
             if code is None:
                 continue
             if tests[i] is not None:
-                t = tests[i] if isinstance(tests[i], str) else "\n".join(map(str, tests[i]))
-                code = code + "\n\n" + t + "\n"
+                suites.append(tests[i] if isinstance(tests[i], str) else "\n".join(map(str, tests[i])))
             elif expected[i] is None and answers[i] is None:
                 raise ValueError(f"{name}: sample {i} has none of the columns 'tests', 'expected_output', 'answer'")
+            else:
+                suites.append(None)
             programs.append(code)
             idx.append(i)
-        results = run_many(programs, stdins=[str(stdins[i] or "") for i in idx], limits=lim,
+        results = run_many(programs, stdins=[str(stdins[i] or "") for i in idx], tests=suites, limits=lim,
                            max_workers=max_workers)
         scores = [0.0] * n
         reward.last_results = [None] * n
         for i, res in zip(idx, results):
             reward.last_results[i] = res
-            if res.ok:
-                if tests[i] is not None:
-                    scores[i] = 1.0
-                elif expected[i] is not None:
-                    scores[i] = 1.0 if res.stdout.strip() == str(expected[i]).strip() else 0.0
-                else:
-                    scores[i] = 1.0 if answer_matches(res.stdout, answers[i]) else 0.0
-            elif not res.reason.startswith("exit code") or "MemoryError" in res.stderr[-2000:]:
+            if tests[i] is not None:
+                right = res.tests_completed
+            elif not res.ok:
+                right = False
+            elif expected[i] is not None:
+                right = res.stdout.strip() == str(expected[i]).strip()
+            else:
+                lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+                right = bool(lines) and numbers_equal(single_number(lines[-1]), as_number(answers[i]))
+            scores[i] = 1.0 if right else 0.0
+            if right or res.ok:
+                continue
+            if not res.reason.startswith("exit code") or "MemoryError" in res.stderr[-2000:]:
                 logger.warning("%s: sample %d scored 0: %s (%.2f s)", name, i, res.reason, res.duration_s)
             else:
                 logger.info("%s: sample %d scored 0: %s", name, i, res.reason)
