@@ -5,39 +5,59 @@ thread pool, one subprocess each); :func:`make_python_code_reward` builds a TRL 
 ``fn(prompts, completions, **columns)`` that extracts a ```` ```python ```` block from each
 completion, runs it sandboxed, and scores 1.0 (tests pass / output right) or 0.0. A hang, a
 crash, a memory bomb or a network attempt scores 0 for that sample with a logged reason (logger
-``grpo_kit.sandbox``) and never stalls training: the wall-clock timeout kills the child's whole
-process group.
+``grpo_kit.sandbox``) and never stalls training: the wall-clock timeout kills what the child started.
 
 What each run gets (applied by a small bootstrap in the child before the user code runs):
 
 * a fresh ``python -I`` (isolated mode: no user site, ``PYTHON*`` variables ignored) in its own
   session / process group, with a **minimal environment** (``PATH``, ``LANG``, ``HOME`` and
   ``TMPDIR`` = the scratch folder, one thread for BLAS/OpenMP) and a **scratch temporary folder
-  as its working directory**, deleted afterwards;
-* **wall-clock timeout** (parent side, ``SIGKILL`` to the process group), **CPU time**
-  (``RLIMIT_CPU``, ``SIGXCPU``), **address space** (``RLIMIT_AS``: a memory bomb gets a
-  ``MemoryError``), largest file written (``RLIMIT_FSIZE``, stdout/stderr included, so endless
-  printing is cut off), no core dumps;
-* **no network**: (1) when the process may create namespaces (root, or unprivileged user
-  namespaces enabled), it moves into a new, empty network namespace (``unshare``), where no
-  interface is up, so even raw ``ctypes`` socket calls reach nothing; (2) always, a Python audit
-  hook (PEP 578, cannot be removed from Python code) refuses creating non-``AF_UNIX`` sockets,
-  ``connect``, ``bind`` and DNS look-ups with ``PermissionError``. ``SandboxResult.network``
-  says which applied (``"namespace+audit"`` or ``"audit"``);
-* by default, no new processes: the audit hook refuses ``subprocess``, ``os.system``,
-  ``os.exec*``, ``os.fork`` and ``os.posix_spawn`` (``allow_subprocess=True`` lifts this; any
-  children stay in the process group that the timeout kills);
-* when the parent runs as root and ``nobody`` (uid/gid 65534) can run this interpreter (checked
-  once with a probe child; not the case when Python lives under ``/root``), the child drops to
-  ``nobody`` after applying the limits, so the user code cannot raise them again.
+  (mode 0700) as its working directory**, deleted afterwards;
+* **channels the parent opened**: stdin, stdout, stderr, the program text and the harness's
+  reports are unnamed temporary files the parent created and reads back through its own file
+  objects. Nothing is read by path after the child ran, so a FIFO or a symlink planted in the
+  scratch folder neither hangs the parent nor makes it read another file;
+* **wall-clock timeout** (parent side), **CPU time** (``RLIMIT_CPU``, ``SIGXCPU``), **address
+  space** (``RLIMIT_AS``: a memory bomb gets a ``MemoryError``), largest file written
+  (``RLIMIT_FSIZE``, stdout/stderr included, so endless printing is cut off), no core dumps;
+* **namespaces**, when the process may create them (root, or unprivileged user namespaces
+  enabled): new, empty network, PID and IPC namespaces (``unshare``). No interface is up, so even
+  raw ``ctypes`` sockets reach nothing, and abstract ``AF_UNIX`` sockets and SysV IPC of the host
+  are out of reach. The program runs under an init process of the PID namespace; when the
+  program ends, or the parent kills that init at the timeout, the kernel kills **every process
+  the program started**, ``setsid()`` daemons and ``ctypes`` forks included, and the program's
+  parent is not the trainer (``os.getppid()`` is 0). ``SandboxResult.network`` is then
+  ``"namespace+audit"``;
+* always, a Python audit hook (PEP 578) refuses creating non-``AF_UNIX`` sockets, ``connect``,
+  ``bind`` and DNS look-ups (``PermissionError``), and by default new processes (``subprocess``,
+  ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``; ``allow_subprocess=True`` lifts
+  this). Without namespaces this hook and the process-group kill are all there is
+  (``network == "audit"``);
+* **privileges**: when the parent runs as root and ``nobody`` (uid/gid 65534) can run this
+  interpreter (probed once; not the case when Python lives under ``/root``, e.g. pyenv as root),
+  the child drops to ``nobody`` after applying the limits. When it cannot, ``run_python``
+  **refuses** (``ok=False``, reason ``refused: running as root ...``, one warning per process)
+  unless ``SandboxLimits(allow_root=True)``.
 
-What is **not** guaranteed: this is a guard against accidents in model output (infinite loops,
-huge allocations, crashes, stray network calls), not a security boundary against code written
-to escape. Without the network namespace, code that calls the C library directly (``ctypes``)
-can still open sockets; without root the limits are soft/hard rlimits the code could lower but
-not raise; files outside the scratch folder are readable and, as far as file permissions allow,
-writable; a grandchild (with ``allow_subprocess=True``) that calls ``setsid`` escapes the
-process-group kill. Run training inside a container or VM if you execute hostile code.
+The verifier (:func:`make_python_code_reward`): in ``tests`` mode the tests run after the program,
+in its namespace, and a sample counts only when the harness writes "tests completed" to its own
+report file after the last test, tagged with a per-run secret that the parent checks; exiting
+early (``os._exit``, ``sys.exit``, ``atexit``), printing a fake marker or faking the exit status
+scores 0, and ``==``/``!=`` in the tests compare plain values, so an object with an always-true
+``__eq__`` fails. In ``answer`` mode the final answer is the last non-empty line of stdout, which
+must be exactly one number.
+
+What is **not** guaranteed: this is a guard against accidents and reward hacking in model output,
+not a security boundary against code written to escape. The audit hook and the tests harness live
+in the program's own process: code that inspects the interpreter (``gc``, frames, ``ctypes``) can
+switch the hook off or find the run's secret. Path-named ``AF_UNIX`` sockets stay reachable (no
+mount namespace or seccomp filter): a socket file the program's uid may open can be connected to
+with ``ctypes``. Files outside the scratch folder are readable and, as far as file permissions
+allow, writable; as ``nobody`` every concurrent sample shares one uid (no per-sample uid), so one
+sample's process can reach another sample's scratch folder while both run. Without namespaces a
+``setsid()`` grandchild escapes the process-group kill and the program can signal the trainer.
+No external isolation tool (bubblewrap, containers) is used. Run training inside a container or
+VM if you execute hostile code.
 """
 
 from __future__ import annotations
