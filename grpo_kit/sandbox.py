@@ -26,13 +26,17 @@ What each run gets (applied by a small bootstrap in the child before the user co
   are out of reach. The program runs under an init process of the PID namespace; when the
   program ends, or the parent kills that init at the timeout, the kernel kills **every process
   the program started**, ``setsid()`` daemons and ``ctypes`` forks included, and the program's
-  parent is not the trainer (``os.getppid()`` is 0). ``SandboxResult.network`` is then
-  ``"namespace+audit"``;
+  parent is not the trainer (``os.getppid()`` is 0);
+* a **seccomp filter** (x86_64 and aarch64) refuses creating any ``AF_UNIX`` socket with ``EPERM``,
+  so path-named sockets of the host (``/var/run/...``, ``/tmp/...``) cannot be connected to even
+  through ``ctypes``; ``socketpair()`` still works. It also refuses ``io_uring`` and foreign-ABI
+  system calls, and sets ``no_new_privs`` (no setuid binary gains privileges).
+  ``SandboxResult.network`` says what applied: ``"namespace+seccomp+audit"`` on a usual Linux;
 * always, a Python audit hook (PEP 578) refuses creating non-``AF_UNIX`` sockets, ``connect``,
   ``bind`` and DNS look-ups (``PermissionError``), and by default new processes (``subprocess``,
   ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``; ``allow_subprocess=True`` lifts
-  this). Without namespaces this hook and the process-group kill are all there is
-  (``network == "audit"``);
+  this). Without namespaces this hook, the seccomp filter and the process-group kill are all there
+  is (``network`` without ``namespace``);
 * **privileges**: when the parent runs as root and ``nobody`` (uid/gid 65534) can run this
   interpreter (probed once; not the case when Python lives under ``/root``, e.g. pyenv as root),
   the child drops to ``nobody`` after applying the limits. When it cannot, ``run_python``
@@ -50,9 +54,9 @@ must be exactly one number.
 What is **not** guaranteed: this is a guard against accidents and reward hacking in model output,
 not a security boundary against code written to escape. The audit hook and the tests harness live
 in the program's own process: code that inspects the interpreter (``gc``, frames, ``ctypes``) can
-switch the hook off or find the run's secret. Path-named ``AF_UNIX`` sockets stay reachable (no
-mount namespace or seccomp filter): a socket file the program's uid may open can be connected to
-with ``ctypes``. Files outside the scratch folder are readable and, as far as file permissions
+switch the hook off or find the run's secret. Without the seccomp filter (another architecture)
+path-named ``AF_UNIX`` sockets the program's uid may open can be connected to with ``ctypes``.
+Files outside the scratch folder are readable and, as far as file permissions
 allow, writable; as ``nobody`` every concurrent sample shares one uid (no per-sample uid), so one
 sample's process can reach another sample's scratch folder while both run. Without namespaces a
 ``setsid()`` grandchild escapes the process-group kill and the program can signal the trainer.
@@ -86,7 +90,7 @@ with os.fdopen(cfg["payload_fd"], "rb") as fh:  # code, tests and the run's secr
 def _report(key, value, fd=cfg["report_fd"], tag=_payload["secret"]):  # the harness's channel, not stdout
     os.write(fd, (json.dumps([key, value, tag]) + "\n").encode())
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-net = "audit"
+_ns = False
 if cfg["netns"]:
     try:
         import ctypes
@@ -94,10 +98,10 @@ if cfg["netns"]:
         # CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC (| CLONE_NEWUSER without root)
         flags = 0x40000000 | 0x20000000 | 0x08000000
         if libc.unshare(flags if os.geteuid() == 0 else flags | 0x10000000) == 0:
-            net = "namespace+audit"
+            _ns = True
     except Exception:
         pass
-if net == "namespace+audit":
+if _ns:
     # The first child is PID 1 of a new PID namespace: when it ends, the kernel kills every process left in
     # it, daemons and setsid() included. It only reaps; the program runs in its child, a normal process.
     init = os.fork()
@@ -113,7 +117,6 @@ if net == "namespace+audit":
             if pid == worker:
                 _report("status", status)
                 os._exit(0)
-_report("net", net)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over-long output: write() fails instead of a kill
 cpu = cfg["cpu"]
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -139,6 +142,35 @@ def _hook(event, args):
     elif _NO_PROC and event in _PROC_EVENTS:
         raise PermissionError("starting processes is disabled in the sandbox")
 sys.addaudithook(_hook)
+# Path-named AF_UNIX sockets are files, which no namespace here hides: a seccomp filter refuses creating any
+# AF_UNIX socket (EPERM), and io_uring (which would bypass it); foreign-ABI syscalls are refused outright.
+def _seccomp_unix_block():
+    import ctypes, platform
+    arch = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}.get(platform.machine())
+    if arch is None:
+        return False
+    audit_arch, nr_socket = arch
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, deny), (ld, 0, 0, 0),
+            (jge, 6, 0, 0x40000000),  # x32 ABI numbers
+            (jeq, 2, 0, nr_socket), (jeq, 4, 0, 425),  # io_uring_setup
+            (ret, 0, 0, allow), (ld, 0, 0, 16), (jeq, 1, 0, 1),  # args[0] == AF_UNIX
+            (ret, 0, 0, allow), (ret, 0, 0, deny)]
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+    filters = (Filter * len(prog))(*[Filter(*f) for f in prog])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        return False
+    return libc.prctl(22, 2, ctypes.byref(Prog(len(prog), filters)), 0, 0) == 0  # PR_SET_SECCOMP, FILTER
+try:
+    _unix_blocked = _seccomp_unix_block()
+except Exception:
+    _unix_blocked = False
+_report("net", "+".join(m for m, on in (("namespace", _ns), ("seccomp", _unix_blocked), ("audit", True)) if on))
 _PLAIN = (int, float, complex, bool, str, bytes, type(None), list, tuple, dict, set, frozenset)
 # == in the tests: a plain value (a number, a str, a container of them) equals only a plain value, so an
 # object of the program's own (e.g. one whose __eq__ is always True) cannot pass for the expected result.
@@ -220,7 +252,7 @@ class SandboxResult:
     stdout: str = ""
     stderr: str = ""
     duration_s: float = 0.0
-    network: str = ""  # "namespace+audit" or "audit" (how network access was blocked)
+    network: str = ""  # what applied: "namespace+seccomp+audit", "namespace+audit", "seccomp+audit" or "audit"
     extra: dict = field(default_factory=dict)
     tests_completed: bool = False  # the harness ran every test to its end (run_python's ``tests``)
 
