@@ -37,11 +37,13 @@ What each run gets (applied by a small bootstrap in the child before the user co
   ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``; ``allow_subprocess=True`` lifts
   this). Without namespaces this hook, the seccomp filter and the process-group kill are all there
   is (``network`` without ``namespace``);
-* **privileges**: when the parent runs as root and ``nobody`` (uid/gid 65534) can run this
-  interpreter (probed once; not the case when Python lives under ``/root``, e.g. pyenv as root),
-  the child drops to ``nobody`` after applying the limits. When it cannot, ``run_python``
-  **refuses** (``ok=False``, reason ``refused: running as root ...``, one warning per process)
-  unless ``SandboxLimits(allow_root=True)``.
+* **privileges**: when the parent runs as root, each run gets an unprivileged uid/gid of its own
+  (``SANDBOX_ID_BASE`` + a slot, no supplementary groups), distinct among concurrent runs, and its
+  scratch folder (0700) belongs to it: one sample's processes can neither signal another's nor
+  read or write its scratch folder. This needs an interpreter such a uid can start: this one, or
+  else the system's ``python3`` (standard library only; pyenv under ``/root`` cannot be run by
+  others), probed once each. When there is none, ``run_python`` **refuses** (``ok=False``, reason
+  ``refused: running as root ...``, one warning per process) unless ``SandboxLimits(allow_root=True)``.
 
 The verifier (:func:`make_python_code_reward`): in ``tests`` mode the tests run after the program,
 in its namespace, and a sample counts only when the harness writes "tests completed" to its own
@@ -57,15 +59,16 @@ in the program's own process: code that inspects the interpreter (``gc``, frames
 switch the hook off or find the run's secret. Without the seccomp filter (another architecture)
 path-named ``AF_UNIX`` sockets the program's uid may open can be connected to with ``ctypes``.
 Files outside the scratch folder are readable and, as far as file permissions
-allow, writable; as ``nobody`` every concurrent sample shares one uid (no per-sample uid), so one
-sample's process can reach another sample's scratch folder while both run. Without namespaces a
-``setsid()`` grandchild escapes the process-group kill and the program can signal the trainer.
+allow ("other" permissions for the run's uid), writable. Without namespaces a ``setsid()``
+grandchild escapes the process-group kill, and a program running under the trainer's own uid (no
+root, or ``allow_root=True``) can signal the trainer.
 No external isolation tool (bubblewrap, containers) is used. Run training inside a container or
 VM if you execute hostile code.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -76,6 +79,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -124,10 +128,10 @@ if cfg["mem"]:
     resource.setrlimit(resource.RLIMIT_AS, (cfg["mem"], cfg["mem"]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"]))
 import socket as _s, ast as _ast  # before dropping privileges, as the hook and the test harness need them
-if os.geteuid() == 0 and cfg["drop"]:
+if cfg["uid"] is not None:  # root hands the run its own unprivileged uid/gid
     os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
+    os.setgid(cfg["uid"])
+    os.setuid(cfg["uid"])
 _ALLOWED_FAMILIES = {int(_s.AF_UNIX)}
 _NO_PROC = not cfg["subprocess"]
 _PROC_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
@@ -227,7 +231,8 @@ class SandboxLimits:
     max_output_bytes: int = 1 << 20  # largest file the program may write (stdout/stderr included)
     network_namespace: bool = True  # try an empty network namespace (the audit hook applies anyway)
     allow_subprocess: bool = False
-    drop_privileges: bool = True  # as root: run the code as nobody (65534)
+    drop_privileges: bool = True  # as root: run the code under an unprivileged uid of its own
+    python: str | None = None  # interpreter; None: this one, or as root the system's python3 (see below)
     # As root where the code cannot run as nobody: refuse (score 0, one warning) unless this is True.
     allow_root: bool = False
 
@@ -316,8 +321,9 @@ _ROOT_WARNED = False
 
 def _refuse_as_root() -> SandboxResult:
     global _ROOT_WARNED
-    reason = ("refused: running as root and the code cannot run as an unprivileged user (nobody cannot start "
-              f"{sys.executable}); set SandboxLimits(allow_root=True) to run model code as root anyway")
+    reason = ("refused: running as root and the code cannot run as an unprivileged user (no interpreter it may "
+              f"start: {sys.executable}, {', '.join(_SYSTEM_PYTHONS)}); set SandboxLimits(allow_root=True) to run "
+              "model code as root anyway")
     if not _ROOT_WARNED:
         logger.warning("grpo_kit.sandbox %s", reason)
         _ROOT_WARNED = True
@@ -335,9 +341,10 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
     if not isinstance(code, str):
         raise ValueError(f"code must be a str, got {type(code).__name__}")
     lim = limits or SandboxLimits()
-    drop = lim.drop_privileges and os.geteuid() == 0 and _nobody_can_run_python()
+    python, drop = _interpreter(lim)
     if os.geteuid() == 0 and not drop and not lim.allow_root:
         return _refuse_as_root()
+    uid = _take_id() if drop else None
     scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
     t0 = time.perf_counter()
     timed_out = False
@@ -346,8 +353,8 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
     # Every channel is a file the parent opened and keeps: no name in the scratch folder to swap.
     out, err, inp, payload, report = (tempfile.TemporaryFile() for _ in range(5))
     try:
-        if drop:
-            os.chown(scratch, 65534, 65534)
+        if uid is not None:
+            os.chown(scratch, uid, uid)
         os.chmod(scratch, 0o700)
         inp.write(stdin.encode("utf-8", "surrogatepass"))
         payload.write(json.dumps({"code": code, "tests": tests, "secret": secret}).encode("utf-8", "surrogatepass"))
@@ -357,11 +364,11 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         cfg = dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))),
                    mem=None if lim.memory_mb is None else lim.memory_mb * 2**20,
                    fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
-                   drop=drop, payload_fd=payload.fileno(), report_fd=report.fileno())
+                   uid=uid, payload_fd=payload.fileno(), report_fd=report.fileno())
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8"}
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, repr(cfg)], cwd=scratch, env=env,
+        proc = subprocess.Popen([python, "-I", "-c", _BOOTSTRAP, repr(cfg)], cwd=scratch, env=env,
                                 stdin=inp, stdout=out, stderr=err, start_new_session=True, close_fds=True,
                                 pass_fds=(payload.fileno(), report.fileno()))
         try:
@@ -387,22 +394,56 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         for fh in (out, err, inp, payload, report):
             fh.close()
         shutil.rmtree(scratch, ignore_errors=True)
+        if uid is not None:
+            _give_id(uid)
 
 
-_NOBODY_OK: bool | None = None
+# Unprivileged ids for code that root runs: one per concurrent run, owned by no account, so one run's processes
+# can neither signal another's nor enter its scratch folder (mode 0700). Spread by PID across trainer processes.
+SANDBOX_ID_BASE = 2_000_000_000
+_SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+_ids_lock = threading.Lock()
+_ids_in_use: set[int] = set()
+_RUNNABLE: dict[str, bool] = {}
 
 
-def _nobody_can_run_python() -> bool:
-    """Whether uid/gid 65534 can start this interpreter and import the standard library (probed once)."""
-    global _NOBODY_OK
-    if _NOBODY_OK is None:
-        code = "import os, sys; os.setgroups([]); os.setgid(65534); os.setuid(65534); import json, socket, ast"
+def _take_id() -> int:
+    with _ids_lock:
+        base = SANDBOX_ID_BASE + (os.getpid() % 100_000) * 256
+        uid = next(base + i for i in itertools.count() if base + i not in _ids_in_use)
+        _ids_in_use.add(uid)
+        return uid
+
+
+def _give_id(uid: int) -> None:
+    with _ids_lock:
+        _ids_in_use.discard(uid)
+
+
+def _unprivileged_can_run(python: str) -> bool:
+    """Whether an unprivileged uid can start ``python`` and import what the bootstrap needs (probed once each)."""
+    if python not in _RUNNABLE:
+        code = (f"import os; os.setgroups([]); os.setgid({SANDBOX_ID_BASE - 1}); os.setuid({SANDBOX_ID_BASE - 1}); "
+                "import json, socket, ast, ctypes, resource")
         try:
-            _NOBODY_OK = subprocess.run([sys.executable, "-I", "-c", code], cwd="/", env={"PATH": "/usr/bin:/bin"},
-                                        capture_output=True, timeout=30).returncode == 0
+            _RUNNABLE[python] = subprocess.run([python, "-I", "-c", code], cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                               capture_output=True, timeout=30).returncode == 0
         except (OSError, subprocess.SubprocessError):
-            _NOBODY_OK = False
-    return _NOBODY_OK
+            _RUNNABLE[python] = False
+    return _RUNNABLE[python]
+
+
+def _interpreter(lim: SandboxLimits) -> tuple[str, bool]:
+    """(the interpreter to start, whether the code runs under its own unprivileged uid).
+
+    As root: ``lim.python``, else this interpreter, else the system's ``python3`` (its standard library only),
+    the first one an unprivileged uid can run (pyenv under ``/root`` cannot be)."""
+    if os.geteuid() != 0 or not lim.drop_privileges:
+        return lim.python or sys.executable, False
+    for python in ([lim.python] if lim.python else [sys.executable, *_SYSTEM_PYTHONS]):
+        if os.path.isfile(python) and _unprivileged_can_run(python):
+            return python, True
+    return lim.python or sys.executable, False
 
 
 def _kill_all(proc: subprocess.Popen, report, secret: str) -> None:

@@ -197,28 +197,44 @@ def test_killing_the_parent_does_not_reach_the_trainer():
         assert r.duration_s < 10, r  # and this test process is still alive to check it
 
 
-def test_root_without_privilege_drop_refuses_unless_opted_in(caplog):
-    import os
+def test_root_without_privilege_drop_refuses_unless_opted_in(caplog, monkeypatch):
+    import sys
 
     from grpo_kit import sandbox
 
-    if os.geteuid() != 0:
-        r = run_python("import os\nprint(os.geteuid())", limits=SandboxLimits(timeout_s=5.0, memory_mb=256))
-        assert r.ok and r.stdout.strip() == str(os.geteuid())  # an ordinary user runs as itself
-        return
     default = SandboxLimits(timeout_s=5.0, memory_mb=256)
-    if sandbox._nobody_can_run_python():
-        r = run_python("import os\nprint(os.geteuid())", limits=default)
-        assert r.ok and r.stdout.strip() == "65534", r
-        return
-    sandbox._ROOT_WARNED = False
+    r = run_python("import os\nprint(os.geteuid())", limits=default)
+    if os.geteuid() != 0:
+        assert r.ok and r.stdout.strip() == str(os.geteuid())  # an ordinary user runs as itself
+        pytest.skip("not root: nothing to drop or refuse")
+    if sandbox._interpreter(default)[1]:
+        assert r.ok and int(r.stdout) >= sandbox.SANDBOX_ID_BASE, r  # dropped to a uid of its own
+    monkeypatch.setattr(sandbox, "_interpreter", lambda lim: (sys.executable, False))  # as where none can drop
+    monkeypatch.setattr(sandbox, "_ROOT_WARNED", False)
     with caplog.at_level(logging.WARNING, logger="grpo_kit.sandbox"):
         first, second = run_python("print(1)", limits=default), run_python("print(1)", limits=default)
     assert not first.ok and first.reason.startswith("refused: running as root") and "allow_root=True" in first.reason
     assert second.reason == first.reason and caplog.text.count("refused: running as root") == 1  # one warning
     fn = make_python_code_reward(default)
     assert fn(None, [_block("print(4)")], answer=[4]) == [0.0]
-    assert run_python("print(1)", limits=_limits(timeout_s=5.0, memory_mb=256)).ok  # opted in
+    r = run_python("import os\nprint(os.geteuid())", limits=_limits(timeout_s=5.0, memory_mb=256))
+    assert r.ok and r.stdout.strip() == "0"  # opted in
+
+
+def test_concurrent_runs_get_their_own_uid_and_cannot_touch_each_other():
+    from grpo_kit import sandbox
+
+    if os.geteuid() != 0 or not sandbox._interpreter(FAST)[1]:
+        pytest.skip("needs root with an interpreter an unprivileged uid can run")
+    code = ("import glob, os, time\ntime.sleep(0.5)\nmine = os.getcwd()\nhits = 0\n"
+            "for d in glob.glob(os.path.join(os.path.dirname(mine), 'grpo_kit_sandbox_*')):\n"
+            "    if d != mine:\n        try:\n            open(os.path.join(d, 'x'), 'w').write('x')\n"
+            "            hits += 1\n        except OSError:\n            pass\n"
+            "print(os.getuid(), hits)")
+    results = run_many([code] * 3, limits=FAST, max_workers=3)
+    uids = [int(r.stdout.split()[0]) for r in results]
+    assert len(set(uids)) == 3 and all(u >= sandbox.SANDBOX_ID_BASE for u in uids), results
+    assert all(r.stdout.split()[1] == "0" for r in results), results
 
 
 WRONG_ADD = "def add(a, b):\n    return a - b\n"
