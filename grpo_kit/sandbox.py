@@ -9,6 +9,12 @@ crash, a memory bomb or a network attempt scores 0 for that sample with a logged
 
 What each run gets (applied by a small bootstrap in the child before the user code runs):
 
+* **bubblewrap** where it is installed and works (``isolation="auto"``, the default; ``"bwrap"``
+  requires it, ``"builtin"`` never uses it): the run starts inside ``bwrap`` with every namespace
+  new, the host file system **read-only**, a private ``/tmp``, ``/dev`` and ``/proc``, the home
+  folder hidden (unless the interpreter lives there) and the scratch folder the one writable place;
+  the measures below apply inside it as well. ``SandboxResult.isolation`` says ``"bwrap"`` or
+  ``"builtin"`` (Debian: ``apt-get install bubblewrap``; the kit does not install it);
 * a fresh ``python -I`` (isolated mode: no user site, ``PYTHON*`` variables ignored) in its own
   session / process group, with a **minimal environment** (``PATH``, ``LANG``, ``HOME`` and
   ``TMPDIR`` = the scratch folder, one thread for BLAS/OpenMP) and a **scratch temporary folder
@@ -58,12 +64,12 @@ not a security boundary against code written to escape. The audit hook and the t
 in the program's own process: code that inspects the interpreter (``gc``, frames, ``ctypes``) can
 switch the hook off or find the run's secret. Without the seccomp filter (another architecture)
 path-named ``AF_UNIX`` sockets the program's uid may open can be connected to with ``ctypes``.
-Files outside the scratch folder are readable and, as far as file permissions
-allow ("other" permissions for the run's uid), writable. Without namespaces a ``setsid()``
+Without bubblewrap, files outside the scratch folder are readable and, as far as
+file permissions allow ("other" permissions for the run's uid), writable; with it they are
+readable where permissions allow, never writable. Without namespaces a ``setsid()``
 grandchild escapes the process-group kill, and a program running under the trainer's own uid (no
 root, or ``allow_root=True``) can signal the trainer.
-No external isolation tool (bubblewrap, containers) is used. Run training inside a container or
-VM if you execute hostile code.
+Run training inside a container or VM if you execute hostile code.
 """
 
 from __future__ import annotations
@@ -101,8 +107,14 @@ if cfg["netns"]:
         libc = ctypes.CDLL(None, use_errno=True)
         # CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC (| CLONE_NEWUSER without root)
         flags = 0x40000000 | 0x20000000 | 0x08000000
+        _ids = os.geteuid(), os.getegid()
         if libc.unshare(flags if os.geteuid() == 0 else flags | 0x10000000) == 0:
             _ns = True
+            if _ids[0] != 0:  # a new user namespace: keep our own ids in it (unmapped they read 65534)
+                for name, text in (("setgroups", "deny"), ("uid_map", f"{_ids[0]} {_ids[0]} 1"),
+                                   ("gid_map", f"{_ids[1]} {_ids[1]} 1")):
+                    with open(f"/proc/self/{name}", "w") as fh:
+                        fh.write(text)
     except Exception:
         pass
 if _ns:
@@ -235,6 +247,7 @@ class SandboxLimits:
     python: str | None = None  # interpreter; None: this one, or as root the system's python3 (see below)
     # As root where the code cannot run as nobody: refuse (score 0, one warning) unless this is True.
     allow_root: bool = False
+    isolation: str = "auto"  # "bwrap": bubblewrap around the run (required); "builtin": never; "auto": where it works
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -245,6 +258,8 @@ class SandboxLimits:
             raise ValueError(f"memory_mb={self.memory_mb!r} must be an int >= 32 (MiB), or None")
         if not isinstance(self.max_output_bytes, int) or self.max_output_bytes < 1024:
             raise ValueError(f"max_output_bytes={self.max_output_bytes!r} must be an int >= 1024")
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"isolation={self.isolation!r} is not allowed; choose one of {list(ISOLATIONS)}")
 
 
 @dataclass
@@ -260,6 +275,7 @@ class SandboxResult:
     network: str = ""  # what applied: "namespace+seccomp+audit", "namespace+audit", "seccomp+audit" or "audit"
     extra: dict = field(default_factory=dict)
     tests_completed: bool = False  # the harness ran every test to its end (run_python's ``tests``)
+    isolation: str = ""  # "bwrap" (bubblewrap around the run) or "builtin"
 
 
 def _tail(text: str, n: int = 300) -> str:
@@ -345,6 +361,12 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
     if os.geteuid() == 0 and not drop and not lim.allow_root:
         return _refuse_as_root()
     uid = _take_id() if drop else None
+    bwrap = _bwrap(lim, uid)
+    if lim.isolation == "bwrap" and bwrap is None:
+        if uid is not None:
+            _give_id(uid)
+        return SandboxResult(ok=False, reason="refused: isolation='bwrap' but bubblewrap (bwrap) is not installed "
+                             "or cannot create namespaces here (Debian: apt-get install bubblewrap)", returncode=None)
     scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
     t0 = time.perf_counter()
     timed_out = False
@@ -368,9 +390,16 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8"}
-        proc = subprocess.Popen([python, "-I", "-c", _BOOTSTRAP, repr(cfg)], cwd=scratch, env=env,
-                                stdin=inp, stdout=out, stderr=err, start_new_session=True, close_fds=True,
-                                pass_fds=(payload.fileno(), report.fileno()))
+        argv = [python, "-I", "-c", _BOOTSTRAP, repr(cfg)]
+        as_user = {}
+        if bwrap:  # bubblewrap starts as the run's uid (dropped by Popen, in C), so the bootstrap has none to drop
+            argv = _bwrap_argv(bwrap, scratch) + argv
+            if uid is not None:
+                cfg["uid"], argv[-1] = None, repr({**cfg, "uid": None})
+                as_user = dict(user=uid, group=uid, extra_groups=[])
+        proc = subprocess.Popen(argv, cwd=scratch, env=env, stdin=inp, stdout=out, stderr=err,
+                                start_new_session=True, close_fds=True, pass_fds=(payload.fileno(), report.fileno()),
+                                **as_user)
         try:
             proc.wait(timeout=lim.timeout_s)
         except subprocess.TimeoutExpired:
@@ -384,7 +413,8 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         reason = _reason(rc, stderr, timed_out, lim.timeout_s)
         return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout,
                              stderr=stderr, duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
-                             tests_completed=got.get("tests_completed") is True)
+                             tests_completed=got.get("tests_completed") is True,
+                             isolation="bwrap" if bwrap else "builtin")
     except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
         return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
                              duration_s=time.perf_counter() - t0)
@@ -431,6 +461,43 @@ def _unprivileged_can_run(python: str) -> bool:
         except (OSError, subprocess.SubprocessError):
             _RUNNABLE[python] = False
     return _RUNNABLE[python]
+
+
+ISOLATIONS = ("auto", "bwrap", "builtin")
+_BWRAP_OK: dict[bool, bool] = {}
+
+
+def _bwrap_argv(bwrap: str, scratch: str) -> list[str]:
+    """bubblewrap: every namespace new, the host read-only, a private /tmp, /dev and /proc, the home folder
+    hidden (unless this interpreter lives there), the scratch folder the one writable place."""
+    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
+            "--proc", "/proc", "--tmpfs", "/tmp"]
+    home = os.path.realpath(os.path.expanduser("~"))
+    keep = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))]
+    if home not in ("/", "") and os.path.isdir(home) and not any(k == home or k.startswith(home + os.sep)
+                                                                  for k in keep):
+        argv += ["--tmpfs", home]
+    return argv + ["--bind", scratch, scratch, "--chdir", scratch, "--"]
+
+
+def _bwrap(lim: SandboxLimits, uid: int | None) -> str | None:
+    """The bwrap to wrap the run in, or None (isolation='builtin', not installed, or it fails here; probed once)."""
+    path = shutil.which("bwrap") if lim.isolation != "builtin" else None
+    if path is None:
+        return None
+    key = uid is not None
+    if key not in _BWRAP_OK:
+        as_user = dict(user=SANDBOX_ID_BASE - 1, group=SANDBOX_ID_BASE - 1, extra_groups=[]) if key else {}
+        scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_probe_")
+        try:
+            os.chmod(scratch, 0o777)
+            _BWRAP_OK[key] = subprocess.run(_bwrap_argv(path, scratch) + ["true"], capture_output=True, timeout=30,
+                                            **as_user).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _BWRAP_OK[key] = False
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return path if _BWRAP_OK[key] else None
 
 
 def _interpreter(lim: SandboxLimits) -> tuple[str, bool]:

@@ -168,7 +168,8 @@ def test_outputs_are_files_the_parent_opened_not_paths_in_the_scratch_folder(tmp
     secret.chmod(0o600)
     code = (f"import os\nos.mkfifo('stdout.txt')\nos.symlink({str(secret)!r}, 'stderr.txt')\n"
             "os.mkfifo('net_mode')\nprint('done')")
-    r = call_with_time_limit(20, run_python, code, limits=FAST)  # a FIFO there used to hang the parent forever
+    r = call_with_time_limit(20, run_python, code, limits=_limits(timeout_s=2.0, memory_mb=256, isolation="builtin"))
+    # (a FIFO there used to hang the parent forever)
     assert r.ok and r.stdout == "done\n" and "TOP SECRET" not in r.stdout + r.stderr, r
 
 
@@ -182,7 +183,8 @@ def test_nothing_the_program_started_outlives_the_call(tmp_path, how):
     fork = "os.fork()" if how == "os" else "__import__('ctypes').CDLL(None).fork()"  # the audit hook sees no ctypes
     code = (f"import os, time\nif {fork} == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
             f"    open({str(flag)!r}, 'w').write('escaped')\n    os._exit(0)\nprint('parent exits')")
-    r = run_python(code, limits=_limits(timeout_s=5.0, memory_mb=256, allow_subprocess=(how == "os")))
+    r = run_python(code, limits=_limits(timeout_s=5.0, memory_mb=256, allow_subprocess=(how == "os"),
+                                        isolation="builtin"))  # bubblewrap's private /tmp would hide the flag
     assert r.stdout == "parent exits\n", r
     time.sleep(2.5)
     assert not flag.exists(), "a setsid() daemon outlived the sandboxed call"
@@ -291,3 +293,26 @@ def test_path_unix_sockets_are_closed(tmp_path):
                           limits=FAST).stdout == "b'x'\n"  # unnamed pairs (asyncio, multiprocessing) still work
     finally:
         server.close()
+
+
+def test_bubblewrap_where_present_hides_the_host_and_is_required_when_asked(tmp_path, monkeypatch):
+    import shutil
+
+    outside = tmp_path / "host_file.txt"
+    outside.write_text("host")
+    tmp_path.chmod(0o777)
+    code = (f"import os\nprint(os.path.exists({str(outside)!r}))\n"
+            "for p in ('/usr/grpo_kit_probe', '/tmp/grpo_kit_probe'):\n"
+            "    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n"
+            "    except OSError as e:\n        print('refused', p, e.errno)")
+    r = run_python(code, limits=FAST)
+    if r.isolation != "bwrap":
+        pytest.skip("bubblewrap is not installed or cannot run here (Debian: apt-get install bubblewrap)")
+    lines = r.stdout.splitlines()
+    assert lines[0] == "False" and lines[1].startswith("refused /usr/grpo_kit_probe"), r  # host read-only
+    assert lines[2] == "wrote /tmp/grpo_kit_probe" and not os.path.exists("/tmp/grpo_kit_probe")  # private /tmp
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    r = run_python("print(1)", limits=_limits(isolation="bwrap"))
+    assert not r.ok and r.reason.startswith("refused: isolation='bwrap'")
+    with pytest.raises(ValueError, match="isolation='docker'"):
+        SandboxLimits(isolation="docker")
