@@ -243,16 +243,16 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
     is_main = PartialState(cpu=(device == "cpu")).is_main_process
     run_dir = Path(cfg.output_dir)
-    if not is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume)
     from .run_folder import claim_run_folder
 
-    lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite)
+    lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if is_main else None
+    if lock is None:  # other processes: the main one owns the folder
+        run_dir.mkdir(parents=True, exist_ok=True)
     try:
         return _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume) -> dict:
@@ -348,7 +348,7 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
     t_train = time.perf_counter()
     try:
         try:
-            if finishing:  # the weights of the checkpoint at max_steps; train() would take one more step
+            if finishing:  # at max_steps already: the checkpoint's weights, and no training step
                 trainer._load_from_checkpoint(str(ckpt))
             else:
                 trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
