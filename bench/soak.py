@@ -86,7 +86,7 @@ def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, 
             rss.append(proc.memory_info().rss / 2**20)
 
     t0 = time.perf_counter()
-    summary = train(cfg, progress=False, callbacks=(RSSCallback(),))
+    summary = train(cfg, progress=False, callbacks=(RSSCallback(),), overwrite=True)  # a scratch folder, reused
     wall = time.perf_counter() - t0
     warm = warmup if warmup is not None else max(5, steps // 5)
     result = {

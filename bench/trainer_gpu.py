@@ -140,7 +140,7 @@ def one_row(sets: list[str], out_dir: str) -> dict:
     probe = Probe()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    summary = train(cfg, progress=False, callbacks=(probe,))
+    summary = train(cfg, progress=False, callbacks=(probe,), overwrite=True)  # a scratch folder, reused
     import csv
 
     rows = list(csv.DictReader(open(Path(out_dir) / "metrics.csv")))

@@ -54,8 +54,8 @@ def _train(args) -> int:
     cfg.validate()
     from .run import train
 
-    summary = train(cfg, resume=bool(getattr(args, "resume", None)))
-    if not summary.get("main_process", True):  # other processes of an `accelerate launch` run
+    summary = train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)))
+    if not summary.get("main_process", True) or summary.get("already_finished"):  # nothing more to print
         return 0
     print("run folder:", summary["run_dir"])
     for k in ("steps", "train_seconds", "mean_step_time_s", "peak_memory_gib", "accuracy_before", "accuracy_after"):
@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
                    "with its saved config (--set only for max_steps, save_steps, keep_checkpoints, max_bad_steps, "
                    "loss_chunk_size)")
+    t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "
+                   "the old run is moved aside to RUN_DIR.replaced-<time> (never deleted)")
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="run a benchmark script from bench/ (loss, step, ...)")
     b.add_argument("name")
@@ -167,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:  # ConfigError included: bad input gets one clear line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that cannot be used (permissions, a file where a folder must be)
+        if e.filename is None:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a guard stopped training (state saved), or nothing to resume from

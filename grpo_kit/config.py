@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .rewards import REWARD_TIME_LIMIT_S
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TASKS = ("arithmetic", "word_problems", "gsm8k")
@@ -28,10 +31,64 @@ SCALE_REWARDS = ("group", "batch", "none")
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", 0.0), ("vllm_kv_cache_gib", None))
 REWARD_ERRORS = ("raise", "zero")
+# transformers' SchedulerType values (checked against transformers by tests/test_config.py), so a bad name is
+# refused before any model loads instead of inside the trainer.
+LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                      "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                      "warmup_stable_decay", "greedy")
 
 
 class ConfigError(ValueError):
     """A config value that is not allowed; the message names the field and the options."""
+
+
+# The allowed range of every numeric field: (low, high, low_open, high_open); None: no bound on that side.
+# validate() also refuses NaN and infinities in every float field, and bools where numbers are expected.
+NUMERIC_RANGES = {
+    "seed": (0, 2**32 - 1, False, False), "max_steps": (1, None, False, False),
+    "save_steps": (0, None, False, False), "keep_checkpoints": (0, None, False, False),
+    "max_bad_steps": (1, None, False, False), "logging_steps": (1, None, False, False),
+    "num_train_samples": (1, None, False, False), "num_eval_samples": (0, None, False, False),
+    "num_generations": (2, None, False, False), "per_device_train_batch_size": (1, None, False, False),
+    "gradient_accumulation_steps": (1, None, False, False), "max_prompt_length": (1, None, False, False),
+    "max_completion_length": (1, None, False, False), "temperature": (0, None, True, False),
+    "top_p": (0, 1, True, False), "top_k": (0, None, False, False), "min_p": (0, 1, False, True),
+    "beta": (0, None, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, None, False, False),
+    "num_iterations": (1, None, False, False), "reward_time_limit_s": (0, None, False, False),
+    "learning_rate": (0, None, True, False), "warmup_steps": (0, None, False, False),
+    "weight_decay": (0, None, False, False), "max_grad_norm": (0, None, False, False),
+    "lora_rank": (1, None, False, False), "lora_alpha": (1, None, False, False),
+    "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, False, False),
+    "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (0, None, False, False),
+    "load_in_4bit_auto_allowance": (0, 4, False, False),
+}
+# Why a bound is what it is, where that is not obvious; appended to the message.
+_RANGE_NOTES = {
+    "num_generations": "advantages compare completions within a group",
+    "vllm_gpu_memory_utilization": "0: automatic", "vllm_kv_cache_gib": "or null for automatic",
+    "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit", "epsilon_high": "0: same as epsilon",
+}
+
+
+def _range_text(low, high, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"> {low}" if low_open else f"at least {low}"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def _numeric_problem(name: str, value, kind: str) -> str | None:
+    """The message for a numeric field outside its type or range (NUMERIC_RANGES), else None."""
+    low, high, low_open, high_open = NUMERIC_RANGES[name]
+    wanted = "an integer" if kind == "int" else "a finite number"
+    note = f" ({_RANGE_NOTES[name]})" if name in _RANGE_NOTES else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "int" and not isinstance(value, int)):
+        return f"{name}={value!r} must be {wanted} {_range_text(low, high, low_open, high_open)}{note}"
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
+        high is None or (value < high if high_open else value <= high))
+    if ok:
+        return None
+    finite = "" if kind == "int" else " and finite"
+    return f"{name}={value!r} must be {_range_text(low, high, low_open, high_open)}{finite}{note}"
 
 
 def _f(default, help: str, **kw):
@@ -99,6 +156,10 @@ class GRPOKitConfig:
     reward_errors: str = _f("raise", f"When a reward function raises, one of {REWARD_ERRORS}: `raise` stops training "
                             "with an error naming the function and the sample; `zero` scores that sample 0.0 and "
                             "logs a warning with the same details.")
+    reward_time_limit_s: float = _f(REWARD_TIME_LIMIT_S, "Wall-clock seconds one reward function call may take "
+                                    "(0: no limit); a call that runs longer is stopped and its samples re-run one "
+                                    "by one within one more such budget; a sample that runs out of it scores 0.0 "
+                                    "with a warning naming the function and the sample.")
     learning_rate: float = _f(2e-4, "Peak learning rate (AdamW).")
     lr_scheduler_type: str = _f("constant_with_warmup", "transformers scheduler name.")
     warmup_steps: int = _f(2, "Linear warm-up steps.")
@@ -186,9 +247,13 @@ class GRPOKitConfig:
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            values = yaml.safe_load(p.read_text()) or {}
+            values = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {str(path)!r} is nested too deeply to be a config") from None
         cfg = cls.from_dict(values)
         cfg.apply_overrides(overrides)
         return cfg
@@ -254,32 +319,46 @@ class GRPOKitConfig:
             choice(name, options)
         need(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
              f"gradient_checkpointing={self.gradient_checkpointing!r} is not allowed: true, false or 'auto'")
-        need(self.num_generations >= 2, f"num_generations={self.num_generations} must be at least 2 "
-             "(advantages compare completions within a group)")
-        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size must be >= 1")
-        if self.num_generations >= 2 and self.per_device_train_batch_size >= 1:
+        kinds = {f.name: str(f.type) for f in dataclasses.fields(self)}
+        out_of_range = set()
+        for name in NUMERIC_RANGES:
+            value = getattr(self, name)
+            if value is None and kinds[name].endswith("| None"):
+                continue
+            problem = _numeric_problem(name, value, "int" if kinds[name].startswith("int") else "float")
+            if problem:
+                errors.append(problem)
+                out_of_range.add(name)
+        if not out_of_range & {"num_generations", "per_device_train_batch_size", "gradient_accumulation_steps"}:
             total = self.per_device_train_batch_size * self.gradient_accumulation_steps
             need(total % self.num_generations == 0,
                  f"per_device_train_batch_size × gradient_accumulation_steps = {total} must be a multiple of "
                  f"num_generations={self.num_generations} (e.g. {self.num_generations} or "
                  f"{2 * self.num_generations})")
-        for name in ("max_steps", "gradient_accumulation_steps", "max_prompt_length", "max_completion_length",
-                     "num_train_samples", "num_iterations", "logging_steps", "lora_rank", "lora_alpha"):
-            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("save_steps", "num_eval_samples", "warmup_steps", "top_k", "loss_chunk_size", "keep_checkpoints"):
-            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
-        need(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
-        need(self.save_steps <= 0 or self.logging_steps < 1 or self.save_steps % self.logging_steps == 0,
-             f"save_steps={self.save_steps} must be a multiple of logging_steps={self.logging_steps} (a checkpoint "
-             "between two logged steps would lose the metrics of the steps in between on resume)")
-        need(self.temperature > 0, f"temperature={self.temperature} must be > 0")
-        need(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
-        need(0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1)")
-        need(self.beta >= 0, f"beta={self.beta} must be >= 0")
-        need(0 <= self.epsilon < 1, f"epsilon={self.epsilon} must be in [0, 1)")
-        need(self.epsilon_high >= 0, f"epsilon_high={self.epsilon_high} must be >= 0")
-        need(self.learning_rate > 0, f"learning_rate={self.learning_rate} must be > 0")
-        need(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if not out_of_range & {"save_steps", "logging_steps"}:
+            need(self.save_steps <= 0 or self.save_steps % self.logging_steps == 0,
+                 f"save_steps={self.save_steps} must be a multiple of logging_steps={self.logging_steps} (a "
+                 "checkpoint between two logged steps would lose the metrics of the steps in between on resume)")
+        choice("lr_scheduler_type", LR_SCHEDULER_TYPES)
+        need(isinstance(self.output_dir, str) and self.output_dir.strip() != "",
+             f"output_dir={self.output_dir!r} must name a run folder (a non-empty path)")
+        if isinstance(self.output_dir, str) and self.output_dir.strip():
+            blocker = _non_folder_on_path(self.output_dir)
+            need(blocker is None, f"output_dir={self.output_dir!r} cannot be a run folder: {blocker!r} exists and "
+                 "is not a folder")
+        lists = ("levels", "reward_funcs", "reward_weights", "lora_target_modules")
+        for name in lists:
+            need(isinstance(getattr(self, name), list), f"{name}={getattr(self, name)!r} must be a list")
+        if not all(isinstance(getattr(self, name), list) for name in lists):  # element checks need lists
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+        need(bool(self.lora_target_modules) and all(isinstance(m, str) and m.strip() for m in self.lora_target_modules),
+             f"lora_target_modules={self.lora_target_modules!r}: each must be a non-empty module name (a string), "
+             "at least one")
+        bad_weights = [w for w in self.reward_weights
+                       if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)]
+        if bad_weights:
+            errors.append(f"reward_weights={self.reward_weights!r}: each must be a finite number, not "
+                          f"{bad_weights[0]!r}")
         need(len(self.reward_funcs) > 0, f"reward_funcs={self.reward_funcs!r}: at least one is needed")
         try:  # built-in names, module:function strings (imported here) or callables
             from .rewards import get_reward_funcs
@@ -289,13 +368,9 @@ class GRPOKitConfig:
             errors.append(f"reward_funcs: {e}")
         need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
              f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}")
-        bad_levels = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
+        bad_levels = [lv for lv in self.levels if isinstance(lv, bool) or lv not in (1, 2, 3, 4)]
         need(self.task == "gsm8k" or (self.levels and not bad_levels),
              f"levels={self.levels!r}: each must be one of [1, 2, 3, 4], at least one")
-        need(self.vllm_gpu_memory_utilization == 0 or 0 < self.vllm_gpu_memory_utilization <= 1,
-             f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1], or 0 for automatic")
-        need(self.vllm_kv_cache_gib is None or self.vllm_kv_cache_gib > 0,
-             f"vllm_kv_cache_gib={self.vllm_kv_cache_gib} must be > 0 GiB, or null for automatic")
         need(isinstance(self.vllm_share_weights, bool) or self.vllm_share_weights == "auto",
              f"vllm_share_weights={self.vllm_share_weights!r} is not allowed: true, false or 'auto'")
         need(self.vllm_share_weights is not True or (self.use_lora and not self.load_in_4bit),
@@ -307,8 +382,6 @@ class GRPOKitConfig:
             isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),
              f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r} is not allowed: 'auto' or a list of "
              "non-empty module names")
-        need(isinstance(self.load_in_4bit_auto_allowance, (int, float)) and 0 <= self.load_in_4bit_auto_allowance
-             <= 4, f"load_in_4bit_auto_allowance={self.load_in_4bit_auto_allowance!r} must be a number in [0, 4]")
         vllm_only = self.vllm_options_set()
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
@@ -334,6 +407,15 @@ class GRPOKitConfig:
         if errors:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
         return self
+
+
+def _non_folder_on_path(path: str) -> str | None:
+    """The first existing path on the way to ``path`` (itself included) that is not a folder, or None."""
+    p = Path(path).absolute()
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            return None if q.is_dir() else str(q)
+    return None
 
 
 def _coerce(key: str, value, annotation):
@@ -363,8 +445,10 @@ def _coerce(key: str, value, annotation):
             return value.lower() in ("true", "1", "yes")
         raise err
     if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise err
+        if isinstance(value, float) and not value.is_integer():  # 2.5, inf, nan: the range, no int() traceback
+            raise ConfigError(_numeric_problem(key, value, "int") if key in NUMERIC_RANGES else str(err))
         return int(value)
     if typ is float:
         if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (2e-4, 5e-5, 1e-6) as strings

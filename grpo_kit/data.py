@@ -15,6 +15,8 @@ import json
 import random
 from pathlib import Path
 
+from .answers import single_number
+
 # Short on purpose: on a 2-core CPU every prompt token is paid for in every generation.
 DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the line: Answer: <number>"
 # Bare arithmetic needs no reasoning; a 135M model that reasons first runs out of tokens before answering.
@@ -135,14 +137,16 @@ def parse_gsm8k_answer(answer: str) -> str:
     """
     if "####" not in answer:
         raise ValueError("answer has no '#### N' final line")
-    tail = answer.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "")
+    tail = answer.rsplit("####", 1)[1].strip()
     if not tail:
         raise ValueError("answer has an empty '####' line")
-    try:
-        float(tail)
-    except ValueError:
-        raise ValueError(f"answer's '####' line is not a number: {tail!r}") from None
-    return tail
+    number = single_number(tail)
+    if number is None or number.exponent:
+        raise ValueError(f"answer's '####' line is not a plain number: {tail[:80]!r} (expected digits, optionally "
+                         "with a sign, $, thousands commas, a decimal part or a /denominator)")
+    if number.exact and number.value.denominator == 1:
+        return str(number.value.numerator)
+    return "".join(c for c in tail.replace("\u2212", "-") if c not in "$, \u00a0\u202f\u2009")
 
 
 def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -154,14 +158,20 @@ def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
     if not p.is_file():
         raise ValueError(f"GSM8K file {str(path)!r} does not exist")
     out = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{p}:{lineno}: JSON nested too deeply to be a GSM8K row") from None
             if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
                     or not isinstance(row.get("answer"), str):
                 raise ValueError(f"{p}:{lineno}: expected an object with string fields 'question' and 'answer'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .data import make_prompt
-from .rewards import extract_number, numbers_equal
+from .rewards import answer_matches
 
 
 @torch.no_grad()
@@ -48,7 +48,7 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
             reps = num_samples if temperature > 0 else 1
             for i, text in enumerate(completions):
                 ex = batch[i // reps]
-                ok = numbers_equal(extract_number(text), extract_number(str(ex["answer"])))
+                ok = answer_matches(text, str(ex["answer"]))
                 correct.append(float(ok))
                 if len(samples) < 8:
                     samples.append({"question": ex["question"], "answer": ex["answer"], "completion": text,

@@ -115,6 +115,10 @@ def check_model_name(name: str) -> str:
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name].kind
     if os.path.isdir(name):
+        for file in sorted(Path(name).glob("*.safetensors")):
+            problem = safetensors_problem(file)
+            if problem:
+                raise ValueError(f"model={name!r}: {file.name} cannot be loaded: {problem}")
         return "local"
     parts = name.split("/")
     if len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not os.path.exists(parts[0]):
@@ -122,6 +126,36 @@ def check_model_name(name: str) -> str:
     raise ValueError(
         f"model={name!r} is not a built-in name, an existing local folder, or a hub id 'org/name'. "
         f"Built-in names: {known_models_text()}")
+
+
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """What makes a ``.safetensors`` file unreadable (truncated, bad header), or None; reads only its header.
+
+    Layout: an 8-byte little-endian header length, a JSON header giving each tensor's byte range, the data.
+    """
+    import json
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the 8-byte header length (truncated)"
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, 100 * 2**20):
+                return f"its header claims {n} bytes but the file has {size} (truncated or not safetensors)"
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "its header is not valid JSON (not a safetensors file)"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object (not a safetensors file)"
+    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    need = 8 + n + max([e for e in ends if isinstance(e, int)], default=0)
+    if size < need:
+        return f"{size} bytes, but its header needs {need} (truncated)"
+    return None
 
 
 def model_config(name: str):

@@ -172,6 +172,14 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The optimiser step a checkpoint folder holds (from its name, ``checkpoint-<step>``)."""
+    step = _step_of(Path(path))
+    if step is None:
+        raise CheckpointError(f"{path} is not a checkpoint folder (checkpoint-<step>)")
+    return step
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Complete (renamed) checkpoint folders, oldest first."""
     root = checkpoints_dir(run_dir)
@@ -198,22 +206,34 @@ def write_manifest(folder: Path) -> None:
 
 
 def verify_checkpoint(folder: str | os.PathLike) -> str | None:
-    """None when every file listed in the manifest is there with its size and hash; else the problem."""
+    """None when every file listed in the manifest is there with its size and hash and the run's JSON state
+    files parse; else the problem. Never raises: a checkpoint unreadable for any reason is just not usable."""
     folder = Path(folder)
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_bytes().decode("utf-8"))
     except FileNotFoundError:
         return "no manifest.json"
-    except json.JSONDecodeError:
-        return "manifest.json is not valid JSON"
-    for rel, meta in manifest.get("files", {}).items():
-        p = folder / rel
-        if not p.is_file():
-            return f"{rel} is missing"
-        if p.stat().st_size != meta["bytes"]:
-            return f"{rel} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}"
-        if _file_digest(p) != meta["sha256"]:
-            return f"{rel} does not match its SHA-256 in the manifest"
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return f"manifest.json cannot be read ({type(e).__name__})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "manifest.json lists no files"
+    try:
+        for rel, meta in files.items():
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                return f"manifest.json names a path outside the checkpoint: {rel!r}"
+            p = folder / rel
+            if not p.is_file():
+                return f"{rel} is missing"
+            if p.stat().st_size != meta["bytes"]:
+                return f"{rel} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}"
+            if _file_digest(p) != meta["sha256"]:
+                return f"{rel} does not match its SHA-256 in the manifest"
+        for name in (KIT_STATE, TRAINER_STATE):
+            if (folder / name).is_file():
+                json.loads((folder / name).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+        return f"cannot be read ({type(e).__name__}: {e})"
     return None
 
 

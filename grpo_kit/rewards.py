@@ -12,21 +12,16 @@ from __future__ import annotations
 import logging
 import math
 import re
-from fractions import Fraction
+import time
+
+from .answers import as_number, extract_answer, numbers_equal, single_number, to_float
+from .time_limit import TimeLimitExceeded, call_with_time_limit
 
 _log = logging.getLogger("grpo_kit.rewards")
 
 ANSWER_PREFIX = "Answer:"
-
-# A number as people write it: optional sign (ASCII or Unicode minus), optional $,
-# thousands separators, decimals, an optional fraction; "1234." keeps its trailing dot
-# out of the match. The look-behind stops matching digits glued to letters (e.g. "x2").
-_NUM = re.compile(
-    r"(?<![\w.])(?P<sign>[-−])?\s?\$?\s?(?P<int>\d{1,3}(?:,\d{3})+|\d+)(?P<frac>\.\d+)?"
-    r"(?:\s?/\s?(?P<den>\d+)(?![\d.]))?")
-_GSM8K_MARK = re.compile(r"####\s*")
-_ANSWER_MARK = re.compile(r"(?:answer\s*(?:is|:|=)|\\boxed\{)", re.IGNORECASE)
-_STRICT = re.compile(r"^\s*Answer:\s*[-−]?\$?\s?[\d,]+(?:\.\d+)?(?:\s?/\s?\d+)?\s*\.?\s*$")
+# Linear: each attempt starts at the literal "answer:", and the whitespace runs after two of them never overlap.
+_SOFT_ANSWER = re.compile(r"answer:\s*[-−]?\$?\s?\d", re.IGNORECASE)
 
 
 def completion_text(completion) -> str:
@@ -62,31 +57,6 @@ def _content_text(content) -> str:
                                 f"{type(content).__name__}")
 
 
-def _to_number(m: re.Match) -> float | None:
-    digits = m.group("int").replace(",", "") + (m.group("frac") or "")
-    try:
-        value = Fraction(digits)
-        if m.group("den"):
-            den = int(m.group("den"))
-            if den == 0:
-                return None
-            value /= den
-        out = float(value)
-    except (ValueError, OverflowError, ZeroDivisionError):
-        return None
-    if not math.isfinite(out):
-        return None
-    return -out if m.group("sign") else out
-
-
-def _first_number(text: str) -> float | None:
-    for m in _NUM.finditer(text):
-        value = _to_number(m)
-        if value is not None:
-            return value
-    return None
-
-
 def extract_number(text: str) -> float | None:
     """The final numeric answer in ``text``, or ``None``.
 
@@ -110,42 +80,18 @@ def extract_number(text: str) -> float | None:
     >>> extract_number("no digits here") is None
     True
     """
-    if not isinstance(text, str) or not text:
-        return None
-    marks = list(_GSM8K_MARK.finditer(text))
-    if marks:
-        return _first_number(text[marks[-1].end():])
-    marks = list(_ANSWER_MARK.finditer(text))
-    if marks:
-        value = _first_number(text[marks[-1].end():])
-        if value is not None:
-            return value
-    last = None
-    for m in _NUM.finditer(text):
-        value = _to_number(m)
-        if value is not None:
-            last = value
-    return last
+    return to_float(extract_answer(text))
 
 
-def numbers_equal(a: float | None, b: float | None, rel: float = 1e-6) -> bool:
-    """Equality with a small relative tolerance (answers like 0.1 + 0.2).
+def answer_matches(text: str, reference) -> bool:
+    """Whether the final answer in ``text`` equals ``reference`` (a number, or text holding one).
 
-    >>> numbers_equal(0.30000000000000004, 0.3), numbers_equal(None, 3.0), numbers_equal(2.0, 3.0)
-    (True, False, False)
+    Exact for integers and fractions; a tolerance only for decimals (see :mod:`grpo_kit.answers`).
+
+    >>> answer_matches("Answer: 20000019", "20000000"), answer_matches("Answer: 1/3", 1 / 3)
+    (False, True)
     """
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return False  # an infinite reference used to equal every number (inf <= 1e-6 * inf)
-    return abs(a - b) <= rel * max(1.0, abs(b))
-
-
-def _reference(answer) -> float | None:
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        try:
-            return float(answer)
-        except OverflowError:  # an int beyond float range cannot be compared
-            return None
-    return extract_number(str(answer))
+    return numbers_equal(extract_answer(text), as_number(reference))
 
 
 def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
@@ -160,8 +106,7 @@ def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """
     if len(answer) != len(completions):
         raise ValueError(f"correctness_reward: {len(completions)} completions but {len(answer)} answers")
-    return [1.0 if numbers_equal(extract_number(completion_text(c)), _reference(a)) else 0.0
-            for c, a in zip(completions, answer)]
+    return [1.0 if answer_matches(completion_text(c), a) else 0.0 for c, a in zip(completions, answer)]
 
 
 def format_strict_reward(prompts, completions, **kwargs) -> list[float]:
@@ -173,8 +118,17 @@ def format_strict_reward(prompts, completions, **kwargs) -> list[float]:
     out = []
     for c in completions:
         lines = [ln for ln in completion_text(c).splitlines() if ln.strip()]
-        out.append(1.0 if lines and _STRICT.match(lines[-1]) else 0.0)
+        out.append(1.0 if lines and _is_answer_line(lines[-1]) else 0.0)
     return out
+
+
+def _is_answer_line(line: str) -> bool:
+    """``Answer: <one number>`` with an optional final ``.``, checked without a regex (linear time)."""
+    line = line.strip()
+    if not line.startswith(ANSWER_PREFIX):
+        return False
+    rest = line[len(ANSWER_PREFIX):].strip()
+    return single_number(rest[:-1] if rest.endswith(".") else rest) is not None
 
 
 def format_soft_reward(prompts, completions, **kwargs) -> list[float]:
@@ -183,8 +137,7 @@ def format_soft_reward(prompts, completions, **kwargs) -> list[float]:
     >>> format_soft_reward(None, ["so answer: 12 apples", "12"])
     [1.0, 0.0]
     """
-    pattern = re.compile(r"answer:\s*[-−]?\$?\s?\d", re.IGNORECASE)
-    return [1.0 if pattern.search(completion_text(c)) else 0.0 for c in completions]
+    return [1.0 if _SOFT_ANSWER.search(completion_text(c)) else 0.0 for c in completions]
 
 
 REWARD_FUNCTIONS = {
@@ -266,17 +219,26 @@ def _excerpt(x, n: int = 80) -> str:
 
 
 REWARD_ERRORS = ("raise", "zero")
+# Wall-clock seconds one reward call may take (config reward_time_limit_s); a slow call scores 0 instead.
+REWARD_TIME_LIMIT_S = 60.0
 
 
-def checked_reward_func(fn, on_error: str = "raise"):
+def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S):
     """Wrap a reward function so bad output stops training with a message naming it and the sample.
 
-    Allowed per sample: a finite number, or ``None`` (TRL's "not applicable to this sample").
-    Wrong length, NaN/inf, a non-number, or an exception raise ``RewardFunctionError``; when the
-    function raises on the batch, it is re-run sample by sample to name the first failing sample.
-    ``on_error="zero"`` (config ``reward_errors: zero``): a function that raises instead scores
-    0.0 for each sample it raises on (re-run one by one; the others keep their scores), with a
-    warning naming the function, the sample and the exception. Bad return values still raise.
+    Allowed per sample: a finite number that fits a float, or ``None`` (TRL's "not applicable to this
+    sample"). Wrong length, NaN/inf, ``10**400``, a non-number, or an exception raise
+    ``RewardFunctionError``; when the function raises on the batch, it is re-run sample by sample to
+    name the first failing sample. ``on_error="zero"`` (config ``reward_errors: zero``): a function
+    that raises instead scores 0.0 for each sample it raises on (re-run one by one; the others keep
+    their scores), with a warning naming the function, the sample and the exception. Bad return
+    values still raise.
+
+    ``time_limit_s`` (config ``reward_time_limit_s``; None or 0: none): a call on the batch that runs
+    longer is stopped (:mod:`grpo_kit.time_limit`), and the samples are re-run one by one within one
+    more ``time_limit_s`` (each gets an equal share of what is left); a sample that runs out of its share
+    scores 0.0 with a warning naming the function and the sample, whatever ``on_error`` says. A call
+    thus takes at most about ``2 * time_limit_s``.
 
     >>> ok = checked_reward_func(correctness_reward)
     >>> ok(None, ["Answer: 3"], answer=["3"])
@@ -288,49 +250,80 @@ def checked_reward_func(fn, on_error: str = "raise"):
     """
     if on_error not in REWARD_ERRORS:
         raise ValueError(f"on_error={on_error!r} is not allowed; choose one of {list(REWARD_ERRORS)}")
+    if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s)
+                                         and time_limit_s >= 0):
+        raise ValueError(f"time_limit_s={time_limit_s!r} must be a finite number of seconds >= 0 (0: no limit)")
     name = getattr(fn, "__name__", type(fn).__name__)
     if getattr(fn, "_grpo_kit_checked", False):
         return fn
 
+    def one_by_one(prompts, completions, kwargs, batch_error):
+        """Each sample alone, within one shared time budget: the failing ones named, or scored 0.0."""
+        n = len(completions)
+        deadline = time.monotonic() + time_limit_s if time_limit_s else None
+        scores = []
+        for i in range(n):
+            one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+            # An equal share of what is left, so one slow sample cannot starve the ones after it.
+            left = None if deadline is None else (deadline - time.monotonic()) / (n - i)
+            where = f"on sample {i} (completion {_excerpt(completions[i])})"
+            try:
+                if left is not None and left <= 0:
+                    raise TimeLimitExceeded("no time left")
+                r1 = call_with_time_limit(left, fn, None if prompts is None else prompts[i:i + 1],
+                                          completions[i:i + 1], **one)
+                scores.append(list(r1)[0] if isinstance(r1, (list, tuple)) and len(r1) == 1 else r1)
+            except TimeLimitExceeded:
+                _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) %s; scored 0.0",
+                             name, time_limit_s, where)
+                scores.append(0.0)
+            except Exception as e1:
+                msg = f"reward function {name!r} raised {type(e1).__name__}: {e1} {where}"
+                if on_error == "raise":
+                    raise RewardFunctionError(msg) from e1
+                _log.warning("%s; scored 0.0 (reward_errors='zero')", msg)
+                scores.append(0.0)
+        if batch_error is not None and on_error == "raise":
+            raise RewardFunctionError(f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} "
+                                      f"on a batch of {n} completions") from batch_error
+        return scores
+
     def wrapper(prompts, completions, **kwargs):
         n = len(completions)
         try:
-            out = fn(prompts, completions, **kwargs)
+            out = call_with_time_limit(time_limit_s, fn, prompts, completions, **kwargs)
+        except TimeLimitExceeded:
+            _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) on a batch of %d "
+                         "completions; re-running them one by one", name, time_limit_s, n)
+            out = one_by_one(prompts, completions, kwargs, None)
         except Exception as e:
-            zeroed = []
-            for i in range(n):  # find the sample that breaks it
-                one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
-                try:
-                    r1 = fn(None if prompts is None else prompts[i:i + 1], completions[i:i + 1], **one)
-                    zeroed.append(list(r1)[0] if isinstance(r1, (list, tuple)) and len(r1) == 1 else r1)
-                except Exception as e1:
-                    msg = (f"reward function {name!r} raised {type(e1).__name__}: {e1} on sample {i} "
-                           f"(completion {_excerpt(completions[i])})")
-                    if on_error == "raise":
-                        raise RewardFunctionError(msg) from e1
-                    _log.warning("%s; scored 0.0 (reward_errors='zero')", msg)
-                    zeroed.append(0.0)
-            if on_error == "raise":
-                raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e} "
-                                          f"on a batch of {n} completions") from e
-            out = zeroed
+            out = one_by_one(prompts, completions, kwargs, e)
         if not isinstance(out, (list, tuple)) and not hasattr(out, "__len__"):
             raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}, expected a list "
                                       f"of {n} floats (or None)")
         out = list(out)
         if len(out) != n:
             raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions")
+        values = []
         for i, r in enumerate(out):
             if r is None:
+                values.append(None)
                 continue
             if isinstance(r, bool) or not isinstance(r, (int, float)) and not hasattr(r, "__float__"):
                 raise RewardFunctionError(f"reward function {name!r} returned {r!r} for sample {i}; expected a "
                                           "number or None")
-            if not math.isfinite(float(r)):
-                raise RewardFunctionError(f"reward function {name!r} returned {float(r)} for sample {i} "
+            try:
+                value = float(r)
+            except (OverflowError, ValueError, TypeError) as e:  # 10**400, or a __float__ that fails
+                raise RewardFunctionError(f"reward function {name!r} returned a value that is no float for sample "
+                                          f"{i} ({type(e).__name__}: {e}; completion {_excerpt(completions[i])})"
+                                          ) from None
+            if not math.isfinite(value):
+                raise RewardFunctionError(f"reward function {name!r} returned {value} for sample {i} "
                                           f"(completion {_excerpt(completions[i])}); rewards must be finite "
                                           "(None means 'not applicable')")
-        return [None if r is None else float(r) for r in out]
+            values.append(value)
+        return values
 
     wrapper.__name__, wrapper.__doc__ = name, fn.__doc__
     wrapper._grpo_kit_checked = True

@@ -258,16 +258,21 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
     )
 
 
-def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False) -> dict:
+def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False,
+          overwrite: bool = False) -> dict:
     """Run the main job for a config; returns the summary also written to ``summary.json``.
 
     ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard).
 
     The config is validated and the data built before any model is loaded, so bad input
-    fails in seconds. Nothing already in the run folder is deleted.
+    fails in seconds. Nothing already in the run folder is deleted: a folder that holds a run is
+    refused unless ``overwrite=True``, which moves that run aside (:mod:`grpo_kit.run_folder`), and
+    the folder is locked against a second writer while the run lasts.
 
     ``resume=True``: continue the run in ``cfg.output_dir`` from its last complete checkpoint (use
-    :func:`grpo_kit.resume.resume`, which also checks the config against the saved one).
+    :func:`grpo_kit.resume.resume`, which also checks the config against the saved one). A run that
+    already finished is left as it is; one stopped at ``max_steps`` during its final save or
+    evaluation finishes those without training further.
     """
     warn_once_per_message()  # before TRL's imports, whose vLLM version warning comes from five lines
     cfg.validate()
@@ -277,22 +282,43 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     if cfg.load_in_4bit and device != "cuda":
         raise ValueError(f"load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), but the run "
                          f"would train on {device!r}; run on a GPU machine or set load_in_4bit=False")
-    dtype = resolve_dtype(cfg, device)
-    system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
 
     from accelerate import PartialState
 
     # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
     is_main = PartialState(cpu=(device == "cpu")).is_main_process
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt, resumed = None, {}
+    from .run_folder import claim_run_folder
+
+    lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if is_main else None
+    if lock is None:  # other processes: the main one owns the folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume) -> dict:
+    """:func:`train` once the run folder is this process's."""
+    dtype = resolve_dtype(cfg, device)
+    system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
+    from accelerate import PartialState
+
+    ckpt, resumed, finishing = None, {}, False
     if resume:
-        from .resume import find_resume_checkpoint, read_run_state
+        from .resume import checkpoint_step, find_resume_checkpoint, read_run_state
 
         ckpt = find_resume_checkpoint(run_dir)
         resumed = read_run_state(ckpt)
-        print(f"resuming from {ckpt}", flush=True)
+        finishing = checkpoint_step(ckpt) >= cfg.max_steps  # stopped during the final save or evaluation
+        if finishing and (run_dir / "summary.json").is_file():
+            print(f"the run in {run_dir} is already finished ({ckpt.name}, max_steps={cfg.max_steps}, summary.json "
+                  f"written); nothing to do. To train longer: train --resume {run_dir} --set max_steps=N", flush=True)
+            return {**json.loads((run_dir / "summary.json").read_text()), "already_finished": True}
+        print(f"resuming from {ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no more "
+                                         "training)" if finishing else ""), flush=True)
     if is_main:
         cfg.save(run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
@@ -351,8 +377,8 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
                                     samples_path) if is_main else []
     else:
         samples_path.write_text("")
-    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors) for f in reward_funcs],
-                              samples_path)
+    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors, time_limit_s=cfg.reward_time_limit_s)
+                               for f in reward_funcs], samples_path)
     recorder.step = int(resumed.get("recorder_step") or 0)
     callback = _make_callback(cfg, run_dir, device, history)
 
@@ -373,7 +399,10 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     t_train = time.perf_counter()
     try:
         try:
-            trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+            if finishing:  # at max_steps already: the checkpoint's weights, and no training step
+                trainer._load_from_checkpoint(str(ckpt))
+            else:
+                trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
         finally:
             if generator is not None:
                 syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]

@@ -109,3 +109,95 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     with pytest.raises(ValueError, match=r"cannot fit beside training on this GPU.*15\.0 of 15\.0 GiB is free.*"
                                          r"kv_cache_dtype=fp8"):
         memory_plan(cfg, mc, share_weights=True, free_bytes=15 * gib, total_bytes=15 * gib)  # a T4 cannot hold it
+
+
+# --- issue 18: every numeric field finite and in range, list element types, names, bad paths ------------------------
+@pytest.mark.parametrize("override,match", [
+    ("learning_rate=.inf", "learning_rate=inf must be > 0 and finite"),
+    ("temperature=.inf", "temperature=inf must be > 0 and finite"),
+    ("epsilon_high=.inf", "epsilon_high=inf must be at least 0 and finite"),
+    ("max_grad_norm=-1", r"max_grad_norm=-1.0 must be at least 0 and finite \(0: no clipping\)"),
+    ("max_grad_norm=.nan", "max_grad_norm=nan must be at least 0"),
+    ("weight_decay=-5", "weight_decay=-5.0 must be at least 0"),
+    ("lora_target_modules=[1, 2]", r"lora_target_modules=\[1, 2\]: each must be a non-empty module name"),
+    ("reward_weights=[.nan, 1]", r"reward_weights=\[nan, 1\]: each must be a finite number, not nan"),
+    ("reward_weights=[high, 1]", "reward_weights=.*each must be a finite number, not 'high'"),
+    ("lr_scheduler_type=cosinus", r"lr_scheduler_type='cosinus' is not allowed; choose one of \['linear'"),
+    ("reward_time_limit_s=-1", "reward_time_limit_s=-1.0 must be at least 0"),
+    ("seed=-1", r"seed=-1 must be in \[0, 4294967295\]"),
+    ("output_dir=", "output_dir='' must name a run folder"),
+])
+def test_non_finite_out_of_range_and_bad_names_are_refused_with_the_range(override, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOKitConfig().apply_overrides([override]).validate()
+
+
+def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
+    import dataclasses
+    import math
+
+    from grpo_kit.config import NUMERIC_RANGES
+
+    numeric = {f.name for f in dataclasses.fields(GRPOKitConfig) if str(f.type).split(" ")[0] in ("int", "float")}
+    assert numeric == set(NUMERIC_RANGES)
+    for f in dataclasses.fields(GRPOKitConfig):
+        if f.name not in numeric:
+            continue
+        low = NUMERIC_RANGES[f.name][0]
+        for bad in ([math.nan, math.inf, -math.inf] if str(f.type).startswith("float") else []) + [True, low - 1]:
+            with pytest.raises(ConfigError, match=f"{f.name}="):  # set directly, as a notebook would
+                dataclasses.replace(GRPOKitConfig(), **{f.name: bad}).validate()
+    with pytest.raises(ConfigError, match="max_steps=inf must be an integer at least 1"):
+        GRPOKitConfig().apply_overrides(["max_steps=.inf"])  # used to be an OverflowError traceback
+
+
+def test_scheduler_names_are_transformers_own():
+    from transformers.trainer_utils import SchedulerType
+
+    from grpo_kit.config import LR_SCHEDULER_TYPES
+
+    assert set(LR_SCHEDULER_TYPES) == {s.value for s in SchedulerType}
+
+
+def _bad_paths(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes((64).to_bytes(8, "little") + b'{"w": {"dtype": "F32", "shape": [4],'
+                                              b' "data_offsets": [0, 16]}}'.ljust(64) + b"\0" * 7)
+    yaml_bad = tmp_path / "c.yaml"
+    yaml_bad.write_bytes(b"max_steps: 3\nmodel: \xff\xfe\n")
+    jsonl_bad = tmp_path / "bad.jsonl"
+    jsonl_bad.write_bytes(b'{"question": "\xff", "answer": "#### 1"}\n')
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    gsm = ["--set", "task=gsm8k", "--set", "num_eval_samples=0", "--set", "model=tiny-llama"]
+    return [
+        (["--output-dir", str(a_file)], f"{a_file}' exists and is not a folder"),
+        (["--output-dir", str(a_file / "run")], "exists and is not a folder"),
+        (["--set", "output_dir="], "output_dir='' must name a run folder"),
+        (["--set", f"model={model}"], "model.safetensors cannot be loaded: 79 bytes, but its header needs 88 (truncated)"),
+        (["--config", str(yaml_bad)], "is not UTF-8 text"),
+        ([*gsm, "--set", f"dataset_path={jsonl_bad}"], "bad.jsonl:1: not UTF-8 text"),
+        ([*gsm, "--set", f"dataset_path={deep}"], "deep.jsonl:1: JSON nested too deeply"),
+        (["--set", "max_steps=.inf"], "max_steps=inf must be an integer"),
+        (["--set", "learning_rate=.inf"], "learning_rate=inf must be > 0 and finite"),
+    ]
+
+
+def test_bad_paths_and_values_give_one_error_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
+    from grpo_kit import models
+    from grpo_kit.cli import main
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded: the bad input was not caught first")
+
+    monkeypatch.setattr(models, "load_tokenizer", no_model)
+    for args, match in _bad_paths(tmp_path):
+        out = [] if "--output-dir" in args or "output_dir=" in args[-1] else ["--output-dir", str(tmp_path / "r")]
+        assert main(["train", *args, *out]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and match in err, (args, err)
+        assert not (tmp_path / "r").exists()  # stopped before any work

@@ -103,6 +103,28 @@ def test_numbers_equal_never_matches_non_finite(a, b):
         assert not rewards.numbers_equal(a, b)
 
 
+# Pieces that made the old regexes backtrack (runs of spaces, fences, separators, marks), repeated to long texts.
+_PIECES = [" ", "\t", "\n", "1", "9", ",", ".", "/", "e", "-", "$", "#### ", "```", "```python\n", "\\frac{",
+           "}{", "}", "answer:", "Answer: ", "answer is ", "_", "\u2212", "\u202f", "x", "\\boxed{"]
+long_adversarial = st.lists(st.tuples(st.sampled_from(_PIECES), st.integers(1, 3000)), min_size=1, max_size=12).map(
+    lambda parts: "".join(p * k for p, k in parts)[:60_000])
+
+
+@settings(max_examples=25)
+@given(long_adversarial)
+def test_extractors_stay_fast_on_long_adversarial_text(text):
+    import time
+
+    from grpo_kit.code_reward import extract_code
+
+    for call in (lambda: rewards.extract_number(text), lambda: rewards.format_strict_reward(None, [text]),
+                 lambda: rewards.format_soft_reward(None, [text]), lambda: extract_code(text),
+                 lambda: rewards.correctness_reward(None, [text], ["1"])):
+        t = time.perf_counter()
+        call()
+        assert time.perf_counter() - t < 1.0, (call, len(text))
+
+
 def test_regressions_found_by_fuzzing():
     # an infinite reference answer used to equal every number (abs(x - inf) <= 1e-6 * inf)
     assert rewards.correctness_reward(None, ["Answer: 5"], answer=[float("inf")]) == [0.0]

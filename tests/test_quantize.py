@@ -150,7 +150,7 @@ def test_config_refuses_4bit_where_it_cannot_train(monkeypatch):
         _cfg(load_in_4bit=True, generation_backend="vllm")
     with pytest.raises(ConfigError, match=r"load_in_4bit_skip_modules=\['', 'x'\] is not allowed"):
         _cfg(load_in_4bit_skip_modules=["", "x"])
-    with pytest.raises(ConfigError, match="load_in_4bit_auto_allowance=-1 must be a number in"):
+    with pytest.raises(ConfigError, match=r"load_in_4bit_auto_allowance=-1 must be in \[0, 4\]"):
         _cfg(load_in_4bit_auto_allowance=-1)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))

@@ -160,7 +160,8 @@ def test_half_written_checkpoint_is_never_published(tmp_path):
     assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # cleaned up on resume
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest", "no-manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest", "no-manifest", "manifest-not-utf8",
+                                    "manifest-a-list", "manifest-no-sizes", "manifest-outside", "state-not-utf8"])
 def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, damage, capsys):
     write_checkpoint(tmp_path, 2, _fill(2), keep=0)
     newest = write_checkpoint(tmp_path, 4, _fill(4), keep=0)
@@ -176,6 +177,19 @@ def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, damage, capsys):
         target.unlink()
     elif damage == "manifest":
         (newest / "manifest.json").write_text('{"files": {')
+    elif damage == "manifest-not-utf8":  # used to abort the resume with UnicodeDecodeError
+        (newest / "manifest.json").write_bytes(b'{"files": {"\xff": 1}}')
+    elif damage == "manifest-a-list":
+        (newest / "manifest.json").write_text("[1, 2]")
+    elif damage == "manifest-no-sizes":
+        (newest / "manifest.json").write_text('{"files": {"optimizer.json": {}}}')
+    elif damage == "manifest-outside":
+        (newest / "manifest.json").write_text('{"files": {"../checkpoint-2/kit_state.json": {"bytes": 1}}}')
+    elif damage == "state-not-utf8":  # consistent with its manifest, but unreadable
+        from grpo_kit.resume import write_manifest
+
+        (newest / "kit_state.json").write_bytes(b'{"run": "\xff"}')
+        write_manifest(newest)
     else:
         (newest / "manifest.json").unlink()
     assert verify_checkpoint(newest) is not None

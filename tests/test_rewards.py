@@ -1,4 +1,6 @@
+import json
 import math
+import time
 
 import pytest
 
@@ -104,3 +106,135 @@ def test_reward_errors_zero_scores_raising_samples_zero_with_a_warning(caplog):
     GRPOKitConfig().apply_overrides(["reward_errors=zero"]).validate()
     with pytest.raises(ConfigError, match="reward_errors='skip'"):
         GRPOKitConfig().apply_overrides(["reward_errors=skip"]).validate()
+
+
+# --- issue 18: exact answers, linear time, overflow-safe values, a time limit per call -----------------------------
+@pytest.mark.parametrize("text,expected", [
+    ("1e400", None), ("2.5e3 m", 2500.0), ("\\frac{1}{2}", 0.5), ("Answer: -\\dfrac{3}{4}", -0.75),
+    ("1 000 000", 1e6), ("1\u202f000", 1000.0), ("1,23", None), ("#### 1_000", None), ("5,6,7", None),
+    ("1.2.3", None), ("12/25/2023", None), ("The answer is 1/2.", 0.5), ("nan", None), ("5-3", 3.0),
+    ("9" * 1001, None),
+])
+def test_extract_number_reads_or_refuses_without_misreading(text, expected):
+    assert rewards.extract_number(text) == expected
+
+
+def test_extract_answer_is_exact_beyond_float_range():
+    from fractions import Fraction
+
+    from grpo_kit.answers import extract_answer
+
+    assert extract_answer("1e400").value == 10**400 and not extract_answer("1e400").exact
+    assert extract_answer("Answer: " + "9" * 400).value == 10**400 - 1
+    assert extract_answer("\\frac{2}{6}").value == Fraction(1, 3) and extract_answer("\\frac{2}{6}").exact
+
+
+@pytest.mark.parametrize("completion,answer,score", [
+    ("Answer: 20000019", "20000000", 0.0), ("Answer: 1000001", 1000000, 0.0), ("Answer: 20000000.5", 20000000, 0.0),
+    ("Answer: 1/3", "\\frac{2}{6}", 1.0), ("Answer: 0.30000000000000004", "0.3", 1.0), ("Answer: 2/4", 0.5, 1.0),
+    ("Answer: " + str(10**30 + 1), 10**30, 0.0), ("Answer: " + str(10**30), 10**30, 1.0), ("Answer: 1e400", 10**400, 1.0),
+    ("Answer: 0.333", "1/3", 0.0), ("Answer: 24.0", "24", 1.0),
+])
+def test_correctness_is_exact_for_integers_and_fractions(completion, answer, score):
+    assert rewards.correctness_reward(None, [completion], [answer]) == [score]
+
+
+ADVERSARIAL = [
+    " " * 100_000, "Answer: 1" + " " * 100_000 + "x", "```" + " " * 100_000 + "x", "```\n" * 25_000,
+    "```python\n" * 10_000, "`" * 100_000, "1," * 50_000, "1 " * 50_000, "1/" * 50_000, "\\frac{" * 15_000,
+    "\\frac{1}{" * 10_000, "answer: " * 12_000, "answer:" + " " * 100_000, "Answer is " * 10_000, "9" * 100_000,
+    "1e" * 50_000, "-" * 100_000, "$ " * 50_000, "#### " * 20_000, "1." * 50_000, "1.1," * 25_000,
+    "\t\n " * 33_000 + "Answer: 1", ("x" * 1000 + "\n") * 100,
+]
+
+
+@pytest.mark.parametrize("k", range(len(ADVERSARIAL)))
+def test_reward_extractors_take_linear_time_on_adversarial_text(k):
+    from grpo_kit.sandbox import extract_code
+    from grpo_kit.time_limit import call_with_time_limit
+
+    text = ADVERSARIAL[k]
+    calls = [lambda: rewards.extract_number(text), lambda: rewards.format_strict_reward(None, [text]),
+             lambda: rewards.format_soft_reward(None, [text]), lambda: rewards.correctness_reward(None, [text], ["1"]),
+             lambda: extract_code(text)]
+    for call in calls:  # each well under a second on a slow CI core; the old regexes took minutes
+        t = time.perf_counter()
+        call_with_time_limit(5.0, call)
+        assert time.perf_counter() - t < 1.0, (k, call)
+
+
+def test_reward_beyond_float_range_is_a_named_error():
+    with pytest.raises(rewards.RewardFunctionError, match="'huge' returned a value that is no float for sample 1"):
+        def huge(prompts, completions, **kw):
+            return [1, 10**400]
+        rewards.checked_reward_func(huge)(None, ["a", "b"])
+    from fractions import Fraction
+
+    assert rewards.checked_reward_func(lambda p, c, **k: [Fraction(1, 4)] * len(c))(None, ["a"]) == [0.25]
+
+
+def _slow_on_marked(prompts, completions, **kw):
+    out = []
+    for c in completions:
+        while "slow" in c:  # an `except Exception` inside cannot swallow the time limit
+            try:
+                time.sleep(0.01)
+            except Exception:
+                pass
+        out.append(1.0)
+    return out
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_reward_call_time_limit_scores_zero_with_a_logged_reason(caplog, thread):
+    import threading
+
+    fn = rewards.checked_reward_func(_slow_on_marked, time_limit_s=0.3)
+    box = {}
+    t = time.perf_counter()
+    with caplog.at_level("WARNING", logger="grpo_kit.rewards"):
+        if thread:  # off the main thread the call is abandoned at the limit instead of interrupted
+            worker = threading.Thread(target=lambda: box.update(out=fn(None, ["ok", "slow", "fine"])))
+            worker.start()
+            worker.join(10)
+        else:
+            box["out"] = fn(None, ["ok", "slow", "fine"])
+    took = time.perf_counter() - t
+    assert box["out"] == [1.0, 0.0, 1.0] and took < 2 * 0.3 + 0.5, took
+    assert "'_slow_on_marked' ran past its time limit (reward_time_limit_s=0.3) on sample 1" in caplog.text
+    assert "scored 0.0" in caplog.text
+
+
+def test_reward_time_limit_interrupts_a_backtracking_regex():
+    import re
+
+    def catastrophic(prompts, completions, **kw):
+        return [1.0 if re.match(r"^(a+)+$", c) else 0.0 for c in completions]
+
+    t = time.perf_counter()
+    out = rewards.checked_reward_func(catastrophic, time_limit_s=0.3)(None, ["aaa", "a" * 40 + "b"])
+    assert out == [1.0, 0.0] and time.perf_counter() - t < 1.5
+    with pytest.raises(ValueError, match="time_limit_s"):
+        rewards.checked_reward_func(catastrophic, time_limit_s=float("inf"))
+
+
+@pytest.mark.parametrize("line", ["#### 1_000", "#### 1e400", "#### nan", "#### inf", "#### 1,23", "#### 5 apples",
+                                  "#### 0x10", "#### " + "9" * 2000])
+def test_gsm8k_answers_must_be_plain_numbers(line):
+    from grpo_kit.data import parse_gsm8k_answer
+
+    with pytest.raises(ValueError, match="not a plain number"):
+        parse_gsm8k_answer("so\n" + line)
+
+
+def test_gsm8k_loader_names_the_line_of_non_utf8_or_deeply_nested_json(tmp_path):
+    from grpo_kit.data import parse_gsm8k_answer
+
+    assert parse_gsm8k_answer("#### -$1,000") == "-1000" and parse_gsm8k_answer("#### 2.50") == "2.50"
+    good = json.dumps({"question": "q", "answer": "#### 3"}) + "\n"
+    (tmp_path / "a.jsonl").write_bytes(good.encode() + b'{"question": "\xff", "answer": "#### 3"}\n')
+    with pytest.raises(ValueError, match=r"a.jsonl:2: not UTF-8"):
+        load_gsm8k_jsonl(tmp_path / "a.jsonl")
+    (tmp_path / "b.jsonl").write_text(good + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"b.jsonl:2: JSON nested too deeply"):
+        load_gsm8k_jsonl(tmp_path / "b.jsonl")
