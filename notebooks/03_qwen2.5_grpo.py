@@ -133,7 +133,8 @@ from grpo_kit.dashboard import LiveDashboard
 from grpo_kit.run import train
 
 dash = LiveDashboard(mode=dashboard)
-summary = train(cfg, progress=True, callbacks=(dash,))
+# overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
+summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
 
 # %% [markdown]
 # ## Before / after and the saved adapter

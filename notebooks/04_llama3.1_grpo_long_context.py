@@ -165,7 +165,8 @@ from grpo_kit.run import resolve_device, resolve_dtype, train
 device = resolve_device(cfg)
 print("device:", device, " dtype:", resolve_dtype(cfg, device))
 dash = LiveDashboard(mode=dashboard)
-summary = train(cfg, progress=True, callbacks=(dash,))
+# overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
+summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
 
 # %%
 from grpo_kit.notebook_utils import run_report
