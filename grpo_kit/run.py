@@ -435,10 +435,12 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
             _release(generator, standby=False)
     finite = all(math.isfinite(r[k]) for r in history for k in ("reward_mean", "loss") if r[k] is not None)
     summary = {
-        "model": cfg.model, "task": cfg.task, "steps": len(history), "device": device, "dtype": str(dtype),
+        "model": cfg.model, "task": cfg.task, "steps": cfg.max_steps if finishing else trainer.state.global_step, "device": device, "dtype": str(dtype),
         "trainer": cfg.trainer, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        "mean_step_time_s": (sum(r["step_time_s"] for r in history if r["step_time_s"]) / max(1, len(history))),
+        # over the logged rows that carry a time (logging_steps > 1 logs fewer rows than steps)
+        "mean_step_time_s": (sum(timed) / len(timed) if (timed := [r["step_time_s"] for r in history
+                                                                  if r["step_time_s"]]) else None),
         "peak_memory_gib": peak_memory_gib(device), "metrics_finite": finite,
         "accuracy_before": evals.get("before", {}).get("accuracy"),
         "accuracy_after": evals.get("after", {}).get("accuracy"),
