@@ -239,12 +239,14 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
     return loss, parts
 
 
-def _nanmin(x):
+def nanmin(x):
+    """Min over the non-NaN entries (NaN when there are none), as TRL's ``nanmin``."""
     x = x[~torch.isnan(x)]
     return x.min() if x.numel() else torch.tensor(float("nan"), device=x.device)
 
 
-def _nanmax(x):
+def nanmax(x):
+    """Max over the non-NaN entries (NaN when there are none), as TRL's ``nanmax``."""
     x = x[~torch.isnan(x)]
     return x.max() if x.numel() else torch.tensor(float("nan"), device=x.device)
 
@@ -276,8 +278,8 @@ def objective_metrics(parts, advantages, mask, spec, entropy=None):
         low = (ratio < 1 - spec.epsilon_low) & (advantages < 0)
         high = (ratio > 1 + spec.epsilon_high) & (advantages > 0)
         out.update({"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
-                    "clip_ratio/region_mean": mean(low | high), "clip_ratio/low_min": _nanmin(seq_mean(low)),
-                    "clip_ratio/high_max": _nanmax(seq_mean(high))})
+                    "clip_ratio/region_mean": mean(low | high), "clip_ratio/low_min": nanmin(seq_mean(low)),
+                    "clip_ratio/high_max": nanmax(seq_mean(high))})
     elif spec.loss_type == "cispo":
         out["cispo_clip_ratio"] = mean((ratio > spec.epsilon_high) & (advantages > 0))
     elif spec.loss_type == "vespo":
