@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .objective import k3_kl
 from .resume import ResumableTrainerMixin
 
 
@@ -214,7 +215,7 @@ class GuardedTrainerMixin:
             check("ratio", torch.exp(logps - old))
             ref = inputs.get("ref_per_token_logps")
             if ref is not None and getattr(self, "beta", 0.0) != 0.0:
-                check("KL", torch.exp(ref - logps) - (ref - logps) - 1)
+                check("KL", k3_kl(logps, ref))
         except Exception as e:  # diagnosis must not turn a skipped step into a crash
             terms[f"(policy pass failed: {type(e).__name__})"] = []
         rewards = getattr(self, "_logs", {}).get("rewards", {}) if isinstance(getattr(self, "_logs", None), dict) else {}

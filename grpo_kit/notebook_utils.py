@@ -12,6 +12,7 @@ import socket
 import torch
 
 from .config import GRPOKitConfig
+from .objective import k3_kl
 
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
 
@@ -98,7 +99,7 @@ def kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict:
     ``k3 = r - 1 - log r`` (unbiased for KL(pi_theta || pi_ref), always >= 0; the GRPO paper's).
     """
     log_r = ref_logp - logp
-    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": torch.exp(log_r) - 1 - log_r}
+    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": k3_kl(logp, ref_logp)}
 
 
 def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

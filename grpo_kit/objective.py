@@ -186,6 +186,14 @@ def vespo_gamma_weights(log_ratio, mask, advantages, spec, importance_weights=No
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def k3_kl(logp, ref_logp):
+    """k3 estimator of KL(pi_theta || pi_ref) per sampled token, r - 1 - log r with
+    r = pi_ref / pi_theta (unbiased, >= 0; DeepSeekMath's). Same shape as the inputs; the gap is
+    clamped at MAX_LOG_GAP so it stays finite."""
+    d = (ref_logp - logp).clamp(max=MAX_LOG_GAP)
+    return torch.exp(d) - d - 1
+
+
 def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, importance_weights=None,
                         entropy_mask=None):
     """Per-token GRPO loss before normalisation, as TRL 1.16 ``_compute_loss`` builds it.
@@ -209,8 +217,7 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
 
     kl = None
     if spec.beta != 0:
-        d = (ref_logp - logp).clamp(max=MAX_LOG_GAP)
-        kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi_theta || pi_ref)
+        kl = k3_kl(logp, ref_logp)
         if spec.use_bias_correction_kl:  # importance-weighted: unbiased under off-policy samples
             kl = kl * ratio
 

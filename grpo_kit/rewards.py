@@ -14,6 +14,8 @@ import math
 import re
 from fractions import Fraction
 
+from .names import REWARD_ERRORS
+
 _log = logging.getLogger("grpo_kit.rewards")
 
 ANSWER_PREFIX = "Answer:"
@@ -210,7 +212,6 @@ def _excerpt(x, n: int = 80) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
-REWARD_ERRORS = ("raise", "zero")
 
 
 def checked_reward_func(fn, on_error: str = "raise"):
