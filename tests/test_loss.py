@@ -424,15 +424,18 @@ def test_backward_twice_is_refused():
 # ------------------------------------------------------------------------------------------------
 # low precision
 # ------------------------------------------------------------------------------------------------
-def test_bf16_matches_trl_style_naive_bf16():
-    """bf16: same numbers as TRL's path (bf16 logits, fp32 log_softmax) within bf16 tolerance."""
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_bf16_matches_trl_style_naive_bf16(setting):
+    """bf16, every setting: same numbers as TRL's path (bf16 logits, fp32 log_softmax) within bf16
+    tolerance, and both within bf16 distance of the fp64 truth."""
     c = make_case(12, dtype=torch.bfloat16, bias=False)
     lp32 = fp64_logps(c["h"], c["W"], None, c["ids"], 1.0).float()
+    ent = fp64_entropy(c["h"], c["W"], None, 1.0)
     old, ref = lp32 + c["noise"][0], lp32 + c["noise"][1]
-    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type="dr_grpo", max_completion_length=20)
+    kw = dict(loss_kwargs(setting), max_completion_length=20, num_items_in_batch=int(c["mask"].sum()))
     hn = c["h"].clone().requires_grad_()
     lpn = torch.log_softmax((hn @ c["W"].t()).float(), -1).gather(-1, c["ids"][..., None]).squeeze(-1)
-    ln, _ = grpo_loss_reference(lpn, old, ref, c["adv"], c["mask"], **kw)
+    ln, _ = grpo_loss_reference(lpn, old, ref, c["adv"], c["mask"], entropy=ent.float(), **kw)
     ln.backward()
     h = c["h"].clone().requires_grad_()
     loss, _ = efficient_grpo_loss(h, c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
@@ -444,7 +447,7 @@ def test_bf16_matches_trl_style_naive_bf16():
     # and both sit within bf16 distance of the fp64 truth
     h64 = c["h"].double().requires_grad_()
     l64, _ = grpo_loss_reference(fp64_logps(h64, c["W"], None, c["ids"], 1.0), old.double(), ref.double(),
-                                 c["adv"].double(), c["mask"], **kw)
+                                 c["adv"].double(), c["mask"], entropy=ent, **kw)
     l64.backward()
     assert rel(h.grad, h64.grad) < 0.1
 
@@ -514,6 +517,14 @@ def _call(**over):
     (dict(epsilon_low=-0.1), "epsilon_low"),
     (dict(epilogue="cuda"), "epilogue backend"),
     (dict(lm_head_bias=torch.randn(V + 1)), "lm_head_bias"),
+    (dict(loss_type="cispo"), "loss_type='cispo' needs num_items_in_batch"),
+    (dict(importance_sampling_level="group"), r"importance_sampling_level must be one of \('token', 'sequence'\)"),
+    (dict(delta=0.0), "delta must be > 0, got 0.0"),
+    (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \(0, 1\], got 1.5"),
+    (dict(use_bias_correction_kl=1), "use_bias_correction_kl must be True or False"),
+    (dict(sapo_temperature_neg=-1.0), "sapo_temperature_neg must be > 0"),
+    (dict(vespo_k_pos=float("nan")), "vespo_k_pos must be a finite number"),
+    (dict(clip_range=0.2), r"unknown loss option\(s\) \['clip_range'\]; allowed: \['loss_type'"),
 ])
 def test_bad_input_raises_clear_value_error(over, match):
     with pytest.raises(ValueError, match=match):
