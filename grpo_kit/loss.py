@@ -286,7 +286,6 @@ def _logits(h_c, weight, bias):
     return torch.mm(h_c, weight.t()) if bias is None else torch.addmm(bias, h_c, weight.t())
 
 
-
 def _chunk_coefficient(spec, logp, w, adv, old, ref, isw):
     """dL/dlogp of a chunk's (n,) token rows under a token-local spec: autograd of the objective over
     the chunk's log-prob vector (elementwise, so this is a few (n,) vector ops). w: the rows'
@@ -320,8 +319,9 @@ class _EfficientGRPOFn(torch.autograd.Function):
         spec = opts["spec"]
         need_h, need_w, need_b = opts["needs_grad"]
         any_grad = need_h or need_w or need_b
-        # Coefficients in the loop only where a head gradient needs them and the spec allows it (the
-        # autograd call per chunk costs ~45 small kernels: ~3% at 768-row chunks on an H200).
+        # Coefficients in the loop only where a head gradient needs them and the spec allows it: the
+        # autograd call per chunk is ~45 small kernels (on a CPU 0.2-0.5 ms a chunk, the hand-derived
+        # derivative it replaced 0.07-0.15 ms), while scaling stored rows after the loop is one pass.
         in_loop = spec.token_local and (need_w or need_b)
 
         active = tok["w"] != 0
@@ -343,7 +343,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
         grad_w = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
         grad_b = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
 
-        def accumulate(s, e, h_c, z, coef, write_h, write_wb):
+        def accumulate(s, e, h_c, z, lse_c, coef, write_h, write_wb):
             # dL/dz = c * (onehot - softmax) / temp; the kernel writes coef * (softmax - onehot) / temp
             dz = _epi.softmax_grad_(z, ids_a[s:e], lse_c, coef, inv_temp, backend)
             if write_h:
@@ -377,7 +377,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
                     None if x is None else x[s:e] for x in (old_a, ref_a, isw_a))) * scale
             else:
                 coef = minus_one[:e - s]  # dz = d logp / dz
-            accumulate(s, e, h_c, z, coef, need_h, in_loop)
+            accumulate(s, e, h_c, z, lse_c, coef, need_h, in_loop)
             del z
 
         logp = torch.zeros(N, dtype=torch.float32, device=dev)
@@ -408,7 +408,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
                     h_c = _row_gather(hidden, rows, s, e)
                     z = _logits(h_c, weight, bias)
                     lse_c = _epi.lse_logp(z, ids_a[s:e], inv_temp, False, backend)[1]
-                    accumulate(s, e, h_c, z, -c[s:e], False, True)
+                    accumulate(s, e, h_c, z, lse_c, -c[s:e], False, True)
                     del z
 
         ctx.grads = (grad_h, grad_w, grad_b)

@@ -5,19 +5,21 @@ Every path of the kit computes the loss with these functions: :func:`grpo_kit.lo
 gradient coefficient dL/dlogp from autograd of :func:`per_token_objective`) and the metrics. The
 math follows TRL 1.16 ``GRPOTrainer._compute_loss`` term by term; papers:
 
-* ratio, PPO clip, k3 KL ``exp(ref - logp) - (ref - logp) - 1``: DeepSeekMath (Shao et al. 2024, GRPO),
+* ratio, PPO clip, k3 KL ``exp(ref - logp) - (ref - logp) - 1``: DeepSeekMath (arXiv 2402.03300, GRPO);
   k3 from Schulman, "Approximating KL divergence" (2020).
-* ``epsilon_high`` (clip-higher) and the token-level ``dapo`` normaliser: DAPO (Yu et al. 2025).
-* ``dr_grpo`` normaliser (constant ``B * max_completion_length``): Dr. GRPO (Liu et al. 2025).
-* ``importance_sampling_level="sequence"``, s_i = exp(mean_t log r_it): GSPO (Zheng et al. 2025).
-* ``cispo``: REINFORCE weighted by the clipped, detached ratio: MiniMax-M1 (MiniMax 2025).
-* ``sapo``: a sigmoid gate 4/tau * sigmoid(tau (r - 1)) in place of the hard clip: SAPO (Gao et al. 2025).
-* ``vespo``: a detached gamma weight phi(w) of the sequence ratio on -A * logp: VESPO (TRL 1.16).
-* ``luspo``: per-sequence sums averaged over sequences (length-unbiased GSPO): LUSPO (TRL 1.16).
-* ``delta``: two-sided clipping, r capped at delta for negative advantages: INTELLECT-2 (Prime Intellect 2025).
-* ``use_bias_correction_kl``: the k3 term times the ratio, an unbiased KL under off-policy samples
-  (DeepSeek-V3.2, 2025).
-* ``top_entropy_quantile``: policy loss on the high-entropy "forking" tokens only (Wang et al. 2025).
+* ``epsilon_high`` (clip-higher) and the token-level ``dapo`` normaliser: DAPO (arXiv 2503.14476).
+* ``dr_grpo`` normaliser (constant ``B * max_completion_length``): Dr. GRPO (arXiv 2503.20783).
+* ``importance_sampling_level="sequence"``, s_i = exp(mean_t log r_it): GSPO (arXiv 2507.18071).
+* ``cispo``: REINFORCE weighted by the detached ratio clipped at ``epsilon_high``: MiniMax-M1
+  (arXiv 2506.13585); ScaleRL (arXiv 2510.13786) recommends ``epsilon_high=5``.
+* ``sapo``: a sigmoid gate 4/tau * sigmoid(tau (r - 1)) in place of the hard clip: SAPO (arXiv 2511.20347).
+* ``vespo``: a detached gamma weight phi(w) of the sequence ratio on -A * logp: VESPO (arXiv 2602.10693).
+* ``luspo``: per-sequence sums averaged over sequences (length-unbiased GSPO): LUSPO (arXiv 2602.05261).
+* ``delta``: two-sided clipping, the unclipped ratio capped at delta: INTELLECT-2 (arXiv 2505.07291).
+* ``use_bias_correction_kl``: the k3 term times the ratio, the unbiased reverse-KL gradient off-policy:
+  DeepSeek-V3.2 (arXiv 2512.02556).
+* ``top_entropy_quantile``: policy loss on the top-rho tokens by entropy only: "Beyond the 80/20 Rule"
+  (arXiv 2506.01939).
 
 Shapes: B sequences, T completion tokens; log-probs (B, T) float; advantages (B, 1) or (B, T);
 mask (B, T). Sequence-level quantities are (B, 1) and broadcast over T.
@@ -62,8 +64,8 @@ def _real(name, val, *, low=None, allow_none=False, positive=False):
 class ObjectiveSpec:
     """The options of the per-token objective, validated once at construction (names as TRL's GRPOConfig).
 
-    ``epsilon_high=None`` means ``epsilon_low`` (TRL). ``top_entropy_quantile`` in (0, 1]: 1 keeps
-    every token. The sapo / vespo parameters are read only by those loss types.
+    ``epsilon_high=None`` means ``epsilon_low`` (TRL). ``top_entropy_quantile`` in [0, 1]: 1 keeps
+    every token, 0 only the highest-entropy one(s). The sapo / vespo parameters are read only by those loss types.
     """
 
     loss_type: str = "grpo"
@@ -93,9 +95,9 @@ class ObjectiveSpec:
         fix["epsilon_high"] = fix["epsilon_low"] if self.epsilon_high is None else _real(
             "epsilon_high", self.epsilon_high, low=0)
         fix["delta"] = _real("delta", self.delta, allow_none=True, positive=True)
-        q = _real("top_entropy_quantile", self.top_entropy_quantile, positive=True)
+        q = _real("top_entropy_quantile", self.top_entropy_quantile, low=0)
         if q > 1:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {q!r}")
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {q!r}")
         fix["top_entropy_quantile"] = q
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             fix[name] = _real(name, getattr(self, name), positive=True)

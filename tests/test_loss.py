@@ -520,7 +520,7 @@ def _call(**over):
     (dict(loss_type="cispo"), "loss_type='cispo' needs num_items_in_batch"),
     (dict(importance_sampling_level="group"), r"importance_sampling_level must be one of \('token', 'sequence'\)"),
     (dict(delta=0.0), "delta must be > 0, got 0.0"),
-    (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \(0, 1\], got 1.5"),
+    (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \[0, 1\], got 1.5"),
     (dict(use_bias_correction_kl=1), "use_bias_correction_kl must be True or False"),
     (dict(sapo_temperature_neg=-1.0), "sapo_temperature_neg must be > 0"),
     (dict(vespo_k_pos=float("nan")), "vespo_k_pos must be a finite number"),
