@@ -160,13 +160,14 @@ def _entropy_mask(spec, entropy, mask, entropy_mask_fn):
     return entropy_mask_fn(entropy, mask)
 
 
-def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights):
+def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights, sampling):
     """sum(weights * per-token objective) over (B, T) log-probs with padding filled: (loss, parts)."""
     active = mask != 0
     old, ref, isw = _fill_padding(logp, active, old, ref, isw)
     ent_mask = _entropy_mask(spec, entropy, mask, entropy_mask_fn)
     per_tok, parts = per_token_objective(logp, old, ref, adv, mask, spec, importance_weights=isw,
-                                         entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype))
+                                         entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
+                                         sampling_logp=None if sampling is None else sampling.to(logp.dtype))
     return (weights * per_tok).sum(), parts
 
 
@@ -189,6 +190,7 @@ def grpo_loss_reference(
     importance_weights=None,
     entropy=None,
     entropy_mask_fn=None,
+    sampling_logps=None,
     **options,
 ):
     """GRPO loss on per-token log-probs; the oracle for :func:`efficient_grpo_loss`.
@@ -198,10 +200,12 @@ def grpo_loss_reference(
     (B, T); mask: (B, T) bool/int/float; importance_weights: None or (B, T) / (B, 1) / (B,), no
     gradient (TRL's ``importance_sampling_ratio``); entropy: (B, T), needed when
     ``top_entropy_quantile < 1``; ``entropy_mask_fn(entropy, mask) -> (B, T) bool`` replaces the
-    one-process quantile (the trainer passes TRL's, which gathers across processes).
-    ``options``: the other :class:`grpo_kit.objective.ObjectiveSpec` fields (``delta``,
-    ``importance_sampling_level``, ``use_bias_correction_kl``, ``top_entropy_quantile``, sapo_*,
-    vespo_*). Returns (loss 0-d, metrics dict of detached 0-d tensors).
+    one-process quantile (the trainer passes TRL's, which gathers across processes);
+    sampling_logps: (B, T) or None (then old), the sampler's log-probs read by
+    ``off_policy_mask_threshold``. ``options``: the other :class:`grpo_kit.objective.ObjectiveSpec`
+    fields (``delta``, ``importance_sampling_level``, ``use_bias_correction_kl``,
+    ``top_entropy_quantile``, ``off_policy_mask_threshold``, sapo_*, vespo_*). Returns (loss 0-d,
+    metrics dict of detached 0-d tensors).
     """
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     if not isinstance(logps, torch.Tensor) or not logps.is_floating_point() or logps.dim() != 2:
@@ -212,7 +216,8 @@ def grpo_loss_reference(
                              max_completion_length, num_items_in_batch)
     maskf = mask.to(logps.dtype)
     w = token_weights(mask, loss_type, max_completion_length, num_items_in_batch, dtype=logps.dtype)
-    loss, parts = _objective(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w)
+    loss, parts = _objective(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w,
+                             sampling_logps)
     return loss, objective_metrics(parts, adv, maskf, spec, entropy)
 
 
@@ -457,6 +462,7 @@ def efficient_grpo_loss(
     epilogue="auto",
     importance_weights=None,
     entropy_mask_fn=None,
+    sampling_logps=None,
     **options,
 ):
     """GRPO loss from final hidden states without materialising (B, T, V) logits.
@@ -466,9 +472,8 @@ def efficient_grpo_loss(
     completion_mask: (B, T) bool/int/float; advantages: (B,), (B, 1) or (B, T) float;
     old_logps / ref_logps: (B, T) float or None (ref needed when beta != 0).
     ``importance_weights``: None or (B, T) / (B, 1) / (B,) float, no gradient (TRL's
-    ``importance_sampling_ratio``). ``entropy_mask_fn`` and ``options`` (``delta``,
-    ``importance_sampling_level``, ``use_bias_correction_kl``, ``top_entropy_quantile``, sapo_*,
-    vespo_*): as in :func:`grpo_loss_reference`; the entropy of the same chunk pass feeds the mask.
+    ``importance_sampling_ratio``). ``entropy_mask_fn``, ``sampling_logps`` and ``options``:
+    as in :func:`grpo_loss_reference`; the entropy of the same chunk pass feeds the entropy mask.
     ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of logits).
     ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
 
@@ -493,6 +498,7 @@ def efficient_grpo_loss(
     old = None if old_logps is None else old_logps.detach().float()
     ref = None if (ref_logps is None or spec.beta == 0) else ref_logps.detach().float()
     isw = None if isw is None else isw.detach().float()
+    sampling = None if sampling_logps is None else sampling_logps.detach().float()
 
     def flat(x):
         return None if x is None else x.expand(B, T).reshape(N)
@@ -503,7 +509,7 @@ def efficient_grpo_loss(
         x = logp_n.view(B, T).detach().requires_grad_(need_grad)
         ent_bt = None if ent_n is None else ent_n.view(B, T)
         with torch.enable_grad() if need_grad else torch.no_grad():
-            loss, parts = _objective(x, spec, mask, adv, old, ref, isw, ent_bt, entropy_mask_fn, w)
+            loss, parts = _objective(x, spec, mask, adv, old, ref, isw, ent_bt, entropy_mask_fn, w, sampling)
             grad = torch.autograd.grad(loss, x)[0].reshape(N) if need_grad else None
         return loss.detach(), grad, parts
 

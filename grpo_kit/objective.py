@@ -18,6 +18,8 @@ math follows TRL 1.16 ``GRPOTrainer._compute_loss`` term by term; papers:
 * ``delta``: two-sided clipping, the unclipped ratio capped at delta: INTELLECT-2 (arXiv 2505.07291).
 * ``use_bias_correction_kl``: the k3 term times the ratio, the unbiased reverse-KL gradient off-policy:
   DeepSeek-V3.2 (arXiv 2512.02556).
+* ``off_policy_mask_threshold``: drop negative-advantage sequences whose mean KL(sampler || policy)
+  exceeds it: DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556).
 * ``top_entropy_quantile``: policy loss on the top-rho tokens by entropy only: "Beyond the 80/20 Rule"
   (arXiv 2506.01939).
 
@@ -76,6 +78,7 @@ class ObjectiveSpec:
     importance_sampling_level: str = "token"
     use_bias_correction_kl: bool = False
     top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     vespo_k_pos: float = 2.0
@@ -95,6 +98,8 @@ class ObjectiveSpec:
         fix["epsilon_high"] = fix["epsilon_low"] if self.epsilon_high is None else _real(
             "epsilon_high", self.epsilon_high, low=0)
         fix["delta"] = _real("delta", self.delta, allow_none=True, positive=True)
+        fix["off_policy_mask_threshold"] = _real("off_policy_mask_threshold", self.off_policy_mask_threshold,
+                                                 allow_none=True)
         q = _real("top_entropy_quantile", self.top_entropy_quantile, low=0)
         if q > 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {q!r}")
@@ -109,10 +114,11 @@ class ObjectiveSpec:
     @property
     def token_local(self) -> bool:
         """True when each token's dL/dlogp depends on that token's own log-prob only (given the
-        normaliser): then the chunked loss gets it inside the chunk loop. A sequence ratio (GSPO),
-        VESPO's sequence weight and the entropy quantile (a batch threshold) couple the tokens."""
+        normaliser): then the chunked loss can get it inside the chunk loop (it does for a trainable
+        head). A sequence ratio (GSPO), VESPO's sequence weight, the off-policy sequence mask and the
+        entropy quantile (a batch threshold) couple the tokens."""
         return (self.importance_sampling_level == "token" and self.loss_type != "vespo"
-                and self.top_entropy_quantile >= 1.0)
+                and self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None)
 
 
 def check_normaliser_args(loss_type, max_completion_length, num_items_in_batch):
@@ -196,8 +202,17 @@ def k3_kl(logp, ref_logp):
     return torch.exp(d) - d - 1
 
 
+@torch.no_grad()
+def off_policy_sequence_mask(logp, sampling_logp, advantages, mask, threshold):
+    """(B, 1) 0/1: keep a sequence unless its advantage is negative and its mean KL(sampler || policy)
+    estimate, mean_t (sampling_logp - logp), exceeds ``threshold`` (NaN sampler log-probs count 0)."""
+    kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    seq_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (seq_kl <= threshold)).to(mask.dtype)
+
+
 def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, importance_weights=None,
-                        entropy_mask=None):
+                        entropy_mask=None, sampling_logp=None):
     """Per-token GRPO loss before normalisation, as TRL 1.16 ``_compute_loss`` builds it.
 
     logp: (B, T) float, the policy's log-probs (gradient flows through it); old_logp, ref_logp:
@@ -205,7 +220,8 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
     when ``spec.beta != 0``); advantages: (B, 1) or (B, T); mask: (B, T) float, read for the
     sequence-level terms only (so a token-local spec may pass None and (n,) vectors); padding must
     hold old = ref = logp (ratio 1, KL 0). importance_weights: None or (B, T) / (B, 1), no
-    gradient (TRL's ``importance_sampling_ratio``); entropy_mask: None or (B, T) 0/1.
+    gradient (TRL's ``importance_sampling_ratio``); entropy_mask: None or (B, T) 0/1;
+    sampling_logp: (B, T) or None (then old), the sampler's log-probs for the off-policy mask.
 
     Returns (per_token_loss (B, T) or broadcastable, parts) with ``parts`` the detached terms
     the metrics read: ``ratio`` (as TRL's ``coef_1``), ``kl`` (or None), ``phi`` (vespo, or None).
@@ -239,6 +255,9 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
             logged_ratio = ratio
         policy = -torch.min(ratio * A, clipped * A)
 
+    if spec.off_policy_mask_threshold is not None:
+        policy = policy * off_policy_sequence_mask(logp, old if sampling_logp is None else sampling_logp, A, mask,
+                                                   spec.off_policy_mask_threshold)
     if entropy_mask is not None:
         policy = policy * entropy_mask
     if importance_weights is not None and spec.loss_type != "vespo":  # vespo folds them into phi

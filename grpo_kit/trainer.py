@@ -11,7 +11,7 @@ and overrides two methods, the smallest set that decides how memory is spent:
   the hidden states chunk by chunk inside the forward, with the objective options of the
   ``GRPOConfig`` (every ``loss_type`` of TRL 1.16, ``importance_sampling_level``, ``delta``,
   ``use_bias_correction_kl``, ``top_entropy_quantile`` through TRL's own
-  ``get_high_entropy_mask``, sapo_* / vespo_*). When TRL's importance-sampling correction is
+  ``get_high_entropy_mask``, ``off_policy_mask_threshold``, sapo_* / vespo_*). When TRL's importance-sampling correction is
   on (``self.use_vllm and self.vllm_importance_sampling_correction``, as TRL 1.16 tests it)
   ``inputs["importance_sampling_ratio"]`` weights the policy term (VESPO: its gamma weight),
   exactly as TRL's own ``_compute_loss`` does. Refused, with the reason, at construction:
@@ -50,13 +50,11 @@ UNSUPPORTED = (
     (lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy, "an entropy bonus (entropy_coef, use_adaptive_entropy)",
      "its gradient w.r.t. the logits is not a multiple of d logp / d logits, which is all the chunked epilogue "
      "computes"),
-    (lambda a: a.off_policy_mask_threshold is not None, "off_policy_mask_threshold",
-     "the off-policy sequence mask needs the sampling engine's log-probs in the loss pass; not wired"),
     (lambda a: a.use_vllm, "use_vllm", "TRL's own vLLM; use the kit's generation_backend instead"),
 )
 # The GRPOConfig fields of the objective, passed to efficient_grpo_loss under the same names.
 OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_kl", "top_entropy_quantile",
-                    "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                    "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                     "vespo_lambda_neg")
 # TRL's metric names the kit logs (the same names in grpo_kit.objective.objective_metrics); min/max ones are
 # reduced over processes by min/max, the others averaged.
@@ -201,6 +199,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             importance_weights=self._importance_weights(inputs),
             # TRL's own mask: its quantile is taken over every process's tokens
             entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
+            sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
             **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
         if self.loss_type not in TOKEN_COUNT_NORMALISED:
             loss = loss / accum

@@ -123,6 +123,24 @@ def test_clipping_is_exercised():
     assert m["clip_ratio/low_mean"] > 0 and m["clip_ratio/high_mean"] > 0
 
 
+def _sampling_logps(lp, c):
+    """The sampler's log-probs of a case (what the off-policy mask reads)."""
+    return lp + 0.5 * c["noise"][0].flip(0).abs()  # above the policy: a positive KL(sampler || policy) estimate
+
+
+def test_off_policy_mask_is_exercised():
+    """The off-policy setting must drop a sequence in the parity cases (with old log-probs), or it is untested."""
+    from grpo_kit.objective import off_policy_sequence_mask
+
+    for seed, sampler in ((22, _sampling_logps), (list(SETTINGS).index("off_policy_mask") * 2 + 1,
+                                                   lambda lp, c: lp + c["noise"][0])):  # TRL case; fp64: old
+        c = make_case(seed)
+        lp = fp64_logps(c["h"], c["W"], c["b"], c["ids"], 1.0).float()
+        keep = off_policy_sequence_mask(lp, sampler(lp, c), c["adv"][:, None], c["mask"].float(),
+                                        SETTINGS["off_policy_mask"]["off_policy_mask_threshold"])
+        assert 0 < keep.sum() < B, (seed, keep)
+
+
 def test_efficient_equals_reference_on_its_own_logps():
     """Same loss and metrics as the reference fed with per_token_logps (fp32, temperature != 1)."""
     c = make_case(11)
@@ -211,7 +229,7 @@ def _bare_trl_trainer(loss_type, beta, eps_low, eps_high, max_len, logps, use_vl
     tr.current_gradient_accumulation_steps = 1
     tr.aux_loss_enabled = False
     tr.top_entropy_quantile = options.get("top_entropy_quantile", 1.0)
-    tr.off_policy_mask_threshold = None
+    tr.off_policy_mask_threshold = options.get("off_policy_mask_threshold")
     tr.importance_sampling_level = options.get("importance_sampling_level", "token")
     tr.use_vllm = use_vllm
     tr.vllm_importance_sampling_correction = use_vllm
@@ -243,6 +261,7 @@ def test_reference_matches_trl_compute_loss(setting, with_old):
     ref = lp_base + c["noise"][1]
     mask = c["mask"].long()
     n_items = int(mask.sum()) + 5  # a larger accumulated batch
+    sampling = _sampling_logps(lp_base, c)
     kw = loss_kwargs(setting)
     (loss_type, beta, eps_low, eps_high), options = _trl_kwargs(kw)
 
@@ -251,7 +270,8 @@ def test_reference_matches_trl_compute_loss(setting, with_old):
                            entropies=ent, **options)
     inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
                   completion_ids=c["ids"], completion_mask=mask, advantages=c["adv"],
-                  ref_per_token_logps=ref, num_items_in_batch=torch.tensor(float(n_items)))
+                  ref_per_token_logps=ref, num_items_in_batch=torch.tensor(float(n_items)),
+                  sampling_per_token_logps=sampling)
     if old is not None:
         inputs["old_per_token_logps"] = old
     loss_trl = tr._compute_loss(None, inputs)
@@ -259,7 +279,7 @@ def test_reference_matches_trl_compute_loss(setting, with_old):
 
     lp_ours = lp_base.clone().requires_grad_()
     loss, m = grpo_loss_reference(lp_ours, old, ref, c["adv"], mask, max_completion_length=LENGTH_KW[
-        "max_completion_length"], num_items_in_batch=n_items, entropy=ent, **kw)
+        "max_completion_length"], num_items_in_batch=n_items, entropy=ent, sampling_logps=sampling, **kw)
     loss.backward()
     assert torch.allclose(loss, loss_trl, rtol=1e-6, atol=1e-7)
     assert torch.allclose(lp_ours.grad, lp_trl.grad, rtol=1e-6, atol=1e-9)
@@ -277,7 +297,7 @@ def test_reference_matches_trl_compute_loss(setting, with_old):
     h = c["h"].clone().requires_grad_()
     loss_e, _ = efficient_grpo_loss(h, c["W"], c["ids"], mask, c["adv"], old_logps=old, ref_logps=ref,
                                     lm_head_bias=c["b"], max_completion_length=LENGTH_KW["max_completion_length"],
-                                    num_items_in_batch=n_items, chunk_size=8, **kw)
+                                    num_items_in_batch=n_items, chunk_size=8, sampling_logps=sampling, **kw)
     loss_e.backward()
     assert abs(loss_e.item() - loss_trl.item()) < 1e-5 * max(1e-2, abs(loss_trl.item()))
     assert rel(h.grad, h64.grad) < 1e-5

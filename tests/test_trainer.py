@@ -170,8 +170,7 @@ def test_trl_default_config_is_accepted_and_refusals_give_the_reason(tiny, tmp_p
                                    processing_class=tok)
     assert trainer.args.use_bias_correction_kl and trainer.loss_type == "dapo"  # TRL 1.16's defaults
     for kw, match in ((dict(entropy_coef=0.01), "entropy bonus .*not a multiple of d logp"),
-                      (dict(use_adaptive_entropy=True), "entropy bonus"),
-                      (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold .*sampling engine")):
+                      (dict(use_adaptive_entropy=True), "entropy bonus")):
         with pytest.raises(ValueError, match=match):
             EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path, **kw), train_dataset=ds,
                                  processing_class=tok)
