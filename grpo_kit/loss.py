@@ -139,10 +139,12 @@ def _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance
 def _fill_padding(logp, active, old, ref, isw):
     """Padding may hold anything: there old and ref become logp (ratio 1, KL 0) and the importance
     weight 1, so an extreme padded value cannot overflow exp() into inf * 0 = NaN. (B, T) in, and
-    the weights (B, 1) or (B, T); all detached, in logp's dtype."""
+    the weights (B, 1) or (B, T); in logp's dtype. old / ref keep their autograd history, as in
+    TRL (an old that is logp itself, not detached, gives no policy gradient: notebook 01); the
+    weights are detached."""
     lp = logp.detach()
-    old = None if old is None else torch.where(active, old.detach().to(lp.dtype), lp)
-    ref = None if ref is None else torch.where(active, ref.detach().to(lp.dtype), lp)
+    old = None if old is None else torch.where(active, old.to(lp.dtype), lp)
+    ref = None if ref is None else torch.where(active, ref.to(lp.dtype), lp)
     if isw is not None:
         keep = active if isw.shape[-1] == active.shape[-1] else active.any(-1, keepdim=True)
         isw = torch.where(keep, isw.detach().to(lp.dtype), torch.ones((), dtype=lp.dtype, device=lp.device))

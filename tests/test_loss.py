@@ -417,6 +417,10 @@ def test_reference_on_policy_gradient_is_advantage_weighted():
     loss.backward()
     assert torch.allclose(lp.grad, (-adv[:, None] / 10).expand(2, 5))
     assert m["ratio_mean"] == 1.0
+    # old = logps itself, not detached (as TRL would take it): the gradient vanishes
+    (g,) = torch.autograd.grad(grpo_loss_reference(lp, lp, None, adv, mask, beta=0.0, epsilon_low=0.2,
+                                                   epsilon_high=0.2, loss_type="bnpo")[0], lp)
+    assert g.abs().max() == 0
 
 
 def test_old_and_ref_logps_receive_no_gradient():
