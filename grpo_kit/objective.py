@@ -126,7 +126,8 @@ def check_normaliser_args(loss_type, max_completion_length, num_items_in_batch):
     vespo: num_items_in_batch, a scalar number or 0-d / 1-element tensor)."""
     if loss_type == "dr_grpo":
         if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length (it divides by B * max_completion_length)")
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (it divides by "
+                             "B * max_completion_length)")
         if not isinstance(max_completion_length, numbers.Integral) or max_completion_length <= 0:
             raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
     if loss_type in TOKEN_COUNT_NORMALISED:

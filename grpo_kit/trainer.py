@@ -11,8 +11,9 @@ and overrides two methods, the smallest set that decides how memory is spent:
   the hidden states chunk by chunk inside the forward, with the objective options of the
   ``GRPOConfig`` (every ``loss_type`` of TRL 1.16, ``importance_sampling_level``, ``delta``,
   ``use_bias_correction_kl``, ``top_entropy_quantile`` through TRL's own
-  ``get_high_entropy_mask``, ``off_policy_mask_threshold``, sapo_* / vespo_*). When TRL's importance-sampling correction is
-  on (``self.use_vllm and self.vllm_importance_sampling_correction``, as TRL 1.16 tests it)
+  ``get_high_entropy_mask``, ``off_policy_mask_threshold``, sapo_* / vespo_*). When TRL's
+  importance-sampling correction is on (``self.use_vllm and
+  self.vllm_importance_sampling_correction``, as TRL 1.16 tests it)
   ``inputs["importance_sampling_ratio"]`` weights the policy term (VESPO: its gamma weight),
   exactly as TRL's own ``_compute_loss`` does. Refused, with the reason, at construction:
   see ``UNSUPPORTED``.
@@ -47,15 +48,16 @@ from .rewards import checked_reward_func
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
 UNSUPPORTED = (
-    (lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy, "an entropy bonus (entropy_coef, use_adaptive_entropy)",
+    (lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy,
+     "an entropy bonus (entropy_coef, use_adaptive_entropy)",
      "its gradient w.r.t. the logits is not a multiple of d logp / d logits, which is all the chunked epilogue "
      "computes"),
     (lambda a: a.use_vllm, "use_vllm", "TRL's own vLLM; use the kit's generation_backend instead"),
 )
 # The GRPOConfig fields of the objective, passed to efficient_grpo_loss under the same names.
 OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_kl", "top_entropy_quantile",
-                    "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                    "vespo_lambda_neg")
+                    "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 # TRL's metric names the kit logs (the same names in grpo_kit.objective.objective_metrics); min/max ones are
 # reduced over processes by min/max, the others averaged.
 LOGGED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",

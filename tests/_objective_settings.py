@@ -14,9 +14,11 @@ SETTINGS = {
     "gspo_dapo": dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence"),
     "delta": dict(loss_type="grpo", beta=0.0, delta=1.15),
     "bias_kl": dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=True),
-    "bias_kl_gspo": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+    "bias_kl_gspo": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=True,
+                         importance_sampling_level="sequence"),
     "off_policy_mask": dict(loss_type="grpo", beta=0.04, off_policy_mask_threshold=0.01),
-    "top_entropy": dict(loss_type="grpo", beta=0.04, top_entropy_quantile=0.37),  # (1-q)(n-1) not an integer: no tie at the threshold
+    # (1 - q)(n - 1) not an integer: the quantile falls between two entropies, no tie at the threshold
+    "top_entropy": dict(loss_type="grpo", beta=0.04, top_entropy_quantile=0.37),
     # TRL 1.16's GRPOConfig defaults, unchanged (beta 0 there; with a KL term too)
     "trl_default": dict(loss_type="dapo", beta=0.0, epsilon_high=None, use_bias_correction_kl=True),
     "trl_default_kl": dict(loss_type="dapo", beta=0.04, epsilon_high=None, use_bias_correction_kl=True),

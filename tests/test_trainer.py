@@ -63,7 +63,8 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, 
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
     trainers = []
     for cls in (GRPOTrainer, EfficientGRPOTrainer):
-        trainers.append(cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward], args=_setting_args(tmp_path, setting),
+        trainers.append(cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward],
+                            args=_setting_args(tmp_path, setting),
                             train_dataset=ds, processing_class=tok, peft_config=_lora()))
     stock, ours = trainers
     gen = torch.Generator().manual_seed(1)
