@@ -7,8 +7,11 @@ bf16 hidden states and head weight, old/ref log-probs, beta=0.04, loss_type grpo
 * ``liger``   Liger-Kernel ``LigerFusedLinearGRPOLoss`` (compiled=False; its own GRPO terms)
 * ``cce``     Cut Cross-Entropy ``linear_cross_entropy(reduction="none")`` = -logp, GRPO terms on top
 * ``unsloth`` unsloth-zoo ``fused_linear_logprobs`` (logp with in-forward gradient), GRPO terms on top
+* ``trl``     TRL 1.16's ``trl.kernels.ChunkedLogProbFunction`` (logp with chunked gradient), GRPO terms on top
 * ``ours``    ``grpo_kit.loss.efficient_grpo_loss`` (Triton epilogue on CUDA); ``ours_torch`` the
-  same with the torch epilogue
+  same with the torch epilogue; ``ours_gspo`` / ``ours_cispo`` ours with
+  ``importance_sampling_level="sequence"`` (tokens coupled: coefficients after the chunk loop) /
+  ``loss_type="cispo"`` (epsilon_high 5), compared with ``ours`` on time and memory only
 
 Reported per (head, T, impl): median time of ``--reps`` after ``--warmup`` (CUDA events), extra
 peak memory over the inputs (max_memory_allocated minus the allocation once inputs exist; the
@@ -40,6 +43,8 @@ from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_lo
 HEADS = {"llama": (4096, 128256), "qwen": (1536, 151936)}  # name: (H, V)
 TINY_HEADS = {"llama": (64, 1000), "qwen": (48, 1201)}
 LOSS_KW = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo")
+VARIANT_KW = {"ours_gspo": dict(LOSS_KW, importance_sampling_level="sequence"),
+              "ours_cispo": dict(LOSS_KW, loss_type="cispo", epsilon_high=5.0)}  # other objectives: no rel. error
 GiB = 2**30
 
 
@@ -64,6 +69,15 @@ def load_peers(names):
             peers["cce"] = (linear_cross_entropy, cut_cross_entropy.__version__)
         except Exception as e:  # noqa: BLE001
             reasons["cce"] = f"import failed: {type(e).__name__}: {e}"
+    if "trl" in names:
+        try:
+            import trl
+            from trl.kernels import ChunkedLogProbFunction
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+            peers["trl"] = ((ChunkedLogProbFunction, _CHUNKED_LOGPROB_CHUNK_SIZE), trl.__version__)
+        except Exception as e:  # noqa: BLE001
+            reasons["trl"] = f"import failed: {type(e).__name__}: {e}"
     if "unsloth" in names:
         try:
             # unsloth_zoo refuses to import without UNSLOTH_IS_PRESENT=1 and an importable `unsloth`;
@@ -104,12 +118,15 @@ def make_runner(name, peers, inp, chunk_size=None):
             loss = grpo_on_logps(logp)
             loss.backward()
             return loss
-    elif name in ("ours", "ours_torch"):
-        epi = "auto" if name == "ours" else "torch"
+    elif name in ("ours", "ours_torch", *VARIANT_KW):
+        epi = "torch" if name == "ours_torch" else "auto"
+        kw = VARIANT_KW.get(name, LOSS_KW)
+        if kw["loss_type"] == "cispo":  # normalised by the active tokens, as dapo
+            kw = dict(kw, num_items_in_batch=int(mask.sum()))
 
         def run():
             loss, _ = efficient_grpo_loss(h, W, ids, mask, adv, old_logps=old, ref_logps=ref, epilogue=epi,
-                                          chunk_size=chunk_size, **LOSS_KW)
+                                          chunk_size=chunk_size, **kw)
             loss.backward()
             return loss
     elif name == "liger":
@@ -128,6 +145,15 @@ def make_runner(name, peers, inp, chunk_size=None):
         def run():
             nll = lce(h, W, ids, reduction="none")  # (B, T) = -logp
             loss = grpo_on_logps(-nll.float())
+            loss.backward()
+            return loss
+    elif name == "trl":
+        (fn, trl_chunk), _ = peers["trl"]
+        H = h.shape[-1]
+
+        def run():  # outputs=(): log-probs only (no entropy), as the peers above
+            logp = fn.apply(h.reshape(-1, H), W, None, ids.reshape(-1), 1.0, trl_chunk, None, 1.0, ())[0]
+            loss = grpo_on_logps(logp.view(ids.shape).float())
             loss.backward()
             return loss
     elif name == "unsloth":
@@ -382,7 +408,7 @@ def main(argv=None):
     ap.add_argument("--heads", default="llama,qwen", help="comma list of: " + ",".join(HEADS))
     ap.add_argument("--lengths", default="1024,4096,8192,20480,32768,65536")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--impls", default="ours,ours_torch,unsloth,cce,liger,naive")
+    ap.add_argument("--impls", default="ours,ours_gspo,ours_cispo,ours_torch,trl,unsloth,cce,liger,naive")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--slow-max-len", type=int, default=8192,
@@ -409,7 +435,7 @@ def main(argv=None):
             raise SystemExit(f"--heads: unknown head {hn!r}; allowed: {sorted(heads)}")
     lengths = [16, 64, 100] if args.tiny else [int(x) for x in args.lengths.split(",")]
     impls = [x for x in args.impls.split(",") if x]
-    allowed = ("ours", "ours_torch", "unsloth", "cce", "liger", "naive")
+    allowed = ("ours", "ours_torch", *VARIANT_KW, "trl", "unsloth", "cce", "liger", "naive")
     for x in impls:
         if x not in allowed:
             raise SystemExit(f"--impls: unknown implementation {x!r}; allowed: {allowed}")
@@ -455,7 +481,7 @@ def main(argv=None):
             ref_loss = ref_grad = None
             for impl in impls:
                 row = dict(base, impl=impl, status="ok", reason="")
-                if impl in ("liger", "cce", "unsloth") and impl not in peers:
+                if impl in ("liger", "cce", "unsloth", "trl") and impl not in peers:
                     row.update(status="not run", reason=reasons.get(impl, "not importable"))
                 elif impl in ("liger", "ours_torch") and T > args.slow_max_len and not args.tiny:
                     row.update(status="not run", reason=f"T > --slow-max-len {args.slow_max_len} (time budget)")
@@ -469,7 +495,7 @@ def main(argv=None):
                                    x_floor=res["ms"] / floor_ms)
                         if impl == "ours":
                             ref_loss, ref_grad = res["loss"], res["grad"]
-                        elif ref_grad is not None and res["grad"] is not None:
+                        elif ref_grad is not None and res["grad"] is not None and impl not in VARIANT_KW:
                             row.update(rel_loss=abs(res["loss"] - ref_loss) / max(abs(ref_loss), 1e-30),
                                        rel_grad=rel_err(res["grad"], ref_grad))
                         del res

@@ -17,20 +17,18 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .names import GENERATION_BACKENDS, LOSS_TYPES, REWARD_ERRORS
 from .rewards import REWARD_TIME_LIMIT_S
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TASKS = ("arithmetic", "word_problems", "gsm8k")
 REWARD_FUNCS = ("correctness", "format_strict", "format_soft")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 TRAINERS = ("grpo_kit", "trl")
-GENERATION_BACKENDS = ("auto", "hf", "vllm")
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", 0.0), ("vllm_kv_cache_gib", None))
-REWARD_ERRORS = ("raise", "zero")
 # transformers' SchedulerType values (checked against transformers by tests/test_config.py), so a bad name is
 # refused before any model loads instead of inside the trainer.
 LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -145,7 +143,7 @@ class GRPOKitConfig:
     beta: float = _f(0.04, "KL coefficient (k3 estimator against the reference model); 0 skips the reference pass.")
     epsilon: float = _f(0.2, "Lower clipping range of the ratio.")
     epsilon_high: float = _f(0.0, "Upper clipping range (0: same as epsilon).")
-    loss_type: str = _f("grpo", f"Loss normalisation, one of {LOSS_TYPES}.")
+    loss_type: str = _f("grpo", f"GRPO objective and normalisation (TRL's), one of {LOSS_TYPES}.")
     scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
     num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .objective import TOKEN_COUNT_NORMALISED, k3_kl
 from .resume import ResumableTrainerMixin
 
 
@@ -72,11 +73,13 @@ def _split_batch(inputs: dict, parts: int) -> list[dict]:
 def split_weights(halves: list[dict], full: dict, loss_type: str) -> list[float]:
     """Weights that make the weighted sum of the halves' losses equal the whole micro-batch's loss.
 
-    grpo / dr_grpo: a mean over sequences (B_half / B); bnpo: over active tokens (tokens_half /
-    tokens); dapo: already normalised by the whole window's token count (1).
+    grpo / sapo / dr_grpo / luspo: a mean over sequences (B_half / B); bnpo: over active tokens
+    (tokens_half / tokens); dapo / cispo / vespo: already normalised by the whole window's token
+    count (1). Exact for every objective option except ``top_entropy_quantile < 1``, whose
+    threshold each half then takes over its own tokens.
     """
     B = full["completion_ids"].size(0)
-    if loss_type == "dapo":
+    if loss_type in TOKEN_COUNT_NORMALISED:
         return [1.0] * len(halves)
     if loss_type == "bnpo":
         total = float(full["completion_mask"].sum().clamp(min=1))
@@ -214,7 +217,7 @@ class GuardedTrainerMixin:
             check("ratio", torch.exp(logps - old))
             ref = inputs.get("ref_per_token_logps")
             if ref is not None and getattr(self, "beta", 0.0) != 0.0:
-                check("KL", torch.exp(ref - logps) - (ref - logps) - 1)
+                check("KL", k3_kl(logps, ref))
         except Exception as e:  # diagnosis must not turn a skipped step into a crash
             terms[f"(policy pass failed: {type(e).__name__})"] = []
         rewards = getattr(self, "_logs", {}).get("rewards", {}) if isinstance(getattr(self, "_logs", None), dict) else {}

@@ -1,28 +1,29 @@
 """The GRPO loss: a readable reference and a chunked, memory-efficient twin with the same numbers.
 
-Notation (shapes; dtypes): B completions, T completion tokens, H hidden size, V vocabulary.
+Notation (shapes; dtypes): B completions, T completion tokens, H hidden size, V vocabulary. The
+objective itself (ratio, clipping variants, importance weights, KL, entropy mask, ``loss_type``
+normalisation) is written once, in :mod:`grpo_kit.objective`; both functions here evaluate it.
 
-* ``grpo_loss_reference(logps, ...)`` works on per-token log-probs (B, T) and reads like the
-  paper / TRL 1.16 ``GRPOTrainer._compute_loss``: ratio r = exp(logp - old_logp), per-token loss
-  ``-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + beta*(exp(ref-logp) - (ref-logp) - 1)``, then a
-  ``loss_type`` normalisation. Optional ``importance_weights`` (B, T) or (B, 1), no gradient,
-  multiply the policy term (not the KL term) per token, as TRL multiplies it by
-  ``inputs["importance_sampling_ratio"]`` when generation came from another engine (vLLM):
-
-  ===========  ==============================================================
-  ``grpo``     mean over sequences of each sequence's masked token mean
-  ``bnpo``     masked token mean over the micro-batch
-  ``dr_grpo``  masked sum / (B * max_completion_length)
-  ``dapo``     masked sum / num_items_in_batch (active tokens of the whole accumulated batch)
-  ===========  ==============================================================
+* ``grpo_loss_reference(logps, ...)`` works on per-token log-probs (B, T): it fills padding,
+  calls :func:`grpo_kit.objective.per_token_objective` and sums it with
+  :func:`grpo_kit.objective.token_weights`. Options are TRL 1.16 ``GRPOConfig``'s
+  (:class:`grpo_kit.objective.ObjectiveSpec`).
 
 * ``efficient_grpo_loss(hidden, lm_head_weight, ...)`` starts from the final hidden states
   (B, T, H) and never builds the (B, T, V) logits: it runs over chunks of token rows, computes
   one (rows, V) logits chunk in the input dtype, takes an fp32 log-softmax of it, and computes the
   gradient w.r.t. hidden (and the head weight/bias if they require grad) right there, in the
-  forward. Backward only scales the stored gradient by the incoming one. Every token's loss
-  coefficient is known once the normalisers are fixed from the mask, which is what makes this
-  one-pass scheme exact; matmul work stays at the naive 4*B*T*H*V FLOPs.
+  forward. The chain rule needs one number per token, c = dL/dlogp: the gradient w.r.t. the
+  chunk's logits is c * (onehot - softmax) / temperature, and row t of the hidden gradient is
+  c_t * d logp_t / d hidden_t. So the loop stores d logp/d hidden per row; after it, c is autograd
+  of the objective over all (B, T) log-probs (normalisers fixed from the mask; GSPO's sequence
+  ratio, VESPO's sequence weight and the entropy quantile then known too) and each row is scaled
+  by its c: one pass, exact, no per-chunk work beyond the head's GEMMs and the epilogue. A
+  trainable head's weight/bias gradient sums over tokens, so it needs c inside the loop: with a
+  token-local spec (``ObjectiveSpec.token_local``) c is then autograd of the objective over the
+  chunk's (rows,) log-prob vector; with coupled tokens a second pass over the chunks adds it.
+  Backward only scales the stored gradient by the incoming one; matmul work stays at the naive
+  4*B*T*H*V FLOPs (6 with a trainable head).
 
 * ``per_token_logps(hidden, lm_head_weight, ids)``: the same chunked log-probs, no grad, for the
   reference-model and old-policy passes.
@@ -32,6 +33,7 @@ Notation (shapes; dtypes): B completions, T completion tokens, H hidden size, V 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -39,50 +41,25 @@ import torch
 
 from grpo_kit.kernels import grpo_epilogue as _epi
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from .names import LOSS_TYPES  # noqa: F401  (re-exported: the loss types these functions take)
+from .objective import (MAX_LOG_GAP, ObjectiveSpec, check_normaliser_args, high_entropy_mask, objective_metrics,
+                        per_token_objective, token_weights)
 
 # Budget for one chunk of logits (plus the torch epilogue's fp32 temporaries when it is used).
 _CHUNK_BUDGET_BYTES = 256 * 2**20
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveSpec))
 
 
 # ================================================================================================
 # argument checks shared by both paths
 # ================================================================================================
-def _check_loss_args(loss_type, beta, epsilon_low, epsilon_high, max_completion_length, num_items_in_batch):
-    """Validate the scalar loss options; returns the resolved epsilon_high."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    for name, val in (("beta", beta), ("epsilon_low", epsilon_low)):
-        if not isinstance(val, numbers.Real) or not math.isfinite(val) or val < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {val!r}")
-    if epsilon_high is None:  # TRL: epsilon_high defaults to epsilon
-        epsilon_high = epsilon_low
-    if not isinstance(epsilon_high, numbers.Real) or not math.isfinite(epsilon_high) or epsilon_high < 0:
-        raise ValueError(f"epsilon_high must be a finite number >= 0 or None, got {epsilon_high!r}")
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length (it divides by B * max_completion_length)")
-        if not isinstance(max_completion_length, numbers.Integral) or max_completion_length <= 0:
-            raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
-    if loss_type == "dapo":
-        if num_items_in_batch is None:
-            raise ValueError(
-                "loss_type='dapo' needs num_items_in_batch (active tokens of the whole accumulated batch)"
-            )
-        n = num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
-        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(num_items_in_batch.shape)}")
-        if not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 0:
-            raise ValueError(f"num_items_in_batch must be a finite number >= 0, got {num_items_in_batch!r}")
-    return float(epsilon_high)
-
-
-# exp() of a log-prob gap overflows fp32 beyond ~88 nats, and inf * 0 (a zero advantage, a clipped
-# branch) is NaN. Gaps (logp - old for the ratio, ref - logp for the k3 KL) are clamped at 60 nats:
-# e^60 ~ 1e26 stays finite even times large advantages, and such a token then gets no gradient from
-# that term (as torch's clamp gives the reference). Real training never comes near: a ratio of e^60
-# is a policy that has left the trust region by 26 orders of magnitude.
-MAX_LOG_GAP = 60.0
+def objective_spec(loss_type, beta, epsilon_low, epsilon_high, options) -> ObjectiveSpec:
+    """The :class:`ObjectiveSpec` of one call; ``options``: the remaining TRL-named keywords."""
+    unknown = sorted(set(options) - set(_SPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown loss option(s) {unknown}; allowed: {list(_SPEC_FIELDS)}")
+    return ObjectiveSpec(loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                         **options)
 
 
 def _check_token_tensor(name, x, shape, *, allow_none=True, mask=None):
@@ -145,49 +122,55 @@ def _check_mask(mask, shape):
         raise ValueError("completion_mask holds NaN or inf")
 
 
-# ================================================================================================
-# metrics (shared: both paths log the same numbers as TRL's _compute_loss)
-# ================================================================================================
-def _nanmin(x):
-    x = x[~torch.isnan(x)]
-    return x.min() if x.numel() else torch.tensor(float("nan"), device=x.device)
+def _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights, max_completion_length,
+                  num_items_in_batch):
+    """Checks both paths share; returns advantages as (B, 1) / (B, T) and the importance weights
+    as None / (B, 1) / (B, T)."""
+    check_normaliser_args(spec.loss_type, max_completion_length, num_items_in_batch)
+    _check_mask(mask, (B, T))
+    advantages = _check_advantages(advantages, B, T)
+    _check_token_tensor("old_logps", old_logps, (B, T), mask=mask)
+    _check_token_tensor("ref_logps", ref_logps, (B, T), mask=mask)
+    if spec.beta != 0 and ref_logps is None:
+        raise ValueError("ref_logps is required when beta != 0")
+    return advantages, _check_importance_weights(importance_weights, B, T, mask)
 
 
-def _nanmax(x):
-    x = x[~torch.isnan(x)]
-    return x.max() if x.numel() else torch.tensor(float("nan"), device=x.device)
+def _fill_padding(logp, active, old, ref, isw):
+    """Padding may hold anything: there old and ref become logp (ratio 1, KL 0) and the importance
+    weight 1, so an extreme padded value cannot overflow exp() into inf * 0 = NaN. (B, T) in, and
+    the weights (B, 1) or (B, T); in logp's dtype. old / ref keep their autograd history, as in
+    TRL (an old that is logp itself, not detached, gives no policy gradient: notebook 01); the
+    weights are detached."""
+    lp = logp.detach()
+    old = None if old is None else torch.where(active, old.to(lp.dtype), lp)
+    ref = None if ref is None else torch.where(active, ref.to(lp.dtype), lp)
+    if isw is not None:
+        keep = active if isw.shape[-1] == active.shape[-1] else active.any(-1, keepdim=True)
+        isw = torch.where(keep, isw.detach().to(lp.dtype), torch.ones((), dtype=lp.dtype, device=lp.device))
+    return old, ref, isw
 
 
-@torch.no_grad()
-def grpo_metrics(ratio, advantages, mask, epsilon_low, epsilon_high, kl=None, entropy=None):
-    """Detached logging metrics, as TRL 1.16 logs them (masked means over all tokens).
+def _entropy_mask(spec, entropy, mask, entropy_mask_fn):
+    """None, or the (B, T) 0/1 mask of the tokens in the top ``top_entropy_quantile`` by entropy."""
+    if spec.top_entropy_quantile >= 1.0:
+        return None
+    if entropy is None:
+        raise ValueError("top_entropy_quantile < 1 needs the per-token entropy (B, T)")
+    if entropy_mask_fn is None:
+        return high_entropy_mask(entropy, mask, spec.top_entropy_quantile)
+    return entropy_mask_fn(entropy, mask)
 
-    ratio, mask, kl, entropy: (B, T); advantages: (B, 1) or (B, T). Returns a dict of 0-d fp32
-    tensors: ``ratio_mean``, ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``, and
-    ``kl`` / ``entropy`` when given.
-    """
-    mask = mask.float()
-    denom = mask.sum().clamp(min=1.0)
 
-    def mmean(x):
-        return (x.float() * mask).sum() / denom
-
-    low = (ratio < 1 - epsilon_low) & (advantages < 0)
-    high = (ratio > 1 + epsilon_high) & (advantages > 0)
-    out = {
-        "ratio_mean": mmean(ratio),
-        "clip_ratio/low_mean": mmean(low),
-        "clip_ratio/high_mean": mmean(high),
-        "clip_ratio/region_mean": mmean(low | high),
-        # per-sequence clip fractions (NaN for empty sequences, skipped like TRL's nanmin/nanmax)
-        "clip_ratio/low_min": _nanmin((low.float() * mask).sum(-1) / mask.sum(-1)),
-        "clip_ratio/high_max": _nanmax((high.float() * mask).sum(-1) / mask.sum(-1)),
-    }
-    if kl is not None:
-        out["kl"] = mmean(kl)
-    if entropy is not None:
-        out["entropy"] = mmean(entropy)
-    return {k: v.detach().float() for k, v in out.items()}
+def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights, sampling):
+    """sum(weights * per-token objective) over (B, T) log-probs with padding filled: (loss, parts)."""
+    active = mask != 0
+    old, ref, isw = _fill_padding(logp, active, old, ref, isw)
+    ent_mask = _entropy_mask(spec, entropy, mask, entropy_mask_fn)
+    per_tok, parts = per_token_objective(logp, old, ref, adv, mask, spec, importance_weights=isw,
+                                         entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
+                                         sampling_logp=None if sampling is None else sampling.to(logp.dtype))
+    return (weights * per_tok).sum(), parts
 
 
 # ================================================================================================
@@ -207,126 +190,42 @@ def grpo_loss_reference(
     max_completion_length=None,
     num_items_in_batch=None,
     importance_weights=None,
+    entropy=None,
+    entropy_mask_fn=None,
+    sampling_logps=None,
+    **options,
 ):
     """GRPO loss on per-token log-probs; the oracle for :func:`efficient_grpo_loss`.
 
     logps: (B, T) float (requires grad); old_logps: (B, T) or None (then logps.detach(): ratio 1,
     gradient A * grad(logp)); ref_logps: (B, T), needed when beta != 0; advantages: (B,), (B, 1) or
     (B, T); mask: (B, T) bool/int/float; importance_weights: None or (B, T) / (B, 1) / (B,), no
-    gradient, multiplying the policy term per token before the KL term is added (TRL's
-    ``importance_sampling_ratio``). Returns (loss 0-d, metrics dict of detached 0-d tensors).
+    gradient (TRL's ``importance_sampling_ratio``); entropy: (B, T), needed when
+    ``top_entropy_quantile < 1``; ``entropy_mask_fn(entropy, mask) -> (B, T) bool`` replaces the
+    one-process quantile (the trainer passes TRL's, which gathers across processes);
+    sampling_logps: (B, T) or None (then old), the sampler's log-probs read by
+    ``off_policy_mask_threshold``. ``options``: the other :class:`grpo_kit.objective.ObjectiveSpec`
+    fields (``delta``, ``importance_sampling_level``, ``use_bias_correction_kl``,
+    ``top_entropy_quantile``, ``off_policy_mask_threshold``, sapo_*, vespo_*). Returns (loss 0-d,
+    metrics dict of detached 0-d tensors).
     """
-    epsilon_high = _check_loss_args(loss_type, beta, epsilon_low, epsilon_high, max_completion_length, num_items_in_batch)
-    if beta != 0 and ref_logps is None:
-        raise ValueError("ref_logps is required when beta != 0")
+    spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     if not isinstance(logps, torch.Tensor) or not logps.is_floating_point() or logps.dim() != 2:
         raise ValueError(f"logps must be a floating (B, T) tensor, got {type(logps).__name__} "
                          f"{getattr(logps, 'dtype', '')} of shape {tuple(getattr(logps, 'shape', ()))}")
     B, T = logps.shape
-    _check_mask(mask, (B, T))
-    advantages = _check_advantages(advantages, B, T)
-    _check_token_tensor("old_logps", old_logps, (B, T), mask=mask)
-    _check_token_tensor("ref_logps", ref_logps, (B, T), mask=mask)
-    importance_weights = _check_importance_weights(importance_weights, B, T, mask)
-    mask = mask.to(logps.dtype)
-
-    # The detach is essential: the ratio's value is 1 but its gradient must be A * grad(logp).
-    old = logps.detach() if old_logps is None else old_logps
-    # Padding may hold anything: there old/ref equal logp (ratio 1, KL 0), so an extreme padded value
-    # cannot overflow exp() into inf * 0 = NaN (the efficient loss does the same).
-    active = mask != 0
-    old = torch.where(active, old, logps.detach())
-    if ref_logps is not None:
-        ref_logps = torch.where(active, ref_logps, logps.detach())
-    ratio = torch.exp((logps - old).clamp(max=MAX_LOG_GAP))
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-    if importance_weights is not None:  # TRL: after clipping, before the KL term
-        w = importance_weights.detach().to(per_token_loss.dtype)
-        if w.shape[1] == T:
-            w = torch.where(mask != 0, w, torch.ones_like(w))  # padding may hold anything
-        per_token_loss = per_token_loss * w
-    kl = None
-    if beta != 0:
-        # k3 estimator of KL(pi_theta || pi_ref)
-        d = (ref_logps - logps).clamp(max=MAX_LOG_GAP)
-        kl = torch.exp(d) - d - 1
-        per_token_loss = per_token_loss + beta * kl
-
-    if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (B * max_completion_length)
-    else:  # dapo
-        n = torch.as_tensor(num_items_in_batch, dtype=per_token_loss.dtype, device=logps.device)
-        loss = (per_token_loss * mask).sum() / n.clamp(min=1.0)
-
-    metrics = grpo_metrics(ratio.detach(), advantages, mask, epsilon_low, epsilon_high,
-                           kl=None if kl is None else kl.detach())
-    return loss, metrics
+    adv, isw = _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights,
+                             max_completion_length, num_items_in_batch)
+    maskf = mask.to(logps.dtype)
+    w = token_weights(mask, loss_type, max_completion_length, num_items_in_batch, dtype=logps.dtype)
+    loss, parts = _objective(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w,
+                             sampling_logps)
+    return loss, objective_metrics(parts, adv, maskf, spec, entropy)
 
 
 # ================================================================================================
 # efficient path
 # ================================================================================================
-def token_weights(mask, loss_type, max_completion_length=None, num_items_in_batch=None):
-    """Per-token weight w such that the loss is sum(w * per_token_loss).
-
-    mask: (B, T) any dtype. Returns (B, T) fp32. Fixing these from the mask alone is what lets the
-    efficient path know every token's gradient coefficient inside its forward.
-    """
-    m = mask.float()
-    B = m.shape[0]
-    if loss_type == "grpo":
-        return m / (B * m.sum(-1, keepdim=True).clamp(min=1.0))
-    if loss_type == "bnpo":
-        return m / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return m / float(B * max_completion_length)
-    n = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=m.device)
-    return m / n.clamp(min=1.0)
-
-
-def per_token_loss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high, weight=None):
-    """Per-token GRPO loss, elementwise, fp32: -w * min(r*A, clip(r)*A) + beta * k3(ref, logp).
-
-    logp, adv: (n,) fp32; old_logp, ref_logp: (n,) fp32 or None (None old: on-policy, ratio 1);
-    weight: (n,) fp32 importance weight of the policy term, or None (1).
-    """
-    ratio = torch.ones_like(logp) if old_logp is None else torch.exp((logp - old_logp).clamp(max=MAX_LOG_GAP))
-    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv)
-    if weight is not None:
-        loss = loss * weight
-    if beta != 0:
-        d = (ref_logp - logp).clamp(max=MAX_LOG_GAP)
-        loss = loss + beta * (torch.exp(d) - d - 1)
-    return loss
-
-
-def per_token_dloss(logp, old_logp, ref_logp, adv, beta, epsilon_low, epsilon_high, weight=None):
-    """d(per_token_loss)/d(logp), elementwise, fp32 (same arguments as :func:`per_token_loss`).
-
-    The clip is inactive (gradient -A*r flows) unless A > 0 and r > 1+eps_high, or A < 0 and
-    r < 1-eps_low: exactly the subgradient torch's min/clamp give the reference. The k3 term
-    contributes beta * (1 - exp(ref - logp)).
-    """
-    if old_logp is None:
-        ratio, frozen = torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
-    else:
-        lr = logp - old_logp
-        ratio, frozen = torch.exp(lr.clamp(max=MAX_LOG_GAP)), lr > MAX_LOG_GAP
-    clipped = ((adv > 0) & (ratio > 1 + epsilon_high)) | ((adv < 0) & (ratio < 1 - epsilon_low))
-    dloss = torch.where(clipped | frozen, 0.0, -adv * ratio)
-    if weight is not None:
-        dloss = dloss * weight
-    if beta != 0:
-        d = ref_logp - logp
-        dloss = dloss + torch.where(d > MAX_LOG_GAP, 0.0, beta * (1 - torch.exp(d.clamp(max=MAX_LOG_GAP))))
-    return dloss
-
-
 def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
     """Rows per chunk so that one logits chunk (plus epilogue temporaries) and the per-token fp32/int64
     vectors (~48 bytes a token: weights, advantages, old/ref/log-probs, ids) fit in ~0.25 GiB."""
@@ -394,35 +293,56 @@ def _logits(h_c, weight, bias):
     return torch.mm(h_c, weight.t()) if bias is None else torch.addmm(bias, h_c, weight.t())
 
 
+def _chunk_coefficient(spec, logp, w, adv, old, ref, isw):
+    """dL/dlogp of a chunk's (n,) token rows under a token-local spec: autograd of the objective over
+    the chunk's log-prob vector (elementwise, so this is a few (n,) vector ops). w: the rows'
+    normaliser weights; the others (n,) fp32 or None."""
+    with torch.enable_grad():
+        x = logp.detach().requires_grad_()
+        per_tok, _ = per_token_objective(x, old, ref, adv, None, spec, importance_weights=isw)
+        (grad,) = torch.autograd.grad((w * per_tok).sum(), x)
+    return grad
+
+
+def _pow2_scale(x_max):
+    """A power of two that brings the largest per-token coefficient to O(1): otherwise fp16 chunks
+    underflow (a normaliser can be ~1/(B*T)). Exact in binary, undone in backward."""
+    return 2.0 ** (-math.floor(math.log2(x_max))) if x_max > 0 else 1.0
+
+
 class _EfficientGRPOFn(torch.autograd.Function):
     """Forward computes loss, log-probs and the (pre-scaled) gradients; backward rescales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, w, adv, old, ref, isw, opts):
-        # hidden (B,T,H); weight (V,H); bias (V,) or None; ids (N,) int64; w, adv (N,) fp32;
-        # old, ref, isw (importance weights of the policy term) (N,) fp32 or None; all per-token
-        # tensors already flattened to N = B*T.
+    def forward(ctx, hidden, weight, bias, ids, tok, opts):
+        # hidden (B,T,H); weight (V,H); bias (V,) or None; ids (N,) int64; tok: the per-token inputs
+        # flattened to N = B*T, fp32 (N,) or None: w (normaliser weights), adv, old, ref, isw;
+        # opts: options, and opts["objective"](logp (N,), entropy (N,) or None, need_grad) ->
+        # (loss, dL/dlogp (N,) or None, parts), the objective over all tokens.
         B, T, H = hidden.shape
         N = B * T
         V = weight.shape[0]
         dev = hidden.device
+        spec = opts["spec"]
         need_h, need_w, need_b = opts["needs_grad"]
         any_grad = need_h or need_w or need_b
+        # Coefficients in the loop only where a head gradient needs them and the spec allows it: the
+        # autograd call per chunk is ~45 small kernels (on a CPU 0.2-0.5 ms a chunk, the hand-derived
+        # derivative it replaced 0.07-0.15 ms), while scaling stored rows after the loop is one pass.
+        in_loop = spec.token_local and (need_w or need_b)
 
-        active = w != 0
+        active = tok["w"] != 0
         n_act = int(active.sum())
         rows = None if n_act == N else active.nonzero().squeeze(1)  # skip padding rows entirely
 
         def sel(x):
             return None if x is None else (x if rows is None else x.index_select(0, rows))
 
-        ids_a, w_a, adv_a, old_a, ref_a, isw_a = sel(ids), sel(w), sel(adv), sel(old), sel(ref), sel(isw)
-
-        # Scale the in-forward gradient by a power of two so its largest per-token coefficient is
-        # O(1): otherwise fp16 chunks underflow (the normaliser w can be ~1/(B*T)). Exact in binary,
-        # undone in backward together with grad_output (which carries a GradScaler's scale).
-        w_max = float(w_a.max()) if n_act else 0.0
-        scale = 2.0 ** (-math.floor(math.log2(w_max))) if w_max > 0 else 1.0
+        ids_a = sel(ids)
+        w_a, adv_a, old_a, ref_a, isw_a = (sel(tok[k]) for k in ("w", "adv", "old", "ref", "isw"))
+        # In the loop: each row's coefficient, scaled so the largest weight is O(1); else the loop stores
+        # d logp/d hidden per row (coefficient 1) and the rows are scaled afterwards.
+        scale = _pow2_scale(float(w_a.max()) if n_act else 0.0) if in_loop else 1.0
 
         grad_h = None
         if need_h:
@@ -430,11 +350,25 @@ class _EfficientGRPOFn(torch.autograd.Function):
         grad_w = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
         grad_b = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
 
+        def accumulate(s, e, h_c, z, lse_c, coef, write_h, write_wb):
+            # dL/dz = c * (onehot - softmax) / temp; the kernel writes coef * (softmax - onehot) / temp
+            dz = _epi.softmax_grad_(z, ids_a[s:e], lse_c, coef, inv_temp, backend)
+            if write_h:
+                if rows is None:
+                    torch.mm(dz, weight, out=grad_h[s:e])
+                else:
+                    grad_h.index_copy_(0, rows[s:e], torch.mm(dz, weight))
+            if write_wb and need_w:
+                grad_w.add_(torch.mm(dz.t(), h_c))
+            if write_wb and need_b:
+                grad_b.add_(dz.float().sum(0))
+
         logp_a = torch.empty(n_act, dtype=torch.float32, device=dev)
         ent_a = torch.empty(n_act, dtype=torch.float32, device=dev) if opts["compute_entropy"] else None
         inv_temp = 1.0 / opts["temperature"]
         backend = opts["backend"]
         chunk = opts["chunk_size"]
+        minus_one = torch.full((min(chunk, n_act),), -1.0, dtype=torch.float32, device=dev)
         for s in range(0, n_act, chunk):
             e = min(s + chunk, n_act)
             h_c = _row_gather(hidden, rows, s, e)
@@ -443,46 +377,49 @@ class _EfficientGRPOFn(torch.autograd.Function):
             logp_a[s:e] = logp_c
             if ent_a is not None:
                 ent_a[s:e] = ent_c
-            if not any_grad:
+            if not (need_h or in_loop):
                 continue
-            dloss = per_token_dloss(
-                logp_c, None if old_a is None else old_a[s:e], None if ref_a is None else ref_a[s:e],
-                adv_a[s:e], opts["beta"], opts["epsilon_low"], opts["epsilon_high"],
-                None if isw_a is None else isw_a[s:e],
-            )
-            # dL/dz = w * dloss * (onehot - softmax) / temp; the kernel writes coef * (softmax - onehot) / temp
-            coef = -(w_a[s:e] * dloss) * scale
-            dz = _epi.softmax_grad_(z, ids_a[s:e], lse_c, coef, inv_temp, backend)
-            if need_h:
-                if rows is None:
-                    torch.mm(dz, weight, out=grad_h[s:e])
-                else:
-                    grad_h.index_copy_(0, rows[s:e], torch.mm(dz, weight))
-            if need_w:
-                grad_w.add_(torch.mm(dz.t(), h_c))
-            if need_b:
-                grad_b.add_(dz.float().sum(0))
-            del z, dz
+            if in_loop:
+                coef = -_chunk_coefficient(spec, logp_c, w_a[s:e], adv_a[s:e], *(
+                    None if x is None else x[s:e] for x in (old_a, ref_a, isw_a))) * scale
+            else:
+                coef = minus_one[:e - s]  # dz = d logp / dz
+            accumulate(s, e, h_c, z, lse_c, coef, need_h, in_loop)
+            del z
+
+        logp = torch.zeros(N, dtype=torch.float32, device=dev)
+        ent = torch.zeros(N, dtype=torch.float32, device=dev) if ent_a is not None else None
+        for full, part in ((logp, logp_a), (ent, ent_a)):
+            if full is None:
+                continue
+            if rows is None:
+                full.copy_(part)
+            else:
+                full.index_copy_(0, rows, part)
+        loss, grad_logp, opts["parts"] = opts["objective"](logp, ent, any_grad and not in_loop)
+
+        if grad_logp is not None:  # the coefficients of the rows stored above
+            c = sel(grad_logp)
+            scale = _pow2_scale(float(c.abs().max()) if n_act else 0.0)
+            c = c * scale
+            for s in range(0, n_act, chunk):
+                e = min(s + chunk, n_act)
+                if need_h:  # rows hold d logp / d hidden: scale each by its coefficient, in fp32
+                    if rows is None:
+                        grad_h[s:e].copy_(grad_h[s:e].float().mul_(c[s:e, None]))
+                    else:
+                        idx = rows[s:e]
+                        grad_h.index_copy_(0, idx, grad_h.index_select(0, idx).float().mul_(c[s:e, None]).to(
+                            grad_h.dtype))
+                if need_w or need_b:  # coupled tokens and a trainable head: one more pass over the chunks
+                    h_c = _row_gather(hidden, rows, s, e)
+                    z = _logits(h_c, weight, bias)
+                    lse_c = _epi.lse_logp(z, ids_a[s:e], inv_temp, False, backend)[1]
+                    accumulate(s, e, h_c, z, lse_c, -c[s:e], False, True)
+                    del z
 
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.meta = (scale, (B, T, H), weight.dtype)
-        logp = torch.zeros(N, dtype=torch.float32, device=dev)
-        ent = torch.zeros(N, dtype=torch.float32, device=dev) if ent_a is not None else None
-        if rows is None:
-            logp.copy_(logp_a)
-            if ent is not None:
-                ent.copy_(ent_a)
-        else:
-            logp.index_copy_(0, rows, logp_a)
-            if ent is not None:
-                ent.index_copy_(0, rows, ent_a)
-
-        loss_tok = per_token_loss(
-            logp, old if old is None else torch.where(active, old, logp), None if ref is None else torch.where(active, ref, logp),
-            adv, opts["beta"], opts["epsilon_low"], opts["epsilon_high"],
-            None if isw is None else torch.where(active, isw, torch.ones_like(isw)),
-        )
-        loss = (w * loss_tok).sum()
         outs = (loss, logp) if ent is None else (loss, logp, ent)
         ctx.mark_non_differentiable(*outs[1:])
         return outs
@@ -502,7 +439,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
             grad_w = grad_w.mul_(factor).to(wdtype)
         if grad_b is not None:
             grad_b = grad_b.mul_(factor).to(wdtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None
 
 
 def efficient_grpo_loss(
@@ -526,6 +463,9 @@ def efficient_grpo_loss(
     compute_entropy=False,
     epilogue="auto",
     importance_weights=None,
+    entropy_mask_fn=None,
+    sampling_logps=None,
+    **options,
 ):
     """GRPO loss from final hidden states without materialising (B, T, V) logits.
 
@@ -533,9 +473,9 @@ def efficient_grpo_loss(
     lm_head_weight: (V, H), same dtype; completion_ids: (B, T) int in [0, V);
     completion_mask: (B, T) bool/int/float; advantages: (B,), (B, 1) or (B, T) float;
     old_logps / ref_logps: (B, T) float or None (ref needed when beta != 0).
-    ``importance_weights``: None or (B, T) / (B, 1) / (B,) float, no gradient: multiplies the
-    policy term of each token (not the KL term), as TRL applies ``importance_sampling_ratio``; the
-    per-token gradient coefficient handed to the epilogue (torch or Triton) carries it.
+    ``importance_weights``: None or (B, T) / (B, 1) / (B,) float, no gradient (TRL's
+    ``importance_sampling_ratio``). ``entropy_mask_fn``, ``sampling_logps`` and ``options``:
+    as in :func:`grpo_loss_reference`; the entropy of the same chunk pass feeds the entropy mask.
     ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of logits).
     ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
 
@@ -544,40 +484,48 @@ def efficient_grpo_loss(
     ``hidden`` and, only if they require grad, ``lm_head_weight`` / ``lm_head_bias``. The stored
     gradient allows one backward per call.
     """
-    epsilon_high = _check_loss_args(loss_type, beta, epsilon_low, epsilon_high, max_completion_length, num_items_in_batch)
+    spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     _check_temperature_chunk(temperature, chunk_size)
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, completion_ids, "completion_ids")
-    _check_mask(completion_mask, (B, T))
-    adv = _check_advantages(advantages, B, T)
-    _check_token_tensor("old_logps", old_logps, (B, T), mask=completion_mask)
-    _check_token_tensor("ref_logps", ref_logps, (B, T), mask=completion_mask)
-    isw = _check_importance_weights(importance_weights, B, T, completion_mask)
-    if beta != 0 and ref_logps is None:
-        raise ValueError("ref_logps is required when beta != 0")
+    adv, isw = _check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+                             max_completion_length, num_items_in_batch)
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
         chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T)
 
     N = B * T
-    w = token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch).reshape(N)
-    adv_n = adv.float().expand(B, T).reshape(N)
-    old_n = None if old_logps is None else old_logps.detach().float().reshape(N)
-    ref_n = None if (ref_logps is None or beta == 0) else ref_logps.detach().float().reshape(N)
-    isw_n = None if isw is None else isw.detach().float().expand(B, T).reshape(N)
+    mask = completion_mask.float()
+    w = token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch)
+    adv = adv.detach().float()
+    old = None if old_logps is None else old_logps.detach().float()
+    ref = None if (ref_logps is None or spec.beta == 0) else ref_logps.detach().float()
+    isw = None if isw is None else isw.detach().float()
+    sampling = None if sampling_logps is None else sampling_logps.detach().float()
+
+    def flat(x):
+        return None if x is None else x.expand(B, T).reshape(N)
+
+    tok = {"w": w.reshape(N), "adv": flat(adv), "old": flat(old), "ref": flat(ref), "isw": flat(isw)}
+
+    def objective(logp_n, ent_n, need_grad):
+        x = logp_n.view(B, T).detach().requires_grad_(need_grad)
+        ent_bt = None if ent_n is None else ent_n.view(B, T)
+        with torch.enable_grad() if need_grad else torch.no_grad():
+            loss, parts = _objective(x, spec, mask, adv, old, ref, isw, ent_bt, entropy_mask_fn, w, sampling)
+            grad = torch.autograd.grad(loss, x)[0].reshape(N) if need_grad else None
+        return loss.detach(), grad, parts
+
     grad_on = torch.is_grad_enabled()
     opts = dict(
-        beta=float(beta), epsilon_low=float(epsilon_low), epsilon_high=epsilon_high,
-        temperature=float(temperature), chunk_size=int(chunk_size), backend=backend,
-        compute_entropy=bool(compute_entropy),
+        spec=spec, objective=objective, temperature=float(temperature), chunk_size=int(chunk_size), backend=backend,
+        compute_entropy=bool(compute_entropy) or spec.top_entropy_quantile < 1.0,
         needs_grad=(
             grad_on and hidden.requires_grad,
             grad_on and lm_head_weight.requires_grad,
             grad_on and lm_head_bias is not None and lm_head_bias.requires_grad,
         ),
     )
-    outs = _EfficientGRPOFn.apply(
-        hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), w, adv_n, old_n, ref_n, isw_n, opts
-    )
+    outs = _EfficientGRPOFn.apply(hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), tok, opts)
     loss, logp = outs[0], outs[1]
     if not bool(torch.isfinite(logp).all()):
         # one sync; checked on the outputs so that the inputs need no extra full pass
@@ -585,22 +533,10 @@ def efficient_grpo_loss(
     if not bool(torch.isfinite(loss)):  # gaps are clamped (MAX_LOG_GAP): only astronomic advantages get here
         raise ValueError(f"the GRPO loss overflowed fp32: advantages up to {float(adv.abs().max()):.3g} times a "
                          f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale")
-
-    mask = completion_mask.float()
-    active = mask != 0
-    logp = logp.view(B, T)
-    old_full = logp if old_logps is None else torch.where(active, old_logps.detach().float(), logp)
-    ratio = torch.exp((logp - old_full).clamp(max=MAX_LOG_GAP))
-    kl = None
-    if beta != 0:
-        d = (torch.where(active, ref_logps.detach().float(), logp) - logp).clamp(max=MAX_LOG_GAP)
-        kl = torch.exp(d) - d - 1
-    ent = outs[2].view(B, T) if compute_entropy else None
-    metrics = grpo_metrics(ratio, adv, mask, float(epsilon_low), epsilon_high, kl=kl, entropy=ent)
-    return loss, metrics
+    ent = outs[2].view(B, T) if len(outs) > 2 and compute_entropy else None
+    return loss, objective_metrics(opts["parts"], adv, mask, spec, ent)
 
 
-@torch.no_grad()
 def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto"):
     """Chunked log p(ids[:, t] | hidden[:, t]) without grad, for reference / old-policy passes.
 

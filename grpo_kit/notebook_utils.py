@@ -11,7 +11,8 @@ import socket
 
 import torch
 
-from .config import GRPOKitConfig
+from .config import SCALE_REWARDS, GRPOKitConfig
+from .objective import k3_kl
 
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
 
@@ -79,8 +80,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     if rewards.ndim != 1 or num_generations < 1 or rewards.numel() % num_generations:
         raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
                          f"got shape {tuple(rewards.shape)}")
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale={scale!r} is not allowed; choose one of ['group', 'batch', 'none']")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale={scale!r} is not allowed; choose one of {list(SCALE_REWARDS)}")
     g = rewards.view(-1, num_generations)
     adv = (g - g.mean(dim=1, keepdim=True)).view(-1)
     if scale == "group":
@@ -98,7 +99,7 @@ def kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict:
     ``k3 = r - 1 - log r`` (unbiased for KL(pi_theta || pi_ref), always >= 0; the GRPO paper's).
     """
     log_r = ref_logp - logp
-    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": torch.exp(log_r) - 1 - log_r}
+    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": k3_kl(logp, ref_logp)}
 
 
 def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

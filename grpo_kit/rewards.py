@@ -17,6 +17,8 @@ import time
 from .answers import as_number, extract_answer, numbers_equal, single_number, to_float
 from .time_limit import TimeLimitExceeded, call_with_time_limit
 
+from .names import REWARD_ERRORS
+
 _log = logging.getLogger("grpo_kit.rewards")
 
 ANSWER_PREFIX = "Answer:"
@@ -218,7 +220,6 @@ def _excerpt(x, n: int = 80) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
-REWARD_ERRORS = ("raise", "zero")
 # Wall-clock seconds one reward call may take (config reward_time_limit_s); a slow call scores 0 instead.
 REWARD_TIME_LIMIT_S = 60.0
 

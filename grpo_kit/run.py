@@ -252,8 +252,8 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
         max_grad_norm=cfg.max_grad_norm, use_cpu=(device == "cpu"),
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
         gradient_checkpointing=cfg.checkpointing_on(device), log_completions=False, remove_unused_columns=False,
-        # The kit's KL term is the plain k3 estimator of the DeepSeekMath paper (TRL 1.16 defaults to
-        # multiplying it by the ratio); set explicitly so both trainers optimise the same objective.
+        # The kit's config keeps the plain k3 estimator of the DeepSeekMath paper (TRL 1.16 defaults to
+        # multiplying it by the ratio; both trainers compute either); set explicitly so the choice is visible.
         use_bias_correction_kl=False,
     )
 

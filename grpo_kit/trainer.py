@@ -8,10 +8,15 @@ and overrides two methods, the smallest set that decides how memory is spent:
   chunked log-probs, :func:`grpo_kit.loss.per_token_logps`; no (B, T, V) logits.
 * ``_compute_loss`` (the policy pass): the same hidden states into
   :func:`grpo_kit.loss.efficient_grpo_loss`, which computes the gradient with respect to
-  the hidden states chunk by chunk inside the forward. When TRL's importance-sampling
-  correction is on (``self.use_vllm and self.vllm_importance_sampling_correction``, as
-  TRL 1.16 tests it) the policy term of each token is multiplied by
-  ``inputs["importance_sampling_ratio"]``, exactly as TRL's own ``_compute_loss`` does.
+  the hidden states chunk by chunk inside the forward, with the objective options of the
+  ``GRPOConfig`` (every ``loss_type`` of TRL 1.16, ``importance_sampling_level``, ``delta``,
+  ``use_bias_correction_kl``, ``top_entropy_quantile`` through TRL's own
+  ``get_high_entropy_mask``, ``off_policy_mask_threshold``, sapo_* / vespo_*). When TRL's
+  importance-sampling correction is on (``self.use_vllm and
+  self.vllm_importance_sampling_correction``, as TRL 1.16 tests it)
+  ``inputs["importance_sampling_ratio"]`` weights the policy term (VESPO: its gamma weight),
+  exactly as TRL's own ``_compute_loss`` does. Refused, with the reason, at construction:
+  see ``UNSUPPORTED``.
 
 Generation goes through :class:`grpo_kit.generation.trainer_hook.KitGenerationMixin`
 (``generator=``, a kit generator; None keeps TRL's own generation): ``make_trainer``
@@ -38,9 +43,25 @@ from trl import GRPOTrainer
 
 from .generation.trainer_hook import KitGenerationMixin
 from .loss import efficient_grpo_loss, per_token_logps
+from .objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
 from .rewards import checked_reward_func, resolve_reward_func
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
+UNSUPPORTED = (
+    (lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy,
+     "an entropy bonus (entropy_coef, use_adaptive_entropy)",
+     "its gradient w.r.t. the logits is not a multiple of d logp / d logits, which is all the chunked epilogue "
+     "computes"),
+    (lambda a: a.use_vllm, "use_vllm", "TRL's own vLLM; use the kit's generation_backend instead"),
+)
+# The GRPOConfig fields of the objective, passed to efficient_grpo_loss under the same names.
+OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_kl", "top_entropy_quantile",
+                    "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+# TRL's metric names the kit logs (the same names in grpo_kit.objective.objective_metrics); min/max ones are
+# reduced over processes by min/max, the others averaged.
+LOGGED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
 
 
 def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -100,6 +121,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         if "reward_funcs" in kwargs:
             kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], reward_errors)
         super().__init__(*args, **kwargs)
+        self._check_vespo_importance_sampling()
         self.loss_chunk_size = loss_chunk_size
         self._norm, self._causal_lm = _final_norm(self.model)
         on_cuda = next(self.model.parameters()).is_cuda
@@ -112,27 +134,19 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
     @staticmethod
     def _check_supported(args) -> None:
-        problems = []
-        if args.loss_type not in SUPPORTED_LOSS_TYPES:
-            problems.append(f"loss_type={args.loss_type!r} (supported: {list(SUPPORTED_LOSS_TYPES)})")
-        if getattr(args, "importance_sampling_level", "token") != "token":
-            problems.append(f"importance_sampling_level={args.importance_sampling_level!r} (supported: 'token')")
-        if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
-            problems.append("top_entropy_quantile < 1.0")
-        if getattr(args, "delta", None) is not None:
-            problems.append("delta (two-sided clipping)")
-        if getattr(args, "off_policy_mask_threshold", None) is not None:
-            problems.append("off_policy_mask_threshold")
-        if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
-            problems.append("an entropy bonus")
-        if getattr(args, "use_vllm", False):
-            problems.append("use_vllm (use the kit's generation_backend instead)")
-        if getattr(args, "use_bias_correction_kl", False):
-            problems.append("use_bias_correction_kl=True (the kit's KL term is the plain k3 estimator; "
-                            "set use_bias_correction_kl=False)")
+        problems = [f"{what} ({why})" for refused, what, why in UNSUPPORTED if refused(args)]
         if problems:
             raise ValueError("EfficientGRPOTrainer does not support: " + "; ".join(problems)
                              + ". Use trainer='trl' (TRL's GRPOTrainer) for these settings.")
+
+    def _check_vespo_importance_sampling(self) -> None:
+        """TRL refuses VESPO with a sequence-level engine ratio, but only when ``use_vllm`` is set at its
+        construction; the kit's generation mixin sets it afterwards, so the same check runs here."""
+        if (self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+            raise ValueError("loss_type='vespo' with the importance-sampling correction needs "
+                             "vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                             f"{self.vllm_importance_sampling_mode!r}")
 
     # -- hidden states ------------------------------------------------------------------
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
@@ -178,7 +192,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         num_items = None
-        if self.loss_type == "dapo":  # TRL's normaliser: the window's active tokens per process
+        if self.loss_type in TOKEN_COUNT_NORMALISED:  # TRL's normaliser: the window's active tokens per process
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -188,28 +202,32 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
             temperature=self.temperature, max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True,
-            importance_weights=self._importance_weights(inputs))
-        if self.loss_type != "dapo":
+            importance_weights=self._importance_weights(inputs),
+            # TRL's own mask: its quantile is taken over every process's tokens
+            entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
+            sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
+            **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
+        if self.loss_type not in TOKEN_COUNT_NORMALISED:
             loss = loss / accum
         self._log_loss_metrics(mode, metrics)
         return loss
 
     def _importance_weights(self, inputs):
         """TRL's per-token (or per-sequence) importance-sampling ratio, when TRL's ``_compute_loss``
-        would apply it (same condition; ``vespo`` is refused at construction)."""
+        would apply it (same condition)."""
         if self.use_vllm and self.vllm_importance_sampling_correction:
             return inputs["importance_sampling_ratio"]
         return None
 
     def _log_loss_metrics(self, mode: str, metrics: dict) -> None:
-        """Same metric names as TRL, averaged over processes."""
-        names = {"kl": "kl", "entropy": "entropy", "clip_ratio/low_mean": "clip_ratio/low_mean",
-                 "clip_ratio/high_mean": "clip_ratio/high_mean", "clip_ratio/region_mean": "clip_ratio/region_mean"}
-        for ours, theirs in names.items():
-            value = metrics.get(ours)
-            if value is None or (ours == "kl" and self.beta == 0.0):
+        """Same metric names as TRL: means averaged over processes, per-sequence extremes their min / max."""
+        for name in LOGGED_METRICS:
+            value = metrics.get(name)
+            if value is None:
                 continue
-            self._metrics[mode][theirs].append(self.accelerator.gather(value.detach().reshape(1)).nanmean().item())
+            gathered = self.accelerator.gather(value.detach().reshape(1))
+            reduce = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}.get(name, torch.nanmean)
+            self._metrics[mode][name].append(reduce(gathered).item())
 
 
 def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,

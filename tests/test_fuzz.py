@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from grpo_kit import rewards
 from grpo_kit.loss import LOSS_TYPES, efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.objective import TOKEN_COUNT_NORMALISED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,7 +174,11 @@ def loss_inputs(draw, max_b=4, max_t=6):
     opts = dict(beta=draw(st.sampled_from([0.0, 0.04, 1.0])), epsilon_low=draw(st.sampled_from([0.0, 0.2, 0.9])),
                 epsilon_high=draw(st.sampled_from([None, 0.0, 0.28, 5.0])), loss_type=draw(st.sampled_from(LOSS_TYPES)))
     opts["max_completion_length"] = T + draw(st.integers(0, 3))
-    opts["num_items_in_batch"] = draw(st.sampled_from([0, 1, B * T, 10**6])) if opts["loss_type"] == "dapo" else None
+    opts["num_items_in_batch"] = (draw(st.sampled_from([0, 1, B * T, 10**6]))
+                                  if opts["loss_type"] in TOKEN_COUNT_NORMALISED else None)
+    # (use_bias_correction_kl is left out: k3 times the ratio, each up to e^MAX_LOG_GAP, overflows fp32 by design)
+    opts.update(importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+                delta=draw(st.sampled_from([None, 1.5])))
     return logps, old, ref, adv, mask, opts
 
 

@@ -24,7 +24,7 @@ from trl import GRPOConfig, GRPOTrainer
 from grpo_kit.config import GRPOKitConfig
 from grpo_kit.data import generate_tasks, to_prompt_dataset
 from grpo_kit.guards import NonFiniteStop, OutOfMemoryStop, _split_batch, attach_reliability, split_weights
-from grpo_kit.loss import grpo_loss_reference
+from grpo_kit.loss import LOSS_TYPES, grpo_loss_reference
 from grpo_kit.models import load_model
 from grpo_kit.resume import list_checkpoints, verify_checkpoint
 from grpo_kit.rewards import completion_text
@@ -154,8 +154,9 @@ def test_cli_nan_stops_with_one_line_exit_1(tmp_path, repo_root):
 
 # ---------------------------------------------------------------------------------------------------
 # out of memory
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_split_weights_reproduce_the_whole_micro_batch_loss(loss_type):
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_split_weights_reproduce_the_whole_micro_batch_loss(loss_type, level):
     g = torch.Generator().manual_seed(0)
     B, T = 6, 9
     full = {"completion_ids": torch.randint(0, 50, (B, T), generator=g),
@@ -164,7 +165,7 @@ def test_split_weights_reproduce_the_whole_micro_batch_loss(loss_type):
     logps, old, ref = (-torch.rand(B, T, generator=g) * 3 for _ in range(3))
     full.update(logps=logps, old=old, ref=ref)
     kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, max_completion_length=T,
-              num_items_in_batch=float(full["completion_mask"].sum()))
+              num_items_in_batch=float(full["completion_mask"].sum()), importance_sampling_level=level)
 
     def loss(b):
         return grpo_loss_reference(b["logps"], b["old"], b["ref"], b["advantages"], b["completion_mask"], **kw)[0]

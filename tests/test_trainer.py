@@ -2,6 +2,7 @@
 
 import copy
 import inspect
+import re
 
 import pytest
 import torch
@@ -9,21 +10,33 @@ import trl
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
+from _objective_settings import SETTINGS, loss_kwargs
 from grpo_kit.data import generate_tasks, to_prompt_dataset
 from grpo_kit.models import load_model
 from grpo_kit.rewards import completion_text, correctness_reward, format_soft_reward
 from grpo_kit.trainer import EfficientGRPOTrainer
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+TRAIN_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
 
-def _args(tmp_path, loss_type, **kw):
+def _args(tmp_path, loss_type=None, **kw):
+    """Small-run GRPOConfig; ``loss_type=None`` leaves every objective option at TRL's default."""
     base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                max_completion_length=8, beta=0.04, loss_type=loss_type, report_to="none", use_cpu=True,
-                max_steps=2, temperature=0.7, use_bias_correction_kl=False, bf16=False, learning_rate=5e-3,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+                max_completion_length=8, report_to="none", use_cpu=True, max_steps=2, temperature=0.7, bf16=False,
+                learning_rate=5e-3, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+    if loss_type is not None:
+        base.update(beta=0.04, loss_type=loss_type, use_bias_correction_kl=False)
     base.update(kw)
     return GRPOConfig(**base)
+
+
+def _setting_args(tmp_path, setting):
+    """GRPOConfig of a parity setting (tests/_objective_settings.py); ``trl_default`` passes nothing."""
+    if setting == "trl_default":
+        return _args(tmp_path)
+    kw = loss_kwargs(setting)
+    kw["epsilon"] = kw.pop("epsilon_low")
+    return _args(tmp_path, **kw)
 
 
 def _lora():
@@ -39,17 +52,19 @@ def tiny():
     return {name: load_model(name) for name in ("tiny-llama", "tiny-qwen2")}
 
 
-@pytest.mark.parametrize("is_ratio", [None, "token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, loss_type, is_ratio):
-    """is_ratio: TRL's importance-sampling correction on (``use_vllm``, as the kit's generation mixin
-    sets it for vLLM), with a per-token (B, C) or per-sequence (B, 1) ``importance_sampling_ratio``."""
+@pytest.mark.parametrize("setting,is_ratio", [(s, r) for s in SETTINGS for r in (None, "token")] + [
+    (s, "sequence") for s in ("grpo", "gspo", "cispo", "trl_default")])  # TRL refuses VESPO with (B, 1) ratios
+def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, is_ratio):
+    """Every objective setting, TRL's default config included. is_ratio: TRL's importance-sampling
+    correction on (``use_vllm``, as the kit's generation mixin sets it for vLLM), with a per-token
+    (B, C) or per-sequence (B, 1) ``importance_sampling_ratio`` (TRL refuses the latter for VESPO)."""
     model, tok = tiny["tiny-llama"]
     tok.padding_side = "left"
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
     trainers = []
     for cls in (GRPOTrainer, EfficientGRPOTrainer):
-        trainers.append(cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward], args=_args(tmp_path, loss_type),
+        trainers.append(cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward],
+                            args=_setting_args(tmp_path, setting),
                             train_dataset=ds, processing_class=tok, peft_config=_lora()))
     stock, ours = trainers
     gen = torch.Generator().manual_seed(1)
@@ -80,6 +95,8 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, loss_type
     if is_ratio is not None:
         ratio = torch.exp(0.3 * torch.randn((B, C) if is_ratio == "token" else (B, 1), generator=gen))
         ratio[ratio > 1.5] = 0.0  # TRL's *_mask modes zero out ratios beyond the clip
+        if is_ratio == "token":  # TRL's ratio is exp(0) = 1 at padding (VESPO sums its log over all of T)
+            ratio = torch.where(cm, ratio, 1.0)
         inputs["importance_sampling_ratio"] = ratio
         for t in trainers:
             t.use_vllm = True  # what KitGenerationMixin sets; TRL's _compute_loss then applies the ratio
@@ -100,12 +117,16 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, loss_type
             torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=n)
             checked += 1
     assert checked > 0
-    for key in ("kl", "clip_ratio/region_mean", "entropy"):
-        assert ours._metrics["train"][key], key
+    stock_logged = {k for k, v in stock._metrics["train"].items() if v}
+    ours_logged = {k for k, v in ours._metrics["train"].items() if v}
+    assert stock_logged <= ours_logged, stock_logged - ours_logged
+    for k in stock_logged:  # one process: the same numbers
+        assert ours._metrics["train"][k][-1] == pytest.approx(stock._metrics["train"][k][-1], rel=1e-4, abs=1e-6,
+                                                              nan_ok=True), k
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", TRAIN_LOSS_TYPES)
 def test_two_step_training_changes_lora_keeps_base(tiny, tmp_path, name, loss_type):
     model, tok = tiny[name]
     tok.padding_side = "left"
@@ -125,14 +146,38 @@ def test_two_step_training_changes_lora_keeps_base(tiny, tmp_path, name, loss_ty
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
 
-def test_unsupported_settings_fail_at_construction(tiny, tmp_path):
+def test_two_step_training_with_coupled_tokens(tiny, tmp_path):
+    """GSPO with the entropy quantile and the bias-corrected KL, two passes per batch (old log-probs
+    differ from the policy's on the second): the coupled path of the loss inside real training steps."""
     model, tok = tiny["tiny-llama"]
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
-        EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path, "cispo"),
-                             train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 4)), processing_class=tok)
-    with pytest.raises(ValueError, match="use_bias_correction_kl"):
-        EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path, "grpo", use_bias_correction_kl=True),
-                             train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 4)), processing_class=tok)
+    tok.padding_side = "left"
+    args = _args(tmp_path, "grpo", importance_sampling_level="sequence", top_entropy_quantile=0.5,
+                 use_bias_correction_kl=True, num_iterations=2)
+    trainer = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
+                                   train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 16, seed=0)),
+                                   processing_class=tok, peft_config=_lora())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert all(h["kl"] >= 0 and "clip_ratio/region_mean" in h for h in logs)
+    assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
+
+
+def test_trl_default_config_is_accepted_and_refusals_give_the_reason(tiny, tmp_path):
+    model, tok = tiny["tiny-llama"]
+    ds = to_prompt_dataset(generate_tasks("arithmetic", 4))
+    trainer = EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path), train_dataset=ds,
+                                   processing_class=tok)
+    assert trainer.args.use_bias_correction_kl and trainer.loss_type == "dapo"  # TRL 1.16's defaults
+    for kw, match in ((dict(entropy_coef=0.01), "entropy bonus .*not a multiple of d logp"),
+                      (dict(use_adaptive_entropy=True), "entropy bonus")):
+        with pytest.raises(ValueError, match=match):
+            EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path, **kw), train_dataset=ds,
+                                 processing_class=tok)
+    trainer.loss_type, trainer.use_vllm = "vespo", True  # what the kit's generation mixin sets after TRL's checks
+    with pytest.raises(ValueError, match="vespo.*token_truncate"):
+        trainer._check_vespo_importance_sampling()
 
 
 # --- drift guard: what the subclass relies on in the pinned TRL ---------------------------
@@ -143,13 +188,84 @@ def test_trl_is_the_pinned_version():
         "(_get_per_token_logps_and_entropies, _compute_loss) against the new GRPOTrainer, then update the pin")
 
 
-def test_overridden_methods_keep_their_signatures():
-    sig = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies)
-    assert list(sig.parameters)[:7] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
-                                        "batch_size", "compute_entropy"]
-    assert "compute_aux_loss" in sig.parameters
-    assert list(inspect.signature(GRPOTrainer._compute_loss).parameters) == ["self", "model", "inputs"]
-    assert list(inspect.signature(GRPOTrainer.compute_loss).parameters)[:3] == ["self", "model", "inputs"]
+# Every TRL / transformers Trainer method the kit overrides (trainer.py, generation/trainer_hook.py, guards.py,
+# resume.py) or calls, with its parameters in TRL 1.16.
+TRL_METHODS = {
+    "_compute_loss": ["self", "model", "inputs"],
+    "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+    "_get_per_token_logps_and_entropies": [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"],
+    "_generate_single_turn": ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
+                              "has_tool_images"],
+    "_generate_and_score_completions": ["self", "inputs"],
+    "get_high_entropy_mask": ["self", "entropies", "mask", "threshold"],
+    "_prepare_inputs": ["self", "generation_batch"],
+    "training_step": ["self", "model", "inputs", "num_items_in_batch"],
+    "_clip_grad_norm": ["self", "model"],
+    "_save_checkpoint": ["self", "model", "trial"],
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "_load_scaler": ["self", "checkpoint"],
+    "_load_rng_state": ["self", "checkpoint"],
+    "store_flos": ["self"],
+    "save_model": ["self", "output_dir", "_internal_call"],
+    "add_callback": ["self", "callback"],
+}
+# Attributes GRPOTrainer.__init__ sets that the kit reads or sets.
+GRPO_ATTRIBUTES = (
+    "loss_type", "beta", "epsilon_low", "epsilon_high", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "max_completion_length", "eos_token_ids", "use_vllm", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode", "top_entropy_quantile", "importance_sampling_level", "off_policy_mask_threshold",
+    "entropy_coef", "use_adaptive_entropy", "_entropy_bonus_enabled", "aux_loss_enabled",
+    "use_transformers_continuous_batching", "tools", "rollout_func", "environment_factories", "_is_vlm", "_step",
+    "_buffered_inputs", "_metrics")
+# transformers.Trainer attributes the kit reads.
+TRAINER_ATTRIBUTES = ("accelerator", "state", "model_wrapped", "callback_handler", "optimizer", "lr_scheduler",
+                      "current_gradient_accumulation_steps")
+# GRPOConfig fields the kit reads (trainer.py passes OBJECTIVE_FIELDS to the loss under the same names).
+GRPO_CONFIG_FIELDS = ("loss_type", "beta", "epsilon", "epsilon_high", "entropy_coef", "use_adaptive_entropy",
+                      "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction",
+                      "vllm_importance_sampling_mode", "steps_per_generation", "gradient_checkpointing",
+                      "generation_kwargs")
+
+
+@pytest.mark.parametrize("name", list(TRL_METHODS))
+def test_trl_methods_the_kit_overrides_or_calls_keep_their_signatures(name):
+    method = getattr(GRPOTrainer, name, None)
+    assert callable(method), f"TRL {trl.__version__}: GRPOTrainer.{name} is gone; the kit overrides or calls it"
+    params = list(inspect.signature(method).parameters)
+    assert params == TRL_METHODS[name], f"GRPOTrainer.{name} now takes {params}, the kit was written for " \
+                                        f"{TRL_METHODS[name]}"
+
+
+def test_trl_attributes_and_config_fields_the_kit_reads_exist():
+    import transformers
+
+    from grpo_kit.names import LOSS_TYPES
+    from grpo_kit.objective import ObjectiveSpec
+    from grpo_kit.trainer import OBJECTIVE_FIELDS
+
+    init_src = inspect.getsource(GRPOTrainer.__init__)
+    missing = [a for a in GRPO_ATTRIBUTES if f"self.{a} =" not in init_src]
+    assert not missing, f"GRPOTrainer.__init__ no longer sets {missing}"
+    trainer_src = inspect.getsource(transformers.Trainer)
+    missing = [a for a in TRAINER_ATTRIBUTES if f"self.{a} =" not in trainer_src]
+    assert not missing, f"transformers.Trainer no longer sets {missing}"
+    fields = GRPOConfig.__dataclass_fields__
+    missing = [f for f in GRPO_CONFIG_FIELDS + OBJECTIVE_FIELDS if f not in fields]
+    assert not missing, f"GRPOConfig no longer has {missing}"
+    # the loss API's defaults of the shared options are TRL's (use_bias_correction_kl: the loss API keeps the
+    # plain k3 by default; the trainer passes the config's value, TRL's default True included)
+    spec = ObjectiveSpec()
+    for f in OBJECTIVE_FIELDS:
+        if f != "use_bias_correction_kl":
+            assert getattr(spec, f) == fields[f].default, f
+    # every loss type TRL documents is one the objective computes, and no more
+    help_text = fields["loss_type"].metadata["help"]
+    supported = help_text[help_text.index("Supported values are"):].split(".")[0]
+    assert sorted(re.findall(r"'(\w+)'", supported)) == sorted(LOSS_TYPES), supported
 
 
 def test_trl_loss_still_reads_what_we_feed_it():
@@ -161,7 +277,10 @@ def test_trl_loss_still_reads_what_we_feed_it():
                    "self.args.steps_per_generation", "self.accelerator.num_processes",
                    "torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1",
                    'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]',
-                   "if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type"):
+                   "if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type",
+                   'importance_sampling_ratio=inputs.get("importance_sampling_ratio")',
+                   "self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)",
+                   "if self.args.use_bias_correction_kl:", "coef_1 = torch.clamp(coef_1, max=self.args.delta)"):
         assert needle in src, f"TRL's _compute_loss no longer contains {needle!r}"
     gen_src = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "_get_per_token_logps_and_entropies" in gen_src  # ref/old passes still go through our override

@@ -17,12 +17,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from ..names import GENERATION_BACKENDS
 from .base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
 from .hf import HFGenerator, process_logits, sampling_logprobs_reference
 from .vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, vllm_available,
                            vllm_install_command)
 
-BACKENDS = ("auto", "hf", "vllm")
+BACKENDS = GENERATION_BACKENDS
 
 __all__ = ["BACKENDS", "GenerationEngineError", "GenerationResult", "Generator", "HFGenerator", "SamplingConfig",
            "UnsupportedArchitectureError", "VLLMNotInstalledError", "make_generator",

@@ -1,0 +1,12 @@
+"""Names shared by several modules, defined once (no torch, no TRL: the config imports it).
+
+``LOSS_TYPES``: TRL 1.16's ``GRPOConfig.loss_type`` values, all computed by
+:mod:`grpo_kit.objective`. ``IMPORTANCE_SAMPLING_LEVELS``: ``GRPOConfig.importance_sampling_level``.
+``GENERATION_BACKENDS``: :func:`grpo_kit.generation.make_generator`'s ``backend``.
+``REWARD_ERRORS``: what :func:`grpo_kit.rewards.checked_reward_func` does when a reward function raises.
+"""
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+GENERATION_BACKENDS = ("auto", "hf", "vllm")
+REWARD_ERRORS = ("raise", "zero")
