@@ -40,7 +40,7 @@ def _train(args) -> int:
     from .config import GRPOKitConfig
 
     if getattr(args, "resume", None):  # the run folder's saved config; only safe overrides
-        from .resume import resume_config
+        from .resume_policy import resume_config
 
         values = GRPOKitConfig.from_yaml(args.config).to_dict() if args.config else None
         if values is not None:  # only the keys the file sets

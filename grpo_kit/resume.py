@@ -41,9 +41,6 @@ MANIFEST = "manifest.json"
 KIT_STATE = "kit_state.json"
 TRAINER_STATE = "trainer_state.json"
 
-# Config fields that may differ from the run folder's saved config when resuming: they change how
-# long the run goes or what is kept, not the math of the steps already taken.
-SAFE_RESUME_OVERRIDES = ("max_steps", "save_steps", "keep_checkpoints", "max_bad_steps", "loss_chunk_size")
 
 
 class CheckpointError(RuntimeError):
@@ -463,41 +460,6 @@ class ResumableTrainerMixin:
 
 # ----------------------------------------------------------------------------------------------
 # The run-folder side
-def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict | None = None):
-    """The run folder's saved config, with only the overrides that are safe on resume.
-
-    ``overrides``: ``key=value`` strings; ``config_values``: a mapping (e.g. a YAML file the user
-    passed again). A value that differs from the saved one in a field outside
-    :data:`SAFE_RESUME_OVERRIDES` raises ``ConfigError`` naming it.
-    """
-    from .config import ConfigError, GRPOKitConfig
-
-    run_dir = Path(run_dir)
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.is_file():
-        raise ConfigError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a grpo_kit run folder)")
-    saved = GRPOKitConfig.from_yaml(saved_path)
-    wanted = GRPOKitConfig.from_dict(saved.to_dict())
-    for key, value in (config_values or {}).items():
-        wanted.set(key, value)
-    wanted.apply_overrides(list(overrides))
-    given_dir = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "output_dir"]
-    given_dir += [str(config_values["output_dir"])] if config_values and "output_dir" in config_values else []
-    for d in given_dir:
-        if Path(d).resolve() != run_dir.resolve():
-            raise ConfigError(f"output_dir={d!r}: a resumed run writes to its own folder {str(run_dir)!r}")
-    wanted.output_dir = str(run_dir)
-    saved.output_dir = str(run_dir)
-    conflicts = [(k, v, getattr(wanted, k)) for k, v in saved.to_dict().items()
-                 if getattr(wanted, k) != v and k not in SAFE_RESUME_OVERRIDES]
-    if conflicts:
-        lines = "; ".join(f"{k}: saved {a!r}, given {b!r}" for k, a, b in conflicts)
-        raise ConfigError(f"cannot resume {str(run_dir)!r} with a different config ({lines}). A resumed run uses the "
-                          f"run folder's config.yaml; the fields that may change on resume are "
-                          f"{', '.join(SAFE_RESUME_OVERRIDES)}. Start a new run folder to change the others.")
-    return wanted.validate()
-
-
 def find_resume_checkpoint(run_dir: str | os.PathLike) -> Path:
     remove_stale_temporaries(run_dir)
     ckpt = last_checkpoint(run_dir)
@@ -510,42 +472,3 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> Path:
 
 def read_run_state(ckpt: str | os.PathLike) -> dict:
     return json.loads((Path(ckpt) / KIT_STATE).read_text()).get("run") or {}
-
-
-def resume(run_dir: str | os.PathLike, overrides=(), **train_kwargs) -> dict:
-    """Continue the run in ``run_dir`` from its last complete checkpoint (notebook entry point).
-
-    ``overrides``: ``key=value`` strings, only for :data:`SAFE_RESUME_OVERRIDES` (e.g. ``max_steps=80``).
-    Other keyword arguments go to :func:`grpo_kit.run.train` (``progress``, ``callbacks``).
-    """
-    from .run import train
-
-    cfg = resume_config(run_dir, overrides)
-    return train(cfg, resume=True, **train_kwargs)
-
-
-def restore_run_files(run_dir: str | os.PathLike, run_state: dict, columns: list[str], samples_path: Path) -> list[dict]:
-    """Put ``metrics.csv`` and ``samples.jsonl`` back to what they were at the checkpoint.
-
-    Rows and samples written after it (by the run that was killed) are dropped, so the resumed run
-    appends exactly the steps it redoes: no duplicate or missing rows. Returns the metrics rows.
-    """
-    import csv
-    import io
-
-    history = list(run_state.get("metrics") or [])
-    buf = io.StringIO(newline="")
-    writer = csv.writer(buf)
-    writer.writerow(columns)
-    for row in history:
-        writer.writerow([row.get(c) for c in columns])
-    atomic_write_text(Path(run_dir) / "metrics.csv", buf.getvalue())
-    keep = int(run_state.get("samples_bytes") or 0)
-    samples_path = Path(samples_path)
-    if samples_path.is_file() and samples_path.stat().st_size >= keep:
-        with open(samples_path, "r+b") as fh:
-            fh.truncate(keep)
-            os.fsync(fh.fileno())
-    else:
-        samples_path.write_text("")
-    return history

@@ -77,6 +77,8 @@ class SampleRecorder:
             return rewards
 
         wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+        # keeps checked_reward_func's marker: the trainer must not wrap (and time-limit) the function again
+        wrapper._grpo_kit_checked = getattr(fn, "_grpo_kit_checked", False)
         return wrapper
 
     def _write(self, prompts, completions, kwargs, rewards, name):
@@ -270,7 +272,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     the folder is locked against a second writer while the run lasts.
 
     ``resume=True``: continue the run in ``cfg.output_dir`` from its last complete checkpoint (use
-    :func:`grpo_kit.resume.resume`, which also checks the config against the saved one). A run that
+    :func:`resume`, which also checks the config against the saved one). A run that
     already finished is left as it is; one stopped at ``max_steps`` during its final save or
     evaluation finishes those without training further.
     """
@@ -298,6 +300,18 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     finally:
         if lock is not None:
             lock.release()
+
+
+def resume(run_dir: str | os.PathLike, overrides=(), **train_kwargs) -> dict:
+    """Continue the run in ``run_dir`` from its last complete checkpoint (notebook entry point).
+
+    ``overrides``: ``key=value`` strings, only for :data:`grpo_kit.resume_policy.SAFE_RESUME_OVERRIDES` (e.g. ``max_steps=80``).
+    Other keyword arguments go to :func:`train` (``progress``, ``callbacks``).
+    """
+    from .resume_policy import resume_config
+
+    cfg = resume_config(run_dir, overrides)
+    return train(cfg, resume=True, **train_kwargs)
 
 
 def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume) -> dict:
@@ -371,7 +385,7 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
     samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
     history: list[dict] = []
     if resume:
-        from .resume import restore_run_files
+        from .resume_policy import restore_run_files
 
         history = restore_run_files(run_dir, resumed, metric_columns(resumed.get("metrics") or []),
                                     samples_path) if is_main else []

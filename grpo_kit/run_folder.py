@@ -147,7 +147,7 @@ def claim_run_folder(run_dir: str | os.PathLike, *, resume: bool = False, overwr
             if not overwrite:
                 raise RunFolderError(
                     f"run folder {str(run_dir)!r} already holds a run ({', '.join(found)}); nothing was changed. "
-                    f"Continue it with `train --resume {run_dir}` (notebooks: grpo_kit.resume.resume), or start "
+                    f"Continue it with `train --resume {run_dir}` (notebooks: grpo_kit.run.resume), or start "
                     f"over with --overwrite (train(..., overwrite=True)), which moves the old run aside, or pick "
                     "another output_dir")
             aside = _aside_name(run_dir)

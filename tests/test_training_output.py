@@ -63,3 +63,15 @@ def test_reward_import_errors_are_one_clear_line(repo_root, tmp_path):
     assert "cannot import module 'no_such_rewards_mod' (ModuleNotFoundError" in r.stderr
     assert "module 'grpo_kit.rewards' has no attribute 'nothing_here'" in r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_the_recorded_reward_is_wrapped_once(tmp_path):
+    """run.py checks each reward (with the config's reward_errors and time limit); the sample recorder's wrapper
+    keeps that marker, so the trainer does not wrap it a second time with its defaults."""
+    from grpo_kit.rewards import checked_reward_func, correctness_reward
+    from grpo_kit.run import SampleRecorder
+    from grpo_kit.trainer import _checked
+
+    rec = SampleRecorder([checked_reward_func(correctness_reward, on_error="zero")], tmp_path / "samples.jsonl")
+    assert _checked(rec.wrapped) == rec.wrapped
+    assert _checked([correctness_reward])[0] is not correctness_reward  # an unchecked one still gets wrapped
