@@ -17,7 +17,7 @@ import torch
 from .config import GRPOKitConfig
 from .data import default_system_prompt, make_prompt
 
-__all__ = ["run_config", "load_base", "load_trained", "answer", "save_merged", "push_to_hub"]
+__all__ = ["run_config", "load_base", "load_trained", "answer", "before_after", "save_merged", "push_to_hub"]
 
 
 def run_config(run_dir: str | os.PathLike) -> GRPOKitConfig:
@@ -70,10 +70,31 @@ def answer(model, tokenizer, question: str, *, system_prompt: str | None = None,
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def before_after(run_dir: str | os.PathLike, questions: list[str], *, dtype: torch.dtype | None = None,
+                 device: str = "cpu", max_new_tokens: int = 64) -> list[dict]:
+    """Each question answered by the base model and by the trained one (greedy, the run's system prompt and
+    task). A LoRA run loads once: "before" is the same model with its adapter disabled. Returns
+    ``[{"question", "before", "after"}]``."""
+    cfg = run_config(run_dir)
+    model, tok = load_trained(run_dir, dtype=dtype, device=device)
+    kw = dict(system_prompt=cfg.system_prompt or None, task=cfg.task, max_new_tokens=max_new_tokens)
+    after = [answer(model, tok, q, **kw) for q in questions]
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            before = [answer(model, tok, q, **kw) for q in questions]
+    else:  # full fine-tuning: the base is another model
+        del model
+        base, _ = load_base(run_dir, dtype=dtype, device=device)
+        before = [answer(base, tok, q, **kw) for q in questions]
+    return [{"question": q, "before": b, "after": a} for q, b, a in zip(questions, before, after)]
+
+
 def save_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-                overwrite: bool = False, progress: bool = True) -> Path:
+                device: str = "cpu", overwrite: bool = False, progress: bool = True) -> Path:
     """Merge the run's adapter into its base weights and save a plain 16-bit ``transformers`` checkpoint
-    (safetensors + tokenizer) to ``out_dir``; returns it. ``dtype``: bf16, or fp16 for GPUs without bf16.
+    (safetensors + tokenizer) to ``out_dir``; returns it. ``dtype``: bf16, or fp16 for GPUs without bf16;
+    the merge runs in that dtype on ``device`` (an 8B in bf16 needs 16 GB there: use ``device="cuda"``
+    where host RAM is short).
 
     A non-empty ``out_dir`` is refused unless ``overwrite=True``, which renames it to
     ``OUT.replaced-<UTC time>`` first (never deletes it)."""
@@ -88,11 +109,11 @@ def save_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype
                                   "aside, or choose another folder")
         out.rename(out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"))
     bar = tqdm(total=3, desc="export", unit="stage", disable=not progress, leave=False)
-    model, tok = load_trained(run_dir, dtype=torch.float32)  # merge in fp32, cast once
+    model, tok = load_trained(run_dir, dtype=dtype, device=device)
     bar.update()
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    model = model.to(dtype)
+    model = model.to(dtype).to("cpu")
     bar.update()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -67,6 +67,8 @@ fallback_max_completion_length = 24
 setup = "auto"  # "auto" | "full" | "fallback"
 dashboard = "auto"  # "auto" | "widgets" | "static"
 output_dir = "runs/03_qwen2.5_grpo"
+save_merged_weights = True  # write merged 16-bit weights after training
+hub_repo = ""  # e.g. "user/qwen2.5-grpo": push the merged weights to the Hub
 seed = 0
 preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
@@ -84,8 +86,8 @@ full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
                 per_device_train_batch_size=2 * num_generations,
                 max_completion_length=fallback_max_completion_length, generation_backend="hf")
-extras = dict(setup=setup, dashboard=dashboard)
-validate_params(full, extras, dict(setup=str, dashboard=str))  # both checked now, whichever runs
+extras = dict(setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo)
+validate_params(full, extras, dict(setup=str, dashboard=str, save_merged_weights=bool, hub_repo=str))  # both now
 validate_params(fallback)
 chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=setup)
 cfg = validate_params(settings)
@@ -148,3 +150,43 @@ print(run_report(summary))
 from IPython.display import Image, display
 
 display(Image(filename=f"{summary['run_dir']}/rewards.png"))  # the run folder's reward curve
+
+# %% [markdown]
+# ## The same question before and after training
+# The run folder keeps the config and the trained adapter (`adapter/`); `grpo_kit.export` loads them back. A
+# LoRA run loads once: "before" is the same model with the adapter switched off.
+
+# %%
+from grpo_kit.data import build_datasets
+from grpo_kit.export import before_after
+
+questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
+for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
+    print(f"Q: {row['question']}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
+
+# %% [markdown]
+# ## Merged 16-bit weights, and the Hub
+# `save_merged` folds the adapter into the base weights and writes a plain `transformers` checkpoint (it refuses
+# a non-empty folder unless `overwrite=True`, which moves the old one aside). Set `hub_repo` (`user/name`, with a
+# token from `huggingface-cli login` or `HF_TOKEN`) to upload it.
+
+# %%
+from grpo_kit.export import push_to_hub, save_merged
+
+import torch
+
+if save_merged_weights:
+    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=resolve_dtype(cfg, device)
+                         if device == "cuda" else torch.float32, device=device, overwrite=True)
+    print("merged weights:", merged)
+    if hub_repo:
+        print("pushed:", push_to_hub(merged, hub_repo))
+
+# %% [markdown]
+# ## After a Colab disconnect
+# A Colab runtime loses `runs/` when it disconnects. Keep the run folder on Drive: mount it
+# (`from google.colab import drive; drive.mount("/content/drive")`) and set `output_dir` to a folder under
+# `/content/drive/MyDrive/`, or copy a finished one there (`!cp -r runs/NAME /content/drive/MyDrive/`). After a
+# reconnect, run the install cell, then continue from the last checkpoint (written every `save_steps` steps):
+# `from grpo_kit.run import resume; resume("/content/drive/MyDrive/NAME")`, or on the command line
+# `python -m grpo_kit train --resume /content/drive/MyDrive/NAME` (`--set max_steps=N` to train longer).

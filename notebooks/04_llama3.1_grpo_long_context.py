@@ -71,6 +71,8 @@ fallback_max_steps = 20
 setup = "auto"  # "auto" | "full" | "fallback"
 dashboard = "auto"
 output_dir = "runs/04_llama3.1_long_context"
+save_merged_weights = False  # merged 16-bit weights after training (an 8B needs its 16-bit copy on `device`)
+hub_repo = ""  # e.g. "user/llama3.1-grpo": push the merged weights to the Hub
 seed = 0
 
 # %%
@@ -79,9 +81,11 @@ from grpo_kit.notebook_utils import choose_setup, validate_params
 
 extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit,
               fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
-              fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard)
+              fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard,
+              save_merged_weights=save_merged_weights, hub_repo=hub_repo)
 types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_kv_cache=bool, gpu_gib=float,
-             fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str)
+             fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
+             save_merged_weights=bool, hub_repo=str)
 check_model_name(calculator_model)
 validate_params({}, extras, types)  # types first, so the comparisons below are safe
 for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
@@ -172,3 +176,43 @@ summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
 from grpo_kit.notebook_utils import run_report
 
 print(run_report(summary))
+
+# %% [markdown]
+# ## The same question before and after training
+# The run folder keeps the config and the trained adapter (`adapter/`); `grpo_kit.export` loads them back. A
+# LoRA run loads once: "before" is the same model with the adapter switched off.
+
+# %%
+from grpo_kit.data import build_datasets
+from grpo_kit.export import before_after
+
+questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
+for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
+    print(f"Q: {row['question']}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
+
+# %% [markdown]
+# ## Merged 16-bit weights, and the Hub
+# `save_merged` folds the adapter into the base weights and writes a plain `transformers` checkpoint (it refuses
+# a non-empty folder unless `overwrite=True`, which moves the old one aside). Set `hub_repo` (`user/name`, with a
+# token from `huggingface-cli login` or `HF_TOKEN`) to upload it.
+
+# %%
+from grpo_kit.export import push_to_hub, save_merged
+
+import torch
+
+if save_merged_weights:
+    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=resolve_dtype(cfg, device)
+                         if device == "cuda" else torch.float32, device=device, overwrite=True)
+    print("merged weights:", merged)
+    if hub_repo:
+        print("pushed:", push_to_hub(merged, hub_repo))
+
+# %% [markdown]
+# ## After a Colab disconnect
+# A Colab runtime loses `runs/` when it disconnects. Keep the run folder on Drive: mount it
+# (`from google.colab import drive; drive.mount("/content/drive")`) and set `output_dir` to a folder under
+# `/content/drive/MyDrive/`, or copy a finished one there (`!cp -r runs/NAME /content/drive/MyDrive/`). After a
+# reconnect, run the install cell, then continue from the last checkpoint (written every `save_steps` steps):
+# `from grpo_kit.run import resume; resume("/content/drive/MyDrive/NAME")`, or on the command line
+# `python -m grpo_kit train --resume /content/drive/MyDrive/NAME` (`--set max_steps=N` to train longer).

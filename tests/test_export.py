@@ -6,7 +6,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from grpo_kit.config import GRPOKitConfig
-from grpo_kit.export import answer, load_trained, run_config, save_merged
+from grpo_kit.export import answer, before_after, load_trained, run_config, save_merged
 from grpo_kit.models import load_model
 
 
@@ -36,6 +36,10 @@ def test_the_trained_model_comes_back_and_merges_to_the_same_function(run_dir, t
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, logits, atol=1e-4)
     assert isinstance(answer(model, tok, "What is 2 + 3?", max_new_tokens=4), str)
+    pairs = before_after(run, ["What is 2 + 3?"], max_new_tokens=6)
+    with model.disable_adapter():  # "before" is the base model: the adapter switched off
+        base = answer(model, tok, "What is 2 + 3?", max_new_tokens=6)
+    assert pairs[0]["before"] == base and pairs[0]["after"] == answer(model, tok, "What is 2 + 3?", max_new_tokens=6)
 
 
 def test_existing_output_is_refused_or_moved_aside_never_deleted(run_dir, tmp_path):
