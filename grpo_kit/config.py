@@ -395,6 +395,12 @@ class GRPOKitConfig:
                  "stores them packed, they have no gradient), so full fine-tuning would train nothing")
             need(self.device != "cpu", "load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), "
                  "but device='cpu'; use device=auto on a GPU machine, or load_in_4bit=False")
+            if self.device == "auto":  # where the run will train: known here, before any model or data loads
+                import torch
+
+                need(torch.cuda.is_available(), "load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training "
+                     "path), but device='auto' finds none on this machine; run on a GPU machine or set "
+                     "load_in_4bit=False")
             need(self.generation_backend != "vllm", "load_in_4bit=True generates with HF generate: vLLM cannot "
                  "take a 4-bit training model's weights yet; set generation_backend='hf' or 'auto'")
             need(importlib.util.find_spec("bitsandbytes") is not None,

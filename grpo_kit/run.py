@@ -278,12 +278,9 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     """
     warn_once_per_message()  # before TRL's imports, whose vLLM version warning comes from five lines
     cfg.validate()
+    device = resolve_device(cfg)
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
-    device = resolve_device(cfg)
-    if cfg.load_in_4bit and device != "cuda":
-        raise ValueError(f"load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), but the run "
-                         f"would train on {device!r}; run on a GPU machine or set load_in_4bit=False")
 
     from accelerate import PartialState
 

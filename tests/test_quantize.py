@@ -166,14 +166,11 @@ def test_skip_modules_auto_parses_from_yaml_and_cli(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
-def test_train_refuses_4bit_on_a_cpu_machine_before_loading(tmp_path, monkeypatch):
+def test_4bit_on_a_cpu_only_machine_is_refused_in_validation_before_loading(tmp_path, monkeypatch):
     from grpo_kit import models, run
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = GRPOKitConfig(load_in_4bit=True, output_dir=str(tmp_path / "run"), max_steps=1)
-    if bnb_missing:
-        with pytest.raises(ConfigError, match="bitsandbytes"):
-            run.train(cfg)
-    else:
-        with pytest.raises(ValueError, match="load_in_4bit=True needs a CUDA GPU .* would train on 'cpu'"):
-            run.train(cfg)
+    with pytest.raises(ConfigError, match="load_in_4bit=True needs a CUDA GPU .* device='auto' finds none"):
+        run.train(cfg)
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
