@@ -19,8 +19,8 @@ against bf16 on bf16's own greedy completions (teacher-forced), the share of tho
 variant's greedy choice differs, and the linear-layer bytes held. The calibration pass of ``auto`` reads
 8 training prompts (never the held-out ones). Results: ``bench/results/qlora_quality_<tag>.md`` / ``.json``.
 
-The memory part of the issue's benchmark (Llama-3.1-8B on a 15 GiB cap, fp16) needs a CUDA GPU and is
-not in this script.
+``--memory``: the GPU memory rows instead (Llama-3.1-8B in 4-bit fp16 under a 15 GiB cap, 16-bit bf16 beside it,
+Qwen2.5-1.5B): ``bench/qlora_memory.py``, whose options follow.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def _token_logprobs(model, seqs, device):
 
 
 def main(argv=None) -> int:
+    argv = list(__import__("sys").argv[1:] if argv is None else argv)
+    if "--memory" in argv:  # the GPU memory rows: their own script and options
+        import qlora_memory
+
+        return qlora_memory.main([x for x in argv if x != "--memory"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=100, help="held-out problems")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -73,21 +73,36 @@ LOSS_KW = dict(epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo")
 # an 80 GB card shows ~79.2 GiB to torch, a 16 GB T4 ~14.6 GiB; take a little less for the
 # CUDA context and allocator slack.
 BUDGETS = {"80GB": 78.0, "15GB": 14.0}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ------------------------------------------------------------------------------------------------
 # model, modes, one step
 # ------------------------------------------------------------------------------------------------
-def build(name, device, lora_r, seed=0, layers=None, random_lora=False):
+def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False):
+    """PEFT model with LoRA on every linear layer, and the GPU bytes of its base weights. ``dtype``: None
+    (bf16 on CUDA, fp32 on CPU) or a torch dtype. ``load_in_4bit``: the kit's QLoRA load
+    (``grpo_kit.models.load_model``: built in host RAM, linear layers quantised to NF4 one by one onto
+    ``device``, lm_head 16-bit), so the GPU never holds the 16-bit model."""
     import peft
 
-    cfg = model_config(name)
-    if layers is not None:
-        cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": layers})
-    cfg.use_cache = False
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_random_model(cfg, dtype=dtype, device=device, seed=seed)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if load_in_4bit:
+        from grpo_kit.models import load_model
+
+        if layers is not None:
+            raise ValueError("layers= is not supported with load_in_4bit")
+        model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=True)
+        model.config.use_cache = False
+    else:
+        cfg = model_config(name)
+        if layers is not None:
+            cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": layers})
+        cfg.use_cache = False
+        model = build_random_model(cfg, dtype=dtype, device=device, seed=seed)
+    # NF4 parameters report their packed bytes; what the GPU holds (absmax constants too) is the allocator's count
+    weights = (torch.cuda.memory_allocated(device) if load_in_4bit and device.type == "cuda"
+               else sum(p.numel() * p.element_size() for p in model.parameters()))
     torch.manual_seed(seed + 1)
     # random_lora: lora_B not zero, so the correctness check sees non-zero lora_A gradients too
     conf = peft.LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
@@ -152,7 +167,8 @@ class Phases:
                                    end=torch.cuda.memory_allocated(self.dev))
 
 
-def grpo_step(model, opt, row, batch, args, phases):
+def grpo_step(model, opt, row, batch, args, phases, scaler=None):
+    """One optimiser step (module docstring). ``scaler``: a GradScaler (fp16), or None."""
     lm, body, W = parts(model)
     ids, adv, mask = batch["ids"], batch["adv"], batch["mask"]
     G, P, mb = ids.shape[0], args.prompt_len, args.micro_batch
@@ -183,13 +199,17 @@ def grpo_step(model, opt, row, batch, args, phases):
                                               beta=args.beta, **LOSS_KW)
             loss = loss * (ids[sl].shape[0] / G)
         with phases("mb0_backward") if first else nullcontext():
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         del h, loss
         if row == "baseline":
             del lp
         rest.__exit__(None, None, None)
     with phases("optimizer"):
-        opt.step()
+        if scaler is not None:  # unscales, skips the step on inf/nan gradients, adapts the scale
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
 
@@ -226,10 +246,12 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
     try:
         set_row(model, row)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        # fp16 (a T4 has no bf16): HF Trainer's GradScaler, as the kit's trainer runs it
+        scaler = torch.amp.GradScaler(dev.type) if parts(model)[2].dtype == torch.float16 else None
         vocab = parts(model)[2].shape[0]
         if warmup:  # kernels, cuBLAS handles, Triton compiles, AdamW state allocation
             wb = make_batch(min(G, args.micro_batch), min(T, args.prompt_len + 256), args.prompt_len, vocab, dev, 1)
-            grpo_step(model, opt, row, wb, args, Phases(dev))
+            grpo_step(model, opt, row, wb, args, Phases(dev), scaler)
             del wb
         batch = make_batch(G, T, args.prompt_len, vocab, dev, 2)
         if row == "ours_offload":
@@ -245,10 +267,12 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
         phases = Phases(dev)
         sync(dev)
         t0 = time.perf_counter()
-        grpo_step(model, opt, row, batch, args, phases)
+        grpo_step(model, opt, row, batch, args, phases, scaler)
         sync(dev)
         dt = time.perf_counter() - t0
-        res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt)
+        res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt, dtype=str(parts(model)[2].dtype)[6:])
+        if scaler is not None:
+            res["grad_scale"] = scaler.get_scale()
         if dev.type == "cuda":
             res.update(peak_allocated_gib=phases.peak / GiB,
                        peak_reserved_gib=phases.peak_reserved / GiB,
@@ -449,14 +473,16 @@ def run_plan(configs, args, dev, sink):
             for old in list(models):  # one model on the GPU at a time
                 del models[old]
             cleanup(dev)
-            m, w = build(name, dev, args.lora_r)
+            m, w = build(name, dev, args.lora_r, dtype=DTYPES[args.dtype] if dev.type == "cuda" else None,
+                         load_in_4bit=args.load_in_4bit)
             models[name] = m
             sink["weights_gib"][name] = w / GiB
         args.model, args.micro_batch = name, cfg["micro_batch"]
         budget = cfg.get("budget")
+        budget_gib = cfg.get("budget_gib") or (BUDGETS[budget] if budget else None)
         for row in cfg["rows"]:
-            r = run_row(models[name], row, args, dev, cfg["gens"], cfg["seq_len"],
-                        budget_gib=BUDGETS[budget] if budget else None)
+            r = run_row(models[name], row, args, dev, cfg["gens"], cfg["seq_len"], budget_gib=budget_gib)
+            r["load_in_4bit"] = args.load_in_4bit
             r["tag"] = cfg.get("tag", "")
             r["weights_gib"] = sink["weights_gib"][name]
             r["budget_name"] = budget
@@ -606,11 +632,16 @@ def main(argv=None):
     p.add_argument("--plan", choices=sorted(PLANS), help="a predefined set of configs (GPU)")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--gens", type=int, default=8, help="generations per step (G)")
-    p.add_argument("--seq-len", type=int, default=20480, help="tokens per sequence, prompt included")
+    p.add_argument("--seq-len", default="20480", help="tokens per sequence, prompt included; a comma list runs "
+                   "one config per length on the same model, each `T` or `T:G` (G generations instead of --gens)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--budget", choices=sorted(BUDGETS), help="run under this memory budget (fraction cap)")
+    p.add_argument("--budget-gib", type=float, help="run under this many GiB (fraction cap); overrides --budget")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
+                   "(fp16: with a GradScaler, as on a T4)")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--check-model", default="llama-3.2-1b")
@@ -625,11 +656,19 @@ def main(argv=None):
         tag = Path(args.replot).stem.removeprefix("step_")
         write_report(data, Path(args.replot).parent, tag)
         return 0
-    for name in ("gens", "seq_len", "micro_batch", "lora_r"):
+    try:
+        seq_lens = [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else args.gens)
+                    for x in str(args.seq_len).split(",")]
+    except ValueError:
+        raise ValueError(f"--seq-len must be T or T:G items separated by commas, got {args.seq_len!r}") from None
+    for name in ("gens", "micro_batch", "lora_r"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 1 <= args.prompt_len < args.seq_len:
-        raise ValueError(f"--prompt-len must be in [1, seq_len), got {args.prompt_len} (seq_len {args.seq_len})")
+    if any(G < 1 for _, G in seq_lens):
+        raise ValueError(f"--seq-len: generations must be >= 1, got {args.seq_len!r}")
+    for T, _ in seq_lens:
+        if not 1 <= args.prompt_len < T:
+            raise ValueError(f"--prompt-len must be in [1, seq_len), got {args.prompt_len} (seq_len {T})")
     rows = tuple(r for r in args.rows.split(",") if r)
     bad = [r for r in rows if r not in ROWS]
     if bad:
@@ -647,8 +686,8 @@ def main(argv=None):
     if args.plan:
         configs = PLANS[args.plan]
     else:
-        configs = [dict(model=args.model, gens=args.gens, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                        rows=rows, budget=args.budget)]
+        configs = [dict(model=args.model, gens=G, seq_len=T, micro_batch=args.micro_batch,
+                   rows=rows, budget=args.budget, budget_gib=args.budget_gib) for T, G in seq_lens]
     try:
         run_plan(configs, args, dev, sink)
     except Exception:  # noqa: BLE001 - keep what was measured, then fail loudly
