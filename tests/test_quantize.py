@@ -106,6 +106,26 @@ def test_auto_keeps_the_layer_nf4_hurts_most_within_the_allowance():
     assert roomy[0] == bad and len(roomy) > 1 and report["extra_bytes"] <= 3 * extra
 
 
+def test_auto_ranks_by_error_per_extra_byte(monkeypatch):
+    """A big layer with the largest error loses to two small layers whose error per extra byte is higher
+    and that together cost what it costs (ranking by error alone would keep the big one)."""
+    import grpo_kit.quantize as Q
+
+    model = build_random_model("tiny-llama")
+    big, small = "model.layers.0.mlp.down_proj", ["model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.v_proj"]
+    errors = {n: 0.01 for n in quantizable_linears(model)}
+    errors.update({big: 0.30, small[0]: 0.20, small[1]: 0.20})  # k/v: 32x64 weights, down_proj: 64x160 (5x)
+    monkeypatch.setattr(Q, "layer_errors", lambda *a, **k: dict(errors))
+    per_weight = 4 - NF4_BITS_PER_PARAM / 8
+    allowance = model.get_submodule(big).weight.numel() * per_weight
+    chosen, report = auto_skip_modules(model, [_ids()], allowance_bytes=allowance, dtype_bytes=4)
+    assert set(small) <= set(chosen) and big not in chosen
+    assert report["extra_bytes"] <= allowance and "per extra" in report["rule"]
+    # with room for everything it keeps it too
+    chosen, _ = auto_skip_modules(model, [_ids()], allowance_bytes=allowance * 3, dtype_bytes=4)
+    assert big in chosen
+
+
 @needs_bnb
 def test_a_quantised_grpo_step_trains_lora_only(tmp_path):
     from trl import GRPOConfig
