@@ -88,6 +88,8 @@ def run_process(p: dict, out_dir: Path, timeout: int) -> tuple[list[dict], str]:
         log = f"timeout after {timeout} s: {str(e.stdout or '')[-2000:]}"
     path = out_dir / f"step_{p['name']}.json"
     results = json.loads(path.read_text())["results"] if path.is_file() else []
+    if log.startswith("timeout"):  # the points the process did not reach say why
+        p["missing_status"] = f"not reached: the process hit its {timeout} s limit"
     return results, " ".join(cmd[1:]) + "\n" + log
 
 
@@ -101,7 +103,8 @@ def rows_of(p: dict, results: list[dict]) -> list[dict]:
         rows.append(dict(model=p["model"], dtype=p["dtype"], load_in_4bit=p["four_bit"], generations=G,
                          completion_len=T - PROMPT, prompt_len=PROMPT, budget_gib=p["budget"],
                          peak_gib=r.get("peak_reserved_gib"), peak_allocated_gib=peak, step_s=r.get("step_s"),
-                         ok=r.get("status") == "ok", status=r.get("status", "not run"), error=r.get("error"),
+                         ok=r.get("status") == "ok", status=r.get("status", p.get("missing_status", "not run")),
+                         error=r.get("error"),
                          calculator_gib=calc, calculator_error=(calc / peak - 1) if peak else None,
                          weights_gib=r.get("weights_gib"), grad_scale=r.get("grad_scale"),
                          longest_by_calculator=p.get("longest") == T - PROMPT, process=p["name"]))
