@@ -122,14 +122,18 @@ class GRPOKitConfig:
     levels: list = _f([1, 2], "Difficulty levels of the generated tasks (1 = one-digit +/-, 2 = two-digit +/- "
                       "one-digit, 3 = two-digit +/-, 4 = two-digit x one-digit and three-digit +/-).")
     dataset_path: str = _f("", "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "
-                           "the hub dataset openai/gsm8k (needs network).")
+                           "the hub dataset openai/gsm8k's train split (needs network).")
+    eval_dataset_path: str = _f("", "task=gsm8k: the held-out problems, a GSM8K-format jsonl (GSM8K's test split); "
+                                "empty: the hub's test split when dataset_path is empty too, else the held-out "
+                                "problems are drawn from dataset_path's file (and never trained on).")
     num_train_samples: int = _f(1000, "Training problems to generate (or to take from the jsonl).")
     num_eval_samples: int = _f(200, "Held-out problems for before/after accuracy (0: no evaluation).")
     system_prompt: str = _f("", "System prompt; empty: the kit's default for the task (arithmetic: the answer only, "
                             "as `Answer: <number>`; word problems and GSM8K: brief reasoning, then that line).")
     # --- GRPO (names as in TRL's GRPOConfig) -------------------------------------------
     num_generations: int = _f(8, "Completions sampled per prompt (the group size); at least 2.")
-    per_device_train_batch_size: int = _f(16, "Completions per micro-batch; must be a multiple of num_generations. "
+    per_device_train_batch_size: int = _f(16, "Completions per micro-batch (one forward/backward); per_device_train_batch_"
+                                          "size x gradient_accumulation_steps must be a multiple of num_generations. "
                                           "The default 16 is 2 prompts per step: with 1 prompt most early steps of "
                                           "the untrained embedded model had no reward spread, and a seed could fail "
                                           "to learn (bench/results/learning_cpu_vllm*.md).")
@@ -406,8 +410,13 @@ class GRPOKitConfig:
             need(importlib.util.find_spec("bitsandbytes") is not None,
                  "load_in_4bit=True needs the bitsandbytes package, which is not installed: python -m pip install "
                  "bitsandbytes==0.50.2 (CUDA), or set load_in_4bit=False")
-        if self.task == "gsm8k" and self.dataset_path:
-            need(os.path.isfile(self.dataset_path), f"dataset_path={self.dataset_path!r} does not exist")
+        for name in ("dataset_path", "eval_dataset_path"):
+            path = getattr(self, name)
+            if self.task == "gsm8k" and path:
+                need(os.path.isfile(path), f"{name}={path!r} does not exist")
+        need(not self.eval_dataset_path or self.task == "gsm8k",
+             f"eval_dataset_path={self.eval_dataset_path!r} applies to task='gsm8k' only (task={self.task!r}: its "
+             "held-out set is generated)")
         if errors:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
         return self

@@ -224,7 +224,14 @@ def to_prompt_dataset(examples: list[dict], system_prompt: str = ""):
 def build_datasets(cfg) -> tuple[list[dict], list[dict]]:
     """Training and held-out examples for a validated ``GRPOKitConfig``."""
     if cfg.task == "gsm8k":
-        rows = load_gsm8k(cfg.dataset_path or None, limit=cfg.num_train_samples + cfg.num_eval_samples)
+        if cfg.eval_dataset_path or not cfg.dataset_path:  # GSM8K's test split: the given file, or the hub's
+            heldout = (load_gsm8k(cfg.eval_dataset_path or None, split="test", limit=cfg.num_eval_samples)
+                       if cfg.num_eval_samples else [])
+            train = load_gsm8k(cfg.dataset_path or None, split="train", limit=cfg.num_train_samples)
+            asked = {e["question"] for e in heldout}
+            return [e for e in train if e["question"] not in asked], heldout[:cfg.num_eval_samples]
+        # only a training file: the held-out problems are drawn from it, and never trained on
+        rows = load_gsm8k(cfg.dataset_path, limit=cfg.num_train_samples + cfg.num_eval_samples)
         rng = random.Random(HELDOUT_SEED)
         rng.shuffle(rows)
         heldout, train = rows[:cfg.num_eval_samples], rows[cfg.num_eval_samples:]

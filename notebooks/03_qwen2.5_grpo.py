@@ -104,6 +104,21 @@ dtype = resolve_dtype(cfg, device)  # bf16 where supported; fp16 + GradScaler on
 print("device:", device, " dtype:", dtype)
 
 # %% [markdown]
+# ## Does it fit? The calculator against this GPU
+# The calculator's estimate for the config as it will train (`grpo_kit.memory.fit.require_fit`, the
+# Qwen2.5-1.5B architecture) against the detected GPU's memory (15 GiB, a T4, without one): the full setup
+# stops here with the numbers and what to change when it would not fit, before any model loads.
+
+# %%
+from grpo_kit.memory.fit import config_fit, require_fit
+
+if chosen == "full":
+    require_fit(cfg, calculator_model="qwen2.5-1.5b", gpu_gib=15.0)
+else:
+    verdict, source = config_fit(cfg, gpu_gib=15.0)
+    print(f"fallback, {source}: {verdict.text()}")
+
+# %% [markdown]
 # ## Rewards
 # `correctness_reward` compares the last number of a completion (`extract_number`) with the reference answer;
 # `format_soft_reward` gives partial credit for ending with `Answer: <number>`. Both follow TRL's signature

@@ -27,6 +27,12 @@
 # the whole notebook with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared
 # machine); the full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
 # (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
+#
+# **Free T4:** `preset = "free_t4"` sets 4-bit base weights (QLoRA), fp16, HF generation and the longest context
+# whose whole step the calculator fits in 14 GiB (`grpo_kit.memory.fit.free_t4_preset`): 8,192 tokens for
+# Llama-3.1-8B with 8 generations. What limits it is HF `generate`'s 16-bit KV cache of the 8 completions (8 GiB
+# at 8K); the training step alone was measured on an H200 under a 15 GiB cap at 7.95 GiB for 8 x 4.6K tokens and
+# 10.77 GiB for 8 x 21K (`bench/results/qlora_h200.md`). The preset itself has not run on a T4.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
@@ -69,6 +75,7 @@ fallback_max_prompt_length = 64
 fallback_context_length = 96
 fallback_max_steps = 20
 setup = "auto"  # "auto" | "full" | "fallback"
+preset = ""  # "free_t4": Colab's free T4 (15 GiB, fp16): 4-bit, HF generation, the longest context that fits
 dashboard = "auto"
 output_dir = "runs/04_llama3.1_long_context"
 save_merged_weights = False  # merged 16-bit weights after training (an 8B needs its 16-bit copy on `device`)
@@ -76,29 +83,42 @@ hub_repo = ""  # e.g. "user/llama3.1-grpo": push the merged weights to the Hub
 seed = 0
 
 # %%
+from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.models import check_model_name
 from grpo_kit.notebook_utils import choose_setup, validate_params
 
+if preset not in ("", "free_t4"):
+    raise ValueError(f"preset={preset!r} is not allowed: '' (the parameters as set) or 'free_t4'")
+if preset == "free_t4":  # the calculator picks the context: the whole step, HF generate's KV cache included
+    t4 = free_t4_preset(calculator_model, num_generations=num_generations, prompt_length=max_prompt_length,
+                        lora_rank=lora_rank)
+    context_length, four_bit, generation_backend, gpu_gib = (t4["context_length"], True, t4["generation_backend"],
+                                                             t4["budget_gib"])
+    print(f"preset free_t4: context {context_length:,} tokens, 4-bit, fp16, HF generation; the calculator's "
+          f"step: {t4['estimate_gib']:.2f} of {t4['budget_gib']} GiB")
 extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit,
               fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
               fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard,
-              save_merged_weights=save_merged_weights, hub_repo=hub_repo)
+              save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset)
 types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_kv_cache=bool, gpu_gib=float,
              fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
-             save_merged_weights=bool, hub_repo=str)
+             save_merged_weights=bool, hub_repo=str, preset=str)
 check_model_name(calculator_model)
 validate_params({}, extras, types)  # types first, so the comparisons below are safe
 for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
                           ("fallback_context_length", fallback_context_length, fallback_max_prompt_length)):
     if ctx <= prompt:
         raise ValueError(f"{name}={ctx} must be larger than its prompt length {prompt}")
-common = dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
-              num_train_samples=num_train_samples, num_eval_samples=num_eval_samples, output_dir=output_dir,
-              seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank, gradient_checkpointing=True)
-full = dict(common, model=model, max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
+common = dict(num_generations=num_generations, num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
+              output_dir=output_dir, seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
+              gradient_checkpointing=True)
+# the full setup trains one sequence per micro-batch (what the calculator below prices); the tiny fallback all at once
+full = dict(common, model=model, per_device_train_batch_size=1, gradient_accumulation_steps=num_generations,
+            max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
             max_completion_length=context_length - max_prompt_length, generation_backend=generation_backend,
             learning_rate=2e-5)
-fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
+fallback = dict(common, model=fallback_model, per_device_train_batch_size=num_generations, task="arithmetic",
+                max_steps=fallback_max_steps,
                 max_prompt_length=fallback_max_prompt_length,
                 max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
 validate_params(full)
@@ -124,7 +144,8 @@ from grpo_kit.memory import compare
 pd.set_option("display.width", 160)
 opts = dict(num_generations=num_generations, prompt_length=max_prompt_length,
             completion_length=context_length - max_prompt_length, lora_rank=lora_rank,
-            quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv_cache else None)
+            quantization="4bit" if four_bit else None,  # 4-bit runs generate with HF: its KV cache, 16-bit
+            vllm=not four_bit, kv_cache_dtype="fp8" if fp8_kv_cache and not four_bit else None)
 table = compare(calculator_model, methods=("trl", "grpo_kit"), unit="GiB", micro_batch_size=1, **opts)
 print(table.round(2).to_string())
 
@@ -138,20 +159,18 @@ show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 # %% [markdown]
 # ## Does it fit? The calculator against this GPU
-# The estimate for the kit's trainer against the detected GPU's memory (`gpu_gib` without one): the full setup
-# stops here with the numbers when it would not fit, instead of running out of memory later.
+# The calculator's estimate for the config as it will train (`grpo_kit.memory.fit.require_fit`) against the
+# detected GPU's memory (`gpu_gib` without one): the full setup stops here with the numbers and what to change
+# when it would not fit, instead of running out of memory later; `preset = "free_t4"` picks a context that fits.
 
 # %%
-from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
+from grpo_kit.memory.fit import config_fit, require_fit
 
-gpu = detected_gpu_gib()
-budget_gib, source = gpu if gpu else (gpu_gib, "gpu_gib parameter")
-verdict = fit_verdict(calculator_model, budget_gib, context=context_length, micro_batch_size=1,
-                      **{k: v for k, v in opts.items() if k != "completion_length"})
-print(f"{source}: {verdict.text()}")
-if chosen == "full" and not verdict.fits:
-    fix = f"context_length={verdict.max_context}" if verdict.max_context else "a smaller model"
-    raise RuntimeError(f"the full setup does not fit: {verdict.text()}; try {fix}, four_bit or fp8_kv_cache")
+if chosen == "full":  # the config as it will train; stops with the numbers when it would not fit
+    require_fit(cfg, calculator_model=calculator_model, gpu_gib=gpu_gib)
+else:
+    verdict, source = config_fit(cfg, gpu_gib=gpu_gib)
+    print(f"fallback, {source}: {verdict.text()}")
 
 # %% [markdown]
 # ## Train

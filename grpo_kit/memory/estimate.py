@@ -409,6 +409,11 @@ def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
     """:func:`estimate` for a ``GRPOKitConfig``: its generations, prompt/completion lengths, dtype,
     LoRA rank, trainer (``trl`` or ``grpo_kit`` method), backend and micro-batch. ``model``: a
     config or name (default ``cfg.model``); ``overrides`` replace any of the derived arguments."""
+    return estimate(model if model is not None else cfg.model, **config_estimate_kwargs(cfg, **overrides))
+
+
+def config_estimate_kwargs(cfg, **overrides) -> dict:
+    """The :func:`estimate` arguments (all but the model) that describe a ``GRPOKitConfig``'s step."""
     kw = dict(num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
               completion_length=cfg.max_completion_length,
               dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
@@ -418,7 +423,7 @@ def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
               micro_batch_size=cfg.per_device_train_batch_size,
               generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
     kw.update(overrides)
-    return estimate(model if model is not None else cfg.model, **kw)
+    return kw
 
 
 def total_gpu_bytes(df: pd.DataFrame) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_kit.memory.estimate import estimate, total_gpu_bytes
+from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, total_gpu_bytes
 
 GIB = 2**30
 # Upper end of the context search (tokens): beyond every built-in model's positions.
@@ -84,3 +84,61 @@ def fit_verdict(model, gpu_gib: float, *, context: int, prompt_length: int = 0, 
     peak = _peak_bytes(model, context, prompt_length, kwargs) / GIB
     longest = longest_fitting_context(model, gpu_gib * GIB, prompt_length=prompt_length, **kwargs)
     return FitVerdict(method=method, context=context, peak_gib=peak, gpu_gib=gpu_gib, max_context=longest)
+
+
+# Colab's free T4: 15 GiB nominal, about 14.6 GiB visible to torch; the budget leaves room for the CUDA context
+# and the allocator's slack (reserved exceeded allocated by up to 2.3 GiB in bench/results/qlora_h200.md, where
+# the whole training step at 20K still stayed at 10.8 GiB reserved).
+FREE_T4_GIB = 14.0
+# Context lengths a preset picks are rounded down to this many tokens.
+PRESET_ROUND = 256
+
+
+def free_t4_preset(model="llama-3.1-8b", *, num_generations: int = 8, prompt_length: int = 512,
+                   lora_rank: int = 16) -> dict:
+    """Settings for a free Colab T4 (fp16, no bf16): 4-bit base weights (QLoRA), HF generation (4-bit runs
+    generate with HF ``generate``, all ``num_generations`` of a prompt at once), one sequence per
+    micro-batch, and the longest context (prompt + completion, rounded down to ``PRESET_ROUND``) whose
+    whole step, generation's KV cache included, the calculator fits in ``FREE_T4_GIB``. Returns
+    ``context_length``, ``four_bit``, ``dtype``, ``generation_backend``, ``budget_gib`` and
+    ``estimate_gib`` (the calculator's peak at that context); raises ValueError when nothing fits."""
+    kwargs = dict(num_generations=num_generations, dtype="fp16", lora_rank=lora_rank, quantization="4bit",
+                  micro_batch_size=1, vllm=False, include_generation=True)
+    longest = longest_fitting_context(model, FREE_T4_GIB * GIB, prompt_length=prompt_length, **kwargs)
+    context = None if longest is None else longest // PRESET_ROUND * PRESET_ROUND
+    if context is None or context <= prompt_length:
+        raise ValueError(f"free_t4_preset: {model!r} with {num_generations} generations does not fit "
+                         f"{FREE_T4_GIB} GiB in 4-bit even at a {prompt_length}-token prompt")
+    peak = _peak_bytes(model, context, prompt_length, kwargs) / GIB
+    return dict(context_length=context, four_bit=True, dtype="fp16", generation_backend="hf",
+                budget_gib=FREE_T4_GIB, estimate_gib=peak)
+
+
+def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> tuple[FitVerdict, str]:
+    """The kit's step for a ``GRPOKitConfig`` against a GPU: the detected one, else ``gpu_gib``. Returns the
+    verdict and where the GPU size came from. ``calculator_model``: the built-in architecture to price
+    (default ``cfg.model``, e.g. for a hub id without a local config). ValueError when neither a GPU nor
+    ``gpu_gib`` is there."""
+    detected = detected_gpu_gib()
+    if detected is None and gpu_gib is None:
+        raise ValueError("config_fit: no CUDA GPU detected; pass gpu_gib= (the card's memory in GiB)")
+    budget, source = detected if detected else (gpu_gib, "gpu_gib parameter")
+    kw = config_estimate_kwargs(cfg)
+    for k in ("prompt_length", "completion_length"):
+        kw.pop(k)
+    verdict = fit_verdict(calculator_model or cfg.model, budget, context=cfg.max_prompt_length + cfg.max_completion_length,
+                          prompt_length=cfg.max_prompt_length, **kw)
+    return verdict, source
+
+
+def require_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> FitVerdict:
+    """:func:`config_fit`, printed; a step that does not fit stops here with the numbers and what to change
+    (RuntimeError), before any model loads."""
+    verdict, source = config_fit(cfg, calculator_model=calculator_model, gpu_gib=gpu_gib)
+    print(f"{source}: {verdict.text()}")
+    if not verdict.fits:
+        fix = (f"max_completion_length <= {verdict.max_context - cfg.max_prompt_length}"
+               if verdict.max_context and verdict.max_context > cfg.max_prompt_length else "a smaller model")
+        raise RuntimeError(f"the run does not fit: {verdict.text()}; try {fix}, fewer generations per micro-batch, "
+                           "4-bit weights (load_in_4bit) or an FP8 KV cache (kv_cache_dtype='fp8')")
+    return verdict
