@@ -41,6 +41,7 @@ import inspect
 import torch
 from trl import GRPOTrainer
 
+from .checkpointing import keep_hf_checkpointing_off
 from .generation.trainer_hook import KitGenerationMixin
 from .loss import efficient_grpo_loss, per_token_logps
 from .objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
@@ -131,6 +132,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             from .checkpointing import enable_offloaded_checkpointing
 
             enable_offloaded_checkpointing(self.model, offload=on_cuda)
+        self._offloaded_checkpointing = bool(offload_checkpointing)
 
     @staticmethod
     def _check_supported(args) -> None:
@@ -151,6 +153,10 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     # -- hidden states ------------------------------------------------------------------
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
         """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t."""
+        if self._offloaded_checkpointing:
+            # Trainer.train() and TRL's generation switch HF's per-layer checkpointing back on; on top of the
+            # kit's own recompute it would run every layer's forward once more per micro-batch
+            keep_hf_checkpointing_off(self.model)
         with _capture_output(self._norm) as box, self.accelerator.autocast():
             model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
         hidden = box[-1]

@@ -285,3 +285,25 @@ def test_trl_loss_still_reads_what_we_feed_it():
     gen_src = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "_get_per_token_logps_and_entropies" in gen_src  # ref/old passes still go through our override
     assert "disable_adapter" in inspect.getsource(trl.trainer.grpo_trainer) or "use_adapter" in gen_src
+
+
+def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tiny, tmp_path):
+    """Trainer.train() (and TRL's generation) switch HF's per-layer checkpointing back on after the trainer
+    was built; with the kit's offloaded checkpointing on as well, every layer would be recomputed twice.
+    Every training forward of a decoder layer must see HF's flag off."""
+    model, tok = copy.deepcopy(tiny["tiny-llama"][0]), tiny["tiny-llama"][1]
+    tok.padding_side = "left"
+    ds = to_prompt_dataset(generate_tasks("arithmetic", 8, levels=(1,), seed=0))
+    trainer = EfficientGRPOTrainer(model=model, args=_args(tmp_path, gradient_checkpointing=True, max_steps=1),
+                                   processing_class=tok, reward_funcs=[_reward], train_dataset=ds,
+                                   offload_checkpointing=True, peft_config=_lora())
+    layers = [m for m in trainer.model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((m.gradient_checkpointing, torch.is_grad_enabled())))
+             for m in layers]
+    trainer.train()
+    for h in hooks:
+        h.remove()
+    graded = [flag for flag, grad in seen if grad]
+    assert graded and not any(graded), f"HF checkpointing was on in {sum(graded)} of {len(graded)} training forwards"
+    assert trainer.args.gradient_checkpointing  # TRL's own flag is untouched; only the layers' is kept off
