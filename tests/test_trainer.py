@@ -287,16 +287,19 @@ def test_trl_loss_still_reads_what_we_feed_it():
     assert "disable_adapter" in inspect.getsource(trl.trainer.grpo_trainer) or "use_adapter" in gen_src
 
 
-def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tiny, tmp_path):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tiny, tmp_path, reentrant):
     """Trainer.train() (and TRL's generation) switch HF's per-layer checkpointing back on after the trainer
-    was built; with the kit's offloaded checkpointing on as well, every layer would be recomputed twice.
-    Every training forward of a decoder layer must see HF's flag off."""
+    was built. With ``use_reentrant=True`` HF's checkpoint would then recompute the kit's offloaded layer once
+    more in backward (with the default non-reentrant one it finds nothing saved to recompute). Every training
+    forward must see HF's flag off, and each layer runs one training forward per micro-batch."""
     model, tok = copy.deepcopy(tiny["tiny-llama"][0]), tiny["tiny-llama"][1]
     tok.padding_side = "left"
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, levels=(1,), seed=0))
-    trainer = EfficientGRPOTrainer(model=model, args=_args(tmp_path, gradient_checkpointing=True, max_steps=1),
-                                   processing_class=tok, reward_funcs=[_reward], train_dataset=ds,
-                                   offload_checkpointing=True, peft_config=_lora())
+    args = _args(tmp_path, gradient_checkpointing=True, max_steps=1,
+                 gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    trainer = EfficientGRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[_reward],
+                                   train_dataset=ds, offload_checkpointing=True, peft_config=_lora())
     layers = [m for m in trainer.model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     seen = []
     hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((m.gradient_checkpointing, torch.is_grad_enabled())))
@@ -305,5 +308,6 @@ def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tiny, tmp_pa
     for h in hooks:
         h.remove()
     graded = [flag for flag, grad in seen if grad]
-    assert graded and not any(graded), f"HF checkpointing was on in {sum(graded)} of {len(graded)} training forwards"
+    assert not any(graded), f"HF checkpointing was on in {sum(graded)} of {len(graded)} training forwards"
+    assert len(graded) == len(layers)  # one micro-batch of 4 completions: one training forward per layer
     assert trainer.args.gradient_checkpointing  # TRL's own flag is untouched; only the layers' is kept off
