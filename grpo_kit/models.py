@@ -287,12 +287,18 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     ``load_in_4bit``: the base linear weights become NF4 on ``device`` (:mod:`grpo_kit.quantize`), but
     lm_head and ``skip_modules`` (names, or ``"auto"``: chosen from a forward pass over
     ``calibration``, a list of ``input_ids`` (1, T) tensors, within ``auto_allowance`` x the 4-bit
-    bytes). The 16-bit model is built in CPU RAM first and quantised layer by layer onto ``device``;
-    ``model.grpo_kit_quantization`` reports what was done.
+    bytes). A checkpoint (the embedded model, a folder, a hub id) with a list of names loads streamed:
+    transformers quantises each weight as it reads it, so host RAM never holds the 16-bit model (a free
+    Colab has less RAM than an 8B's 16 GB). Random-weight built-ins and ``"auto"`` (whose calibration
+    needs the 16-bit layers) build the 16-bit model in CPU RAM first and quantise it layer by layer onto
+    ``device``. The NF4 bytes are the same either way; ``model.grpo_kit_quantization`` reports what was done.
     """
     from transformers import AutoModelForCausalLM
 
     kind = check_model_name(name)
+    if load_in_4bit and kind not in ("tiny", "config-only") and skip_modules != "auto":
+        src = embedded_model_dir() if kind == "embedded" else name
+        return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules), load_tokenizer(name)
     target = "cpu" if load_in_4bit else device
     if kind in ("tiny", "config-only"):
         model = build_random_model(name, dtype=dtype or torch.float32, device=target, seed=seed)
@@ -303,6 +309,28 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     if load_in_4bit:
         _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)
     return model.to(device), load_tokenizer(name)
+
+
+def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):
+    """``from_pretrained`` with transformers' bitsandbytes NF4 (``quantize.nf4_load_config``), the kept
+    layers named exactly as the kit's substring rule picks them (``quantize.quantizable_linears``)."""
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .quantize import is_quantized, nf4_load_config, quantizable_linears, quantization_report
+
+    skeleton = meta_model(AutoConfig.from_pretrained(src))  # module names only, no memory
+    quantized = set(quantizable_linears(skeleton, skip_modules))
+    keep = [n for n, m in skeleton.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=nf4_load_config(dtype, keep),
+                                                 device_map={"": str(device)})
+    got = {n for n, m in model.named_modules() if is_quantized(m)}
+    if got != quantized:  # transformers' own rules (tied or untouchable modules) disagreed: say which
+        raise RuntimeError(f"4-bit load of {src}: transformers quantised {sorted(got ^ quantized)[:5]} against the "
+                           "kit's skip list; set load_in_4bit_skip_modules='auto' to quantise in the kit instead")
+    model.grpo_kit_quantization = {**quantization_report(model, dtype), "skip_modules": list(skip_modules),
+                                   "auto": None, "load": "streamed"}
+    return model
 
 
 def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -> None:
@@ -319,4 +347,4 @@ def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -
                                        dtype_bytes=torch.finfo(dtype).bits // 8)
     report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip)
     model.grpo_kit_quantization = {**report, "skip_modules": skip_modules if skip_modules == "auto" else list(skip),
-                                   "auto": auto}
+                                   "auto": auto, "load": "in host RAM, then layer by layer"}

@@ -32,11 +32,13 @@ Everything here runs wherever bitsandbytes does (CUDA; its CPU backend too, whic
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import torch
 from torch import nn
 
 __all__ = ["ALWAYS_16BIT", "NF4_BLOCK", "check_bitsandbytes", "quantizable_linears", "quantize_model",
+           "nf4_load_config", "quantization_report",
            "nf4_roundtrip", "layer_errors", "auto_skip_modules", "is_quantized", "dequantized_weight"]
 
 NF4_BLOCK = 64  # weights per absmax block (bitsandbytes' default for NF4)
@@ -92,11 +94,31 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
             q.bias = nn.Parameter(lin.bias.data.to(compute_dtype), requires_grad=False)
         q = q.to(device)  # quantises the weight on that device
         setattr(parent, child, q)
-        q_bytes += _quantized_bytes(q.weight)
         del lin
+    return quantization_report(model, compute_dtype)
+
+
+def quantization_report(model: nn.Module, compute_dtype: torch.dtype) -> dict:
+    """What a quantised model holds: NF4 layer count, the linear layers kept in 16 bit, the bytes of the NF4
+    weights (packed 4-bit data + absmax constants) and the compute dtype."""
+    quantized = [m for m in model.modules() if is_quantized(m)]
     kept = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    return {"quantized_layers": len(names), "kept_16bit": kept, "quantized_weight_bytes": q_bytes,
+    return {"quantized_layers": len(quantized), "kept_16bit": kept,
+            "quantized_weight_bytes": sum(_quantized_bytes(m.weight) for m in quantized),
             "compute_dtype": str(compute_dtype).removeprefix("torch.")}
+
+
+def nf4_load_config(compute_dtype: torch.dtype, keep_16bit):
+    """transformers' ``BitsAndBytesConfig`` for the NF4 that :func:`quantize_model` makes (double
+    quantisation, blocks of ``NF4_BLOCK``), for ``from_pretrained`` to quantise each weight as it loads.
+    ``keep_16bit``: the exact qualified names of the linear layers to keep (transformers matches its skip
+    list as regex prefixes and suffixes; escaped and anchored, each name matches only itself)."""
+    check_bitsandbytes()
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype,
+                              llm_int8_skip_modules=[re.escape(n) + "$" for n in keep_16bit])
 
 
 def _quantized_bytes(p) -> int:

@@ -194,3 +194,31 @@ def test_4bit_on_a_cpu_only_machine_is_refused_in_validation_before_loading(tmp_
     with pytest.raises(ConfigError, match="load_in_4bit=True needs a CUDA GPU .* device='auto' finds none"):
         run.train(cfg)
     assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+@needs_bnb
+def test_a_checkpoint_loads_streamed_with_the_same_nf4_as_the_in_ram_path():
+    """A checkpoint with a list of skip names loads through transformers' bitsandbytes quantisation (each weight
+    quantised as it is read; host RAM never holds the 16-bit model): the same layers in NF4, the same kept
+    ones under the kit's substring rule (a prefix, a suffix, a middle part), the same packed codes and absmax
+    constants as quantising the 16-bit model in RAM."""
+    import grpo_kit.models as M
+
+    skip = ["lm_head", "down_proj", "model.layers.0.", "self_attn.k"]
+    streamed, _ = load_model(device="cpu", load_in_4bit=True, skip_modules=skip)
+    in_ram, _ = M.load_model(device="cpu")
+    M._quantize(in_ram, torch.float32, "cpu", skip, None, 0.1)
+    a, b = streamed.grpo_kit_quantization, in_ram.grpo_kit_quantization
+    assert a["load"] == "streamed" and b["load"].startswith("in host RAM")
+    assert a["kept_16bit"] == b["kept_16bit"] and a["quantized_layers"] == b["quantized_layers"] > 0
+    assert a["quantized_weight_bytes"] == b["quantized_weight_bytes"]
+    kept = set(a["kept_16bit"])
+    assert {"lm_head", "model.layers.3.mlp.down_proj", "model.layers.0.mlp.up_proj",
+            "model.layers.5.self_attn.k_proj"} <= kept and "model.layers.5.self_attn.q_proj" not in kept
+    mods_a, mods_b = dict(streamed.named_modules()), dict(in_ram.named_modules())
+    for name, m in mods_b.items():
+        if is_quantized(m):  # compared before any forward (bitsandbytes' CPU backend repacks at the first one)
+            qa, qb = mods_a[name].weight, m.weight
+            assert is_quantized(mods_a[name]) and torch.equal(qa.data.flatten(), qb.data.flatten()), name
+            assert torch.equal(qa.quant_state.absmax, qb.quant_state.absmax), name
+            assert torch.equal(qa.quant_state.state2.absmax, qb.quant_state.state2.absmax), name
