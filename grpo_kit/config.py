@@ -28,7 +28,10 @@ TRAINERS = ("grpo_kit", "trl")
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
-VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", 0.0), ("vllm_kv_cache_gib", None))
+VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None))
+# Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
+# of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
+NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
 # transformers' SchedulerType values (checked against transformers by tests/test_config.py), so a bad name is
 # refused before any model loads instead of inside the trainer.
 LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -51,20 +54,22 @@ NUMERIC_RANGES = {
     "gradient_accumulation_steps": (1, None, False, False), "max_prompt_length": (1, None, False, False),
     "max_completion_length": (1, None, False, False), "temperature": (0, None, True, False),
     "top_p": (0, 1, True, False), "top_k": (0, None, False, False), "min_p": (0, 1, False, True),
-    "beta": (0, None, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, None, False, False),
+    "beta": (0, None, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, None, True, False),
     "num_iterations": (1, None, False, False), "reward_time_limit_s": (0, None, False, False),
     "learning_rate": (0, None, True, False), "warmup_steps": (0, None, False, False),
     "weight_decay": (0, None, False, False), "max_grad_norm": (0, None, False, False),
     "lora_rank": (1, None, False, False), "lora_alpha": (1, None, False, False),
-    "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, False, False),
-    "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (0, None, False, False),
+    "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, True, False),
+    "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (1, None, False, False),
     "load_in_4bit_auto_allowance": (0, 4, False, False),
 }
 # Why a bound is what it is, where that is not obvious; appended to the message.
 _RANGE_NOTES = {
     "num_generations": "advantages compare completions within a group",
-    "vllm_gpu_memory_utilization": "0: automatic", "vllm_kv_cache_gib": "or null for automatic",
-    "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit", "epsilon_high": "0: same as epsilon",
+    "vllm_gpu_memory_utilization": "or null for automatic", "vllm_kv_cache_gib": "or null for automatic",
+    "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit",
+    "epsilon_high": "or null for the same as epsilon", "loss_chunk_size": "or null for automatic",
+    "min_p": "0 or null: off",
 }
 
 
@@ -143,10 +148,10 @@ class GRPOKitConfig:
     temperature: float = _f(0.7, "Sampling temperature (> 0).")
     top_p: float = _f(1.0, "Nucleus sampling threshold in (0, 1].")
     top_k: int = _f(0, "Top-k sampling (0: off).")
-    min_p: float = _f(0.0, "Min-p sampling threshold in [0, 1) (0: off).")
+    min_p: float | None = _f(None, "Min-p sampling threshold in [0, 1) (null or 0: off).")
     beta: float = _f(0.04, "KL coefficient (k3 estimator against the reference model); 0 skips the reference pass.")
     epsilon: float = _f(0.2, "Lower clipping range of the ratio.")
-    epsilon_high: float = _f(0.0, "Upper clipping range (0: same as epsilon).")
+    epsilon_high: float | None = _f(None, "Upper clipping range (null: same as epsilon).")
     loss_type: str = _f("grpo", f"GRPO objective and normalisation (TRL's), one of {LOSS_TYPES}.")
     scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
     num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
@@ -182,8 +187,8 @@ class GRPOKitConfig:
                                  "installed and can load the model (the embedded model, a local folder or a hub "
                                  "id; on CUDA also the random-weight built-ins, started with random weights), else HF (with a warning when vLLM is "
                                  "installed but cannot be used). trainer=trl always uses TRL's own HF generation.")
-    vllm_gpu_memory_utilization: float = _f(0.0, "Share of GPU memory (CUDA) or of host RAM (vLLM's CPU backend) "
-                                            "that vLLM reserves for its weights and KV cache, in (0, 1]; 0: "
+    vllm_gpu_memory_utilization: float | None = _f(None, "Share of GPU memory (CUDA) or of host RAM (vLLM's CPU "
+                                            "backend) that vLLM reserves for its weights and KV cache, in (0, 1]; null: "
                                             "automatic (on CUDA what the VRAM calculator's training estimate leaves "
                                             "of the card, less 1 GiB; on the CPU a KV cache of a quarter of free "
                                             "RAM, at most 4 GiB). A value that cannot fit stops the run before "
@@ -216,7 +221,8 @@ class GRPOKitConfig:
                                             "training on a CUDA GPU, off on the CPU, where it would only "
                                             "recompute). With the grpo_kit trainer on a GPU the layer inputs are "
                                             "offloaded to CPU RAM (grpo_kit.checkpointing).")
-    loss_chunk_size: int = _f(0, "Rows per logits chunk in the efficient loss (0: chosen from free memory).")
+    loss_chunk_size: int | None = _f(None, "Rows per logits chunk in the efficient loss (null: chosen from free "
+                                    "memory).")
 
     # ---------------------------------------------------------------------------------
     def checkpointing_on(self, device: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import ConfigError, GRPOKitConfig
+from .config import NULL_MEANS_AUTO, ConfigError, GRPOKitConfig
 from .resume import atomic_write_text
 
 # Config fields that may differ from the run folder's saved config when resuming: they change how
@@ -29,6 +29,9 @@ def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict 
     if not saved_path.is_file():
         raise ConfigError(f"cannot resume {str(run_dir)!r}: it has no config.yaml (not a grpo_kit run folder)")
     saved = GRPOKitConfig.from_yaml(saved_path)
+    for name in NULL_MEANS_AUTO:  # a run saved when 0 meant "automatic" for these
+        if getattr(saved, name) == 0:
+            setattr(saved, name, None)
     wanted = GRPOKitConfig.from_dict(saved.to_dict())
     for key, value in (config_values or {}).items():
         wanted.set(key, value)

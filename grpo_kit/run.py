@@ -247,7 +247,7 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, min_p=cfg.min_p or None, beta=cfg.beta, epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
         num_iterations=cfg.num_iterations, mask_truncated_completions=cfg.mask_truncated_completions,
         reward_weights=cfg.reward_weights or None, learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,

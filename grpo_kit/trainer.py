@@ -257,4 +257,4 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
         return GRPOTrainer(**kwargs)
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
-    return EfficientGRPOTrainer(**kwargs, loss_chunk_size=cfg.loss_chunk_size or None, generator=generator)
+    return EfficientGRPOTrainer(**kwargs, loss_chunk_size=cfg.loss_chunk_size, generator=generator)

@@ -115,7 +115,10 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
 @pytest.mark.parametrize("override,match", [
     ("learning_rate=.inf", "learning_rate=inf must be > 0 and finite"),
     ("temperature=.inf", "temperature=inf must be > 0 and finite"),
-    ("epsilon_high=.inf", "epsilon_high=inf must be at least 0 and finite"),
+    ("epsilon_high=.inf", r"epsilon_high=inf must be > 0 and finite \(or null for the same as epsilon\)"),
+    ("epsilon_high=0", r"epsilon_high=0.0 must be > 0 and finite \(or null for the same as epsilon\)"),
+    ("loss_chunk_size=0", r"loss_chunk_size=0 must be at least 1 \(or null for automatic\)"),
+    ("vllm_gpu_memory_utilization=0", r"vllm_gpu_memory_utilization=0.0 must be in \(0, 1\] and finite"),
     ("max_grad_norm=-1", r"max_grad_norm=-1.0 must be at least 0 and finite \(0: no clipping\)"),
     ("max_grad_norm=.nan", "max_grad_norm=nan must be at least 0"),
     ("weight_decay=-5", "weight_decay=-5.0 must be at least 0"),
@@ -201,3 +204,23 @@ def test_bad_paths_and_values_give_one_error_line_and_exit_code_2(tmp_path, caps
         err = capsys.readouterr().err
         assert err.startswith("error: ") and match in err, (args, err)
         assert not (tmp_path / "r").exists()  # stopped before any work
+
+
+def test_automatic_values_are_null_and_old_run_folders_with_0_resume(tmp_path):
+    """epsilon_high, loss_chunk_size, vllm_gpu_memory_utilization: null means automatic, as in TRL (0 did before);
+    min_p: null or 0 is off. A run folder saved when 0 meant automatic resumes with 0 read as null."""
+    from grpo_kit.config import NULL_MEANS_AUTO
+    from grpo_kit.resume_policy import resume_config
+
+    cfg = GRPOKitConfig().validate()
+    assert all(getattr(cfg, name) is None for name in (*NULL_MEANS_AUTO, "min_p"))
+    cfg.apply_overrides(["epsilon_high=0.28", "loss_chunk_size=null", "min_p=0"])
+    assert cfg.validate().epsilon_high == 0.28 and cfg.loss_chunk_size is None and cfg.min_p == 0.0
+    old = GRPOKitConfig(output_dir=str(tmp_path)).to_dict()
+    old.update(epsilon_high=0.0, loss_chunk_size=0, vllm_gpu_memory_utilization=0.0, min_p=0.0)
+    import yaml
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    resumed = resume_config(tmp_path)
+    assert all(getattr(resumed, name) is None for name in NULL_MEANS_AUTO) and resumed.min_p == 0.0
+    assert resume_config(tmp_path, ["loss_chunk_size=4096"]).loss_chunk_size == 4096

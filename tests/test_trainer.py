@@ -288,12 +288,12 @@ def test_trl_loss_still_reads_what_we_feed_it():
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tiny, tmp_path, reentrant):
+def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tmp_path, reentrant):
     """Trainer.train() (and TRL's generation) switch HF's per-layer checkpointing back on after the trainer
     was built. With ``use_reentrant=True`` HF's checkpoint would then recompute the kit's offloaded layer once
     more in backward (with the default non-reentrant one it finds nothing saved to recompute). Every training
     forward must see HF's flag off, and each layer runs one training forward per micro-batch."""
-    model, tok = copy.deepcopy(tiny["tiny-llama"][0]), tiny["tiny-llama"][1]
+    model, tok = load_model("tiny-llama")  # fresh: the module's shared models carry earlier tests' adapters
     tok.padding_side = "left"
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, levels=(1,), seed=0))
     args = _args(tmp_path, gradient_checkpointing=True, max_steps=1,
