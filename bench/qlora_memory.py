@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     if a.dry_run:
         for q in procs:
             for T, G in q["points"]:
-                print(q["name"], f"{G} x {T - PROMPT}", f"{calculator_gib(q['model'], q['dtype'], q['four_bit'], G, T - PROMPT):.2f} GiB")
+                gib = calculator_gib(q["model"], q["dtype"], q["four_bit"], G, T - PROMPT)
+                print(q["name"], f"{G} x {T - PROMPT}", f"{gib:.2f} GiB")
         return 0
     import torch
 

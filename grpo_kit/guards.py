@@ -119,9 +119,6 @@ class GuardedTrainerMixin:
         self._guard_init()
 
     def _guard_init(self):
-        if getattr(self, "_guard_ready", False):
-            return
-        self._guard_ready = True
         self.stop_error: TrainingStopped | None = None
         self.guard_counts = {"bad_steps": 0, "consecutive_bad": 0, "oom_retries": 0}
         self._guard_reports: list[dict] = []  # non-finite micro-batches in the current step
@@ -415,15 +412,15 @@ def with_reliability(base: type) -> type:
     return _CLASSES[base]
 
 
-def attach_reliability(trainer, cfg=None, *, run_state_provider=None):
-    """Give an already built trainer the guards and resumable checkpoints (its class gains the mixins).
+def configure_reliability(trainer, cfg=None, *, run_state_provider=None):
+    """Set the guards' and checkpoints' options on a trainer built from a :func:`with_reliability` class.
 
     ``cfg`` (a ``GRPOKitConfig``): ``max_bad_steps``, ``keep_checkpoints`` and the OOM message's VRAM
     estimate come from it. ``run_state_provider``: see :class:`grpo_kit.resume.ResumableTrainerMixin`.
     """
-    trainer.__class__ = with_reliability(type(trainer))
-    trainer._kit_init_resume()
-    trainer._guard_init()
+    if not isinstance(trainer, GuardedTrainerMixin):
+        raise TypeError(f"{type(trainer).__name__} has no guards: build it from with_reliability(its class) "
+                        "(grpo_kit.trainer.make_trainer(..., reliable=True) does)")
     if cfg is not None:
         trainer.max_bad_steps = cfg.max_bad_steps
         trainer.keep_checkpoints = cfg.keep_checkpoints

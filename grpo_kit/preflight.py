@@ -104,7 +104,7 @@ def preflight(cfg, *, num_prompts: int = 8, backend: str = "hf") -> PreflightRep
     from .generation import SamplingConfig, make_generator
     from .models import load_model, load_tokenizer
     from .rewards import checked_reward_func, get_reward_funcs
-    from .run import resolve_device, resolve_dtype
+    from .devices import resolve_device, resolve_dtype
 
     train_ex, _ = build_datasets(cfg)
     examples = train_ex[:num_prompts]

@@ -317,9 +317,6 @@ class ResumableTrainerMixin:
         self._kit_init_resume()
 
     def _kit_init_resume(self):
-        if getattr(self, "_kit_resume_ready", False):
-            return
-        self._kit_resume_ready = True
         self._kit_step_begin = None  # snapshot taken at the start of each optimiser step
         self._kit_epoch_begin = None  # (epoch index, sampler generator state) at each epoch start
         self._kit_resume_state = None  # kit_state of the checkpoint being resumed
@@ -378,7 +375,6 @@ class ResumableTrainerMixin:
         step counter and the run files are taken from the snapshot at the start of that step, and the
         weights and optimiser have not changed since, so resuming redoes the step from its beginning.
         """
-        self._kit_init_resume()
         self.store_flos()
         snapshot = self._kit_step_begin if (mid_step and self._kit_step_begin is not None) else self._kit_snapshot()
         if not self.args.should_save:  # other processes of a multi-process run keep their RNG only
@@ -410,7 +406,6 @@ class ResumableTrainerMixin:
 
     # -- load (called by transformers' Trainer.train(resume_from_checkpoint=...)) ----------------
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        self._kit_init_resume()
         folder = Path(resume_from_checkpoint)
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
         from safetensors.torch import load_file

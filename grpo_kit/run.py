@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import GRPOKitConfig
+from .devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from .console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
 from .data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
 from .rewards import checked_reward_func, get_reward_funcs
@@ -31,23 +32,6 @@ def metric_columns(history: list[dict]) -> list[str]:
     """metrics.csv's header: ``METRIC_COLUMNS``, then every other key TRL logged in the first row (the full
     dict: per-reward means and stds, entropy, clipped ratio, token counts, ...), in TRL's order."""
     return METRIC_COLUMNS + [k for k in (history[0] if history else {}) if k not in METRIC_COLUMNS]
-
-
-def resolve_device(cfg: GRPOKitConfig) -> str:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device; use device=auto or cpu")
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.device
-
-
-def resolve_dtype(cfg: GRPOKitConfig, device: str) -> torch.dtype:
-    """bf16 where the GPU supports it, fp16 on older GPUs (T4), fp32 on the CPU."""
-    if cfg.dtype != "auto":
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    if device == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
 
 
 def peak_memory_gib(device: str) -> float:
@@ -397,11 +381,11 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
 
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
                            args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
-                           callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator)
-    from .guards import attach_reliability
+                           callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator,
+                           reliable=True)  # NaN/inf and OOM guards, atomic resumable checkpoints
+    from .guards import configure_reliability
 
-    # NaN/inf and OOM guards, atomic resumable checkpoints (grpo_kit.guards, grpo_kit.resume).
-    attach_reliability(trainer, cfg, run_state_provider=lambda: {
+    configure_reliability(trainer, cfg, run_state_provider=lambda: {
         "metrics": list(history), "evals": evals, "recorder_step": recorder.step,
         "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
     if not progress:

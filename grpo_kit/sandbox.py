@@ -1,7 +1,7 @@
 """Run untrusted, model-generated Python in a subprocess with limits; a code-verifier reward.
 
 ``run_python(code)`` runs one program; ``run_many(codes)`` runs many in parallel (a bounded
-thread pool, one subprocess each); :func:`make_python_code_reward` builds a TRL reward function
+thread pool, one subprocess each); :func:`grpo_kit.code_reward.make_python_code_reward` builds a TRL reward function
 ``fn(prompts, completions, **columns)`` that extracts a ```` ```python ```` block from each
 completion, runs it sandboxed, and scores 1.0 (tests pass / output right) or 0.0. A hang, a
 crash, a memory bomb or a network attempt scores 0 for that sample with a logged reason (logger
@@ -51,7 +51,7 @@ What each run gets (applied by a small bootstrap in the child before the user co
   others), probed once each. When there is none, ``run_python`` **refuses** (``ok=False``, reason
   ``refused: running as root ...``, one warning per process) unless ``SandboxLimits(allow_root=True)``.
 
-The verifier (:func:`make_python_code_reward`): in ``tests`` mode the tests run after the program,
+The verifier (:func:`grpo_kit.code_reward.make_python_code_reward`): in ``tests`` mode the tests run after the program,
 in its namespace, and a sample counts only when the harness writes "tests completed" to its own
 report file after the last test, tagged with a per-run secret that the parent checks; exiting
 early (``os._exit``, ``sys.exit``, ``atexit``), printing a fake marker or faking the exit status
@@ -417,12 +417,3 @@ def run_many(codes, *, stdins=None, tests=None, limits: SandboxLimits | None = N
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpo_kit_sandbox") as pool:
         return list(pool.map(lambda job: run_python(job[0], stdin=job[1], tests=job[2], limits=limits),
                              zip(codes, stdins, tests)))
-
-
-def __getattr__(name: str):
-    """The code verifier lives in :mod:`grpo_kit.code_reward`; its names stay importable from here."""
-    if name in ("extract_code", "make_python_code_reward", "python_code_reward"):
-        from . import code_reward
-
-        return getattr(code_reward, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,6 +43,7 @@ from trl import GRPOTrainer
 
 from .checkpointing import keep_hf_checkpointing_off
 from .generation.trainer_hook import KitGenerationMixin
+from .guards import with_reliability
 from .loss import efficient_grpo_loss, per_token_logps
 from .objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
 from .rewards import checked_reward_func, resolve_reward_func
@@ -237,8 +238,12 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
 
 def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
-                 generator=None):
+                 generator=None, reliable: bool = False):
     """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
+
+    ``reliable``: its class composed with the NaN/OOM guards and the atomic, resumable checkpoints
+    (:func:`grpo_kit.guards.with_reliability`, once per class); set their options with
+    :func:`grpo_kit.guards.configure_reliability`.
 
     ``generator``: a kit generator (:func:`grpo_kit.generation.make_generator`, e.g. from
     :func:`grpo_kit.generation.plan.start_generation`) for the ``grpo_kit`` trainer; None: TRL's own generation. TRL's
@@ -254,7 +259,8 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
         if generator is not None:
             raise ValueError("trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
                              "a kit generator needs trainer='grpo_kit'")
-        return GRPOTrainer(**kwargs)
+        return (with_reliability(GRPOTrainer) if reliable else GRPOTrainer)(**kwargs)
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
-    return EfficientGRPOTrainer(**kwargs, loss_chunk_size=cfg.loss_chunk_size, generator=generator)
+    cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
+    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, generator=generator)

@@ -23,7 +23,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from grpo_kit.config import GRPOKitConfig
 from grpo_kit.data import generate_tasks, to_prompt_dataset
-from grpo_kit.guards import NonFiniteStop, OutOfMemoryStop, _split_batch, attach_reliability, split_weights
+from grpo_kit.guards import (NonFiniteStop, OutOfMemoryStop, _split_batch, configure_reliability, split_weights,
+                             with_reliability)
 from grpo_kit.loss import LOSS_TYPES, grpo_loss_reference
 from grpo_kit.models import load_model
 from grpo_kit.resume import list_checkpoints, verify_checkpoint
@@ -69,11 +70,12 @@ def _make(tiny, tmp_path, trainer="grpo_kit", max_steps=6, max_bad_steps=2, loss
                       learning_rate=5e-3, warmup_steps=0, logging_steps=1, save_strategy="no", disable_tqdm=True,
                       seed=0, **kw)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    t = TRAINERS[trainer](model=copy.deepcopy(model), reward_funcs=[_reward], args=args, processing_class=tok,
-                          train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 32, seed=0)), peft_config=lora)
+    t = with_reliability(TRAINERS[trainer])(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
+                                            processing_class=tok, peft_config=lora,
+                                            train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 32, seed=0)))
     cfg = GRPOKitConfig(model="tiny-llama", trainer=trainer, num_generations=4, per_device_train_batch_size=4,
                         max_completion_length=4, max_bad_steps=max_bad_steps, loss_type=loss_type)
-    attach_reliability(t, cfg)
+    configure_reliability(t, cfg)
     t.watch = _WeightWatch(t.model)
     t.add_callback(t.watch)
     return t
@@ -239,3 +241,29 @@ def test_second_oom_stops_naming_the_setting_and_estimate(tiny, tmp_path, traine
     (ckpt,) = list_checkpoints(t.args.output_dir)
     assert ckpt.name == "checkpoint-1" and verify_checkpoint(ckpt) is None
     assert str(ckpt) in msg
+
+
+def test_reliable_trainers_are_composed_at_class_definition(tiny, tmp_path):
+    """make_trainer(reliable=True) builds the guarded, resumable class directly (one class per base, cached);
+    configuring it changes no class, and a trainer built without them is refused with the reason."""
+    from grpo_kit.resume import ResumableTrainerMixin
+    from grpo_kit.trainer import make_trainer
+
+    model, tok = tiny
+    cfg = GRPOKitConfig(model="tiny-llama", num_generations=4, per_device_train_batch_size=4, max_completion_length=4,
+                        max_bad_steps=5)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, report_to="none", use_cpu=True, max_steps=1, bf16=False,
+                      save_strategy="no", disable_tqdm=True)
+    kw = dict(model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward], args=args,
+              train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    t = make_trainer(cfg, reliable=True, **kw)
+    cls = type(t)
+    assert isinstance(t, (EfficientGRPOTrainer,)) and issubclass(cls, ResumableTrainerMixin)
+    assert cls is with_reliability(EfficientGRPOTrainer) and with_reliability(cls) is cls
+    configure_reliability(t, cfg)
+    assert type(t) is cls and t.max_bad_steps == 5 and t.stop_error is None
+    plain = make_trainer(cfg, **{**kw, "model": copy.deepcopy(model)})
+    with pytest.raises(TypeError, match="has no guards: build it from with_reliability"):
+        configure_reliability(plain, cfg)

@@ -150,7 +150,7 @@ ADVERSARIAL = [
 
 @pytest.mark.parametrize("k", range(len(ADVERSARIAL)))
 def test_reward_extractors_take_linear_time_on_adversarial_text(k):
-    from grpo_kit.sandbox import extract_code
+    from grpo_kit.code_reward import extract_code
     from grpo_kit.time_limit import call_with_time_limit
 
     text = ADVERSARIAL[k]

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from grpo_kit.sandbox import SandboxLimits, extract_code, make_python_code_reward, run_many, run_python
+from grpo_kit.code_reward import extract_code, make_python_code_reward
+from grpo_kit.sandbox import SandboxLimits, run_many, run_python
 
 def _limits(**kw):
     """Limits for these tests: they run as root on CI, where Python under /root cannot run as nobody, so they

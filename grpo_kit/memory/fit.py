@@ -126,8 +126,9 @@ def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> t
     kw = config_estimate_kwargs(cfg)
     for k in ("prompt_length", "completion_length"):
         kw.pop(k)
-    verdict = fit_verdict(calculator_model or cfg.model, budget, context=cfg.max_prompt_length + cfg.max_completion_length,
-                          prompt_length=cfg.max_prompt_length, **kw)
+    context = cfg.max_prompt_length + cfg.max_completion_length
+    verdict = fit_verdict(calculator_model or cfg.model, budget, context=context, prompt_length=cfg.max_prompt_length,
+                          **kw)
     return verdict, source
 
 
