@@ -31,7 +31,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -40,28 +39,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from _common import hardware as _hardware  # noqa: E402
+
 
 def hardware() -> dict:
-    import psutil
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = dict(cpu=cpu, cores=os.cpu_count(), ram_gib=round(psutil.virtual_memory().total / 2**30, 1),
-                torch=torch.__version__, python=platform.python_version(), load_avg_at_start=os.getloadavg())
-    try:
-        import transformers
-        import vllm
-
-        info.update(vllm=vllm.__version__, transformers=transformers.__version__)
-    except ImportError:
-        pass
-    return info
+    """``_common.hardware`` plus the load average at the start (a shared CPU machine's timings depend on it)."""
+    return dict(_hardware(), load_avg_at_start=os.getloadavg())
 
 
 def stats(xs):
@@ -174,7 +157,7 @@ def report(r) -> str:
     hw = r["hardware"]
     lines = [f"# Generation: vLLM vs HF generate, weight sync ({r['date']})", "",
              f"Command: `{r['command']}`  ",
-             f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['ram_gib']} GiB RAM; torch {hw['torch']}, "
+             f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['host_ram_gib']} GiB RAM; torch {hw['torch']}, "
              f"vllm {hw.get('vllm')}, transformers {hw.get('transformers')}, python {hw['python']}. "
              f"Shared machine: load average {hw['load_avg_at_start'][0]:.1f} at start, "
              f"{r['load_avg_at_end'][0]:.1f} at the end (other engineers' jobs), so runs were interleaved.", "",

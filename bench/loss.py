@@ -38,6 +38,8 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
+from _common import rel_err, sync  # noqa: E402
+from _common import timed_ms as timed  # noqa: E402
 from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
 
 HEADS = {"llama": (4096, 128256), "qwen": (1536, 151936)}  # name: (H, V)
@@ -172,25 +174,6 @@ def make_runner(name, peers, inp, chunk_size=None):
 # ------------------------------------------------------------------------------------------------
 # measurement helpers
 # ------------------------------------------------------------------------------------------------
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timed(fn, dev):
-    """Milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
-    if dev.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def matmul_tflops(dev, dtype, m, k, n, reps=10):
     """Measured dense matmul rate for (m, k) @ (k, n) on random data, TFLOP/s (median)."""
     a = torch.randn(m, k, device=dev, dtype=dtype)
@@ -255,10 +238,6 @@ def bench_one(name, peers, inp, dev, warmup, reps, chunk_size=None):
     h.grad = None
     return dict(ms=statistics.median(times), ms_all=[round(t, 3) for t in times], extra_gib=peak,
                 loss=float(last[0].detach()), grad=grad)
-
-
-def rel_err(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
 def gpu_tag(dev):

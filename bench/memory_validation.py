@@ -194,13 +194,6 @@ CPU_CASES = {  # (G, seq_len, micro_batch) per row
 CPU_PROMPT, CPU_LORA = 128, 8
 
 
-def _load_step_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("grpo_kit_bench_step", REPO / "bench" / "step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _timeline_peak(prof) -> int:
@@ -228,7 +221,8 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
 
     from grpo_kit.models import build_random_model
 
-    step = _load_step_module()
+    import step  # bench/step.py: bench/ is first on the path, as for every bench script
+
     dev = torch.device("cpu")
     out = []
     for name, spec in models.items():

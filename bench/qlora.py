@@ -26,14 +26,13 @@ Qwen2.5-1.5B): ``bench/qlora_memory.py``, whose options follow.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from _common import hardware
 from grpo_kit.config import GRPOKitConfig
 from grpo_kit.data import build_datasets, default_system_prompt, make_prompt
 from grpo_kit.evaluation import evaluate_accuracy
@@ -127,9 +126,7 @@ def main(argv=None) -> int:
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = "python -m grpo_kit bench qlora " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    hw = {"device": a.device, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-          "bitsandbytes": __import__("bitsandbytes").__version__,
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    hw = dict(hardware(torch.device(a.device)), device=a.device)
     (out_dir / f"qlora_quality_{tag}.json").write_text(json.dumps(
         {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, indent=1))
     lines = [f"# 4-bit quality on the embedded SmolLM2-135M-Instruct ({tag})", "", f"Command: `{cmd}`",

@@ -22,12 +22,13 @@ should be within 10% of ``peak_allocated_gib``. Results: ``bench/results/qlora_<
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _common import hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 512
@@ -153,16 +154,7 @@ def main(argv=None) -> int:
                 gib = calculator_gib(q["model"], q["dtype"], q["four_bit"], G, T - PROMPT)
                 print(q["name"], f"{G} x {T - PROMPT}", f"{gib:.2f} GiB")
         return 0
-    import torch
-
-    hw = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    try:
-        import bitsandbytes
-
-        hw["bitsandbytes"] = bitsandbytes.__version__
-    except ImportError:
-        pass
+    hw = hardware()
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, logs = [], {}

@@ -39,16 +39,16 @@ process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _common import hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -354,19 +354,10 @@ def _summarise(r: dict) -> dict:
 
 
 def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
-    import torch
-
     tag = a.tag
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hw = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import vllm
-
-        hw["vllm"] = vllm.__version__
-    except ImportError:
-        pass
+    hw = hardware()
     rows = earlier + results
     (out_dir / f"rl_step_{tag}.json").write_text(json.dumps({"command": cmd, "hardware": hw, "rows": rows}, indent=1,
                                                             default=str))

@@ -44,11 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -56,6 +53,9 @@ from contextlib import contextmanager, nullcontext  # noqa: E402
 
 import torch  # noqa: E402
 
+from _common import hardware as _hardware  # noqa: E402
+from _common import rel_err as rel  # noqa: E402
+from _common import sync  # noqa: E402
 from grpo_kit.checkpointing import (  # noqa: E402
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
@@ -225,9 +225,6 @@ def _index(dev):
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def cleanup(dev):
@@ -297,9 +294,6 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
 # ------------------------------------------------------------------------------------------------
 # GPU correctness check: offload vs no offload vs HF checkpointing, gradients on CUDA
 # ------------------------------------------------------------------------------------------------
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def lora_grads(model, row, batch, P):
@@ -435,29 +429,9 @@ PLANS = {
 
 
 def hardware(dev):
-    h = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             torch=torch.__version__, python=platform.python_version(), host=platform.node(),
-             cpu_count=os.cpu_count())
-    try:
-        import transformers
-        import peft
-
-        h.update(transformers=transformers.__version__, peft=peft.__version__)
-    except ImportError:
-        pass
-    try:
-        import triton
-
-        h["triton"] = triton.__version__
-    except ImportError:
-        h["triton"] = None
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        h.update(gpu=p.name, gpu_total_gib=p.total_memory / GiB, cuda=torch.version.cuda)
-    try:
-        h["host_ram_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    except (ValueError, OSError):
-        pass
+    """``_common.hardware`` plus this report's names for the host and the GPU."""
+    h = _hardware(dev)
+    h.update(host=platform.node(), cpu_count=h["cores"])
     return h
 
 

