@@ -288,8 +288,8 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     lm_head and ``skip_modules`` (names, or ``"auto"``: chosen from a forward pass over
     ``calibration``, a list of ``input_ids`` (1, T) tensors, within ``auto_allowance`` x the 4-bit
     bytes). A checkpoint (the embedded model, a folder, a hub id) with a list of names loads streamed:
-    transformers quantises each weight as it reads it, so host RAM never holds the 16-bit model (a free
-    Colab has less RAM than an 8B's 16 GB). Random-weight built-ins and ``"auto"`` (whose calibration
+    transformers quantises each weight as it reads it, so the 16-bit model is never assembled in host
+    RAM (a free Colab has less RAM than an 8B's 16 GB). Random-weight built-ins and ``"auto"`` (whose calibration
     needs the 16-bit layers) build the 16-bit model in CPU RAM first and quantise it layer by layer onto
     ``device``. The NF4 bytes are the same either way; ``model.grpo_kit_quantization`` reports what was done.
     """
