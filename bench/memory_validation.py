@@ -194,8 +194,6 @@ CPU_CASES = {  # (G, seq_len, micro_batch) per row
 CPU_PROMPT, CPU_LORA = 128, 8
 
 
-
-
 def _timeline_peak(prof) -> int:
     """Peak of live CPU tensor bytes in a profile (tensors alive at the start count when touched)."""
     from torch.profiler._memory_profiler import Action, MemoryProfile

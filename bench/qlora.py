@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from _common import hardware
+from _common import command_line, hardware
 from grpo_kit.config import GRPOKitConfig
 from grpo_kit.data import build_datasets, default_system_prompt, make_prompt
 from grpo_kit.evaluation import evaluate_accuracy
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = "python -m grpo_kit bench qlora " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    cmd = command_line("qlora", argv)
     hw = dict(hardware(torch.device(a.device)), device=a.device)
     (out_dir / f"qlora_quality_{tag}.json").write_text(json.dumps(
         {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, indent=1))

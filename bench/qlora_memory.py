@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import hardware
+from _common import command_line, hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 512
@@ -46,16 +46,15 @@ def calculator_gib(model: str, dtype: str, four_bit: bool, G: int, C: int) -> fl
     return total_gpu_bytes(df) / 2**30
 
 
-def longest_completion(model: str, dtype: str, budget_gib: float, step: int = 1024, hi: int = 1 << 20) -> int:
-    """The longest completion (a multiple of ``step``) whose calculator peak fits ``budget_gib``, 4-bit."""
-    lo, top = 0, hi // step
-    while lo < top:  # the peak grows with the length: bisect on multiples of step
-        mid = (lo + top + 1) // 2
-        if calculator_gib(model, dtype, True, 1, mid * step) <= budget_gib:
-            lo = mid
-        else:
-            top = mid - 1
-    return lo * step
+def longest_completion(model: str, dtype: str, budget_gib: float, step: int = 1024) -> int:
+    """The longest completion (a multiple of ``step``) whose calculator peak fits ``budget_gib``, 4-bit, one
+    generation (``grpo_kit.memory.fit.longest_fitting_context`` over the same step as ``calculator_gib``)."""
+    from grpo_kit.memory.fit import GIB, longest_fitting_context
+
+    context = longest_fitting_context(model, budget_gib * GIB, prompt_length=PROMPT, num_generations=1, dtype=dtype,
+                                      lora_rank=LORA_RANK, quantization="4bit", micro_batch_size=1, vllm=False,
+                                      include_generation=False)
+    return 0 if context is None else (context - PROMPT) // step * step
 
 
 def plan(a) -> list[dict]:
@@ -113,7 +112,7 @@ def rows_of(p: dict, results: list[dict]) -> list[dict]:
 
 
 def write(rows: list[dict], logs: dict, a, out_dir: Path, hw: dict) -> None:
-    cmd = "python -m grpo_kit bench qlora --memory " + " ".join(a.argv)
+    cmd = command_line("qlora", ["--memory", *a.argv])
     (out_dir / f"qlora_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, rows=rows, logs=logs),
                                                             indent=1, default=str))
     f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731

@@ -48,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import hardware
+from _common import command_line, hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
         res = one(a.one, a)
         print("ROW " + json.dumps(res, default=str), flush=True)
         return 0
-    cmd = "python -m grpo_kit bench rl_step " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = command_line("rl_step", argv)
     json_path = Path(a.out_dir) / f"rl_step_{a.tag}.json"
     earlier = json.loads(json_path.read_text())["rows"] if a.append and json_path.is_file() else []
     results = []

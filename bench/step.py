@@ -225,8 +225,6 @@ def _index(dev):
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
-
-
 def cleanup(dev):
     gc.collect()
     if dev.type == "cuda":
@@ -267,7 +265,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
         grpo_step(model, opt, row, batch, args, phases, scaler)
         sync(dev)
         dt = time.perf_counter() - t0
-        res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt, dtype=str(parts(model)[2].dtype)[6:])
+        res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt, dtype=str(parts(model)[2].dtype).removeprefix("torch."))
         if scaler is not None:
             res["grad_scale"] = scaler.get_scale()
         if dev.type == "cuda":
@@ -294,8 +292,6 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
 # ------------------------------------------------------------------------------------------------
 # GPU correctness check: offload vs no offload vs HF checkpointing, gradients on CUDA
 # ------------------------------------------------------------------------------------------------
-
-
 def lora_grads(model, row, batch, P):
     set_row(model, row)
     lm, body, W = parts(model)

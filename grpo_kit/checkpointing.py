@@ -648,9 +648,9 @@ def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
 def keep_hf_checkpointing_off(model: nn.Module) -> int:
     """Switch HF's own per-layer checkpointing flag off again on the layers this module wraps, and return
     how many it was on for. HF ``Trainer.train()`` calls ``gradient_checkpointing_enable()`` when its
-    arguments ask for checkpointing, after the trainer was built: with both on, HF's checkpoint would wrap
-    the wrapped layer and every layer would run its forward three times per micro-batch instead of twice
-    (and offload its input twice)."""
+    arguments ask for checkpointing, after the trainer was built, and HF's checkpoint then wraps the wrapped
+    layer. With ``use_reentrant=True`` that recomputes each layer once more per micro-batch (and offloads its
+    input twice); with the default non-reentrant checkpoint it finds nothing saved to recompute."""
     n = 0
     for layer in model.modules():
         if _STATE_ATTR in layer.__dict__ and getattr(layer, "gradient_checkpointing", False):

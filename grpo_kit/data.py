@@ -229,7 +229,7 @@ def build_datasets(cfg) -> tuple[list[dict], list[dict]]:
                        if cfg.num_eval_samples else [])
             train = load_gsm8k(cfg.dataset_path or None, split="train", limit=cfg.num_train_samples)
             asked = {e["question"] for e in heldout}
-            return [e for e in train if e["question"] not in asked], heldout[:cfg.num_eval_samples]
+            return [e for e in train if e["question"] not in asked], heldout
         # only a training file: the held-out problems are drawn from it, and never trained on
         rows = load_gsm8k(cfg.dataset_path, limit=cfg.num_train_samples + cfg.num_eval_samples)
         rng = random.Random(HELDOUT_SEED)

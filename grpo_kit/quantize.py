@@ -81,7 +81,6 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
     import bitsandbytes as bnb
 
     names = quantizable_linears(model, skip_modules)
-    q_bytes = 0
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

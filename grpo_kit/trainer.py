@@ -156,7 +156,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t."""
         if self._offloaded_checkpointing:
             # Trainer.train() and TRL's generation switch HF's per-layer checkpointing back on; on top of the
-            # kit's own recompute it would run every layer's forward once more per micro-batch
+            # kit's own recompute, a reentrant one would run every layer's forward once more per micro-batch
             keep_hf_checkpointing_off(self.model)
         with _capture_output(self._norm) as box, self.accelerator.autocast():
             model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
