@@ -174,6 +174,7 @@ def kit_row(name: str, a) -> dict:
                         num_generations=GENERATIONS, per_device_train_batch_size=1,
                         gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
                         kv_cache_dtype=kv, vllm_share_weights=share, generation_backend="vllm",
+                        vllm_lora_dual_stream={"on": True, "off": False, "auto": None}[a.lora_dual_stream],
                         gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
     cfg.validate()
@@ -203,6 +204,7 @@ def kit_row(name: str, a) -> dict:
     except Exception as e:
         gen_alone = {"error": f"{type(e).__name__}: {e}"}
     out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(gen.share_weights),
+               lora_dual_stream=gen.lora_dual_stream,
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
@@ -400,6 +402,9 @@ def main(argv=None) -> int:
     p.add_argument("--gen-tokens", type=int, default=0,
                    help="kit rows: after training, time generation alone (vLLM with / without the adapter, HF "
                         "generate) of 8 completions of this many tokens; 0: skip")
+    p.add_argument("--lora-dual-stream", choices=("auto", "on", "off"), default="auto",
+                   help="kit rows: vllm_lora_dual_stream (vLLM's LoRA kernels on a second CUDA stream); auto: the "
+                        "kit's default")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -419,7 +424,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
             with tempfile.TemporaryDirectory() as run_dir:
                 child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
-                         "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens)]
+                         "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
+                         "--lora-dual-stream", a.lora_dual_stream]
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)

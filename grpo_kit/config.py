@@ -28,7 +28,8 @@ TRAINERS = ("grpo_kit", "trl")
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
-VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None))
+VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
+                     ("vllm_lora_dual_stream", None))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
 NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
@@ -200,6 +201,10 @@ class GRPOKitConfig:
                                          "calculator's KV row), so the engine holds no more than that. A budget that "
                                          "cannot fit beside training stops the run before any model loads, with the "
                                          "calculator's numbers.")
+    vllm_lora_dual_stream: bool | None = _f(None, "CUDA, LoRA adapter in vLLM (shared weights): run vLLM's LoRA "
+                                           "kernels on a second CUDA stream beside each base matmul "
+                                           "(VLLM_LORA_ENABLE_DUAL_STREAM) instead of after it. null: the kit's "
+                                           "measured choice (grpo_kit.generation.plan.LORA_DUAL_STREAM_DEFAULT).")
     vllm_share_weights: bool | str = _f("auto", "One copy of the weights on CUDA: the training model's frozen base "
                                         "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
                                         "memory each step, and the engine releases only its KV cache while "
@@ -386,6 +391,8 @@ class GRPOKitConfig:
              f"load_in_4bit={self.load_in_4bit}): full fine-tuning updates the weights vLLM would share, and "
              "a 4-bit training model has no 16-bit weights to share")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        need(self.vllm_lora_dual_stream in (None, True, False),
+             f"vllm_lora_dual_stream={self.vllm_lora_dual_stream!r} is not allowed: true, false or null (automatic)")
         need(self.load_in_4bit_skip_modules == "auto" or (isinstance(self.load_in_4bit_skip_modules, list) and all(
             isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),
              f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r} is not allowed: 'auto' or a list of "

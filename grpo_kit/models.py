@@ -22,6 +22,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,9 +245,11 @@ def embedded_model_dir() -> Path:
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if target.exists():  # a concurrent export won; keep theirs
+        if (target / "model.safetensors").is_file():  # a concurrent export won; keep theirs
             shutil.rmtree(tmp)
         else:
+            if target.exists():  # an incomplete folder (e.g. tokenizer files only): moved aside, not deleted
+                os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
             os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

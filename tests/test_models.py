@@ -15,6 +15,11 @@ def test_embedded_roundtrip_gives_same_logits(tmp_path, monkeypatch):
     assert (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
     assert models.embedded_model_dir() == path  # second call uses the cache
 
+    # an incomplete folder (tokenizer files only, as a tokenizer-only cache leaves) is moved aside and re-exported
+    (path / "model.safetensors").rename(tmp_path / "weights.bak")
+    assert models.embedded_model_dir() == path and (path / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.glob(f"{path.name}.incomplete-*")], "the incomplete folder must be kept aside"
+
     gguf = models._gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     model, tok = models.load_model("smollm2-135m-instruct")

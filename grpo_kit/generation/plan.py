@@ -26,6 +26,9 @@ import torch
 # profile run leaves more of the card to training.
 CUDA_BATCHED_TOKENS = 4096
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+# vllm_lora_dual_stream=null on CUDA with the adapter in vLLM: whether vLLM's LoRA kernels run on a second stream
+# beside the base matmuls. Measured on the H200 (bench/results/rl_step_h200.md): see there.
+LORA_DUAL_STREAM_DEFAULT = False
 HEADROOM_BYTES = 1 << 30  # kept free beside the calculator's peak (CUDA context, fragmentation)
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -183,7 +186,9 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     kwargs = dict(max_model_len=context, seed=cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype,
                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None, share_weights=share,
                   dummy_weights=dummy, lora_sync="adapter" if share else "merge",
-                  max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512)
+                  max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512,
+                  lora_dual_stream=bool(share and device == "cuda" and (
+                      LORA_DUAL_STREAM_DEFAULT if cfg.vllm_lora_dual_stream is None else cfg.vllm_lora_dual_stream)))
     plan = GenerationPlan(requested, "vllm", model_dir=model_dir, share_weights=share,
                           share_reason=why, vllm_kwargs=kwargs, explicit=explicit)
     if device == "cuda":

@@ -30,7 +30,9 @@ import gc
 import importlib.util
 import json
 import os
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,6 +68,24 @@ def vllm_available() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):
         return False
+
+
+def _set_lora_dual_stream(on: bool) -> bool:
+    """Set vLLM's ``VLLM_LORA_ENABLE_DUAL_STREAM`` for the engine about to start; returns what the engine gets.
+
+    vLLM reads it when its LoRA layers are first imported (at the first LoRA engine's start), so a process
+    that already started one keeps that engine's setting: warned, and that setting is returned."""
+    want = "1" if on else "0"
+    if "vllm.lora.layers.base_linear" in sys.modules:
+        import vllm.envs as envs
+
+        have = bool(envs.VLLM_LORA_ENABLE_DUAL_STREAM)
+        if have != on:
+            warnings.warn(f"lora_dual_stream={on} cannot take effect: vLLM's LoRA layers were already imported in "
+                          f"this process with VLLM_LORA_ENABLE_DUAL_STREAM={int(have)}", RuntimeWarning, stacklevel=3)
+        return have
+    os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = want
+    return on
 
 
 def import_vllm():
@@ -213,6 +233,11 @@ def _reseed_worker(worker, seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _dual_stream_layers(worker) -> int:
+    """LoRA layers of the engine that run their kernels on vLLM's second CUDA stream."""
+    return sum(bool(getattr(m, "_enable_aux_cuda_stream", False)) for m in worker.model_runner.get_model().modules())
+
+
 def _engine_model(worker):
     return worker.model_runner.get_model()
 
@@ -245,7 +270,8 @@ class VLLMGenerator:
     (bitsandbytes NF4) weights in the engine, except module names containing one of
     ``load_in_4bit_skip_modules``; refused with the reason where the installed vLLM has no
     bitsandbytes quantization (vLLM 0.32, the pinned CPU build, has none) or bitsandbytes is
-    missing. ``llm_kwargs``: passed to ``vllm.LLM``.
+    missing. ``lora_dual_stream`` (CUDA, ``lora_sync="adapter"``): vLLM's LoRA kernels on a second CUDA stream
+    beside each base matmul (``VLLM_LORA_ENABLE_DUAL_STREAM``). ``llm_kwargs``: passed to ``vllm.LLM``.
     """
 
     name = "vllm"
@@ -256,7 +282,7 @@ class VLLMGenerator:
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
                  load_in_4bit: bool = False, load_in_4bit_skip_modules=("lm_head",), share_weights: bool = False,
-                 dummy_weights: bool = False, llm_kwargs: dict | None = None):
+                 dummy_weights: bool = False, lora_dual_stream: bool = False, llm_kwargs: dict | None = None):
         vllm = import_vllm()
         mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         if mp not in (None, "0"):
@@ -335,6 +361,8 @@ class VLLMGenerator:
             kwargs["enable_sleep_mode"] = True
         if lora_sync == "adapter":
             kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        self.lora_dual_stream = _set_lora_dual_stream(bool(lora_dual_stream) and lora_sync == "adapter"
+                                                      and self.device == "cuda")
         kwargs.update(llm_kwargs or {})
         start = time.perf_counter()
         try:
@@ -346,6 +374,11 @@ class VLLMGenerator:
                                         f"{type(e).__name__}: {e}") from e
         self.startup_s = time.perf_counter() - start
         VLLMGenerator._live += 1
+        if self.lora_dual_stream:  # what the engine's LoRA layers took, not what was asked
+            self.lora_dual_stream = self.llm.collective_rpc(_dual_stream_layers)[0] > 0
+            if not self.lora_dual_stream:
+                warnings.warn("lora_dual_stream=True was asked but vLLM's LoRA layers run on one stream (this vLLM "
+                              "has no VLLM_LORA_ENABLE_DUAL_STREAM path)", RuntimeWarning, stacklevel=2)
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -619,7 +652,8 @@ class VLLMGenerator:
                "sleep": None if not self.sleep_mode else "standby (KV cache only)" if self.share_weights
                else "level 2 (weights and KV cache dropped)" if self._discard_on_sleep
                else "level 1 (weights to host RAM)",
-               "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager, "seed": self.seed,
+               "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager,
+               "lora_dual_stream": self.lora_dual_stream, "seed": self.seed,
                "startup_s": round(self.startup_s, 2)}
         if self.shared_report is not None:
             out["shared_weights"] = self.shared_report

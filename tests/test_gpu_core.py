@@ -1,0 +1,171 @@
+"""GPU tier for the core's CUDA-only paths (``python -m pytest -m gpu tests/test_gpu_core.py``).
+
+Skipped without CUDA. What the CPU suite cannot reach: the Triton epilogue compiled and autotuned for the
+GPU (the CPU suite runs it in Triton's interpreter), the whole efficient loss through it against its torch
+twin, and offloaded checkpointing with real page-locked host buffers and side-stream copies, whose
+gradients must equal standard (HF, non-reentrant) checkpointing's. The H200 run's output is committed
+under ``bench/results/gpu_tests_h200.txt``.
+"""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+# fp32 outputs agree to rounding; bf16 / fp16 chunks may differ by one rounding step (fp32 op order differs)
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def _ulp_close(a, b, dtype):
+    return bool(((a.float() - b.float()).abs() <= ULP[dtype] * (1 + b.float().abs())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,V,inv_t,ent", [(5, 257, 1.0, True), (33, 32001, 1 / 0.7, False), (1, 128256, 2.0, True),
+                                            (7, 151936, 1.0, True)])
+def test_triton_epilogue_autotuned_matches_torch(dtype, n, V, inv_t, ent):
+    pytest.importorskip("triton")
+    from grpo_kit.kernels import grpo_epilogue as E
+
+    assert not E.interpreter_active()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = (torch.randn(n, V, generator=g, device="cuda") * 4).to(dtype)
+    ids = torch.randint(0, V, (n,), generator=g, device="cuda")
+    lp0, lse0, e0 = E.lse_logp_torch(z, ids, inv_t, ent)
+    lp1, lse1, e1 = E.lse_logp(z, ids, inv_t, ent, backend="triton")
+    assert torch.allclose(lp1, lp0, rtol=1e-5, atol=1e-5) and torch.allclose(lse1, lse0, rtol=1e-5, atol=1e-5)
+    assert (e1 is None) == (not ent)
+    if ent:
+        assert torch.allclose(e1, e0, rtol=1e-5, atol=1e-4)
+    coef = torch.randn(n, generator=g, device="cuda")
+    coef[0] = 0.0
+    z0, z1 = z.clone(), z.clone()
+    E.softmax_grad_torch_(z0, ids, lse0, coef, inv_t)
+    E.softmax_grad_(z1, ids, lse0, coef, inv_t, backend="triton")
+    assert _ulp_close(z1, z0, dtype)
+    assert not torch.equal(z1, z), "the chunk must be overwritten in place"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("cispo", "token")])
+def test_efficient_loss_triton_equals_torch_epilogue_on_cuda(dtype, loss_type, level):
+    pytest.importorskip("triton")
+    from grpo_kit.loss import efficient_grpo_loss
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, T, H, V = 3, 37, 64, 5003  # odd sizes: masked last tiles, chunks that do not divide T
+    h0 = torch.randn(B, T, H, generator=g, device="cuda").to(dtype)
+    W = (torch.randn(V, H, generator=g, device="cuda") * 0.2).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g, device="cuda")
+    mask = torch.rand(B, T, generator=g, device="cuda") > 0.2
+    adv = torch.randn(B, generator=g, device="cuda")
+    noise = lambda: 0.1 * torch.randn(B, T, generator=g, device="cuda")  # noqa: E731
+    with torch.no_grad():
+        from grpo_kit.loss import per_token_logps
+
+        lp = per_token_logps(h0, W, ids, epilogue="torch").float()
+    old, ref = lp + noise(), lp + noise()
+    kw = dict(old_logps=old, ref_logps=ref, beta=0.04, temperature=0.9, chunk_size=16, compute_entropy=True,
+              loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+              num_items_in_batch=int(mask.sum()))
+    out = {}
+    for epi in ("torch", "triton"):
+        h = h0.clone().requires_grad_()
+        loss, m = efficient_grpo_loss(h, W, ids, mask, adv, epilogue=epi, **kw)
+        loss.backward()
+        out[epi] = (loss.detach(), m, h.grad)
+    (l0, m0, g0), (l1, m1, g1) = out["torch"], out["triton"]
+    assert g0.abs().sum() > 0, "empty gradient: the check would be vacuous"
+    assert abs(l0.item() - l1.item()) <= 1e-5 * max(1.0, abs(l0.item()))
+    rel = ((g1.float() - g0.float()).norm() / g0.float().norm()).item()
+    assert rel < (2e-6 if dtype == torch.float32 else 1e-2), rel
+
+
+def _tiny_lora_model(dtype):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig
+
+    from grpo_kit.models import build_random_model
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    model = build_random_model(cfg, dtype=dtype, seed=0).to("cuda")
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def _grads(model, mode, batches):
+    from grpo_kit.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+
+    model.train()
+    if mode == "hf":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif mode == "ours":  # min_bytes=0: every layer input goes to host RAM; 96 tokens per slice
+        enable_offloaded_checkpointing(model, min_bytes=0, chunk_tokens=96)
+    model.zero_grad(set_to_none=True)
+    for ids, mask in batches:
+        labels = ids.masked_fill(mask == 0, -100)
+        (model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(batches)).backward()
+    torch.cuda.synchronize()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if mode == "hf":
+        model.gradient_checkpointing_disable()
+    elif mode == "ours":
+        disable_offloaded_checkpointing(model)
+    return grads
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
+    from grpo_kit.checkpointing import offload_stats
+
+    model = _tiny_lora_model(dtype)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batches = []
+    for _ in range(2):  # two accumulated micro-batches, one left-padded row
+        ids = torch.randint(3, 512, (2, 301), generator=g, device="cuda")
+        mask = torch.ones_like(ids)
+        mask[0, :17] = 0
+        batches.append((ids, mask))
+    ref = _grads(model, "hf", batches)
+    # offload_stats reads the pool while enabled: check it through a forward/backward of our own
+    from grpo_kit.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+
+    enable_offloaded_checkpointing(model, min_bytes=0, chunk_tokens=96)
+    model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits.float().sum().backward()
+    torch.cuda.synchronize()
+    stats = offload_stats(model)
+    assert stats["host_bytes"] > 0 and stats["pinned_bytes"] == stats["host_bytes"], stats  # page-locked, all
+    disable_offloaded_checkpointing(model)
+    got = _grads(model, "ours", batches)
+    assert ref.keys() == got.keys() and len(ref) > 0
+    for n in ref:
+        r, o = ref[n].double(), got[n].double()
+        assert r.norm() > 0 and torch.isfinite(o).all(), n
+        rel = ((r - o).norm() / r.norm()).item()
+        assert rel <= tol, f"{n}: relative error {rel:.3g} > {tol}"
+
+
+def test_pinned_buffers_registered_and_copies_on_a_side_stream():
+    from grpo_kit import checkpointing as ck
+
+    model = _tiny_lora_model(torch.bfloat16)
+    ck.enable_offloaded_checkpointing(model, min_bytes=0)
+    layers = [m for m in model.modules() if ck._STATE_ATTR in m.__dict__]
+    off = layers[0].__dict__[ck._STATE_ATTR]["offloader"]
+    side = off.side_stream(torch.device("cuda"))
+    assert side is not None and side != torch.cuda.current_stream(), "offload copies must not run on the compute stream"
+    reserved = ck.reserve_offload_buffers(model, 2, 300)
+    assert reserved > 0
+    bufs = list(off.pool.free)
+    assert len(bufs) == len(layers) - 1
+    for b in bufs:  # cudaHostRegister on an exact-size allocation (torch would round up to a power of two)
+        assert b.pinned and b._registered and b.tensor.is_pinned(), "host buffer not page-locked by registration"
+    ids = torch.randint(3, 512, (2, 300), device="cuda")
+    model(input_ids=ids).logits.float().sum().backward()
+    torch.cuda.synchronize()
+    assert ck.offload_stats(model)["host_bytes"] == reserved, "the step took host memory beyond the reserve"
+    ck.disable_offloaded_checkpointing(model)
