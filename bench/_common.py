@@ -1,5 +1,6 @@
 """What the benchmark scripts share: synchronised timing, relative error, the hardware and versions a result
-was measured on, and the command line it was run with. The scripts import it (``python -m grpo_kit bench
+was measured on, the command line it was run with, and writing a result's JSON and Markdown report (peak memory
+comes from :class:`grpo_kit.memory.Profiler`). The scripts import it (``python -m grpo_kit bench
 NAME`` and ``python bench/NAME.py`` both put ``bench/`` first on the path) and import each other the same way.
 """
 
@@ -7,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata as md
+import json
 import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,6 +56,25 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_report(stem, data: dict, lines) -> str:
+    """Write ``stem.json`` (``data``) and ``stem.md`` (``lines``: a list of lines or the text), creating the
+    folder; returns the Markdown text."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(data, indent=1, default=str))
+    text = lines if isinstance(lines, str) else "\n".join(lines) + "\n"
+    stem.with_name(stem.name + ".md").write_text(text)
+    return text
+
+
+def hardware_line(h: dict) -> str:
+    """One line of a :func:`hardware` dict for a report: the GPU (if any), the CPU and RAM, the versions."""
+    gpu = f"{h['gpu']} ({h['gpu_total_gib']} GiB, CUDA {h['cuda']}); " if "gpu" in h else "CPU only; "
+    ram = f", {h['host_ram_gib']} GiB RAM" if "host_ram_gib" in h else ""
+    versions = ", ".join(f"{k} {h[k]}" for k in ("python", "torch", *VERSIONED) if k in h)
+    return f"{gpu}{h['cpu']}, {h['cores']} cores{ram}; {versions}"
 
 
 def hardware(dev=None) -> dict:

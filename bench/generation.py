@@ -29,7 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -40,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from _common import hardware as _hardware  # noqa: E402
+from _common import write_report  # noqa: E402
 
 
 def hardware() -> dict:
@@ -143,10 +143,7 @@ def main(argv=None):
     }
     hf_med = result["generation"]["hf"]["tokens_per_s"]["median"]
     result["speedup_vs_hf"] = {k: result["generation"][k]["tokens_per_s"]["median"] / hf_med for k in gens}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"generation_{args.tag}.json").write_text(json.dumps(result, indent=2))
-    (out / f"generation_{args.tag}.md").write_text(report(result))
+    write_report(Path(args.out_dir) / f"generation_{args.tag}", result, report(result))
     print(report(result))
     for g in (plain, lora):
         g.close()

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import hardware, hardware_line, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,17 +114,15 @@ def main(argv=None) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m grpo_kit bench learning " + " ".join(sys.argv[1:]),
-        "hardware": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores (CPU only)",
+        "hardware": hardware(),
         "seeds": seeds, "timing": timing,
         "mean_gain": statistics.mean(gains), "after_std": spread,
         "learns": statistics.mean(gains) > 2 * spread,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     lines = [
         "# Learning on the embedded model (CPU)", "",
-        f"- command: `{result['command']}`", f"- date: {result['date']}", f"- hardware: {result['hardware']}",
+        f"- command: `{result['command']}`", f"- date: {result['date']}", f"- hardware: {hardware_line(result['hardware'])}",
         f"- each seed: `python -m grpo_kit train {' '.join('--set ' + x for x in args.sets)} --set seed=S` "
         f"({config_line(Path(seeds[0]['run_dir'])) if seeds else 'no seeds'}); generation: "
         f"{seeds[0].get('generation', {}).get('backend', '?') if seeds else '?'}; held-out: the fixed 200 problems "
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
             after, times, rss = (", ".join(f"{x[key]:.2f}" for x in v)
                                  for key in ("mean_after_first_s", "mean_step_time_s", "peak_rss_gib"))
             lines.append(f"| {k} | {after} | {times} | {rss} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(out.with_suffix(""), result, lines)
     print("\n".join(lines))
     return 0
 

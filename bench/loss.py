@@ -39,6 +39,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 
 from _common import rel_err, sync  # noqa: E402
+from _common import write_report as write_files  # noqa: E402
 from _common import timed_ms as timed  # noqa: E402
 from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
 
@@ -254,9 +255,6 @@ def fmt_cell(r):
 
 
 def write_report(out_dir, tag, meta, rows):
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"loss_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# GRPO loss benchmark ({meta['device_name']})", "",
              f"- command: `{meta['command']}`",
              f"- date (UTC): {meta['date']}",
@@ -308,8 +306,7 @@ def write_report(out_dir, tag, meta, rows):
         for r in notes:
             lines.append(f"- {r['head']} T={r['T']} {r['impl']}: {r['status']}: {r['reason']}")
         lines.append("")
-    (out_dir / f"loss_{tag}.md").write_text("\n".join(lines))
-    return "\n".join(lines)
+    return write_files(Path(out_dir) / f"loss_{tag}", dict(meta=meta, rows=rows), lines)
 
 
 def gpu_check(dev):

@@ -11,11 +11,11 @@ inputs. Written to ``loss_chunk_<tag>.md``/``.json``; CUDA only.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 
+from _common import hardware, hardware_line, write_report  # noqa: E402
 from loss import HEADS, bench_one, make_inputs, rel_err  # noqa: E402
 
 import torch  # noqa: E402
@@ -43,19 +43,15 @@ def main(argv=None) -> int:
         rows.append(dict(chunk=c, median_ms=res["ms"], times_ms=res["ms_all"], extra_peak_gib=res["extra_gib"],
                          rel_grad_diff_vs_first=rel_err(res["grad"], first_grad)))
         print(json.dumps(rows[-1]), flush=True)
-    hw = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    hw = hardware()
     cmd = "python -m grpo_kit bench loss_chunk " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"loss_chunk_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, rows=rows), indent=1))
     md = [f"# Efficient loss vs chunk size ({hw['gpu']})", "", f"Command: `{cmd}`  ",
-          f"Date: {hw['date']}; torch {hw['torch']}. {a.head} head (H={H}, V={V}), B={a.batch}, T={a.length}, "
+          f"Date: {hw['date']}; {hardware_line(hw)}. {a.head} head (H={H}, V={V}), B={a.batch}, T={a.length}, "
           f"bf16, forward + backward, median of {a.reps} after 1 warm-up.", "",
           "| chunk rows | median ms | extra peak GiB | rel. grad diff vs first row |", "|---|---|---|---|"]
     md += [f"| {r['chunk']} | {r['median_ms']:.1f} | {r['extra_peak_gib']:.3f} | {r['rel_grad_diff_vs_first']:.1e} |"
            for r in rows]
-    (out / f"loss_chunk_{a.tag}.md").write_text("\n".join(md) + "\n")
+    write_report(Path(a.out_dir) / f"loss_chunk_{a.tag}", dict(command=cmd, hardware=hw, rows=rows), md)
     return 0
 
 

@@ -236,12 +236,12 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
                 step.set_row(model, row)
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
                 warm = step.make_batch(1, CPU_PROMPT + 64, CPU_PROMPT, cfg.vocab_size, dev, 1)
-                step.grpo_step(model, opt, row, warm, args, step.Phases(dev))  # AdamW states exist from here on
+                step.grpo_step(model, opt, row, warm, args)  # AdamW states exist from here on
                 batch = step.make_batch(G, T, CPU_PROMPT, cfg.vocab_size, dev, 2)
                 t0 = time.perf_counter()
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                              with_stack=True) as prof:
-                    step.grpo_step(model, opt, row, batch, args, step.Phases(dev))
+                    step.grpo_step(model, opt, row, batch, args)
                 dt = time.perf_counter() - t0
                 est_kw = ROW_TO_METHOD[row] | ({"loss_epilogue": "torch"} if row != "baseline" else {})
                 df = estimate(cfg, num_generations=G, prompt_length=CPU_PROMPT, completion_length=T - CPU_PROMPT,

@@ -20,11 +20,12 @@ its run report. Executed notebooks and ``notebooks_gpu_<tag>.md``/``.json`` go t
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
 from pathlib import Path
+
+from _common import hardware, hardware_line, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,19 +89,16 @@ def main(argv=None) -> int:
         print(json.dumps(res)[:3000], flush=True)
         results.append(res)
     cmd = "python -m grpo_kit bench notebooks_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
-    hw = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-    (out / f"notebooks_gpu_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, results=results),
-                                                                   indent=1))
+    hw = hardware()
     md = [f"# Notebooks 03/04 on a GPU ({hw['gpu']}), papermill, no vLLM", "", f"Command: `{cmd}`  ",
-          f"Date: {hw['date']}; torch {hw['torch']}.", "", "| row | notebook | status | wall s | parameters |",
+          f"Date: {hw['date']}; {hardware_line(hw)}.", "", "| row | notebook | status | wall s | parameters |",
           "|---|---|---|---|---|"]
     for r in results:
         shown = {k: v for k, v in r["params"].items() if k not in ("output_dir", "dataset_path")}
         md.append(f"| {r['row']} | {r['notebook']} | {r['status']} | {r['wall_s']} | `{json.dumps(shown)}` |")
     for r in results:
         md += ["", f"## {r['row']}: printed", "", "```", *r["printed"], *([r["error"]] if r["error"] else []), "```"]
-    (out / f"notebooks_gpu_{a.tag}.md").write_text("\n".join(md) + "\n")
+    write_report(out / f"notebooks_gpu_{a.tag}", dict(command=cmd, hardware=hw, results=results), md)
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from _common import command_line, hardware
+from _common import command_line, hardware, write_report
 from grpo_kit.config import GRPOKitConfig
 from grpo_kit.data import build_datasets, default_system_prompt, make_prompt
 from grpo_kit.evaluation import evaluate_accuracy
@@ -123,12 +123,8 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "kept_16bit"}), flush=True)
         del model
 
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cmd = command_line("qlora", argv)
     hw = dict(hardware(torch.device(a.device)), device=a.device)
-    (out_dir / f"qlora_quality_{tag}.json").write_text(json.dumps(
-        {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, indent=1))
     lines = [f"# 4-bit quality on the embedded SmolLM2-135M-Instruct ({tag})", "", f"Command: `{cmd}`",
              f"Hardware: {hw}", "", f"{a.n} held-out problems (arithmetic, levels 1-2), greedy, "
              f"max {cfg.max_completion_length} new tokens; log-prob differences on bf16's own greedy completions.",
@@ -141,7 +137,8 @@ def main(argv=None) -> int:
     lines += ["", f"auto: {auto_report['rule']}; allowance {auto_report['allowance_bytes'] / 1e6:.2f} MB (what "
               f"`fixed` spends), spent {auto_report['extra_bytes'] / 1e6:.2f} MB. Largest errors: " +
               ", ".join(f"{k} {v:.4f}" for k, v in list(auto_report["errors"].items())[:6])]
-    (out_dir / f"qlora_quality_{tag}.md").write_text("\n".join(lines) + "\n")
+    write_report(Path(a.out_dir) / f"qlora_quality_{tag}",
+                 {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, lines)
     return 0
 
 

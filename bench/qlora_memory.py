@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import command_line, hardware
+from _common import command_line, hardware, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 512
@@ -113,8 +113,7 @@ def rows_of(p: dict, results: list[dict]) -> list[dict]:
 
 def write(rows: list[dict], logs: dict, a, out_dir: Path, hw: dict) -> None:
     cmd = command_line("qlora", ["--memory", *a.argv])
-    (out_dir / f"qlora_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, rows=rows, logs=logs),
-                                                            indent=1, default=str))
+    data = dict(command=cmd, hardware=hw, rows=rows, logs=logs)
     f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = [f"# 4-bit training memory ({a.tag})", "", f"Command: `{cmd}`", f"Hardware: {hw}", "",
              "Whole training step (bench/step.py `ours_offload`): reference pass, policy forward/backward one "
@@ -130,7 +129,7 @@ def write(rows: list[dict], logs: dict, a, out_dir: Path, hw: dict) -> None:
                      f"{r['completion_len']:,}{mark} | {f(r['budget_gib'], 1)} | {f(r['peak_gib'])} | "
                      f"{f(r['peak_allocated_gib'])} | {f(r['calculator_gib'])} | {err} | {f(r['step_s'], 1)} | "
                      f"{r['status']} |")
-    (out_dir / f"qlora_{a.tag}.md").write_text("\n".join(lines) + "\n")
+    write_report(out_dir / f"qlora_{a.tag}", data, lines)
 
 
 def main(argv=None) -> int:

@@ -48,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import command_line, hardware
+from _common import command_line, hardware, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -357,12 +357,8 @@ def _summarise(r: dict) -> dict:
 
 def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
     tag = a.tag
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     hw = hardware()
     rows = earlier + results
-    (out_dir / f"rl_step_{tag}.json").write_text(json.dumps({"command": cmd, "hardware": hw, "rows": rows}, indent=1,
-                                                            default=str))
     lines = [f"# bench rl_step ({tag})", "", f"Command: `{cmd}`" + (" (rows appended to an earlier run's: each "
                                                                    "row has its own command)" if earlier else ""),
              f"Hardware: {hw}", "",
@@ -386,7 +382,7 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
                          f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
                          f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |")
     lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]
-    (out_dir / f"rl_step_{tag}.md").write_text("\n".join(lines) + "\n")
+    write_report(Path(a.out_dir) / f"rl_step_{tag}", {"command": cmd, "hardware": hw, "rows": rows}, lines)
 
 
 def main(argv=None) -> int:

@@ -22,12 +22,12 @@ Writes ``bench/results/soak_cpu.md`` and ``.json`` (``--out`` to change, ``--no-
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from _common import hardware, hardware_line, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,24 +106,14 @@ def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, 
 
 
 def write_results(result: dict, out: Path, command: str) -> None:
-    import psutil
-    import torch
-
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        cpu = ""
+    hw = hardware("cpu")  # the soak runs on the CPU (a machine shared with other jobs)
     result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "hardware": f"{cpu or platform.machine()}, {os.cpu_count()} cores, "
-                          f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM (CPU only, shared with other jobs)",
-              "torch": torch.__version__, **result}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+              "hardware": hw, "torch": hw["torch"], **result}
     rss = result["rss_mib"]
     marks = sorted({0, result["warmup_steps"], *range(0, len(rss), max(1, len(rss) // 10)), len(rss) - 1})
     lines = [
         "# Soak: GRPO steps on tiny-llama (CPU), RSS per step", "",
-        f"- command: `{command}`", f"- date: {result['date']}", f"- hardware: {result['hardware']}",
+        f"- command: `{command}`", f"- date: {result['date']}", f"- hardware: {hardware_line(result['hardware'])} (CPU only, shared with other jobs)",
         f"- torch {result['torch']}; run: the main job (`grpo_kit.run.train`) with "
         + ", ".join(f"{k}={v}" for k, v in result["config"].items()) + ", no evaluation",
         f"- injected leak: {result['injected_leak_mib_per_step']} MiB per step", "",
@@ -146,7 +136,7 @@ def write_results(result: dict, out: Path, command: str) -> None:
         "| RSS | " + " | ".join(f"{rss[i]:.1f}" for i in marks) + " |", "",
         "Per-step RSS and step times are in the `.json` file.",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(out.with_suffix(""), result, lines)
 
 
 def main(argv=None) -> int:

@@ -49,7 +49,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from contextlib import contextmanager, nullcontext  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -63,6 +63,7 @@ from grpo_kit.checkpointing import (  # noqa: E402
     reserve_offload_buffers,
 )
 from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit.memory import Profiler, phase  # noqa: E402
 from grpo_kit.models import build_random_model, model_config  # noqa: E402
 
 GiB = 2**30
@@ -140,41 +141,27 @@ def full_logits_logps(lm, hidden, ids):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
-class Phases:
-    """Allocator counters per phase: allocated at start, peak inside, allocated at end (bytes)."""
-
-    def __init__(self, dev):
-        self.dev, self.rows, self.peak, self.peak_reserved = dev, {}, 0, 0
-
-    @contextmanager
-    def __call__(self, name):
-        if self.dev.type != "cuda":
-            yield
-            return
-        torch.cuda.synchronize(self.dev)
-        start = torch.cuda.memory_allocated(self.dev)
-        torch.cuda.reset_peak_memory_stats(self.dev)
-        try:
-            yield
-        finally:
-            torch.cuda.synchronize(self.dev)
-            peak = torch.cuda.max_memory_allocated(self.dev)
-            self.peak = max(self.peak, peak)
-            # reset_peak_memory_stats resets the reserved peak too: keep the max across phases
-            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.dev))
-            prev = self.rows.get(name)  # a phase entered several times: first start, max peak, last end
-            self.rows[name] = dict(start=prev["start"] if prev else start, peak=max(peak, prev["peak"] if prev else 0),
-                                   end=torch.cuda.memory_allocated(self.dev))
+def phase_rows(prof: Profiler) -> dict:
+    """Per phase name of a finished :class:`grpo_kit.memory.Profiler` (bytes): allocated at the first start,
+    the peak over every time it was entered, allocated at the last end."""
+    rows = {}
+    for ph in sorted(prof.phases, key=lambda p: p.start_s):
+        prev = rows.get(ph.name)
+        rows[ph.name] = dict(start=prev["start"] if prev else ph.start, peak=max(ph.peak, prev["peak"] if prev else 0),
+                             end=ph.end)
+    rows.pop("total", None)
+    return rows
 
 
-def grpo_step(model, opt, row, batch, args, phases, scaler=None):
-    """One optimiser step (module docstring). ``scaler``: a GradScaler (fp16), or None."""
+def grpo_step(model, opt, row, batch, args, scaler=None):
+    """One optimiser step (module docstring). ``scaler``: a GradScaler (fp16), or None. Its phases are marked
+    with :func:`grpo_kit.memory.phase`: measured when a :class:`grpo_kit.memory.Profiler` is active."""
     lm, body, W = parts(model)
     ids, adv, mask = batch["ids"], batch["adv"], batch["mask"]
     G, P, mb = ids.shape[0], args.prompt_len, args.micro_batch
     comp = ids[:, P:]
     ref = torch.empty(comp.shape, dtype=torch.float32, device=ids.device)
-    with phases("ref_pass"), torch.no_grad(), model.disable_adapter():
+    with phase("ref_pass"), torch.no_grad(), model.disable_adapter():
         for s in range(0, G, mb):
             h = body(input_ids=ids[s:s + mb], use_cache=False).last_hidden_state[:, P - 1:-1]
             if row == "baseline":
@@ -186,11 +173,11 @@ def grpo_step(model, opt, row, batch, args, phases, scaler=None):
     for s in range(0, G, mb):
         first = s == 0
         sl = slice(s, s + mb)
-        rest = nullcontext() if first else phases("other_microbatches")
+        rest = nullcontext() if first else phase("other_microbatches")
         rest.__enter__()
-        with phases("mb0_forward") if first else nullcontext():
+        with phase("mb0_forward") if first else nullcontext():
             h = body(input_ids=ids[sl], use_cache=False).last_hidden_state[:, P - 1:-1]
-        with phases("mb0_loss") if first else nullcontext():
+        with phase("mb0_loss") if first else nullcontext():
             if row == "baseline":
                 lp = full_logits_logps(lm, h, comp[sl])
                 loss, _ = grpo_loss_reference(lp, None, ref[sl], adv[sl], mask[sl], beta=args.beta, **LOSS_KW)
@@ -198,13 +185,13 @@ def grpo_step(model, opt, row, batch, args, phases, scaler=None):
                 loss, _ = efficient_grpo_loss(h, W, comp[sl], mask[sl], adv[sl], ref_logps=ref[sl],
                                               beta=args.beta, **LOSS_KW)
             loss = loss * (ids[sl].shape[0] / G)
-        with phases("mb0_backward") if first else nullcontext():
+        with phase("mb0_backward") if first else nullcontext():
             (scaler.scale(loss) if scaler is not None else loss).backward()
         del h, loss
         if row == "baseline":
             del lp
         rest.__exit__(None, None, None)
-    with phases("optimizer"):
+    with phase("optimizer"):
         if scaler is not None:  # unscales, skips the step on inf/nan gradients, adapts the scale
             scaler.step(opt)
             scaler.update()
@@ -246,7 +233,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
         vocab = parts(model)[2].shape[0]
         if warmup:  # kernels, cuBLAS handles, Triton compiles, AdamW state allocation
             wb = make_batch(min(G, args.micro_batch), min(T, args.prompt_len + 256), args.prompt_len, vocab, dev, 1)
-            grpo_step(model, opt, row, wb, args, Phases(dev), scaler)
+            grpo_step(model, opt, row, wb, args, scaler)
             del wb
         batch = make_batch(G, T, args.prompt_len, vocab, dev, 2)
         if row == "ours_offload":
@@ -259,19 +246,20 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
         if budget_gib is not None and dev.type == "cuda":
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GiB / total), _index(dev))
-        phases = Phases(dev)
+        prof = Profiler(device=str(dev)) if dev.type == "cuda" else None  # the CPU runs time only
         sync(dev)
         t0 = time.perf_counter()
-        grpo_step(model, opt, row, batch, args, phases, scaler)
+        with prof if prof is not None else nullcontext():
+            grpo_step(model, opt, row, batch, args, scaler)
         sync(dev)
         dt = time.perf_counter() - t0
         res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt, dtype=str(parts(model)[2].dtype).removeprefix("torch."))
         if scaler is not None:
             res["grad_scale"] = scaler.get_scale()
         if dev.type == "cuda":
-            res.update(peak_allocated_gib=phases.peak / GiB,
-                       peak_reserved_gib=phases.peak_reserved / GiB,
-                       phases={k: {kk: vv / GiB for kk, vv in v.items()} for k, v in phases.rows.items()})
+            total = next(ph for ph in prof.phases if ph.name == "total")
+            res.update(peak_allocated_gib=total.peak / GiB, peak_reserved_gib=total.peak_reserved / GiB,
+                       phases={k: {kk: vv / GiB for kk, vv in v.items()} for k, v in phase_rows(prof).items()})
         res["host_offload_gib"] = offload_stats(model)["host_bytes"] / GiB
         res["host_pinned_gib"] = offload_stats(model)["pinned_bytes"] / GiB
     except torch.OutOfMemoryError as e:

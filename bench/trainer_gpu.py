@@ -22,14 +22,14 @@ Results: ``bench/results/trainer_gpu_<tag>.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import hardware, hardware_line, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,25 +205,10 @@ def main(argv=None) -> int:
             print(res["error"], flush=True)
         results.append(res)
 
-    import transformers
-
-    hw = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
-              python=platform.python_version())
-    try:
-        import trl
-
-        hw["trl"] = trl.__version__
-    except ImportError:
-        pass
+    hw = hardware()
     cmd = "python -m grpo_kit bench trainer_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"trainer_gpu_{a.tag}.json").write_text(json.dumps(dict(command=cmd, hardware=hw, results=results),
-                                                                 indent=1))
     lines = [f"# The whole trainer on a GPU ({hw['gpu']})", "",
-             f"Command: `{cmd}`  ", f"Date: {hw['date']}; torch {hw['torch']}, transformers {hw['transformers']}, "
-             f"trl {hw.get('trl')}.", "",
+             f"Command: `{cmd}`  ", f"Date: {hw['date']}; hardware: {hardware_line(hw)}.", "",
              f"`python -m grpo_kit train` in-process per row (own process each), model {a.model} (random weights, "
              f"embedded tokenizer), {a.generations} generations x up to {a.completion} completion tokens per step, "
              f"{a.steps} steps, LoRA r=16 on all linear layers, HF generate.", "",
@@ -241,7 +226,7 @@ def main(argv=None) -> int:
                      f"{ph['rest']:.2f} | {length:.0f} | "
                      f"{r['host_offload_gib']:.2f} | {r['metrics_finite']} | {r['lora_changed_after_step1']} | "
                      f"{','.join(r['trainable_dtypes'])} |")
-    (out / f"trainer_gpu_{a.tag}.md").write_text("\n".join(lines) + "\n")
+    write_report(Path(a.out_dir) / f"trainer_gpu_{a.tag}", dict(command=cmd, hardware=hw, results=results), lines)
     return 0
 
 

@@ -77,6 +77,20 @@ def test_gradient_checkpointing_auto_true_false():
         GRPOKitConfig(gradient_checkpointing=1).validate()
 
 
+def test_lora_dual_stream_applies_only_to_the_adapter_in_vllm_on_cuda():
+    from grpo_kit.generation.plan import LORA_DUAL_STREAM_DEFAULT, lora_dual_stream
+
+    auto, on, off = (GRPOKitConfig(vllm_lora_dual_stream=v) for v in (None, True, False))
+    assert lora_dual_stream(auto, share=True, device="cuda") is LORA_DUAL_STREAM_DEFAULT
+    assert lora_dual_stream(on, share=True, device="cuda") and not lora_dual_stream(off, share=True, device="cuda")
+    # a separate engine copy merges LoRA into its weights (no LoRA kernels); the CPU build has no second stream
+    assert not lora_dual_stream(on, share=False, device="cuda") and not lora_dual_stream(on, share=True, device="cpu")
+    with pytest.raises(ConfigError, match="vllm_lora_dual_stream='yes' is not allowed"):
+        GRPOKitConfig(vllm_lora_dual_stream="yes").validate()
+    with pytest.raises(ConfigError, match="vllm_lora_dual_stream=True only apply to vLLM generation"):
+        GRPOKitConfig(vllm_lora_dual_stream=True, generation_backend="hf").validate()
+
+
 def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     """The KV cache is what one generation batch needs; the step peak must fit the free memory."""
     from grpo_kit.generation.plan import memory_plan

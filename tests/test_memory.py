@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import time
 
@@ -336,14 +337,18 @@ def test_profiler_catches_a_transient_spike_and_nests():
     with prof:
         with prof.phase("outer"):
             with prof.phase("spike") as ph:
-                x = torch.ones(64 * 2**20)  # 256 MB, freed before the phase ends
-                x.add_(1)
+                # 256 MB of fresh anonymous pages, freed before the phase ends: torch's allocator could reuse
+                # memory an earlier test freed but kept resident, and the RSS would not move (seen in the suite)
+                buf = mmap.mmap(-1, 256 * 2**20)
+                x = torch.frombuffer(buf, dtype=torch.uint8)
+                x.fill_(1)
                 # Held until the sampler thread has seen it (at most 5 s): a spike shorter than the sampler's
                 # scheduling delay can be missed (documented); a fixed 50 ms hold was, on a busy 2-core CI box.
                 deadline = time.perf_counter() + 5.0
                 while ph.peak - ph.start < 0.2 * 2**30 and time.perf_counter() < deadline:
                     time.sleep(0.005)
                 del x
+                buf.close()
     t = prof.table().set_index("phase")
     assert t.at["spike", "peak_over_start_GiB"] > 0.2
     assert t.at["outer", "peak_GiB"] >= t.at["spike", "peak_GiB"]
