@@ -42,7 +42,8 @@ import torch
 from grpo_kit.kernels import grpo_epilogue as _epi
 
 from .names import LOSS_TYPES  # noqa: F401  (re-exported: the loss types these functions take)
-from .objective import (MAX_LOG_GAP, ObjectiveSpec, check_normaliser_args, high_entropy_mask, objective_metrics,
+from .objective import (MAX_LOG_GAP, ObjectiveSpec, check_engine_correction, check_normaliser_args,
+                        engine_importance_metrics, engine_importance_weights, high_entropy_mask, objective_metrics,
                         per_token_objective, token_weights)
 
 # Budget for one chunk of logits (plus the torch epilogue's fp32 temporaries when it is used).
@@ -123,9 +124,9 @@ def _check_mask(mask, shape):
 
 
 def _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights, max_completion_length,
-                  num_items_in_batch):
-    """Checks both paths share; returns advantages as (B, 1) / (B, T) and the importance weights
-    as None / (B, 1) / (B, T)."""
+                  num_items_in_batch, engine_correction=None, sampling_logps=None):
+    """Checks both paths share; returns advantages as (B, 1) / (B, T), the importance weights
+    as None / (B, 1) / (B, T) and the engine correction as None / (mode, clip_min, clip_max)."""
     check_normaliser_args(spec.loss_type, max_completion_length, num_items_in_batch)
     _check_mask(mask, (B, T))
     advantages = _check_advantages(advantages, B, T)
@@ -133,7 +134,16 @@ def _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance
     _check_token_tensor("ref_logps", ref_logps, (B, T), mask=mask)
     if spec.beta != 0 and ref_logps is None:
         raise ValueError("ref_logps is required when beta != 0")
-    return advantages, _check_importance_weights(importance_weights, B, T, mask)
+    engine = check_engine_correction(engine_correction)
+    if engine is not None:
+        if importance_weights is not None:
+            raise ValueError("engine_correction forms the importance weights itself: pass importance_weights=None")
+        if spec.loss_type == "vespo":
+            raise ValueError("engine_correction does not apply to loss_type='vespo' (its gamma weight takes the "
+                             "importance weights): pass them as importance_weights")
+        if not isinstance(sampling_logps, torch.Tensor) or tuple(sampling_logps.shape) != (B, T):
+            raise ValueError(f"engine_correction needs the sampler's log-probs: sampling_logps of shape ({B}, {T})")
+    return advantages, _check_importance_weights(importance_weights, B, T, mask), engine
 
 
 def _fill_padding(logp, active, old, ref, isw):
@@ -162,8 +172,12 @@ def _entropy_mask(spec, entropy, mask, entropy_mask_fn):
     return entropy_mask_fn(entropy, mask)
 
 
-def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights, sampling):
-    """sum(weights * per-token objective) over (B, T) log-probs with padding filled: (loss, parts)."""
+def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights, sampling, engine=None):
+    """sum(weights * per-token objective) over (B, T) log-probs with padding filled: (loss, parts).
+    ``engine``: None or (mode, clip_min, clip_max): the importance weights are the engine correction of the
+    old log-probs (``old``, or the current ones detached) against ``sampling``."""
+    if engine is not None:
+        isw = engine_importance_weights(logp.detach() if old is None else old.detach(), sampling, mask, *engine)
     active = mask != 0
     old, ref, isw = _fill_padding(logp, active, old, ref, isw)
     ent_mask = _entropy_mask(spec, entropy, mask, entropy_mask_fn)
@@ -171,6 +185,14 @@ def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, w
                                          entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
                                          sampling_logp=None if sampling is None else sampling.to(logp.dtype))
     return (weights * per_tok).sum(), parts
+
+
+def _engine_metrics(logp, old, sampling, mask, engine) -> dict:
+    """The ``sampling/*`` metrics of the engine correction (empty without one)."""
+    if engine is None:
+        return {}
+    base = logp.detach() if old is None else old.detach()
+    return engine_importance_metrics(base, sampling, mask, engine_importance_weights(base, sampling, mask, *engine))
 
 
 # ================================================================================================
@@ -193,6 +215,7 @@ def grpo_loss_reference(
     entropy=None,
     entropy_mask_fn=None,
     sampling_logps=None,
+    engine_correction=None,
     **options,
 ):
     """GRPO loss on per-token log-probs; the oracle for :func:`efficient_grpo_loss`.
@@ -204,23 +227,28 @@ def grpo_loss_reference(
     ``top_entropy_quantile < 1``; ``entropy_mask_fn(entropy, mask) -> (B, T) bool`` replaces the
     one-process quantile (the trainer passes TRL's, which gathers across processes);
     sampling_logps: (B, T) or None (then old), the sampler's log-probs read by
-    ``off_policy_mask_threshold``. ``options``: the other :class:`grpo_kit.objective.ObjectiveSpec`
-    fields (``delta``, ``importance_sampling_level``, ``use_bias_correction_kl``,
-    ``top_entropy_quantile``, ``off_policy_mask_threshold``, sapo_*, vespo_*). Returns (loss 0-d,
-    metrics dict of detached 0-d tensors).
+    ``off_policy_mask_threshold``. ``engine_correction``: None, or ``(mode, clip_min, clip_max)``: the
+    importance weights are then TRL's engine correction (:func:`grpo_kit.objective.engine_importance_weights`)
+    of old_logps, or of the current log-probs detached when old_logps is None (the policy has not moved
+    since the engine sampled: TRL's old-policy pass would give the same numbers), against sampling_logps,
+    and the metrics gain TRL's ``sampling/*``. ``options``: the other
+    :class:`grpo_kit.objective.ObjectiveSpec` fields (``delta``, ``importance_sampling_level``,
+    ``use_bias_correction_kl``, ``top_entropy_quantile``, ``off_policy_mask_threshold``, sapo_*, vespo_*).
+    Returns (loss 0-d, metrics dict of detached 0-d tensors).
     """
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     if not isinstance(logps, torch.Tensor) or not logps.is_floating_point() or logps.dim() != 2:
         raise ValueError(f"logps must be a floating (B, T) tensor, got {type(logps).__name__} "
                          f"{getattr(logps, 'dtype', '')} of shape {tuple(getattr(logps, 'shape', ()))}")
     B, T = logps.shape
-    adv, isw = _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights,
-                             max_completion_length, num_items_in_batch)
+    adv, isw, engine = _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights,
+                                     max_completion_length, num_items_in_batch, engine_correction, sampling_logps)
     maskf = mask.to(logps.dtype)
     w = token_weights(mask, loss_type, max_completion_length, num_items_in_batch, dtype=logps.dtype)
     loss, parts = _objective(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w,
-                             sampling_logps)
-    return loss, objective_metrics(parts, adv, maskf, spec, entropy)
+                             sampling_logps, engine)
+    metrics = objective_metrics(parts, adv, maskf, spec, entropy)
+    return loss, {**metrics, **_engine_metrics(logps, old_logps, sampling_logps, maskf, engine)}
 
 
 # ================================================================================================
@@ -329,7 +357,7 @@ class _EfficientGRPOFn(torch.autograd.Function):
         # Coefficients in the loop only where a head gradient needs them and the spec allows it: the
         # autograd call per chunk is ~45 small kernels (on a CPU 0.2-0.5 ms a chunk, the hand-derived
         # derivative it replaced 0.07-0.15 ms), while scaling stored rows after the loop is one pass.
-        in_loop = spec.token_local and (need_w or need_b)
+        in_loop = opts["token_local"] and (need_w or need_b)
 
         active = tok["w"] != 0
         n_act = int(active.sum())
@@ -465,6 +493,7 @@ def efficient_grpo_loss(
     importance_weights=None,
     entropy_mask_fn=None,
     sampling_logps=None,
+    engine_correction=None,
     **options,
 ):
     """GRPO loss from final hidden states without materialising (B, T, V) logits.
@@ -474,8 +503,8 @@ def efficient_grpo_loss(
     completion_mask: (B, T) bool/int/float; advantages: (B,), (B, 1) or (B, T) float;
     old_logps / ref_logps: (B, T) float or None (ref needed when beta != 0).
     ``importance_weights``: None or (B, T) / (B, 1) / (B,) float, no gradient (TRL's
-    ``importance_sampling_ratio``). ``entropy_mask_fn``, ``sampling_logps`` and ``options``:
-    as in :func:`grpo_loss_reference`; the entropy of the same chunk pass feeds the entropy mask.
+    ``importance_sampling_ratio``). ``entropy_mask_fn``, ``sampling_logps``, ``engine_correction`` and
+    ``options``: as in :func:`grpo_loss_reference`; the entropy of the same chunk pass feeds the entropy mask.
     ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of logits).
     ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
 
@@ -487,8 +516,9 @@ def efficient_grpo_loss(
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     _check_temperature_chunk(temperature, chunk_size)
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, completion_ids, "completion_ids")
-    adv, isw = _check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                             max_completion_length, num_items_in_batch)
+    adv, isw, engine = _check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps,
+                                     importance_weights, max_completion_length, num_items_in_batch, engine_correction,
+                                     sampling_logps)
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
         chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T)
@@ -511,13 +541,14 @@ def efficient_grpo_loss(
         x = logp_n.view(B, T).detach().requires_grad_(need_grad)
         ent_bt = None if ent_n is None else ent_n.view(B, T)
         with torch.enable_grad() if need_grad else torch.no_grad():
-            loss, parts = _objective(x, spec, mask, adv, old, ref, isw, ent_bt, entropy_mask_fn, w, sampling)
+            loss, parts = _objective(x, spec, mask, adv, old, ref, isw, ent_bt, entropy_mask_fn, w, sampling, engine)
             grad = torch.autograd.grad(loss, x)[0].reshape(N) if need_grad else None
         return loss.detach(), grad, parts
 
     grad_on = torch.is_grad_enabled()
     opts = dict(
         spec=spec, objective=objective, temperature=float(temperature), chunk_size=int(chunk_size), backend=backend,
+        token_local=spec.token_local and engine is None,  # the engine's weights may couple a sequence's tokens
         compute_entropy=bool(compute_entropy) or spec.top_entropy_quantile < 1.0,
         needs_grad=(
             grad_on and hidden.requires_grad,
@@ -534,7 +565,8 @@ def efficient_grpo_loss(
         raise ValueError(f"the GRPO loss overflowed fp32: advantages up to {float(adv.abs().max()):.3g} times a "
                          f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale")
     ent = outs[2].view(B, T) if len(outs) > 2 and compute_entropy else None
-    return loss, objective_metrics(opts["parts"], adv, mask, spec, ent)
+    metrics = objective_metrics(opts["parts"], adv, mask, spec, ent)
+    return loss, {**metrics, **_engine_metrics(logp.view(B, T), old, sampling, mask, engine)}
 
 
 def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto"):

@@ -4,9 +4,11 @@
 :mod:`grpo_kit.objective`. ``IMPORTANCE_SAMPLING_LEVELS``: ``GRPOConfig.importance_sampling_level``.
 ``GENERATION_BACKENDS``: :func:`grpo_kit.generation.make_generator`'s ``backend``.
 ``REWARD_ERRORS``: what :func:`grpo_kit.rewards.checked_reward_func` does when a reward function raises.
+``ENGINE_IS_MODES``: ``GRPOConfig.vllm_importance_sampling_mode`` (the engine's importance-sampling correction).
 """
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GENERATION_BACKENDS = ("auto", "hf", "vllm")
 REWARD_ERRORS = ("raise", "zero")
+ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

@@ -22,6 +22,10 @@ math follows TRL 1.16 ``GRPOTrainer._compute_loss`` term by term; papers:
   exceeds it: DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556).
 * ``top_entropy_quantile``: policy loss on the top-rho tokens by entropy only: "Beyond the 80/20 Rule"
   (arXiv 2506.01939).
+* the engine's importance-sampling correction (samples from vLLM, another numerical policy): the ratio
+  pi_old / pi_sampler per token or per sequence, truncated or masked outside [C_min, C_max]: truncated
+  importance sampling, Yao et al., "Your efficient RL framework secretly brings you off-policy RL training"
+  (2025); TRL 1.16's ``vllm_importance_sampling_mode``.
 
 Shapes: B sequences, T completion tokens; log-probs (B, T) float; advantages (B, 1) or (B, T);
 mask (B, T). Sequence-level quantities are (B, 1) and broadcast over T.
@@ -35,7 +39,7 @@ import numbers
 
 import torch
 
-from .names import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from .names import ENGINE_IS_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 # exp() of a log-prob gap overflows fp32 beyond ~88 nats, and inf * 0 (a zero advantage, a clipped
 # branch) is NaN. Gaps (logp - old for the ratio, ref - logp for the k3 KL) are clamped at 60 nats:
@@ -210,6 +214,63 @@ def off_policy_sequence_mask(logp, sampling_logp, advantages, mask, threshold):
     kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
     seq_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((advantages >= 0) | (seq_kl <= threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def engine_importance_weights(old_logp, sampling_logp, mask, mode, clip_min=None, clip_max=3.0):
+    """The engine's importance-sampling correction, as TRL 1.16 ``_generate_and_score_completions`` forms it.
+
+    old_logp, sampling_logp: (B, T) float, the policy's and the sampler's log-probs of the sampled tokens
+    (the sampler's may be NaN where the engine could not score a token: that token counts 0, ratio 1);
+    mask: (B, T). ``mode`` (``ENGINE_IS_MODES``): ``token_*`` gives r_t = exp(old_t - sampling_t) (B, T),
+    ``sequence_*`` one r = exp(sum_t of it) per sequence (B, 1); ``*_truncate`` clamps r to
+    [clip_min, clip_max], ``*_mask`` sets r outside it to 0 (None: that side unbounded). No gradient.
+    """
+    diff = torch.nan_to_num((old_logp.float() - sampling_logp.float()) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@torch.no_grad()
+def engine_importance_metrics(old_logp, sampling_logp, mask, ratio):
+    """TRL 1.16's ``sampling/*`` metrics (one process) of :func:`engine_importance_weights`' ``ratio``:
+    mean and max |old - sampling| over the scored unmasked tokens, min / mean / max of the ratio over the
+    unmasked tokens (token modes) or over the sequences (sequence modes). 0-d fp32 tensors."""
+    keep = mask.bool()
+    delta = (old_logp.float() - sampling_logp.float()).abs()
+    delta = delta[keep & ~torch.isnan(delta)]
+    flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[keep]
+    zero = torch.zeros((), device=ratio.device)
+
+    def pick(x, fn):
+        return fn(x) if x.numel() else zero
+
+    return {"sampling/sampling_logp_difference/mean": pick(delta, torch.mean),
+            "sampling/sampling_logp_difference/max": pick(delta, torch.max),
+            "sampling/importance_sampling_ratio/min": pick(flat, torch.min),
+            "sampling/importance_sampling_ratio/mean": pick(flat, torch.mean),
+            "sampling/importance_sampling_ratio/max": pick(flat, torch.max)}
+
+
+def check_engine_correction(correction):
+    """None, or ``(mode, clip_min, clip_max)`` of :func:`engine_importance_weights`; returned as a tuple."""
+    if correction is None:
+        return None
+    if not isinstance(correction, (tuple, list)) or len(correction) != 3:
+        raise ValueError(f"engine_correction must be None or (mode, clip_min, clip_max), got {correction!r}")
+    mode, low, high = correction
+    if mode not in ENGINE_IS_MODES:
+        raise ValueError(f"engine_correction mode {mode!r} is not one of {ENGINE_IS_MODES}")
+    low, high = _real("clip_min", low, allow_none=True), _real("clip_max", high, allow_none=True)
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"engine_correction clip_min={low} is above clip_max={high}")
+    return mode, low, high
 
 
 def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, importance_weights=None,

@@ -1,7 +1,7 @@
 """``EfficientGRPOTrainer``: TRL's ``GRPOTrainer`` with the kit's memory-efficient loss.
 
 It keeps TRL's API (``GRPOConfig``, reward functions, datasets, callbacks, logging)
-and overrides two methods, the smallest set that decides how memory is spent:
+and overrides two methods, the smallest set that decides how memory is spent, and a third that saves a pass:
 
 * ``_get_per_token_logps_and_entropies`` (the no-grad reference and old-policy passes,
   and TRL's own helper wherever it calls it): final hidden states from the model, then
@@ -17,6 +17,10 @@ and overrides two methods, the smallest set that decides how memory is spent:
   ``inputs["importance_sampling_ratio"]`` weights the policy term (VESPO: its gamma weight),
   exactly as TRL's own ``_compute_loss`` does. Refused, with the reason, at construction:
   see ``UNSUPPORTED``.
+* ``_generate_and_score_completions``, only when generation is aligned with the optimiser step (TRL's
+  own condition) and the engine's correction is on: TRL's no-grad old-policy pass is skipped, since
+  those log-probs are the current policy's, and the loss forms the same importance ratio from the
+  log-probs it computes anyway (``engine_correction``; TRL's ``sampling/*`` metrics logged from it).
 
 Generation goes through :class:`grpo_kit.generation.trainer_hook.KitGenerationMixin`
 (``generator=``, a kit generator; None keeps TRL's own generation): ``make_trainer``
@@ -63,7 +67,10 @@ OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_k
 # TRL's metric names the kit logs (the same names in grpo_kit.objective.objective_metrics); min/max ones are
 # reduced over processes by min/max, the others averaged.
 LOGGED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
+                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
+                  "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                  "sampling/importance_sampling_ratio/max")
 
 
 def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -209,7 +216,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
             temperature=self.temperature, max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True,
-            importance_weights=self._importance_weights(inputs),
+            importance_weights=self._importance_weights(inputs), engine_correction=self._engine_correction(inputs),
             # TRL's own mask: its quantile is taken over every process's tokens
             entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
             sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
@@ -221,10 +228,38 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
     def _importance_weights(self, inputs):
         """TRL's per-token (or per-sequence) importance-sampling ratio, when TRL's ``_compute_loss``
-        would apply it (same condition)."""
-        if self.use_vllm and self.vllm_importance_sampling_correction:
+        would apply it (same condition) and TRL formed it (else the loss does: :meth:`_engine_correction`)."""
+        if self.use_vllm and self.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
             return inputs["importance_sampling_ratio"]
         return None
+
+    def _engine_ratio_in_loss(self) -> bool:
+        """Whether the loss forms the engine's importance ratio instead of TRL. TRL runs a no-grad forward of
+        every generation for the old policy's log-probs when the engine's correction is on, also when the
+        policy cannot have moved since the engine sampled (generation aligned with the optimiser steps: its
+        own condition for skipping that pass otherwise). Those log-probs are then the ones the loss computes
+        anyway, so the pass is skipped and the loss forms the same ratio from them (equal up to
+        floating-point noise, and dropout when the adapter has it). VESPO keeps TRL's path."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return bool(self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo"
+                    and self.args.gradient_accumulation_steps % generate_every == 0)
+
+    def _engine_correction(self, inputs):
+        """``(mode, clip_min, clip_max)`` for the loss when TRL left the ratio to it, else None."""
+        if "importance_sampling_ratio" in inputs or not self._engine_ratio_in_loss():
+            return None
+        return (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                self.vllm_importance_sampling_clip_max)
+
+    # -- override 3: no old-policy pass when the policy has not moved ----------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        if not self._engine_ratio_in_loss():
+            return super()._generate_and_score_completions(inputs)
+        self.vllm_importance_sampling_correction = False  # TRL then skips the old-policy pass and its ratio
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
 
     def _log_loss_metrics(self, mode: str, metrics: dict) -> None:
         """Same metric names as TRL: means averaged over processes, per-sequence extremes their min / max."""
@@ -233,7 +268,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             if value is None:
                 continue
             gathered = self.accelerator.gather(value.detach().reshape(1))
-            reduce = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}.get(name, torch.nanmean)
+            reduce = nanmin if name.endswith("min") else nanmax if name.endswith("max") else torch.nanmean
             self._metrics[mode][name].append(reduce(gathered).item())
 
 

@@ -459,7 +459,8 @@ def test_mixin_vllm_two_steps_sync_each_step(engine, embedded, tmp_path):
 
 @needs_vllm
 def test_efficient_trainer_vllm_two_steps_applies_is_ratio(engine, embedded, tmp_path):
-    """The kit's trainer with the vLLM generator: TRL's IS correction on, and the ratio reaches our loss."""
+    """The kit's trainer with the vLLM generator: the IS correction on; generation aligned with the optimiser
+    step, so TRL's old-policy pass is skipped (only the reference pass runs) and the loss forms the ratio."""
     model, tok = embedded
     cfg = GRPOKitConfig(max_completion_length=8, num_generations=2, per_device_train_batch_size=2).validate()
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
@@ -467,17 +468,24 @@ def test_efficient_trainer_vllm_two_steps_applies_is_ratio(engine, embedded, tmp
                            args=_args(tmp_path, use_bias_correction_kl=False, beta=0.04), train_dataset=ds,
                            peft_config=_lora(), generator=engine)
     assert trainer.use_vllm and trainer.vllm_importance_sampling_correction
-    seen = []
-    original = trainer._importance_weights
+    seen, passes = [], []
+    correction, logps = trainer._engine_correction, trainer._get_per_token_logps_and_entropies
 
     def spy(inputs):
-        w = original(inputs)
-        seen.append(w is inputs["importance_sampling_ratio"] and w.shape[0] == inputs["completion_ids"].shape[0])
-        return w
+        c = correction(inputs)
+        seen.append(c == (trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+                          trainer.vllm_importance_sampling_clip_max) and "importance_sampling_ratio" not in inputs
+                    and inputs["sampling_per_token_logps"].shape == inputs["completion_ids"].shape)
+        return c
 
-    trainer._importance_weights = spy
+    def count(*a, **k):
+        passes.append(torch.is_grad_enabled())
+        return logps(*a, **k)
+
+    trainer._engine_correction, trainer._get_per_token_logps_and_entropies = spy, count
     trainer.train()
     assert seen and all(seen)
+    assert len(passes) == 2  # one reference pass per generation batch, no old-policy pass
     assert [(s["step"], s["mode"]) for s in trainer.kit_sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
     logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)

@@ -406,6 +406,80 @@ def test_importance_weights_bad_input(bad, match):
 # ------------------------------------------------------------------------------------------------
 # where detach is essential
 # ------------------------------------------------------------------------------------------------
+def _trl_engine_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's own lines (GRPOTrainer._generate_and_score_completions), copied as the oracle."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo, hi = (-math.inf if clip_min is None else clip_min), (math.inf if clip_max is None else clip_max)
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("with_old", [False, True])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_engine_correction_equals_trls_ratio_passed_in(mode, with_old, loss_type):
+    """The engine correction formed inside the loss (from old_logps, or from the current log-probs when the policy
+    has not moved) gives the loss, gradients and metrics of TRL's ratio computed outside and passed as
+    importance_weights; the efficient path equals the reference; TRL's sampling/* metrics match."""
+    c = make_case(70 + len(mode) + with_old)
+    h64, W64, b64 = (x.double().requires_grad_() for x in (c["h"], c["W"], c["b"]))
+    lp64 = fp64_logps(h64, W64, b64, c["ids"], 0.8)
+    g = torch.Generator().manual_seed(5)
+    # the sampler's log-probs: near the policy's, one token it could not score (NaN), two sequences far off
+    sampling = (lp64.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.15).float()
+    sampling[0, 0] = float("nan")
+    sampling[2] -= 0.4
+    old = (lp64.detach() + c["noise"][0] * 0.1).float() if with_old else None
+    ref = (lp64.detach() + c["noise"][1]).float()
+    clip = (0.8, 1.3) if mode.endswith("truncate") else (None, 1.3)
+    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=5.0 if loss_type == "cispo" else 0.28, loss_type=loss_type,
+              **LENGTH_KW)
+    base = lp64.detach().float() if old is None else old
+    want_w = _trl_engine_ratio(base, sampling, c["mask"].float(), mode, *clip)
+    assert 0 < float((want_w == clip[1]).float().mean() + (want_w == 0).float().mean()), "bounds never hit"
+    l_out, m_out = grpo_loss_reference(lp64, None if old is None else old.double(), ref.double(), c["adv"].double(),
+                                       c["mask"], importance_weights=want_w.double(), **kw)
+    l_in, m_in = grpo_loss_reference(lp64, None if old is None else old.double(), ref.double(), c["adv"].double(),
+                                     c["mask"], sampling_logps=sampling.double(), engine_correction=(mode, *clip), **kw)
+    assert abs(l_in.item() - l_out.item()) <= 1e-6 * loss_scale(lp64, old, ref, c, kw)
+    l_in.backward()
+    h, W, b = (x.clone().requires_grad_() for x in (c["h"], c["W"], c["b"]))
+    loss, m = efficient_grpo_loss(h, W, c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref, temperature=0.8,
+                                  chunk_size=5, lm_head_bias=b, sampling_logps=sampling,
+                                  engine_correction=(mode, *clip), **kw)
+    loss.backward()
+    assert abs(loss.item() - l_in.item()) <= 1e-5 * loss_scale(lp64, old, ref, c, kw)
+    for got, ref_grad in ((h.grad, h64.grad), (W.grad, W64.grad), (b.grad, b64.grad)):
+        assert rel(got, ref_grad) < 1e-5
+    delta = (base - sampling).abs()[c["mask"] & ~torch.isnan(base - sampling)]
+    flat = want_w.flatten() if want_w.shape[-1] == 1 else want_w[c["mask"]]
+    trl_metrics = {"sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max":
+                   delta.max(), "sampling/importance_sampling_ratio/min": flat.min(),
+                   "sampling/importance_sampling_ratio/mean": flat.mean(),
+                   "sampling/importance_sampling_ratio/max": flat.max()}
+    for name, value in trl_metrics.items():
+        assert abs(m[name].item() - value.item()) < 1e-5 and abs(m_in[name].item() - value.item()) < 1e-5, name
+    assert set(m_out) | set(trl_metrics) == set(m_in)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(engine_correction=("token_clip", None, 3.0)), "mode 'token_clip' is not one of"),
+    (dict(engine_correction=("token_mask", 2.0, 1.0)), "clip_min=2.0 is above clip_max=1.0"),
+    (dict(engine_correction="token_mask"), r"must be None or \(mode, clip_min, clip_max\)"),
+    (dict(engine_correction=("token_mask", None, 3.0), sampling_logps=None), "needs the sampler's log-probs"),
+    (dict(engine_correction=("token_mask", None, 3.0), importance_weights=torch.ones(B, T)), "importance_weights=None"),
+    (dict(engine_correction=("token_mask", None, 3.0), loss_type="vespo"), "does not apply to loss_type='vespo'"),
+])
+def test_engine_correction_bad_input(over, match):
+    c = make_case(80)
+    kw = {**dict(old_logps=None, ref_logps=None, beta=0.0, loss_type="grpo", sampling_logps=torch.zeros(B, T),
+                 num_items_in_batch=29), **over}
+    with pytest.raises(ValueError, match=match):
+        efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], **kw)
+
+
 def test_reference_on_policy_gradient_is_advantage_weighted():
     """old_logps=None means old = logps.detach(): ratio 1 but gradient -A*w. Without the detach
     the ratio would be the constant exp(0) and the policy gradient would vanish."""

@@ -125,6 +125,70 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, 
                                                               nan_ok=True), k
 
 
+@pytest.mark.parametrize("setting", ["trl_default", "grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+def test_engine_ratio_in_the_loss_equals_trls_old_policy_pass(tiny, tmp_path, setting, mode):
+    """Generation aligned with the optimiser step (TRL's own condition): the kit skips TRL's old-policy pass and its
+    loss forms the engine's importance ratio from the current log-probs. Against stock TRL fed its own old-policy
+    pass and the ratio as TRL forms it (its lines, copied): the same loss, LoRA gradients and sampling metrics."""
+    from test_loss import _trl_engine_ratio
+
+    model, tok = tiny["tiny-llama"]
+    tok.padding_side = "left"
+    ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
+    args = [_setting_args(tmp_path, setting) for _ in range(2)]
+    for a in args:
+        a.vllm_importance_sampling_mode, a.vllm_importance_sampling_clip_min = mode, 0.95 if "truncate" in mode else None
+        a.vllm_importance_sampling_clip_max = 1.05 if "truncate" in mode else 1.1
+    stock, ours = (cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward], args=a, train_dataset=ds,
+                       processing_class=tok, peft_config=_lora()) for cls, a in zip((GRPOTrainer, EfficientGRPOTrainer),
+                                                                                   args))
+    gen = torch.Generator().manual_seed(3)
+    for (_, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
+        if p1.requires_grad:
+            v = torch.randn(p1.shape, generator=gen) * 0.05
+            p1.data.copy_(v), p2.data.copy_(v)
+    B, P, C = 4, 6, 8
+    inputs = dict(prompt_ids=torch.randint(3, 1000, (B, P), generator=gen), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                  completion_ids=torch.randint(3, 1000, (B, C), generator=gen),
+                  completion_mask=(torch.arange(C)[None] < torch.tensor([[8], [5], [3], [7]])).long(),
+                  advantages=torch.randn(B, generator=gen), num_items_in_batch=torch.tensor(23.0))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        old = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C)[0]  # TRL's old-policy pass
+        with stock.model.disable_adapter():
+            inputs["ref_per_token_logps"] = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C)[0]
+    inputs["sampling_per_token_logps"] = old + 0.1 * torch.randn(B, C, generator=gen)  # the engine's view
+    inputs["sampling_per_token_logps"][1, 0] = float("nan")  # a token the engine could not score
+    for t in (stock, ours):
+        t.use_vllm = True  # what KitGenerationMixin sets
+        t.current_gradient_accumulation_steps = 2
+        t.args.steps_per_generation = t.args.gradient_accumulation_steps = 2
+    clip = (args[0].vllm_importance_sampling_clip_min, args[0].vllm_importance_sampling_clip_max)
+    assert ours._engine_ratio_in_loss() and ours._engine_correction(inputs) == (mode, *clip)
+    ratio = _trl_engine_ratio(old, inputs["sampling_per_token_logps"], inputs["completion_mask"], mode, *clip)
+    bitten = (ratio == 0) | (ratio == clip[1]) | ((ratio == clip[0]) if clip[0] is not None else False)
+    assert bitten.any(), "the bounds never bite: the test would be weak"
+    loss_stock = stock._compute_loss(stock.model, {**inputs, "old_per_token_logps": old,
+                                                   "importance_sampling_ratio": ratio})
+    loss_ours = ours._compute_loss(ours.model, inputs)
+    torch.testing.assert_close(loss_ours, loss_stock, rtol=1e-5, atol=1e-7)
+    loss_stock.backward(), loss_ours.backward()
+    checked = 0
+    for (n, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
+        if p1.requires_grad:
+            torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=n)
+            checked += 1
+    assert checked > 0
+    flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[inputs["completion_mask"].bool()]
+    logged = ours._metrics["train"]
+    assert logged["sampling/importance_sampling_ratio/mean"][-1] == pytest.approx(flat.mean().item(), rel=1e-5)
+    assert logged["sampling/importance_sampling_ratio/min"][-1] == pytest.approx(flat.min().item(), rel=1e-5)
+    ours.args.gradient_accumulation_steps = 3  # misaligned: TRL's own old-policy pass and ratio again
+    assert not ours._engine_ratio_in_loss() and ours._engine_correction(inputs) is None
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("loss_type", TRAIN_LOSS_TYPES)
 def test_two_step_training_changes_lora_keeps_base(tiny, tmp_path, name, loss_type):
@@ -217,7 +281,8 @@ TRL_METHODS = {
 GRPO_ATTRIBUTES = (
     "loss_type", "beta", "epsilon_low", "epsilon_high", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "max_completion_length", "eos_token_ids", "use_vllm", "vllm_importance_sampling_correction",
-    "vllm_importance_sampling_mode", "top_entropy_quantile", "importance_sampling_level", "off_policy_mask_threshold",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+    "num_iterations", "top_entropy_quantile", "importance_sampling_level", "off_policy_mask_threshold",
     "entropy_coef", "use_adaptive_entropy", "_entropy_bonus_enabled", "aux_loss_enabled",
     "use_transformers_continuous_batching", "tools", "rollout_func", "environment_factories", "_is_vlm", "_step",
     "_buffered_inputs", "_metrics")
