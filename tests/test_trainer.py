@@ -52,22 +52,26 @@ def tiny():
     return {name: load_model(name) for name in ("tiny-llama", "tiny-qwen2")}
 
 
-@pytest.mark.parametrize("setting,is_ratio", [(s, r) for s in SETTINGS for r in (None, "token")] + [
-    (s, "sequence") for s in ("grpo", "gspo", "cispo", "trl_default")])  # TRL refuses VESPO with (B, 1) ratios
-def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, is_ratio):
-    """Every objective setting, TRL's default config included. is_ratio: TRL's importance-sampling
-    correction on (``use_vllm``, as the kit's generation mixin sets it for vLLM), with a per-token
-    (B, C) or per-sequence (B, 1) ``importance_sampling_ratio`` (TRL refuses the latter for VESPO)."""
-    model, tok = tiny["tiny-llama"]
+def _assert_same_lora_grads(stock, ours, loss_stock, loss_ours):
+    """Backward both losses; every trainable (LoRA) gradient equal."""
+    loss_stock.backward(), loss_ours.backward()
+    checked = 0
+    for (n, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
+        if p1.requires_grad:
+            torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=n)
+            checked += 1
+    assert checked > 0
+
+
+def _stock_and_ours(model, tok, args_pair, seed):
+    """Stock TRL and the kit's trainer on copies of ``model`` with the same random non-zero LoRA, and a fixed
+    batch: (stock, ours, generator, inputs, ids, attention mask)."""
     tok.padding_side = "left"
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
-    trainers = []
-    for cls in (GRPOTrainer, EfficientGRPOTrainer):
-        trainers.append(cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward],
-                            args=_setting_args(tmp_path, setting),
-                            train_dataset=ds, processing_class=tok, peft_config=_lora()))
-    stock, ours = trainers
-    gen = torch.Generator().manual_seed(1)
+    stock, ours = (cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward], args=a, train_dataset=ds,
+                       processing_class=tok, peft_config=_lora())
+                   for cls, a in zip((GRPOTrainer, EfficientGRPOTrainer), args_pair))
+    gen = torch.Generator().manual_seed(seed)
     for (_, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
         if p1.requires_grad:  # non-zero LoRA B so the adapter matters
             v = torch.randn(p1.shape, generator=gen) * 0.05
@@ -80,6 +84,20 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, 
     inputs["prompt_mask"][0, :2] = 0  # left padding
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    return stock, ours, gen, inputs, ids, am
+
+
+@pytest.mark.parametrize("setting,is_ratio", [(s, r) for s in SETTINGS for r in (None, "token")] + [
+    (s, "sequence") for s in ("grpo", "gspo", "cispo", "trl_default")])  # TRL refuses VESPO with (B, 1) ratios
+def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, is_ratio):
+    """Every objective setting, TRL's default config included. is_ratio: TRL's importance-sampling
+    correction on (``use_vllm``, as the kit's generation mixin sets it for vLLM), with a per-token
+    (B, C) or per-sequence (B, 1) ``importance_sampling_ratio`` (TRL refuses the latter for VESPO)."""
+    model, tok = tiny["tiny-llama"]
+    stock, ours, gen, inputs, ids, am = _stock_and_ours(model, tok, [_setting_args(tmp_path, setting) for _ in range(2)],
+                                                        seed=1)
+    trainers = (stock, ours)
+    B, C = inputs["completion_ids"].shape
     cm = inputs["completion_mask"].bool()
     with torch.no_grad():
         with stock.model.disable_adapter():
@@ -110,13 +128,7 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, 
     torch.testing.assert_close(loss_ours, loss_stock, rtol=1e-5, atol=1e-7)
     if is_ratio is not None:  # the ratio really changed the loss (else the comparison proves nothing)
         assert abs(unweighted.item() - loss_ours.item()) > 1e-3 * abs(loss_ours.item())
-    loss_stock.backward(), loss_ours.backward()
-    checked = 0
-    for (n, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
-        if p1.requires_grad:
-            torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=n)
-            checked += 1
-    assert checked > 0
+    _assert_same_lora_grads(stock, ours, loss_stock, loss_ours)
     stock_logged = {k for k, v in stock._metrics["train"].items() if v}
     ours_logged = {k for k, v in ours._metrics["train"].items() if v}
     assert stock_logged <= ours_logged, stock_logged - ours_logged
@@ -134,27 +146,12 @@ def test_engine_ratio_in_the_loss_equals_trls_old_policy_pass(tiny, tmp_path, se
     from test_loss import _trl_engine_ratio
 
     model, tok = tiny["tiny-llama"]
-    tok.padding_side = "left"
-    ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
     args = [_setting_args(tmp_path, setting) for _ in range(2)]
     for a in args:
         a.vllm_importance_sampling_mode, a.vllm_importance_sampling_clip_min = mode, 0.95 if "truncate" in mode else None
         a.vllm_importance_sampling_clip_max = 1.05 if "truncate" in mode else 1.1
-    stock, ours = (cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward], args=a, train_dataset=ds,
-                       processing_class=tok, peft_config=_lora()) for cls, a in zip((GRPOTrainer, EfficientGRPOTrainer),
-                                                                                   args))
-    gen = torch.Generator().manual_seed(3)
-    for (_, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
-        if p1.requires_grad:
-            v = torch.randn(p1.shape, generator=gen) * 0.05
-            p1.data.copy_(v), p2.data.copy_(v)
-    B, P, C = 4, 6, 8
-    inputs = dict(prompt_ids=torch.randint(3, 1000, (B, P), generator=gen), prompt_mask=torch.ones(B, P, dtype=torch.long),
-                  completion_ids=torch.randint(3, 1000, (B, C), generator=gen),
-                  completion_mask=(torch.arange(C)[None] < torch.tensor([[8], [5], [3], [7]])).long(),
-                  advantages=torch.randn(B, generator=gen), num_items_in_batch=torch.tensor(23.0))
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    stock, ours, gen, inputs, ids, am = _stock_and_ours(model, tok, args, seed=3)
+    B, C = inputs["completion_ids"].shape
     with torch.no_grad():
         old = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C)[0]  # TRL's old-policy pass
         with stock.model.disable_adapter():
@@ -174,13 +171,7 @@ def test_engine_ratio_in_the_loss_equals_trls_old_policy_pass(tiny, tmp_path, se
                                                    "importance_sampling_ratio": ratio})
     loss_ours = ours._compute_loss(ours.model, inputs)
     torch.testing.assert_close(loss_ours, loss_stock, rtol=1e-5, atol=1e-7)
-    loss_stock.backward(), loss_ours.backward()
-    checked = 0
-    for (n, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
-        if p1.requires_grad:
-            torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=n)
-            checked += 1
-    assert checked > 0
+    _assert_same_lora_grads(stock, ours, loss_stock, loss_ours)
     flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[inputs["completion_mask"].bool()]
     logged = ours._metrics["train"]
     assert logged["sampling/importance_sampling_ratio/mean"][-1] == pytest.approx(flat.mean().item(), rel=1e-5)

@@ -24,7 +24,8 @@ stays False), so with ``importance_sampling_correction`` on (default: the value 
 ``args.vllm_importance_sampling_correction``, True in TRL) the mixin sets
 ``self.use_vllm = True`` after TRL's constructor, and TRL's correction runs on the
 generator's log-probs. A trainer that overrides ``_compute_loss`` must apply
-``inputs["importance_sampling_ratio"]`` itself.
+``inputs["importance_sampling_ratio"]`` itself (``EfficientGRPOTrainer`` does, or, when generation is
+aligned with the optimiser step, skips TRL's old-policy pass and forms the ratio in its loss).
 
 A generator failure (:class:`GenerationEngineError`) saves the model and trainer state to
 ``<output_dir>/crash-step-<N>`` before the error propagates.
