@@ -391,7 +391,7 @@ class GRPOKitConfig:
              f"load_in_4bit={self.load_in_4bit}): full fine-tuning updates the weights vLLM would share, and "
              "a 4-bit training model has no 16-bit weights to share")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
-        need(self.vllm_lora_dual_stream in (None, True, False),
+        need(self.vllm_lora_dual_stream is None or isinstance(self.vllm_lora_dual_stream, bool),
              f"vllm_lora_dual_stream={self.vllm_lora_dual_stream!r} is not allowed: true, false or null (automatic)")
         need(self.load_in_4bit_skip_modules == "auto" or (isinstance(self.load_in_4bit_skip_modules, list) and all(
             isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),

@@ -175,24 +175,29 @@ def _entropy_mask(spec, entropy, mask, entropy_mask_fn):
 def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights, sampling, engine=None):
     """sum(weights * per-token objective) over (B, T) log-probs with padding filled: (loss, parts).
     ``engine``: None or (mode, clip_min, clip_max): the importance weights are the engine correction of the
-    old log-probs (``old``, or the current ones detached) against ``sampling``."""
+    old log-probs (``old``, or the current ones detached) against ``sampling``; ``parts["engine_ratio"]``
+    keeps them for the metrics."""
+    engine_ratio = None
     if engine is not None:
-        isw = engine_importance_weights(logp.detach() if old is None else old.detach(), sampling, mask, *engine)
+        isw = engine_ratio = engine_importance_weights(logp.detach() if old is None else old.detach(), sampling,
+                                                       mask, *engine)
     active = mask != 0
     old, ref, isw = _fill_padding(logp, active, old, ref, isw)
     ent_mask = _entropy_mask(spec, entropy, mask, entropy_mask_fn)
     per_tok, parts = per_token_objective(logp, old, ref, adv, mask, spec, importance_weights=isw,
                                          entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
                                          sampling_logp=None if sampling is None else sampling.to(logp.dtype))
+    if engine_ratio is not None:
+        parts["engine_ratio"] = engine_ratio
     return (weights * per_tok).sum(), parts
 
 
-def _engine_metrics(logp, old, sampling, mask, engine) -> dict:
-    """The ``sampling/*`` metrics of the engine correction (empty without one)."""
-    if engine is None:
+def _engine_metrics(logp, old, sampling, mask, parts) -> dict:
+    """The ``sampling/*`` metrics of the engine correction :func:`_objective` formed (empty without one)."""
+    if "engine_ratio" not in parts:
         return {}
-    base = logp.detach() if old is None else old.detach()
-    return engine_importance_metrics(base, sampling, mask, engine_importance_weights(base, sampling, mask, *engine))
+    return engine_importance_metrics(logp.detach() if old is None else old.detach(), sampling, mask,
+                                     parts["engine_ratio"])
 
 
 # ================================================================================================
@@ -248,7 +253,7 @@ def grpo_loss_reference(
     loss, parts = _objective(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w,
                              sampling_logps, engine)
     metrics = objective_metrics(parts, adv, maskf, spec, entropy)
-    return loss, {**metrics, **_engine_metrics(logps, old_logps, sampling_logps, maskf, engine)}
+    return loss, {**metrics, **_engine_metrics(logps, old_logps, sampling_logps, maskf, parts)}
 
 
 # ================================================================================================
@@ -566,7 +571,7 @@ def efficient_grpo_loss(
                          f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale")
     ent = outs[2].view(B, T) if len(outs) > 2 and compute_entropy else None
     metrics = objective_metrics(opts["parts"], adv, mask, spec, ent)
-    return loss, {**metrics, **_engine_metrics(logp.view(B, T), old, sampling, mask, engine)}
+    return loss, {**metrics, **_engine_metrics(logp.view(B, T), old, sampling, mask, opts["parts"])}
 
 
 def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto"):

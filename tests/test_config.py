@@ -85,8 +85,9 @@ def test_lora_dual_stream_applies_only_to_the_adapter_in_vllm_on_cuda():
     assert lora_dual_stream(on, share=True, device="cuda") and not lora_dual_stream(off, share=True, device="cuda")
     # a separate engine copy merges LoRA into its weights (no LoRA kernels); the CPU build has no second stream
     assert not lora_dual_stream(on, share=False, device="cuda") and not lora_dual_stream(on, share=True, device="cpu")
-    with pytest.raises(ConfigError, match="vllm_lora_dual_stream='yes' is not allowed"):
-        GRPOKitConfig(vllm_lora_dual_stream="yes").validate()
+    for bad in ("yes", 1):  # 1 == True in Python: a bool is asked for, not a number
+        with pytest.raises(ConfigError, match=f"vllm_lora_dual_stream={bad!r} is not allowed"):
+            GRPOKitConfig(vllm_lora_dual_stream=bad).validate()
     with pytest.raises(ConfigError, match="vllm_lora_dual_stream=True only apply to vLLM generation"):
         GRPOKitConfig(vllm_lora_dual_stream=True, generation_backend="hf").validate()
 

@@ -193,7 +193,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     share, why = _share_decision(cfg, device)
     gen_rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     kwargs = dict(max_model_len=context, seed=cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype,
-                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or None, share_weights=share,
+                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, share_weights=share,
                   dummy_weights=dummy, lora_sync="adapter" if share else "merge",
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512,
                   lora_dual_stream=lora_dual_stream(cfg, share=share, device=device))
@@ -212,7 +212,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
                 raise
             return hf(f"vLLM could not be planned ({e})", True)
         plan.memory = mem
-        if not cfg.vllm_gpu_memory_utilization:
+        if cfg.vllm_gpu_memory_utilization is None:
             kwargs.update(gpu_memory_utilization=mem["vllm_share"], kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
         elif cfg.vllm_kv_cache_gib:
             kwargs.update(kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])

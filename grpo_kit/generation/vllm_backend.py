@@ -75,7 +75,6 @@ def _set_lora_dual_stream(on: bool) -> bool:
 
     vLLM reads it when its LoRA layers are first imported (at the first LoRA engine's start), so a process
     that already started one keeps that engine's setting: warned, and that setting is returned."""
-    want = "1" if on else "0"
     if "vllm.lora.layers.base_linear" in sys.modules:
         import vllm.envs as envs
 
@@ -84,7 +83,7 @@ def _set_lora_dual_stream(on: bool) -> bool:
             warnings.warn(f"lora_dual_stream={on} cannot take effect: vLLM's LoRA layers were already imported in "
                           f"this process with VLLM_LORA_ENABLE_DUAL_STREAM={int(have)}", RuntimeWarning, stacklevel=3)
         return have
-    os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = want
+    os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1" if on else "0"
     return on
 
 
