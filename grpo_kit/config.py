@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .names import GENERATION_BACKENDS, LOSS_TYPES, REWARD_ERRORS
+from .names import GENERATION_BACKENDS, LORA_SYNC_MODES, LOSS_TYPES, REWARD_ERRORS
 from .rewards import REWARD_TIME_LIMIT_S
 
 TASKS = ("arithmetic", "word_problems", "gsm8k")
@@ -29,7 +29,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 SCALE_REWARDS = ("group", "batch", "none")
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
-                     ("vllm_lora_dual_stream", None))
+                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
 NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
@@ -205,6 +205,14 @@ class GRPOKitConfig:
                                            "kernels on a second CUDA stream beside each base matmul "
                                            "(VLLM_LORA_ENABLE_DUAL_STREAM) instead of after it. null: the kit's "
                                            "measured choice (grpo_kit.generation.plan.LORA_DUAL_STREAM_DEFAULT).")
+    vllm_lora_sync: str | None = _f(None, f"How the LoRA adapter reaches vLLM each step, one of {LORA_SYNC_MODES} or "
+                                    "null. With shared weights: `adapter` hands the adapter over in memory and vLLM "
+                                    "runs it in its LoRA kernels on every token; `merge` merges it into the shared "
+                                    "weights for each generation and restores their exact bits after it "
+                                    "(grpo_kit.generation.reversible_merge), so vLLM decodes dense. With a "
+                                    "separate engine copy: `merge` loads the merged weights into the copy, "
+                                    "`adapter` runs the adapter in the copy's LoRA kernels. null: `adapter` with "
+                                    "shared weights, `merge` with a copy.")
     vllm_share_weights: bool | str = _f("auto", "One copy of the weights on CUDA: the training model's frozen base "
                                         "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
                                         "memory each step, and the engine releases only its KV cache while "
@@ -393,6 +401,13 @@ class GRPOKitConfig:
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         need(self.vllm_lora_dual_stream is None or isinstance(self.vllm_lora_dual_stream, bool),
              f"vllm_lora_dual_stream={self.vllm_lora_dual_stream!r} is not allowed: true, false or null (automatic)")
+        need(self.vllm_lora_sync is None or self.vllm_lora_sync in LORA_SYNC_MODES,
+             f"vllm_lora_sync={self.vllm_lora_sync!r} is not allowed: one of {list(LORA_SYNC_MODES)} or null")
+        need(self.vllm_lora_sync is None or self.use_lora, f"vllm_lora_sync={self.vllm_lora_sync!r} needs use_lora=True "
+             "(full fine-tuning syncs the whole weights)")
+        need(not (self.vllm_lora_sync == "merge" and self.vllm_lora_dual_stream),
+             "vllm_lora_dual_stream=True needs the adapter in vLLM's LoRA kernels, but vllm_lora_sync='merge' "
+             "generates with merged weights and no LoRA kernels; drop one of the two")
         need(self.load_in_4bit_skip_modules == "auto" or (isinstance(self.load_in_4bit_skip_modules, list) and all(
             isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),
              f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r} is not allowed: 'auto' or a list of "

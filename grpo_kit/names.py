@@ -5,6 +5,8 @@
 ``GENERATION_BACKENDS``: :func:`grpo_kit.generation.make_generator`'s ``backend``.
 ``REWARD_ERRORS``: what :func:`grpo_kit.rewards.checked_reward_func` does when a reward function raises.
 ``ENGINE_IS_MODES``: ``GRPOConfig.vllm_importance_sampling_mode`` (the engine's importance-sampling correction).
+``LORA_SYNC_MODES``: how a LoRA adapter reaches a vLLM engine (``VLLMGenerator(lora_sync=...)``, the config's
+``vllm_lora_sync``).
 """
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
@@ -12,3 +14,4 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GENERATION_BACKENDS = ("auto", "hf", "vllm")
 REWARD_ERRORS = ("raise", "zero")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LORA_SYNC_MODES = ("merge", "adapter")

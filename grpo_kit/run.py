@@ -403,6 +403,8 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
                 syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
                 generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
                     round(sum(syncs) / len(syncs), 4) if syncs else None))
+                if getattr(generator, "last_merge", None) is not None:  # vllm_lora_sync=merge, shared weights
+                    generation_info["last_merge"] = generator.last_merge
                 # Free the engine's memory before evaluation; an engine whose weights the model uses goes to
                 # standby instead (KV cache released) and is closed after the last use of the model.
                 _release(generator, standby=shared)

@@ -4,6 +4,9 @@ memory pool for its process). ``python tests/_gpu_engine_worker.py fp8|copy``; p
 * ``fp8``: FP8 KV cache + shared weights + standby: greedy output equal before and after standby.
 * ``copy``: full fine-tuning keeps a separate engine copy: changed HF weights reach the engine by
   ``load_weights`` (greedy output follows the HF model), and level-1 sleep/wake round-trips.
+* ``merge``: shared weights with ``lora_sync="merge"`` (engine without LoRA, CUDA graphs): the adapter merged
+  for each generation gives the trained HF model's log-probs, the engine's weights are bit-identical after
+  every generation and after two trainer steps, and standby round-trips.
 """
 
 import json
@@ -84,9 +87,79 @@ def copy() -> dict:
     return out
 
 
+def merge() -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig
+    from trl import GRPOConfig
+
+    from grpo_kit.data import generate_tasks, to_prompt_dataset
+    from grpo_kit.generation import SamplingConfig
+    from grpo_kit.generation.hf import sampling_logprobs_reference
+    from grpo_kit.generation.reversible_merge import bit_sum
+    from grpo_kit.generation.vllm_backend import VLLMGenerator, _engine_model
+    from grpo_kit.models import embedded_model_dir, load_tokenizer
+    from grpo_kit.trainer import EfficientGRPOTrainer
+
+    tok = load_tokenizer()
+    gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
+                        lora_sync="merge", kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.1, max_num_seqs=16)
+    config = AutoConfig.from_pretrained(embedded_model_dir())
+    model = gen.training_model(config, torch.bfloat16)
+    engine = gen.llm.collective_rpc(_engine_model)[0]
+    bits = lambda: {n: bit_sum(p.data) for n, p in engine.named_parameters()}  # noqa: E731
+    before = bits()
+    greedy = SamplingConfig(temperature=0.0, max_tokens=16)
+    base = gen.generate(_prompts(tok), 1, greedy)
+    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
+    info = gen.sync_weights(pm)
+    res = gen.generate(_prompts(tok), 1, greedy)
+
+    def diffs():
+        return [float((lp - sampling_logprobs_reference(pm, p, ids, greedy)).abs().mean())
+                for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
+
+    lora_diffs = diffs()
+    with pm.disable_adapter():
+        base_diffs = diffs()
+    same_bits_after_generate = bits() == before
+    gen.sleep()
+    again = gen.generate(_prompts(tok), 1, greedy)
+    gen.sleep()
+    tok.padding_side = "left"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = GRPOConfig(output_dir=out_dir, max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=16, learning_rate=1e-3, logging_steps=1, report_to="none", bf16=True,
+                          beta=0.04, save_strategy="no", gradient_checkpointing=True)
+        trainer = EfficientGRPOTrainer(  # a second training model on the same engine tensors
+            model=gen.training_model(config, torch.bfloat16), reward_funcs=[lambda prompts, completions, **kw: [len(str(c)) / 50.0 for c in completions]],
+            args=args, processing_class=tok, train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 16, seed=0)),
+            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+            generator=gen)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    out = {"sync_mode": info["mode"], "merged_weights": res.timings.get("merge_s") is not None,
+           "last_merge": gen.last_merge, "lora_logprob_mean_abs_diff": lora_diffs, "base_logprob_mean_abs_diff": base_diffs,
+           "differs_from_base": res.completion_ids != base.completion_ids,
+           "same_bits_after_generate": same_bits_after_generate, "same_after_standby": again.completion_ids == res.completion_ids,
+           "trainer_sync_modes": [e["mode"] for e in trainer.kit_sync_log], "losses": losses,
+           "same_bits_after_training": bits() == before, "shared_other_params": gen.shared_report["other_params"],
+           "lora_sync": gen.options()["lora_sync"], "timings": res.timings}
+    gen.close()
+    return out
+
+
 if __name__ == "__main__":
     import os
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    result = {"fp8": fp8, "copy": copy}[sys.argv[1]]()
+    result = {"fp8": fp8, "copy": copy, "merge": merge}[sys.argv[1]]()
     print("RESULT " + json.dumps(result), flush=True)

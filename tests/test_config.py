@@ -92,6 +92,35 @@ def test_lora_dual_stream_applies_only_to_the_adapter_in_vllm_on_cuda():
         GRPOKitConfig(vllm_lora_dual_stream=True, generation_backend="hf").validate()
 
 
+def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch, tmp_path):
+    import torch
+
+    from grpo_kit.generation import plan as P
+    from grpo_kit.models import model_config
+
+    auto, merge, adapter = (GRPOKitConfig(vllm_lora_sync=v) for v in (None, "merge", "adapter"))
+    assert P.lora_sync_mode(auto, share=True) == "adapter" and P.lora_sync_mode(auto, share=False) == "merge"
+    assert P.lora_sync_mode(merge, share=True) == "merge" and P.lora_sync_mode(adapter, share=False) == "adapter"
+    assert not P.lora_dual_stream(merge, share=True, device="cuda")  # merged: no LoRA kernels to overlap
+    assert P.lora_dual_stream(adapter, share=False, device="cuda") is P.LORA_DUAL_STREAM_DEFAULT  # a copy's kernels
+    for bad, match in (({"vllm_lora_sync": "merged"}, r"vllm_lora_sync='merged' is not allowed: one of \['merge', "
+                                                         r"'adapter'\] or null"),
+                       ({"vllm_lora_sync": "merge", "use_lora": False}, "needs use_lora=True"),
+                       ({"vllm_lora_sync": "merge", "vllm_lora_dual_stream": True}, "drop one of the two"),
+                       ({"vllm_lora_sync": "merge", "generation_backend": "hf"}, "only apply to vLLM generation")):
+        with pytest.raises(ConfigError, match=match):
+            GRPOKitConfig(**bad).validate()
+    # The CUDA plan reads the model's config and the free memory only: checked here without a GPU.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (139 * 2**30, 140 * 2**30))
+    monkeypatch.setattr("grpo_kit.generation.vllm_available", lambda: True)
+    monkeypatch.setenv("GRPO_KIT_CACHE", str(tmp_path))
+    for sync, want, stream in ((None, "adapter", P.LORA_DUAL_STREAM_DEFAULT), ("merge", "merge", False)):
+        cfg = GRPOKitConfig(model="llama-3.1-8b", vllm_lora_sync=sync, max_completion_length=1024).validate()
+        plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+        assert plan.backend == "vllm" and plan.share_weights
+        assert plan.vllm_kwargs["lora_sync"] == want and plan.vllm_kwargs["lora_dual_stream"] is stream
+
+
 def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     """The KV cache is what one generation batch needs; the step peak must fit the free memory."""
     from grpo_kit.generation.plan import memory_plan

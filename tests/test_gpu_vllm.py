@@ -5,8 +5,9 @@ embedded SmolLM2-135M-Instruct (real weights, bf16): the training model's base w
 tensors (``data_ptr`` equality), standby releases the KV cache and gives the same greedy output after,
 a LoRA adapter handed over in memory makes vLLM's log-probs those of the trained HF model, two
 trainer steps run on the shared engine; in a subprocess each (an engine with sleep mode owns vLLM's
-memory pool for its process): the FP8 KV cache with shared weights and standby, and the full
-fine-tuning copy path (``load_weights`` sync, level-1 sleep). The H200 run's output is committed under
+memory pool for its process): the FP8 KV cache with shared weights and standby, the full
+fine-tuning copy path (``load_weights`` sync, level-2 sleep), and the adapter merged into the shared
+weights for each generation with their exact bits restored (``lora_sync="merge"``). The H200 run's output is committed under
 ``bench/results/gpu_tests_h200.txt``.
 """
 
@@ -227,3 +228,15 @@ def test_full_finetuning_keeps_a_copy_synced_with_load_weights():
     # level-2 sleep dropped the copy's weights: generating before the next sync is refused, the sync restores it
     assert out["sleep"].startswith("level 2") and out["refused_without_weights"] and out["needs_sync_after_sleep"]
     assert out["sync_s"] < 5.0
+
+
+def test_adapter_merged_into_the_shared_weights_and_their_bits_restored():
+    out = _worker("merge")
+    assert out["sync_mode"] == "lora_merge_in_place" and out["lora_sync"].startswith("merge")
+    assert out["shared_other_params"] == 0 and out["merged_weights"] and out["differs_from_base"]
+    lora, base = out["lora_logprob_mean_abs_diff"], out["base_logprob_mean_abs_diff"]
+    assert max(lora) < BF16_MEAN_LOGP_ATOL, lora  # the engine generated with the adapter merged
+    assert sum(base) / len(base) > 3 * sum(lora) / len(lora), (base, lora)
+    assert out["same_bits_after_generate"] and out["same_bits_after_training"]  # every engine tensor's bits
+    assert out["same_after_standby"]
+    assert out["trainer_sync_modes"] == ["lora_merge_in_place"] * 2 and len(out["losses"]) == 2

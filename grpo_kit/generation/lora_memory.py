@@ -34,7 +34,8 @@ def adapter_state(model) -> tuple[dict[str, torch.Tensor], dict]:
                                        ("modules_to_save", getattr(cfg, "modules_to_save", None))) if bad]
     if problems:
         raise ValueError(f"the LoRA adapter uses {', '.join(problems)}, which vLLM cannot load as an adapter; "
-                         "sync it merged (lora_sync='merge') instead")
+                         "sync it merged into a separate engine copy instead (vllm_share_weights=false, "
+                         "vllm_lora_sync='merge')")
     tensors = get_peft_model_state_dict(model, adapter_name=name)
     targets = cfg.target_modules
     config = {"r": int(cfg.r), "lora_alpha": cfg.lora_alpha, "use_rslora": bool(cfg.use_rslora),

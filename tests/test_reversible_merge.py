@@ -1,0 +1,225 @@
+"""The LoRA merge into the shared base weights and its exact undo (grpo_kit.generation.reversible_merge).
+
+The merged weight is round(W + scale * B @ A) computed wide (checked against that formula's bits); the restore
+gives every original bit back, including the elements the plain reverse rounding misses (signed zeros, NaNs,
+tiny weights, binade crossings); changed factors or a delta that is not recomputed identically are refused
+loudly; a PEFT model generates like PEFT's own merge while merged and is bit-identical to before after.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from grpo_kit.generation import reversible_merge as rm
+
+
+def _bits(t):
+    return t.view(rm._INT_VIEW[t.dtype]).clone()
+
+
+def _factors(out_f, in_f, r, size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(r, in_f, generator=g)
+    b = torch.randn(out_f, r, generator=g) * size
+    return [(a, b, 0.5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 53), (8, 1), (129, 64)])
+def test_merge_is_the_rounded_sum_and_restore_gives_every_bit_back(dtype, shape, monkeypatch):
+    monkeypatch.setattr(rm, "CHUNK_ELEMENTS", 500)  # several row blocks even for small shapes
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(shape, generator=g) * 0.02).to(dtype)
+    flat = w.view(-1)
+    flat[0], flat[-1] = -0.0, float("nan")  # -0 + 0 rounds to +0; NaN payloads are not kept by arithmetic
+    flat[1 % flat.numel()] = 1e-30 if dtype != torch.float16 else 1e-7  # tiny next to the delta
+    original = _bits(w)
+    factors = _factors(shape[0], shape[1], 4, 0.05)  # a large delta: many elements need the kept values
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    expect = (w.to(wide) + (factors[0][1].to(wide) @ factors[0][0].to(wide)) * 0.5).to(dtype)
+    saved = rm.merge_weight(w, factors)
+    assert torch.equal(_bits(w), _bits(expect))
+    assert saved.positions.numel() > 0 and saved.positions.device.type == "cpu"
+    rm.restore_weight(w, saved)
+    assert torch.equal(_bits(w), original)
+
+
+def test_small_deltas_keep_few_elements():
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16)
+    original = _bits(w)
+    a = torch.randn(8, 512, generator=g) * 0.02
+    b = torch.randn(512, 8, generator=g)
+    d = b @ a
+    b *= 1e-3 * 0.02 / d.abs().mean()  # a delta 1e-3 times the weights' mean size
+    saved = rm.merge_weight(w, [(a, b, 1.0)])
+    assert 0 < saved.positions.numel() < 0.01 * w.numel()  # seen: 0.26% (normal weights, std 0.02)
+    assert saved.positions.dtype == torch.int32
+    rm.restore_weight(w, saved)
+    assert torch.equal(_bits(w), original)
+
+
+def test_changed_factors_and_a_different_delta_are_refused():
+    w = (torch.randn(16, 24) * 0.02).to(torch.bfloat16)
+    factors = _factors(16, 24, 2, 0.01)
+    saved = rm.merge_weight(w, factors)
+    factors[0][1].add_(1.0)  # an optimiser step while merged
+    with pytest.raises(rm.RestoreError, match="changed while merged"):
+        rm.restore_weight(w, saved, "layer.q_proj")
+
+    w = (torch.randn(16, 24) * 0.02).to(torch.bfloat16)
+    factors = _factors(16, 24, 2, 0.01)
+    saved = rm.merge_weight(w, factors)
+    saved.factors = [(factors[0][0], factors[0][1].clone() * 1.01, 0.5)]  # recomputed differently
+    with pytest.raises(rm.RestoreError, match="bit sums differ"):
+        rm.restore_weight(w, saved, "layer.q_proj")
+
+
+def test_non_contiguous_weight_is_refused():
+    with pytest.raises(ValueError, match="contiguous"):
+        rm.merge_weight(torch.zeros(8, 8, dtype=torch.bfloat16).t()[:, :4], _factors(8, 4, 2, 0.1))
+
+
+def _peft_model(dtype, seed=0, **lora):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_kit.models import build_random_model
+
+    model = build_random_model("tiny-llama", dtype=dtype, seed=seed)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"], **lora)
+    pm = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape) * 0.05)
+    return pm.eval()
+
+
+def _base_bits(pm):
+    return {n: _bits(p.detach()) for n, p in pm.named_parameters() if "base_layer" in n}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peft_model_merged_generates_like_peft_merge_and_comes_back_bit_identical(dtype):
+    pm = _peft_model(dtype)
+    before = _base_bits(pm)
+    ids = torch.randint(0, 49152, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        lora_logits = pm(input_ids=ids).logits.float()
+        reference = copy.deepcopy(pm).merge_and_unload()(input_ids=ids).logits.float()  # PEFT's own merge
+    merge = rm.ReversibleLoraMerge(pm)
+    info = merge.merge()
+    assert merge.merged and info["weights"] == 14 and info["exceptions"] >= 0
+    with torch.no_grad(), pm.disable_adapter():  # the base layers alone now hold W + B @ A
+        merged_logits = pm(input_ids=ids).logits.float()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert (merged_logits - reference).abs().max() < tol
+    assert (merged_logits - lora_logits).abs().max() < tol
+    assert any(not torch.equal(_bits(p.detach()), before[n]) for n, p in pm.named_parameters() if n in before)
+    back = merge.restore()
+    assert not merge.merged and back["weights"] == 14
+    after = _base_bits(pm)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert merge.restore()["weights"] == 0  # nothing merged: a no-op
+
+
+def test_a_failure_half_way_through_merge_restores_what_was_merged(monkeypatch):
+    pm = _peft_model(torch.bfloat16)
+    before = _base_bits(pm)
+    real, calls = rm.merge_weight, []
+
+    def failing(weight, factors):
+        calls.append(1)
+        if len(calls) == 5:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return real(weight, factors)
+
+    monkeypatch.setattr(rm, "merge_weight", failing)
+    merge = rm.ReversibleLoraMerge(pm)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        merge.merge()
+    assert not merge.merged
+    after = _base_bits(pm)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_adapters_that_cannot_be_merged_this_way_are_refused():
+    with pytest.raises(ValueError, match="DoRA.*vllm_lora_sync='adapter'"):
+        rm.ReversibleLoraMerge(_peft_model(torch.float32, use_dora=True))
+    with pytest.raises(ValueError, match="no active LoRA layers"):
+        from grpo_kit.models import build_random_model
+
+        rm.ReversibleLoraMerge(build_random_model("tiny-llama"))
+
+
+class _FakeLLM:
+    def __init__(self):
+        self.prefix_resets = 0
+
+    def reset_prefix_cache(self):
+        self.prefix_resets += 1
+
+
+def _merge_generator(pm):
+    """A VLLMGenerator's merge path without an engine: shared weights are CUDA-only, so on the CPU the engine is
+    a stand-in and ``_generate`` records what the weights were while it ran."""
+    import weakref
+
+    from grpo_kit.generation.sync import weight_manifest
+    from grpo_kit.generation.vllm_backend import VLLMGenerator
+
+    gen = object.__new__(VLLMGenerator)
+    gen.__dict__.update(llm=_FakeLLM(), share_weights=True, lora_sync="merge", _merge=None, last_merge=None,
+                        _lora_request=None, syncs=0, _closed=False, _sleeping=False, _tied=False,
+                        _checkpoint=weight_manifest(pm), _shared_params=[weakref.ref(p) for p in pm.parameters()])
+    return gen
+
+
+def test_generator_merges_only_inside_generate_and_restores_even_on_failure():
+    from grpo_kit.generation.base import GenerationEngineError
+
+    pm = _peft_model(torch.bfloat16)
+    before = _base_bits(pm)
+    gen = _merge_generator(pm)
+    info = gen.sync_weights(pm)
+    assert info["mode"] == "lora_merge_in_place" and info["weights"] == 14
+    assert all(torch.equal(b, before[n]) for n, b in _base_bits(pm).items())  # a sync alone moves nothing
+    seen = {}
+
+    def generate(prompt_ids, num_generations, sampling, stop, timings):
+        seen["merged"] = any(not torch.equal(b, before[n]) for n, b in _base_bits(pm).items())
+        return "result"
+
+    gen._generate = generate
+    timings = {}
+    assert gen._generate_merged([[1, 2]], 1, None, [2], timings) == "result"
+    assert seen["merged"] and {"merge_s", "restore_s"} <= set(timings)
+    assert all(torch.equal(b, before[n]) for n, b in _base_bits(pm).items())
+    assert gen.llm.prefix_resets == 2 and gen.last_merge["weights"] == 14
+
+    def crash(*args):
+        raise GenerationEngineError("engine died")
+
+    gen._generate = crash
+    with pytest.raises(GenerationEngineError, match="engine died"):
+        gen._generate_merged([[1, 2]], 1, None, [2], {})
+    assert all(torch.equal(b, before[n]) for n, b in _base_bits(pm).items())  # restored on the way out
+
+    def train_while_merged(*args):  # a restore that cannot give the bits back is an engine error
+        with torch.no_grad():  # as an optimiser step writes a parameter
+            next(p for n, p in pm.named_parameters() if "lora_B" in n).add_(1.0)
+
+    gen._generate = train_while_merged
+    with pytest.raises(GenerationEngineError, match="restore of the shared weights.*changed while merged"):
+        gen._generate_merged([[1, 2]], 1, None, [2], {})
+    assert gen._closed
+
+
+def test_generator_merge_refuses_a_model_that_is_not_on_the_engines_tensors():
+    pm = _peft_model(torch.float32)
+    gen = _merge_generator(pm)
+    gen._shared_params = []  # as if pm had been loaded on its own, not built with training_model()
+    with pytest.raises(ValueError, match="are not the engine's"):
+        gen.sync_weights(pm)
