@@ -20,7 +20,8 @@ Rows (same model object, same inputs, one after another in one process):
 * ``ours_offload`` the same with layer inputs offloaded to pinned host RAM.
 
 Measured per row: peak ``max_memory_allocated`` and ``max_memory_reserved`` over the step,
-step time (``cuda.synchronize`` + wall clock, after a short warm-up step), tokens/s
+step time (``cuda.synchronize`` + wall clock, after a short warm-up step; with ``--repeat N`` the median of
+the measured steps after the first), tokens/s
 (G x seq_len / step time), and a per-phase breakdown from the allocator's counters
 (allocated at the start / peak / at the end of: reference pass, first micro-batch's body
 forward, its loss, its backward, the other micro-batches, the optimiser step), plus host
@@ -47,6 +48,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
@@ -220,7 +222,7 @@ def cleanup(dev):
 
 
 def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
-    """One measured step of ``row`` (after a short warm-up step). Returns a result dict."""
+    """``args.repeat`` measured steps of ``row`` (after a short warm-up step). Returns a result dict."""
     res = dict(row=row, model=args.model, gens=G, seq_len=T, prompt_len=args.prompt_len,
                completion_len=T - args.prompt_len, micro_batch=args.micro_batch, beta=args.beta,
                budget_gib=budget_gib)
@@ -247,13 +249,18 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
             total = torch.cuda.get_device_properties(dev).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GiB / total), _index(dev))
         prof = Profiler(device=str(dev)) if dev.type == "cuda" else None  # the CPU runs time only
-        sync(dev)
-        t0 = time.perf_counter()
+        times = []
         with prof if prof is not None else nullcontext():
-            grpo_step(model, opt, row, batch, args, scaler)
-        sync(dev)
-        dt = time.perf_counter() - t0
-        res.update(status="ok", step_s=dt, tokens_per_s=G * T / dt, dtype=str(parts(model)[2].dtype).removeprefix("torch."))
+            for _ in range(args.repeat):
+                sync(dev)
+                t0 = time.perf_counter()
+                grpo_step(model, opt, row, batch, args, scaler)
+                sync(dev)
+                times.append(time.perf_counter() - t0)
+        # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
+        dt = statistics.median(times[1:] or times)
+        res.update(status="ok", step_s=dt, step_s_all=times, tokens_per_s=G * T / dt,
+                   dtype=str(parts(model)[2].dtype).removeprefix("torch."))
         if scaler is not None:
             res["grad_scale"] = scaler.get_scale()
         if dev.type == "cuda":
@@ -600,6 +607,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
                    "(fp16: with a GradScaler, as on a T4)")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
+    p.add_argument("--repeat", type=int, default=1, help="timed steps per row at the measured shape; with more "
+                   "than one, step_s is the median of those after the first (peak memory: over all)")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--check-model", default="llama-3.2-1b")
