@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
-step gputier 420 python3 -m pytest -m gpu tests/test_gpu_vllm.py tests/test_gpu_core.py -k "merged or streamed" -q -s \
+step gputier 420 python3 -m pytest -m gpu tests/test_gpu_vllm.py tests/test_gpu_core.py -k "merged or streamed or reversible" -q -s \
   -p no:cacheprovider
 step rl4k 1200 $bench --rows grpo_kit_fp8,grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 400
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
