@@ -19,6 +19,32 @@ def _prompts(tok):
                                     return_dict=True)["input_ids"] for q in ("What is 12+7?", "Say hello.")]
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def random_adapter(model):
+    """``model`` with a PEFT LoRA adapter (r=16) on every projection, its B factors random (seeded), in eval mode."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS)).eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
+    return pm
+
+
+def mean_logprob_diffs(res, model, sampling):
+    """Per completion: mean |vLLM log-prob - HF log-prob| of vLLM's own tokens (HF teacher-forced), so a
+    near-tie that sends the two greedy paths apart in bf16 does not hide a real difference."""
+    from grpo_kit.generation.hf import sampling_logprobs_reference
+
+    return [float((lp - sampling_logprobs_reference(model, p, ids, sampling)).abs().mean())
+            for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
+
+
 def fp8() -> dict:
     import torch
     from transformers import AutoConfig
@@ -89,13 +115,12 @@ def copy() -> dict:
 
 def merge() -> dict:
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoConfig
     from trl import GRPOConfig
 
     from grpo_kit.data import generate_tasks, to_prompt_dataset
     from grpo_kit.generation import SamplingConfig
-    from grpo_kit.generation.hf import sampling_logprobs_reference
     from grpo_kit.generation.reversible_merge import bit_sum
     from grpo_kit.generation.vllm_backend import VLLMGenerator, _engine_model
     from grpo_kit.models import embedded_model_dir, load_tokenizer
@@ -111,23 +136,12 @@ def merge() -> dict:
     before = bits()
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     base = gen.generate(_prompts(tok), 1, greedy)
-    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
+    pm = random_adapter(model)
     info = gen.sync_weights(pm)
     res = gen.generate(_prompts(tok), 1, greedy)
-
-    def diffs():
-        return [float((lp - sampling_logprobs_reference(pm, p, ids, greedy)).abs().mean())
-                for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
-
-    lora_diffs = diffs()
+    lora_diffs = mean_logprob_diffs(res, pm, greedy)
     with pm.disable_adapter():
-        base_diffs = diffs()
+        base_diffs = mean_logprob_diffs(res, pm, greedy)
     same_bits_after_generate = bits() == before
     gen.sleep()
     again = gen.generate(_prompts(tok), 1, greedy)

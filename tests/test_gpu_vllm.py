@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _gpu_engine_worker import mean_logprob_diffs, random_adapter
 
 HERE = Path(__file__).resolve().parent
 
@@ -89,22 +90,13 @@ def test_training_weights_are_the_engines_tensors(shared):
     print(json.dumps({"shared_report": report}))
 
 
-def _mean_logprob_diffs(res, model, sampling):
-    """Per completion: mean |vLLM log-prob - HF log-prob| of vLLM's own tokens (HF teacher-forced), so a
-    near-tie that sends the two greedy paths apart in bf16 does not hide a real difference."""
-    from grpo_kit.generation.hf import sampling_logprobs_reference
-
-    return [float((lp - sampling_logprobs_reference(model, p, ids, sampling)).abs().mean())
-            for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
-
-
 def test_engine_logprobs_equal_hf_on_the_shared_weights(shared):
     from grpo_kit.generation import SamplingConfig
 
     gen, make, tok = shared
     model = make().eval()
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
-    diffs = _mean_logprob_diffs(gen.generate(_prompts(tok), 1, greedy), model, greedy)
+    diffs = mean_logprob_diffs(gen.generate(_prompts(tok), 1, greedy), model, greedy)
     assert max(diffs) < BF16_MEAN_LOGP_ATOL, diffs
     print(json.dumps({"base_logprob_mean_abs_diff": diffs}))
 
@@ -132,30 +124,22 @@ def test_standby_releases_the_kv_cache_keeps_weights_and_round_trips(shared):
 
 
 def test_lora_in_memory_sync_gives_the_trained_models_logprobs(shared):
-    from peft import LoraConfig, get_peft_model
-
     from grpo_kit.generation import SamplingConfig
 
     gen, make, tok = shared
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     base = gen.generate(_prompts(tok), 1, greedy)
-    pm = get_peft_model(make(), LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
+    pm = random_adapter(make())
     times = []
     for _ in range(2):
         info = gen.sync_weights(pm)
         assert info["mode"] == "lora_adapter" and gen._lora_request.lora_path.startswith("grpo-kit-memory://")
         times.append(info["seconds"])
         res = gen.generate(_prompts(tok), 1, greedy)
-        diffs = _mean_logprob_diffs(res, pm, greedy)
+        diffs = mean_logprob_diffs(res, pm, greedy)
         assert max(diffs) < BF16_MEAN_LOGP_ATOL, diffs
         with pm.disable_adapter():  # the same tokens under the base model: the adapter must be what made them
-            base_diffs = _mean_logprob_diffs(res, pm, greedy)
+            base_diffs = mean_logprob_diffs(res, pm, greedy)
         # over the completions' means: one completion can sit close to the base model (seen: 0.075 against
         # the adapter's 0.045 on one of four), the four together cannot (seen: 0.178 against 0.036)
         assert sum(base_diffs) / len(base_diffs) > 3 * sum(diffs) / len(diffs), (base_diffs, diffs)
