@@ -617,6 +617,8 @@ def main(argv=None):
     p.add_argument("--tag", default=None, help="file tag (default: gpu name, e.g. h200)")
     p.add_argument("--replot", help="re-write the md/png from an existing json")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: at least 1 timed step")
 
     if args.replot:
         data = json.loads(Path(args.replot).read_text())

@@ -68,6 +68,9 @@ num_eval_samples = 50
 lora_rank = 16
 four_bit = False  # QLoRA: NF4 base weights in training (a 15 GiB T4); generation then uses HF generate
 fp8_kv_cache = True  # vLLM's KV cache in FP8 (16-bit weights, shared with training)
+# how the adapter reaches vLLM: "" the kit's default (vLLM's LoRA kernels); "merge": merged into the shared weights
+# for each generation, exact bits restored after (dense decoding; opt-in, not yet measured on a GPU)
+vllm_lora_sync = ""
 gpu_gib = 80.0  # the card's memory, for the calculator's budget line
 generation_backend = "vllm"  # full setup; "hf" generates with transformers (slow at long context, no FP8 KV)
 fallback_model = "smollm2-135m-instruct"
@@ -85,10 +88,14 @@ seed = 0
 # %%
 from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.models import check_model_name
+from grpo_kit.names import LORA_SYNC_MODES
 from grpo_kit.notebook_utils import choose_setup, validate_params
 
 if preset not in ("", "free_t4"):
     raise ValueError(f"preset={preset!r} is not allowed: '' (the parameters as set) or 'free_t4'")
+if vllm_lora_sync not in ("", *LORA_SYNC_MODES):
+    raise ValueError(f"vllm_lora_sync={vllm_lora_sync!r} is not allowed: '' (the kit's default) or one of "
+                     f"{list(LORA_SYNC_MODES)}")
 if preset == "free_t4":  # the calculator picks the context: the whole step, HF generate's KV cache included
     t4 = free_t4_preset(calculator_model, num_generations=num_generations, prompt_length=max_prompt_length,
                         lora_rank=lora_rank)
@@ -126,7 +133,7 @@ chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=s
 if chosen == "full" and four_bit:  # checked by validate_params below: no bitsandbytes stops here, not mid-run
     settings.update(load_in_4bit=True, generation_backend="hf")  # vLLM cannot take 4-bit training weights yet
 elif chosen == "full" and generation_backend != "hf":
-    settings.update(kv_cache_dtype="fp8" if fp8_kv_cache else "auto")
+    settings.update(kv_cache_dtype="fp8" if fp8_kv_cache else "auto", vllm_lora_sync=vllm_lora_sync or None)
 cfg = validate_params(settings)
 print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
       f"steps={cfg.max_steps}  G={cfg.num_generations}")
@@ -179,7 +186,8 @@ else:
 # weights in NF4, `lm_head` in 16 bit, LoRA on top; needs a CUDA GPU and bitsandbytes, which the Colab cell
 # installs on a GPU runtime); it then generates with HF `generate`, since vLLM cannot take a 4-bit training
 # model's weights yet. Without it, `fp8_kv_cache` becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
-# 16-bit weights with training (measured on an H200: the 20K step in 28.3 GiB). The fallback uses neither.
+# 16-bit weights with training (measured on an H200: the 20K step in 28.3 GiB), and `vllm_lora_sync` becomes the
+# config's field of that name. The fallback uses none of them.
 
 # %%
 from grpo_kit.dashboard import LiveDashboard

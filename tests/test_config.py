@@ -119,6 +119,11 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
         plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
         assert plan.backend == "vllm" and plan.share_weights
         assert plan.vllm_kwargs["lora_sync"] == want and plan.vllm_kwargs["lora_dual_stream"] is stream
+    # an explicit dual stream with nothing to run it on is refused, not dropped
+    copy = GRPOKitConfig(model="llama-3.1-8b", vllm_share_weights=False, vllm_lora_dual_stream=True,
+                         max_completion_length=1024).validate()
+    with pytest.raises(ValueError, match="resolves to 'merge' with a separate engine copy.*vllm_lora_sync='adapter'"):
+        P.plan_generation(copy, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
 
 
 def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():

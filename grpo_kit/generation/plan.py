@@ -203,6 +203,12 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
                   dummy_weights=dummy, lora_sync=lora_sync_mode(cfg, share=share),
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512,
                   lora_dual_stream=lora_dual_stream(cfg, share=share, device=device))
+    if cfg.vllm_lora_dual_stream and not kwargs["lora_dual_stream"]:  # asked for, and nothing to run it on
+        raise ValueError("vllm_lora_dual_stream=True needs vLLM running the adapter in its LoRA kernels on CUDA, but "
+                         + ("this run is not on CUDA" if device != "cuda" else
+                            f"the adapter reaches vLLM merged (vllm_lora_sync resolves to 'merge' with "
+                            f"{'shared weights' if share else 'a separate engine copy'})")
+                         + "; set vllm_lora_sync='adapter', or leave vllm_lora_dual_stream null")
     plan = GenerationPlan(requested, "vllm", model_dir=model_dir, share_weights=share,
                           share_reason=why, vllm_kwargs=kwargs, explicit=explicit)
     if device == "cuda":

@@ -390,6 +390,7 @@ class VLLMGenerator:
         # share_weights + lora_sync="merge": the adapter is merged into the shared weights for each generate
         # call and their exact bits restored after it (.reversible_merge); set by sync_weights
         self._merge = None
+        self._engine_spans: list | None = None  # the engine's parameter storages (addresses), for the merge check
         self.last_merge: dict | None = None
         self._lora_id = 0
         self._closed = False
@@ -482,17 +483,18 @@ class VLLMGenerator:
         is saved then); a merge that fails has put back what it merged and raises as it is."""
         from .reversible_merge import RestoreError
 
+        self._check_merge_targets()
         try:
             merged = self._merge.merge()
         except RestoreError as e:
             self._crashed(e, "the restore of the shared weights after a failed merge")
-        self.llm.reset_prefix_cache()  # cached KV belongs to the weights before the merge
         try:
+            self.llm.reset_prefix_cache()  # cached KV belongs to the weights before the merge
             result = self._generate(prompt_ids, num_generations, sampling, stop, timings)
         finally:
             try:
                 back = self._merge.restore()
-            except RestoreError as e:
+            except Exception as e:  # whatever stopped it, the training model's weights are not the base's
                 self._crashed(e, "the restore of the shared weights")
             if not self._closed:
                 self.llm.reset_prefix_cache()  # and this KV to the merged ones
@@ -594,17 +596,31 @@ class VLLMGenerator:
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             self._lora_request = None
         if self._merge is None or self._merge.model is not model:
-            merge = ReversibleLoraMerge(model)
-            shared = {id(ref()) for ref in self._shared_params}
-            foreign = [name for name, layer in merge.targets if id(layer.get_base_layer().weight) not in shared]
-            if foreign:
-                raise ValueError(f"lora_sync='merge' with shared weights merges into the engine's tensors, but the "
-                                 f"base weights of {foreign[:3]} are not the engine's (build the model with "
-                                 "training_model())")
-            self._merge = merge
+            self._merge = ReversibleLoraMerge(model)
+        self._check_merge_targets()
         self.syncs += 1
         return {"mode": "lora_merge_in_place", "weights": len(self._merge.targets),
                 "seconds": time.perf_counter() - start}
+
+    def _engine_storage(self) -> list[tuple[int, int]]:
+        """``[(start, end)]`` of the engine's parameter storages (addresses), computed once."""
+        if self._engine_spans is None:
+            model = self.llm.collective_rpc(_engine_model)[0]
+            self._engine_spans = [(p.untyped_storage().data_ptr(), p.untyped_storage().data_ptr()
+                                   + p.untyped_storage().nbytes()) for p in model.parameters()]
+        return self._engine_spans
+
+    def _check_merge_targets(self) -> None:
+        """ValueError unless every weight the merge writes lies inside the engine's storage (by address: the
+        training model may have been moved or cast since it was built on the engine's tensors)."""
+        spans = self._engine_storage()
+        foreign = [name for name, layer in self._merge.targets
+                   if not any(a <= (w := layer.get_base_layer().weight).data_ptr() and w.data_ptr() + w.nbytes <= b
+                              for a, b in spans)]
+        if foreign:
+            raise ValueError(f"lora_sync='merge' with shared weights merges into the engine's tensors, but the base "
+                             f"weights of {foreign[:3]} are not the engine's (build the model with training_model() "
+                             "and do not move or cast it)")
 
     def _sync_adapter(self, model) -> dict:
         from vllm.lora.request import LoRARequest
@@ -612,6 +628,7 @@ class VLLMGenerator:
         from .lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
 
         tensors, config = adapter_state(model)
+        self._merge = None  # switched from "merge": the adapter replaces it
         old = self._lora_request
         self._lora_id += 1
         name = f"policy-v{self._lora_id}"
@@ -676,8 +693,13 @@ class VLLMGenerator:
             return
         crashed = self._closed
         self._closed = True
-        if getattr(self, "_merge", None) is not None and self._merge.merged:
-            self._merge.restore()  # never left merged by generate(); kept for an interrupted one
+        merge, self._merge = getattr(self, "_merge", None), None
+        if merge is not None and merge.merged:  # generate() never leaves it merged; an interrupted one might
+            try:
+                merge.restore()
+            except Exception as e:
+                warnings.warn(f"closing the engine: the shared weights could not be restored ({e})", RuntimeWarning,
+                              stacklevel=2)
         llm, self.llm = getattr(self, "llm", None), None
         for ref in self._shared_params:
             p = ref()
