@@ -20,6 +20,7 @@ set -u
 out="${1:?usage: gpu_session.sh OUT_DIR}"
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # bench/step.py runs as a script: the kit from this checkout
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
