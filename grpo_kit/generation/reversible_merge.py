@@ -7,77 +7,57 @@ copy does. Merging into the shared W is sound only if training gets W back bit f
 then ``W -= dW`` in bf16 leaves rounding error in W at every step, and the reference model (the
 base) would drift.
 
-Per weight, in row blocks of at most ``CHUNK_ELEMENTS`` elements, with ``dW = scale * B @ A`` in
-float32 (float64 for float32 weights; float32 matmuls at full precision, no TF32):
+Per weight, with ``dW = sum_i s_i B_i @ A_i`` in float32 (float64 for float32 weights; float32
+matmuls at full precision, no TF32):
 
-    merge:    W' = round(W + dW)                  the weight the engine generates with
+    scan:     W' = round(W + dW)                  the weight the engine generates with
               R  = round(W' - dW)                 what the restore will compute
               E  = {i : bits(R_i) != bits(W_i)}   the elements R misses: where rounding W + dW
                                                   crossed into a coarser binade, W is tiny next to
                                                   dW, a signed zero or a NaN payload
-              keep E's positions and original values (host RAM), a position-weighted checksum of
-              W's bits, and checksums of A and B
-    restore:  W = round(W' - dW);  W[E] = the kept values;  the checksums must match
+              keep E's positions and original values (host RAM), a checksum of W's bits and of the
+              factors; refuse (nothing written yet) when E is over MAX_KEPT_SHARE of the weight
+    merge:    W <- W'
+    restore:  W <- round(W' - dW);  W[E] = the kept values;  the checksums must match
 
-dW is recomputed at restore from the same A and B (their checksums refuse factors changed in between)
-by the same kernels on the same block shapes, so R is the same; W's checksum catches any difference.
-Only E is kept: 0.32% of the elements on the embedded model's bf16 weights with the default run's
-adapter, 2.5% with its B scaled by 16 (``bench/results/reversible_merge_cpu.md``); a merge that would keep
-more than ``MAX_KEPT_SHARE`` of a weight, or whose delta is not finite, is refused and undone.
+dW is recomputed at restore from the same factors (their checksums refuse factors changed in between)
+by the same implementation on the same shapes, so R is the same; W's checksum catches any difference.
+The passes are :mod:`grpo_kit.kernels.lora_merge`'s: one Triton kernel on CUDA (16-bit weights), torch
+row blocks elsewhere. Only E is kept: 0.32% of the elements on the embedded model's bf16 weights with
+the default run's adapter, 2.5% with its B scaled by 16 (``bench/results/reversible_merge_cpu.md``); 432
+elements of the 8B's 7 billion after three steps at lr 1e-5 (``bench/results/rl_step_h200.md``).
 
-Failures leave nothing half done: a merge that fails part way through a weight undoes the blocks it
-wrote; a restore records its progress per block, so after a failure (out of memory, say) another
-:meth:`ReversibleLoraMerge.restore` continues where it stopped.
+Failures leave nothing half done: the scan writes nothing; a torch merge that fails part way gives
+back the row blocks it wrote before raising; a torch restore records its progress per block, so after
+a failure (out of memory, say) another :meth:`ReversibleLoraMerge.restore` continues where it stopped.
 
-The temporaries (a few float32 row blocks, ~150 MiB) are freed before vLLM runs its forward passes,
-so the generation phase's peak stays the engine's (weights, KV cache, workspace).
+The temporaries (the scan's int8 mask of the largest weight, and on the torch path a few float32 row
+blocks) are freed before vLLM runs its forward passes, so the generation phase's peak stays the
+engine's (weights, KV cache, workspace).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 23  # per row block: float32 temporaries of 32 MiB each, ~150 MiB in all
+from ..kernels import lora_merge as K
+from ..kernels.lora_merge import bit_sum  # noqa: F401  (the checksum, part of this module's interface)
+
 MAX_KEPT_SHARE = 0.25  # a merge keeping more of a weight than this is refused (seen: 0.3%-2.5%)
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_WEIGHTS_CACHE: dict = {}  # the checksum's position weights per device (errors that cancel in a plain sum do not)
 
 
 class RestoreError(RuntimeError):
     """The base weights could not be given back bit for bit (the message names the weight)."""
 
 
-def _position_weights(n: int, device) -> torch.Tensor:
-    """1..32768 by position within a block of ``CHUNK_ELEMENTS`` (int32), made once per device."""
-    key = (str(device), CHUNK_ELEMENTS)
-    if key not in _WEIGHTS_CACHE:
-        _WEIGHTS_CACHE[key] = (torch.arange(CHUNK_ELEMENTS, dtype=torch.int32, device=device) & 32767) + 1
-    return _WEIGHTS_CACHE[key][:n]
-
-
-def bit_sum(t: torch.Tensor) -> int:
-    """A checksum of ``t``'s bit patterns (any dtype, read as integers of its size), each weighted by its
-    position (1..32768), summed in int64 per block: equal for equal bits; a single changed element, or two
-    that change by opposite amounts, change it. 16-bit patterns times the weights fit int32 (half the bytes
-    of int64 arithmetic; 2.6x faster on the CPU)."""
-    flat = t.detach().reshape(-1).view(_SAME_SIZE_INT[t.element_size()])
-    wide = torch.int32 if t.element_size() <= 2 else torch.int64  # wider patterns wrap in int64: still exact
-    total = 0
-    for s in range(0, flat.numel(), CHUNK_ELEMENTS):
-        x = flat[s:s + CHUNK_ELEMENTS]
-        total += int((x.to(wide) * _position_weights(x.numel(), x.device).to(wide)).sum(dtype=torch.int64))
-    return total
-
-
 @contextmanager
 def _full_precision():
-    """float32 matmuls at full precision (no TF32) while the delta is formed, whatever the caller set: the
-    merge and the restore must compute it the same way."""
+    """float32 matmuls at full precision (no TF32) while dW is formed on the torch path, whatever the
+    caller set: the merge and the restore must compute it the same way."""
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -86,100 +66,79 @@ def _full_precision():
         torch.set_float32_matmul_precision(old)
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float32 else torch.float32
-
-
-def _delta(factors, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``r0:r1`` of ``sum(scale * B @ A)`` in ``dtype``: (r1 - r0, in_features)."""
-    out = None
-    for a, b, scale in factors:
-        d = (b[r0:r1].to(dtype) @ a.to(dtype)) * scale
-        out = d if out is None else out + d
-    return out
-
-
 @dataclass
 class MergedWeight:
-    """What one merged weight needs to come back: per row block, E's flat positions and original values
-    (host RAM); the checksums of the weight and of its factors; how many rows a restore has given back."""
+    """What one merged weight needs to come back: E's flat positions and original values (host RAM), the
+    checksums of the weight and of its factors, the pass implementation, and the restore's progress."""
 
     factors: list  # [(A, B, scale)]: the live LoRA parameters
     factor_sums: list
-    rows_per_block: int
-    blocks: list = field(default_factory=list)  # [(first row, positions, values)]
-    bits: int = 0
+    backend: str  # "triton" | "torch": the restore runs the merge's implementation
+    positions: torch.Tensor
+    values: torch.Tensor
+    bits: int
     restored_rows: int = 0
+    restored_bits: int | None = None  # checksum of R once every row is restored (before E is put back)
 
     @property
     def kept(self) -> int:
-        return sum(p.numel() for _, p, _ in self.blocks)
+        return self.positions.numel()
 
     @property
     def kept_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() + v.numel() * v.element_size() for _, p, v in self.blocks)
+        return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
 
 
 def _factor_sums(factors) -> list:
     return [(bit_sum(a), bit_sum(b)) for a, b, _ in factors]
 
 
-def _restore_rows(weight: torch.Tensor, saved: MergedWeight, end: int) -> None:
-    """Give rows ``saved.restored_rows:end`` back (block by block, progress recorded after each)."""
-    wide = _wide(weight.dtype)
-    flat = weight.view(-1)
-    step = saved.rows_per_block
-    kept = {r0: (p, v) for r0, p, v in saved.blocks}
-    with torch.no_grad(), _full_precision():
-        for r0 in range(saved.restored_rows, end, step):
-            r1 = min(r0 + step, end)
-            w = weight[r0:r1]
-            w.copy_((w.to(wide) - _delta(saved.factors, r0, r1, wide)).to(weight.dtype))
-            if r0 in kept:
-                positions, values = kept[r0]
-                flat[positions.to(weight.device, torch.int64)] = values.to(weight.device)
-            saved.restored_rows = r1
+def _folded(factors, weight):
+    return K.fold_factors(factors, weight.device, K._wide(weight.dtype))
+
+
+def _put_back(weight: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    if positions.numel():
+        weight.view(-1)[positions.to(weight.device, torch.int64)] = values.to(weight.device)
 
 
 def merge_weight(weight: torch.Tensor, factors, name: str = "weight") -> MergedWeight:
     """``weight`` (out, in), bf16/fp16/fp32, becomes ``round(weight + sum(scale * B @ A))`` in place;
     returns what :func:`restore_weight` needs to give the exact original bits back. ``factors``:
-    ``[(A (r, in), B (out, r), scale)]``. A failure part way (out of memory, a delta that is not finite,
-    too many elements to keep) gives the rows already merged back before it raises."""
+    ``[(A (r, in), B (out, r), scale)]``. Factors that are not finite, or too many elements to keep, are
+    refused before anything is written; a torch merge failing part way gives its rows back first."""
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"{name}: merge_weight needs a contiguous (out, in) weight, got shape "
                          f"{tuple(weight.shape)}, strides {weight.stride()}")
-    wide = _wide(weight.dtype)
-    ints = _INT_VIEW[weight.dtype]
-    pos_dtype = torch.int32 if weight.numel() < 2**31 else torch.int64  # kept in host RAM: half the bytes
-    saved = MergedWeight(factors=list(factors), factor_sums=_factor_sums(factors), bits=bit_sum(weight),
-                         rows_per_block=max(1, CHUNK_ELEMENTS // max(1, weight.shape[1])))
-    step, limit, kept = saved.rows_per_block, MAX_KEPT_SHARE * weight.numel(), 0
-    done = 0
-    try:
-        with torch.no_grad(), _full_precision():
-            for r0 in range(0, weight.shape[0], step):
-                r1 = min(r0 + step, weight.shape[0])
-                w = weight[r0:r1]
-                d = _delta(factors, r0, r1, wide)
-                if not bool(torch.isfinite(d).all()):
-                    raise ValueError(f"{name}: the LoRA delta is not finite (NaN or inf in the adapter)")
-                merged = (w.to(wide) + d).to(weight.dtype)
-                back = (merged.to(wide) - d).to(weight.dtype)
-                miss = (back.view(ints) != w.view(ints)).reshape(-1).nonzero().squeeze(1)
-                kept += miss.numel()
-                if kept > limit:
-                    raise ValueError(f"{name}: the merge would keep more than {MAX_KEPT_SHARE:.0%} of the weight's "
-                                     "elements to restore it (an adapter far larger than the weights); use "
-                                     "vllm_lora_sync='adapter'")
-                if miss.numel():
-                    saved.blocks.append((r0, (miss + r0 * weight.shape[1]).to("cpu", pos_dtype),
-                                         w.reshape(-1)[miss].to("cpu")))
-                w.copy_(merged)
+    with torch.no_grad(), _full_precision():
+        b, a = _folded(factors, weight)
+        if not (bool(torch.isfinite(b).all()) and bool(torch.isfinite(a).all())):
+            raise ValueError(f"{name}: the LoRA factors are not finite (NaN or inf in the adapter)")
+        backend = "triton" if K.triton_usable(weight) else "torch"
+        miss, bits = K.run_triton(K.SCAN, weight, b, a) if backend == "triton" else K.scan_torch(weight, b, a)
+        positions = miss.view(-1).nonzero().squeeze(1)
+        del miss
+        if positions.numel() > MAX_KEPT_SHARE * weight.numel():
+            raise ValueError(f"{name}: the merge would keep more than {MAX_KEPT_SHARE:.0%} of the weight's elements "
+                             "to restore it (an adapter far larger than the weights); use vllm_lora_sync='adapter'")
+        saved = MergedWeight(factors=list(factors), factor_sums=_factor_sums(factors), backend=backend,
+                             positions=positions.to("cpu", torch.int32 if weight.numel() < 2**31 else torch.int64),
+                             values=weight.view(-1)[positions].to("cpu"), bits=bits)
+        if backend == "triton":
+            K.run_triton(K.MERGE, weight, b, a)
+            return saved
+        done = 0
+        try:
+            for r0 in range(0, weight.shape[0], K.rows_per_block(weight)):
+                r1 = min(r0 + K.rows_per_block(weight), weight.shape[0])
+                K.merge_rows_torch(weight, b, a, r0, r1)
                 done = r1
-    except BaseException:
-        _restore_rows(weight, saved, done)  # the blocks already written; nothing merged is left behind
-        raise
+        except BaseException:  # give the rows already written back, then raise
+            for _ in K.restore_rows_torch(weight, b, a, 0, done):
+                pass
+            inside = saved.positions.to(torch.int64) < done * weight.shape[1]
+            _put_back(weight, saved.positions[inside], saved.values[inside])
+            raise
     return saved
 
 
@@ -189,10 +148,33 @@ def restore_weight(weight: torch.Tensor, saved: MergedWeight, name: str = "weigh
     if _factor_sums(saved.factors) != saved.factor_sums:
         raise RestoreError(f"{name}: its LoRA factors changed while merged (an optimiser step between merge and "
                            "restore?); the base weight cannot be given back exactly")
-    _restore_rows(weight, saved, weight.shape[0])
-    if bit_sum(weight) != saved.bits:
+    rows = weight.shape[0]
+    with torch.no_grad(), _full_precision():
+        if saved.restored_rows < rows:
+            b, a = _folded(saved.factors, weight)
+            if saved.backend == "triton":
+                _, saved.restored_bits = K.run_triton(K.RESTORE, weight, b, a)
+                saved.restored_rows = rows
+            else:
+                for end in K.restore_rows_torch(weight, b, a, saved.restored_rows, rows):
+                    saved.restored_rows = end
+        if saved.restored_bits is None:
+            saved.restored_bits = bit_sum(weight)
+        # W's checksum = R's + what putting E back changes: (bits(W_e) - bits(R_e)) x their position weights
+        pos = saved.positions.to(weight.device, torch.int64)
+        ints = K._SAME_SIZE_INT[weight.element_size()]
+        r_e = weight.view(-1)[pos].view(ints).to(torch.int64)
+        w_e = saved.values.to(weight.device).view(ints).to(torch.int64)
+        change = int(((w_e - r_e) * (pos % K._WEIGHT_PERIOD + 1)).sum()) if pos.numel() else 0
+        _put_back(weight, saved.positions, saved.values)
+    if _wrap(saved.restored_bits + change, weight) != _wrap(saved.bits, weight):
         raise RestoreError(f"{name}: the restored base weight differs from the original (checksums differ): "
                            "the LoRA delta was not recomputed identically")
+
+
+def _wrap(checksum: int, weight: torch.Tensor) -> int:
+    """Checksums of 4- and 8-byte patterns are int64 sums that wrap; compare them modulo 2**64."""
+    return checksum % (1 << 64) if weight.element_size() > 2 else checksum
 
 
 def lora_targets(model) -> list[tuple[str, object]]:

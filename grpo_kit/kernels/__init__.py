@@ -2,4 +2,8 @@
 
 ``grpo_epilogue``: the per-chunk epilogue of ``grpo_kit.loss.efficient_grpo_loss``
 (row logsumexp + target log-prob, and the in-place softmax-minus-one-hot gradient).
+
+``lora_merge``: the scan, merge and restore passes of
+``grpo_kit.generation.reversible_merge`` (the LoRA adapter merged into shared weights and their exact
+bits put back), one Triton kernel on CUDA and torch row blocks elsewhere.
 """
