@@ -5,15 +5,10 @@ import), so the checks run in a fresh interpreter process; they exercise the sam
 the GPU compiles. Skipped only when Triton is not installed.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from _interpreter import run_in_triton_interpreter
 
 SCRIPT = textwrap.dedent(
     """
@@ -84,10 +79,7 @@ SCRIPT = textwrap.dedent(
 
 def test_triton_epilogue_in_interpreter_matches_torch():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "TRITON-INTERPRETER-OK" in res.stdout, res.stdout + res.stderr
+    run_in_triton_interpreter(SCRIPT, "TRITON-INTERPRETER-OK", timeout=300)
 
 
 def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter():

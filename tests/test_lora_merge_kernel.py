@@ -11,15 +11,10 @@ TRITON_INTERPRET=1 must be set before Triton is imported, so the checks run in a
 the kernel source the GPU compiles. Skipped only when Triton is not installed.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from _interpreter import run_in_triton_interpreter
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,10 +63,7 @@ SCRIPT = textwrap.dedent(
 
 def test_lora_merge_kernel_in_interpreter_matches_torch_and_restores_every_bit():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
-    assert res.returncode == 0 and "LORA-MERGE-INTERPRETER-OK" in res.stdout, res.stdout + res.stderr
+    run_in_triton_interpreter(SCRIPT, "LORA-MERGE-INTERPRETER-OK")
 
 
 def test_the_kernel_takes_only_16_bit_cuda_weights_outside_the_interpreter():

@@ -22,15 +22,7 @@ import functools
 
 import torch
 
-try:  # Triton is optional: the CPU path never needs it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -113,11 +105,6 @@ def _softmax_grad_kernel(Z, stride_z, IDS, LSE, COEF, inv_temp, n_cols: tl.const
         s = tl.load(z_row + cols, mask=inb, other=0.0).to(tl.float32) * inv_temp
         g = tl.exp(s - lse) - tl.where(cols == y, 1.0, 0.0)
         tl.store(z_row + cols, (c * g).to(Z.dtype.element_ty), mask=inb)
-
-
-def interpreter_active() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 before import)."""
-    return HAS_TRITON and bool(triton.knobs.runtime.interpret)
 
 
 # (BLOCK, num_warps) tried by the autotuner on the GPU, once per vocabulary size. Wider tiles put

@@ -28,15 +28,7 @@ import functools
 
 import torch
 
-try:  # Triton is optional: the torch passes never need it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
 CHUNK_ELEMENTS = 1 << 23  # torch passes: elements per row block (float32 temporaries of 32 MiB each)
 SCAN, MERGE, RESTORE = 0, 1, 2
@@ -165,11 +157,6 @@ def _merge_kernel(W, B, A, MISS, SUMS, M, N, K: tl.constexpr, MODE: tl.constexpr
         bits = r.to(tl.int16, bitcast=True).to(tl.int32)
         part = tl.sum(tl.sum(tl.where(inside, bits * weights, 0).to(tl.int64), axis=1), axis=0)
         tl.store(SUMS + pid_m * tl.num_programs(1) + pid_n, part)
-
-
-def interpreter_active() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 before import)."""
-    return HAS_TRITON and bool(triton.knobs.runtime.interpret)
 
 
 @functools.lru_cache(maxsize=None)
