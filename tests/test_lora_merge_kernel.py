@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
             assert bits_k == bits_t == K.bit_sum(w), (dtype, m, n)
             w_k, w_t = w.clone(), w.clone()
             K.run_triton(K.MERGE, w_k, b, a)
-            K.merge_rows_torch(w_t, b, a, 0, m)
+            list(K.merge_rows_torch(w_t, b, a, 0, m))  # a generator: run every block
             assert not torch.equal(ints(w_k), ints(w)), "the merge must write the weight"
             if dtype == torch.float16:  # the interpreter truncates float32 -> bf16 (the GPU rounds to nearest)
                 rare = max(1, 0.02 * w.numel())  # ties a tile's dot product rounds differently from BLAS

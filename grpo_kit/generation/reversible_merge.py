@@ -129,10 +129,8 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight") -> MergedW
             return saved
         done = 0
         try:
-            for r0 in range(0, weight.shape[0], K.rows_per_block(weight)):
-                r1 = min(r0 + K.rows_per_block(weight), weight.shape[0])
-                K.merge_rows_torch(weight, b, a, r0, r1)
-                done = r1
+            for done in K.merge_rows_torch(weight, b, a, 0, weight.shape[0]):
+                pass
         except BaseException:  # give the rows already written back, then raise
             for _ in K.restore_rows_torch(weight, b, a, 0, done):
                 pass

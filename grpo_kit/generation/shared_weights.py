@@ -124,25 +124,36 @@ def build_shared_model(engine_model, config, dtype: torch.dtype):
     return model
 
 
+def storage_spans(engine_model) -> list[tuple[int, int]]:
+    """``[(start, end)]`` addresses of the storages behind ``engine_model``'s parameters and buffers."""
+    spans = []
+    for t in list(engine_model.parameters()) + list(engine_model.buffers()):
+        s = t.untyped_storage()
+        spans.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+    return spans
+
+
+def inside_storage(t: torch.Tensor, spans) -> bool:
+    """Whether ``t``'s bytes lie inside one of ``spans`` (a view of an engine tensor)."""
+    lo, n = t.data_ptr(), t.numel() * t.element_size()
+    return any(a <= lo and lo + n <= b for a, b in spans)
+
+
 def shared_storage(model, engine_model) -> dict:
     """How much of ``model``'s parameter memory lies inside ``engine_model``'s tensors.
 
     Returns ``{"shared_params", "other_params", "shared_bytes", "other_bytes"}``: a parameter counts
     as shared when its ``data_ptr`` range lies inside an engine tensor's storage (a view of it).
     """
-    spans = []
-    for t in list(engine_model.parameters()) + list(engine_model.buffers()):
-        s = t.untyped_storage()
-        spans.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+    spans = storage_spans(engine_model)
     out = dict(shared_params=0, other_params=0, shared_bytes=0, other_bytes=0)
     seen = set()
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        lo, n = p.data_ptr(), p.numel() * p.element_size()
-        inside = any(a <= lo and lo + n <= b for a, b in spans)
-        key = "shared" if inside else "other"
+        n = p.numel() * p.element_size()
+        key = "shared" if inside_storage(p, spans) else "other"
         out[f"{key}_params"] += 1
         out[f"{key}_bytes"] += n
     return out

@@ -602,21 +602,15 @@ class VLLMGenerator:
         return {"mode": "lora_merge_in_place", "weights": len(self._merge.targets),
                 "seconds": time.perf_counter() - start}
 
-    def _engine_storage(self) -> list[tuple[int, int]]:
-        """``[(start, end)]`` of the engine's parameter storages (addresses), computed once."""
-        if self._engine_spans is None:
-            model = self.llm.collective_rpc(_engine_model)[0]
-            self._engine_spans = [(p.untyped_storage().data_ptr(), p.untyped_storage().data_ptr()
-                                   + p.untyped_storage().nbytes()) for p in model.parameters()]
-        return self._engine_spans
-
     def _check_merge_targets(self) -> None:
         """ValueError unless every weight the merge writes lies inside the engine's storage (by address: the
         training model may have been moved or cast since it was built on the engine's tensors)."""
-        spans = self._engine_storage()
+        from .shared_weights import inside_storage, storage_spans
+
+        if self._engine_spans is None:  # the engine's tensors never move: their addresses once
+            self._engine_spans = storage_spans(self.llm.collective_rpc(_engine_model)[0])
         foreign = [name for name, layer in self._merge.targets
-                   if not any(a <= (w := layer.get_base_layer().weight).data_ptr() and w.data_ptr() + w.nbytes <= b
-                              for a, b in spans)]
+                   if not inside_storage(layer.get_base_layer().weight, self._engine_spans)]
         if foreign:
             raise ValueError(f"lora_sync='merge' with shared weights merges into the engine's tensors, but the base "
                              f"weights of {foreign[:3]} are not the engine's (build the model with training_model() "

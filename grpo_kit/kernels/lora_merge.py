@@ -85,41 +85,43 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
-def rows_per_block(weight: torch.Tensor) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+def row_blocks(weight: torch.Tensor, start: int = 0, end: int | None = None):
+    """``(r0, r1)`` of the row blocks of at most ``CHUNK_ELEMENTS`` elements covering rows ``start:end``."""
+    step = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    end = weight.shape[0] if end is None else end
+    for r0 in range(start, end, step):
+        yield r0, min(r0 + step, end)
 
 
 def scan_torch(weight, b, a):
     """(miss (out, in) bool, checksum of W). ``b``, ``a``: :func:`fold_factors` in the weight's wide dtype."""
     ints = _SAME_SIZE_INT[weight.element_size()]
     miss = torch.empty(weight.shape, dtype=torch.bool, device=weight.device)
-    step = rows_per_block(weight)
-    for r0 in range(0, weight.shape[0], step):
-        w = weight[r0:r0 + step]
-        d = b[r0:r0 + step] @ a
+    for r0, r1 in row_blocks(weight):
+        w = weight[r0:r1]
+        d = b[r0:r1] @ a
         merged = (w.to(d.dtype) + d).to(weight.dtype)
         back = (merged.to(d.dtype) - d).to(weight.dtype)
-        miss[r0:r0 + step] = back.view(ints) != w.view(ints)
+        miss[r0:r1] = back.view(ints) != w.view(ints)
     return miss, bit_sum(weight)
 
 
-def merge_rows_torch(weight, b, a, start: int, end: int) -> None:
-    """``W <- round(W + dW)`` for rows ``start:end``."""
-    for r0 in range(start, end, rows_per_block(weight)):
-        r1 = min(r0 + rows_per_block(weight), end)
+def _add_rows_torch(weight, b, a, start: int, end: int, subtract: bool):
+    for r0, r1 in row_blocks(weight, start, end):
         w = weight[r0:r1]
         d = b[r0:r1] @ a
-        w.copy_((w.to(d.dtype) + d).to(weight.dtype))
+        w.copy_(((w.to(d.dtype) - d) if subtract else (w.to(d.dtype) + d)).to(weight.dtype))
+        yield r1
+
+
+def merge_rows_torch(weight, b, a, start: int, end: int):
+    """``W <- round(W + dW)`` for rows ``start:end``, block by block; yields each finished block's end row."""
+    return _add_rows_torch(weight, b, a, start, end, subtract=False)
 
 
 def restore_rows_torch(weight, b, a, start: int, end: int):
     """``W <- round(W - dW)`` for rows ``start:end``, block by block; yields each finished block's end row."""
-    for r0 in range(start, end, rows_per_block(weight)):
-        r1 = min(r0 + rows_per_block(weight), end)
-        w = weight[r0:r1]
-        d = b[r0:r1] @ a
-        w.copy_((w.to(d.dtype) - d).to(weight.dtype))
-        yield r1
+    return _add_rows_torch(weight, b, a, start, end, subtract=True)
 
 
 # ----------------------------------------------------------------------------------------------
