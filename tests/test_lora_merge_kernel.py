@@ -2,7 +2,7 @@
 against its torch passes: the scan's checksum equals the torch checksum exactly; in fp16 its miss mask agrees and
 the merged weight equals the torch pass's to the last bit but for rare ties (a tile's dot product may round its
 last bit differently from a BLAS block's); the restore's checksum is the result's; and the whole reversible
-merge through the kernel gives every bit back (odd shapes, masked edge tiles, a rank padded from 20 to 32, two
+merge through the kernel gives every bit back (odd shapes, masked edge tiles, ranks padded from 20 to 32 and from 40 to 64 (tl.arange's power of two), two
 adapters side by side, signed zeros, NaN, bf16 and fp16). Triton 3.6's interpreter converts float32 to bf16 by
 truncation where the GPU rounds to nearest even, so in bf16 it checks the kernel against itself (the round
 trip) only; the GPU tier (tests/test_gpu_core.py) compares the bf16 kernel with the torch pass on CUDA.
@@ -31,13 +31,14 @@ SCRIPT = textwrap.dedent(
                 for r, s in zip(ranks, (0.5, 2.0))]
 
     for dtype in (torch.bfloat16, torch.float16):
-        for m, n, ranks in ((37, 53, (4,)), (1, 17, (16,)), (70, 130, (20,)), (33, 40, (8, 8))):
+        for m, n, ranks in ((37, 53, (4,)), (1, 17, (16,)), (70, 130, (20,)), (21, 70, (40,)), (33, 40, (8, 8))):
             w = (torch.randn(m, n, generator=g) * 0.02).to(dtype)
             flat = w.view(-1)
             flat[0], flat[-1] = -0.0, float("nan")
             f = factors(m, n, ranks)
             b, a = K.fold_factors(f, "cpu")
-            assert b.shape[1] % 16 == 0 and a.shape[0] == b.shape[1]
+            k = b.shape[1]  # tl.arange takes only powers of two: 40 -> 64, not 48
+            assert k >= 16 and k & (k - 1) == 0 and a.shape[0] == k
             miss_k, bits_k = K.run_triton(K.SCAN, w, b, a)
             miss_t, bits_t = K.scan_torch(w, b, a)
             assert bits_k == bits_t == K.bit_sum(w), (dtype, m, n)

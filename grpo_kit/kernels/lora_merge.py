@@ -1,7 +1,7 @@
 """The passes of the reversible LoRA merge (``grpo_kit.generation.reversible_merge``) over one weight.
 
 W (out, in) in bf16 or fp16; the adapter folded into ``B' = [s_1 B_1 | s_2 B_2 | ...]`` (out, K) and
-``A' = [A_1; A_2; ...]`` (K, in), float32, K padded with zeros to a multiple of 16 (zeros add exactly
+``A' = [A_1; A_2; ...]`` (K, in), float32, K padded with zeros to a power of two >= 16 (zeros add exactly
 nothing); ``dW = B' @ A'`` in float32, formed tile by tile and never stored. Three passes:
 
 * ``scan``: ``W' = round(W + dW)``, ``R = round(W' - dW)``; returns ``miss = bits(R) != bits(W)``
@@ -68,10 +68,11 @@ def bit_sum(t: torch.Tensor) -> int:
 
 def fold_factors(factors, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``[(A (r, in), B (out, r), scale)]`` -> ``(B' (out, K), A' (K, in))`` in ``dtype``: the scales folded
-    into B', the adapters side by side, K padded with zeros to a multiple of 16 (``tl.dot``'s smallest)."""
+    into B', the adapters side by side, K padded with zeros to a power of two >= 16 (``tl.arange`` needs a
+    power of two, ``tl.dot`` at least 16)."""
     b = torch.cat([bb.detach().to(device, dtype) * float(s) for _, bb, s in factors], dim=1)
     a = torch.cat([aa.detach().to(device, dtype) for aa, _, _ in factors], dim=0)
-    pad = -b.shape[1] % 16
+    pad = max(16, 1 << (b.shape[1] - 1).bit_length()) - b.shape[1]
     if pad:
         b = torch.cat([b, b.new_zeros(b.shape[0], pad)], dim=1)
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])], dim=0)
