@@ -31,13 +31,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
-step gputier 420 python3 -m pytest -m gpu tests/test_gpu_vllm.py tests/test_gpu_core.py -k "merged or streamed or reversible" -q -s \
-  -rs -p no:cacheprovider
-step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
+step kernel 240 python3 -m pytest -m gpu tests/test_gpu_core.py -k "reversible" -q -s -rs -p no:cacheprovider
+step rl4k 420 $bench --rows grpo_kit_merge --completion 4096 --steps 3 --gen-tokens 512 --timeout 380
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
   --lora-r 16 --repeat 3 --out-dir $out/results"
 step qlora_1k_4bit 300 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --tag llama8b_4bit_fp16_1k
 step qlora_1k_fp16 240 $ratio --dtype fp16 --tag llama8b_fp16_1k
+step gputier 420 python3 -m pytest -m gpu tests/test_gpu_vllm.py tests/test_gpu_core.py -k "merged or streamed" -q -s \
+  -rs -p no:cacheprovider
 step qlora_longest 540 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag llama8b_4bit_longest

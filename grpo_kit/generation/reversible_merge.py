@@ -114,7 +114,8 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight") -> MergedW
         b, a = _folded(factors, weight)
         if not (bool(torch.isfinite(b).all()) and bool(torch.isfinite(a).all())):
             raise ValueError(f"{name}: the LoRA factors are not finite (NaN or inf in the adapter)")
-        backend = "triton" if K.triton_usable(weight) else "torch"
+        usable = K.triton_usable(weight) and K.kernel_round_trips(str(weight.device), weight.dtype, b.shape[1])
+        backend = "triton" if usable else "torch"
         miss, bits = K.run_triton(K.SCAN, weight, b, a) if backend == "triton" else K.scan_torch(weight, b, a)
         positions = miss.view(-1).nonzero().squeeze(1)
         del miss

@@ -128,8 +128,10 @@ def restore_rows_torch(weight, b, a, start: int, end: int):
 # ----------------------------------------------------------------------------------------------
 # Triton: one kernel, three passes
 # ----------------------------------------------------------------------------------------------
-def _merge_kernel(W, B, A, MISS, SUMS, M, N, K: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # MODE is a runtime value and every pass runs the same instructions: one compiled binary forms dW for the
+    # scan, the merge and the restore. (With MODE as a constexpr, each pass was its own compilation, and on
+    # the H200 the passes' dW differed in the last bit: the restore missed elements the scan had not kept.)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,31 +142,28 @@ def _merge_kernel(W, B, A, MISS, SUMS, M, N, K: tl.constexpr, MODE: tl.constexpr
     ks = tl.arange(0, K)
     b = tl.load(B + rows[:, None].to(tl.int64) * K + ks[None, :], mask=rmask[:, None], other=0.0)
     a = tl.load(A + ks[:, None].to(tl.int64) * N + cols[None, :], mask=cmask[None, :], other=0.0)
-    d = tl.dot(b, a, input_precision="ieee")  # full float32: the same dW in every pass
+    d = tl.dot(b, a, input_precision="ieee")  # full float32
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     w = tl.load(W + offs, mask=inside, other=0.0)
+    added = (w.to(tl.float32) + d).to(w.dtype, fp_downcast_rounding="rtne")  # scan, merge: W' = round(W + dW)
+    taken = (w.to(tl.float32) - d).to(w.dtype, fp_downcast_rounding="rtne")  # restore: round(W' - dW)
+    back = (added.to(tl.float32) - d).to(w.dtype, fp_downcast_rounding="rtne")  # scan: R
+    w_bits = w.to(tl.int16, bitcast=True)
+    miss = back.to(tl.int16, bitcast=True) != w_bits
+    tl.store(MISS + offs, miss.to(tl.int8), mask=inside & (MODE == 0))
+    tl.store(W + offs, tl.where(MODE == 1, added, taken), mask=inside & (MODE != 0))
+    bits = tl.where(MODE == 0, w_bits, taken.to(tl.int16, bitcast=True)).to(tl.int32)
     weights = (offs % 32768).to(tl.int32) + 1
-    if MODE == 0:  # scan
-        merged = (w.to(tl.float32) + d).to(w.dtype, fp_downcast_rounding="rtne")
-        back = (merged.to(tl.float32) - d).to(w.dtype, fp_downcast_rounding="rtne")
-        miss = back.to(tl.int16, bitcast=True) != w.to(tl.int16, bitcast=True)
-        tl.store(MISS + offs, miss.to(tl.int8), mask=inside)
-        bits = w.to(tl.int16, bitcast=True).to(tl.int32)
-        part = tl.sum(tl.sum(tl.where(inside, bits * weights, 0).to(tl.int64), axis=1), axis=0)
-        tl.store(SUMS + pid_m * tl.num_programs(1) + pid_n, part)
-    elif MODE == 1:  # merge
-        tl.store(W + offs, (w.to(tl.float32) + d).to(w.dtype, fp_downcast_rounding="rtne"), mask=inside)
-    else:  # restore
-        r = (w.to(tl.float32) - d).to(w.dtype, fp_downcast_rounding="rtne")
-        tl.store(W + offs, r, mask=inside)
-        bits = r.to(tl.int16, bitcast=True).to(tl.int32)
-        part = tl.sum(tl.sum(tl.where(inside, bits * weights, 0).to(tl.int64), axis=1), axis=0)
-        tl.store(SUMS + pid_m * tl.num_programs(1) + pid_n, part)
+    part = tl.sum(tl.sum(tl.where(inside, bits * weights, 0).to(tl.int64), axis=1), axis=0)
+    tl.store(SUMS + pid_m * tl.num_programs(1) + pid_n, part, mask=MODE != 1)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    return triton.jit(_merge_kernel)
+    # no specialisation on the values or alignments that differ between passes or weights: one binary per
+    # (dtype, K), which is what kernel_round_trips checks
+    return triton.jit(_merge_kernel, do_not_specialize=["M", "N", "MODE"],
+                      do_not_specialize_on_alignment=["W", "B", "A", "MISS", "SUMS"])
 
 
 def triton_usable(weight: torch.Tensor) -> bool:
@@ -179,7 +178,28 @@ def run_triton(mode: int, weight, b, a):
     m, n = weight.shape
     bm, bn, warps = _INTERP_TILE if interpreter_active() else _TILE
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    miss = torch.empty(weight.shape, dtype=torch.int8, device=weight.device) if mode == SCAN else weight
-    sums = torch.empty(grid[0] * grid[1], dtype=torch.int64, device=weight.device) if mode != MERGE else weight
-    _kernel()[grid](weight, b, a, miss, sums, m, n, K=b.shape[1], MODE=mode, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    miss = torch.empty(weight.shape if mode == SCAN else (1,), dtype=torch.int8, device=weight.device)
+    sums = torch.empty(grid[0] * grid[1] if mode != MERGE else 1, dtype=torch.int64, device=weight.device)
+    _kernel()[grid](weight, b, a, miss, sums, m, n, mode, K=b.shape[1], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return (miss if mode == SCAN else None), (int(sums.sum()) if mode != MERGE else None)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_round_trips(device: str, dtype: torch.dtype, k: int) -> bool:
+    """Whether the kernel's scan, merge and restore give every bit of a probe weight back on ``device`` for
+    ``dtype`` and folded rank ``k``: the compiled binary the real weights will run (one per (dtype, K)) checked
+    once before it touches them; where it does not round-trip the merge uses the torch passes."""
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    w = (torch.randn(200, 1000, generator=g) * 0.02).to(device=device, dtype=dtype)
+    b = (torch.randn(200, k, generator=g) * 0.05).to(device)
+    a = (torch.randn(k, 1000, generator=g) * 0.05).to(device)
+    original = w.clone()
+    miss, bits = run_triton(SCAN, w, b, a)
+    keep = miss.view(-1).nonzero().squeeze(1)
+    kept = w.view(-1)[keep].clone()
+    run_triton(MERGE, w, b, a)
+    changed = not torch.equal(w, original)
+    run_triton(RESTORE, w, b, a)
+    w.view(-1)[keep] = kept
+    ints = _INT_VIEW[dtype]
+    return changed and torch.equal(w.view(ints), original.view(ints)) and bits == bit_sum(original)
