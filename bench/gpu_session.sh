@@ -25,7 +25,8 @@ step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   echo "$(date -u +%T) start $name" >> "$out/progress.txt"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$(date -u +%T) end $name rc=$?" >> "$out/progress.txt"
+  local rc=$?  # before any other command: "$(date)" inside the echo would reset $? (every rc read 0 on 2026-12-05)
+  echo "$(date -u +%T) end $name rc=$rc" >> "$out/progress.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \

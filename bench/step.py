@@ -513,10 +513,14 @@ def write_report(data, out_dir, tag):
          f"Command: `{data['command']}`  ", f"Date: {hw['date']}; torch {hw['torch']}, triton {hw.get('triton')}, "
          f"transformers {hw.get('transformers')}, peft {hw.get('peft')}; GPU {hw.get('gpu')} "
          f"({fmt(hw.get('gpu_total_gib'))} GiB); host RAM {fmt(hw.get('host_ram_gib'))} GiB.", "",
-         "Random bf16 weights, LoRA r=16 on all linear layers (fp32 adapter), AdamW; one step = reference "
-         "log-probs (adapter off, no grad) + policy forward/backward over all generations in micro-batches + "
-         "optimiser step. Peaks are `torch.cuda.max_memory_allocated` / `max_memory_reserved` over the measured "
-         "step; time is one step after a short warm-up step. Loss: grpo, eps 0.2, beta as listed. "
+         f"Random {data['results'][0].get('dtype', 'bf16') if data['results'] else 'bf16'} weights"
+         f"{' (linear layers NF4)' if data.get('args', {}).get('load_in_4bit') else ''}, LoRA on all linear layers "
+         "(fp32 adapter), AdamW; one step = reference log-probs (adapter off, no grad) + policy forward/backward "
+         "over all generations in micro-batches + optimiser step. Peaks are `torch.cuda.max_memory_allocated` / "
+         "`max_memory_reserved` over the measured step; time: "
+         + (f"the median of the timed steps after the first of {data['args']['repeat']} "
+            if data.get('args', {}).get('repeat', 1) > 1 else "one step ")
+         + "after a short warm-up step. Loss: grpo, eps 0.2, beta as listed. "
          "Every sequence is full length (no padding).", "",
          "| model | G x seq (prompt) | micro-batch | row | status | peak alloc GiB | peak reserved GiB | step s | tokens/s | host offload GiB |",
          "|---|---|---|---|---|---|---|---|---|---|"]
@@ -547,13 +551,14 @@ def write_report(data, out_dir, tag):
     if data.get("check"):
         L += ["", "CUDA correctness check (LoRA gradients, 2 micro-batches):", "", "```",
               json.dumps(data["check"], indent=1), "```"]
-    L += ["", "Per-phase allocator counters (GiB: allocated at start / peak / at end) of each measured step are in the "
-          f"json; plot: `step_{tag}_phases.png`."]
-    (out_dir / f"step_{tag}.md").write_text("\n".join(L) + "\n")
+    png = out_dir / f"step_{tag}_phases.png"
     try:
-        plot(data, out_dir / f"step_{tag}_phases.png")
+        plot(data, png)  # only for configs compared across rows (or >= 64K)
     except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are not
         print(f"plot failed: {type(e).__name__}: {e}")
+    L += ["", "Per-phase allocator counters (GiB: allocated at start / peak / at end) of each measured step are in the "
+          "json" + (f"; plot: `{png.name}`." if png.exists() else ".")]
+    (out_dir / f"step_{tag}.md").write_text("\n".join(L) + "\n")
     return jpath
 
 
@@ -651,7 +656,8 @@ def main(argv=None):
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sink = Sink(out_dir / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                hardware=hw, results=[], weights_gib={})
+                hardware=hw, args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit}, results=[],
+                weights_gib={})
     if args.plan:
         configs = PLANS[args.plan]
     else:
