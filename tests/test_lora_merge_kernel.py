@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
             assert k >= 16 and k & (k - 1) == 0 and a.shape[0] == k
             miss_k, bits_k = K.run_triton(K.SCAN, w, b, a)
             miss_t, bits_t = K.scan_torch(w, b, a)
-            assert bits_k == bits_t == K.bit_sum(w), (dtype, m, n)
+            assert int(bits_k) == int(bits_t) == int(K.bit_sum(w)), (dtype, m, n)
             w_k, w_t = w.clone(), w.clone()
             K.run_triton(K.MERGE, w_k, b, a)
             list(K.merge_rows_torch(w_t, b, a, 0, m))  # a generator: run every block
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent(
                 assert (miss_k.bool() != miss_t).sum() <= rare and (ints(w_k) != ints(w_t)).sum() <= rare, (m, n)
             r = w_k.clone()
             _, rb = K.run_triton(K.RESTORE, r, b, a)
-            assert rb == K.bit_sum(r), (dtype, m, n)
+            assert int(rb) == int(K.bit_sum(r)), (dtype, m, n)
             original = w.clone()
             saved = rm.merge_weight(w, f, "w")
             assert saved.backend == "triton" and (saved.kept > 0 or w.numel() < 100)

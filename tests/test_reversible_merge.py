@@ -136,7 +136,7 @@ def test_changed_factors_and_a_different_delta_are_refused():
     factors = _factors(16, 24, 2, 0.01)
     saved = rm.merge_weight(w, factors)
     saved.factors = [(factors[0][0], factors[0][1].clone() * 1.01, 0.5)]  # recomputed differently
-    saved.factor_sums = rm._factor_sums(saved.factors)
+    saved.factor_sum = rm._factor_sum(saved.factors)
     with pytest.raises(rm.RestoreError, match="checksums differ"):
         rm.restore_weight(w, saved, "layer.q_proj")
 
@@ -195,15 +195,29 @@ def test_a_failure_half_way_through_merge_restores_what_was_merged(monkeypatch):
     before = _base_bits(pm)
     real, calls = rm.merge_weight, []
 
-    def failing(weight, factors, name):
+    def failing(weight, factors, name, **kw):
         calls.append(1)
         if len(calls) == 5:
             raise torch.cuda.OutOfMemoryError("simulated")
-        return real(weight, factors, name)
+        return real(weight, factors, name, **kw)
 
     monkeypatch.setattr(rm, "merge_weight", failing)
     merge = rm.ReversibleLoraMerge(pm)
     with pytest.raises(torch.cuda.OutOfMemoryError):
+        merge.merge()
+    assert not merge.merged
+    after = _base_bits(pm)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_a_non_finite_adapter_is_refused_by_name_before_any_weight_is_merged():
+    pm = _peft_model(torch.bfloat16)
+    before = _base_bits(pm)
+    name, p = next((n, p) for n, p in pm.named_parameters() if "layers.1.mlp.up_proj.lora_A" in n)
+    with torch.no_grad():
+        p[0, 3] = float("nan")
+    merge = rm.ReversibleLoraMerge(pm)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj.*not finite.*nothing was merged"):
         merge.merge()
     assert not merge.merged
     after = _base_bits(pm)

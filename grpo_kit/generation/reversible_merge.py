@@ -69,16 +69,17 @@ def _full_precision():
 @dataclass
 class MergedWeight:
     """What one merged weight needs to come back: E's flat positions and original values (host RAM), the
-    checksums of the weight and of its factors, the pass implementation, and the restore's progress."""
+    checksums of the weight and of its factors (0-dim int64 tensors on the weight's device: nothing waits
+    for them until a restore compares them), the pass implementation, and the restore's progress."""
 
     factors: list  # [(A, B, scale)]: the live LoRA parameters
-    factor_sums: list
+    factor_sum: torch.Tensor
     backend: str  # "triton" | "torch": the restore runs the merge's implementation
     positions: torch.Tensor
     values: torch.Tensor
-    bits: int
+    bits: torch.Tensor
     restored_rows: int = 0
-    restored_bits: int | None = None  # checksum of R once every row is restored (before E is put back)
+    restored_bits: torch.Tensor | None = None  # checksum of R once every row is restored (before E is put back)
 
     @property
     def kept(self) -> int:
@@ -89,42 +90,71 @@ class MergedWeight:
         return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
 
 
-def _factor_sums(factors) -> list:
-    return [(bit_sum(a), bit_sum(b)) for a, b, _ in factors]
+def _factor_sum(factors) -> torch.Tensor:
+    """One checksum over every factor's bits (0-dim int64): the factors flattened side by side."""
+    return bit_sum(torch.cat([x.detach().reshape(-1) for a, b, _ in factors for x in (a, b)]))
+
+
+def _non_finite(factor_lists: list) -> list[bool]:
+    """For each weight's ``[(A, B, scale)]``: whether any factor holds NaN or inf (one wait for all)."""
+    if not factor_lists:
+        return []
+    flags = [torch.stack([torch.isfinite(x).all() for a, b, _ in factors for x in (a, b)]).all()
+             for factors in factor_lists]
+    return [not ok for ok in torch.stack([f.to(flags[0].device) for f in flags]).tolist()]
+
+
+def _factors_changed(entries: list) -> list[bool]:
+    """For each :class:`MergedWeight`: whether its factors changed since the merge (one wait for all)."""
+    if not entries:
+        return []
+    diffs = [_factor_sum(e.factors) - e.factor_sum for e in entries]
+    return torch.stack([d.to(diffs[0].device) for d in diffs]).ne(0).tolist()
 
 
 def _folded(factors, weight):
     return K.fold_factors(factors, weight.device, K._wide(weight.dtype))
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t`` that does not wait: page-locked and asynchronous from CUDA (the copy is ordered
+    before anything later on the stream, the restore's copy back included)."""
+    if t.device.type != "cuda":
+        return t.to("cpu")
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
 def _put_back(weight: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     if positions.numel():
-        weight.view(-1)[positions.to(weight.device, torch.int64)] = values.to(weight.device)
+        weight.view(-1)[positions.to(weight.device, torch.int64, non_blocking=True)] = \
+            values.to(weight.device, non_blocking=True)
 
 
-def merge_weight(weight: torch.Tensor, factors, name: str = "weight") -> MergedWeight:
+def merge_weight(weight: torch.Tensor, factors, name: str = "weight", finite_checked: bool = False) -> MergedWeight:
     """``weight`` (out, in), bf16/fp16/fp32, becomes ``round(weight + sum(scale * B @ A))`` in place;
     returns what :func:`restore_weight` needs to give the exact original bits back. ``factors``:
-    ``[(A (r, in), B (out, r), scale)]``. Factors that are not finite, or too many elements to keep, are
-    refused before anything is written; a torch merge failing part way gives its rows back first."""
+    ``[(A (r, in), B (out, r), scale)]``. Factors that are not finite (unless the caller checked them:
+    ``finite_checked``), or too many elements to keep, are refused before anything is written; a torch merge
+    failing part way gives its rows back first. One wait on the GPU (the kept elements' count)."""
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"{name}: merge_weight needs a contiguous (out, in) weight, got shape "
                          f"{tuple(weight.shape)}, strides {weight.stride()}")
+    if not finite_checked and _non_finite([factors])[0]:
+        raise ValueError(f"{name}: the LoRA factors are not finite (NaN or inf in the adapter)")
     with torch.no_grad(), _full_precision():
         b, a = _folded(factors, weight)
-        if not (bool(torch.isfinite(b).all()) and bool(torch.isfinite(a).all())):
-            raise ValueError(f"{name}: the LoRA factors are not finite (NaN or inf in the adapter)")
         usable = K.triton_usable(weight) and K.kernel_round_trips(str(weight.device), weight.dtype, b.shape[1])
         backend = "triton" if usable else "torch"
         miss, bits = K.run_triton(K.SCAN, weight, b, a) if backend == "triton" else K.scan_torch(weight, b, a)
-        positions = miss.view(-1).nonzero().squeeze(1)
+        positions = miss.view(-1).nonzero().squeeze(1)  # the wait
         del miss
         if positions.numel() > MAX_KEPT_SHARE * weight.numel():
             raise ValueError(f"{name}: the merge would keep more than {MAX_KEPT_SHARE:.0%} of the weight's elements "
                              "to restore it (an adapter far larger than the weights); use vllm_lora_sync='adapter'")
-        saved = MergedWeight(factors=list(factors), factor_sums=_factor_sums(factors), backend=backend,
-                             positions=positions.to("cpu", torch.int32 if weight.numel() < 2**31 else torch.int64),
-                             values=weight.view(-1)[positions].to("cpu"), bits=bits)
+        saved = MergedWeight(factors=list(factors), factor_sum=_factor_sum(factors), backend=backend,
+                             positions=_to_host(positions.to(torch.int32 if weight.numel() < 2**31 else torch.int64)),
+                             values=_to_host(weight.view(-1)[positions]), bits=bits)
         if backend == "triton":
             K.run_triton(K.MERGE, weight, b, a)
             return saved
@@ -135,18 +165,16 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight") -> MergedW
         except BaseException:  # give the rows already written back, then raise
             for _ in K.restore_rows_torch(weight, b, a, 0, done):
                 pass
-            inside = saved.positions.to(torch.int64) < done * weight.shape[1]
-            _put_back(weight, saved.positions[inside], saved.values[inside])
+            inside = positions < done * weight.shape[1]  # on the weight's device, as is the copy of the values
+            _put_back(weight, positions[inside], saved.values.to(weight.device, non_blocking=True)[inside])
             raise
     return saved
 
 
-def restore_weight(weight: torch.Tensor, saved: MergedWeight, name: str = "weight") -> None:
-    """Undo :func:`merge_weight` exactly; :class:`RestoreError` when the bits cannot come back. Continues a
-    restore that stopped part way (``saved.restored_rows``)."""
-    if _factor_sums(saved.factors) != saved.factor_sums:
-        raise RestoreError(f"{name}: its LoRA factors changed while merged (an optimiser step between merge and "
-                           "restore?); the base weight cannot be given back exactly")
+def _restore(weight: torch.Tensor, saved: MergedWeight) -> torch.Tensor:
+    """Undo the merge (continuing one that stopped part way: ``saved.restored_rows``) and put E back; returns
+    the difference between the result's checksum and the original's (0-dim int64; 0 when every bit is back)
+    without waiting for it."""
     rows = weight.shape[0]
     with torch.no_grad(), _full_precision():
         if saved.restored_rows < rows:
@@ -160,20 +188,28 @@ def restore_weight(weight: torch.Tensor, saved: MergedWeight, name: str = "weigh
         if saved.restored_bits is None:
             saved.restored_bits = bit_sum(weight)
         # W's checksum = R's + what putting E back changes: (bits(W_e) - bits(R_e)) x their position weights
-        pos = saved.positions.to(weight.device, torch.int64)
+        pos = saved.positions.to(weight.device, torch.int64, non_blocking=True)
         ints = K._SAME_SIZE_INT[weight.element_size()]
+        values = saved.values.to(weight.device, non_blocking=True)
         r_e = weight.view(-1)[pos].view(ints).to(torch.int64)
-        w_e = saved.values.to(weight.device).view(ints).to(torch.int64)
-        change = int(((w_e - r_e) * (pos % K._WEIGHT_PERIOD + 1)).sum()) if pos.numel() else 0
-        _put_back(weight, saved.positions, saved.values)
-    if _wrap(saved.restored_bits + change, weight) != _wrap(saved.bits, weight):
-        raise RestoreError(f"{name}: the restored base weight differs from the original (checksums differ): "
-                           "the LoRA delta was not recomputed identically")
+        change = ((values.view(ints).to(torch.int64) - r_e) * (pos % K._WEIGHT_PERIOD + 1)).sum()
+        weight.view(-1)[pos] = values
+    return saved.restored_bits + change - saved.bits
 
 
-def _wrap(checksum: int, weight: torch.Tensor) -> int:
-    """Checksums of 4- and 8-byte patterns are int64 sums that wrap; compare them modulo 2**64."""
-    return checksum % (1 << 64) if weight.element_size() > 2 else checksum
+_CHANGED = "its LoRA factors changed while merged (an optimiser step between merge and restore?); the base weight " \
+           "cannot be given back exactly"
+_DIFFERS = "the restored base weight differs from the original (checksums differ): the LoRA delta was not " \
+           "recomputed identically"
+
+
+def restore_weight(weight: torch.Tensor, saved: MergedWeight, name: str = "weight") -> None:
+    """Undo :func:`merge_weight` exactly; :class:`RestoreError` when the bits cannot come back. Continues a
+    restore that stopped part way (``saved.restored_rows``)."""
+    if _factors_changed([saved])[0]:
+        raise RestoreError(f"{name}: {_CHANGED}")
+    if int(_restore(weight, saved)) != 0:
+        raise RestoreError(f"{name}: {_DIFFERS}")
 
 
 def lora_targets(model) -> list[tuple[str, object]]:
@@ -244,15 +280,21 @@ class ReversibleLoraMerge:
                 for a in module.active_adapters if a in module.lora_A]
 
     def merge(self) -> dict:
+        """Merge every adapted weight; ValueError (nothing merged) for factors that are not finite. The GPU
+        is waited on once for all factors, then once per weight (its kept elements' count)."""
         if self._saved is not None:
             raise RuntimeError("the adapter is already merged; restore() first")
         start = time.perf_counter()
+        work = [(name, module.get_base_layer().weight, factors) for name, module in self.targets
+                if (factors := self._factors(module))]
+        bad = [name for (name, _, _), nf in zip(work, _non_finite([f for _, _, f in work])) if nf]
+        if bad:
+            raise ValueError(f"the LoRA factors of {bad[:3]} are not finite (NaN or inf in the adapter); nothing "
+                             "was merged")
         self._saved = {}
         try:
-            for name, module in self.targets:
-                factors = self._factors(module)
-                if factors:
-                    self._saved[name] = merge_weight(module.get_base_layer().weight, factors, name)
+            for name, weight, factors in work:
+                self._saved[name] = merge_weight(weight, factors, name, finite_checked=True)
         except BaseException:
             self.restore()
             raise
@@ -260,18 +302,29 @@ class ReversibleLoraMerge:
 
     def restore(self) -> dict:
         """Give every merged weight back; :class:`RestoreError` naming those that could not be (they stay
-        recorded, so a later call tries them again)."""
+        recorded, so a later call tries them again). The GPU is waited on twice in all: the factors' checksums
+        before anything is written, the weights' after."""
         if self._saved is None:
             return {"weights": 0, "exceptions": 0, "exception_bytes": 0, "seconds": 0.0}
         start = time.perf_counter()
-        done, failed = dict(self._saved), []
+        done, failed, pending = dict(self._saved), [], []
         modules = dict(self.targets)
-        for name, entry in list(self._saved.items()):
+        entries = list(self._saved.items())
+        for (name, entry), changed in zip(entries, _factors_changed([e for _, e in entries])):
+            if changed:
+                failed.append((name, RestoreError(f"{name}: {_CHANGED}")))
+                continue
             try:
-                restore_weight(modules[name].get_base_layer().weight, entry, name)
-                del self._saved[name]
+                pending.append((name, _restore(modules[name].get_base_layer().weight, entry)))
             except Exception as e:  # try every weight; say all that failed
                 failed.append((name, e))
+        if pending:
+            differs = torch.stack([d.to(pending[0][1].device) for _, d in pending]).ne(0).tolist()
+            for (name, _), bad in zip(pending, differs):
+                if bad:
+                    failed.append((name, RestoreError(f"{name}: {_DIFFERS}")))
+                else:
+                    del self._saved[name]
         if failed:
             raise RestoreError(f"{len(failed)} base weights could not be given back ({[n for n, _ in failed][:3]}): "
                                f"{type(failed[0][1]).__name__}: {failed[0][1]}") from failed[0][1]

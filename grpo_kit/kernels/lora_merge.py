@@ -13,13 +13,20 @@ The checksum (:func:`bit_sum`) weights each element's bit pattern by ``1 + (flat
 errors that cancel in a plain sum (+1 / -1 unit in the last place) do not here.
 
 Two implementations with the same arithmetic: torch, over row blocks of at most ``CHUNK_ELEMENTS``
-(any device; the CPU's path), and Triton (CUDA), one kernel for the three passes (the ``MODE``
-constant) with one fixed tile, so that the merge and the restore form dW with the same instructions in
-the same order. The merge's exactness needs only that: whichever implementation runs, it runs for both
-passes of a weight. Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernel runs in
-Triton's CPU interpreter, which is how CI checks it. On the H200 the torch passes took 1.03 s per
-merge and restore of Llama-3.1-8B's 224 adapted weights (``bench/results/rl_step_h200.md``, 2026-12-05):
-about 15 kernels and 160 bytes of traffic per element, where the kernel moves about 10.
+(any device; the CPU's path), and Triton (CUDA), one kernel for the three passes with one fixed tile
+and ``MODE`` a runtime argument, so that the scan, the merge and the restore run one compiled binary
+and form dW with the same instructions in the same order. (Compiled once per pass, with ``MODE`` a
+constexpr, they did not on the H200: every restore checksum failed.) :func:`kernel_round_trips`
+checks that binary on a probe weight before it touches real ones. The merge's exactness needs only
+that: whichever implementation runs, it runs for all passes of a weight. Under ``TRITON_INTERPRET=1``
+(set before Triton is imported) the kernel runs in Triton's CPU interpreter, which is how CI checks it.
+
+Measured on the H200 (``bench/results/gpu_tests_h200.txt``, 2026-12-05): on a 14336 x 4096 weight
+the kernel and the torch passes take about the same time (8-10 ms merge, 12-15 ms restore, with
+6.4% of the elements kept), and in the 8B step the merge and restore of 224 weights cost 0.86 s
+with either: the time goes to the per-weight waits and small ops around the passes, not to the
+passes themselves. Since then the waits are one per weight at merge (plus one for all factors) and two
+for a whole restore (``grpo_kit.generation.reversible_merge``); not yet measured on the GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 CHUNK_ELEMENTS = 1 << 23  # torch passes: elements per row block (float32 temporaries of 32 MiB each)
 SCAN, MERGE, RESTORE = 0, 1, 2
 _WEIGHT_PERIOD = 32768  # checksum position weights 1..32768: 16-bit patterns times them fit int32
+_SUM_CHUNK = 1 << 23  # checksum: elements per chunk, a multiple of _WEIGHT_PERIOD
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = (64, 128, 4)  # Triton (BLOCK_M, BLOCK_N, num_warps) on the GPU: fixed, the same for every pass
@@ -43,26 +51,24 @@ _INTERP_TILE = (16, 32, 4)  # in the interpreter: small, so the masked edge tile
 # shared pieces
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
-def _base_positions(device: str, n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
+def _position_weights(device: str) -> torch.Tensor:
+    """``1 + (i mod 32768)`` for i < _SUM_CHUNK (int32): every chunk starts at a multiple of 32768, so each
+    chunk's weights are this table's first n entries."""
+    return (torch.arange(_SUM_CHUNK, dtype=torch.int32, device=device) & (_WEIGHT_PERIOD - 1)) + 1
 
 
-def _position_weights(start: int, n: int, device) -> torch.Tensor:
-    """``1 + (i mod 32768)`` for flat indices ``start .. start + n`` (int32; n <= CHUNK_ELEMENTS)."""
-    base = _base_positions(str(device), CHUNK_ELEMENTS)[:n]
-    return ((base + start % _WEIGHT_PERIOD) & (_WEIGHT_PERIOD - 1)) + 1
-
-
-def bit_sum(t: torch.Tensor) -> int:
+def bit_sum(t: torch.Tensor) -> torch.Tensor:
     """The checksum of ``t``'s bit patterns (any dtype, read as integers of its size), each weighted by
-    ``1 + (flat index mod 32768)``, summed in int64: equal for equal bits; one changed element, or two that
-    change by opposite amounts, change it."""
+    ``1 + (flat index mod 32768)``, summed in int64 (a 0-dim tensor on ``t``'s device, so that callers can
+    compare many before waiting for any): equal for equal bits; one changed element, or two that change by
+    opposite amounts, change it. Sums of 4- and 8-byte patterns wrap, identically for equal bits."""
     flat = t.detach().reshape(-1).view(_SAME_SIZE_INT[t.element_size()])
-    wide = torch.int32 if t.element_size() <= 2 else torch.int64  # wider patterns wrap in int64: still exact
-    total = 0
-    for s in range(0, flat.numel(), CHUNK_ELEMENTS):
-        x = flat[s:s + CHUNK_ELEMENTS]
-        total += int((x.to(wide) * _position_weights(s, x.numel(), x.device).to(wide)).sum(dtype=torch.int64))
+    wide = torch.int32 if t.element_size() <= 2 else torch.int64  # 16-bit patterns x 32768 fit int32
+    table = _position_weights(str(flat.device))
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for s in range(0, flat.numel(), _SUM_CHUNK):
+        x = flat[s:s + _SUM_CHUNK]
+        total += (x.to(wide) * table[:x.numel()]).sum(dtype=torch.int64)
     return total
 
 
@@ -95,7 +101,8 @@ def row_blocks(weight: torch.Tensor, start: int = 0, end: int | None = None):
 
 
 def scan_torch(weight, b, a):
-    """(miss (out, in) bool, checksum of W). ``b``, ``a``: :func:`fold_factors` in the weight's wide dtype."""
+    """(miss (out, in) bool, checksum of W (0-dim int64)). ``b``, ``a``: :func:`fold_factors` in the weight's
+    wide dtype."""
     ints = _SAME_SIZE_INT[weight.element_size()]
     miss = torch.empty(weight.shape, dtype=torch.bool, device=weight.device)
     for r0, r1 in row_blocks(weight):
@@ -174,14 +181,15 @@ def triton_usable(weight: torch.Tensor) -> bool:
 
 
 def run_triton(mode: int, weight, b, a):
-    """One pass of the kernel over ``weight``; returns (miss as int8 (out, in) or None, checksum or None)."""
+    """One pass of the kernel over ``weight``; returns (miss as int8 (out, in) or None, checksum (0-dim int64 on the
+    weight's device) or None). Nothing here waits for the GPU."""
     m, n = weight.shape
     bm, bn, warps = _INTERP_TILE if interpreter_active() else _TILE
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     miss = torch.empty(weight.shape if mode == SCAN else (1,), dtype=torch.int8, device=weight.device)
     sums = torch.empty(grid[0] * grid[1] if mode != MERGE else 1, dtype=torch.int64, device=weight.device)
     _kernel()[grid](weight, b, a, miss, sums, m, n, mode, K=b.shape[1], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-    return (miss if mode == SCAN else None), (int(sums.sum()) if mode != MERGE else None)
+    return (miss if mode == SCAN else None), (sums.sum() if mode != MERGE else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,4 +210,4 @@ def kernel_round_trips(device: str, dtype: torch.dtype, k: int) -> bool:
     run_triton(RESTORE, w, b, a)
     w.view(-1)[keep] = kept
     ints = _INT_VIEW[dtype]
-    return changed and torch.equal(w.view(ints), original.view(ints)) and bits == bit_sum(original)
+    return changed and torch.equal(w.view(ints), original.view(ints)) and bool(bits == bit_sum(original))
