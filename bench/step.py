@@ -202,6 +202,32 @@ def grpo_step(model, opt, row, batch, args, scaler=None):
         opt.zero_grad(set_to_none=True)
 
 
+def kernel_profile(step, dev, top: int = 25) -> dict:
+    """One more step under torch.profiler: where the GPU time and the host time go (the 4-bit step's extra
+    cost at short lengths: dequantisation kernels, or the host's per-call overhead?). Returns the top ops by
+    self CUDA time and by self CPU time, and the CUDA time of kernels whose name says dequantise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(dev)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def rows(key):
+        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+        return [{"name": e.key[:120], "calls": e.count, "self_cuda_ms": e.self_device_time_total / 1e3,
+                 "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ranked]
+
+    cuda_total = sum(e.self_device_time_total for e in events) / 1e3
+    dequant = sum(e.self_device_time_total for e in events if "dequant" in e.key.lower()) / 1e3
+    return {"wall_s_profiled": wall, "cuda_total_ms": cuda_total, "dequant_cuda_ms": dequant,
+            "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "top_cuda": rows("self_device_time_total"), "top_cpu": rows("self_cpu_time_total")}
+
+
 def make_batch(G, T, P, vocab, device, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, vocab, (G, T), generator=g).to(device)
@@ -257,6 +283,8 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
                 grpo_step(model, opt, row, batch, args, scaler)
                 sync(dev)
                 times.append(time.perf_counter() - t0)
+        if args.kernel_profile and dev.type == "cuda":
+            res["kernel_profile"] = kernel_profile(lambda: grpo_step(model, opt, row, batch, args, scaler), dev)
         # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
         dt = statistics.median(times[1:] or times)
         res.update(status="ok", step_s=dt, step_s_all=times, tokens_per_s=G * T / dt,
@@ -529,6 +557,14 @@ def write_report(data, out_dir, tag):
                  f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
                  f"{fmt(r.get('peak_allocated_gib'), 2)} | {fmt(r.get('peak_reserved_gib'), 2)} | "
                  f"{fmt(r.get('step_s'), 2)} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('host_offload_gib'), 2)} |")
+    for r in data["results"]:
+        kp = r.get("kernel_profile")
+        if kp:
+            L += ["", f"Profiled step ({r['model']}, {r['gens']} x {r['seq_len']}, {r['row']}): wall "
+                  f"{kp['wall_s_profiled']:.2f} s under the profiler, GPU kernels {kp['cuda_total_ms'] / 1e3:.2f} s "
+                  f"busy, of which dequantisation {kp['dequant_cuda_ms'] / 1e3:.2f} s; host ops "
+                  f"{kp['cpu_total_ms'] / 1e3:.2f} s. Top GPU ops: " + "; ".join(
+                      f"{e['name']} {e['self_cuda_ms']:.0f} ms ({e['calls']})" for e in kp["top_cuda"][:6]) + "."]
     d = data["derived"]
     if d.get("offload_overhead"):
         L += ["", "Offload cost (same config, ours_offload vs ours):", "",
@@ -614,6 +650,8 @@ def main(argv=None):
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
     p.add_argument("--repeat", type=int, default=1, help="timed steps per row at the measured shape; with more "
                    "than one, step_s is the median of those after the first (peak memory: over all)")
+    p.add_argument("--kernel-profile", action="store_true", help="after the timed steps, one more under "
+                   "torch.profiler: top ops by GPU and host time, dequantisation's share (in the json)")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--check-model", default="llama-3.2-1b")
