@@ -284,7 +284,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
                 sync(dev)
                 times.append(time.perf_counter() - t0)
         if args.kernel_profile and dev.type == "cuda":
-            res["kernel_profile"] = kernel_profile(lambda: grpo_step(model, opt, row, batch, args, scaler), dev)
+            res["kernel_profile"] = kernel_profile(functools.partial(grpo_step, model, opt, row, batch, args, scaler), dev)
         # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
         dt = statistics.median(times[1:] or times)
         res.update(status="ok", step_s=dt, step_s_all=times, tokens_per_s=G * T / dt,
