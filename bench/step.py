@@ -98,6 +98,8 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
             raise ValueError("layers= is not supported with load_in_4bit")
         model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=True)
         model.config.use_cache = False
+        q = model.grpo_kit_quantization
+        progress(f"{name}: 16-bit build in host RAM {q.get('build_16bit_s')} s, NF4 onto {device} {q.get('quantize_s')} s")
     else:
         cfg = model_config(name)
         if layers is not None:
@@ -203,6 +205,11 @@ def grpo_step(model, opt, row, batch, args, scaler=None):
         opt.zero_grad(set_to_none=True)
 
 
+def progress(msg: str) -> None:
+    """One timestamped line on stderr as the run goes (a run cut by its time limit still says where it was)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def kernel_profile(step, dev, top: int = 25) -> dict:
     """One more step under torch.profiler: where the GPU time and the host time go (the 4-bit step's extra
     cost at short lengths: dequantisation kernels, or the host's per-call overhead?). Returns the top ops by
@@ -261,9 +268,11 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
         scaler = torch.amp.GradScaler(dev.type) if parts(model)[2].dtype == torch.float16 else None
         vocab = parts(model)[2].shape[0]
         if warmup:  # kernels, cuBLAS handles, Triton compiles, AdamW state allocation
+            t0 = time.perf_counter()
             wb = make_batch(min(G, args.micro_batch), min(T, args.prompt_len + 256), args.prompt_len, vocab, dev, 1)
             grpo_step(model, opt, row, wb, args, scaler)
             del wb
+            progress(f"{row} {G} x {T}: warm-up step {time.perf_counter() - t0:.1f} s")
         batch = make_batch(G, T, args.prompt_len, vocab, dev, 2)
         if row == "ours_offload":
             # page-lock the host buffers once, outside the timed step (as a training run would
@@ -284,6 +293,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
                 grpo_step(model, opt, row, batch, args, scaler)
                 sync(dev)
                 times.append(time.perf_counter() - t0)
+                progress(f"{row} {G} x {T}: step {len(times)} of {args.repeat}: {times[-1]:.2f} s")
         if args.kernel_profile and dev.type == "cuda":
             res["kernel_profile"] = kernel_profile(functools.partial(grpo_step, model, opt, row, batch, args, scaler), dev)
         # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
@@ -467,10 +477,14 @@ def run_plan(configs, args, dev, sink):
             for old in list(models):  # one model on the GPU at a time
                 del models[old]
             cleanup(dev)
+            t0 = time.perf_counter()
             m, w = build(name, dev, args.lora_r, dtype=DTYPES[args.dtype] if dev.type == "cuda" else None,
                          load_in_4bit=args.load_in_4bit)
             models[name] = m
             sink["weights_gib"][name] = w / GiB
+            sink.setdefault("build_s", {})[name] = time.perf_counter() - t0
+            progress(f"built {name} ({'NF4, ' if args.load_in_4bit else ''}{str(parts(m)[2].dtype).removeprefix('torch.')})"
+                     f" in {time.perf_counter() - t0:.1f} s")
         args.model, args.micro_batch = name, cfg["micro_batch"]
         budget = cfg.get("budget")
         budget_gib = cfg.get("budget_gib") or (BUDGETS[budget] if budget else None)

@@ -303,6 +303,7 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
         src = embedded_model_dir() if kind == "embedded" else name
         return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules), load_tokenizer(name)
     target = "cpu" if load_in_4bit else device
+    start = time.perf_counter()
     if kind in ("tiny", "config-only"):
         model = build_random_model(name, dtype=dtype or torch.float32, device=target, seed=seed)
     else:
@@ -310,7 +311,10 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded"
                                                                            else "auto")).to(target)
     if load_in_4bit:
+        built = time.perf_counter()
         _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)
+        model.grpo_kit_quantization.update(build_16bit_s=round(built - start, 2),
+                                           quantize_s=round(time.perf_counter() - built, 2))
     return model.to(device), load_tokenizer(name)
 
 
