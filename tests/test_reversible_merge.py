@@ -93,6 +93,10 @@ def test_non_finite_factors_or_too_many_kept_elements_are_refused_before_any_wri
     with pytest.raises(ValueError, match="not finite"):
         rm.merge_weight(w, factors, "q_proj")
     assert torch.equal(_bits(w), original)
+    a, b, _ = _factors(40, 8, 2, 3e-4)[0]
+    with pytest.raises(ValueError, match="not finite"):  # a NaN scale: the factors are finite, their product not
+        rm.merge_weight(w, [(a, b, float("nan"))], "q_proj")
+    assert torch.equal(_bits(w), original)
     monkeypatch.setattr(rm, "MAX_KEPT_SHARE", 1e-3)
     with pytest.raises(ValueError, match="would keep more than 0%.*vllm_lora_sync='adapter'"):
         rm.merge_weight(w, _factors(40, 8, 2, 5.0), "q_proj")
@@ -139,6 +143,18 @@ def test_changed_factors_and_a_different_delta_are_refused():
     saved.factor_sum = rm._factor_sum(saved.factors)
     with pytest.raises(rm.RestoreError, match="checksums differ"):
         rm.restore_weight(w, saved, "layer.q_proj")
+
+
+def test_a_restore_that_put_the_kept_values_back_succeeds_when_called_again():
+    """A restore interrupted after a weight's kept values are back (before it was marked done) is retried: the
+    weight no longer shows R at the kept positions, so the recorded checksum difference answers."""
+    w = (torch.randn(64, 48) * 0.02).to(torch.bfloat16)
+    original = _bits(w)
+    saved = rm.merge_weight(w, _factors(64, 48, 4, 0.003))
+    assert saved.kept > 0
+    assert int(rm._restore(w, saved)) == 0 and torch.equal(_bits(w), original)
+    rm.restore_weight(w, saved, "layer.q_proj")  # the retry
+    assert torch.equal(_bits(w), original)
 
 
 def test_non_contiguous_weight_is_refused():

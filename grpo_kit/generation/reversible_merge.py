@@ -38,6 +38,7 @@ engine's (weights, KV cache, workspace).
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,8 +70,9 @@ def _full_precision():
 @dataclass
 class MergedWeight:
     """What one merged weight needs to come back: E's flat positions and original values (host RAM), the
-    checksums of the weight and of its factors (0-dim int64 tensors on the weight's device: nothing waits
-    for them until a restore compares them), the pass implementation, and the restore's progress."""
+    checksums of the weight and of its factors (0-dim int64 tensors on the weight's and the factors' devices:
+    nothing waits for them until a restore compares them), the pass implementation, and the restore's
+    progress."""
 
     factors: list  # [(A, B, scale)]: the live LoRA parameters
     factor_sum: torch.Tensor
@@ -80,6 +82,7 @@ class MergedWeight:
     bits: torch.Tensor
     restored_rows: int = 0
     restored_bits: torch.Tensor | None = None  # checksum of R once every row is restored (before E is put back)
+    difference: torch.Tensor | None = None  # restored checksum - original, once E is back (0: every bit back)
 
     @property
     def kept(self) -> int:
@@ -96,12 +99,15 @@ def _factor_sum(factors) -> torch.Tensor:
 
 
 def _non_finite(factor_lists: list) -> list[bool]:
-    """For each weight's ``[(A, B, scale)]``: whether any factor holds NaN or inf (one wait for all)."""
+    """For each weight's ``[(A, B, scale)]``: whether a scale, or any factor element, is NaN or inf (one wait
+    for all)."""
     if not factor_lists:
         return []
     flags = [torch.stack([torch.isfinite(x).all() for a, b, _ in factors for x in (a, b)]).all()
              for factors in factor_lists]
-    return [not ok for ok in torch.stack([f.to(flags[0].device) for f in flags]).tolist()]
+    finite = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    return [not (ok and all(math.isfinite(float(s)) for _, _, s in factors))
+            for ok, factors in zip(finite, factor_lists)]
 
 
 def _factors_changed(entries: list) -> list[bool]:
@@ -116,10 +122,13 @@ def _folded(factors, weight):
     return K.fold_factors(factors, weight.device, K._wide(weight.dtype))
 
 
+_PINNED_MAX_BYTES = 64 * 2**20  # larger kept sets are copied with a wait: page-locked memory is never given back
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` that does not wait: page-locked and asynchronous from CUDA (the copy is ordered
-    before anything later on the stream, the restore's copy back included)."""
-    if t.device.type != "cuda":
+    """A host copy of ``t``; from CUDA, when small, page-locked and asynchronous (ordered before what follows
+    on the current stream: the restore, which runs on the same stream, copies it back after)."""
+    if t.device.type != "cuda" or t.numel() * t.element_size() > _PINNED_MAX_BYTES:
         return t.to("cpu")
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return out.copy_(t, non_blocking=True)
@@ -136,7 +145,8 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight", finite_che
     returns what :func:`restore_weight` needs to give the exact original bits back. ``factors``:
     ``[(A (r, in), B (out, r), scale)]``. Factors that are not finite (unless the caller checked them:
     ``finite_checked``), or too many elements to keep, are refused before anything is written; a torch merge
-    failing part way gives its rows back first. One wait on the GPU (the kept elements' count)."""
+    failing part way gives its rows back first. Waits on the GPU: the kept elements' count, the finite check
+    unless ``finite_checked``, and the kernel's probe on its first use per (device, dtype, rank)."""
     if weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError(f"{name}: merge_weight needs a contiguous (out, in) weight, got shape "
                          f"{tuple(weight.shape)}, strides {weight.stride()}")
@@ -174,7 +184,10 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight", finite_che
 def _restore(weight: torch.Tensor, saved: MergedWeight) -> torch.Tensor:
     """Undo the merge (continuing one that stopped part way: ``saved.restored_rows``) and put E back; returns
     the difference between the result's checksum and the original's (0-dim int64; 0 when every bit is back)
-    without waiting for it."""
+    without waiting for it. Once E is back the difference is recorded: a second call returns it (the weight no
+    longer shows what R was at E)."""
+    if saved.difference is not None:
+        return saved.difference
     rows = weight.shape[0]
     with torch.no_grad(), _full_precision():
         if saved.restored_rows < rows:
@@ -193,8 +206,10 @@ def _restore(weight: torch.Tensor, saved: MergedWeight) -> torch.Tensor:
         values = saved.values.to(weight.device, non_blocking=True)
         r_e = weight.view(-1)[pos].view(ints).to(torch.int64)
         change = ((values.view(ints).to(torch.int64) - r_e) * (pos % K._WEIGHT_PERIOD + 1)).sum()
+        difference = saved.restored_bits + change - saved.bits
         weight.view(-1)[pos] = values
-    return saved.restored_bits + change - saved.bits
+        saved.difference = difference
+    return difference
 
 
 _CHANGED = "its LoRA factors changed while merged (an optimiser step between merge and restore?); the base weight " \
@@ -281,7 +296,7 @@ class ReversibleLoraMerge:
 
     def merge(self) -> dict:
         """Merge every adapted weight; ValueError (nothing merged) for factors that are not finite. The GPU
-        is waited on once for all factors, then once per weight (its kept elements' count)."""
+        is waited on once for all factors, then once per weight (its kept elements' count), then synchronised."""
         if self._saved is not None:
             raise RuntimeError("the adapter is already merged; restore() first")
         start = time.perf_counter()
@@ -302,19 +317,22 @@ class ReversibleLoraMerge:
 
     def restore(self) -> dict:
         """Give every merged weight back; :class:`RestoreError` naming those that could not be (they stay
-        recorded, so a later call tries them again). The GPU is waited on twice in all: the factors' checksums
-        before anything is written, the weights' after."""
+        recorded, so a later call tries them again). On one GPU it waits twice, plus the final synchronise:
+        the factors' checksums before anything is written, the weights' after."""
         if self._saved is None:
             return {"weights": 0, "exceptions": 0, "exception_bytes": 0, "seconds": 0.0}
         start = time.perf_counter()
         done, failed, pending = dict(self._saved), [], []
         modules = dict(self.targets)
         entries = list(self._saved.items())
-        for (name, entry), changed in zip(entries, _factors_changed([e for _, e in entries])):
-            if changed:
-                failed.append((name, RestoreError(f"{name}: {_CHANGED}")))
-                continue
+        try:
+            changed = _factors_changed([e for _, e in entries])
+        except Exception:  # e.g. out of memory for the batch: check weight by weight below
+            changed = [None] * len(entries)
+        for (name, entry), was_changed in zip(entries, changed):
             try:
+                if was_changed if was_changed is not None else _factors_changed([entry])[0]:
+                    raise RestoreError(f"{name}: {_CHANGED}")
                 pending.append((name, _restore(modules[name].get_base_layer().weight, entry)))
             except Exception as e:  # try every weight; say all that failed
                 failed.append((name, e))

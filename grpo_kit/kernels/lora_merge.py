@@ -5,7 +5,7 @@ W (out, in) in bf16 or fp16; the adapter folded into ``B' = [s_1 B_1 | s_2 B_2 |
 nothing); ``dW = B' @ A'`` in float32, formed tile by tile and never stored. Three passes:
 
 * ``scan``: ``W' = round(W + dW)``, ``R = round(W' - dW)``; returns ``miss = bits(R) != bits(W)``
-  (bool, (out, in)) and a checksum of W's bits; writes nothing to W.
+  (bool from the torch pass, int8 from the kernel; (out, in)) and a checksum of W's bits; writes nothing to W.
 * ``merge``: ``W <- round(W + dW)`` in place.
 * ``restore``: ``W <- round(W - dW)`` in place (W holding W'); returns the checksum of the result.
 
@@ -41,6 +41,7 @@ CHUNK_ELEMENTS = 1 << 23  # torch passes: elements per row block (float32 tempor
 SCAN, MERGE, RESTORE = 0, 1, 2
 _WEIGHT_PERIOD = 32768  # checksum position weights 1..32768: 16-bit patterns times them fit int32
 _SUM_CHUNK = 1 << 23  # checksum: elements per chunk, a multiple of _WEIGHT_PERIOD
+assert _SUM_CHUNK % _WEIGHT_PERIOD == 0  # bit_sum restarts its position-weight table at every chunk
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE = (64, 128, 4)  # Triton (BLOCK_M, BLOCK_N, num_warps) on the GPU: fixed, the same for every pass
@@ -136,9 +137,13 @@ def restore_rows_torch(weight, b, a, start: int, end: int):
 # Triton: one kernel, three passes
 # ----------------------------------------------------------------------------------------------
 def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # MODE is a runtime value and every pass runs the same instructions: one compiled binary forms dW for the
-    # scan, the merge and the restore. (With MODE as a constexpr, each pass was its own compilation, and on
-    # the H200 the passes' dW differed in the last bit: the restore missed elements the scan had not kept.)
+    # MODE is a runtime value and every pass runs the same instructions: one compiled binary forms W + dW and
+    # W' - dW alike for the scan, the merge and the restore. With MODE a constexpr each pass was its own
+    # compilation, and on the H200 every restore checksum failed. The likely cause (a review reading Triton's
+    # source, not confirmed on the GPU): where the dot's result has one use, as in a merge-only kernel,
+    # Triton's combine pass rewrites dot(b, a) + w into dot(b, a, acc=w), a different rounding of W + dW than
+    # the scan's. Here d has three uses, and MODE must not be specialised (Triton specialises an integer
+    # argument equal to 1, i.e. MERGE, as a constant); kernel_round_trips catches any binary that differs.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -207,7 +212,9 @@ def kernel_round_trips(device: str, dtype: torch.dtype, k: int) -> bool:
     kept = w.view(-1)[keep].clone()
     run_triton(MERGE, w, b, a)
     changed = not torch.equal(w, original)
-    run_triton(RESTORE, w, b, a)
+    _, restored = run_triton(RESTORE, w, b, a)
+    restored_ok = bool(restored == bit_sum(w))  # the restore's checksum is R's, before the kept values go back
     w.view(-1)[keep] = kept
     ints = _INT_VIEW[dtype]
-    return changed and torch.equal(w.view(ints), original.view(ints)) and bool(bits == bit_sum(original))
+    return (changed and restored_ok and torch.equal(w.view(ints), original.view(ints))
+            and bool(bits == bit_sum(original)))
