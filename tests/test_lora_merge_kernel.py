@@ -76,3 +76,31 @@ def test_the_kernel_takes_only_16_bit_cuda_weights_outside_the_interpreter():
         pytest.skip("this process runs Triton's interpreter")
     assert not K.triton_usable(torch.zeros(4, 4, dtype=torch.bfloat16))  # a CPU weight: the torch passes
     assert not K.triton_usable(torch.zeros(4, 4, dtype=torch.float32, device="meta"))
+
+
+def test_the_compiled_kernel_adds_w_after_the_dot_never_into_its_accumulator():
+    """On the H200 the first kernel's restores all failed: compiled per pass (MODE a constexpr), the merge-only
+    binary had Triton fold ``dot(b, a) + w`` into ``dot(b, a, acc=w)``, a different rounding of W + dW from the
+    scan's (seen in this compilation on the CPU: the old MERGE's TTIR dot took w as its accumulator). Compiled
+    for CUDA here (no GPU needed), the one binary's dot must start from zero, for both 16-bit dtypes."""
+    import re
+
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from grpo_kit.kernels import lora_merge as K
+
+    if K.interpreter_active():
+        pytest.skip("this process runs Triton's interpreter")
+    bm, bn, warps = K._TILE
+    for dtype in ("bf16", "fp16"):
+        sig = {"W": f"*{dtype}", "B": "*fp32", "A": "*fp32", "MISS": "*i8", "SUMS": "*i64", "M": "i32", "N": "i32",
+               "MODE": "i32", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+        src = ASTSource(K._kernel(), signature=sig, constexprs={"K": 16, "BLOCK_M": bm, "BLOCK_N": bn})
+        ttir = __import__("triton").compile(src, target=GPUTarget("cuda", 90, 32),
+                                            options={"num_warps": warps}).asm["ttir"]
+        dots = re.findall(r"= tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)", ttir)
+        assert len(dots) == 1, ttir
+        assert re.search(rf"{re.escape(dots[0])} = arith\.constant dense<0\.0+e\+00> : tensor<{bm}x{bn}xf32>", ttir), \
+            f"the dot's accumulator {dots[0]} is not zero: W is added inside the dot\n{ttir}"

@@ -16,7 +16,8 @@ Two implementations with the same arithmetic: torch, over row blocks of at most 
 (any device; the CPU's path), and Triton (CUDA), one kernel for the three passes with one fixed tile
 and ``MODE`` a runtime argument, so that the scan, the merge and the restore run one compiled binary
 and form dW with the same instructions in the same order. (Compiled once per pass, with ``MODE`` a
-constexpr, they did not on the H200: every restore checksum failed.) :func:`kernel_round_trips`
+constexpr, they did not on the H200: the merge-only binary folded W into the dot's accumulator, and
+every restore checksum failed.) :func:`kernel_round_trips`
 checks that binary on a probe weight before it touches real ones. The merge's exactness needs only
 that: whichever implementation runs, it runs for all passes of a weight. Under ``TRITON_INTERPRET=1``
 (set before Triton is imported) the kernel runs in Triton's CPU interpreter, which is how CI checks it.
@@ -139,11 +140,12 @@ def restore_rows_torch(weight, b, a, start: int, end: int):
 def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # MODE is a runtime value and every pass runs the same instructions: one compiled binary forms W + dW and
     # W' - dW alike for the scan, the merge and the restore. With MODE a constexpr each pass was its own
-    # compilation, and on the H200 every restore checksum failed. The likely cause (a review reading Triton's
-    # source, not confirmed on the GPU): where the dot's result has one use, as in a merge-only kernel,
-    # Triton's combine pass rewrites dot(b, a) + w into dot(b, a, acc=w), a different rounding of W + dW than
-    # the scan's. Here d has three uses, and MODE must not be specialised (Triton specialises an integer
-    # argument equal to 1, i.e. MERGE, as a constant); kernel_round_trips catches any binary that differs.
+    # compilation, and on the H200 every restore checksum failed: where the dot's result has one use, as in
+    # the merge-only binary, Triton folds dot(b, a) + w into dot(b, a, acc=w), a different rounding of W + dW
+    # from the scan's (seen in that binary's TTIR, compiled for sm_90 on the CPU). Here d has three uses, and
+    # MODE must not be specialised (Triton specialises an integer argument equal to 1, i.e. MERGE, as a
+    # constant). tests/test_lora_merge_kernel.py checks the compiled dot starts from zero; kernel_round_trips
+    # checks the binary before real weights.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
