@@ -86,8 +86,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False):
     """PEFT model with LoRA on every linear layer, and the GPU bytes of its base weights. ``dtype``: None
     (bf16 on CUDA, fp32 on CPU) or a torch dtype. ``load_in_4bit``: the kit's QLoRA load
-    (``grpo_kit.models.load_model``: built in host RAM, linear layers quantised to NF4 one by one onto
-    ``device``, lm_head 16-bit), so the GPU never holds the 16-bit model."""
+    (``grpo_kit.models.load_model``: each linear layer created on ``device`` and quantised to NF4 there
+    at once, lm_head 16-bit), so the GPU never holds the 16-bit model."""
     import peft
 
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -99,7 +99,8 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
         model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=True)
         model.config.use_cache = False
         q = model.grpo_kit_quantization
-        progress(f"{name}: 16-bit build in host RAM {q.get('build_16bit_s')} s, NF4 onto {device} {q.get('quantize_s')} s")
+        progress(f"{name}: {q['load']}: {q.get('build_s', q.get('build_16bit_s'))} s"
+                 + (f" + NF4 onto {device} {q['quantize_s']} s" if "quantize_s" in q else ""))
     else:
         cfg = model_config(name)
         if layers is not None:

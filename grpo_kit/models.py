@@ -292,13 +292,19 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     ``calibration``, a list of ``input_ids`` (1, T) tensors, within ``auto_allowance`` x the 4-bit
     bytes). A checkpoint (the embedded model, a folder, a hub id) with a list of names loads streamed:
     transformers quantises each weight as it reads it, so the 16-bit model is never assembled in host
-    RAM (a free Colab has less RAM than an 8B's 16 GB). Random-weight built-ins and ``"auto"`` (whose calibration
-    needs the 16-bit layers) build the 16-bit model in CPU RAM first and quantise it layer by layer onto
-    ``device``. The NF4 bytes are the same either way; ``model.grpo_kit_quantization`` reports what was done.
+    RAM (a free Colab has less RAM than an 8B's 16 GB). Random-weight built-ins are built on ``device``
+    layer by layer (:func:`_random_4bit`). ``"auto"`` (whose calibration needs the 16-bit layers) builds
+    the 16-bit model in CPU RAM first and quantises it layer by layer onto ``device``. The NF4 bytes of a
+    checkpoint are the same either way; ``model.grpo_kit_quantization`` reports what was done.
     """
     from transformers import AutoModelForCausalLM
 
     kind = check_model_name(name)
+    if load_in_4bit and kind in ("tiny", "config-only") and skip_modules != "auto":
+        start = time.perf_counter()
+        model = _random_4bit(name, dtype or torch.float32, device, seed, skip_modules)
+        model.grpo_kit_quantization["build_s"] = round(time.perf_counter() - start, 2)
+        return model, load_tokenizer(name)
     if load_in_4bit and kind not in ("tiny", "config-only") and skip_modules != "auto":
         src = embedded_model_dir() if kind == "embedded" else name
         return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules), load_tokenizer(name)
@@ -337,6 +343,50 @@ def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):
                            "kit's skip list; set load_in_4bit_skip_modules='auto' to quantise in the kit instead")
     model.grpo_kit_quantization = {**quantization_report(model, dtype), "skip_modules": list(skip_modules),
                                    "auto": None, "load": "streamed"}
+    return model
+
+
+def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules) -> torch.nn.Module:
+    """A built-in architecture with random weights and NF4 linear layers, built on ``device`` without the
+    16-bit model existing anywhere: parameters start on the meta device; each linear layer to quantise gets
+    its random weight on ``device`` and is quantised there at once (peak: one 16-bit layer beside the NF4
+    ones); the rest (embeddings, norms, lm_head, kept layers) is then created in place, tied weights tied
+    again. Initialised as transformers does for these architectures: normal(0, initializer_range) for
+    linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Built in host RAM
+    first, the 8B spent minutes of a GPU session in a single-threaded CPU initialisation."""
+    from .quantize import quantize_model
+
+    config = model_config(name)
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    model = meta_model(config, dtype=dtype, real_buffers=True)
+    std = config.initializer_range
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(shape):
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+
+    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=normal)
+    if getattr(config, "tie_word_embeddings", False):  # the meta build with real buffers comes back untied
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    made = {}  # id of a meta parameter -> (it, its replacement): a tied parameter is created once
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if not p.is_meta:
+                continue
+            if id(p) not in made:
+                if pname == "bias":
+                    t = torch.zeros(p.shape, dtype=dtype, device=device)
+                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    t = normal(p.shape)
+                    if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+                        t[module.padding_idx] = 0
+                else:  # RMSNorm / LayerNorm scales
+                    t = torch.ones(p.shape, dtype=dtype, device=device)
+                made[id(p)] = (p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+            setattr(module, pname, made[id(p)][1])
+    model.to(device)  # the buffers (RoPE frequencies) were real on the CPU
+    model.grpo_kit_quantization = {**report, "skip_modules": list(skip_modules), "auto": None,
+                                   "load": "random, built and quantised layer by layer on the device"}
     return model
 
 

@@ -68,14 +68,17 @@ def is_quantized(module: nn.Module) -> bool:
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 
-def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip_modules=()) -> dict:
+def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip_modules=(),
+                   materialize=None) -> dict:
     """Replace ``model``'s linear layers (but ``lm_head`` and ``skip_modules``) by NF4 ``Linear4bit``
     with double quantisation, in place, one layer at a time (peak: one 16-bit layer beside the rest).
 
     ``compute_dtype``: the dtype each matmul dequantises to (the training dtype: bf16, or fp16 on a T4).
     ``device``: where the quantised weights go (quantisation happens there). The layers left in 16 bit
-    stay where they are; move the model to ``device`` afterwards. Returns a report: counts, the names
-    kept in 16 bit, and the bytes the quantised weights hold (packed 4-bit data + absmax constants).
+    stay where they are; move the model to ``device`` afterwards. ``materialize(shape)``: the 16-bit
+    weight of a layer whose weight is on the meta device (a random model built straight on ``device``);
+    such a layer's bias becomes zeros. Returns a report: counts, the names kept in 16 bit, and the bytes
+    the quantised weights hold (packed 4-bit data + absmax constants).
     """
     check_bitsandbytes()
     import bitsandbytes as bnb
@@ -87,10 +90,14 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
         lin = getattr(parent, child)
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,
                               compress_statistics=True, quant_type="nf4", device="meta")
-        q.weight = bnb.nn.Params4bit(lin.weight.data.to(compute_dtype), requires_grad=False, quant_type="nf4",
+        meta = lin.weight.is_meta
+        weight = materialize(lin.weight.shape) if meta else lin.weight.data
+        q.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False, quant_type="nf4",
                                      compress_statistics=True, blocksize=NF4_BLOCK)
+        del weight
         if lin.bias is not None:
-            q.bias = nn.Parameter(lin.bias.data.to(compute_dtype), requires_grad=False)
+            bias = torch.zeros(lin.bias.shape, device=device) if meta else lin.bias.data
+            q.bias = nn.Parameter(bias.to(compute_dtype), requires_grad=False)
         q = q.to(device)  # quantises the weight on that device
         setattr(parent, child, q)
         del lin

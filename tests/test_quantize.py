@@ -157,6 +157,38 @@ def test_a_quantised_grpo_step_trains_lora_only(tmp_path):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
 
 
+@needs_bnb
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_a_random_built_in_is_built_in_4bit_on_the_device_without_its_16_bit_model(name, monkeypatch):
+    """Random built-ins with a fixed skip list start on the meta device and get each linear weight on the device
+    just before it is quantised: the same layers quantised and kept as the host-RAM path's, the same
+    parameter names, initialised as transformers initialises them (normal(0, 0.02), ones for norms, zeros for
+    biases, the padding row zero), tied weights still tied, and a finite forward."""
+    import grpo_kit.models as M
+    from grpo_kit.quantize import dequantized_weight, is_quantized, quantizable_linears
+
+    monkeypatch.setattr(M, "build_random_model", None)  # the host-RAM build must not run
+    model, _ = load_model(name, load_in_4bit=True, skip_modules=["down_proj"], device="cpu")
+    ref = M.meta_model(M.model_config(name))
+    quantized = sorted(n for n, m in model.named_modules() if is_quantized(m))
+    assert quantized == sorted(quantizable_linears(ref, ["down_proj"])) and quantized
+    assert model.grpo_kit_quantization["kept_16bit"][-1] == "lm_head"
+    assert "random, built and quantised layer by layer" in model.grpo_kit_quantization["load"]
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    assert abs(dequantized_weight(model.get_submodule(quantized[0])).float().std().item() - 0.02) < 0.003
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    emb = model.get_input_embeddings()
+    assert abs(emb.weight.std().item() - 0.02) < 0.003
+    if emb.padding_idx is not None:
+        assert not emb.weight[emb.padding_idx].any()
+    biases = [m.bias for m in model.modules() if getattr(m, "bias", None) is not None]
+    assert all(not b.any() for b in biases) and (biases or name == "tiny-llama")  # Qwen2's q/k/v have biases
+    assert (model.lm_head.weight is emb.weight) == bool(model.config.tie_word_embeddings)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=_ids(1, 12)).logits).all()
+
+
 def _cfg(**kw):
     return GRPOKitConfig(**kw).validate()
 
