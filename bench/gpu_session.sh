@@ -2,7 +2,8 @@
 # The GPU measurements still owed, in one unattended pass in priority order, each step with its own time
 # limit and log:
 #  1. the reversible merge on CUDA (kernel, then the vLLM worker with the adapter merged into the shared
-#     weights): bits back after the change that cut its waits on the GPU to one per weight;
+#     weights): bits back after the change that cut its waits on the GPU to one per weight; and the random 4-bit
+#     built-in built on the GPU layer by layer (new: the host-RAM build took minutes);
 #  2. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
 #     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before);
 #  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled (where the extra time goes),
@@ -30,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
 bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
-step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged" -q -s -rs \
+step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit" -q -s -rs \
   -p no:cacheprovider
 step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
