@@ -300,12 +300,12 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     from transformers import AutoModelForCausalLM
 
     kind = check_model_name(name)
-    if load_in_4bit and kind in ("tiny", "config-only") and skip_modules != "auto":
-        start = time.perf_counter()
-        model = _random_4bit(name, dtype or torch.float32, device, seed, skip_modules)
-        model.grpo_kit_quantization["build_s"] = round(time.perf_counter() - start, 2)
-        return model, load_tokenizer(name)
-    if load_in_4bit and kind not in ("tiny", "config-only") and skip_modules != "auto":
+    if load_in_4bit and skip_modules != "auto":  # never the 16-bit model in host RAM
+        if kind in ("tiny", "config-only"):
+            start = time.perf_counter()
+            model = _random_4bit(name, dtype or torch.float32, device, seed, skip_modules)
+            model.grpo_kit_quantization["build_s"] = round(time.perf_counter() - start, 2)
+            return model, load_tokenizer(name)
         src = embedded_model_dir() if kind == "embedded" else name
         return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules), load_tokenizer(name)
     target = "cpu" if load_in_4bit else device
@@ -362,28 +362,26 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
     std = config.initializer_range
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def normal(shape):
-        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+    def init(module, pname, p) -> torch.Tensor:
+        if pname == "bias":
+            return torch.zeros(p.shape, dtype=dtype, device=device)
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # RMSNorm / LayerNorm scales
+            return torch.ones(p.shape, dtype=dtype, device=device)
+        t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            t[module.padding_idx] = 0
+        return t
 
-    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=normal)
+    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=init)
     if getattr(config, "tie_word_embeddings", False):  # the meta build with real buffers comes back untied
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     made = {}  # id of a meta parameter -> (it, its replacement): a tied parameter is created once
     for module in model.modules():
         for pname, p in list(module.named_parameters(recurse=False)):
-            if not p.is_meta:
-                continue
-            if id(p) not in made:
-                if pname == "bias":
-                    t = torch.zeros(p.shape, dtype=dtype, device=device)
-                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    t = normal(p.shape)
-                    if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
-                        t[module.padding_idx] = 0
-                else:  # RMSNorm / LayerNorm scales
-                    t = torch.ones(p.shape, dtype=dtype, device=device)
-                made[id(p)] = (p, torch.nn.Parameter(t, requires_grad=p.requires_grad))
-            setattr(module, pname, made[id(p)][1])
+            if p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = (p, torch.nn.Parameter(init(module, pname, p), requires_grad=p.requires_grad))
+                setattr(module, pname, made[id(p)][1])
     model.to(device)  # the buffers (RoPE frequencies) were real on the CPU
     model.grpo_kit_quantization = {**report, "skip_modules": list(skip_modules), "auto": None,
                                    "load": "random, built and quantised layer by layer on the device"}

@@ -68,6 +68,14 @@ def is_quantized(module: nn.Module) -> bool:
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 
+def _values(module: nn.Module, name: str, materialize):
+    """The tensor behind ``module.<name>`` (None if it has none); a meta parameter gets ``materialize``'s."""
+    p = getattr(module, name)
+    if p is None:
+        return None
+    return materialize(module, name, p) if p.is_meta else p.data
+
+
 def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip_modules=(),
                    materialize=None) -> dict:
     """Replace ``model``'s linear layers (but ``lm_head`` and ``skip_modules``) by NF4 ``Linear4bit``
@@ -75,9 +83,9 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
 
     ``compute_dtype``: the dtype each matmul dequantises to (the training dtype: bf16, or fp16 on a T4).
     ``device``: where the quantised weights go (quantisation happens there). The layers left in 16 bit
-    stay where they are; move the model to ``device`` afterwards. ``materialize(shape)``: the 16-bit
-    weight of a layer whose weight is on the meta device (a random model built straight on ``device``);
-    such a layer's bias becomes zeros. Returns a report: counts, the names kept in 16 bit, and the bytes
+    stay where they are; move the model to ``device`` afterwards. ``materialize(module, name, param)``:
+    the values of a parameter on the meta device (a random model built straight on ``device``), created
+    just before its layer is quantised. Returns a report: counts, the names kept in 16 bit, and the bytes
     the quantised weights hold (packed 4-bit data + absmax constants).
     """
     check_bitsandbytes()
@@ -90,13 +98,11 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
         lin = getattr(parent, child)
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,
                               compress_statistics=True, quant_type="nf4", device="meta")
-        meta = lin.weight.is_meta
-        weight = materialize(lin.weight.shape) if meta else lin.weight.data
+        weight, bias = _values(lin, "weight", materialize), _values(lin, "bias", materialize)
         q.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False, quant_type="nf4",
                                      compress_statistics=True, blocksize=NF4_BLOCK)
         del weight
-        if lin.bias is not None:
-            bias = torch.zeros(lin.bias.shape, device=device) if meta else lin.bias.data
+        if bias is not None:
             q.bias = nn.Parameter(bias.to(compute_dtype), requires_grad=False)
         q = q.to(device)  # quantises the weight on that device
         setattr(parent, child, q)

@@ -207,7 +207,7 @@ def _restore(weight: torch.Tensor, saved: MergedWeight) -> torch.Tensor:
         r_e = weight.view(-1)[pos].view(ints).to(torch.int64)
         change = ((values.view(ints).to(torch.int64) - r_e) * (pos % K._WEIGHT_PERIOD + 1)).sum()
         difference = saved.restored_bits + change - saved.bits
-        weight.view(-1)[pos] = values
+        _put_back(weight, pos, values)
         saved.difference = difference
     return difference
 

@@ -137,7 +137,8 @@ def restore_rows_torch(weight, b, a, start: int, end: int):
 # ----------------------------------------------------------------------------------------------
 # Triton: one kernel, three passes
 # ----------------------------------------------------------------------------------------------
-def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, PERIOD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     # MODE is a runtime value and every pass runs the same instructions: one compiled binary forms W + dW and
     # W' - dW alike for the scan, the merge and the restore. With MODE a constexpr each pass was its own
     # compilation, and on the H200 every restore checksum failed: where the dot's result has one use, as in
@@ -167,7 +168,7 @@ def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, BLOCK_M: tl.
     tl.store(MISS + offs, miss.to(tl.int8), mask=inside & (MODE == 0))
     tl.store(W + offs, tl.where(MODE == 1, added, taken), mask=inside & (MODE != 0))
     bits = tl.where(MODE == 0, w_bits, taken.to(tl.int16, bitcast=True)).to(tl.int32)
-    weights = (offs % 32768).to(tl.int32) + 1
+    weights = (offs % PERIOD).to(tl.int32) + 1  # bit_sum's position weights
     part = tl.sum(tl.sum(tl.where(inside, bits * weights, 0).to(tl.int64), axis=1), axis=0)
     tl.store(SUMS + pid_m * tl.num_programs(1) + pid_n, part, mask=MODE != 1)
 
@@ -195,7 +196,8 @@ def run_triton(mode: int, weight, b, a):
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     miss = torch.empty(weight.shape if mode == SCAN else (1,), dtype=torch.int8, device=weight.device)
     sums = torch.empty(grid[0] * grid[1] if mode != MERGE else 1, dtype=torch.int64, device=weight.device)
-    _kernel()[grid](weight, b, a, miss, sums, m, n, mode, K=b.shape[1], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    _kernel()[grid](weight, b, a, miss, sums, m, n, mode, K=b.shape[1], PERIOD=_WEIGHT_PERIOD, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps)
     return (miss if mode == SCAN else None), (sums.sum() if mode != MERGE else None)
 
 
