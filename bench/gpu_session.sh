@@ -30,16 +30,19 @@ step() {  # step NAME LIMIT_S CMD...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, vllm, trl, transformers; print(torch.__version__, vllm.__version__, trl.__version__, \
 transformers.__version__)" >> "$out/gpu.txt" 2>&1
-bench="python3 -m grpo_kit bench rl_step --tag h200 --out-dir $out/results"
+# The card names the result files (rl_step_h100.md or rl_step_h200.md): timings compare only on the same card.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]00' | head -1 | tr 'H' 'h')
+card=${card:-gpu}
+bench="python3 -m grpo_kit bench rl_step --tag $card --out-dir $out/results"
 step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit" -q -s -rs \
   -p no:cacheprovider
 step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
   --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
-step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --tag llama8b_4bit_fp16_1k
-step qlora_1k_fp16 300 $ratio --dtype fp16 --tag llama8b_fp16_1k
+step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --tag ${card}_llama8b_4bit_fp16_1k
+step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
 step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
-  --tag llama8b_4bit_longest
-step qlora_1k_bf16 300 $ratio --dtype bf16 --tag llama8b_bf16_1k
+  --tag ${card}_llama8b_4bit_longest
+step qlora_1k_bf16 300 $ratio --dtype bf16 --tag ${card}_llama8b_bf16_1k
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"
