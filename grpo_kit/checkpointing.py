@@ -40,6 +40,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from .nf4_matmul import layer_weight_cache
+
 __all__ = [
     "SUPPORTED_LAYERS",
     "enable_offloaded_checkpointing",
@@ -343,6 +345,11 @@ def _chunked_forward(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_
 
     Without grad it saves nothing; transient peak ~ q,k,v + attention output + one slice.
     """
+    with layer_weight_cache():  # 4-bit weights: dequantised once for all slices
+        return _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens)
+
+
+def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
     B, T, _ = x.shape
     rotary = _rotary_fn(layer)
     parts = _slices(T, B, chunk_tokens)
@@ -455,7 +462,8 @@ class _OffloadedLayer(torch.autograd.Function):
         need_gx = ctx.needs_input_grad[2]
         if gy is None:
             return None, None, None
-        with _autocast_ctx(x.device, job.autocast):
+        # 4-bit weights: dequantised once for the recompute and its backward (grpo_kit.nf4_matmul)
+        with _autocast_ctx(x.device, job.autocast), layer_weight_cache():
             if job.whole:
                 with _restored_rng(x.device, job.rng):
                     xg = x.detach().requires_grad_(need_gx)

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .names import GENERATION_BACKENDS, LORA_SYNC_MODES, LOSS_TYPES, REWARD_ERRORS
+from .names import GENERATION_BACKENDS, LORA_SYNC_MODES, LOSS_TYPES, NF4_MATMULS, REWARD_ERRORS
 from .rewards import REWARD_TIME_LIMIT_S
 
 TASKS = ("arithmetic", "word_problems", "gsm8k")
@@ -230,6 +230,11 @@ class GRPOKitConfig:
                                                "largest, within load_in_4bit_auto_allowance (grpo_kit.quantize).")
     load_in_4bit_auto_allowance: float = _f(0.1, "With load_in_4bit_skip_modules=auto: the extra memory the "
                                             "16-bit layers may cost, as a fraction of the 4-bit weights' bytes.")
+    load_in_4bit_matmul: str = _f("kit", "How a 4-bit layer multiplies when load_in_4bit is on: `kit` "
+                                  "(grpo_kit.nf4_matmul: each weight dequantised once per decoder-layer call by one "
+                                  "Triton kernel, bit-equal to bitsandbytes', and kept for that call; one layer's "
+                                  "weights in 16 bit extra) or `bitsandbytes` (its own Linear4bit, which dequantises "
+                                  "for every matmul, forward and backward). Same numbers either way.")
     gradient_checkpointing: bool | str = _f("auto", "Gradient checkpointing: true, false or `auto` (on when "
                                             "training on a CUDA GPU, off on the CPU, where it would only "
                                             "recompute). With the grpo_kit trainer on a GPU the layer inputs are "
@@ -412,6 +417,8 @@ class GRPOKitConfig:
             isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),
              f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r} is not allowed: 'auto' or a list of "
              "non-empty module names")
+        need(self.load_in_4bit_matmul in NF4_MATMULS, f"load_in_4bit_matmul={self.load_in_4bit_matmul!r} is not "
+             f"allowed: one of {list(NF4_MATMULS)}")
         vllm_only = self.vllm_options_set()
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "

@@ -279,7 +279,8 @@ def load_tokenizer(name: str = EMBEDDED_NAME):
 
 
 def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0,
-               load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1):
+               load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1,
+               nf4_matmul: str = "kit"):
     """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id.
 
     ``dtype`` defaults to fp32 on CPU (the embedded model is dequantised to fp32) and
@@ -296,7 +297,22 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     layer by layer (:func:`_random_4bit`). ``"auto"`` (whose calibration needs the 16-bit layers) builds
     the 16-bit model in CPU RAM first and quantises it layer by layer onto ``device``. The NF4 bytes of a
     checkpoint are the same either way; ``model.grpo_kit_quantization`` reports what was done.
+    ``nf4_matmul``: how the 4-bit layers multiply (:func:`grpo_kit.nf4_matmul.use_nf4_matmul`: ``kit`` or
+    ``bitsandbytes``).
     """
+    from .nf4_matmul import NF4_MATMULS, use_nf4_matmul
+
+    if nf4_matmul not in NF4_MATMULS:  # before anything loads
+        raise ValueError(f"nf4_matmul={nf4_matmul!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
+    model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance)
+    if load_in_4bit:
+        use_nf4_matmul(model, nf4_matmul)
+        model.grpo_kit_quantization["nf4_matmul"] = nf4_matmul
+    return model, load_tokenizer(name)
+
+
+def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance):
+    """:func:`load_model`'s model."""
     from transformers import AutoModelForCausalLM
 
     kind = check_model_name(name)
@@ -305,9 +321,9 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
             start = time.perf_counter()
             model = _random_4bit(name, dtype or torch.float32, device, seed, skip_modules)
             model.grpo_kit_quantization["build_s"] = round(time.perf_counter() - start, 2)
-            return model, load_tokenizer(name)
+            return model
         src = embedded_model_dir() if kind == "embedded" else name
-        return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules), load_tokenizer(name)
+        return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules)
     target = "cpu" if load_in_4bit else device
     start = time.perf_counter()
     if kind in ("tiny", "config-only"):
@@ -321,7 +337,7 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
         _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)
         model.grpo_kit_quantization.update(build_16bit_s=round(built - start, 2),
                                            quantize_s=round(time.perf_counter() - built, 2))
-    return model.to(device), load_tokenizer(name)
+    return model.to(device)
 
 
 def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):

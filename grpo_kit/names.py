@@ -7,6 +7,8 @@
 ``ENGINE_IS_MODES``: ``GRPOConfig.vllm_importance_sampling_mode`` (the engine's importance-sampling correction).
 ``LORA_SYNC_MODES``: how a LoRA adapter reaches a vLLM engine (``VLLMGenerator(lora_sync=...)``, the config's
 ``vllm_lora_sync``).
+``NF4_MATMULS``: how a 4-bit layer multiplies (:func:`grpo_kit.nf4_matmul.use_nf4_matmul`, the config's
+``load_in_4bit_matmul``).
 """
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
@@ -15,3 +17,4 @@ GENERATION_BACKENDS = ("auto", "hf", "vllm")
 REWARD_ERRORS = ("raise", "zero")
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LORA_SYNC_MODES = ("merge", "adapter")
+NF4_MATMULS = ("kit", "bitsandbytes")

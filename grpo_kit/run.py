@@ -339,6 +339,7 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
                            num_processes=PartialState().num_processes)
     quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
                  auto_allowance=cfg.load_in_4bit_auto_allowance,
+                 nf4_matmul=cfg.load_in_4bit_matmul,
                  calibration=calibration_batches(tokenizer, train_ex, system_prompt)) if cfg.load_in_4bit else {}
     generator, model, generation_info = start_generation(
         plan, tokenizer=tokenizer, dtype=dtype,

@@ -6,4 +6,7 @@
 ``lora_merge``: the scan, merge and restore passes of
 ``grpo_kit.generation.reversible_merge`` (the LoRA adapter merged into shared weights and their exact
 bits put back), one Triton kernel on CUDA and torch row blocks elsewhere.
+
+``nf4_dequant``: bitsandbytes' NF4 weights (double quantisation) back to 16 bit in one launch, for the
+4-bit matmul of ``grpo_kit.nf4_matmul``; bitsandbytes' own dequantisation elsewhere.
 """

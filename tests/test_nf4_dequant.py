@@ -1,0 +1,124 @@
+"""The NF4 dequantisation kernel (grpo_kit.kernels.nf4_dequant): its torch reference against bitsandbytes to
+the bit (odd sizes: a half-used last byte, a partial 64-block, several 256-blocks of constants, an outlier
+block; fp16, bf16, fp32); the Triton kernel in its CPU interpreter against both; and the kernel compiled for
+sm_90 (no GPU needed) with no fused multiply-add, which would round the constants differently from
+bitsandbytes. The GPU tier (tests/test_gpu_core.py) compares the compiled kernel with bitsandbytes on CUDA."""
+
+import importlib.util
+import re
+import textwrap
+
+import pytest
+import torch
+from _interpreter import run_in_triton_interpreter
+
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                               reason="bitsandbytes is not installed")
+SHAPES = ((70, 131), (1, 17), (64, 64), (3, 1000), (257, 300))  # 300 x 257 / 64 > 256 blocks: two 2nd-level blocks
+INTS = {2: torch.int16, 4: torch.int32}
+
+
+def _quantized(shape, dtype, seed=0):
+    import bitsandbytes.functional as BF
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+    w.view(-1)[0] = 3.0  # one block dominated by an outlier
+    return BF.quantize_4bit(w.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4")
+
+
+@needs_bnb
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_reference_is_bitsandbytes_dequantisation_to_the_bit(dtype):
+    import bitsandbytes.functional as BF
+
+    from grpo_kit.kernels.nf4_dequant import dequantize_reference
+
+    for shape in SHAPES:
+        packed, qs = _quantized(shape, dtype)
+        ref, bnb = dequantize_reference(packed, qs), BF.dequantize_4bit(packed, qs)
+        assert ref.shape == bnb.shape == shape and ref.dtype == bnb.dtype == dtype
+        assert torch.equal(ref.view(INTS[ref.element_size()]), bnb.view(INTS[ref.element_size()])), (dtype, shape)
+    # without double quantisation too (a checkpoint quantised that way)
+    w = torch.randn(33, 70, generator=torch.Generator().manual_seed(1)).to(dtype)
+    packed, qs = BF.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type="nf4")
+    assert torch.equal(dequantize_reference(packed, qs), BF.dequantize_4bit(packed, qs))
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import bitsandbytes.functional as BF
+    from grpo_kit.kernels import nf4_dequant as K
+    from test_nf4_dequant import SHAPES, INTS, _quantized
+    assert K.interpreter_active()
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        for shape in SHAPES:
+            packed, qs = _quantized(shape, dtype)
+            assert K.triton_usable(packed, qs)
+            out, ref = K.dequantize_triton(packed, qs), K.dequantize_reference(packed, qs)
+            if dtype == torch.bfloat16:
+                # the interpreter converts float32 to bf16 by truncation (the GPU rounds to nearest even): the
+                # kernel's float32 values are checked through that, the rounding on the GPU tier
+                qs.dtype = torch.float32
+                full = K.dequantize_reference(packed, qs)
+                assert torch.equal(out.view(torch.int16), (full.view(torch.int32) >> 16).to(torch.int16)), shape
+            else:
+                assert torch.equal(out.view(INTS[out.element_size()]), ref.view(INTS[out.element_size()])), (dtype, shape)
+    # only NF4 with double quantisation (bitsandbytes' QLoRA default, and the kit's)
+    packed, qs = BF.quantize_4bit(torch.randn(8, 64, dtype=torch.float16), compress_statistics=False, quant_type="nf4")
+    assert not K.triton_usable(packed, qs)
+    packed, qs = BF.quantize_4bit(torch.randn(8, 64, dtype=torch.float16), compress_statistics=True, quant_type="fp4")
+    assert not K.triton_usable(packed, qs)
+    # the probe the kit runs before real weights: true where the kernel gives bitsandbytes' bits
+    assert K.kernel_matches_bitsandbytes("cpu", torch.float16)
+    assert not K.kernel_matches_bitsandbytes("cpu", torch.bfloat16)  # the interpreter's truncation, caught
+    print("NF4-INTERPRETER-OK")
+    """
+)
+
+
+@needs_bnb
+def test_the_kernel_in_the_interpreter_equals_the_reference():
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("import sys; sys.path.insert(0, 'tests')\n" + SCRIPT, "NF4-INTERPRETER-OK")
+
+
+@needs_bnb
+def test_the_kernel_takes_no_cpu_weight_outside_the_interpreter():
+    from grpo_kit.kernels import nf4_dequant as K
+
+    if K.interpreter_active():
+        pytest.skip("this process runs Triton's interpreter")
+    packed, qs = _quantized((8, 64), torch.float16)
+    assert not K.triton_usable(packed, qs)  # a CPU weight: bitsandbytes' path
+
+
+def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
+    """Compiled for sm_90 with the options the kit launches it with, the PTX has separate float32 multiplies and
+    adds and no fma (with fusion allowed, the same source compiles to fma: the check can fail)."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from grpo_kit.kernels import nf4_dequant as K
+
+    if K.interpreter_active():
+        pytest.skip("this process runs Triton's interpreter")
+
+    def ptx(dtype, options):
+        sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",
+               "OUT": f"*{dtype}", "N": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr", "DOWNCAST": "constexpr",
+               "BLOCK": "constexpr"}
+        src = ASTSource(K._kernel(), signature=sig,
+                        constexprs={"QBLOCK": 64, "QBLOCK2": 256, "DOWNCAST": dtype != "fp32", "BLOCK": K._BLOCK})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}).asm["ptx"]
+
+    for dtype in ("fp16", "bf16", "fp32"):
+        code = ptx(dtype, K.LAUNCH_OPTIONS)
+        assert not re.search(r"\bfma\.rn\.f32", code), f"{dtype}: fused multiply-add in the kernel"
+        assert re.search(r"\bmul\.rn\.f32", code) and re.search(r"\badd\.rn\.f32", code)
+        if dtype != "fp32":
+            assert re.search(rf"cvt\.rn\.{dtype.replace('fp', 'f')}\.f32", code)  # round to nearest even
+    assert re.search(r"\bfma\.rn\.f32", ptx("fp16", {"enable_fp_fusion": True}))
