@@ -16,7 +16,9 @@ length: 7 in each of the three calls. The price is one layer's weights in 16 bit
 for Llama-3.1-8B in fp16), which ``grpo_kit.memory.estimate`` counts. Each dequantisation is one Triton launch
 (:mod:`grpo_kit.kernels.nf4_dequant`, bit-equal to bitsandbytes'; its path where the kernel does not apply).
 
-The weight is never saved for backward: the backward takes it from the cache, or dequantises it again (outside
+Outside a layer call and without gradient (generation, plain inference) the layer runs bitsandbytes' own
+forward, which multiplies the few rows of a decoding step with the 4-bit weight directly (gemv, or its fused
+small-batch kernels). The weight is never saved for backward: the backward takes it from the cache, or dequantises it again (outside
 the kit's checkpointing, as bitsandbytes does), so autograd never holds a model's worth of 16-bit weights.
 The arithmetic is bitsandbytes': ``y = x W^T (+ b)`` and ``dx = dy W`` with W in the compute dtype.
 ``use_nf4_matmul(model, "bitsandbytes")`` puts bitsandbytes' own forward back (the benchmark compares both).
@@ -106,6 +108,12 @@ class _NF4Matmul(torch.autograd.Function):
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Replacement ``forward`` of a bitsandbytes ``Linear4bit`` (its dtype handling, the kit's matmul)."""
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    if _cache is None and not needs_grad:
+        # generation, or inference outside the kit's checkpointed layer calls: nothing to reuse, and for the
+        # few rows of a decoding step bitsandbytes multiplies the 4-bit weight directly (gemv / its fused
+        # small-batch kernels) instead of writing out the 16-bit weight first
+        return type(self).forward(self, x, *args, **kwargs)
     if getattr(self.weight, "quant_state", None) is None:
         raise RuntimeError(f"{type(self).__name__} has no quantisation state: its weight was never quantised "
                            "(move the model to a device bitsandbytes supports first)")
@@ -113,7 +121,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     dtype = self.compute_dtype or self.weight.quant_state.dtype
     x = x.to(dtype)
     bias = None if self.bias is None else self.bias.to(dtype)
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_grad:
         y = _NF4Matmul.apply(x, self)
         if bias is not None:
             y = y + bias

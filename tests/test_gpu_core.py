@@ -304,7 +304,7 @@ def test_kit_4bit_matmul_step_on_cuda_matches_bitsandbytes():
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad(), pm.disable_adapter():
-            pm(input_ids=ids)
+            pm(input_ids=ids, use_cache=False)
         loss = pm(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.cuda.synchronize()
