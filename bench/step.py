@@ -577,7 +577,7 @@ def write_report(data, out_dir, tag):
     for r in data["results"]:
         L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']} | {r['row']}"
                  + (f" (4-bit, {r['nf4_matmul']} matmul" + (f", {r['dequantized_per_step']:.0f} dequant./step"
-                                                             if r["nf4_matmul"] == "kit" else "") + ")"
+                                                             if r.get("dequantized_per_step") else "") + ")"
                     if r.get("nf4_matmul") else "")
                  + f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
                  f"{fmt(r.get('peak_allocated_gib'), 2)} | {fmt(r.get('peak_reserved_gib'), 2)} | "

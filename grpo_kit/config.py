@@ -234,7 +234,8 @@ class GRPOKitConfig:
                                   "(grpo_kit.nf4_matmul: each weight dequantised once per decoder-layer call by one "
                                   "Triton kernel, bit-equal to bitsandbytes', and kept for that call; one layer's "
                                   "weights in 16 bit extra) or `bitsandbytes` (its own Linear4bit, which dequantises "
-                                  "for every matmul, forward and backward). Same numbers either way.")
+                                  "for every matmul, forward and backward, and for short inputs on some GPUs multiplies "
+                                  "with its own fused kernel, which rounds differently).")
     gradient_checkpointing: bool | str = _f("auto", "Gradient checkpointing: true, false or `auto` (on when "
                                             "training on a CUDA GPU, off on the CPU, where it would only "
                                             "recompute). With the grpo_kit trainer on a GPU the layer inputs are "

@@ -12,22 +12,25 @@ calls each of its linears many times per micro-batch, per token slice S of the l
 that is 31 dequantisations of a Llama layer's 7 weights per slice (31 x S per micro-batch; S = 1 at 1,536
 tokens, 6 at 20,992). Here :func:`layer_weight_cache` keeps each dequantised weight for the rest of one layer
 call (a forward, or a recompute with its backward), so a layer dequantises 21 weights per micro-batch at any
-length: 7 in each of the three calls. The price is one layer's weights in 16 bit while the layer runs (436 MiB
+length: 7 in each of the three calls. The price is one layer's weights in 16 bit while the layer runs (436 MB
 for Llama-3.1-8B in fp16), which ``grpo_kit.memory.estimate`` counts. Each dequantisation is one Triton launch
 (:mod:`grpo_kit.kernels.nf4_dequant`, bit-equal to bitsandbytes'; its path where the kernel does not apply).
 
 Outside a layer call and without gradient (generation, plain inference) the layer runs bitsandbytes' own
 forward, which multiplies the few rows of a decoding step with the 4-bit weight directly (gemv, or its fused
-small-batch kernels). The weight is never saved for backward: the backward takes it from the cache, or dequantises it again (outside
-the kit's checkpointing, as bitsandbytes does), so autograd never holds a model's worth of 16-bit weights.
-The arithmetic is bitsandbytes': ``y = x W^T (+ b)`` and ``dx = dy W`` with W in the compute dtype.
-``use_nf4_matmul(model, "bitsandbytes")`` puts bitsandbytes' own forward back (the benchmark compares both).
+small-batch kernels). The weight is never saved for backward: the backward takes it from the cache, or
+dequantises it again (outside the kit's checkpointing, as bitsandbytes does), so autograd never holds a model's
+worth of 16-bit weights. The arithmetic is bitsandbytes' dequantise-then-multiply path's: W dequantised straight
+into the compute dtype, ``y = F.linear(x, W, b)``, ``dx = dy W``. (bitsandbytes' own forward takes its fused
+4-bit kernel instead for inputs of up to 1,536 rows on some GPUs, which rounds differently.)
+``use_nf4_matmul(model, "bitsandbytes")`` puts bitsandbytes' own class back (the benchmark compares both).
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
+import threading
 import warnings
 
 import torch
@@ -38,47 +41,50 @@ from .names import NF4_MATMULS
 from .quantize import is_quantized
 
 __all__ = ["NF4_MATMULS", "layer_weight_cache", "dequantized", "use_nf4_matmul", "reset_stats"]
-_cache: dict | None = None  # module -> its dequantised weight, inside layer_weight_cache
-_depth = 0
+# Per thread: the reentrant backward of a layer (grpo_kit.checkpointing) runs its recompute and its backward on
+# the thread that opened the cache; another thread would miss it and dequantise afresh, never share it.
+_local = threading.local()
 _stats = {"dequantized": 0}  # calls to _dequantize since the last reset_stats (tests and benchmarks read it)
 _warned: set = set()  # (device, dtype) where the kernel's probe failed, said once
+
+
+def _open_cache() -> dict | None:
+    return getattr(_local, "cache", None)
 
 
 @contextlib.contextmanager
 def layer_weight_cache():
     """Within it, each 4-bit layer's weight is dequantised at most once (the first use) and kept; the weights
-    are released when the outermost such block ends. Costs nothing when the model has no 4-bit layers."""
-    global _cache, _depth
-    if _depth == 0:
-        _cache = {}
-    _depth += 1
+    are released when the outermost such block of this thread ends. Costs nothing without 4-bit layers."""
+    outer = _open_cache() is None
+    if outer:
+        _local.cache = {}
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
-            _cache = None
+        if outer:
+            _local.cache = None
 
 
-def dequantized(module: torch.nn.Module) -> torch.Tensor:
-    """``module``'s weight (out, in) in its compute dtype: from the layer cache when one is open."""
-    if _cache is None:
-        return _dequantize(module)
-    w = _cache.get(module)
-    if w is None:
-        w = _cache[module] = _dequantize(module)
+def dequantized(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """``module``'s weight (out, in) in ``dtype`` (its compute dtype): from the layer cache when one is open."""
+    cache = _open_cache()
+    if cache is None:
+        return _dequantize(module, dtype)
+    w = cache.get(module)
+    if w is None or w.dtype != dtype:
+        w = cache[module] = _dequantize(module, dtype)
     return w
 
 
-def _dequantize(module) -> torch.Tensor:
+def _dequantize(module, dtype: torch.dtype) -> torch.Tensor:
+    """Straight into ``dtype`` (one rounding), as bitsandbytes' forward dequantises into the input's dtype."""
     _stats["dequantized"] += 1
     p = module.weight
     qs = p.quant_state
     if K.triton_usable(p.data, qs) and _kernel_ok(p.device, qs.dtype):
-        w = K.dequantize_triton(p.data, qs)
-    else:
-        w = K.dequantize_bitsandbytes(p.data, qs)
-    dtype = module.compute_dtype or qs.dtype
+        return K.dequantize_triton(p.data, qs, dtype)
+    w = K.dequantize_bitsandbytes(p.data, qs)
     return w if w.dtype == dtype else w.to(dtype)
 
 
@@ -92,56 +98,83 @@ def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class _NF4Matmul(torch.autograd.Function):
-    """``x W^T`` for a 4-bit layer; saves no weight (backward dequantises again or takes it from the cache).
-    x (..., in) in the compute dtype -> (..., out)."""
+    """``x W^T + b`` for a 4-bit layer, bitsandbytes' arithmetic (``F.linear(x, W, b)``, ``dx = dy W``); saves no
+    weight: backward takes it from the layer cache or dequantises again. x (..., in) in the compute dtype,
+    bias (out,) or None -> (..., out)."""
 
     @staticmethod
-    def forward(ctx, x, module):
-        ctx.module = module
-        return F.linear(x, dequantized(module))
+    def forward(ctx, x, bias, module):
+        ctx.module, ctx.dtype = module, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, dequantized(module, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, gy):
-        module, ctx.module = ctx.module, None
-        return gy @ dequantized(module), None
+        gx = gb = None
+        if ctx.needs_input_grad[0]:  # under autocast gy may come back in another dtype (bitsandbytes casts too)
+            gx = gy @ dequantized(ctx.module, ctx.dtype).to(gy.dtype)
+        if ctx.needs_input_grad[1]:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+        return gx, gb, None
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Replacement ``forward`` of a bitsandbytes ``Linear4bit`` (its dtype handling, the kit's matmul)."""
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    if _cache is None and not needs_grad:
-        # generation, or inference outside the kit's checkpointed layer calls: nothing to reuse, and for the
-        # few rows of a decoding step bitsandbytes multiplies the 4-bit weight directly (gemv / its fused
-        # small-batch kernels) instead of writing out the 16-bit weight first
-        return type(self).forward(self, x, *args, **kwargs)
-    if getattr(self.weight, "quant_state", None) is None:
-        raise RuntimeError(f"{type(self).__name__} has no quantisation state: its weight was never quantised "
-                           "(move the model to a device bitsandbytes supports first)")
+    """``KitLinear4bit.forward``: bitsandbytes' ``Linear4bit.forward`` with the kit's matmul."""
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    base = super(type(self), self).forward
+    fix_4bit_weight_quant_state_from_module(self)  # as bitsandbytes: a quant_state lost in a conversion (FSDP)
+    qs = self.weight.quant_state
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
+    if (_open_cache() is None and not needs_grad) or getattr(qs, "packing_format_for_cpu", False):
+        # Generation, or inference outside the kit's checkpointed layer calls: nothing to reuse, and for the few
+        # rows of a decoding step bitsandbytes multiplies the 4-bit weight directly (gemv, its fused small-batch
+        # kernels) instead of writing out the 16-bit weight. Its CPU eval layout (repacked for AVX512-BF16, once
+        # converted) is one only it reads.
+        return base(x, *args, **kwargs)
+    if not self.compute_type_is_set:  # bitsandbytes' rule for a layer made without a compute dtype
+        self.set_compute_type(x)
+        self.compute_type_is_set = True
     inp_dtype = x.dtype
-    dtype = self.compute_dtype or self.weight.quant_state.dtype
-    x = x.to(dtype)
-    bias = None if self.bias is None else self.bias.to(dtype)
+    if self.compute_dtype is not None:
+        x = x.to(self.compute_dtype)
+    bias = None if self.bias is None else self.bias.to(x.dtype)
     if needs_grad:
-        y = _NF4Matmul.apply(x, self)
-        if bias is not None:
-            y = y + bias
+        y = _NF4Matmul.apply(x, bias, self)
     else:
-        y = F.linear(x, dequantized(self), bias)
+        y = F.linear(x, dequantized(self, x.dtype), bias)
     return y.to(inp_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _kit_class():
+    """``KitLinear4bit``: bitsandbytes' ``Linear4bit`` with :func:`_forward`, made on first use (bitsandbytes is
+    optional) and reachable as ``grpo_kit.nf4_matmul.KitLinear4bit`` (so a pickled model finds it)."""
+    import bitsandbytes as bnb
+
+    return type("KitLinear4bit", (bnb.nn.Linear4bit,), {"forward": _forward, "__module__": __name__,
+                                                       "__doc__": "bitsandbytes' Linear4bit, the kit's matmul"})
+
+
+def __getattr__(name):  # PEP 562: the class exists once bitsandbytes is imported
+    if name == "KitLinear4bit":
+        return _kit_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def use_nf4_matmul(model: torch.nn.Module, impl: str) -> int:
     """Make every bitsandbytes ``Linear4bit`` in ``model`` multiply with ``impl`` (``NF4_MATMULS``: ``kit``, this
-    module's; ``bitsandbytes``, its own forward back). Returns how many layers were set."""
+    module's ``KitLinear4bit``; ``bitsandbytes``, its own class back). The layers keep their state; only their
+    class changes. Returns how many layers were set."""
     if impl not in NF4_MATMULS:
         raise ValueError(f"nf4 matmul {impl!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
+    kit = _kit_class()
     n = 0
     for m in model.modules():
         if is_quantized(m):
-            if impl == "kit":
-                m.forward = types.MethodType(_forward, m)
-            else:
-                m.__dict__.pop("forward", None)
+            if type(m) is not kit:
+                m._grpo_kit_bnb_class = type(m)  # bitsandbytes' class (Linear4bit, or a subclass), put back below
+            m.__class__ = kit if impl == "kit" else m._grpo_kit_bnb_class
             n += 1
     return n
 

@@ -21,10 +21,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 IDS = torch.randint(3, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
-def _step(name, impl, checkpointing, chunk_tokens=30):
+def _step(name, impl, checkpointing, chunk_tokens=30, dtype=torch.float32):
     """Dequantisations and results of a reference pass (adapter off, no grad) and a policy forward/backward."""
-    model, _ = load_model(name, load_in_4bit=True, device="cpu", nf4_matmul=impl)
+    model, _ = load_model(name, load_in_4bit=True, device="cpu", nf4_matmul=impl, dtype=dtype)
     assert model.grpo_kit_quantization["nf4_matmul"] == impl
+    g = torch.Generator().manual_seed(3)
+    for m in model.modules():  # Qwen2's q/k/v biases start at zero: give them values the matmul must add
+        if is_quantized(m) and m.bias is not None:
+            m.bias.data = (torch.randn(m.bias.shape, generator=g) * 0.1).to(m.bias.dtype)
     torch.manual_seed(0)
     pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
     if checkpointing:  # 2 x 40 tokens in slices of 30 // 2 = 15 tokens: three slices per layer
@@ -37,16 +41,17 @@ def _step(name, impl, checkpointing, chunk_tokens=30):
     counts.append(NM.reset_stats()["dequantized"])
     out.loss.backward()
     counts.append(NM.reset_stats()["dequantized"])
-    assert NM._cache is None  # every layer's weights released
+    assert NM._open_cache() is None  # every layer's weights released
     grads = {n: p.grad for n, p in pm.named_parameters() if p.requires_grad}
     return counts, ref, out.logits.detach(), grads
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("name,dtype", [("tiny-llama", torch.float32), ("tiny-qwen2", torch.float32),
+                                        ("tiny-qwen2", torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_kit_matmul_gives_bitsandbytes_results(name, checkpointing):
-    _, ref_b, logits_b, grads_b = _step(name, "bitsandbytes", checkpointing)
-    counts, ref_k, logits_k, grads_k = _step(name, "kit", checkpointing)
+def test_the_kit_matmul_gives_bitsandbytes_results(name, dtype, checkpointing):
+    _, ref_b, logits_b, grads_b = _step(name, "bitsandbytes", checkpointing, dtype=dtype)
+    counts, ref_k, logits_k, grads_k = _step(name, "kit", checkpointing, dtype=dtype)
     assert torch.equal(ref_k, ref_b) and torch.equal(logits_k, logits_b)
     assert grads_k.keys() == grads_b.keys() and len(grads_k) == 2 * 7 * 2
     for n in grads_k:  # the same dequantised weight and the same matmuls: the same bits on this backend
@@ -71,6 +76,65 @@ def test_no_dequantised_weight_is_kept_for_backward():
     assert shapes and saved and not shapes & set(saved)
 
 
+def _layer(compute_dtype, bias=True, weight_dtype=torch.float32):
+    import bitsandbytes as bnb
+
+    g = torch.Generator().manual_seed(5)
+    layer = bnb.nn.Linear4bit(70, 33, bias=bias, compute_dtype=compute_dtype, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit((torch.randn(33, 70, generator=g) * 0.05).to(weight_dtype), requires_grad=False,
+                                     quant_type="nf4", compress_statistics=True)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(33, generator=g) * 0.1, requires_grad=False)
+    return layer.to("cpu")
+
+
+def _run(layer, impl, x, **autocast):
+    import copy
+
+    layer = copy.deepcopy(layer)
+    NM.use_nf4_matmul(layer, impl)
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", **autocast) if autocast else torch.enable_grad():
+        y = layer(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("compute_dtype,x_dtype", [(None, torch.bfloat16), (None, torch.float32),
+                                                   (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=str)
+def test_one_layer_follows_bitsandbytes_dtype_rules(compute_dtype, x_dtype):
+    """Compute dtype set or not (bitsandbytes then takes the input's), input in another dtype, a bias, leading
+    dimensions: the output and input gradient bitsandbytes' Linear4bit gives, in the input's dtype."""
+    layer = _layer(compute_dtype)
+    x = torch.randn(2, 5, 70, generator=torch.Generator().manual_seed(6)).to(x_dtype)
+    (yb, gb), (yk, gk) = _run(layer, "bitsandbytes", x), _run(layer, "kit", x)
+    assert yk.dtype == yb.dtype == x_dtype and torch.equal(yk, yb)
+    assert torch.equal(gk, gb)
+
+
+def test_autocast_forward_with_backward_outside_it():
+    """An fp32 layer run under bf16 autocast, backward outside it: the gradient comes back in another dtype than
+    the forward's, which bitsandbytes casts for (so does the kit); and a second backward with retain_graph."""
+    layer = _layer(torch.float32)
+    x = torch.randn(4, 70, generator=torch.Generator().manual_seed(7))
+    (yb, gb), (yk, gk) = (_run(layer, impl, x, dtype=torch.bfloat16) for impl in ("bitsandbytes", "kit"))
+    assert torch.allclose(yk.float(), yb.float(), rtol=2e-2, atol=1e-2) and torch.allclose(gk, gb, rtol=2e-2, atol=1e-2)
+    NM.use_nf4_matmul(layer, "kit")
+    y = layer(x.clone().requires_grad_())
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+
+
+def test_a_model_with_the_kit_matmul_pickles(tmp_path):
+    model, _ = load_model("tiny-llama", load_in_4bit=True, device="cpu")
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "KitLinear4bit"
+    torch.save(model, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=IDS).logits, model(input_ids=IDS).logits)
+
+
 def test_generation_uses_bitsandbytes_own_forward():
     """HF generate (no grad, outside the kit's layer calls): no dequantisation of the kit's; bitsandbytes
     multiplies the decoding step's few rows with the 4-bit weight directly. The same tokens either way."""
@@ -89,7 +153,9 @@ def test_the_matmul_option_is_checked():
         NM.use_nf4_matmul(model, "fast")
     with pytest.raises(ValueError, match=r"nf4_matmul='fast' is not allowed: one of kit, bitsandbytes"):
         load_model("tiny-llama", load_in_4bit=True, device="cpu", nf4_matmul="fast")
-    assert NM.use_nf4_matmul(model, "bitsandbytes") == 14 and "forward" not in model.model.layers[0].mlp.up_proj.__dict__
+    import bitsandbytes as bnb
+
+    assert NM.use_nf4_matmul(model, "bitsandbytes") == 14 and type(model.model.layers[0].mlp.up_proj) is bnb.nn.Linear4bit
     with pytest.raises(ConfigError, match=r"load_in_4bit_matmul='fast' is not allowed: one of \['kit', 'bitsandbytes'\]"):
         GRPOKitConfig(load_in_4bit_matmul="fast").validate()
     assert GRPOKitConfig.field_help()["load_in_4bit_matmul"]

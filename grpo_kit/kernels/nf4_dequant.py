@@ -14,7 +14,7 @@ rounded to the output dtype to nearest even: the arithmetic of bitsandbytes' CUD
 :func:`dequantize_reference` writes it in torch (any device; the readable definition), :func:`dequantize_triton`
 in one Triton launch on CUDA. bitsandbytes' own ``dequantize_4bit`` takes five host calls and three kernels for
 the same weight (the constants' dequantisation, the offset, the nibbles); the kit's 4-bit matmul
-(:mod:`grpo_kit.nf4_linear`) calls this about 21 times per decoder layer per micro-batch, so the host calls
+(:mod:`grpo_kit.nf4_matmul`) calls this 21 times per decoder layer per micro-batch, so the host calls
 are what it saves. :func:`kernel_matches_bitsandbytes` checks the compiled kernel against bitsandbytes on a
 probe weight before real weights use it. ``tests/test_nf4_dequant.py`` holds the three equal to the bit (Triton
 in its CPU interpreter) and checks that the compiled kernel has no fused multiply-add.
@@ -22,6 +22,7 @@ in its CPU interpreter) and checks that the compiled kernel has no fused multipl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -32,7 +33,6 @@ _BLOCK = 1024  # elements per Triton program
 # No fused multiply-add: bitsandbytes rounds the constants' product and the offset's sum each on its own
 # (compiled with fusion on, the kernel's PTX has an fma there; tests/test_nf4_dequant.py checks it has none).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _absmax(quant_state) -> torch.Tensor:
@@ -44,14 +44,15 @@ def _absmax(quant_state) -> torch.Tensor:
     return s2.code.to(quant_state.absmax.device)[quant_state.absmax.long()] * scale + quant_state.offset
 
 
-def dequantize_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:
-    """W (``quant_state.shape``, ``quant_state.dtype``) from ``packed`` (uint8, ceil(n / 2) bytes): the module
-    docstring's formula in torch, op by op (eager torch rounds each product and sum on its own)."""
+def dequantize_reference(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W (``quant_state.shape``; ``dtype``, default ``quant_state.dtype``) from ``packed`` (uint8, ceil(n / 2)
+    bytes): the module docstring's formula in torch, op by op (eager torch rounds each product and sum on its
+    own), rounded once to ``dtype``."""
     n = quant_state.shape.numel()
     b = packed.reshape(-1)
     nibbles = torch.stack((b >> 4, b & 15), dim=1).reshape(-1)[:n].long()
     scale = _absmax(quant_state).repeat_interleave(quant_state.blocksize)[:n]
-    return (quant_state.code.to(b.device)[nibbles] * scale).to(quant_state.dtype).view(quant_state.shape)
+    return (quant_state.code.to(b.device)[nibbles] * scale).to(dtype or quant_state.dtype).view(quant_state.shape)
 
 
 def _nf4_dequant_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, N, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
@@ -80,23 +81,27 @@ def _kernel():
 
 def triton_usable(packed: torch.Tensor, quant_state) -> bool:
     """The kernel takes this weight: Triton installed, NF4 with double quantisation (bitsandbytes' QLoRA
-    default, and the kit's), an output dtype of 16 or 32 bit, on CUDA (or any device under the interpreter)."""
+    default, and the kit's) in bitsandbytes' layout (not its CPU eval repacking), on CUDA (or any device under
+    the interpreter)."""
     return (HAS_TRITON and quant_state.quant_type == "nf4" and bool(quant_state.nested)
-            and quant_state.dtype in _OUT_DTYPES and packed.dtype == torch.uint8
+            and not getattr(quant_state, "packing_format_for_cpu", False) and packed.dtype == torch.uint8
             and (packed.is_cuda or interpreter_active()))
 
 
-def dequantize_triton(packed: torch.Tensor, quant_state) -> torch.Tensor:
-    """:func:`dequantize_reference` in one launch (see :func:`triton_usable` for what it takes). Does not wait."""
+def dequantize_triton(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`dequantize_reference` in one launch (see :func:`triton_usable` for what it takes), on the weight's
+    device whichever is current. Does not wait."""
+    dtype = dtype or quant_state.dtype
     n = quant_state.shape.numel()
-    out = torch.empty(quant_state.shape, dtype=quant_state.dtype, device=packed.device)
-    s2 = quant_state.state2
     dev = packed.device
+    out = torch.empty(quant_state.shape, dtype=dtype, device=dev)
+    s2 = quant_state.state2
     offset = torch.as_tensor(quant_state.offset, dtype=torch.float32, device=dev).reshape(1)
-    _kernel()[(triton.cdiv(n, _BLOCK),)](
-        packed, quant_state.absmax, s2.code.to(dev), s2.absmax, offset, quant_state.code.to(dev), out, n,
-        QBLOCK=quant_state.blocksize, QBLOCK2=s2.blocksize, DOWNCAST=quant_state.dtype != torch.float32,
-        BLOCK=_BLOCK, **LAUNCH_OPTIONS)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # Triton launches on the current one
+        _kernel()[(triton.cdiv(n, _BLOCK),)](
+            packed, quant_state.absmax, s2.code.to(dev), s2.absmax, offset, quant_state.code.to(dev), out, n,
+            QBLOCK=quant_state.blocksize, QBLOCK2=s2.blocksize, DOWNCAST=dtype != torch.float32, BLOCK=_BLOCK,
+            **LAUNCH_OPTIONS)
     return out
 
 
