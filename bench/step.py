@@ -353,8 +353,9 @@ def gpu_check(args, dev):
     side = torch.cuda.Stream(dev)
     hb = _HostBuffer(GiB, True, side)
     x = torch.randn(GiB // 2, dtype=torch.bfloat16, device=dev)
-    for name, fn in (("d2h", lambda: hb.view(x.shape, x.dtype).copy_(x, non_blocking=True)),
-                     ("h2d", lambda: x.copy_(hb.view(x.shape, x.dtype), non_blocking=True))):
+    view = hb.view(x.shape, x.dtype)
+    for name, dst, src in (("d2h", view, x), ("h2d", x, view)):
+        fn = functools.partial(dst.copy_, src, non_blocking=True)
         fn()
         sync(dev)
         t0 = time.perf_counter()
@@ -364,7 +365,7 @@ def gpu_check(args, dev):
         out[f"{name}_GBps"] = 3 * GiB / (time.perf_counter() - t0) / 1e9
     out["host_buffer_pinned"] = hb.pinned
     out["host_buffer_registered"] = hb._registered
-    del hb, x
+    del hb, x, view, fn
     for dtype_name, layers, T in (("float32", 2, 1536), ("bfloat16", None, 4096)):
         torch.backends.cuda.matmul.allow_tf32 = False
         model, _ = build(args.check_model, dev, args.lora_r, layers=layers, random_lora=True)
