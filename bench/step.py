@@ -5,7 +5,8 @@ dropout 0) on every linear layer of the decoder via peft (adapter weights fp32, 
 default), AdamW (lr 1e-5) on the adapter. One step =
 
 1. reference log-probs of all G generations, LoRA adapter disabled, ``torch.no_grad``,
-   ``micro_batch`` sequences at a time;
+   ``micro_batch`` sequences at a time (``--ref-micro-batch``: another number, to see what batching the
+   no-grad pass would save: fewer, larger matmuls, and fewer dequantisations in 4-bit);
 2. policy forward + backward over all G generations, ``micro_batch`` at a time, loss scaled
    by micro_batch / G (gradient accumulation), loss_type ``grpo``, beta, eps 0.2;
 3. optimiser step, ``zero_grad(set_to_none=True)``.
@@ -166,15 +167,16 @@ def grpo_step(model, opt, row, batch, args, scaler=None):
     lm, body, W = parts(model)
     ids, adv, mask = batch["ids"], batch["adv"], batch["mask"]
     G, P, mb = ids.shape[0], args.prompt_len, args.micro_batch
+    rmb = args.ref_micro_batch or mb
     comp = ids[:, P:]
     ref = torch.empty(comp.shape, dtype=torch.float32, device=ids.device)
     with phase("ref_pass"), torch.no_grad(), model.disable_adapter():
-        for s in range(0, G, mb):
-            h = body(input_ids=ids[s:s + mb], use_cache=False).last_hidden_state[:, P - 1:-1]
+        for s in range(0, G, rmb):
+            h = body(input_ids=ids[s:s + rmb], use_cache=False).last_hidden_state[:, P - 1:-1]
             if row == "baseline":
-                ref[s:s + mb] = full_logits_logps(lm, h, comp[s:s + mb])
+                ref[s:s + rmb] = full_logits_logps(lm, h, comp[s:s + rmb])
             else:
-                ref[s:s + mb] = per_token_logps(h, W, comp[s:s + mb])
+                ref[s:s + rmb] = per_token_logps(h, W, comp[s:s + rmb])
             del h
     # every line runs inside some phase: the step's peak is the max over phases
     for s in range(0, G, mb):
@@ -260,7 +262,8 @@ def cleanup(dev):
 def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
     """``args.repeat`` measured steps of ``row`` (after a short warm-up step). Returns a result dict."""
     res = dict(row=row, model=args.model, gens=G, seq_len=T, prompt_len=args.prompt_len,
-               completion_len=T - args.prompt_len, micro_batch=args.micro_batch, beta=args.beta,
+               completion_len=T - args.prompt_len, micro_batch=args.micro_batch,
+               ref_micro_batch=args.ref_micro_batch or args.micro_batch, beta=args.beta,
                budget_gib=budget_gib)
     opt = None
     try:
@@ -576,7 +579,9 @@ def write_report(data, out_dir, tag):
          "| model | G x seq (prompt) | micro-batch | row | status | peak alloc GiB | peak reserved GiB | step s | tokens/s | host offload GiB |",
          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
-        L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']} | {r['row']}"
+        ref_mb = r.get("ref_micro_batch", r["micro_batch"])
+        L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']}"
+                 + (f" (reference pass {ref_mb})" if ref_mb != r["micro_batch"] else "") + f" | {r['row']}"
                  + (f" (4-bit, {r['nf4_matmul']} matmul" + (f", {r['dequantized_per_step']:.0f} dequant./step"
                                                              if r.get("dequantized_per_step") else "") + ")"
                     if r.get("nf4_matmul") else "")
@@ -670,6 +675,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--ref-micro-batch", type=int, default=None, help="sequences per no-grad reference forward "
+                   "(default: --micro-batch)")
     p.add_argument("--budget", choices=sorted(BUDGETS), help="run under this memory budget (fraction cap)")
     p.add_argument("--budget-gib", type=float, help="run under this many GiB (fraction cap); overrides --budget")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
@@ -702,7 +709,7 @@ def main(argv=None):
                     for x in str(args.seq_len).split(",")]
     except ValueError:
         raise ValueError(f"--seq-len must be T or T:G items separated by commas, got {args.seq_len!r}") from None
-    for name in ("gens", "micro_batch", "lora_r"):
+    for name in ("gens", "micro_batch", "lora_r") + (("ref_micro_batch",) if args.ref_micro_batch is not None else ()):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(G < 1 for _, G in seq_lens):
