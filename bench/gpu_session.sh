@@ -38,7 +38,7 @@ transformers.__version__)" >> "$out/gpu.txt" 2>&1
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]00' | head -1 | tr 'H' 'h')
 card=${card:-gpu}
 bench="python3 -m grpo_kit bench rl_step --tag $card --out-dir $out/results"
-step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit or nf4" -q -s -rs \
+step kernel 420 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit or nf4" -q -s -rs \
   -p no:cacheprovider
 step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
