@@ -151,6 +151,12 @@ def test_known_component_values():
     n = F.param_counts(a)
     assert q4.at["model weights", "GB"] * 1e9 == pytest.approx(n["layer_linear"] * 4.127 / 8 + n["other"] * 2, rel=1e-3)
     assert q4.at["KV cache (generation)", "GiB"] == pytest.approx(df.at["KV cache (generation)", "GiB"] / 2)
+    # the kit's 4-bit matmul keeps the running layer's 7 projections dequantised (grpo_kit.nf4_matmul): 218M weights
+    # of 2 B for the 8B; bitsandbytes (the other methods) one projection at a time, the largest
+    assert q4.at["dequantised 4-bit weights of one layer", "GB"] * 1e9 == pytest.approx(
+        (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) * 2)
+    q4u = estimate(LLAMA, method="unsloth", lora_rank=16, quantization="4bit", **PUB).set_index("component")
+    assert q4u.at["dequantised 4-bit weight (transient)", "GB"] * 1e9 == pytest.approx(14336 * 4096 * 2)
     full = estimate(LLAMA, method="trl", **PUB).set_index("component")
     assert full.at["gradients", "GB"] == pytest.approx(n["total"] * 2 / 1e9)
 
