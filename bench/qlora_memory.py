@@ -5,8 +5,9 @@ Whole training steps (``bench/step.py``: reference pass under the disabled adapt
 of every generation one sequence per micro-batch, optimiser; offloaded checkpointing and the efficient loss),
 LoRA r=16 on all linear layers, beta 0.04, prompt 512 tokens, random weights:
 
-* Llama-3.1-8B, fp16 (a T4 has no bf16: HF's GradScaler), 4-bit (the kit's QLoRA load: built in host RAM,
-  linear layers NF4 one by one onto the GPU, lm_head 16-bit), 8 generations at completion 1K, 4K and 20K,
+* Llama-3.1-8B, fp16 (a T4 has no bf16: HF's GradScaler), 4-bit (the kit's QLoRA load: each linear layer
+  created on the GPU and quantised to NF4 there at once, lm_head 16-bit; the kit's 4-bit matmul,
+  ``grpo_kit.nf4_matmul``), 8 generations at completion 1K, 4K and 20K,
   each under ``torch.cuda.set_per_process_memory_fraction`` = ``--budget-gib`` (15), plus the longest
   completion the calculator says fits that budget, confirmed by a step at that length under the cap with
   ``--confirm-gens`` generations (the peak is one micro-batch's: more generations only take longer);
