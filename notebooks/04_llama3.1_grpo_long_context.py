@@ -185,7 +185,9 @@ else:
 # efficient one. In the full setup `four_bit=True` becomes the config's `load_in_4bit` (QLoRA: the base linear
 # weights in NF4, `lm_head` in 16 bit, LoRA on top; needs a CUDA GPU and bitsandbytes, which the Colab cell
 # installs on a GPU runtime); it then generates with HF `generate`, since vLLM cannot take a 4-bit training
-# model's weights yet. Without it, `fp8_kv_cache` becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
+# model's weights yet; its 4-bit layers multiply with the kit's matmul (`load_in_4bit_matmul`: each weight
+# dequantised once per layer call, not per matmul; not yet timed on a GPU). Without it, `fp8_kv_cache`
+# becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
 # 16-bit weights with training (measured on an H200: the 20K step in 28.3 GiB), and `vllm_lora_sync` becomes the
 # config's field of that name. The fallback uses none of them.
 
