@@ -38,7 +38,7 @@ transformers.__version__)" >> "$out/gpu.txt" 2>&1
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]00' | head -1 | tr 'H' 'h')
 card=${card:-gpu}
 bench="python3 -m grpo_kit bench rl_step --tag $card --out-dir $out/results"
-step kernel 420 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit or nf4" -q -s -rs \
+step kernel 420 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit or nf4 or 4bit_matmul" -q -s -rs \
   -p no:cacheprovider
 step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
@@ -47,7 +47,8 @@ step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul kit,bitsa
   --tag ${card}_llama8b_4bit_fp16_1k
 step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
-print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))")  # the calculator's, with the kit's matmul
+print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
+longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail
 step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len "$longest:1" --prompt-len 512 \
   --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
   --tag ${card}_llama8b_4bit_longest

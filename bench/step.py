@@ -541,15 +541,17 @@ def derive(data):
     for r in res:
         if r["row"] != "ours_offload":
             continue
-        twin = [q for q in res if q["row"] == "ours" and all(q[k] == r[k] for k in ("model", "gens", "seq_len", "micro_batch"))]
+        twin = [q for q in res if q["row"] == "ours" and all(q.get(k) == r.get(k) for k in (
+            "model", "gens", "seq_len", "micro_batch", "ref_micro_batch", "nf4_matmul"))]
         if twin:
             over.append(dict(model=r["model"], gens=r["gens"], seq_len=r["seq_len"], micro_batch=r["micro_batch"],
                              ours_s=twin[0]["step_s"], offload_s=r["step_s"],
                              overhead_pct=100 * (r["step_s"] / twin[0]["step_s"] - 1)))
     out["offload_overhead"] = over
     out["calibration_for_memory_calculator"] = [
-        {k: r.get(k) for k in ("model", "row", "gens", "micro_batch", "seq_len", "prompt_len", "completion_len",
-                                "beta", "peak_allocated_gib", "peak_reserved_gib", "weights_gib", "host_offload_gib")}
+        {k: r.get(k) for k in ("model", "row", "gens", "micro_batch", "ref_micro_batch", "seq_len", "prompt_len",
+                                "completion_len", "beta", "load_in_4bit", "nf4_matmul", "peak_allocated_gib",
+                                "peak_reserved_gib", "weights_gib", "host_offload_gib")}
         for r in res if r["row"] in ("baseline", "ours_offload") and "peak_allocated_gib" in r]
     return out
 
@@ -682,8 +684,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
                    "(fp16: with a GradScaler, as on a T4)")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
-    p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit: how the 4-bit layers multiply, a comma "
-                   "list run one after the other on the same model (kit, bitsandbytes: grpo_kit.nf4_matmul)")
+    p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit (ignored without): how the 4-bit layers "
+                   "multiply, a comma list run one after the other on the same model (kit, bitsandbytes: "
+                   "grpo_kit.nf4_matmul)")
     p.add_argument("--repeat", type=int, default=1, help="timed steps per row at the measured shape; with more "
                    "than one, step_s is the median of those after the first (peak memory: over all)")
     p.add_argument("--kernel-profile", action="store_true", help="after the timed steps, one more under "
@@ -717,7 +720,7 @@ def main(argv=None):
     for T, _ in seq_lens:
         if not 1 <= args.prompt_len < T:
             raise ValueError(f"--prompt-len must be in [1, seq_len), got {args.prompt_len} (seq_len {T})")
-    args.nf4_matmul = [m for m in args.nf4_matmul.split(",") if m]
+    args.nf4_matmul = list(dict.fromkeys(m for m in args.nf4_matmul.split(",") if m))
     if not args.nf4_matmul or any(m not in nf4_matmul.NF4_MATMULS for m in args.nf4_matmul):
         raise ValueError(f"--nf4-matmul: a comma list of {', '.join(nf4_matmul.NF4_MATMULS)}, got {args.nf4_matmul!r}")
     rows = tuple(r for r in args.rows.split(",") if r)

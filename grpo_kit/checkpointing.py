@@ -447,7 +447,8 @@ class _OffloadedLayer(torch.autograd.Function):
         job.autocast = _autocast_state(x.device)
         if job.whole:
             job.rng = _rng_state(x.device)
-            return job.orig_forward(x, **job.call_kwargs)
+            with layer_weight_cache():  # 4-bit: the kit's matmul, as in the recompute (the same rounding)
+                return job.orig_forward(x, **job.call_kwargs)
         return _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk)
 
     @staticmethod

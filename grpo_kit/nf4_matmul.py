@@ -45,7 +45,7 @@ __all__ = ["NF4_MATMULS", "layer_weight_cache", "dequantized", "use_nf4_matmul",
 # the thread that opened the cache; another thread would miss it and dequantise afresh, never share it.
 _local = threading.local()
 _stats = {"dequantized": 0}  # calls to _dequantize since the last reset_stats (tests and benchmarks read it)
-_warned: set = set()  # (device, dtype) where the kernel's probe failed, said once
+_warned: set = set()  # (device, dtype) where the kernel's probe failed: said once, not probed again
 
 
 def _open_cache() -> dict | None:
@@ -78,22 +78,30 @@ def dequantized(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dequantize(module, dtype: torch.dtype) -> torch.Tensor:
-    """Straight into ``dtype`` (one rounding), as bitsandbytes' forward dequantises into the input's dtype."""
+    """In the weight's own dtype (``quant_state.dtype``; the compute dtype in the kit's loads), then cast to
+    ``dtype`` where they differ: the kernel and bitsandbytes' dequantisation give the same bits either way."""
     _stats["dequantized"] += 1
     p = module.weight
     qs = p.quant_state
     if K.triton_usable(p.data, qs) and _kernel_ok(p.device, qs.dtype):
-        return K.dequantize_triton(p.data, qs, dtype)
-    w = K.dequantize_bitsandbytes(p.data, qs)
+        w = K.dequantize_triton(p.data, qs)
+    else:
+        w = K.dequantize_bitsandbytes(p.data, qs)
     return w if w.dtype == dtype else w.to(dtype)
 
 
 def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    ok = K.kernel_matches_bitsandbytes(str(device), dtype)
-    if not ok and (str(device), dtype) not in _warned:
-        _warned.add((str(device), dtype))
-        warnings.warn(f"the NF4 dequantisation kernel did not reproduce bitsandbytes' bits on {device} for {dtype}; "
-                      "dequantising through bitsandbytes instead (slower, same results)", stacklevel=3)
+    key = (str(device), dtype)
+    if key in _warned:
+        return False
+    try:
+        ok, why = K.kernel_matches_bitsandbytes(*key), "did not reproduce bitsandbytes' bits"
+    except Exception as e:  # noqa: BLE001 - e.g. no Triton backend for this GPU: bitsandbytes' path still works
+        ok, why = False, f"could not run ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    if not ok:
+        _warned.add(key)
+        warnings.warn(f"the NF4 dequantisation kernel {why} on {device} for {dtype}; dequantising through "
+                      "bitsandbytes instead (slower, same results)", stacklevel=3)
     return ok
 
 
@@ -122,7 +130,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``KitLinear4bit.forward``: bitsandbytes' ``Linear4bit.forward`` with the kit's matmul."""
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
-    base = super(type(self), self).forward
+    base = functools.partial(type(self)._grpo_kit_base.forward, self)  # bitsandbytes' own forward
     fix_4bit_weight_quant_state_from_module(self)  # as bitsandbytes: a quant_state lost in a conversion (FSDP)
     qs = self.weight.quant_state
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
@@ -147,34 +155,47 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _kit_class():
-    """``KitLinear4bit``: bitsandbytes' ``Linear4bit`` with :func:`_forward`, made on first use (bitsandbytes is
-    optional) and reachable as ``grpo_kit.nf4_matmul.KitLinear4bit`` (so a pickled model finds it)."""
-    import bitsandbytes as bnb
+def _kit_class(base: type) -> type:
+    """``Kit<base>``: bitsandbytes' ``base`` (``Linear4bit`` or a subclass that keeps its forward) with
+    :func:`_forward`, made on first use (bitsandbytes is optional) and reachable as
+    ``grpo_kit.nf4_matmul.Kit<base>`` (so a pickled model finds it)."""
+    return type(f"Kit{base.__name__}", (base,), {
+        "forward": _forward, "_grpo_kit_base": base, "__module__": __name__,
+        "__doc__": f"bitsandbytes' {base.__name__} with the kit's matmul (grpo_kit.nf4_matmul)"})
 
-    return type("KitLinear4bit", (bnb.nn.Linear4bit,), {"forward": _forward, "__module__": __name__,
-                                                       "__doc__": "bitsandbytes' Linear4bit, the kit's matmul"})
 
+def __getattr__(name):  # PEP 562: Kit<bitsandbytes class> exists once bitsandbytes is imported
+    if name.startswith("Kit"):
+        import bitsandbytes as bnb
 
-def __getattr__(name):  # PEP 562: the class exists once bitsandbytes is imported
-    if name == "KitLinear4bit":
-        return _kit_class()
+        base = getattr(bnb.nn, name[3:], None)
+        if isinstance(base, type) and issubclass(base, bnb.nn.Linear4bit):
+            return _kit_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def use_nf4_matmul(model: torch.nn.Module, impl: str) -> int:
-    """Make every bitsandbytes ``Linear4bit`` in ``model`` multiply with ``impl`` (``NF4_MATMULS``: ``kit``, this
-    module's ``KitLinear4bit``; ``bitsandbytes``, its own class back). The layers keep their state; only their
-    class changes. Returns how many layers were set."""
+    """Make the bitsandbytes 4-bit layers in ``model`` multiply with ``impl`` (``NF4_MATMULS``: ``kit``, this
+    module's matmul; ``bitsandbytes``, its own). Each layer keeps its state; only its class changes, to
+    ``Kit<its class>`` and back. A layer whose class has a forward of its own (not ``Linear4bit``'s), or that
+    something else subclassed after the swap, is left as it is. Returns how many layers now use ``impl``."""
+    import bitsandbytes as bnb
+
     if impl not in NF4_MATMULS:
         raise ValueError(f"nf4 matmul {impl!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
-    kit = _kit_class()
     n = 0
     for m in model.modules():
-        if is_quantized(m):
-            if type(m) is not kit:
-                m._grpo_kit_bnb_class = type(m)  # bitsandbytes' class (Linear4bit, or a subclass), put back below
-            m.__class__ = kit if impl == "kit" else m._grpo_kit_bnb_class
+        if not is_quantized(m):
+            continue
+        cls = type(m)
+        base = getattr(cls, "_grpo_kit_base", None)
+        if base is not None and cls is _kit_class(base):  # the kit's
+            if impl == "bitsandbytes":
+                m.__class__ = base
+            n += 1
+        elif base is None and cls.forward is bnb.nn.Linear4bit.forward:  # bitsandbytes'
+            if impl == "kit":
+                m.__class__ = _kit_class(cls)
             n += 1
     return n
 

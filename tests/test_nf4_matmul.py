@@ -31,6 +31,9 @@ def _step(name, impl, checkpointing, chunk_tokens=30, dtype=torch.float32):
             m.bias.data = (torch.randn(m.bias.shape, generator=g) * 0.1).to(m.bias.dtype)
     torch.manual_seed(0)
     pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    # train mode, as in training: in eval mode bitsandbytes repacks a layer for AVX512-BF16 CPUs at its first
+    # no-grad call, after which only its own forward reads it (the counts below would depend on the CPU)
+    pm.train()
     if checkpointing:  # 2 x 40 tokens in slices of 30 // 2 = 15 tokens: three slices per layer
         enable_offloaded_checkpointing(pm, _offload_on_cpu=True, chunk_tokens=chunk_tokens)
     NM.reset_stats()
@@ -156,6 +159,56 @@ def test_the_matmul_option_is_checked():
     import bitsandbytes as bnb
 
     assert NM.use_nf4_matmul(model, "bitsandbytes") == 14 and type(model.model.layers[0].mlp.up_proj) is bnb.nn.Linear4bit
+    # bitsandbytes' subclasses keep their class under the kit's (isinstance holds) and get it back; a class with a
+    # forward of its own is left alone
+    nf4 = bnb.nn.LinearNF4(64, 32, compute_dtype=torch.float32)
+    nf4.weight = bnb.nn.Params4bit(torch.randn(32, 64), requires_grad=False, quant_type="nf4")
+    nf4 = torch.nn.Sequential(nf4.to("cpu"))
+    assert NM.use_nf4_matmul(nf4, "kit") == 1 and type(nf4[0]).__name__ == "KitLinearNF4"
+    assert isinstance(nf4[0], bnb.nn.LinearNF4) and NM.KitLinearNF4 is type(nf4[0])
+    assert NM.use_nf4_matmul(nf4, "kit") == 1 and type(nf4[0]).__name__ == "KitLinearNF4"  # idempotent
+    assert NM.use_nf4_matmul(nf4, "bitsandbytes") == 1 and type(nf4[0]) is bnb.nn.LinearNF4
+
+    class Own(bnb.nn.Linear4bit):
+        def forward(self, x):
+            return super().forward(x)
+
+    own = torch.nn.Sequential(Own(64, 32))
+    assert NM.use_nf4_matmul(own, "kit") == 0 and type(own[0]) is Own
     with pytest.raises(ConfigError, match=r"load_in_4bit_matmul='fast' is not allowed: one of \['kit', 'bitsandbytes'\]"):
         GRPOKitConfig(load_in_4bit_matmul="fast").validate()
     assert GRPOKitConfig.field_help()["load_in_4bit_matmul"]
+
+
+def test_a_kernel_that_cannot_run_falls_back_to_bitsandbytes_once(monkeypatch):
+    """Where the kernel's probe raises (no Triton backend for the GPU, say), the layer dequantises through
+    bitsandbytes with one warning, and the probe is not tried again."""
+    from grpo_kit.kernels import nf4_dequant as K
+
+    calls = []
+
+    def broken(device, dtype):
+        calls.append(device)
+        raise RuntimeError("no backend")
+
+    monkeypatch.setattr(K, "triton_usable", lambda *a: True)
+    monkeypatch.setattr(K, "kernel_matches_bitsandbytes", broken)
+    monkeypatch.setattr(NM, "_warned", set())
+    layer = _layer(torch.float32)
+    NM.use_nf4_matmul(layer, "kit")
+    x = torch.randn(3, 70, requires_grad=True)
+    with pytest.warns(UserWarning, match="could not run .RuntimeError: no backend.*through bitsandbytes"):
+        y = layer(x)
+    layer(x).sum().backward()
+    assert len(calls) == 1 and torch.isfinite(y).all()
+
+
+def test_a_subclass_of_the_kit_class_does_not_recurse():
+    """Wrappers that subclass a layer's class after the swap (FSDP2, parametrisations) reach bitsandbytes' forward
+    through the recorded base class, not super(type(self)), which would call the kit's forward again."""
+    layer = _layer(torch.float32)
+    NM.use_nf4_matmul(layer, "kit")
+    layer.__class__ = type("Wrapped", (type(layer),), {})
+    with torch.no_grad():
+        assert layer(torch.randn(2, 70)).shape == (2, 33)
+    assert NM.use_nf4_matmul(layer, "bitsandbytes") == 0  # someone else's class now: left alone

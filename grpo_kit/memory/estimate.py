@@ -308,7 +308,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
     if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.nf4_matmul: a layer's weights kept per call
         layer = sum(i * o for _, i, o in a.layer_linears())
-        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("loss", "backward"),
+        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",),
             f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) dequantised to "
             f"{b} B each, kept for its recompute and backward (grpo_kit.nf4_matmul)")
     elif quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
