@@ -130,7 +130,6 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``KitLinear4bit.forward``: bitsandbytes' ``Linear4bit.forward`` with the kit's matmul."""
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
-    base = functools.partial(type(self)._grpo_kit_base.forward, self)  # bitsandbytes' own forward
     fix_4bit_weight_quant_state_from_module(self)  # as bitsandbytes: a quant_state lost in a conversion (FSDP)
     qs = self.weight.quant_state
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
@@ -138,8 +137,9 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # Generation, or inference outside the kit's checkpointed layer calls: nothing to reuse, and for the few
         # rows of a decoding step bitsandbytes multiplies the 4-bit weight directly (gemv, its fused small-batch
         # kernels) instead of writing out the 16-bit weight. Its CPU eval layout (repacked for AVX512-BF16, once
-        # converted) is one only it reads.
-        return base(x, *args, **kwargs)
+        # converted) is one only it reads. (Through the recorded base class: super(type(self)) would come back
+        # here in a class made from this one.)
+        return type(self)._grpo_kit_base.forward(self, x, *args, **kwargs)
     if not self.compute_type_is_set:  # bitsandbytes' rule for a layer made without a compute dtype
         self.set_compute_type(x)
         self.compute_type_is_set = True
