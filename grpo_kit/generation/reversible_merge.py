@@ -98,24 +98,23 @@ def _factor_sum(factors) -> torch.Tensor:
     return bit_sum(torch.cat([x.detach().reshape(-1) for a, b, _ in factors for x in (a, b)]))
 
 
+def _read(scalars: list) -> list:
+    """The values of 0-dim tensors (on any devices) as Python numbers, with one wait for all."""
+    return torch.stack([t.to(scalars[0].device) for t in scalars]).tolist() if scalars else []
+
+
 def _non_finite(factor_lists: list) -> list[bool]:
     """For each weight's ``[(A, B, scale)]``: whether a scale, or any factor element, is NaN or inf (one wait
     for all)."""
-    if not factor_lists:
-        return []
-    flags = [torch.stack([torch.isfinite(x).all() for a, b, _ in factors for x in (a, b)]).all()
-             for factors in factor_lists]
-    finite = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    finite = _read([torch.stack([torch.isfinite(x).all() for a, b, _ in factors for x in (a, b)]).all()
+                    for factors in factor_lists])
     return [not (ok and all(math.isfinite(float(s)) for _, _, s in factors))
             for ok, factors in zip(finite, factor_lists)]
 
 
 def _factors_changed(entries: list) -> list[bool]:
     """For each :class:`MergedWeight`: whether its factors changed since the merge (one wait for all)."""
-    if not entries:
-        return []
-    diffs = [_factor_sum(e.factors) - e.factor_sum for e in entries]
-    return torch.stack([d.to(diffs[0].device) for d in diffs]).ne(0).tolist()
+    return [d != 0 for d in _read([_factor_sum(e.factors) - e.factor_sum for e in entries])]
 
 
 def _folded(factors, weight):
@@ -336,13 +335,11 @@ class ReversibleLoraMerge:
                 pending.append((name, _restore(modules[name].get_base_layer().weight, entry)))
             except Exception as e:  # try every weight; say all that failed
                 failed.append((name, e))
-        if pending:
-            differs = torch.stack([d.to(pending[0][1].device) for _, d in pending]).ne(0).tolist()
-            for (name, _), bad in zip(pending, differs):
-                if bad:
-                    failed.append((name, RestoreError(f"{name}: {_DIFFERS}")))
-                else:
-                    del self._saved[name]
+        for (name, _), difference in zip(pending, _read([d for _, d in pending])):
+            if difference:
+                failed.append((name, RestoreError(f"{name}: {_DIFFERS}")))
+            else:
+                del self._saved[name]
         if failed:
             raise RestoreError(f"{len(failed)} base weights could not be given back ({[n for n, _ in failed][:3]}): "
                                f"{type(failed[0][1]).__name__}: {failed[0][1]}") from failed[0][1]
