@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from .names import NF4_MATMULS
+
 EMBEDDED_NAME = "smollm2-135m-instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -300,12 +302,12 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     ``nf4_matmul``: how the 4-bit layers multiply (:func:`grpo_kit.nf4_matmul.use_nf4_matmul`: ``kit`` or
     ``bitsandbytes``).
     """
-    from .nf4_matmul import NF4_MATMULS, use_nf4_matmul
-
     if nf4_matmul not in NF4_MATMULS:  # before anything loads
         raise ValueError(f"nf4_matmul={nf4_matmul!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
     model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance)
     if load_in_4bit:
+        from .nf4_matmul import use_nf4_matmul  # Triton and bitsandbytes: only for a 4-bit model
+
         use_nf4_matmul(model, nf4_matmul)
         model.grpo_kit_quantization["nf4_matmul"] = nf4_matmul
     return model, load_tokenizer(name)
