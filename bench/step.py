@@ -490,9 +490,9 @@ def run_plan(configs, args, dev, sink):
                          load_in_4bit=args.load_in_4bit)
             models[name] = m
             sink["weights_gib"][name] = w / GiB
-            sink.setdefault("build_s", {})[name] = time.perf_counter() - t0
+            built = sink.setdefault("build_s", {})[name] = time.perf_counter() - t0
             progress(f"built {name} ({'NF4, ' if args.load_in_4bit else ''}{str(parts(m)[2].dtype).removeprefix('torch.')})"
-                     f" in {time.perf_counter() - t0:.1f} s")
+                     f" in {built:.1f} s")
         args.model, args.micro_batch = name, cfg["micro_batch"]
         budget = cfg.get("budget")
         budget_gib = cfg.get("budget_gib") or (BUDGETS[budget] if budget else None)

@@ -128,9 +128,7 @@ class _NF4Matmul(torch.autograd.Function):
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``KitLinear4bit.forward``: bitsandbytes' ``Linear4bit.forward`` with the kit's matmul."""
-    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
-
-    fix_4bit_weight_quant_state_from_module(self)  # as bitsandbytes: a quant_state lost in a conversion (FSDP)
+    self._grpo_kit_fix_quant_state(self)  # as bitsandbytes: a quant_state lost in a conversion (FSDP)
     qs = self.weight.quant_state
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
     if (_open_cache() is None and not needs_grad) or getattr(qs, "packing_format_for_cpu", False):
@@ -159,8 +157,11 @@ def _kit_class(base: type) -> type:
     """``Kit<base>``: bitsandbytes' ``base`` (``Linear4bit`` or a subclass that keeps its forward) with
     :func:`_forward`, made on first use (bitsandbytes is optional) and reachable as
     ``grpo_kit.nf4_matmul.Kit<base>`` (so a pickled model finds it)."""
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
     return type(f"Kit{base.__name__}", (base,), {
         "forward": _forward, "_grpo_kit_base": base, "__module__": __name__,
+        "_grpo_kit_fix_quant_state": staticmethod(fix_4bit_weight_quant_state_from_module),  # imported once
         "__doc__": f"bitsandbytes' {base.__name__} with the kit's matmul (grpo_kit.nf4_matmul)"})
 
 
