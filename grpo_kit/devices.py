@@ -4,14 +4,37 @@ older GPUs such as the T4, fp32 on the CPU)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from . import cuda_driver
+
+
+def unusable_gpu() -> str | None:
+    """Why torch sees no CUDA device while the NVIDIA driver shows one (a torch built for a newer CUDA than the
+    driver runs), or None: torch sees one, there is none, or the reason is not the driver."""
+    if torch.cuda.is_available():
+        return None
+    gpu = cuda_driver.gpu_name()
+    why = cuda_driver.torch_blocked(torch.version.cuda, cuda_driver.driver_version()) if gpu else None
+    return f"the GPU {gpu} is present but {why}" if why else None
 
 
 def resolve_device(cfg) -> str:
+    """``cfg.device`` on this machine: ``auto`` is CUDA when torch sees a GPU, else the CPU, with a warning
+    where a GPU is there that this torch cannot use."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device; use device=auto or cpu")
+        why = unusable_gpu()
+        raise ValueError(f"device='cuda' but torch sees no CUDA device{f': {why}' if why else ''}; use device=auto "
+                         "or cpu")
     if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        why = unusable_gpu()
+        if why:
+            warnings.warn(f"training on the CPU: {why}", RuntimeWarning, stacklevel=2)
+        return "cpu"
     return cfg.device
 
 

@@ -21,13 +21,14 @@ from ..names import GENERATION_BACKENDS
 from .base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
 from .hf import HFGenerator, process_logits, sampling_logprobs_reference
 from .vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, vllm_available,
-                           vllm_install_command)
+                           vllm_install_advice, vllm_install_command)
 
 BACKENDS = GENERATION_BACKENDS
 
 __all__ = ["BACKENDS", "GenerationEngineError", "GenerationResult", "Generator", "HFGenerator", "SamplingConfig",
            "UnsupportedArchitectureError", "VLLMNotInstalledError", "make_generator",
-           "process_logits", "sampling_logprobs_reference", "vllm_available", "vllm_install_command"]
+           "process_logits", "sampling_logprobs_reference", "vllm_available", "vllm_install_advice",
+           "vllm_install_command"]
 
 
 def __getattr__(name):

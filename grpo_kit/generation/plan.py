@@ -161,7 +161,7 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
 
 def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_processes: int = 1) -> GenerationPlan:
     """Decide the generator for ``cfg`` (see the module docstring); loads no model."""
-    from . import vllm_available, vllm_install_command
+    from . import vllm_available, vllm_install_advice
 
     requested = cfg.generation_backend
     if cfg.trainer == "trl":
@@ -186,7 +186,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     if cfg.load_in_4bit:  # config refuses 'vllm' with it
         return hf("load_in_4bit: vLLM cannot take a 4-bit training model's weights yet", False)
     if requested == "auto" and not vllm_available():
-        return hf(f"vLLM is not installed (install: {vllm_install_command()})", device == "cuda")
+        return hf(f"vLLM is not installed ({vllm_install_advice(device == 'cuda')})", device == "cuda")
     model_dir, dummy = generation_model_dir(cfg.model, device)
     if model_dir is None:
         if requested == "vllm":

