@@ -10,7 +10,8 @@
 #  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled, the kit's 4-bit matmul and
 #     bitsandbytes' on the same model in one process, against 16-bit fp16 (3.32 s on the H200, 2026-12-05) and
 #     bf16 (the target: 4-bit within 1.3x of 16-bit);
-#  4. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
+#  4. notebook 04's free-T4 preset: its generation phase (the step's peak) under the 15 GiB cap;
+#     the 4-bit 8B step at the calculator's longest length under the same cap (86,016 completion tokens with
 #     the kit's matmul, which keeps one layer's weights dequantised).
 #  5. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's.
 #  6. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit.
@@ -46,6 +47,10 @@ ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 
 step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul kit,bitsandbytes --budget-gib 15 \
   --tag ${card}_llama8b_4bit_fp16_1k
 step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
+# Notebook 04's free-T4 preset (the calculator's 8,192-token context, 13.78 GiB in its generation phase): HF
+# generation of 8 x 7,680 tokens by the 4-bit 8B under the 15 GiB cap (the step's training phases were measured
+# at 4K and 20K under the same cap: 7.95 and 10.77 GiB reserved).
+step t4_preset 420 python3 -m grpo_kit bench t4_preset --tag $card --out-dir "$out/results"
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail

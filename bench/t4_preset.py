@@ -1,0 +1,149 @@
+"""Notebook 04's free-T4 preset on a GPU: its generation phase, under the T4's memory, against the calculator.
+
+``grpo_kit.memory.fit.free_t4_preset`` picks the longest context whose whole GRPO step the calculator fits in
+14 GiB (a T4 has about 15 GiB usable): Llama-3.1-8B, 4-bit base weights, fp16, HF generation, 8 generations of a
+512-token prompt. Its peak is the generation phase (the KV cache of all 8 sequences beside the weights and the
+LoRA optimiser states; `bench qlora` measures the training step at 4K and 20K: lower). This script runs that
+phase as training runs it, on the kit's own QLoRA load (``grpo_kit.models.load_model``, random weights):
+
+* the GPU is capped with ``torch.cuda.set_per_process_memory_fraction`` at ``--budget-gib`` (15: the T4);
+* LoRA r=16 on every linear layer and AdamW's states allocated, as after the first step;
+* :class:`grpo_kit.generation.HFGenerator` (what the trainer calls with ``generation_backend: hf``) generates
+  the 8 completions of one 512-token prompt at the preset's full length (random weights: fixed length through
+  ``min_tokens``);
+* the peak allocated and reserved bytes over that call, against the calculator's generation-phase total.
+
+The training step at the same length: ``bench/step.py --seq-len CONTEXT:8 --load-in-4bit --dtype fp16
+--budget-gib 15`` (``bench/gpu_session.sh`` runs both). Results: ``bench/results/t4_preset_<tag>.md`` / ``.json``.
+On the CPU it runs the same code on a tiny model (``--model tiny-llama --completion 16``) without a cap, for
+checking the script only.
+
+    python -m grpo_kit bench t4_preset --tag h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from _common import command_line, hardware, hardware_line, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = 512
+GENERATIONS = 8
+LORA_RANK = 16
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def calculator_gib(model: str, context: int) -> dict:
+    """The calculator's generation phase, its whole-step peak and every phase's total (GiB) for this setup."""
+    from grpo_kit.memory import estimate, total_gpu_bytes
+
+    df = estimate(model, num_generations=GENERATIONS, prompt_length=PROMPT, completion_length=context - PROMPT,
+                  dtype="fp16", lora_rank=LORA_RANK, quantization="4bit", micro_batch_size=1, vllm=False,
+                  include_generation=True)
+    phases = {k: round(v / 2**30, 3) for k, v in df.attrs["phase_bytes"].items()}
+    return {"generation": df.attrs["phase_bytes"]["generation"] / 2**30, "peak_phase": df.attrs["peak_phase"],
+            "step": total_gpu_bytes(df) / 2**30, "phases": phases}
+
+
+def build(model_name: str, device: torch.device):
+    """The 4-bit model with LoRA and AdamW's states (zeros, as allocated at the first optimiser step)."""
+    import peft
+
+    from grpo_kit.models import load_model, load_tokenizer
+
+    model, _ = load_model(model_name, dtype=torch.float16, device=device, load_in_4bit=True)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
+                                                       target_modules=LORA_TARGETS))
+    trainable = [p for p in model.parameters() if p.requires_grad]  # fp32: PEFT's adapter dtype under fp16
+    opt = torch.optim.AdamW(trainable, lr=1e-5)
+    for p in trainable:
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    tok = load_tokenizer(model_name)
+    tok.padding_side = "left"
+    return model, opt, tok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--budget-gib", type=float, default=15.0, help="memory cap on CUDA (the T4's usable 15 GiB)")
+    p.add_argument("--completion", type=int, default=None,
+                   help="completion tokens (default: the preset's context minus the 512-token prompt)")
+    p.add_argument("--tag", default="gpu")
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    a = p.parse_args(argv)
+
+    from grpo_kit.generation import HFGenerator, SamplingConfig
+    from grpo_kit.memory.fit import free_t4_preset
+
+    preset = free_t4_preset(a.model, num_generations=GENERATIONS, prompt_length=PROMPT, lora_rank=LORA_RANK)
+    context = PROMPT + a.completion if a.completion else preset["context_length"]
+    calc = calculator_gib(a.model, context)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2**30 / total), dev)
+    t0 = time.perf_counter()
+    model, opt, tok = build(a.model, dev)
+    build_s = time.perf_counter() - t0
+    prompt = tok(" hello" * (2 * PROMPT))["input_ids"][:PROMPT]
+    gen = HFGenerator(model, tok)
+    gen.generate([prompt], GENERATIONS, SamplingConfig(temperature=1.0, max_tokens=4, min_tokens=4))  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev) / 2**30 if cuda else None
+    row = dict(model=a.model, dtype="fp16", load_in_4bit=True, generations=GENERATIONS, prompt_len=PROMPT,
+               completion_len=context - PROMPT, context=context, budget_gib=a.budget_gib if cuda else None,
+               calculator_gib=round(calc["generation"], 3), calculator_step_gib=round(calc["step"], 3),
+               calculator_peak_phase=calc["peak_phase"], calculator_phases_gib=calc["phases"],
+               preset_context=preset["context_length"], preset_budget_gib=preset["budget_gib"],
+               build_s=round(build_s, 1), allocated_before_gib=None if before is None else round(before, 3))
+    t0 = time.perf_counter()
+    try:
+        out = gen.generate([prompt], GENERATIONS, SamplingConfig(temperature=1.0, max_tokens=context - PROMPT,
+                                                                 min_tokens=context - PROMPT))
+        row.update(ok=True, tokens=sum(len(c) for c in out.completion_ids))
+    except torch.OutOfMemoryError as e:
+        row.update(ok=False, error=str(e).splitlines()[0][:300])
+    row["generate_s"] = round(time.perf_counter() - t0, 1)
+    if cuda:
+        row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / 2**30, 3)
+        row["calculator_error"] = round(calc["generation"] / row["peak_allocated_gib"] - 1, 4)
+    if row.get("ok"):
+        row["tokens_per_s"] = round(row["tokens"] / row["generate_s"], 1)
+    print(row, flush=True)
+
+    hw = hardware(dev)
+    cmd = command_line("t4_preset", argv)
+    data = {"command": cmd, "hardware": hw, "rows": [row]}
+    fmt = lambda v: "" if v is None else v  # noqa: E731
+    lines = [f"# Notebook 04's free-T4 preset: the generation phase ({a.tag})", "",
+             f"Command: `{cmd}`", f"Hardware: {hardware_line(hw)}", "",
+             f"The preset (`grpo_kit.memory.fit.free_t4_preset`): context {preset['context_length']:,} tokens, the "
+             f"calculator's step {preset['estimate_gib']:.2f} of {preset['budget_gib']} GiB. Measured: {GENERATIONS} "
+             f"completions of one {PROMPT}-token prompt by `HFGenerator` at {context - PROMPT:,} tokens each, 4-bit "
+             f"{a.model} (random weights, fixed length), fp16, LoRA r={LORA_RANK} and AdamW states held, under "
+             f"`set_per_process_memory_fraction` = {a.budget_gib} GiB" + ("" if cuda else " (not on the CPU)") + ".",
+             "", "| context | ok | peak allocated GiB | peak reserved GiB | calculator GiB (generation) | calc. error | "
+                 "generate s | tokens/s |", "|---|---|---|---|---|---|---|---|",
+             f"| {context:,} | {row.get('ok')} | {fmt(row.get('peak_allocated_gib'))} | "
+             f"{fmt(row.get('peak_reserved_gib'))} | {row['calculator_gib']} | {fmt(row.get('calculator_error'))} | "
+             f"{row['generate_s']} | {fmt(row.get('tokens_per_s'))} |", "",
+             f"The calculator's phases (GiB): {calc['phases']}; the step's peak is its {calc['peak_phase']} phase, "
+             f"{calc['step']:.2f} GiB."]
+    if not row.get("ok"):
+        lines += ["", f"Failed: {row.get('error')}"]
+    print(write_report(Path(a.out_dir) / f"t4_preset_{a.tag}", data, lines))
+    return 0 if row.get("ok") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
