@@ -103,3 +103,30 @@ def hardware(dev=None) -> dict:
 def command_line(name: str, argv=None) -> str:
     """How to run it again: ``python -m grpo_kit bench NAME ...`` with the arguments given."""
     return f"python -m grpo_kit bench {name} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def kernel_profile(fn, dev, top: int = 25, match: dict | None = None) -> dict:
+    """``fn()`` once more under torch.profiler (CPU and CUDA activities): where the GPU time and the host time go.
+    Returns the wall time, the totals, the top ``top`` ops by self CUDA time and by self CPU time, and for each
+    ``match`` entry (``{key: substring}``) the self CUDA ms of the ops whose name holds the substring."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(dev)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def rows(key):
+        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+        return [{"name": e.key[:120], "calls": e.count, "self_cuda_ms": e.self_device_time_total / 1e3,
+                 "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ranked]
+
+    out = {"wall_s_profiled": wall, "cuda_total_ms": sum(e.self_device_time_total for e in events) / 1e3,
+           "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3}
+    for key, part in (match or {}).items():
+        out[key] = sum(e.self_device_time_total for e in events if part in e.key.lower()) / 1e3
+    return {**out, "top_cuda": rows("self_device_time_total"), "top_cpu": rows("self_cpu_time_total")}
+

@@ -6,7 +6,7 @@
 #     built on the GPU layer by layer; the NF4 dequantisation kernel against bitsandbytes to the bit, and the
 #     kit's 4-bit matmul step against bitsandbytes' (grpo_kit.nf4_matmul);
 #  2. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
-#     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before);
+#     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before); the merge alone on the 8B, profiled;
 #  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled, the kit's 4-bit matmul and
 #     bitsandbytes' on the same model in one process, against 16-bit fp16 (3.32 s on the H200, 2026-12-05) and
 #     bf16 (the target: 4-bit within 1.3x of 16-bit);
@@ -42,6 +42,11 @@ bench="python3 -m grpo_kit bench rl_step --tag $card --out-dir $out/results"
 step kernel 420 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -k "reversible or merged or random_4bit or nf4 or 4bit_matmul" -q -s -rs \
   -p no:cacheprovider
 step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen-tokens 512 --timeout 340
+# Where the merge's 0.86-0.95 s per step goes (2026-12-05: ~2.3 ms per weight at merge and 1.6 at restore whatever
+# its size, so host-bound): the 8B's 224 weights merged and restored four times and once under torch.profiler,
+# without vLLM, after the change to one wait per weight.
+step merge_profile 240 python3 -m grpo_kit bench reversible_merge --model llama-3.1-8b --device cuda --scales 1 \
+  --repeat 4 --profile --tag ${card}_llama8b --out-dir "$out/results"
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
   --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
 step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul kit,bitsandbytes --budget-gib 15 \

@@ -58,6 +58,7 @@ from contextlib import nullcontext  # noqa: E402
 import torch  # noqa: E402
 
 from _common import hardware as _hardware  # noqa: E402
+from _common import kernel_profile  # noqa: E402
 from _common import rel_err as rel  # noqa: E402
 from _common import sync  # noqa: E402
 from grpo_kit.checkpointing import (  # noqa: E402
@@ -214,32 +215,6 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def kernel_profile(step, dev, top: int = 25) -> dict:
-    """One more step under torch.profiler: where the GPU time and the host time go (the 4-bit step's extra
-    cost at short lengths: dequantisation kernels, or the host's per-call overhead?). Returns the top ops by
-    self CUDA time and by self CPU time, and the CUDA time of kernels whose name says dequantise."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sync(dev)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        sync(dev)
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
-
-    def rows(key):
-        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
-        return [{"name": e.key[:120], "calls": e.count, "self_cuda_ms": e.self_device_time_total / 1e3,
-                 "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ranked]
-
-    cuda_total = sum(e.self_device_time_total for e in events) / 1e3
-    dequant = sum(e.self_device_time_total for e in events if "dequant" in e.key.lower()) / 1e3
-    return {"wall_s_profiled": wall, "cuda_total_ms": cuda_total, "dequant_cuda_ms": dequant,
-            "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
-            "top_cuda": rows("self_device_time_total"), "top_cpu": rows("self_cpu_time_total")}
-
-
 def make_batch(G, T, P, vocab, device, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, vocab, (G, T), generator=g).to(device)
@@ -302,7 +277,8 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
                 progress(f"{row} {G} x {T}: step {len(times)} of {args.repeat}: {times[-1]:.2f} s")
         res["dequantized_per_step"] = nf4_matmul.reset_stats()["dequantized"] / args.repeat  # the kit's matmul
         if args.kernel_profile and dev.type == "cuda":
-            res["kernel_profile"] = kernel_profile(functools.partial(grpo_step, model, opt, row, batch, args, scaler), dev)
+            res["kernel_profile"] = kernel_profile(functools.partial(grpo_step, model, opt, row, batch, args, scaler), dev,
+                                                    match={"dequant_cuda_ms": "dequant"})
         # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
         dt = statistics.median(times[1:] or times)
         res.update(status="ok", step_s=dt, step_s_all=times, tokens_per_s=G * T / dt,
