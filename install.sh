@@ -7,14 +7,15 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 PIP="$PY -m pip install -q --disable-pip-version-check"
 # A CUDA GPU (nvidia-smi answers; torch may not be installed yet): vLLM's CUDA build (requirements-vllm-cuda.txt)
-# is the default generation backend, and it pins its own CUDA torch, so requirements.txt's CPU torch pin stays out.
+# is the default generation backend, and it pins its own CUDA torch, so requirements.txt's CPU torch and Triton pins
+# stay out.
 # Without one: requirements.txt (CPU torch) and vLLM's CPU build, kept to the kit's pins by -c.
 # GRPO_KIT_NO_VLLM=1 skips vLLM (the kit then generates with HF generate), as does a driver too old for vLLM's
 # CUDA build (grpo_kit/cuda_driver.py says why): it would replace a working CUDA torch with one that cannot use the GPU.
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 if [ "$gpu" = 1 ]; then
-  reqs="$(mktemp)"; grep -v '^torch==' requirements.txt > "$reqs"
+  reqs="$(mktemp)"; grep -v -E '^(torch|triton)==' requirements.txt > "$reqs"  # CUDA torch brings its own Triton
   vllm=1
   if [ "${GRPO_KIT_NO_VLLM:-0}" = "1" ]; then
     vllm=0

