@@ -55,25 +55,44 @@ def install_plan(*, generate: bool, gpu: bool, driver: str | None = None) -> lis
     return [main, ["--no-deps", "-r", str(nodeps)]]
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _loaded_distributions() -> dict[str, str]:
+    """``{distribution: version}`` of the installed distributions that this kernel has already imported one of
+    the top-level modules of (a pip install that replaces them does not change the code in memory)."""
+    loaded = {}
+    for module, dists in md.packages_distributions().items():
+        if module in sys.modules:
+            loaded.update({d: v for d in dists if (v := _version(d)) is not None})
+    return loaded
+
+
 def install_runtime(*, generate: bool) -> dict[str, str]:
     """Install what a notebook needs (see :func:`install_plan`) with pip's output hidden (shown when pip
     fails), then print and return the installed versions. ``generate``: the notebook samples completions
-    (03, 04), so a GPU runtime gets vLLM."""
+    (03, 04), so a GPU runtime gets vLLM. RuntimeError asking for a session restart when pip replaced a package
+    this kernel had already imported (its old code would stay loaded beside the new files)."""
     gpu = gpu_name()
     driver = driver_version() if gpu else None
     print(f"Colab runtime: {f'GPU {gpu}, NVIDIA driver {driver}' if gpu else 'CPU (no GPU: generation with HF generate)'}")
     if generate and gpu and vllm_blocked(driver):
         print(f"vLLM not installed: {vllm_blocked(driver)}")
+    loaded = _loaded_distributions()
     for args in install_plan(generate=generate, gpu=gpu is not None, driver=driver):
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"pip install {' '.join(args)} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    versions = {}
-    for name in REPORTED:
-        try:
-            versions[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
+    stale = [f"{d} {v} -> {_version(d)}" for d, v in loaded.items() if _version(d) != v]
+    if stale:  # the old code stays loaded in this kernel beside the new files: mixed versions fail later, obscurely
+        raise RuntimeError(f"pip replaced packages this kernel had already imported ({', '.join(stale[:5])}): "
+                           "restart the session (Runtime > Restart session) and run the notebook again from the "
+                           "top; this cell will then find everything installed")
+    versions = {name: v for name in REPORTED if (v := _version(name)) is not None}
     print("installed: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     return versions

@@ -1,0 +1,62 @@
+"""The notebooks' Colab install (grpo_kit.colab.install_runtime) with pip and the machine faked: what it asks pip
+for, what it prints, and the stop it makes when pip replaced a package the kernel had already imported."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import subprocess
+import sys
+import types
+
+import pytest
+
+from grpo_kit import colab
+
+
+@pytest.fixture
+def fake_machine(monkeypatch):
+    """pip calls recorded (``calls``); installed versions in ``versions``, which a pip call may change
+    (``upgrade``); one installed distribution, ``fakedist`` 1.0, owning the module ``fakemod``."""
+    state = {"calls": [], "versions": {"fakedist": "1.0"}, "upgrade": {}}
+
+    def run(cmd, **kwargs):
+        state["calls"].append(cmd)
+        state["versions"].update(state["upgrade"])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def version(name):
+        if name in state["versions"]:
+            return state["versions"][name]
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(colab.subprocess, "run", run)
+    monkeypatch.setattr(colab.md, "version", version)
+    monkeypatch.setattr(colab.md, "packages_distributions", lambda: {"fakemod": ["fakedist"], "unused": ["other"]})
+    monkeypatch.setattr(colab, "gpu_name", lambda: "Tesla T4")
+    monkeypatch.setattr(colab, "driver_version", lambda: "550.54.15")
+    return state
+
+
+def test_install_on_an_old_driver_skips_vllm_and_reports(fake_machine, capsys):
+    versions = colab.install_runtime(generate=True)
+    out = capsys.readouterr().out
+    assert "GPU Tesla T4, NVIDIA driver 550.54.15" in out and "vLLM not installed:" in out and "driver >= 580" in out
+    main = fake_machine["calls"][0]
+    assert main[:4] == [sys.executable, "-m", "pip", "install"]
+    assert not any(a.startswith("vllm") for a in main) and any(a.startswith("bitsandbytes") for a in main)
+    assert fake_machine["calls"][1][-3:-1] == ["--no-deps", "-r"] and versions == {}
+
+
+def test_a_replaced_package_already_imported_asks_for_a_restart(fake_machine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fakemod", types.ModuleType("fakemod"))
+    fake_machine["upgrade"] = {"fakedist": "2.0"}
+    with pytest.raises(RuntimeError, match=r"already imported \(fakedist 1.0 -> 2.0\): restart the session"):
+        colab.install_runtime(generate=False)
+
+
+def test_an_imported_package_left_alone_or_one_not_imported_is_fine(fake_machine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fakemod", types.ModuleType("fakemod"))
+    colab.install_runtime(generate=False)  # pip did not touch fakedist
+    monkeypatch.delitem(sys.modules, "fakemod")
+    fake_machine["upgrade"] = {"fakedist": "2.0"}
+    colab.install_runtime(generate=False)  # replaced, but never imported in this kernel
