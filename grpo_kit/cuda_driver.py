@@ -8,9 +8,13 @@ GPU, so ``install.sh`` and the notebooks' Colab cell leave vLLM out there and th
 ``generate``; a torch that cannot use a GPU the driver shows is named, with the reason, instead of training
 on the CPU unannounced.
 
+Where vLLM is left out, torch is held to PyPI's CUDA 12 builds (``CUDA12_TORCH``) when the driver runs those,
+so that a machine without torch, or with one too new for its driver, gets one that can use the GPU.
+
 Standard library only: ``install.sh`` runs this file as a script before anything is installed
-(``python3 grpo_kit/cuda_driver.py``: exit 0 and nothing printed when vLLM's CUDA build can run here or no
-driver answers, exit 1 and the reason otherwise).
+(``python3 grpo_kit/cuda_driver.py``: exit 0 and nothing printed when vLLM's CUDA build can run here or the
+driver is unknown; exit ``BLOCKED_EXIT`` with the reason on the first line and the torch requirement to install
+instead on the second, empty when there is none).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import sys
 
 MIN_DRIVER = {11: 450, 12: 525, 13: 580}  # CUDA major -> lowest driver branch that runs its wheels
 VLLM_CUDA_MAJOR = 13  # the pinned vLLM (requirements-vllm-cuda.txt) and its torch, as PyPI serves them
+CUDA12_TORCH = "torch>=2.6,<2.11"  # PyPI's torch 2.6-2.10 are CUDA 12 builds; 2.11 and later CUDA 13
+BLOCKED_EXIT = 3
 
 
 def _query(field: str) -> list[str]:
@@ -30,7 +36,7 @@ def _query(field: str) -> list[str]:
         return []
     try:
         r = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
-                           text=True, timeout=30)
+                           text=True, errors="replace", timeout=30)
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in r.stdout.strip().splitlines()] if r.returncode == 0 else []
@@ -66,9 +72,15 @@ def vllm_blocked(version: str | None) -> str | None:
     if runs(VLLM_CUDA_MAJOR, version) is not False:
         return None
     return (f"vLLM's CUDA build and the torch it brings are built for CUDA {VLLM_CUDA_MAJOR}, which needs an NVIDIA "
-            f"driver >= {MIN_DRIVER[VLLM_CUDA_MAJOR]}; this machine's driver is {version}{_runs_up_to(version)}. "
-            "Installing vLLM would replace the installed torch with one that cannot use the GPU: update the driver "
-            "to get vLLM; until then the kit generates with HF generate")
+            f"driver >= {MIN_DRIVER[VLLM_CUDA_MAJOR]}; this machine's driver is {version}{_runs_up_to(version)}, "
+            "so installing vLLM would replace the installed torch with one that cannot use the GPU (update the "
+            "driver to get vLLM)")
+
+
+def torch_requirement(version: str | None) -> str | None:
+    """The torch requirement to install beside the kit where vLLM's CUDA build is blocked and the driver runs
+    CUDA 12 builds: ``CUDA12_TORCH`` (a torch already there that satisfies it stays); None otherwise."""
+    return CUDA12_TORCH if vllm_blocked(version) and runs(12, version) else None
 
 
 def torch_blocked(torch_cuda: str | None, version: str | None) -> str | None:
@@ -78,8 +90,9 @@ def torch_blocked(torch_cuda: str | None, version: str | None) -> str | None:
     if major is None or runs(major, version) is not False:
         return None
     return (f"this torch is built for CUDA {torch_cuda}, which needs an NVIDIA driver >= {MIN_DRIVER[major]}; the "
-            f"driver is {version}{_runs_up_to(version)}. Install a torch built for a CUDA the driver runs, or update "
-            "the driver")
+            f"driver is {version}{_runs_up_to(version)}. Install a torch built for a CUDA the driver runs"
+            + (f" (pip install '{CUDA12_TORCH}': PyPI's CUDA 12 builds)" if runs(12, version) else "")
+            + ", or update the driver")
 
 
 def _runs_up_to(version: str | None) -> str:
@@ -88,10 +101,12 @@ def _runs_up_to(version: str | None) -> str:
 
 
 def main() -> int:
-    why = vllm_blocked(driver_version())
+    version = driver_version()
+    why = vllm_blocked(version)
     if why:
         print(why)
-    return 1 if why else 0
+        print(torch_requirement(version) or "")
+    return BLOCKED_EXIT if why else 0
 
 
 if __name__ == "__main__":

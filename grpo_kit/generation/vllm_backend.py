@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..cuda_driver import driver_version, vllm_blocked
+from ..cuda_driver import driver_version, gpu_name, vllm_blocked
 from ..names import LORA_SYNC_MODES
 from .base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
                    cut_at_stop, encode_prompts)
@@ -68,8 +68,9 @@ def vllm_install_command(cuda: bool | None = None) -> str:
 
 def vllm_install_advice(cuda: bool | None = None) -> str:
     """How to get vLLM on this machine: ``"install: <command>"``, or on a GPU whose NVIDIA driver is too old for
-    vLLM's CUDA build, why not (:func:`grpo_kit.cuda_driver.vllm_blocked`)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    vLLM's CUDA build, why not (:func:`grpo_kit.cuda_driver.vllm_blocked`). ``cuda`` None: whether the driver shows
+    a GPU (torch may not see one it cannot use)."""
+    cuda = gpu_name() is not None if cuda is None else cuda
     blocked = vllm_blocked(driver_version()) if cuda else None
     return blocked or f"install: {vllm_install_command(cuda)}"
 
