@@ -56,18 +56,43 @@ def validate_params(config: dict, extras: dict | None = None, extra_types: dict 
 
 
 def choose_setup(full: dict, fallback: dict, *, need_packages: tuple = (), force: str = "auto") -> tuple[str, dict]:
-    """Pick the notebook's full setup (GPU present, hub reachable, ``need_packages`` importable)
-    or its offline fallback. ``force``: ``"auto"``, ``"full"`` or ``"fallback"``.
+    """Pick the notebook's full setup (a GPU torch can use, ``need_packages`` importable, the hub reachable)
+    or its offline fallback. ``force``: ``"auto"``, ``"full"`` or ``"fallback"``; ``"auto"`` prints why when it
+    falls back (:func:`full_setup_blockers`).
 
     Returns ``(name, settings)`` with name ``"full"`` or ``"fallback"`` and a copy of the settings.
     """
     if force not in ("auto", "full", "fallback"):
         raise ValueError(f"force={force!r} is not allowed; choose one of ['auto', 'full', 'fallback']")
     if force == "auto":
-        ok = (torch.cuda.is_available() and all(importlib.util.find_spec(p) is not None for p in need_packages)
-              and online())
-        force = "full" if ok else "fallback"
+        blockers = full_setup_blockers(need_packages)
+        if blockers:
+            print(f"setup: the offline fallback, since {'; '.join(blockers)}")
+        force = "fallback" if blockers else "full"
     return force, dict(full if force == "full" else fallback)
+
+
+def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
+    """Why a notebook's full setup cannot run here, in words ([] when it can): no GPU that torch can use (with the
+    driver's reason where that is why), a package of ``need_packages`` missing (for vLLM: how to get it, or why it
+    cannot run on this driver), the model hub unreachable (checked last: it waits up to 2 s)."""
+    from .devices import unusable_gpu
+
+    blockers = []
+    if not torch.cuda.is_available():
+        why = unusable_gpu()
+        blockers.append(f"torch sees no CUDA GPU{f' ({why})' if why else ''}")
+    for package in need_packages:
+        if importlib.util.find_spec(package) is None:
+            if package == "vllm":
+                from .generation import vllm_install_advice
+
+                blockers.append(f"vllm is not installed ({vllm_install_advice()})")
+            else:
+                blockers.append(f"{package} is not installed")
+    if not blockers and not online():
+        blockers.append("the model hub is not reachable (no network)")
+    return blockers
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:

@@ -16,7 +16,8 @@
 # %% [markdown]
 # # 03 · A full GRPO run: Qwen2.5-1.5B-Instruct on GSM8K
 #
-# Online with a GPU (Colab T4 or better): Qwen2.5-1.5B-Instruct, GSM8K from the hub, vLLM generation, LoRA,
+# Online with a GPU (Colab T4 or better): Qwen2.5-1.5B-Instruct, GSM8K from the hub, vLLM generation (HF generate
+# where vLLM is not installed or the GPU's driver cannot run its CUDA build), LoRA,
 # the kit's efficient loss (not run or timed here: no GPU). Otherwise (CPU, no network) the notebook falls back
 # by itself to the embedded SmolLM2-135M-Instruct on the arithmetic tasks (CI's 2 steps × 4 generations × 8
 # tokens take about 2 minutes on a 2-core CPU). `-p max_steps N` sets the full run's steps,
@@ -59,7 +60,7 @@ max_completion_length = 256
 num_train_samples = 1000
 num_eval_samples = 100
 learning_rate = 5e-5
-generation_backend = "vllm"
+generation_backend = "auto"  # vLLM where it is installed and can run, else HF generate (saying why)
 # the offline fallback (CPU or no network): the embedded model on arithmetic
 fallback_model = "smollm2-135m-instruct"
 fallback_max_steps = 40
@@ -89,7 +90,9 @@ fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallb
 extras = dict(setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo)
 validate_params(full, extras, dict(setup=str, dashboard=str, save_merged_weights=bool, hub_repo=str))  # both now
 validate_params(fallback)
-chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=setup)
+# vLLM is needed only when asked for by name; with "auto" a GPU without it trains the full setup with HF generate
+chosen, settings = choose_setup(full, fallback, need_packages=("vllm",) if generation_backend == "vllm" else (),
+                                force=setup)
 cfg = validate_params(settings)
 print(f"setup: {chosen}  model={cfg.model}  task={cfg.task}  steps={cfg.max_steps}  "
       f"G={cfg.num_generations}  completion<={cfg.max_completion_length} tokens")

@@ -129,7 +129,9 @@ fallback = dict(common, model=fallback_model, per_device_train_batch_size=num_ge
                 max_prompt_length=fallback_max_prompt_length,
                 max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
 validate_params(full)
-chosen, settings = choose_setup(full, fallback, need_packages=("vllm",), force=setup)
+# vLLM is needed only where the full setup generates with it: not in 4-bit (the free-T4 preset), not with "hf"
+uses_vllm = generation_backend != "hf" and not four_bit
+chosen, settings = choose_setup(full, fallback, need_packages=("vllm",) if uses_vllm else (), force=setup)
 if chosen == "full" and four_bit:  # checked by validate_params below: no bitsandbytes stops here, not mid-run
     settings.update(load_in_4bit=True, generation_backend="hf")  # vLLM cannot take 4-bit training weights yet
 elif chosen == "full" and generation_backend != "hf":

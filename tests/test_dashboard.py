@@ -126,6 +126,37 @@ def test_choose_setup_falls_back_without_gpu():
     assert in_colab() is False
 
 
+def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):
+    import grpo_kit.notebook_utils as nu
+    from grpo_kit import cuda_driver
+    from grpo_kit.generation import vllm_backend
+
+    # a T4 whose driver is too old for vLLM's CUDA build: no vLLM, so a setup that needs it falls back, saying why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nu.importlib.util, "find_spec", lambda name: None if name == "vllm" else object())
+    monkeypatch.setattr(vllm_backend, "gpu_name", lambda: "Tesla T4")
+    monkeypatch.setattr(vllm_backend, "driver_version", lambda: "550.54.15")
+    monkeypatch.setattr(nu, "online", lambda: True)
+    assert choose_setup({"a": 1}, {"a": 2}, need_packages=("vllm",))[0] == "fallback"
+    out = capsys.readouterr().out
+    assert "setup: the offline fallback, since vllm is not installed (vLLM's CUDA build" in out and "550.54.15" in out
+    # the same machine with a setup that generates with HF (notebook 04's free-T4 preset): the full setup
+    assert choose_setup({"a": 1}, {"a": 2}, need_packages=())[0] == "full" and capsys.readouterr().out == ""
+    monkeypatch.setattr(nu, "online", lambda: False)
+    assert choose_setup({"a": 1}, {"a": 2})[0] == "fallback"
+    assert "the model hub is not reachable" in capsys.readouterr().out
+    # no GPU torch can use, and the driver is why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cuda_driver, "gpu_name", lambda: "Tesla T4")
+    monkeypatch.setattr(cuda_driver, "driver_version", lambda: "550.54.15")
+    assert nu.full_setup_blockers() == ["torch sees no CUDA GPU (the GPU Tesla T4 is present but this torch is built "
+                                        "for CUDA 13.0, which needs an NVIDIA driver >= 580; the driver is 550.54.15 "
+                                        "(it runs CUDA 12 builds). Install a torch built for a CUDA the driver runs "
+                                        "(pip install 'torch>=2.6,<2.11': PyPI's CUDA 12 builds), or update the "
+                                        "driver)"]
+
+
 def test_group_advantages_match_trl_formula():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     adv = group_advantages(r, 4)
