@@ -52,10 +52,11 @@ ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 
 step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul kit,bitsandbytes --budget-gib 15 \
   --tag ${card}_llama8b_4bit_fp16_1k
 step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
-# Notebook 04's free-T4 preset (the calculator's 8,192-token context, 13.78 GiB in its generation phase): HF
-# generation of 8 x 7,680 tokens by the 4-bit 8B under the 15 GiB cap (the step's training phases were measured
-# at 4K and 20K under the same cap: 7.95 and 10.77 GiB reserved).
-step t4_preset 420 python3 -m grpo_kit bench t4_preset --tag $card --out-dir "$out/results"
+# Notebook 04's free-T4 preset (the calculator's 8,192-token context, 13.78 GiB in its generation phase): the end
+# of HF generation of 8 x 8,192 tokens by the 4-bit 8B under the 15 GiB cap (a pre-filled cache, then 64 decoding
+# steps; the whole generation is minutes: --full). The step's training phases were measured at 4K and 20K under
+# the same cap: 7.95 and 10.77 GiB reserved.
+step t4_preset 300 python3 -m grpo_kit bench t4_preset --tag $card --out-dir "$out/results"
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail

@@ -79,6 +79,7 @@ def measure(pm, scale: float, dev, repeat: int = 1, profile: bool = False) -> di
     return row
 
 
+@torch.no_grad()
 def _delta_ratio(layer) -> float:
     """mean|dW| / mean|W| of one PEFT LoRA layer's active adapter."""
     w = layer.get_base_layer().weight
