@@ -21,19 +21,19 @@ if [ "$gpu" = 1 ]; then
   grep -v -E '^(torch|triton)==' requirements.txt > "$reqs"  # a CUDA torch brings its own Triton
   vllm=1
   torch_req=""
-  if [ "${GRPO_KIT_NO_VLLM:-0}" = "1" ]; then
-    vllm=0
-  else
-    rc=0
-    check="$($PY grpo_kit/cuda_driver.py)" || rc=$?
-    if [ "$rc" = 3 ]; then
-      vllm=0
+  if [ "${GRPO_KIT_NO_VLLM:-0}" = "1" ]; then vllm=0; fi
+  rc=0
+  # -I: the script's folder (grpo_kit/) is not put on sys.path, where a module could shadow the standard library's
+  check="$($PY -I grpo_kit/cuda_driver.py)" || rc=$?
+  if [ "$rc" = 3 ]; then
+    if [ "$vllm" = 1 ]; then
       echo "install.sh: vLLM not installed: $(echo "$check" | head -n 1); the kit generates with HF generate"
-      torch_req="$(echo "$check" | sed -n 2p)"
-      if [ -n "$torch_req" ]; then echo "install.sh: torch held to PyPI's CUDA 12 builds: $torch_req"; fi
-    elif [ "$rc" != 0 ]; then
-      echo "install.sh: the NVIDIA driver check failed (exit $rc); installing vLLM's CUDA build as usual"
     fi
+    vllm=0
+    torch_req="$(echo "$check" | sed -n 2p)"
+    if [ -n "$torch_req" ]; then echo "install.sh: torch held to PyPI's CUDA 12 builds: $torch_req"; fi
+  elif [ "$rc" != 0 ] && [ "$vllm" = 1 ]; then
+    echo "install.sh: the NVIDIA driver check failed (exit $rc); installing vLLM's CUDA build as usual"
   fi
   if [ "$vllm" = 1 ]; then
     $PIP -r requirements-vllm-cuda.txt -r "$reqs"

