@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     if cuda:
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2**30 / total), dev)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.budget_gib * 2**30 / total), torch.cuda.current_device())
     t0 = time.perf_counter()
     model, opt, tok = build(a.model, dev)
     build_s = time.perf_counter() - t0

@@ -32,7 +32,9 @@
 # whose whole step the calculator fits in 14 GiB (`grpo_kit.memory.fit.free_t4_preset`): 8,192 tokens for
 # Llama-3.1-8B with 8 generations. What limits it is HF `generate`'s 16-bit KV cache of the 8 completions (8 GiB
 # at 8K); the training step alone was measured on an H200 under a 15 GiB cap at 7.95 GiB for 8 x 4.6K tokens and
-# 10.77 GiB for 8 x 21K (`bench/results/qlora_h200.md`). The preset itself has not run on a T4.
+# 10.77 GiB for 8 x 21K, and the generation phase at 8,192 tokens (its KV cache at full size, then decoding) at
+# 14.06 GiB allocated, 14.95 reserved (`bench/results/qlora_h200.md`): it fits, with no room to spare. The preset
+# itself has not run on a T4.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
