@@ -158,5 +158,6 @@ def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
         assert not re.search(r"\bfma\.rn\.f32", code), f"{dtype}: fused multiply-add in the kernel"
         assert re.search(r"\bmul\.rn\.f32", code) and re.search(r"\badd\.rn\.f32", code)
         if dtype != "fp32":
-            assert re.search(rf"cvt\.rn\.{dtype.replace('fp', 'f')}\.f32", code)  # round to nearest even
+            # round to nearest even, one value or two at a time (f16x2 / bf16x2: the same rounding)
+            assert re.search(rf"cvt\.rn\.{dtype.replace('fp', 'f')}(x2)?\.f32", code)
     assert re.search(r"\bfma\.rn\.f32", ptx("fp16", {"enable_fp_fusion": True}))

@@ -29,7 +29,7 @@ import torch
 
 from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
-_BLOCK = 1024  # elements per Triton program
+_BLOCK = 4096  # weights per Triton program (2048 packed bytes: 16 per thread of 4 warps)
 # No fused multiply-add: bitsandbytes rounds the constants' product and the offset's sum each on its own
 # (compiled with fusion on, the kernel's PTX has an fma there; tests/test_nf4_dequant.py checks it has none).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
@@ -57,21 +57,24 @@ def dequantize_reference(packed: torch.Tensor, quant_state, dtype: torch.dtype |
 
 def _nf4_dequant_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, N, QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr,
                 DOWNCAST: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    byte = tl.load(PACKED + i // 2, mask=m, other=0).to(tl.int32)
-    nibble = tl.where(i % 2 == 0, byte >> 4, byte & 15)
-    level = tl.load(CODE + nibble, mask=m, other=0.0)
-    blk = i // QBLOCK
-    aq = tl.load(ABSQ + blk, mask=m, other=0).to(tl.int32)
+    # one program: BLOCK weights from BLOCK // 2 packed bytes. Each byte is read once and its two weights share
+    # their block's constant (QBLOCK is even), so a byte costs one constant's lookups, not two.
+    j = tl.program_id(0).to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    mj = 2 * j < N  # the byte holds at least its high weight (an odd N leaves the last low nibble unused)
+    byte = tl.load(PACKED + j, mask=mj, other=0).to(tl.int32)
+    blk = (2 * j) // QBLOCK
+    aq = tl.load(ABSQ + blk, mask=mj, other=0).to(tl.int32)
     # two roundings, as bitsandbytes (its kernel's product, then torch's add): LAUNCH_OPTIONS keep the
     # compiler from contracting them into one fma
-    absmax = tl.load(CODE2 + aq, mask=m, other=0.0) * tl.load(ABS2 + blk // QBLOCK2, mask=m, other=0.0)
+    absmax = tl.load(CODE2 + aq, mask=mj, other=0.0) * tl.load(ABS2 + blk // QBLOCK2, mask=mj, other=0.0)
     absmax = absmax + tl.load(OFFSET)
-    w = level * absmax
+    hi = tl.load(CODE + (byte >> 4), mask=mj, other=0.0) * absmax  # weight 2j
+    lo = tl.load(CODE + (byte & 15), mask=mj, other=0.0) * absmax  # weight 2j + 1
+    w = tl.interleave(hi, lo)
+    i = tl.interleave(2 * j, 2 * j + 1)
     if DOWNCAST:
         w = w.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(OUT + i, w, mask=m)
+    tl.store(OUT + i, w, mask=i < N)
 
 
 @functools.lru_cache(maxsize=None)
