@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+# The benchmarks' LoRA: every linear layer of a decoder layer (what the issues' setups ask; also the kit's default).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 # Distributions a result records the version of, where installed.
 VERSIONED = ("transformers", "peft", "trl", "vllm", "triton", "bitsandbytes", "accelerate")
 

@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from _common import hardware as _hardware  # noqa: E402
-from _common import write_report  # noqa: E402
+from _common import LORA_TARGETS, write_report  # noqa: E402
 
 
 def hardware() -> dict:
@@ -86,7 +86,7 @@ def main(argv=None):
 
     peft_model = get_peft_model(load_model()[0], LoraConfig(
         r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        target_modules=LORA_TARGETS))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from _common import command_line, hardware, hardware_line, kernel_profile, sync, write_report
+from _common import LORA_TARGETS, command_line, hardware, hardware_line, kernel_profile, sync, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -97,8 +97,8 @@ def random_adapter_model(name: str, dtype, dev, delta: float):
     from grpo_kit.models import build_random_model
 
     model = build_random_model(name, dtype=dtype, device=dev)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0,
+                                                    target_modules=LORA_TARGETS))
     g = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
         for module in pm.modules():

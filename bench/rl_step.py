@@ -52,7 +52,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import command_line, hardware, write_report
+from _common import LORA_TARGETS, command_line, hardware, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,6 @@ IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge
 ROWS = (*KIT_ROWS, "trl", "gen_vllm", "gen_hf")
 PROMPT_TOKENS = 512
 GENERATIONS = 8
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class DeviceMemory:

@@ -58,7 +58,7 @@ from contextlib import nullcontext  # noqa: E402
 import torch  # noqa: E402
 
 from _common import hardware as _hardware  # noqa: E402
-from _common import kernel_profile  # noqa: E402
+from _common import LORA_TARGETS, kernel_profile  # noqa: E402
 from _common import rel_err as rel  # noqa: E402
 from _common import sync  # noqa: E402
 from grpo_kit.checkpointing import (  # noqa: E402
@@ -74,7 +74,6 @@ from grpo_kit.models import build_random_model, model_config  # noqa: E402
 
 GiB = 2**30
 ROWS = ("baseline", "ours", "ours_offload")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOSS_KW = dict(epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo")
 # Budgets for "longest context that fits" (GiB handed to set_per_process_memory_fraction):
 # an 80 GB card shows ~79.2 GiB to torch, a 16 GB T4 ~14.6 GiB; take a little less for the

@@ -34,13 +34,12 @@ from pathlib import Path
 
 import torch
 
-from _common import command_line, hardware, hardware_line, write_report
+from _common import LORA_TARGETS, command_line, hardware, hardware_line, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 512
 GENERATIONS = 8
 LORA_RANK = 16
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def calculator_gib(model: str, context: int) -> dict:
