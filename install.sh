@@ -40,7 +40,6 @@ if [ "$gpu" = 1 ]; then
   else
     $PIP -r "$reqs" ${torch_req:+"$torch_req"}
   fi
-  rm -f "$reqs"
 else
   $PIP -r requirements.txt
 fi

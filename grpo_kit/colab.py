@@ -55,8 +55,8 @@ def install_plan(*, generate: bool, gpu: bool, driver: str | None = None) -> lis
     gpu_training = []
     if generate and gpu:
         # blocked: no vLLM, and torch held to PyPI's CUDA 12 builds where the driver runs those (Colab's stays)
-        vllm = ([torch_requirement(driver)] if torch_requirement(driver) else []) if vllm_blocked(driver) \
-            else _requirements("vllm")
+        held = torch_requirement(driver)
+        vllm = ([held] if held else []) if vllm_blocked(driver) else _requirements("vllm")
         gpu_training = [*vllm, *_requirements("qlora")]  # + load_in_4bit
     main = [*_requirements(None), *widgets, *gpu_training]
     nodeps = Path(__file__).with_name("requirements-nodeps.txt")
@@ -91,15 +91,16 @@ def install_runtime(*, generate: bool) -> dict[str, str]:
     driver = driver_version() if gpu else None
     where = f"GPU {gpu}, NVIDIA driver {driver or 'unknown'}" if gpu else "CPU (no GPU: generation with HF generate)"
     print(f"Colab runtime: {where}")
-    if generate and gpu and vllm_blocked(driver):
-        print(f"vLLM not installed: {vllm_blocked(driver)}; the kit generates with HF generate")
+    blocked = vllm_blocked(driver) if generate and gpu else None
+    if blocked:
+        print(f"vLLM not installed: {blocked}; the kit generates with HF generate")
     loaded = _loaded_distributions()
     for args in install_plan(generate=generate, gpu=gpu is not None, driver=driver):
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"pip install {' '.join(args)} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    stale = [f"{d} {v} -> {_version(d)}" for d, v in loaded.items() if _version(d) != v]
+    stale = [f"{d} {v} -> {now}" for d, v in loaded.items() if (now := _version(d)) != v]
     if stale:  # the old code stays loaded in this kernel beside the new files: mixed versions fail later, obscurely
         raise RuntimeError(f"pip replaced packages this kernel had already imported ({', '.join(stale[:5])}): "
                            "restart the session (Runtime > Restart session) and run the notebook again from the "
