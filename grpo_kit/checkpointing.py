@@ -275,6 +275,10 @@ class _Offloader:
 # --------------------------------------------------------------------------- the layer, in pieces
 
 
+# Matmul tiles are multiples of 64-128 rows: slices of such lengths leave no ragged tile but the last.
+_SLICE_ALIGN = 128
+
+
 def _rotary_fn(layer: nn.Module):
     """The model family's own ``apply_rotary_pos_emb`` (same arithmetic as HF's attention)."""
     import sys
@@ -294,8 +298,12 @@ def _auto_chunk_tokens(layer) -> int:
 
 
 def _slices(T: int, B: int, chunk_tokens: int):
-    """Token slices along the sequence: about ``chunk_tokens`` tokens (B x t) each."""
-    t = max(1, chunk_tokens // max(B, 1))
+    """Token slices along the sequence, at most ``chunk_tokens`` tokens (B x t) each and close to equal:
+    4,608 tokens in 4,096-token slices run as 2 x 2,304, not 4,096 + 512, whose small second matmuls use the
+    GPU poorly. Slice lengths are rounded up to a multiple of ``_SLICE_ALIGN`` where that stays in bounds."""
+    t_max = max(1, chunk_tokens // max(B, 1))
+    t = -(-T // -(-T // t_max))  # ceil(T / number of slices)
+    t = min(t_max, -(-t // _SLICE_ALIGN) * _SLICE_ALIGN)
     return [slice(s, min(s + t, T)) for s in range(0, T, t)]
 
 

@@ -281,13 +281,22 @@ def test_bad_arguments(kw):
         enable_offloaded_checkpointing(_tiny("tiny-llama", layers=1), **kw)
 
 
-def test_slices_cover_sequence():
-    for T, B, c in [(13, 2, 6), (1, 4, 1), (100, 1, 100), (7, 3, 100)]:
-        parts = ck._slices(T, B, c)
-        seen = torch.zeros(T, dtype=torch.long)
-        for s in parts:
-            seen[s] += 1
-        assert (seen == 1).all()
+@pytest.mark.parametrize("T, B, c", [(13, 2, 6), (1, 4, 1), (100, 1, 100), (7, 3, 100), (4608, 1, 4096),
+                                     (4097, 1, 4096), (20992, 1, 4096), (10000, 3, 4096), (300, 1, 100)])
+def test_slices_cover_sequence_in_fewest_bounded_slices(T, B, c):
+    parts = ck._slices(T, B, c)
+    seen = torch.zeros(T, dtype=torch.long)
+    for s in parts:
+        seen[s] += 1
+    assert (seen == 1).all()
+    t_max = max(1, c // B)
+    lengths = [s.stop - s.start for s in parts]
+    assert max(lengths) <= t_max and len(parts) == -(-T // t_max)  # memory bound kept, no extra slice
+    assert all(n % ck._SLICE_ALIGN == 0 for n in lengths[:-1]) or max(lengths) == t_max
+
+
+def test_slices_split_evenly_instead_of_leaving_a_small_tail():
+    assert [s.stop - s.start for s in ck._slices(4608, 1, 4096)] == [2304, 2304]  # not 4096 + 512
 
 
 def test_reserve_buffers_then_no_new_host_memory():
