@@ -21,6 +21,7 @@
 #   STEPS="kernel qlora_1k_4bit" bash bench/gpu_session.sh OUT_DIR   only those steps (e.g. with bitsandbytes
 #                                            alone staged, the 4-bit steps: kernel qlora_1k_4bit qlora_1k_fp16
 #                                            t4_preset qlora_longest qlora_1k_bf16 qlora_1k_refbatch fp16_1k_refbatch)
+#   NF4_MATMULS=kit                          the 1K 4-bit step with the kit's matmul only (default: kit,bitsandbytes)
 set -u
 out="${1:?usage: gpu_session.sh OUT_DIR}"
 mkdir -p "$out"
@@ -46,7 +47,7 @@ step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py -k "random_4bit 
   -p no:cacheprovider
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
   --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
-step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul kit,bitsandbytes --budget-gib 15 \
+step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul "${NF4_MATMULS:-kit,bitsandbytes}" --budget-gib 15 \
   --tag ${card}_llama8b_4bit_fp16_1k
 step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
 # Notebook 04's free-T4 preset (the calculator's 8,192-token context, 13.78 GiB in its generation phase): the end
