@@ -1,7 +1,7 @@
 """One GRPO step with generation, on one GPU: grpo_kit's shared-weight vLLM against a separate engine
 copy and stock TRL 1.16 ``GRPOTrainer`` with vLLM colocate.
 
-    python -m grpo_kit bench rl_step [--rows grpo_kit_fp8,grpo_kit_bf16,grpo_kit_merge,grpo_kit_copy,trl]
+    python -m grpo_kit bench rl_step [--rows grpo_kit_fp8,grpo_kit_bf16,grpo_kit_adapter,grpo_kit_copy,trl]
                                      [--completion 4096]
                                      [--steps 2] [--model llama-3.1-8b] [--tag h200]
     python -m grpo_kit bench rl_step --rows gen_vllm,gen_hf --models llama-3.1-8b,qwen2.5-1.5b --completion 1024
@@ -11,12 +11,16 @@ Each row runs in its own process. Setup (the issue's): the model's architecture 
 layers, 8 generations of one 512-token prompt, beta 0.04, one completion per micro-batch (gradient
 accumulation 8: one optimiser step per generation batch), temperature 1.0.
 
-* ``grpo_kit_fp8`` / ``grpo_kit_bf16``: the kit's trainer, ``generation_backend=vllm`` with shared weights
-  and standby (``vllm_share_weights=true``), KV cache fp8 / bf16, sized by the calculator; offloaded
-  checkpointing and the efficient loss.
-* ``grpo_kit_merge``: ``grpo_kit_fp8`` with ``vllm_lora_sync=merge``: each generation merges the adapter into
-  the shared weights and restores their exact bits after it (``grpo_kit.generation.reversible_merge``), so the
-  engine (started without LoRA) decodes dense; the merge and restore are the row's ``sync_s``.
+* ``grpo_kit_fp8`` / ``grpo_kit_bf16``: the kit's trainer with its defaults, ``generation_backend=vllm`` with
+  shared weights and standby (``vllm_share_weights=true``), KV cache fp8 / bf16, sized by the calculator;
+  offloaded checkpointing and the efficient loss. The adapter reaches vLLM merged (``vllm_lora_sync`` null
+  resolves to ``merge`` since 2026-12-05): each generation merges it into the shared weights and restores their
+  exact bits after it (``grpo_kit.generation.reversible_merge``), so the engine (started without LoRA) decodes
+  dense; the merge and restore are the row's ``sync_s``.
+* ``grpo_kit_merge``: ``grpo_kit_fp8`` with ``vllm_lora_sync=merge`` set explicitly (the same since it became
+  the default; the rows measured before were named so).
+* ``grpo_kit_adapter``: ``grpo_kit_fp8`` with ``vllm_lora_sync=adapter``: the adapter handed over in memory
+  and run in vLLM's LoRA kernels (the default before 2026-12-05, measured then as ``grpo_kit_fp8``).
 * ``grpo_kit_copy``: the same with ``vllm_share_weights=false``: the engine keeps its own copy, LoRA is
   merged into it every step with ``load_weights``, vLLM's level-1 sleep offloads it while training.
 * ``trl``: ``GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)`` with TRL's
@@ -58,9 +62,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync)
 KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None), "grpo_kit_bf16": ("auto", True, None),
-            "grpo_kit_merge": ("fp8", True, "merge"), "grpo_kit_copy": ("auto", False, None)}
+            "grpo_kit_merge": ("fp8", True, "merge"), "grpo_kit_adapter": ("fp8", True, "adapter"),
+            "grpo_kit_copy": ("auto", False, None)}
 IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge": "grpo_kit",
-        "grpo_kit_copy": "grpo_kit_copy"}
+        "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy"}
 ROWS = (*KIT_ROWS, "trl", "gen_vllm", "gen_hf")
 PROMPT_TOKENS = 512
 GENERATIONS = 8
@@ -166,7 +171,7 @@ def kit_row(name: str, a) -> dict:
     from peft import LoraConfig
 
     from grpo_kit.config import GRPOKitConfig
-    from grpo_kit.generation.plan import plan_generation, start_generation
+    from grpo_kit.generation.plan import lora_sync_mode, plan_generation, start_generation
     from grpo_kit.generation.trainer_hook import KitGenerationMixin
     from grpo_kit.models import load_model, load_tokenizer, model_config
     from grpo_kit.run import grpo_args
@@ -180,10 +185,11 @@ def kit_row(name: str, a) -> dict:
                         num_generations=GENERATIONS, per_device_train_batch_size=1,
                         gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
                         kv_cache_dtype=kv, vllm_share_weights=share, generation_backend="vllm", vllm_lora_sync=lora_sync,
-                        vllm_lora_dual_stream=None if lora_sync == "merge" else
-                        {"on": True, "off": False, "auto": None}[a.lora_dual_stream],
                         gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
+    lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
+    if lora_sync == "adapter":  # the option applies to vLLM's LoRA kernels only
+        cfg.vllm_lora_dual_stream = {"on": True, "off": False, "auto": None}[a.lora_dual_stream]
     cfg.validate()
     mem = DeviceMemory()
     tok = load_tokenizer(a.model)
@@ -412,8 +418,8 @@ def main(argv=None) -> int:
                    help="kit rows: after training, time generation alone (vLLM with / without the adapter, HF "
                         "generate) of 8 completions of this many tokens; 0: skip")
     p.add_argument("--lora-dual-stream", choices=("auto", "on", "off"), default="auto",
-                   help="kit rows: vllm_lora_dual_stream (vLLM's LoRA kernels on a second CUDA stream); auto: the "
-                        "kit's default")
+                   help="kit rows with the adapter in vLLM's LoRA kernels (grpo_kit_adapter): "
+                        "vllm_lora_dual_stream; auto: the kit's default")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)

@@ -201,7 +201,7 @@ class GRPOKitConfig:
                                          "calculator's KV row), so the engine holds no more than that. A budget that "
                                          "cannot fit beside training stops the run before any model loads, with the "
                                          "calculator's numbers.")
-    vllm_lora_dual_stream: bool | None = _f(None, "CUDA, LoRA adapter in vLLM (shared weights): run vLLM's LoRA "
+    vllm_lora_dual_stream: bool | None = _f(None, "CUDA, vllm_lora_sync='adapter': run vLLM's LoRA "
                                            "kernels on a second CUDA stream beside each base matmul "
                                            "(VLLM_LORA_ENABLE_DUAL_STREAM) instead of after it. null: the kit's "
                                            "measured choice (grpo_kit.generation.plan.LORA_DUAL_STREAM_DEFAULT).")
@@ -211,8 +211,8 @@ class GRPOKitConfig:
                                     "weights for each generation and restores their exact bits after it "
                                     "(grpo_kit.generation.reversible_merge), so vLLM decodes dense. With a "
                                     "separate engine copy: `merge` loads the merged weights into the copy, "
-                                    "`adapter` runs the adapter in the copy's LoRA kernels. null: `adapter` with "
-                                    "shared weights, `merge` with a copy.")
+                                    "`adapter` runs the adapter in the copy's LoRA kernels. null: `merge` (measured "
+                                    "faster: grpo_kit.generation.plan.lora_sync_mode).")
     vllm_share_weights: bool | str = _f("auto", "One copy of the weights on CUDA: the training model's frozen base "
                                         "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
                                         "memory each step, and the engine releases only its KV cache while "

@@ -80,11 +80,12 @@ def test_gradient_checkpointing_auto_true_false():
 def test_lora_dual_stream_applies_only_to_the_adapter_in_vllm_on_cuda():
     from grpo_kit.generation.plan import LORA_DUAL_STREAM_DEFAULT, lora_dual_stream
 
-    auto, on, off = (GRPOKitConfig(vllm_lora_dual_stream=v) for v in (None, True, False))
-    assert lora_dual_stream(auto, share=True, device="cuda") is LORA_DUAL_STREAM_DEFAULT
-    assert lora_dual_stream(on, share=True, device="cuda") and not lora_dual_stream(off, share=True, device="cuda")
-    # a separate engine copy merges LoRA into its weights (no LoRA kernels); the CPU build has no second stream
-    assert not lora_dual_stream(on, share=False, device="cuda") and not lora_dual_stream(on, share=True, device="cpu")
+    auto, on, off = (GRPOKitConfig(vllm_lora_dual_stream=v, vllm_lora_sync="adapter") for v in (None, True, False))
+    assert lora_dual_stream(auto, device="cuda") is LORA_DUAL_STREAM_DEFAULT
+    assert lora_dual_stream(on, device="cuda") and not lora_dual_stream(off, device="cuda")
+    # merged LoRA (the default) runs no LoRA kernels; the CPU build has no second stream
+    assert not lora_dual_stream(GRPOKitConfig(vllm_lora_dual_stream=True), device="cuda")
+    assert not lora_dual_stream(on, device="cpu")
     for bad in ("yes", 1):  # 1 == True in Python: a bool is asked for, not a number
         with pytest.raises(ConfigError, match=f"vllm_lora_dual_stream={bad!r} is not allowed"):
             GRPOKitConfig(vllm_lora_dual_stream=bad).validate()
@@ -99,10 +100,10 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
     from grpo_kit.models import model_config
 
     auto, merge, adapter = (GRPOKitConfig(vllm_lora_sync=v) for v in (None, "merge", "adapter"))
-    assert P.lora_sync_mode(auto, share=True) == "adapter" and P.lora_sync_mode(auto, share=False) == "merge"
-    assert P.lora_sync_mode(merge, share=True) == "merge" and P.lora_sync_mode(adapter, share=False) == "adapter"
-    assert not P.lora_dual_stream(merge, share=True, device="cuda")  # merged: no LoRA kernels to overlap
-    assert P.lora_dual_stream(adapter, share=False, device="cuda") is P.LORA_DUAL_STREAM_DEFAULT  # a copy's kernels
+    assert P.lora_sync_mode(auto) == "merge"  # measured faster than the LoRA kernels (plan.lora_sync_mode)
+    assert P.lora_sync_mode(merge) == "merge" and P.lora_sync_mode(adapter) == "adapter"
+    assert not P.lora_dual_stream(merge, device="cuda")  # merged: no LoRA kernels to overlap
+    assert P.lora_dual_stream(adapter, device="cuda") is P.LORA_DUAL_STREAM_DEFAULT
     for bad, match in (({"vllm_lora_sync": "merged"}, r"vllm_lora_sync='merged' is not allowed: one of \['merge', "
                                                          r"'adapter'\] or null"),
                        ({"vllm_lora_sync": "merge", "use_lora": False}, "needs use_lora=True"),
@@ -114,7 +115,7 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (139 * 2**30, 140 * 2**30))
     monkeypatch.setattr("grpo_kit.generation.vllm_available", lambda: True)
     monkeypatch.setenv("GRPO_KIT_CACHE", str(tmp_path))
-    for sync, want, stream in ((None, "adapter", P.LORA_DUAL_STREAM_DEFAULT), ("merge", "merge", False)):
+    for sync, want, stream in ((None, "merge", False), ("adapter", "adapter", P.LORA_DUAL_STREAM_DEFAULT)):
         cfg = GRPOKitConfig(model="llama-3.1-8b", vllm_lora_sync=sync, max_completion_length=1024).validate()
         plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
         assert plan.backend == "vllm" and plan.share_weights
@@ -122,8 +123,10 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
     # an explicit dual stream with nothing to run it on is refused, not dropped
     copy = GRPOKitConfig(model="llama-3.1-8b", vllm_share_weights=False, vllm_lora_dual_stream=True,
                          max_completion_length=1024).validate()
-    with pytest.raises(ValueError, match="resolves to 'merge' with a separate engine copy.*vllm_lora_sync='adapter'"):
-        P.plan_generation(copy, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+    shared = GRPOKitConfig(model="llama-3.1-8b", vllm_lora_dual_stream=True, max_completion_length=1024).validate()
+    for cfg, how in ((copy, "a separate engine copy"), (shared, "shared weights")):
+        with pytest.raises(ValueError, match=f"resolves to 'merge' with {how}.*vllm_lora_sync='adapter'"):
+            P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
 
 
 def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
