@@ -8,8 +8,8 @@
 #     bitsandbytes' on the same model in one process, against 16-bit fp16 (3.32 s on the H200, 2026-12-05) and
 #     bf16 (the target: 4-bit within 1.3x of 16-bit);
 #  3. notebook 04's free-T4 preset: its generation phase (the step's peak) under the 15 GiB cap;
-#  4. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05: 32.99 s with
-#     0.86 s of merge + restore, host-bound; TRL 32.21 s in the pass before); the merge alone on the 8B, profiled;
+#  4. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05, sixth pass:
+#     30.47 against 31.43 s); the merge alone on the 8B, profiled; generation alone at 8 x 4,096 against HF;
 #  5. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
 #     the kit's matmul, which keeps one layer's weights dequantised);
 #  6. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's;
@@ -61,6 +61,10 @@ step rl4k 720 $bench --rows grpo_kit_merge,trl --completion 4096 --steps 3 --gen
 # without vLLM, after the change to one wait per weight.
 step merge_profile 240 python3 -m grpo_kit bench reversible_merge --model llama-3.1-8b --device cuda --scales 1 \
   --repeat 4 --profile --tag ${card}_llama8b --out-dir "$out/results"
+# vLLM against HF generate at the step's own length (2026-12-05: 7.7x at 8 x 512 tokens with the merge counted in
+# each call, where the merge and the engine's per-call costs weigh most; HF alone is ~4 min of the row): the kit's
+# default row, one short training step to build the engine and adapter, then generation alone at 8 x 4,096.
+step gen4k 600 $bench --rows grpo_kit_fp8 --completion 512 --steps 1 --gen-tokens 4096 --timeout 580 --append
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail
