@@ -102,9 +102,9 @@ def _share_decision(cfg, device: str) -> tuple[bool, str]:
 
 def lora_sync_mode(cfg) -> str:
     """``vllm_lora_sync`` resolved: null is ``merge`` (dense decoding; with shared weights the adapter is merged
-    into them for each generation and their exact bits restored after). Chosen by measurement: on the H200 the
-    8B 4K step took 30.5 s merged against 34.3 s with the adapter in vLLM's LoRA kernels and TRL colocate's 31.4 s
-    (bench/results/rl_step_h200.md)."""
+    into them for each generation and their exact bits restored after). Chosen by measurement on the H200
+    (bench/results/rl_step_h200.md, the 8B's 4K step): merged 30.5 s against TRL colocate's 31.4 s in the same
+    run; with the adapter in vLLM's LoRA kernels 34.3 s against TRL's 32.2 s in an earlier one."""
     return cfg.vllm_lora_sync or "merge"
 
 
