@@ -23,8 +23,9 @@ VOCABS = (49152, 128256, 151936)  # SmolLM2, Llama 3, Qwen2.5
 pytestmark = pytest.mark.skipif(E.interpreter_active(), reason="this process runs Triton's interpreter")
 
 
-def _compile(fn, signature, constexprs, **options):
-    kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=T4, options=options)
+def _compile(fn, signature, constexprs, attrs=None, **options):
+    kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), target=T4,
+                            options=options)
     assert kernel.metadata.shared <= T4_SHARED_BYTES, (fn, kernel.metadata.shared)
     return kernel
 
@@ -48,12 +49,8 @@ def test_loss_epilogue_compiles_for_the_t4_in_every_autotuner_tile(dtype):
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_nf4_dequantisation_compiles_for_the_t4_without_fma(dtype):
-    kernel = _compile(N._kernel(), {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32",
-                                    "OFFSET": "*fp32", "CODE": "*fp32", "OUT": f"*{dtype}", "N": "i32",
-                                    "QBLOCK": "constexpr", "QBLOCK2": "constexpr", "DOWNCAST": "constexpr",
-                                    "BLOCK": "constexpr"},
-                      {"QBLOCK": 64, "QBLOCK2": 256, "DOWNCAST": dtype != "fp32", "BLOCK": N._BLOCK},
-                      num_warps=4, **N.LAUNCH_OPTIONS)
+    sig, const, attrs = N.compile_signature(dtype)
+    kernel = _compile(N._kernel(), sig, const, attrs, num_warps=4, **N.LAUNCH_OPTIONS)
     assert "fma.rn.f32" not in kernel.asm["ptx"]  # bitsandbytes' rounding on Turing too
 
 

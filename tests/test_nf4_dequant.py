@@ -86,6 +86,12 @@ SCRIPT = textwrap.dedent(
                 assert torch.equal(out.view(torch.int16), (full.view(torch.int32) >> 16).to(torch.int16)), shape
             else:
                 assert torch.equal(out.view(INTS[out.element_size()]), ref.view(INTS[out.element_size()])), (dtype, shape)
+    # other block sizes than the kit's 64, one of them a whole program's weights (4096)
+    for blocksize in (128, 4096):
+        w = (torch.randn(70, 131, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.float16)
+        packed, qs = BF.quantize_4bit(w, blocksize=blocksize, compress_statistics=True, quant_type="nf4")
+        out, ref = K.dequantize_triton(packed, qs), K.dequantize_reference(packed, qs)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), blocksize
     # only NF4 with double quantisation (bitsandbytes' QLoRA default, and the kit's)
     packed, qs = BF.quantize_4bit(torch.randn(8, 64, dtype=torch.float16), compress_statistics=False, quant_type="nf4")
     assert not K.triton_usable(packed, qs)
@@ -145,12 +151,9 @@ def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
     if K.interpreter_active():
         pytest.skip("this process runs Triton's interpreter")
 
-    def ptx(dtype, options):
-        sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",
-               "OUT": f"*{dtype}", "N": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr", "DOWNCAST": "constexpr",
-               "BLOCK": "constexpr"}
-        src = ASTSource(K._kernel(), signature=sig,
-                        constexprs={"QBLOCK": 64, "QBLOCK2": 256, "DOWNCAST": dtype != "fp32", "BLOCK": K._BLOCK})
+    def ptx(dtype, options, nbytes_multiple_of_16=True):
+        sig, const, attrs = K.compile_signature(dtype, nbytes_multiple_of_16)
+        src = ASTSource(K._kernel(), signature=sig, constexprs=const, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}).asm["ptx"]
 
     for dtype in ("fp16", "bf16", "fp32"):
@@ -161,3 +164,33 @@ def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
             # round to nearest even, one value or two at a time (f16x2 / bf16x2: the same rounding)
             assert re.search(rf"cvt\.rn\.{dtype.replace('fp', 'f')}(x2)?\.f32", code)
     assert re.search(r"\bfma\.rn\.f32", ptx("fp16", {"enable_fp_fusion": True}))
+
+
+def test_the_compiled_kernel_reads_and_writes_16_bytes_at_a_time():
+    """Compiled for sm_90 as a launch on the kit's weights specialises it (aligned pointers, a byte count that is a
+    multiple of 16), each thread loads its packed bytes in one 16-byte load and stores its 16-bit weights, two to a
+    32-bit word, in 16-byte stores; no 2-byte stores (the kernel before, which wrote each weight on its own,
+    compiled to 32 of them per thread). Without the alignment it still compiles, to narrower accesses."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from grpo_kit.kernels import nf4_dequant as K
+
+    if K.interpreter_active():
+        pytest.skip("this process runs Triton's interpreter")
+
+    def accesses(dtype, aligned):
+        sig, const, attrs = K.compile_signature(dtype, aligned)
+        src = ASTSource(K._kernel(), signature=sig, constexprs=const, attrs=attrs)
+        code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **K.LAUNCH_OPTIONS})
+        return re.findall(r"\b((?:ld|st)\.global[\w.]*)", code.asm["ptx"])
+
+    for dtype in ("fp16", "bf16"):
+        ops = accesses(dtype, True)
+        stores = [o for o in ops if o.startswith("st.")]
+        assert stores == ["st.global.v4.b32"] * 4, stores
+        assert "ld.global.v4.b32" in ops and "st.global.b16" not in ops
+    assert "st.global.v2.b64" in accesses("fp32", True)
+    assert "st.global.v4.b32" not in accesses("fp16", False)
