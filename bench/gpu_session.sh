@@ -68,9 +68,12 @@ step gen4k 600 $bench --rows grpo_kit_fp8 --completion 512 --steps 1 --gen-token
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail
-step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len "$longest:1" --prompt-len 512 \
-  --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 --out-dir "$out/results" \
-  --tag ${card}_llama8b_4bit_longest
+# the calculator's longest ran out of memory on 2026-12-05 (fragmentation) and 64,512 ran: from the calculator's
+# longest down in steps of 8,192 tokens, the first that runs under the cap is the longest confirmed
+lengths=$(python3 -c "print(','.join(f'{t}:1' for t in range($longest, 65536, -8192)))")
+step qlora_longest 600 python3 bench/step.py --model llama-3.1-8b --seq-len "${lengths:-$longest:1}" --until-ok \
+  --prompt-len 512 --rows ours_offload --dtype fp16 --beta 0.04 --lora-r 16 --load-in-4bit --budget-gib 15 \
+  --out-dir "$out/results" --tag ${card}_llama8b_4bit_longest
 # The 4K step's policy pass took 6.7 s in the kit against TRL's 5.5 s (2026-12-05, fourth pass): the kit's
 # checkpointing with and without its host offload, against HF's checkpointing, on the same 8 x 4,608 tokens.
 step train4k_parts 400 python3 bench/step.py --model llama-3.1-8b --seq-len 4608:8 --prompt-len 512 \

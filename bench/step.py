@@ -482,6 +482,8 @@ def run_plan(configs, args, dev, sink):
             r["budget_name"] = budget
             sink["results"].append(r)
             sink.flush()
+        if args.until_ok and sink["results"] and sink["results"][-1].get("status") == "ok":
+            return  # a descending list of lengths: the first that runs is the longest that does
 
 
 class Sink(dict):
@@ -666,6 +668,8 @@ def main(argv=None):
                    "than one, step_s is the median of those after the first (peak memory: over all)")
     p.add_argument("--kernel-profile", action="store_true", help="after the timed steps, one more under "
                    "torch.profiler: top ops by GPU and host time, dequantisation's share (in the json)")
+    p.add_argument("--until-ok", action="store_true", help="stop after the first --seq-len that runs (status ok): "
+                   "with lengths in descending order, the longest that fits (e.g. under --budget-gib)")
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--check-model", default="llama-3.2-1b")

@@ -73,3 +73,16 @@ def test_bench_runs_a_script_that_imports_its_siblings(repo_root, tmp_path):
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(repo_root)})
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
+
+
+def test_bench_step_until_ok_stops_at_the_first_length_that_runs(repo_root, tmp_path):
+    """`bench step --until-ok` with lengths in descending order: the first that runs is the longest confirmed,
+    and the shorter ones are not run (on the GPU each costs a model's step under the memory cap)."""
+    r = subprocess.run([sys.executable, "-m", "grpo_kit", "bench", "step", "--device", "cpu", "--model", "tiny-llama",
+                        "--seq-len", "48:1,32:1", "--prompt-len", "16", "--rows", "ours", "--until-ok",
+                        "--out-dir", str(tmp_path), "--tag", "untilok"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(repo_root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads((tmp_path / "step_untilok.json").read_text())["results"]
+    assert [(x["seq_len"], x["status"]) for x in results] == [(48, "ok")]
