@@ -138,9 +138,9 @@ def test_the_kernel_takes_no_cpu_weight_outside_the_interpreter():
     assert not K.triton_usable(packed, qs)  # a CPU weight: bitsandbytes' path
 
 
-def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
-    """Compiled for sm_90 with the options the kit launches it with, the PTX has separate float32 multiplies and
-    adds and no fma (with fusion allowed, the same source compiles to fma: the check can fail)."""
+def _sm90_ptx(dtype, options, nbytes_multiple_of_16=True):
+    """The kernel compiled for sm_90 (no GPU needed) with launch ``options``; skips without Triton or under its
+    interpreter."""
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -150,20 +150,24 @@ def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
 
     if K.interpreter_active():
         pytest.skip("this process runs Triton's interpreter")
+    sig, const, attrs = K.compile_signature(dtype, nbytes_multiple_of_16)
+    src = ASTSource(K._kernel(), signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}).asm["ptx"]
 
-    def ptx(dtype, options, nbytes_multiple_of_16=True):
-        sig, const, attrs = K.compile_signature(dtype, nbytes_multiple_of_16)
-        src = ASTSource(K._kernel(), signature=sig, constexprs=const, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}).asm["ptx"]
+
+def test_the_compiled_kernel_rounds_each_product_and_sum_on_its_own():
+    """Compiled for sm_90 with the options the kit launches it with, the PTX has separate float32 multiplies and
+    adds and no fma (with fusion allowed, the same source compiles to fma: the check can fail)."""
+    from grpo_kit.kernels import nf4_dequant as K
 
     for dtype in ("fp16", "bf16", "fp32"):
-        code = ptx(dtype, K.LAUNCH_OPTIONS)
+        code = _sm90_ptx(dtype, K.LAUNCH_OPTIONS)
         assert not re.search(r"\bfma\.rn\.f32", code), f"{dtype}: fused multiply-add in the kernel"
         assert re.search(r"\bmul\.rn\.f32", code) and re.search(r"\badd\.rn\.f32", code)
         if dtype != "fp32":
             # round to nearest even, one value or two at a time (f16x2 / bf16x2: the same rounding)
             assert re.search(rf"cvt\.rn\.{dtype.replace('fp', 'f')}(x2)?\.f32", code)
-    assert re.search(r"\bfma\.rn\.f32", ptx("fp16", {"enable_fp_fusion": True}))
+    assert re.search(r"\bfma\.rn\.f32", _sm90_ptx("fp16", {"enable_fp_fusion": True}))
 
 
 def test_the_compiled_kernel_reads_and_writes_16_bytes_at_a_time():
@@ -171,21 +175,10 @@ def test_the_compiled_kernel_reads_and_writes_16_bytes_at_a_time():
     multiple of 16), each thread loads its packed bytes in one 16-byte load and stores its 16-bit weights, two to a
     32-bit word, in 16-byte stores; no 2-byte stores (the kernel before, which wrote each weight on its own,
     compiled to 32 of them per thread). Without the alignment it still compiles, to narrower accesses."""
-    pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from grpo_kit.kernels import nf4_dequant as K
 
-    if K.interpreter_active():
-        pytest.skip("this process runs Triton's interpreter")
-
     def accesses(dtype, aligned):
-        sig, const, attrs = K.compile_signature(dtype, aligned)
-        src = ASTSource(K._kernel(), signature=sig, constexprs=const, attrs=attrs)
-        code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **K.LAUNCH_OPTIONS})
-        return re.findall(r"\b((?:ld|st)\.global[\w.]*)", code.asm["ptx"])
+        return re.findall(r"\b((?:ld|st)\.global[\w.]*)", _sm90_ptx(dtype, K.LAUNCH_OPTIONS, aligned))
 
     for dtype in ("fp16", "bf16"):
         ops = accesses(dtype, True)

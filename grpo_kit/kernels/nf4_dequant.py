@@ -92,28 +92,31 @@ def _nf4_dequant_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, NBYTES, QB
     tl.store(OUT + j, word, mask=m)
 
 
+_HALF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's output dtype code
+_WORD = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
+
+
 def compile_signature(dtype: str, nbytes_multiple_of_16: bool = True) -> tuple[dict, dict, dict]:
-    """The kernel's argument types and constants for compiling it ahead of time (the PTX checks in the tests,
-    for sm_90 and sm_75), output ``dtype`` ``"fp16"``, ``"bf16"`` or ``"fp32"``, as launched on the kit's 4-bit
-    weights (blocks of 64, nested blocks of 256). ``nbytes_multiple_of_16``: Triton's specialisation of the byte
-    count, true for every weight of the built-in models."""
-    word = "*i64" if dtype == "fp32" else "*i32"
+    """The kernel's argument types, constants and alignment attributes for compiling it ahead of time (the PTX
+    checks in the tests, for sm_90 and sm_75), output ``dtype`` ``"fp16"``, ``"bf16"`` or ``"fp32"``, as launched
+    on the kit's 4-bit weights (blocks of ``NF4_BLOCK``, nested blocks of 256). ``nbytes_multiple_of_16``:
+    Triton's specialisation of the byte count, true for every weight of the built-in models."""
+    from ..quantize import NF4_BLOCK
+
+    out = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",
-           "OUT": word, "NBYTES": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr", "HALF": "constexpr",
-           "BLOCK": "constexpr"}
-    const = {"QBLOCK": 64, "QBLOCK2": 256, "HALF": {"fp32": 0, "fp16": 1, "bf16": 2}[dtype], "BLOCK": _BLOCK}
+           "OUT": f"*i{_WORD[out].itemsize * 8}", "NBYTES": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr",
+           "HALF": "constexpr", "BLOCK": "constexpr"}
+    const = {"QBLOCK": NF4_BLOCK, "QBLOCK2": 256, "HALF": _HALF[out], "BLOCK": _BLOCK}
     # as Triton specialises a launch: every pointer 16-byte aligned (torch's allocations are), and the byte count
-    aligned = [0, 1, 2, 3, 4, 5, 6] + ([7] if nbytes_multiple_of_16 else [])
+    aligned = [i for i, (name, kind) in enumerate(sig.items())
+               if kind.startswith("*") or (name == "NBYTES" and nbytes_multiple_of_16)]
     return sig, const, {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
     return triton.jit(_nf4_dequant_kernel)
-
-
-_HALF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's output dtype code
-_WORD = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
 
 
 def triton_usable(packed: torch.Tensor, quant_state) -> bool:
