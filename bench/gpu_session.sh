@@ -4,9 +4,9 @@
 #  1. the GPU tier's 4-bit paths: the random 4-bit built-in built on the GPU layer by layer; the NF4
 #     dequantisation kernel against bitsandbytes to the bit, and the kit's 4-bit matmul step against
 #     bitsandbytes' (grpo_kit.nf4_matmul);
-#  2. the 4-bit step-time ratio at 1K: three timed steps each and one profiled, the kit's 4-bit matmul and
-#     bitsandbytes' on the same model in one process, against 16-bit fp16 (3.32 s on the H200, 2026-12-05) and
-#     bf16 (the target: 4-bit within 1.3x of 16-bit);
+#  2. the 4-bit step-time ratio at 1K: five timed steps each (three ranged 3.23-4.01 s) and one profiled, the
+#     kit's 4-bit matmul and bitsandbytes' on the same model in one process, against 16-bit fp16 (2.71 s on the
+#     H200, 2026-12-05) and bf16 (the target: 4-bit within 1.3x of 16-bit);
 #  3. notebook 04's free-T4 preset: its generation phase (the step's peak) under the 15 GiB cap;
 #  4. the 4K step, kit with vllm_lora_sync=merge against TRL colocate in the same run (2026-12-05, sixth pass:
 #     30.47 against 31.43 s); the merge alone on the 8B, profiled; generation alone at 8 x 4,096 against HF;
@@ -46,7 +46,7 @@ bench="python3 -m grpo_kit bench rl_step --tag $card --out-dir $out/results"
 step kernel 300 python3 -m pytest -m gpu tests/test_gpu_core.py -k "random_4bit or nf4 or 4bit_matmul" -q -s -rs \
   -p no:cacheprovider
 ratio="python3 bench/step.py --model llama-3.1-8b --seq-len 1536:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
-  --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
+  --lora-r 16 --repeat 5 --kernel-profile --out-dir $out/results"
 step qlora_1k_4bit 600 $ratio --dtype fp16 --load-in-4bit --nf4-matmul "${NF4_MATMULS:-kit,bitsandbytes}" --budget-gib 15 \
   --tag ${card}_llama8b_4bit_fp16_1k
 step qlora_1k_fp16 300 $ratio --dtype fp16 --tag ${card}_llama8b_fp16_1k
