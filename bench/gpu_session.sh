@@ -63,8 +63,9 @@ step merge_profile 240 python3 -m grpo_kit bench reversible_merge --model llama-
   --repeat 4 --profile --tag ${card}_llama8b --out-dir "$out/results"
 # vLLM against HF generate at the step's own length (2026-12-05: 7.7x at 8 x 512 tokens with the merge counted in
 # each call, where the merge and the engine's per-call costs weigh most; HF alone is ~4 min of the row): the kit's
-# default row, one short training step to build the engine and adapter, then generation alone at 8 x 4,096.
-step gen4k 600 $bench --rows grpo_kit_fp8 --completion 512 --steps 1 --gen-tokens 4096 --timeout 580 --append
+# default row, one 4K training step (the engine is sized for the row's completion length, so a shorter step
+# would leave no room for 4,096 tokens), then generation alone at 8 x 4,096.
+step gen4k 900 $bench --rows grpo_kit_fp8 --completion 4096 --steps 1 --gen-tokens 4096 --timeout 880 --append
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail

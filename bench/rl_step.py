@@ -424,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
+        p.error(f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
+                "sized for the row's completion length)")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if a.one:
         res = one(a.one, a)
