@@ -18,9 +18,10 @@ for Llama-3.1-8B in fp16), which ``grpo_kit.memory.estimate`` counts. Each dequa
 
 Outside a layer call and without gradient (generation, plain inference) the layer runs bitsandbytes' own
 forward, which multiplies the few rows of a decoding step with the 4-bit weight directly (gemv, or its fused
-small-batch kernels). The weight is never saved for backward: the backward takes it from the cache, or
-dequantises it again (outside the kit's checkpointing, as bitsandbytes does), so autograd never holds a model's
-worth of 16-bit weights. The arithmetic is bitsandbytes' dequantise-then-multiply path's: W dequantised straight
+small-batch kernels). Inside a layer call the matmul is a plain ``F.linear`` on the cached weight: autograd saves that
+same tensor, which the cache holds until the call ends anyway, and the call's backward runs before it ends.
+Outside one (no kit checkpointing) the weight is never saved for backward: an autograd Function dequantises it
+again there, as bitsandbytes does, so autograd never holds a model's worth of 16-bit weights. The arithmetic is bitsandbytes' dequantise-then-multiply path's: W dequantised straight
 into the compute dtype, ``y = F.linear(x, W, b)``, ``dx = dy W``. (bitsandbytes' own forward takes its fused
 4-bit kernel instead for inputs of up to 1,536 rows on some GPUs, which rounds differently.)
 ``use_nf4_matmul(model, "bitsandbytes")`` puts bitsandbytes' own class back (the benchmark compares both).
@@ -55,7 +56,9 @@ def _open_cache() -> dict | None:
 @contextlib.contextmanager
 def layer_weight_cache():
     """Within it, each 4-bit layer's weight is dequantised at most once (the first use) and kept; the weights
-    are released when the outermost such block of this thread ends. Costs nothing without 4-bit layers."""
+    are released when the outermost such block of this thread ends. A graph built within it saves the cached
+    weights, so run its backward within it too (as the kit's checkpointing does), or they live until then.
+    Costs nothing without 4-bit layers."""
     outer = _open_cache() is None
     if outer:
         _local.cache = {}
@@ -106,9 +109,9 @@ def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class _NF4Matmul(torch.autograd.Function):
-    """``x W^T + b`` for a 4-bit layer, bitsandbytes' arithmetic (``F.linear(x, W, b)``, ``dx = dy W``); saves no
-    weight: backward takes it from the layer cache or dequantises again. x (..., in) in the compute dtype,
-    bias (out,) or None -> (..., out)."""
+    """``x W^T + b`` for a 4-bit layer outside a layer call, bitsandbytes' arithmetic (``F.linear(x, W, b)``,
+    ``dx = dy W``); saves no weight: backward dequantises it again (or takes it from a layer cache open by
+    then). x (..., in) in the compute dtype, bias (out,) or None -> (..., out)."""
 
     @staticmethod
     def forward(ctx, x, bias, module):
@@ -145,9 +148,14 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if self.compute_dtype is not None:
         x = x.to(self.compute_dtype)
     bias = None if self.bias is None else self.bias.to(x.dtype)
-    if needs_grad:
+    if needs_grad and _open_cache() is None:
+        # outside a layer call autograd must not save the 16-bit weight: it would hold every layer's until backward
         y = _NF4Matmul.apply(x, bias, self)
     else:
+        # Inside a layer call (grpo_kit.checkpointing) the weight stays cached until the call ends, and a graph
+        # built there is backpropagated there too: autograd saving the cached weight holds nothing more, and its
+        # own backward skips the Function's Python one (~430 us a call on the H100's host, more than the
+        # dequantisation: bench/results/nf4_host_cost_h100.md).
         y = F.linear(x, dequantized(self, x.dtype), bias)
     return y.to(inp_dtype)
 

@@ -1,7 +1,8 @@
 """The kit's 4-bit matmul (grpo_kit.nf4_matmul) on bitsandbytes' CPU backend: the same logits and LoRA gradients
 as bitsandbytes' own Linear4bit (Llama, and Qwen2 with its q/k/v biases), with and without offloaded
 checkpointing; each weight dequantised once per decoder-layer call under the kit's checkpointing, however many
-token slices the layer runs in; no dequantised weight kept for backward outside it; and the config's option."""
+token slices the layer runs in; no dequantised weight kept for backward outside it, and inside it only the cached
+one; and the config's option."""
 
 import importlib.util
 
@@ -77,6 +78,29 @@ def test_no_dequantised_weight_is_kept_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         pm(input_ids=IDS, labels=IDS).loss.backward()
     assert shapes and saved and not shapes & set(saved)
+
+
+def test_inside_a_layer_call_autograd_saves_the_cached_weight():
+    """Within a layer cache (the kit's checkpointing) the matmul is a plain ``F.linear`` on the cached weight:
+    what autograd saves of the weight's size is that very tensor (nothing more held), its backward is autograd's
+    own rather than the Function's Python one, and the gradient is the Function's to the bit."""
+    layer = _layer(torch.float32)
+    NM.use_nf4_matmul(layer, "kit")
+    x = torch.randn(3, 5, 70, generator=torch.Generator().manual_seed(8))
+    xc, saved = x.clone().requires_grad_(), []
+    with NM.layer_weight_cache():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = layer(xc)
+        cached = NM._open_cache()[layer]
+        assert not isinstance(y.grad_fn, NM._NF4Matmul._backward_cls)
+        weights = [t for t in saved if t.numel() == cached.numel()]  # the weight or its transposed view
+        assert weights and all(t.data_ptr() == cached.data_ptr() for t in weights)
+        y.square().sum().backward()
+    xo = x.clone().requires_grad_()
+    yo = layer(xo)  # no cache: the Function, which saves no weight
+    assert isinstance(yo.grad_fn, NM._NF4Matmul._backward_cls)
+    yo.square().sum().backward()
+    assert torch.equal(y.detach(), yo.detach()) and torch.equal(xc.grad, xo.grad)
 
 
 def _layer(compute_dtype, bias=True, weight_dtype=torch.float32):
