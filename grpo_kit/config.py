@@ -62,6 +62,7 @@ NUMERIC_RANGES = {
     "lora_rank": (1, None, False, False), "lora_alpha": (1, None, False, False),
     "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, True, False),
     "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (1, None, False, False),
+    "scoring_batch_size": (1, None, False, False),
     "load_in_4bit_auto_allowance": (0, 4, False, False),
 }
 # Why a bound is what it is, where that is not obvious; appended to the message.
@@ -70,6 +71,7 @@ _RANGE_NOTES = {
     "vllm_gpu_memory_utilization": "or null for automatic", "vllm_kv_cache_gib": "or null for automatic",
     "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit",
     "epsilon_high": "or null for the same as epsilon", "loss_chunk_size": "or null for automatic",
+    "scoring_batch_size": "or null for per_device_train_batch_size",
     "min_p": "0 or null: off",
 }
 
@@ -242,6 +244,12 @@ class GRPOKitConfig:
                                             "offloaded to CPU RAM (grpo_kit.checkpointing).")
     loss_chunk_size: int | None = _f(None, "Rows per logits chunk in the efficient loss (null: chosen from free "
                                     "memory).")
+    scoring_batch_size: int | None = _f(None, "Completions per no-grad forward when the grpo_kit trainer scores a "
+                                        "generation batch (the reference model's log-probs; verl's "
+                                        "log_prob_micro_batch_size). null: per_device_train_batch_size, as TRL. "
+                                        "Larger means fewer, fuller forwards (with 4-bit weights, fewer "
+                                        "dequantisations) for the activations of that many sequences, which the "
+                                        "VRAM calculator prices as its own phase.")
 
     # ---------------------------------------------------------------------------------
     def checkpointing_on(self, device: str) -> bool:
@@ -420,6 +428,9 @@ class GRPOKitConfig:
              "non-empty module names")
         need(self.load_in_4bit_matmul in NF4_MATMULS, f"load_in_4bit_matmul={self.load_in_4bit_matmul!r} is not "
              f"allowed: one of {list(NF4_MATMULS)}")
+        need(self.scoring_batch_size is None or self.trainer == "grpo_kit",
+             f"scoring_batch_size={self.scoring_batch_size} needs trainer='grpo_kit' (TRL's GRPOTrainer scores "
+             "with per_device_train_batch_size); leave it null with trainer='trl'")
         vllm_only = self.vllm_options_set()
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "

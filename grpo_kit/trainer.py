@@ -114,6 +114,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     """Drop-in ``GRPOTrainer`` that never builds full logits. Extra keyword arguments:
 
     ``loss_chunk_size`` (rows per logits chunk; None: chosen from free memory),
+    ``scoring_batch_size`` (sequences per no-grad scoring forward, the reference log-probs; None: TRL's
+    ``per_device_train_batch_size``),
     ``offload_checkpointing`` (None: on when the model is on CUDA and the config asks for
     gradient checkpointing; True/False to force), and those of :class:`KitGenerationMixin`:
     ``generator`` (a kit generator, e.g. ``make_generator("vllm", ...)``; None: TRL's own
@@ -121,7 +123,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     """
 
     def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
-                 reward_errors: str = "raise", **kwargs):
+                 reward_errors: str = "raise", scoring_batch_size: int | None = None, **kwargs):
         training_args = kwargs.get("args")
         if training_args is not None:
             self._check_supported(training_args)
@@ -132,6 +134,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         super().__init__(*args, **kwargs)
         self._check_vespo_importance_sampling()
         self.loss_chunk_size = loss_chunk_size
+        self.scoring_batch_size = scoring_batch_size
         self._norm, self._causal_lm = _final_norm(self.model)
         on_cuda = next(self.model.parameters()).is_cuda
         if offload_checkpointing is None:
@@ -179,7 +182,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         if any(v is not None for v in multimodal.values()) or compute_aux_loss:
             raise ValueError("EfficientGRPOTrainer supports text-only dense models (no images, no MoE aux loss)")
-        batch_size = batch_size or input_ids.size(0)
+        # Only TRL's no-grad scoring passes come here (the loss is _compute_loss's): TRL chunks them by
+        # per_device_train_batch_size; scoring_batch_size, where set, by that many sequences instead.
+        batch_size = self.scoring_batch_size or batch_size or input_ids.size(0)
         weight, bias = self._head()
         out = []
         for start in range(0, input_ids.size(0), batch_size):
@@ -298,4 +303,5 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
     cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
-    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, generator=generator)
+    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=cfg.scoring_batch_size,
+               generator=generator)

@@ -276,3 +276,11 @@ def test_automatic_values_are_null_and_old_run_folders_with_0_resume(tmp_path):
     resumed = resume_config(tmp_path)
     assert all(getattr(resumed, name) is None for name in NULL_MEANS_AUTO) and resumed.min_p == 0.0
     assert resume_config(tmp_path, ["loss_chunk_size=4096"]).loss_chunk_size == 4096
+
+
+def test_scoring_batch_size_is_checked():
+    with pytest.raises(ConfigError, match=r"scoring_batch_size.*at least 1"):
+        GRPOKitConfig(scoring_batch_size=0).validate()
+    with pytest.raises(ConfigError, match=r"scoring_batch_size=4 needs trainer='grpo_kit'"):
+        GRPOKitConfig(scoring_batch_size=4, trainer="trl").validate()
+    GRPOKitConfig(scoring_batch_size=4).validate()

@@ -407,3 +407,28 @@ def test_validation_script_on_a_small_results_file(tmp_path):
         assert r["estimate_gib"] == pytest.approx(est) and r["error"] == pytest.approx(est / g - 1)
     text = out.read_text()
     assert "2/3 steps within" in text and "target NOT met" in text  # 9.9 GiB is far off the estimate
+
+
+def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
+    """The reference pass at the micro-batch is smaller than training and not counted; scoring more sequences per
+    forward adds a ``scoring`` phase: the persistent rows, one layer's dequantised 4-bit weights and the pass's own
+    activations, which grow with the scoring batch and can become the peak."""
+    kw = dict(num_generations=8, prompt_length=512, completion_length=1024, dtype="fp16", lora_rank=16,
+              quantization="4bit", micro_batch_size=1, vllm=False, include_generation=False)
+    plain = estimate("llama-3.1-8b", **kw)
+    for same in (None, 1):
+        df = estimate("llama-3.1-8b", scoring_batch=same, **kw)
+        assert df.attrs["phase_bytes"] == plain.attrs["phase_bytes"] and "scoring pass (no grad)" not in set(df.component)
+    phases = {}
+    for s in (2, 8):
+        df = estimate("llama-3.1-8b", scoring_batch=s, **kw)
+        rows = df.set_index("component")["GB"] * F.GB
+        persistent = sum(rows[c] for c in ("model weights", "inference copy (vLLM)", "LoRA + optimiser states"))
+        expect = persistent + rows["dequantised 4-bit weights of one layer"] + rows["scoring pass (no grad)"]
+        phases[s] = df.attrs["phase_bytes"]["scoring"]
+        assert phases[s] == pytest.approx(expect, rel=1e-9)
+    assert phases[2] < phases[8] and df.attrs["peak_phase"] == "scoring"
+    with pytest.raises(ValueError, match="scoring_batch applies to method='grpo_kit'"):
+        estimate("llama-3.1-8b", scoring_batch=8, **{**kw, "method": "trl", "quantization": None})
+    with pytest.raises(ValueError, match="scoring_batch must be an int >= 1"):
+        estimate("llama-3.1-8b", scoring_batch=0, **kw)

@@ -367,3 +367,32 @@ def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tmp_path, re
     assert not any(graded), f"HF checkpointing was on in {sum(graded)} of {len(graded)} training forwards"
     assert len(graded) == len(layers)  # one micro-batch of 4 completions: one training forward per layer
     assert trainer.args.gradient_checkpointing  # TRL's own flag is untouched; only the layers' is kept off
+
+
+def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
+    """``scoring_batch_size`` chunks TRL's no-grad scoring passes (called with TRL's per-device batch size) into
+    that many sequences per forward, the last chunk shorter; the log-probs are those of one sequence at a time.
+    ``make_trainer`` takes it from the config."""
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.trainer import make_trainer
+
+    model, tok = load_model("tiny-llama")  # fresh: the module's shared models carry earlier tests' adapters
+    cfg = GRPOKitConfig(model="tiny-llama", scoring_batch_size=3, device="cpu")
+    cfg.validate()
+    trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward],
+                           args=_args(tmp_path), train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+                           peft_config=_lora())
+    assert trainer.scoring_batch_size == 3
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (5, 14), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in one row
+    sizes, hidden = [], trainer._completion_hidden
+    trainer._completion_hidden = lambda m, i, a, k: sizes.append(i.size(0)) or hidden(m, i, a, k)
+    with torch.no_grad():
+        batched = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8, batch_size=1)[0]
+        chunked_sizes, sizes[:] = list(sizes), []
+        trainer.scoring_batch_size = None
+        single = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8, batch_size=1)[0]
+    assert chunked_sizes == [3, 2] and sizes == [1] * 5
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)

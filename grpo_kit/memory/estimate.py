@@ -16,8 +16,10 @@ When things are alive (the peak rule). One step has phases:
 
 The GPU total is the largest phase; ``in_peak`` marks the rows of that phase. CUDA context and
 allocator fragmentation (reserved minus allocated) are not counted: compare with
-``torch.cuda.max_memory_allocated``. Not modelled: the reference / old-policy log-prob passes
-(no grad, smaller than the training step), vLLM's own activations and CUDA graphs.
+``torch.cuda.max_memory_allocated``. The reference log-prob pass counts as its own
+``scoring`` phase only when it scores more sequences per forward than a micro-batch (``scoring_batch``);
+otherwise it (and TRL's old-policy pass) is smaller than the training step. Not modelled: vLLM's own
+activations and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              loss_chunk_bytes: int = 256 * 2**20, chunk_tokens: int | None = None, prefetch: bool = True,
              include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
-             kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096) -> pd.DataFrame:
+             kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
+             scoring_batch: int | None = None) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -222,9 +225,13 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs,
             :func:`formulas.vllm_kv_tokens`).
         vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
+        scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
+            reference log-probs; ``scoring_batch_size``). None, or at most the micro-batch: that pass is
+            smaller than the training step and not counted; more adds a ``scoring`` phase.
 
     Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
-    ``backward`` (training); the GPU total is the largest.
+    ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
+    total is the largest.
 
     Returns:
         DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last
@@ -248,6 +255,11 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
     if loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
+    if scoring_batch is not None:
+        _int_at_least("scoring_batch", scoring_batch, 1)
+        if method != "grpo_kit":
+            raise ValueError(f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
+                             f"got method={method!r}")
     a = resolve_arch(model)
     G, P, C = int(num_generations), int(prompt_length), int(completion_length)
     T = P + C
@@ -259,13 +271,14 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     offload = method in ("unsloth", "grpo_kit") if offload is None else offload
     tokens = M * T
     n = F.param_counts(a)
+    scoring = scoring_batch is not None and scoring_batch > M  # its own phase: larger than the micro-batch's pass
 
     rows: list[dict] = []
 
     def add(component, where, nbytes, phases, note):
         rows.append(dict(component=component, where=where, bytes=float(nbytes), phases=phases, note=note))
 
-    persistent = ("generation", "loss", "backward")
+    persistent = ("generation", "loss", "backward") + (("scoring",) if scoring else ())
     w = F.weight_bytes(a, b, quantization)
     add("model weights", "GPU", w, persistent,
         f"{n['total'] / 1e9:.2f}e9 params" + (" (layer projections NF4 4.127 bit)" if quantization else f" x {b} B"))
@@ -308,7 +321,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
     if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.nf4_matmul: a layer's weights kept per call
         layer = sum(i * o for _, i, o in a.layer_linears())
-        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",),
+        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + (("scoring",) if scoring else ()),
             f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) dequantised to "
             f"{b} B each, kept for its recompute and backward (grpo_kit.nf4_matmul)")
     elif quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
@@ -340,6 +353,12 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         add("final norm + hidden states (loss)", "GPU", norm + tokens * a.hidden * b + M * C * a.hidden * b,
             ("loss",), "final RMSNorm's fp32 input, the final hidden states and their gradient (computed in the "
             "forward, completion tokens)")
+    if scoring:
+        chunk = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
+        add("scoring pass (no grad)", "GPU", F.scoring_forward_peak(a, scoring_batch, T, b, chunk, logit),
+            ("scoring",), f"{scoring_batch} sequences per no-grad forward (reference log-probs): a layer's input, "
+            f"output, q/k/v and attention output, the final norm's output, one {chunk}-token MLP slice and one logits "
+            "chunk")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
     prompts = gen_rows // G
@@ -361,7 +380,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
 
     # peak phase
     phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"])
-                 for ph in ("generation", "loss", "backward")}
+                 for ph in ("generation", "loss", "backward") + (("scoring",) if scoring else ())}
     peak_phase = max(phase_tot, key=lambda k: (phase_tot[k], k == "backward"))
     for r in rows:
         r["in_peak"] = r["where"] == "GPU" and peak_phase in r["phases"] and r["bytes"] > 0
@@ -403,7 +422,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
-                         generation_batch=gen_rows, standby=standby,
+                         generation_batch=gen_rows, standby=standby, scoring_batch=scoring_batch,
                          offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
@@ -426,7 +445,8 @@ def config_estimate_kwargs(cfg, **overrides) -> dict:
               method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
               kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
               micro_batch_size=cfg.per_device_train_batch_size,
-              generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
+              generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
+              scoring_batch=cfg.scoring_batch_size)
     kw.update(overrides)
     return kw
 

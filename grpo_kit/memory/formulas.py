@@ -240,6 +240,19 @@ def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, 
     return base + max(loop, attn_bwd)
 
 
+def scoring_forward_peak(a: Arch, sequences: int, seq_tokens: int, b: int, chunk_tokens: int | None,
+                         logits_chunk_bytes: float) -> float:
+    """The no-grad forward that scores ``sequences`` sequences of ``seq_tokens`` at once (the reference log-probs),
+    bytes: per token of the batch a layer's input and output (2 b*h), its q/k/v and attention output
+    (b*(2q + 2kv)) and the final norm's output (b*h, kept whole while the completion rows are scored); the MLP's
+    gate, up and product (3 b*inter) for one slice of ``chunk_tokens`` tokens (None: every token at once, a plain
+    forward); one logits chunk."""
+    tokens = sequences * seq_tokens
+    mlp_tokens = tokens if chunk_tokens is None else min(chunk_tokens, tokens)
+    return (tokens * b * (3 * a.hidden + 2 * a.q_dim + 2 * a.kv_dim) + mlp_tokens * 3 * b * a.intermediate
+            + logits_chunk_bytes)
+
+
 def attention_backward_workspace_per_token(a: Arch, b: int) -> int:
     """Scratch of the flash-attention backward (FlashAttention-2 as bundled in PyTorch), bytes per
     token: an fp32 dq accumulator (4*q) and, with grouped-query attention, dK and dV expanded to all
