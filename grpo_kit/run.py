@@ -419,6 +419,10 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
         if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
             raise trainer.stop_error
         train_seconds = time.perf_counter() - t_train
+        if generator is not None and train_seconds > 0:  # what the GPU half of a step costs, measured per run
+            gen_s = getattr(trainer, "kit_generation_seconds", 0.0)
+            generation_info.update(generation_seconds=round(gen_s, 1),
+                                   generation_share_of_training=round(gen_s / train_seconds, 3))
         if not is_main:
             return {"run_dir": str(run_dir), "main_process": False}
 

@@ -48,6 +48,10 @@ def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
     assert float(rows[0]["rewards/length_bonus/mean"]) > 0
     saved = json.loads((run / "summary.json").read_text())
     assert saved == summary
+    # the kit's generation, timed per call (metrics.csv) and over the run (its share of the training time)
+    gen = saved["generation"]
+    assert all(float(r["generation/seconds"]) > 0 for r in rows)
+    assert 0 < gen["generation_seconds"] <= saved["train_seconds"] and 0 < gen["generation_share_of_training"] < 1
     for key in ("mean_step_time_s", "peak_memory_gib"):
         assert len(repr(saved[key]).split(".")[1]) <= 4, saved[key]
     assert "- test_training_output:length_bonus\n- grpo_kit.rewards:format_strict_reward" in \

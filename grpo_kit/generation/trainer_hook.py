@@ -49,6 +49,8 @@ class KitGenerationMixin:
         self.kit_generator = generator
         self._kit_synced_step = None
         self.kit_sync_log: list[dict] = []
+        # wall seconds in kit generation (weight sync, generate, back to sleep), all calls: the run's generation share
+        self.kit_generation_seconds = 0.0
         if generator is None:
             return
         self._check_kit_generation_supported()
@@ -93,6 +95,7 @@ class KitGenerationMixin:
         from trl.extras.profiling import profiling_context
 
         mode = "train" if self.model.training else "eval"
+        t0 = time.perf_counter()
         try:
             if self.state.global_step != self._kit_synced_step or self.kit_generator.needs_sync:
                 start = time.perf_counter()
@@ -111,6 +114,9 @@ class KitGenerationMixin:
         except GenerationEngineError as e:
             path = self._kit_save_after_crash()
             raise GenerationEngineError(f"{e}\nTraining state saved to {path}") from e
+        seconds = time.perf_counter() - t0
+        self.kit_generation_seconds += seconds
+        self._metrics[mode]["generation/seconds"].append(seconds)  # per call, sync included (metrics.csv)
         return result.completion_ids, result.logprobs_lists()
 
     def _kit_save_after_crash(self) -> str:
