@@ -245,11 +245,12 @@ class GRPOKitConfig:
     loss_chunk_size: int | None = _f(None, "Rows per logits chunk in the efficient loss (null: chosen from free "
                                     "memory).")
     scoring_batch_size: int | None = _f(None, "Completions per no-grad forward when the grpo_kit trainer scores a "
-                                        "generation batch (the reference model's log-probs; verl's "
-                                        "log_prob_micro_batch_size). null: per_device_train_batch_size, as TRL. "
-                                        "Larger means fewer, fuller forwards (with 4-bit weights, fewer "
-                                        "dequantisations) for the activations of that many sequences, which the "
-                                        "VRAM calculator prices as its own phase.")
+                                        "generation batch (the reference model's log-probs, and TRL's old-policy "
+                                        "pass where it runs; verl's log_prob_micro_batch_size). null: "
+                                        "per_device_train_batch_size, as TRL. Larger means fewer, fuller forwards "
+                                        "(with 4-bit weights, fewer dequantisations) for the activations of that "
+                                        "many sequences, which the VRAM calculator prices as its own phase. Safe "
+                                        "to change on resume.")
 
     # ---------------------------------------------------------------------------------
     def checkpointing_on(self, device: str) -> bool:

@@ -14,7 +14,8 @@ from .resume import atomic_write_text
 
 # Config fields that may differ from the run folder's saved config when resuming: they change how
 # long the run goes or what is kept, not the math of the steps already taken.
-SAFE_RESUME_OVERRIDES = ("max_steps", "save_steps", "keep_checkpoints", "max_bad_steps", "loss_chunk_size")
+SAFE_RESUME_OVERRIDES = ("max_steps", "save_steps", "keep_checkpoints", "max_bad_steps", "loss_chunk_size",
+                         "scoring_batch_size")
 
 
 def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict | None = None):

@@ -86,3 +86,16 @@ def test_bench_step_until_ok_stops_at_the_first_length_that_runs(repo_root, tmp_
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads((tmp_path / "step_untilok.json").read_text())["results"]
     assert [(x["seq_len"], x["status"]) for x in results] == [(48, "ok")]
+
+
+def test_resume_help_names_every_setting_a_resume_may_change():
+    """`train --help` lists what `--resume` accepts with `--set`: the same names as the resume policy."""
+    import re as _re
+
+    from grpo_kit.cli import build_parser
+    from grpo_kit.resume_policy import SAFE_RESUME_OVERRIDES
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = " ".join(next(a.help for a in train._actions if "--resume" in a.option_strings).split())
+    listed = _re.search(r"--set only for ([^)]*)\)", text).group(1).split(", ")
+    assert listed == list(SAFE_RESUME_OVERRIDES)

@@ -236,6 +236,7 @@ def test_second_oom_stops_naming_the_setting_and_estimate(tiny, tmp_path, traine
     msg = str(info.value)
     assert setting in msg and "per_device_train_batch_size" in msg and "already halved once" in msg
     assert "VRAM calculator estimates" in msg and "GiB peak" in msg
+    assert "scoring_batch_size" not in msg  # not set: nothing to lower there
     assert "simulated" in msg  # the original error
     # State saved as at the start of step 2: step 1's weights, resumable.
     (ckpt,) = list_checkpoints(t.args.output_dir)
@@ -267,3 +268,16 @@ def test_reliable_trainers_are_composed_at_class_definition(tiny, tmp_path):
     plain = make_trainer(cfg, **{**kw, "model": copy.deepcopy(model)})
     with pytest.raises(TypeError, match="has no guards: build it from with_reliability"):
         configure_reliability(plain, cfg)
+
+
+def test_an_oom_stop_names_a_scoring_batch_size_that_is_set(tiny, tmp_path):
+    """With ``scoring_batch_size`` set, the no-grad scoring pass may be what ran out: the stop names it (a setting
+    that may be changed on resume)."""
+    from grpo_kit.resume_policy import SAFE_RESUME_OVERRIDES
+
+    t = _make(tiny, tmp_path, trainer="grpo_kit", max_steps=2)
+    t.scoring_batch_size = 4
+    t._compute_loss = _OOMOnce(t, step=2, times=2)
+    with pytest.raises(OutOfMemoryStop, match=r"scoring_batch_size \(now 4; null scores per_device_train_batch_size"):
+        t.train()
+    assert "scoring_batch_size" in SAFE_RESUME_OVERRIDES

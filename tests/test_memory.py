@@ -428,6 +428,8 @@ def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
         phases[s] = df.attrs["phase_bytes"]["scoring"]
         assert phases[s] == pytest.approx(expect, rel=1e-9)
     assert phases[2] < phases[8] and df.attrs["peak_phase"] == "scoring"
+    # TRL scores one generation batch (8 here) at a time: a larger number prices no more than that
+    assert estimate("llama-3.1-8b", scoring_batch=64, **kw).attrs["phase_bytes"] == df.attrs["phase_bytes"]
     with pytest.raises(ValueError, match="scoring_batch applies to method='grpo_kit'"):
         estimate("llama-3.1-8b", scoring_batch=8, **{**kw, "method": "trl", "quantization": None})
     with pytest.raises(ValueError, match="scoring_batch must be an int >= 1"):

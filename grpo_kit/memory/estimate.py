@@ -226,8 +226,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             :func:`formulas.vllm_kv_tokens`).
         vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
         scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
-            reference log-probs; ``scoring_batch_size``). None, or at most the micro-batch: that pass is
-            smaller than the training step and not counted; more adds a ``scoring`` phase.
+            reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
+            at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
+            ``scoring`` phase (priced sliced, as with LoRA dropout off, and with a padded batch's mask).
 
     Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
     ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
@@ -271,7 +272,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     offload = method in ("unsloth", "grpo_kit") if offload is None else offload
     tokens = M * T
     n = F.param_counts(a)
-    scoring = scoring_batch is not None and scoring_batch > M  # its own phase: larger than the micro-batch's pass
+    # TRL scores one generation batch at a time, so no forward holds more of it than that
+    S = None if scoring_batch is None else min(int(scoring_batch), gen_rows)
+    scoring = S is not None and S > M  # its own phase: larger than the micro-batch's pass
 
     rows: list[dict] = []
 
@@ -355,10 +358,11 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             "forward, completion tokens)")
     if scoring:
         chunk = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
-        add("scoring pass (no grad)", "GPU", F.scoring_forward_peak(a, scoring_batch, T, b, chunk, logit),
-            ("scoring",), f"{scoring_batch} sequences per no-grad forward (reference log-probs): a layer's input, "
-            f"output, q/k/v and attention output, the final norm's output, one {chunk}-token MLP slice and one logits "
-            "chunk")
+        rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
+        add("scoring pass (no grad)", "GPU", F.scoring_forward_peak(a, S, T, b, chunk, rows_s * a.vocab * per_elt),
+            ("scoring",), f"{S} sequences per no-grad forward (reference / old-policy log-probs): embeddings, a "
+            f"layer's input and output, its attention (k/v expanded, the padding mask and SDPA's copy) or one "
+            f"{chunk}-token MLP slice, and one logits chunk of {rows_s} rows")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
     prompts = gen_rows // G
@@ -422,7 +426,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
-                         generation_batch=gen_rows, standby=standby, scoring_batch=scoring_batch,
+                         generation_batch=gen_rows, standby=standby, scoring_batch=S,
                          offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))

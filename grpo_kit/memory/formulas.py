@@ -242,15 +242,18 @@ def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, 
 
 def scoring_forward_peak(a: Arch, sequences: int, seq_tokens: int, b: int, chunk_tokens: int | None,
                          logits_chunk_bytes: float) -> float:
-    """The no-grad forward that scores ``sequences`` sequences of ``seq_tokens`` at once (the reference log-probs),
-    bytes: per token of the batch a layer's input and output (2 b*h), its q/k/v and attention output
-    (b*(2q + 2kv)) and the final norm's output (b*h, kept whole while the completion rows are scored); the MLP's
-    gate, up and product (3 b*inter) for one slice of ``chunk_tokens`` tokens (None: every token at once, a plain
-    forward); one logits chunk."""
+    """The no-grad forward that scores ``sequences`` sequences of ``seq_tokens`` tokens at once (the reference
+    log-probs), bytes. Alive through the pass: per token the embeddings, a layer's input and its output (3 b*h),
+    and per sequence HF's boolean padding mask (T x T bytes; GRPO batches are padded). Then the larger of two
+    moments: attention, with q/k/v (b*(q + 2kv)), k and v expanded to every head (2 b*q: HF's SDPA path with a
+    mask), its output and that output made contiguous (2 b*q), and SDPA's additive copy of the mask (b per token
+    pair); or the MLP's gate, up and product (3 b*inter) for one slice of ``chunk_tokens`` tokens (None: every
+    token, the unsliced forward that LoRA dropout gets). Plus one logits chunk."""
     tokens = sequences * seq_tokens
-    mlp_tokens = tokens if chunk_tokens is None else min(chunk_tokens, tokens)
-    return (tokens * b * (3 * a.hidden + 2 * a.q_dim + 2 * a.kv_dim) + mlp_tokens * 3 * b * a.intermediate
-            + logits_chunk_bytes)
+    pairs = sequences * seq_tokens * seq_tokens
+    attention = tokens * b * (5 * a.q_dim + 2 * a.kv_dim) + pairs * b
+    mlp = (tokens if chunk_tokens is None else min(chunk_tokens, tokens)) * 3 * b * a.intermediate
+    return tokens * 3 * b * a.hidden + pairs + max(attention, mlp) + logits_chunk_bytes
 
 
 def attention_backward_workspace_per_token(a: Arch, b: int) -> int:
