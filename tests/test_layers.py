@@ -6,8 +6,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "grpo_kit"
 # The core (grpo_kit's README, "Layout"): the math, kernels, memory, data, rewards and the sandbox.
-CORE = ("answers", "checkpointing", "code_reward", "data", "kernels", "loss", "memory", "models", "names", "objective",
-        "quantize", "rewards", "sandbox", "time_limit")
+CORE = ("answers", "causal_layout", "checkpointing", "code_reward", "data", "kernels", "loss", "memory", "models",
+        "names", "nf4_matmul", "objective", "quantize", "rewards", "sandbox", "time_limit")
 # The TRL adapter and the app: what the core must not import.
 ABOVE_CORE = ("cli", "colab", "config", "console", "dashboard", "evaluation", "export", "generation.trainer_hook",
               "guards", "notebook_utils", "preflight", "resume", "resume_policy", "run", "run_folder", "trainer")

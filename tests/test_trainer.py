@@ -396,3 +396,24 @@ def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
         single = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8, batch_size=1)[0]
     assert chunked_sizes == [3, 2] and sizes == [1] * 5
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_batches_reach_the_model_without_a_mask(tmp_path):
+    """TRL's left-padded prompts and right-padded completions go in rolled (grpo_kit.causal_layout), so the model
+    gets no attention mask and builds no (B, 1, T, T) one; a pad between real tokens keeps the mask."""
+    model, tok = load_model("tiny-llama")  # fresh: the module's shared models carry earlier tests' adapters
+    trainer = EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path), processing_class=tok,
+                                   train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+                                   peft_config=_lora())
+    seen = []
+    hook = trainer.model.get_base_model().model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    ids = torch.randint(3, 1000, (2, 10), generator=torch.Generator().manual_seed(1))
+    padded = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [1] * 10])
+    hole = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0, 0], [1] * 10])
+    with torch.no_grad():
+        a = trainer._get_per_token_logps_and_entropies(trainer.model, ids, padded, 4)[0]
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, hole, 4)
+    hook.remove()
+    assert seen[0] is None and torch.equal(seen[1], hole)
+    assert torch.isfinite(a[0, :2]).all() and a.shape == (2, 4)

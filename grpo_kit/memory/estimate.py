@@ -228,7 +228,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
             reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
             at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
-            ``scoring`` phase (priced sliced, as with LoRA dropout off, and with a padded batch's mask).
+            ``scoring`` phase (priced sliced, as with LoRA dropout off).
 
     Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
     ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
@@ -361,8 +361,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
         add("scoring pass (no grad)", "GPU", F.scoring_forward_peak(a, S, T, b, chunk, rows_s * a.vocab * per_elt),
             ("scoring",), f"{S} sequences per no-grad forward (reference / old-policy log-probs): embeddings, a "
-            f"layer's input and output, its attention (k/v expanded, the padding mask and SDPA's copy) or one "
-            f"{chunk}-token MLP slice, and one logits chunk of {rows_s} rows")
+            f"layer's input and output, its attention or one {chunk}-token MLP slice, and one logits chunk of "
+            f"{rows_s} rows")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
     prompts = gen_rows // G

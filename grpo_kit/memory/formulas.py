@@ -243,17 +243,15 @@ def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, 
 def scoring_forward_peak(a: Arch, sequences: int, seq_tokens: int, b: int, chunk_tokens: int | None,
                          logits_chunk_bytes: float) -> float:
     """The no-grad forward that scores ``sequences`` sequences of ``seq_tokens`` tokens at once (the reference
-    log-probs), bytes. Alive through the pass: per token the embeddings, a layer's input and its output (3 b*h),
-    and per sequence HF's boolean padding mask (T x T bytes; GRPO batches are padded). Then the larger of two
-    moments: attention, with q/k/v (b*(q + 2kv)), k and v expanded to every head (2 b*q: HF's SDPA path with a
-    mask), its output and that output made contiguous (2 b*q), and SDPA's additive copy of the mask (b per token
-    pair); or the MLP's gate, up and product (3 b*inter) for one slice of ``chunk_tokens`` tokens (None: every
-    token, the unsliced forward that LoRA dropout gets). Plus one logits chunk."""
+    log-probs), bytes. Alive through the pass: per token the embeddings, a layer's input and its output (3 b*h).
+    Then the larger of two moments: attention, with q/k/v (b*(q + 2kv)), its output and that output made
+    contiguous (2 b*q; no mask: the kit rolls the pads to the end, grpo_kit.causal_layout); or the MLP's gate, up
+    and product (3 b*inter) for one slice of ``chunk_tokens`` tokens (None: every token, the unsliced forward that
+    LoRA dropout gets). Plus one logits chunk."""
     tokens = sequences * seq_tokens
-    pairs = sequences * seq_tokens * seq_tokens
-    attention = tokens * b * (5 * a.q_dim + 2 * a.kv_dim) + pairs * b
+    attention = tokens * b * (3 * a.q_dim + 2 * a.kv_dim)
     mlp = (tokens if chunk_tokens is None else min(chunk_tokens, tokens)) * 3 * b * a.intermediate
-    return tokens * 3 * b * a.hidden + pairs + max(attention, mlp) + logits_chunk_bytes
+    return tokens * 3 * b * a.hidden + max(attention, mlp) + logits_chunk_bytes
 
 
 def attention_backward_workspace_per_token(a: Arch, b: int) -> int:
