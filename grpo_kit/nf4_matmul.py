@@ -16,16 +16,16 @@ length: 7 in each of the three calls. The price is one layer's weights in 16 bit
 for Llama-3.1-8B in fp16), which ``grpo_kit.memory.estimate`` counts. Each dequantisation is one Triton launch
 (:mod:`grpo_kit.kernels.nf4_dequant`, bit-equal to bitsandbytes'; its path where the kernel does not apply).
 
-Outside a layer call and without gradient (generation, plain inference) the layer runs bitsandbytes' own
-forward, which multiplies the few rows of a decoding step with the 4-bit weight directly (gemv, or its fused
-small-batch kernels). Inside a layer call the matmul is a plain ``F.linear`` on the cached weight: autograd saves that
-same tensor, which the cache holds until the call ends anyway, and the call's backward runs before it ends.
-(Under an autocast dtype other than the layer's compute dtype autograd would save a cast copy per call instead;
-the kit's runs autocast in the model's own dtype.) Outside one (no kit checkpointing) the weight is never saved
-for backward: an autograd Function dequantises it
-again there, as bitsandbytes does, so autograd never holds a model's worth of 16-bit weights. The arithmetic is bitsandbytes' dequantise-then-multiply path's: W dequantised straight
-into the compute dtype, ``y = F.linear(x, W, b)``, ``dx = dy W``. (bitsandbytes' own forward takes its fused
-4-bit kernel instead for inputs of up to 1,536 rows on some GPUs, which rounds differently.)
+Outside a layer call and without gradient (generation, plain inference) the layer runs bitsandbytes' own forward,
+which multiplies the few rows of a decoding step with the 4-bit weight directly (gemv, or its fused small-batch
+kernels). Inside a layer call the matmul is a plain ``F.linear`` on the cached weight: autograd saves that same
+tensor, which the cache holds until the call ends anyway, and the call's backward runs before it ends. (Under an
+autocast dtype other than the layer's compute dtype autograd would save a cast copy per call instead; the kit's
+runs autocast in the model's own dtype.) Outside one (no kit checkpointing) the weight is never saved for backward:
+an autograd Function dequantises it again there, as bitsandbytes does, so autograd never holds a model's worth of
+16-bit weights. The arithmetic is bitsandbytes' dequantise-then-multiply path's: W dequantised straight into the
+compute dtype, ``y = F.linear(x, W, b)``, ``dx = dy W``. (bitsandbytes' own forward takes its fused 4-bit kernel
+instead for inputs of up to 1,536 rows on some GPUs, which rounds differently.)
 ``use_nf4_matmul(model, "bitsandbytes")`` puts bitsandbytes' own class back (the benchmark compares both).
 """
 
