@@ -45,7 +45,7 @@ import inspect
 import torch
 from trl import GRPOTrainer
 
-from .causal_layout import completion_rows, roll_left_pads
+from .causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
 from .checkpointing import keep_hf_checkpointing_off
 from .generation.trainer_hook import KitGenerationMixin
 from .guards import with_reliability
@@ -169,14 +169,17 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             # Trainer.train() and TRL's generation switch HF's per-layer checkpointing back on; on top of the
             # kit's own recompute, a reentrant one would run every layer's forward once more per micro-batch
             keep_hf_checkpointing_off(self.model)
-        # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask
-        rolled = roll_left_pads(input_ids, attention_mask)
+        # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask.
+        # Flash attention unpads a 2-D mask itself (no T x T tensor), and without one would attend over the pads.
+        rolled = None
+        if getattr(self._causal_lm.config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
+            rolled = roll_left_pads(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
         if rolled is not None:
             input_ids, attention_mask = rolled[0], None
         with _capture_output(self._norm) as box, self.accelerator.autocast():
             model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
         hidden = box[-1]
-        if rolled is not None and bool(rolled[1].any()):
+        if rolled is not None and rolled[2]:
             return completion_rows(hidden, rolled[1], logits_to_keep)
         return hidden[:, -logits_to_keep - 1:-1, :]
 

@@ -398,13 +398,15 @@ def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
 
 
-def test_padded_batches_reach_the_model_without_a_mask(tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padded_batches_reach_the_model_without_a_mask(tmp_path, attention):
     """TRL's left-padded prompts and right-padded completions go in rolled (grpo_kit.causal_layout), so the model
     gets no attention mask and builds no (B, 1, T, T) one; a pad between real tokens keeps the mask."""
     model, tok = load_model("tiny-llama")  # fresh: the module's shared models carry earlier tests' adapters
     trainer = EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path), processing_class=tok,
                                    train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
                                    peft_config=_lora())
+    trainer._causal_lm.config._attn_implementation = attention
     seen = []
     hook = trainer.model.get_base_model().model.register_forward_pre_hook(
         lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
