@@ -275,13 +275,15 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     # TRL scores one generation batch at a time, so no forward holds more of it than that
     S = None if scoring_batch is None else min(int(scoring_batch), gen_rows)
     scoring = S is not None and S > M  # its own phase: larger than the micro-batch's pass
+    scoring_phase = ("scoring",) if scoring else ()
+    step_phases = ("generation", "loss", "backward") + scoring_phase
 
     rows: list[dict] = []
 
     def add(component, where, nbytes, phases, note):
         rows.append(dict(component=component, where=where, bytes=float(nbytes), phases=phases, note=note))
 
-    persistent = ("generation", "loss", "backward") + (("scoring",) if scoring else ())
+    persistent = step_phases
     w = F.weight_bytes(a, b, quantization)
     add("model weights", "GPU", w, persistent,
         f"{n['total'] / 1e9:.2f}e9 params" + (" (layer projections NF4 4.127 bit)" if quantization else f" x {b} B"))
@@ -324,7 +326,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
     if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.nf4_matmul: a layer's weights kept per call
         layer = sum(i * o for _, i, o in a.layer_linears())
-        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + (("scoring",) if scoring else ()),
+        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + scoring_phase,
             f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) dequantised to "
             f"{b} B each, kept for its recompute and backward (grpo_kit.nf4_matmul)")
     elif quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
@@ -356,13 +358,12 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         add("final norm + hidden states (loss)", "GPU", norm + tokens * a.hidden * b + M * C * a.hidden * b,
             ("loss",), "final RMSNorm's fp32 input, the final hidden states and their gradient (computed in the "
             "forward, completion tokens)")
-    if scoring:
-        chunk = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
+    if scoring:  # grpo_kit only: chunk_tokens is resolved above
         rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
-        add("scoring pass (no grad)", "GPU", F.scoring_forward_peak(a, S, T, b, chunk, rows_s * a.vocab * per_elt),
-            ("scoring",), f"{S} sequences per no-grad forward (reference / old-policy log-probs): embeddings, a "
-            f"layer's input and output, its attention or one {chunk}-token MLP slice, and one logits chunk of "
-            f"{rows_s} rows")
+        add("scoring pass (no grad)", "GPU",
+            F.scoring_forward_peak(a, S, T, b, chunk_tokens, rows_s * a.vocab * per_elt), ("scoring",),
+            f"{S} sequences per no-grad forward (reference / old-policy log-probs): embeddings, a layer's input "
+            f"and output, its attention or one {chunk_tokens}-token MLP slice, and one logits chunk of {rows_s} rows")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
     prompts = gen_rows // G
@@ -384,7 +385,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
 
     # peak phase
     phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"])
-                 for ph in ("generation", "loss", "backward") + (("scoring",) if scoring else ())}
+                 for ph in step_phases}
     peak_phase = max(phase_tot, key=lambda k: (phase_tot[k], k == "backward"))
     for r in rows:
         r["in_peak"] = r["where"] == "GPU" and peak_phase in r["phases"] and r["bytes"] > 0
