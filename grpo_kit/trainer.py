@@ -171,16 +171,17 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             keep_hf_checkpointing_off(self.model)
         # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask.
         # Flash attention unpads a 2-D mask itself (no T x T tensor), and without one would attend over the pads.
-        rolled = None
+        lead = None  # each row's leading pads, where the rows were rolled
         if getattr(self._causal_lm.config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
             rolled = roll_left_pads(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
-        if rolled is not None:
-            input_ids, attention_mask = rolled[0], None
+            if rolled is not None:
+                input_ids, lead, moved = rolled
+                attention_mask, lead = None, lead if moved else None
         with _capture_output(self._norm) as box, self.accelerator.autocast():
             model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
         hidden = box[-1]
-        if rolled is not None and rolled[2]:
-            return completion_rows(hidden, rolled[1], logits_to_keep)
+        if lead is not None:
+            return completion_rows(hidden, lead, logits_to_keep)
         return hidden[:, -logits_to_keep - 1:-1, :]
 
     def _head(self):
