@@ -71,7 +71,7 @@ _RANGE_NOTES = {
     "vllm_gpu_memory_utilization": "or null for automatic", "vllm_kv_cache_gib": "or null for automatic",
     "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit",
     "epsilon_high": "or null for the same as epsilon", "loss_chunk_size": "or null for automatic",
-    "scoring_batch_size": "or null for per_device_train_batch_size",
+    "scoring_batch_size": "or 'auto', or null for per_device_train_batch_size",
     "min_p": "0 or null: off",
 }
 
@@ -244,13 +244,15 @@ class GRPOKitConfig:
                                             "offloaded to CPU RAM (grpo_kit.checkpointing).")
     loss_chunk_size: int | None = _f(None, "Rows per logits chunk in the efficient loss (null: chosen from free "
                                     "memory).")
-    scoring_batch_size: int | None = _f(None, "Completions per no-grad forward when the grpo_kit trainer scores a "
-                                        "generation batch (the reference model's log-probs, and TRL's old-policy "
-                                        "pass where it runs; verl's log_prob_micro_batch_size). null: "
-                                        "per_device_train_batch_size, as TRL. Larger means fewer, fuller forwards "
-                                        "(with 4-bit weights, fewer dequantisations) for the activations of that "
-                                        "many sequences, which the VRAM calculator prices as its own phase. Safe "
-                                        "to change on resume.")
+    scoring_batch_size: int | str | None = _f("auto", "Completions per no-grad forward when the grpo_kit trainer "
+                                              "scores a generation batch (the reference model's log-probs, and TRL's "
+                                              "old-policy pass where it runs; verl's log_prob_micro_batch_size). "
+                                              "Larger means fewer, fuller forwards (with 4-bit weights, fewer "
+                                              "dequantisations) for the activations of that many sequences, which "
+                                              "the VRAM calculator prices as its own phase. `auto`: the largest, up "
+                                              "to one generation batch, that does not raise the calculator's peak "
+                                              "of the step (the run folder's summary.json records it); null: "
+                                              "per_device_train_batch_size, as TRL. Safe to change on resume.")
 
     # ---------------------------------------------------------------------------------
     def checkpointing_on(self, device: str) -> bool:
@@ -359,7 +361,7 @@ class GRPOKitConfig:
         out_of_range = set()
         for name in NUMERIC_RANGES:
             value = getattr(self, name)
-            if value is None and kinds[name].endswith("| None"):
+            if (value is None and kinds[name].endswith("| None")) or (value == "auto" and "| str" in kinds[name]):
                 continue
             problem = _numeric_problem(name, value, "int" if kinds[name].startswith("int") else "float")
             if problem:
@@ -429,9 +431,9 @@ class GRPOKitConfig:
              "non-empty module names")
         need(self.load_in_4bit_matmul in NF4_MATMULS, f"load_in_4bit_matmul={self.load_in_4bit_matmul!r} is not "
              f"allowed: one of {list(NF4_MATMULS)}")
-        need(self.scoring_batch_size is None or self.trainer == "grpo_kit",
+        need(self.scoring_batch_size in (None, "auto") or self.trainer == "grpo_kit",
              f"scoring_batch_size={self.scoring_batch_size} needs trainer='grpo_kit' (TRL's GRPOTrainer scores "
-             "with per_device_train_batch_size); leave it null with trainer='trl'")
+             "with per_device_train_batch_size); leave it 'auto' or null with trainer='trl'")
         vllm_only = self.vllm_options_set()
         if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
             need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
@@ -488,6 +490,12 @@ def _coerce(key: str, value, annotation):
         if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
             return None
         return _coerce(key, value, annotation.removesuffix(" | None"))
+    if annotation == "int | str":  # "auto", or an int
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} is not allowed: an integer, 'auto' or null")
+        return _coerce(key, value, "int")
     if annotation == "list | str":  # "auto", or a list
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"

@@ -383,7 +383,8 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
                            args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
                            callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator,
-                           reliable=True)  # NaN/inf and OOM guards, atomic resumable checkpoints
+                           reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
+                           memory_plan=plan.memory)
     from .guards import configure_reliability
 
     configure_reliability(trainer, cfg, run_state_provider=lambda: {
@@ -447,6 +448,9 @@ def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progr
         "accuracy_before": evals.get("before", {}).get("accuracy"),
         "accuracy_after": evals.get("after", {}).get("accuracy"),
         "generation": generation_info,
+        # sequences per no-grad scoring forward as the trainer ran (scoring_batch_size, "auto" resolved; null:
+        # per_device_train_batch_size)
+        "scoring_batch_size": getattr(trainer, "scoring_batch_size", None),
         "quantization": getattr(model, "grpo_kit_quantization", None),
         "run_dir": str(run_dir),
     }

@@ -50,6 +50,7 @@ from .checkpointing import keep_hf_checkpointing_off
 from .generation.trainer_hook import KitGenerationMixin
 from .guards import with_reliability
 from .loss import efficient_grpo_loss, per_token_logps
+from .memory.estimate import scoring_batch_for_config
 from .objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
 from .rewards import checked_reward_func, resolve_reward_func
 
@@ -289,7 +290,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
 
 def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
-                 generator=None, reliable: bool = False):
+                 generator=None, reliable: bool = False, memory_plan: dict | None = None):
     """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
 
     ``reliable``: its class composed with the NaN/OOM guards and the atomic, resumable checkpoints
@@ -302,6 +303,10 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     for a generator other than HF (vLLM: another engine, another dtype); ``HFGenerator``
     samples from the training model itself, so the ratio would be 1 and its extra
     old-policy pass is skipped.
+
+    ``memory_plan``: the CUDA generation memory plan (:func:`grpo_kit.generation.plan.memory_plan`), whose
+    calculator pricing resolves ``scoring_batch_size: auto``; without one the calculator prices the config as it
+    stands (:func:`grpo_kit.memory.scoring_batch_for_config`).
     """
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
     kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
@@ -314,5 +319,6 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
     cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
-    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=cfg.scoring_batch_size,
-               generator=generator)
+    scoring = (memory_plan["scoring_batch_size"] if memory_plan and cfg.scoring_batch_size == "auto"
+               else scoring_batch_for_config(cfg, model.config))
+    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator)

@@ -29,6 +29,7 @@ def test_train_tiny_two_steps_writes_run_folder(tmp_path, repo_root):
             assert math.isfinite(float(row[key])), (key, row)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["metrics_finite"]
+    assert "scoring_batch_size" in summary and summary["scoring_batch_size"] != "auto"  # as resolved for the trainer
     evals = json.loads((out / "eval.json").read_text())
     assert set(evals) == {"before", "after"} and evals["before"]["n"] == 4
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

@@ -158,6 +158,13 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     budget = memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "vllm_kv_cache_gib": 3.0}), mc, share_weights=True,
                          free_bytes=139 * gib, total_bytes=140 * gib)
     assert budget["kv_cache_memory_bytes"] == 3 * gib and budget["kv_source"] == "vllm_kv_cache_gib"
+    # scoring_batch_size 'auto' resolved under this plan's pricing (vLLM's generation phase); a set number is kept
+    from grpo_kit.memory import estimate_for_config
+
+    priced = estimate_for_config(cfg, mc, vllm=True, standby=True, method="grpo_kit", vllm_batched_tokens=4096)
+    assert shared["scoring_batch_size"] == priced.attrs["scoring_batch"] and 1 < shared["scoring_batch_size"] <= 8
+    assert memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "scoring_batch_size": 3}), mc, share_weights=True,
+                       free_bytes=139 * gib, total_bytes=140 * gib)["scoring_batch_size"] == 3
     with pytest.raises(ValueError, match=r"cannot fit beside training on this GPU.*15\.0 of 15\.0 GiB is free.*"
                                          r"kv_cache_dtype=fp8"):
         memory_plan(cfg, mc, share_weights=True, free_bytes=15 * gib, total_bytes=15 * gib)  # a T4 cannot hold it
@@ -284,3 +291,11 @@ def test_scoring_batch_size_is_checked():
     with pytest.raises(ConfigError, match=r"scoring_batch_size=4 needs trainer='grpo_kit'"):
         GRPOKitConfig(scoring_batch_size=4, trainer="trl").validate()
     GRPOKitConfig(scoring_batch_size=4).validate()
+    assert GRPOKitConfig().scoring_batch_size == "auto"  # the calculator's choice, also with TRL's trainer (none)
+    GRPOKitConfig(trainer="trl").validate()
+    for raw, want in (("8", 8), ("auto", "auto"), ("AUTO", "auto"), ("null", None)):
+        assert GRPOKitConfig().apply_overrides([f"scoring_batch_size={raw}"]).scoring_batch_size == want
+    with pytest.raises(ConfigError, match=r"scoring_batch_size='most' is not allowed: an integer, 'auto' or null"):
+        GRPOKitConfig().apply_overrides(["scoring_batch_size=most"])
+    with pytest.raises(ConfigError, match=r"scoring_batch_size=2\.5 must be an integer at least 1 \(or 'auto'"):
+        GRPOKitConfig().apply_overrides(["scoring_batch_size=2.5"])

@@ -409,6 +409,57 @@ def test_validation_script_on_a_small_results_file(tmp_path):
     assert "2/3 steps within" in text and "target NOT met" in text  # 9.9 GiB is far off the estimate
 
 
+@pytest.mark.parametrize("model,completion,quant,gen,dtype", [
+    ("llama-3.1-8b", 1024, "4bit", True, "fp16"), ("llama-3.1-8b", 1024, "4bit", False, "fp16"),
+    ("llama-3.1-8b", 20480, "4bit", True, "fp16"), ("llama-3.1-8b", 4096, None, False, "bf16"),
+    ("qwen2.5-1.5b", 1024, None, True, "bf16"), ("qwen2.5-1.5b", 30000, None, False, "bf16")])
+def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion, quant, gen, dtype):
+    """``scoring_batch='auto'``: of every scoring batch from the micro-batch up to one generation batch, the
+    largest whose ``scoring`` phase stays within the step's other phases (a scan, against the bisection); the
+    table is the estimate at that batch, so the peak is the one without a scoring batch."""
+    kw = dict(num_generations=8, prompt_length=512, completion_length=completion, dtype=dtype, lora_rank=16,
+              quantization=quant, micro_batch_size=1, generation_batch=16, vllm=False, include_generation=gen)
+    auto = estimate(model, scoring_batch="auto", **kw)
+    fits = [s for s in range(2, 17) if (ph := estimate(model, scoring_batch=s, **kw).attrs["phase_bytes"])["scoring"]
+            <= max(v for k, v in ph.items() if k != "scoring")]
+    want = max(fits) if fits else None
+    assert auto.attrs["scoring_batch"] == want and auto.attrs["scoring_batch_auto"] is True
+    plain = estimate(model, **kw)
+    assert total_gpu_bytes(auto) == pytest.approx(total_gpu_bytes(plain), rel=1e-12)  # the peak is untouched
+    if want is not None:
+        assert auto.attrs["phase_bytes"] == estimate(model, scoring_batch=want, **kw).attrs["phase_bytes"]
+    if want is not None and want < 16:  # one more sequence would have raised the peak
+        ph = estimate(model, scoring_batch=want + 1, **kw).attrs["phase_bytes"]
+        assert ph["scoring"] > max(v for k, v in ph.items() if k != "scoring")
+
+
+def test_auto_scoring_batch_outside_the_kit_and_at_a_full_micro_batch():
+    kw = dict(num_generations=8, prompt_length=512, completion_length=1024, dtype="bf16", lora_rank=16, vllm=False)
+    for method in ("trl", "unsloth"):  # they score by micro-batch: no choice to make
+        assert estimate("llama-3.1-8b", method=method, micro_batch_size=1, scoring_batch="auto",
+                        **kw).attrs["scoring_batch"] is None
+    # a micro-batch of the whole generation batch already scores it in one forward
+    assert estimate("llama-3.1-8b", micro_batch_size=8, scoring_batch="auto", **kw).attrs["scoring_batch"] is None
+    with pytest.raises(ValueError, match="scoring_batch must be None, 'auto' or an integer >= 1, got 'max'"):
+        estimate("llama-3.1-8b", scoring_batch="max", **kw)
+
+
+def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.memory import estimate_for_config, scoring_batch_for_config
+
+    cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=1024, per_device_train_batch_size=1,
+                        gradient_accumulation_steps=8, load_in_4bit=True, dtype="fp16")
+    assert scoring_batch_for_config(cfg) == estimate_for_config(cfg).attrs["scoring_batch"] == 8
+    for set_to in (None, 3):
+        assert scoring_batch_for_config(GRPOKitConfig(**{**cfg.to_dict(), "scoring_batch_size": set_to})) == set_to
+    assert scoring_batch_for_config(GRPOKitConfig(**{**cfg.to_dict(), "trainer": "trl", "load_in_4bit": False})) is None
+    from transformers import GPT2Config
+
+    with pytest.warns(UserWarning, match="cannot price this model.*GPT2Config lacks"):  # scores as TRL does
+        assert scoring_batch_for_config(cfg, GPT2Config()) is None
+
+
 def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
     """The reference pass at the micro-batch is smaller than training and not counted; scoring more sequences per
     forward adds a ``scoring`` phase: the persistent rows, one layer's dequantised 4-bit weights and the pass's own

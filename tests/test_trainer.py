@@ -369,6 +369,28 @@ def test_hf_checkpointing_stays_off_under_the_kits_own_during_train(tmp_path, re
     assert trainer.args.gradient_checkpointing  # TRL's own flag is untouched; only the layers' is kept off
 
 
+def test_make_trainer_resolves_an_auto_scoring_batch_size(tmp_path):
+    """``scoring_batch_size: auto`` reaches the trainer as the calculator's number: the generation memory plan's
+    where there is one (vLLM on CUDA prices its own generation phase), else the config's estimate on the model's
+    own config."""
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.memory import scoring_batch_for_config
+    from grpo_kit.trainer import make_trainer
+
+    model, tok = load_model("tiny-llama")
+    cfg = GRPOKitConfig(model="tiny-llama", device="cpu", per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                        num_generations=4).validate()
+    kw = dict(model=model, tokenizer=tok, reward_funcs=[_reward], args=_args(tmp_path),
+              train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)), peft_config=_lora())
+    # the tiny model's scoring logits chunk (S x C rows of a 49,152-token vocabulary) outgrows its whole training step at
+    # any S above the micro-batch, so the calculator keeps TRL's chunking (the rule's own tests: test_memory.py)
+    assert scoring_batch_for_config(cfg, model.config) is None
+    assert make_trainer(cfg, **kw).scoring_batch_size is None
+    assert make_trainer(cfg, **kw, memory_plan={"scoring_batch_size": 3}).scoring_batch_size == 3
+    cfg.scoring_batch_size = 5  # a number the user set wins over any plan
+    assert make_trainer(cfg, **kw, memory_plan={"scoring_batch_size": 3}).scoring_batch_size == 5
+
+
 def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
     """``scoring_batch_size`` chunks TRL's no-grad scoring passes (called with TRL's per-device batch size) into
     that many sequences per forward, the last chunk shorter; the log-probs are those of one sequence at a time.

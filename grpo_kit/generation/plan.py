@@ -145,7 +145,9 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
             "generation_rows": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
             "calculator_phases_gib": {k: gib(v) for k, v in phases.items()}, "calculator_peak_gib": gib(need),
             "weights_gib": gib(weights), "engine_weight_copy_gib": gib(copy), "free_gib": gib(free_bytes),
-            "device_total_gib": gib(total_bytes)}
+            "device_total_gib": gib(total_bytes),
+            # scoring_batch_size as this estimate resolved it (``auto``: priced with vLLM's generation phase)
+            "scoring_batch_size": df.attrs["scoring_batch"]}
     if need + HEADROOM_BYTES > free_bytes:
         raise ValueError(
             f"vLLM generation cannot fit beside training on this GPU: the VRAM calculator puts the step at "

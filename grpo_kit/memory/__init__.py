@@ -10,7 +10,7 @@
 """
 
 from grpo_kit.memory.estimate import (METHODS, compare, estimate, estimate_for_config, published_table, resolve_arch,
-                                      total_gpu_bytes)
+                                      scoring_batch_for_config, total_gpu_bytes)
 from grpo_kit.memory.profiler import Profiler, ProfileResult, phase, profile
 
 
@@ -35,5 +35,5 @@ def plot_vs_context(*args, **kwargs):
     return _f(*args, **kwargs)
 
 
-__all__ = ["METHODS", "estimate", "estimate_for_config", "compare", "published_table", "resolve_arch", "total_gpu_bytes", "Profiler",
+__all__ = ["METHODS", "estimate", "estimate_for_config", "scoring_batch_for_config", "compare", "published_table", "resolve_arch", "total_gpu_bytes", "Profiler",
            "ProfileResult", "phase", "profile", "cli_main", "plot_components", "plot_vs_context"]

@@ -28,6 +28,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 
 import pandas as pd
 
@@ -35,6 +36,7 @@ from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, GiB, Arch
 
 METHODS = ("trl", "unsloth", "grpo_kit")
+AUTO = "auto"  # scoring_batch / scoring_batch_size: chosen by the calculator (auto_scoring_batch)
 QUANTIZATIONS = (None, "4bit")
 
 # Unsloth's published table (blog "Long-context GRPO", 20 Feb 2025): Llama 3.1 8B, 20K context,
@@ -187,7 +189,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
-             scoring_batch: int | None = None) -> pd.DataFrame:
+             scoring_batch: int | str | None = None) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -228,7 +230,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
             reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
             at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
-            ``scoring`` phase (priced sliced, as with LoRA dropout off).
+            ``scoring`` phase (priced sliced, as with LoRA dropout off). ``"auto"``: the largest that does not
+            raise the step's peak (:func:`auto_scoring_batch`); None for the other methods, which score by micro-batch.
 
     Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
     ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
@@ -241,6 +244,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         ``grpo_kit``: Unsloth's column, the figure to beat), NaN otherwise. ``df.attrs`` holds the
         inputs, the peak phase and the per-phase GPU totals (bytes).
     """
+    if scoring_batch == AUTO:
+        args = {k: v for k, v in locals().items() if k not in ("model", "scoring_batch")}
+        return auto_scoring_batch(model, **args)
     _check(num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
            kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch, generation_batch, standby,
            kv_cache_bytes)
@@ -257,6 +263,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     if loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
     if scoring_batch is not None:
+        if isinstance(scoring_batch, str):
+            raise ValueError(f"scoring_batch must be None, {AUTO!r} or an integer >= 1, got {scoring_batch!r}")
         _int_at_least("scoring_batch", scoring_batch, 1)
         if method != "grpo_kit":
             raise ValueError(f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
@@ -434,11 +442,47 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     return df
 
 
+def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
+    """:func:`estimate` (same arguments, ``scoring_batch`` aside) with the largest ``scoring_batch`` whose
+    ``scoring`` phase stays within the largest of the step's other phases: fuller no-grad forwards (with 4-bit
+    weights, fewer dequantisations) at no cost to the peak. The scoring phase grows with the batch, so a
+    bisection between one micro-batch and one generation batch finds it. Where none fits, or the method is not
+    ``grpo_kit`` (TRL and Unsloth score by micro-batch), the estimate without one (``scoring_batch=None``).
+    ``df.attrs["scoring_batch"]`` holds the choice and ``df.attrs["scoring_batch_auto"]`` is True."""
+    base = estimate(model, **kwargs, scoring_batch=None)
+    best, low, high = base, base.attrs["micro_batch_size"] + 1, base.attrs["generation_batch"]
+    while kwargs.get("method", "grpo_kit") == "grpo_kit" and low <= high:
+        mid = (low + high) // 2
+        df = estimate(model, **kwargs, scoring_batch=mid)
+        phases = df.attrs["phase_bytes"]
+        if phases["scoring"] <= max(v for k, v in phases.items() if k != "scoring"):
+            best, low = df, mid + 1
+        else:
+            high = mid - 1
+    best.attrs["scoring_batch_auto"] = True
+    return best
+
+
 def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
     """:func:`estimate` for a ``GRPOKitConfig``: its generations, prompt/completion lengths, dtype,
     LoRA rank, trainer (``trl`` or ``grpo_kit`` method), backend and micro-batch. ``model``: a
     config or name (default ``cfg.model``); ``overrides`` replace any of the derived arguments."""
     return estimate(model if model is not None else cfg.model, **config_estimate_kwargs(cfg, **overrides))
+
+
+def scoring_batch_for_config(cfg, model=None, **overrides) -> int | None:
+    """``cfg.scoring_batch_size`` as the trainer takes it: the number or null as set, or for ``auto`` the
+    calculator's choice for the config's step (:func:`auto_scoring_batch`; ``overrides`` as in
+    :func:`estimate_for_config`, e.g. the generation plan's pricing). None with ``trainer='trl'``, and (with a
+    warning) for an architecture the calculator cannot price."""
+    if cfg.scoring_batch_size != AUTO:
+        return cfg.scoring_batch_size
+    try:
+        return estimate_for_config(cfg, model, **overrides).attrs["scoring_batch"]
+    except ValueError as e:  # an architecture resolve_arch does not know: score as TRL does
+        warnings.warn(f"scoring_batch_size='auto': the VRAM calculator cannot price this model ({e}); scoring "
+                      "per_device_train_batch_size sequences per forward", stacklevel=2)
+        return None
 
 
 def config_estimate_kwargs(cfg, **overrides) -> dict:
@@ -451,7 +495,7 @@ def config_estimate_kwargs(cfg, **overrides) -> dict:
               kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
               micro_batch_size=cfg.per_device_train_batch_size,
               generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
-              scoring_batch=cfg.scoring_batch_size)
+              scoring_batch=None if cfg.trainer == "trl" else cfg.scoring_batch_size)
     kw.update(overrides)
     return kw
 
