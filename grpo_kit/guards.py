@@ -375,7 +375,8 @@ class GuardedTrainerMixin:
         settings = [first, "per_device_train_batch_size (smaller, a multiple of num_generations, with more "
                     "gradient_accumulation_steps)", "max_completion_length", "gradient_checkpointing=true"]
         if getattr(self, "scoring_batch_size", None):  # the no-grad scoring pass may be what ran out
-            settings.insert(1, f"scoring_batch_size (now {self.scoring_batch_size}; null scores "
+            chosen = ", chosen by 'auto'" if getattr(cfg, "scoring_batch_size", None) == "auto" else ""
+            settings.insert(1, f"scoring_batch_size (now {self.scoring_batch_size}{chosen}; null scores "
                                "per_device_train_batch_size sequences per forward)")
         advice = self.oom_advice() if callable(self.oom_advice) else (
             vram_estimate_text(cfg) if cfg is not None else "no VRAM estimate (no kit config)")

@@ -276,8 +276,9 @@ def test_an_oom_stop_names_a_scoring_batch_size_that_is_set(tiny, tmp_path):
     from grpo_kit.resume_policy import SAFE_RESUME_OVERRIDES
 
     t = _make(tiny, tmp_path, trainer="grpo_kit", max_steps=2)
-    t.scoring_batch_size = 4
+    t.scoring_batch_size = 4  # as the config's default, 'auto', could resolve
     t._compute_loss = _OOMOnce(t, step=2, times=2)
-    with pytest.raises(OutOfMemoryStop, match=r"scoring_batch_size \(now 4; null scores per_device_train_batch_size"):
+    with pytest.raises(OutOfMemoryStop, match=r"scoring_batch_size \(now 4, chosen by 'auto'; null scores "
+                                              r"per_device_train_batch_size"):
         t.train()
     assert "scoring_batch_size" in SAFE_RESUME_OVERRIDES
