@@ -34,7 +34,10 @@
 # at 8K); the training step alone was measured on an H200 under a 15 GiB cap at 7.95 GiB for 8 x 4.6K tokens and
 # 10.77 GiB for 8 x 21K, and the generation phase at 8,192 tokens (its KV cache at full size, then decoding) at
 # 14.06 GiB allocated, 14.95 reserved (`bench/results/qlora_h200.md`): it fits, with no room to spare. The preset
-# itself has not run on a T4.
+# itself has not run on a T4. The reference pass scores all 8 completions per forward there
+# (`scoring_batch_size: auto`: the calculator's 9.68 GiB at 8K, under the generation phase), which matters most in
+# 4-bit, where each forward dequantises every weight: at 1K on an H100 the 4-bit step took 1.13x the 16-bit step's
+# time so, against 1.44x scoring one completion at a time.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
