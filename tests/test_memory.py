@@ -76,18 +76,19 @@ def test_param_count_matches_a_meta_model(name):
     assert F.param_counts(resolve_arch(name))["total"] == sum(p.numel() for p in m.parameters())
 
 
-def _autograd_saved_bytes_per_token(name, dtype, lora_rank):
+def _autograd_saved_bytes_per_token(name, dtype, lora_rank, lora_dropout=0.0):
     """Bytes of the distinct activation storages one decoder layer's forward saves for backward
-    (parameters and the layer input excluded), per token."""
+    (parameters and the layer input excluded), per token; the layer in training mode."""
     cfg = model_config(name)
     cfg._attn_implementation = "sdpa"
     m = build_random_model(cfg, dtype=dtype)
     if lora_rank:
         import peft
 
-        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_rank, lora_dropout=0.0, target_modules=[
+        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_rank, lora_dropout=lora_dropout, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
         m = m.get_base_model()
+    m.train()
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
     B, T = 3, 40
     x = torch.randn(B, T, cfg.hidden_size, dtype=dtype, requires_grad=True)
@@ -111,6 +112,17 @@ def _autograd_saved_bytes_per_token(name, dtype, lora_rank):
 def test_layer_saved_bytes_match_autograd(name, dtype, b, lora_rank):
     attn, mlp = F.layer_saved_bytes_per_token(resolve_arch(name), b, lora_rank)
     assert attn + mlp == _autograd_saved_bytes_per_token(name, dtype, lora_rank)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("dtype,b", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_layer_saved_bytes_with_lora_dropout_match_autograd(name, dtype, b):
+    """LoRA dropout: each adapted linear saves its own dropped fp32 input and the dropout its mask. On the CPU the
+    mask is the fp32 noise (4 B per element); CUDA's fused dropout keeps a bool mask, the calculator's default."""
+    attn, mlp = F.layer_saved_bytes_per_token(resolve_arch(name), b, 8, lora_dropout=True, mask_bytes=4)
+    assert attn + mlp == _autograd_saved_bytes_per_token(name, dtype, 8, lora_dropout=0.1)
+    cuda = sum(F.layer_saved_bytes_per_token(resolve_arch(name), b, 8, lora_dropout=True))
+    assert cuda < attn + mlp and F.DROPOUT_MASK_BYTES == 1
 
 
 @pytest.mark.parametrize("inter", [160, 1536, 8960, 14336, 18944, 100_000])
@@ -259,6 +271,7 @@ def test_bad_input_raises_one_clear_error(kwargs, match):
     (["--model", LLAMA, "--context", "100", "--quantization", "4bit"], "needs --lora-rank"),
     (["--model", LLAMA, "--context", "100", "--method", "peft"], "invalid choice"),
     (["--model", LLAMA, "--context", "100", "--standby", "--no-vllm"], "--standby describes a vLLM engine"),
+    (["--model", LLAMA, "--context", "100", "--lora-dropout"], "--lora-dropout needs --lora-rank"),
 ])
 def test_cli_bad_input(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
@@ -458,6 +471,37 @@ def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
 
     with pytest.warns(UserWarning, match="cannot price this model.*GPT2Config lacks"):  # scores as TRL does
         assert scoring_batch_for_config(cfg, GPT2Config()) is None
+
+
+def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
+    """With LoRA dropout the kit's checkpointing recomputes each layer whole and scores unsliced (the random masks
+    cannot be split): its backward is the whole-layer recompute with the dropout's tensors, its scoring pass holds a
+    whole MLP, and the config's lora_dropout reaches the estimate."""
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.memory import estimate_for_config
+
+    a = resolve_arch("llama-3.1-8b")
+    kw = dict(num_generations=8, prompt_length=512, completion_length=4096, dtype="bf16", lora_rank=16,
+              micro_batch_size=1, vllm=False, include_generation=False, scoring_batch=8)
+    plain, drop = estimate("llama-3.1-8b", **kw), estimate("llama-3.1-8b", lora_dropout=True, **kw)
+    rows = lambda df: df.set_index("component")["GB"] * F.GB  # noqa: E731
+    T = 4608
+    assert rows(drop)["recompute peak of one layer"] == pytest.approx(
+        F.full_recompute_peak(a, T, 2, 16, 1, lora_dropout=True), rel=1e-12)
+    assert rows(plain)["recompute peak of one layer"] < rows(drop)["recompute peak of one layer"]
+    attention = 8 * T * 2 * (3 * a.q_dim + 2 * a.kv_dim)  # the whole MLP instead of one slice, where larger
+    whole, one_slice = (max(attention, n * 3 * 2 * a.intermediate) for n in (8 * T, F.auto_chunk_tokens(a)))
+    assert rows(drop)["scoring pass (no grad)"] - rows(plain)["scoring pass (no grad)"] == pytest.approx(
+        whole - one_slice, rel=1e-9) and whole > one_slice
+    assert drop.attrs["lora_dropout"] is True
+    cfg = GRPOKitConfig(model="llama-3.1-8b", lora_dropout=0.05)
+    assert estimate_for_config(cfg).attrs["lora_dropout"] is True
+    assert estimate_for_config(GRPOKitConfig(model="llama-3.1-8b")).attrs["lora_dropout"] is False
+    argv = ["--model", "llama-3.1-8b", "--context", str(T), "--prompt-length", "512", "--lora-rank", "16",
+            "--micro-batch", "1", "--method", "grpo_kit", "--training-only"]
+    assert cli_main(argv + ["--lora-dropout"]) == 0 and "masks cannot be split" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="lora_dropout=True needs lora_rank"):
+        estimate("llama-3.1-8b", **{**kw, "lora_rank": None, "scoring_batch": None}, lora_dropout=True)
 
 
 def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "as in Unsloth's published table)")
     p.add_argument("--lora-rank", type=_positive_int, default=None, help="LoRA rank on all linear layers "
                    "(default: full fine-tuning)")
+    p.add_argument("--lora-dropout", action="store_true", help="LoRA dropout above 0 (needs --lora-rank): every "
+                   "adapter saves its own dropped input and a mask, and grpo_kit recomputes each layer whole")
     p.add_argument("--method", choices=[*METHODS, "all"], default="all")
     p.add_argument("--dtype", choices=list(F.DTYPE_BYTES), default="bf16")
     p.add_argument("--quantization", choices=["4bit"], default=None, help="NF4 weights (needs --lora-rank)")
@@ -105,6 +107,8 @@ def cli_main(argv: list[str]) -> int:
         parser.error("--standby describes a vLLM engine; it cannot go with --no-vllm")
     if args.quantization and args.lora_rank is None:
         parser.error("--quantization 4bit needs --lora-rank (4-bit weights are frozen; only LoRA trains)")
+    if args.lora_dropout and args.lora_rank is None:
+        parser.error("--lora-dropout needs --lora-rank (LoRA dropout acts on the adapters)")
     try:
         arch = resolve_arch(args.model)
     except ValueError as e:
@@ -112,7 +116,8 @@ def cli_main(argv: list[str]) -> int:
     kw = dict(num_generations=args.generations, prompt_length=args.prompt_length,
               completion_length=args.context - args.prompt_length, dtype=args.dtype, lora_rank=args.lora_rank,
               quantization=args.quantization, vllm=not args.no_vllm, kv_cache_dtype=args.kv_cache_dtype,
-              micro_batch_size=args.micro_batch, include_generation=not args.training_only, standby=args.standby)
+              micro_batch_size=args.micro_batch, include_generation=not args.training_only, standby=args.standby,
+              lora_dropout=args.lora_dropout)
     methods = list(METHODS) if args.method == "all" else [args.method]
     try:
         tables = {m: estimate(arch, method=m, **kw) for m in methods}

@@ -189,7 +189,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
-             scoring_batch: int | str | None = None) -> pd.DataFrame:
+             scoring_batch: int | str | None = None, lora_dropout: bool = False) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -232,6 +232,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
             ``scoring`` phase (priced sliced, as with LoRA dropout off). ``"auto"``: the largest that does not
             raise the step's peak (:func:`auto_scoring_batch`); None for the other methods, which score by micro-batch.
+        lora_dropout: LoRA dropout above 0 (needs ``lora_rank``): every adapted linear saves its own dropped input
+            and a mask (:func:`formulas.layer_saved_terms`), and grpo_kit's checkpointing runs such layers whole,
+            in the recompute and in no-grad passes (their random masks cannot be split into slices).
 
     Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
     ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
@@ -251,7 +254,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
            kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch, generation_batch, standby,
            kv_cache_bytes)
     _int_at_least("vllm_batched_tokens", vllm_batched_tokens, 1)
-    for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32)):
+    for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32),
+                      ("lora_dropout", lora_dropout)):
         if not isinstance(val, bool):
             raise ValueError(f"{name} must be a bool, got {val!r}")
     if offload is not None and not isinstance(offload, bool):
@@ -262,6 +266,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
     if loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
+    if lora_dropout and lora_rank is None:
+        raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
     if scoring_batch is not None:
         if isinstance(scoring_batch, str):
             raise ValueError(f"scoring_batch must be None, {AUTO!r} or an integer >= 1, got {scoring_batch!r}")
@@ -325,12 +331,15 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     extra_in = 1 if (method == "grpo_kit" and offload and prefetch and a.layers > 1) else 0
     if method == "grpo_kit":
         chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
+    if method == "grpo_kit" and not lora_dropout:
         rec = F.chunked_recompute_peak(a, tokens, b, lora_rank, extra_in, chunk_tokens)
         rec_note = (f"chunked recompute ({chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
                     + (", next layer's input prefetched" if extra_in else ""))
     else:
-        rec = F.full_recompute_peak(a, tokens, b, lora_rank, extra_in)
-        rec_note = "whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
+        rec = F.full_recompute_peak(a, tokens, b, lora_rank, extra_in, lora_dropout)
+        rec_note = ("whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
+                    + (" (LoRA dropout: its masks cannot be split into slices)" if method == "grpo_kit" else "")
+                    + (", dropout masks and each adapter's own dropped input" if lora_dropout else ""))
     add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
     if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.nf4_matmul: a layer's weights kept per call
         layer = sum(i * o for _, i, o in a.layer_linears())
@@ -368,10 +377,13 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             "forward, completion tokens)")
     if scoring:  # grpo_kit only: chunk_tokens is resolved above
         rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
+        slice_tokens = None if lora_dropout else chunk_tokens  # dropout: each layer runs whole
         add("scoring pass (no grad)", "GPU",
-            F.scoring_forward_peak(a, S, T, b, chunk_tokens, rows_s * a.vocab * per_elt), ("scoring",),
+            F.scoring_forward_peak(a, S, T, b, slice_tokens, rows_s * a.vocab * per_elt), ("scoring",),
             f"{S} sequences per no-grad forward (reference / old-policy log-probs): embeddings, a layer's input "
-            f"and output, its attention or one {chunk_tokens}-token MLP slice, and one logits chunk of {rows_s} rows")
+            f"and output, its attention or " + (f"one {chunk_tokens}-token MLP slice" if slice_tokens else
+                                                 "its whole MLP (LoRA dropout: unsliced)")
+            + f", and one logits chunk of {rows_s} rows")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
     prompts = gen_rows // G
@@ -435,7 +447,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
-                         generation_batch=gen_rows, standby=standby, scoring_batch=S,
+                         generation_batch=gen_rows, standby=standby, scoring_batch=S, lora_dropout=lora_dropout,
                          offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
@@ -495,7 +507,8 @@ def config_estimate_kwargs(cfg, **overrides) -> dict:
               kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
               micro_batch_size=cfg.per_device_train_batch_size,
               generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
-              scoring_batch=None if cfg.trainer == "trl" else cfg.scoring_batch_size)
+              scoring_batch=None if cfg.trainer == "trl" else cfg.scoring_batch_size,
+              lora_dropout=bool(cfg.use_lora and cfg.lora_dropout))
     kw.update(overrides)
     return kw
 

@@ -137,7 +137,13 @@ def final_norm_bytes(a: Arch, tokens: int, b: int, trainable_base: bool) -> int:
     return tokens * per_tok
 
 
-def layer_saved_terms(a: Arch, b: int, lora: bool) -> dict[str, dict[str, int]]:
+# Bytes per element of the mask a training dropout saves on CUDA (the fused native_dropout keeps a bool mask; the CPU
+# path keeps the noise in the input's dtype instead).
+DROPOUT_MASK_BYTES = 1
+
+
+def layer_saved_terms(a: Arch, b: int, lora: bool, lora_dropout: bool = False,
+                      mask_bytes: int = DROPOUT_MASK_BYTES) -> dict[str, dict[str, int]]:
     """Bytes per token that autograd saves inside ONE decoder layer's forward, by tensor.
 
     Returns ``{"attn": {...}, "mlp": {...}}``: the input-norm / q,k,v / attention part and the
@@ -160,6 +166,9 @@ def layer_saved_terms(a: Arch, b: int, lora: bool) -> dict[str, dict[str, int]]:
       adapted linear casts its input to fp32 for lora_A (f * in, new32; with b = 4 the shared
       input is saved once) and lora_B saves lora_A's output (4r). The down projection's input is
       therefore saved in fp32 (4I) and the bf16 product is not.
+    * LoRA dropout (``lora_dropout``, p > 0 in training): each adapted linear's fp32 input goes through its own
+      dropout, so lora_A saves that linear's own dropped copy (no sharing, even at b = 4) and the dropout saves
+      its mask (``mask_bytes`` per element: q, k, v and gate, up of width h, o of width q, down of width I).
     """
     h, q, kv, I = a.hidden, a.q_dim, a.kv_dim, a.intermediate
     new32 = b != FP32
@@ -176,17 +185,22 @@ def layer_saved_terms(a: Arch, b: int, lora: bool) -> dict[str, dict[str, int]]:
         mlp["post_norm normalised + output"] = 2 * b * h
         mlp["down_proj input"] = b * I
         return {"attn": attn, "mlp": mlp}
-    attn["lora q, k, v fp32 inputs"] = 3 * FP32 * h if new32 else b * h
-    mlp["lora o fp32 input"] = FP32 * q if new32 else 0  # b = 4: the SDPA output itself
-    mlp["lora gate, up fp32 inputs"] = 2 * FP32 * h if new32 else b * h
+    own = new32 or lora_dropout  # each adapted linear saves an input of its own
+    attn["lora q, k, v fp32 inputs"] = 3 * FP32 * h if own else b * h
+    mlp["lora o fp32 input"] = FP32 * q if own else 0  # b = 4: the SDPA output itself
+    mlp["lora gate, up fp32 inputs"] = 2 * FP32 * h if own else b * h
     mlp["lora down fp32 input"] = FP32 * I
+    if lora_dropout:
+        attn["lora q, k, v dropout masks"] = 3 * mask_bytes * h
+        mlp["lora o, gate, up, down dropout masks"] = mask_bytes * (q + 2 * h + I)
     return {"attn": attn, "mlp": mlp}
 
 
-def layer_saved_bytes_per_token(a: Arch, b: int, lora_rank: int | None) -> tuple[int, int]:
+def layer_saved_bytes_per_token(a: Arch, b: int, lora_rank: int | None, lora_dropout: bool = False,
+                                mask_bytes: int = DROPOUT_MASK_BYTES) -> tuple[int, int]:
     """(attention part, MLP part) of :func:`layer_saved_terms`, including the LoRA A outputs
     (4r bytes per adapted linear: 3 in the attention part, 4 in the MLP part)."""
-    terms = layer_saved_terms(a, b, lora_rank is not None)
+    terms = layer_saved_terms(a, b, lora_rank is not None, lora_dropout and lora_rank is not None, mask_bytes)
     attn, mlp = sum(terms["attn"].values()), sum(terms["mlp"].values())
     if lora_rank is not None:
         attn += 3 * FP32 * lora_rank
@@ -202,12 +216,14 @@ def mlp_backward_transient_per_token(a: Arch, b: int, lora: bool) -> int:
     return 3 * b * I + (FP32 * I if lora else 0)
 
 
-def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int) -> int:
-    """One layer's backward under standard (HF / Unsloth) checkpointing: the whole layer is
-    recomputed with grad, so all of :func:`layer_saved_bytes_per_token` exists at once, plus the
-    MLP-backward gradients, plus the incoming and outgoing hidden-state gradients (2 b*h), plus
-    ``brought_back`` layer inputs (b*h each) copied back from the CPU by offloading."""
-    attn, mlp = layer_saved_bytes_per_token(a, b, lora_rank)
+def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
+                        lora_dropout: bool = False) -> int:
+    """One layer's backward under standard (HF / Unsloth) checkpointing, or grpo_kit's with LoRA dropout (its
+    random masks cannot be split into slices): the whole layer is recomputed with grad, so all of
+    :func:`layer_saved_bytes_per_token` exists at once, plus the MLP-backward gradients, plus the incoming and
+    outgoing hidden-state gradients (2 b*h), plus ``brought_back`` layer inputs (b*h each) copied back from the
+    CPU by offloading."""
+    attn, mlp = layer_saved_bytes_per_token(a, b, lora_rank, lora_dropout)
     per_tok = attn + mlp + mlp_backward_transient_per_token(a, b, lora_rank is not None) + 2 * b * a.hidden
     return tokens * (per_tok + brought_back * b * a.hidden)
 
