@@ -416,10 +416,13 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
         x_c = x[:, s].detach().requires_grad_(need_gx)
         with torch.enable_grad():
             qc, kc, vc = _qkv_chunk(layer, x_c, cos[:, s], sin[:, s], rotary)
-        torch.autograd.backward([qc, kc, vc], [gq[:, s], gk[:, s], gv[:, s]])
+        # a projection with nothing to train (LoRA on some of q/k/v only) under a frozen input has no graph
+        pairs = [(t, g[:, s]) for t, g in ((qc, gq), (kc, gk), (vc, gv)) if t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if need_gx:
             gx[:, s] += x_c.grad
-        del x_c, qc, kc, vc
+        del x_c, qc, kc, vc, pairs
     return gx
 
 

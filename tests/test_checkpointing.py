@@ -44,10 +44,13 @@ def _tiny(name: str, layers: int = 3, dtype=torch.float32):
     return build_random_model(cfg, dtype=dtype, seed=0)
 
 
-def _lora(model, dropout=0.0):
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _lora(model, dropout=0.0, targets=ALL_LINEARS):
     torch.manual_seed(1)
     conf = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                           target_modules=list(targets))
     return peft.get_peft_model(model, conf)
 
 
@@ -139,6 +142,17 @@ def test_gradients_other_options(kw):
     model = _lora(_tiny("tiny-llama"))
     batches = _batches()
     _assert_close(_grads(model, "none", batches), _grads(model, "ours", batches, **kw), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["k_proj"], ["o_proj"], ["gate_proj", "down_proj"]])
+def test_lora_on_some_linears_only(targets):
+    """LoRA on part of the layer: in the first layer (frozen embeddings, no input gradient) the projections without
+    an adapter have no graph; the recompute leaves them out instead of failing ("does not require grad")."""
+    model = _lora(_tiny("tiny-llama"), targets=targets)
+    batches = _batches()
+    ours = _grads(model, "ours", batches, **OURS)
+    _assert_close(_grads(model, "none", batches), ours, TOL[torch.float32])
+    assert {n.split(".")[-4] for n in ours} == set(targets)  # ...q_proj.lora_A.default.weight
 
 
 def test_lora_dropout_recomputes_with_same_masks():
