@@ -212,7 +212,8 @@ def kit_row(name: str, a) -> dict:
     times = StepTimes(totals)
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
-                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS),
+                           memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
     trainer.train()
     peak = mem.stop()
@@ -226,7 +227,7 @@ def kit_row(name: str, a) -> dict:
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
-               completion_tokens=GENERATIONS * C)
+               completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size)
     gen.close()
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import re
@@ -471,6 +472,85 @@ def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
 
     with pytest.warns(UserWarning, match="cannot price this model.*GPT2Config lacks"):  # scores as TRL does
         assert scoring_batch_for_config(cfg, GPT2Config()) is None
+
+
+def _no_grad_mlp_peak_per_token(dtype, dropout, adapters, h=128, inter=2048, tokens=2048):
+    """Peak bytes of live tensors during one no-grad LlamaMLP forward under PEFT LoRA (fp32 adapters on all three
+    projections), from the profiler's memory timeline, per token; the input and the weights excluded."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    import peft
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=inter))
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    torch.manual_seed(0)
+    m = peft.get_peft_model(Wrap().to(dtype), peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout,
+                                                                target_modules=["gate_proj", "up_proj", "down_proj"]))
+    for name, prm in m.named_parameters():
+        if "lora_" in name:
+            prm.data = prm.data.float()  # the kit's adapters: fp32 beside 16-bit base weights
+    m.train()
+    x = torch.randn(1, tokens, h, dtype=dtype)
+    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                       with_stack=True) as prof:
+        with torch.no_grad(), (contextlib.nullcontext() if adapters else m.disable_adapter()):
+            y = m(x)
+            del y
+    live = peak = 0
+    for _, action, _, nbytes in sorted((e for e in prof._memory_profile().timeline if e[0] >= 0), key=lambda e: e[0]):
+        live += nbytes if action.name == "CREATE" else -nbytes if action.name == "DESTROY" else 0
+        peak = max(peak, live)
+    return peak / tokens
+
+
+@pytest.mark.parametrize("dtype,b", [(torch.bfloat16, 2), (torch.float32, 4)])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_no_grad_mlp_moment_with_and_without_adapters(dtype, b, dropout):
+    """The scoring pass's MLP moment: 3 b*I per token for the reference pass (adapters off), and with the adapters
+    on (TRL's old-policy pass) ADAPTER_FP32_TEMPS fp32 I-wide tensors: PEFT's fp32 adapter path. Held within 3% (the
+    h-wide tensors, h = I / 16, are not in the formula)."""
+    inter = 2048
+    a = F.Arch("mlp", "llama", 1000, 128, inter, 1, 4, 4, 32, False)
+    for adapters in (False, True):
+        measured = _no_grad_mlp_peak_per_token(dtype, dropout, adapters, inter=inter)
+        # one token's scoring peak less the embeddings, a layer's input and output: the MLP's moment (larger than
+        # attention's at this width)
+        formula = F.scoring_forward_peak(a, 1, 1, b, None, 0, adapters) - 3 * b * a.hidden
+        assert measured == pytest.approx(formula, rel=0.03), (adapters, measured / inter)
+
+
+def test_the_old_policy_pass_prices_the_adapters():
+    """With vLLM (the kit's importance-sampling correction) or num_iterations > 1 the scoring phase is the
+    old-policy pass's, adapters on; with HF generation and one iteration the reference pass's."""
+    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.memory import estimate_for_config
+
+    kw = dict(num_generations=8, prompt_length=512, completion_length=20480, dtype="bf16", lora_rank=16,
+              micro_batch_size=1, include_generation=False, scoring_batch=8, lora_dropout=True)
+    rows = lambda df: df.set_index("component")["GB"] * F.GB  # noqa: E731
+    hf, vllm = estimate("llama-3.1-8b", vllm=False, **kw), estimate("llama-3.1-8b", vllm=True, **kw)
+    forced = estimate("llama-3.1-8b", vllm=False, old_policy_pass=True, **kw)
+    a, T = resolve_arch("llama-3.1-8b"), 20992
+    extra = 8 * T * (F.ADAPTER_FP32_TEMPS * F.FP32 - 3 * 2) * a.intermediate  # whole MLPs (dropout: unsliced)
+    assert rows(vllm)["scoring pass (no grad)"] - rows(hf)["scoring pass (no grad)"] == pytest.approx(extra, rel=1e-9)
+    assert rows(forced)["scoring pass (no grad)"] == rows(vllm)["scoring pass (no grad)"]
+    assert (hf.attrs["old_policy_pass"], vllm.attrs["old_policy_pass"]) == (False, True)
+    assert estimate("llama-3.1-8b", **{**kw, "lora_rank": None, "lora_dropout": False},
+                    vllm=True).attrs["old_policy_pass"] is False  # full fine-tuning: the same pass either way
+    cfg = dict(model="llama-3.1-8b", per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    assert estimate_for_config(GRPOKitConfig(**cfg, num_iterations=2)).attrs["old_policy_pass"] is True
+    assert estimate_for_config(GRPOKitConfig(**cfg)).attrs["old_policy_pass"] is False  # HF pricing, one iteration
+    with pytest.raises(ValueError, match="old_policy_pass must be None or a bool"):
+        estimate("llama-3.1-8b", old_policy_pass="yes", **kw)
 
 
 def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):

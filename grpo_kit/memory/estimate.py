@@ -189,7 +189,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
-             scoring_batch: int | str | None = None, lora_dropout: bool = False) -> pd.DataFrame:
+             scoring_batch: int | str | None = None, lora_dropout: bool = False,
+             old_policy_pass: bool | None = None) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -235,6 +236,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         lora_dropout: LoRA dropout above 0 (needs ``lora_rank``): every adapted linear saves its own dropped input
             and a mask (:func:`formulas.layer_saved_terms`), and grpo_kit's checkpointing runs such layers whole,
             in the recompute and in no-grad passes (their random masks cannot be split into slices).
+        old_policy_pass: ``grpo_kit`` with LoRA: TRL's old-policy log-prob pass runs too (adapters on, which costs
+            more than the reference pass: :func:`formulas.scoring_forward_peak`), as it does under vLLM's
+            importance-sampling correction or with ``num_iterations`` > 1. None: when ``vllm``.
 
     Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
     ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
@@ -266,6 +270,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
     if loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
+    if old_policy_pass is not None and not isinstance(old_policy_pass, bool):
+        raise ValueError(f"old_policy_pass must be None or a bool, got {old_policy_pass!r}")
     if lora_dropout and lora_rank is None:
         raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
     if scoring_batch is not None:
@@ -378,11 +384,13 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     if scoring:  # grpo_kit only: chunk_tokens is resolved above
         rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
         slice_tokens = None if lora_dropout else chunk_tokens  # dropout: each layer runs whole
+        adapters = lora and (vllm if old_policy_pass is None else old_policy_pass)
         add("scoring pass (no grad)", "GPU",
-            F.scoring_forward_peak(a, S, T, b, slice_tokens, rows_s * a.vocab * per_elt), ("scoring",),
-            f"{S} sequences per no-grad forward (reference / old-policy log-probs): embeddings, a layer's input "
-            f"and output, its attention or " + (f"one {chunk_tokens}-token MLP slice" if slice_tokens else
-                                                 "its whole MLP (LoRA dropout: unsliced)")
+            F.scoring_forward_peak(a, S, T, b, slice_tokens, rows_s * a.vocab * per_elt, adapters), ("scoring",),
+            f"{S} sequences per no-grad forward (" + ("old-policy log-probs, adapters on, the larger of its two "
+                                                      "passes" if adapters else "reference log-probs")
+            + "): embeddings, a layer's input and output, its attention or "
+            + (f"one {chunk_tokens}-token MLP slice" if slice_tokens else "its whole MLP (LoRA dropout: unsliced)")
             + f", and one logits chunk of {rows_s} rows")
 
     kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
@@ -448,6 +456,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
                          generation_batch=gen_rows, standby=standby, scoring_batch=S, lora_dropout=lora_dropout,
+                         old_policy_pass=bool(lora and (vllm if old_policy_pass is None else old_policy_pass)),
                          offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
@@ -508,7 +517,8 @@ def config_estimate_kwargs(cfg, **overrides) -> dict:
               micro_batch_size=cfg.per_device_train_batch_size,
               generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
               scoring_batch=None if cfg.trainer == "trl" else cfg.scoring_batch_size,
-              lora_dropout=bool(cfg.use_lora and cfg.lora_dropout))
+              lora_dropout=bool(cfg.use_lora and cfg.lora_dropout),
+              old_policy_pass=True if cfg.num_iterations > 1 else None)  # else: with vLLM's sampling correction
     kw.update(overrides)
     return kw
 

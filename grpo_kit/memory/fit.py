@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, total_gpu_bytes
+from grpo_kit.memory.estimate import AUTO, config_estimate_kwargs, estimate, total_gpu_bytes
 
 GIB = 2**30
 # Upper end of the context search (tokens): beyond every built-in model's positions.
@@ -128,6 +128,8 @@ def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> t
     kw = config_estimate_kwargs(cfg)
     for k in ("prompt_length", "completion_length"):
         kw.pop(k)
+    if kw["scoring_batch"] == AUTO:  # never raises the peak, so the verdict is the same without its search
+        kw["scoring_batch"] = None
     context = cfg.max_prompt_length + cfg.max_completion_length
     verdict = fit_verdict(calculator_model or cfg.model, budget, context=context, prompt_length=cfg.max_prompt_length,
                           **kw)
