@@ -350,10 +350,19 @@ class GRPOKitConfig:
             value = getattr(self, name)
             need(value in options, f"{name}={value!r} is not allowed; choose one of {list(options)}")
 
+        kind = None
         try:
-            check_model_name(self.model)
+            kind = check_model_name(self.model)
         except ValueError as e:
             errors.append(str(e))
+        # TRL builds its reference model for full fine-tuning from the policy's checkpoint folder, which a random
+        # built-in does not have (TRL fails deep inside from_pretrained otherwise)
+        beta_on = isinstance(self.beta, (int, float)) and not isinstance(self.beta, bool) and self.beta > 0
+        need(self.use_lora or not beta_on or kind not in ("tiny", "config-only"),
+             f"use_lora=False with beta={self.beta} needs a reference model, which TRL loads from the model's "
+             f"checkpoint folder; model={self.model!r} is a random-weight built-in with none. Set beta=0, or "
+             "use_lora=True (the reference is the model with its adapter off), or save the model and set model= to "
+             "that folder")
         for name, options in [("device", DEVICES), ("dtype", DTYPES), ("trainer", TRAINERS), ("task", TASKS),
                               ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("reward_errors", REWARD_ERRORS),
                               ("generation_backend", GENERATION_BACKENDS)]:

@@ -137,7 +137,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         self._check_vespo_importance_sampling()
         self.loss_chunk_size = loss_chunk_size
         self.scoring_batch_size = scoring_batch_size
-        self._norm, self._causal_lm = _final_norm(self.model)
+        _final_norm(self.model)  # an unsupported layout stops here, not at the first step
         on_cuda = next(self.model.parameters()).is_cuda
         if offload_checkpointing is None:
             offload_checkpointing = on_cuda and bool(self.args.gradient_checkpointing)
@@ -165,7 +165,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
     # -- hidden states ------------------------------------------------------------------
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t."""
+        """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t, of ``model``:
+        the policy, or TRL's separate reference model (full fine-tuning with beta > 0)."""
+        norm, causal_lm = _final_norm(model)
         if self._offloaded_checkpointing:
             # Trainer.train() and TRL's generation switch HF's per-layer checkpointing back on; on top of the
             # kit's own recompute, a reentrant one would run every layer's forward once more per micro-batch
@@ -173,20 +175,21 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask.
         # Flash attention unpads a 2-D mask itself (no T x T tensor), and without one would attend over the pads.
         lead = None  # each row's leading pads, where the rows were rolled
-        if getattr(self._causal_lm.config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
+        if getattr(causal_lm.config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
             rolled = roll_left_pads(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
             if rolled is not None:
                 input_ids, lead, moved = rolled
                 attention_mask, lead = None, lead if moved else None
-        with _capture_output(self._norm) as box, self.accelerator.autocast():
+        with _capture_output(norm) as box, self.accelerator.autocast():
             model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
         hidden = box[-1]
         if lead is not None:
             return completion_rows(hidden, lead, logits_to_keep)
         return hidden[:, -logits_to_keep - 1:-1, :]
 
-    def _head(self):
-        head = self._causal_lm.get_output_embeddings()
+    def _head(self, model=None):
+        """(weight, bias) of the output head of ``model`` (default: the policy)."""
+        head = _final_norm(self.model if model is None else model)[1].get_output_embeddings()
         return head.weight, getattr(head, "bias", None)
 
     # -- override 1: log-probs without logits ----------------------------------------------
@@ -197,7 +200,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         # Only TRL's no-grad scoring passes come here (the loss is _compute_loss's): TRL chunks them by
         # per_device_train_batch_size; scoring_batch_size, where set, by that many sequences instead.
         batch_size = self.scoring_batch_size or batch_size or input_ids.size(0)
-        weight, bias = self._head()
+        weight, bias = self._head(model)
         out = []
         for start in range(0, input_ids.size(0), batch_size):
             sl = slice(start, start + batch_size)
@@ -219,7 +222,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
         hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
-        weight, bias = self._head()
+        weight, bias = self._head(model)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         num_items = None

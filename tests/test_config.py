@@ -285,6 +285,17 @@ def test_automatic_values_are_null_and_old_run_folders_with_0_resume(tmp_path):
     assert resume_config(tmp_path, ["loss_chunk_size=4096"]).loss_chunk_size == 4096
 
 
+def test_full_fine_tuning_with_a_kl_term_needs_a_checkpoint_folder(tmp_path):
+    """TRL loads the reference model for full fine-tuning from the policy's folder: a random built-in has none, so
+    the config refuses it up front (with what to change) instead of failing inside from_pretrained."""
+    with pytest.raises(ConfigError, match=r"use_lora=False with beta=0.04 needs a reference model.*'tiny-llama' is a "
+                                          r"random-weight built-in.*Set beta=0, or use_lora=True"):
+        GRPOKitConfig(model="tiny-llama", use_lora=False).validate()
+    GRPOKitConfig(model="tiny-llama", use_lora=False, beta=0).validate()
+    GRPOKitConfig(model="tiny-llama").validate()  # LoRA: the reference is the adapter switched off
+    GRPOKitConfig(use_lora=False).validate()  # the embedded model has its folder
+
+
 def test_scoring_batch_size_is_checked():
     with pytest.raises(ConfigError, match=r"scoring_batch_size.*at least 1"):
         GRPOKitConfig(scoring_batch_size=0).validate()

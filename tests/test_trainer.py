@@ -420,6 +420,33 @@ def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
 
 
+def test_full_fine_tuning_scores_the_reference_with_its_own_layers(tmp_path):
+    """Full fine-tuning with beta > 0: TRL keeps a separate reference model and scores it through the kit's hook;
+    its final norm and head are the reference model's own (they were the policy's: no hidden state came back)."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load_model("tiny-llama")
+    model.save_pretrained(tmp_path / "m")  # TRL builds its reference copy from the model's folder
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    trainer = EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path, beta=0.04),
+                                   processing_class=tok,
+                                   train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)))
+    ref = trainer.ref_model
+    assert ref is not None and ref is not trainer.model
+    with torch.no_grad():
+        ref.get_output_embeddings().weight.mul_(0.5)  # the reference now differs from the policy
+    ids = torch.randint(3, 1000, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 0], [1] * 10])
+    with torch.no_grad():
+        got = trainer._get_per_token_logps_and_entropies(ref, ids, mask, 4)[0]
+        policy = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)[0]
+        logits = ref(input_ids=ids, attention_mask=mask).logits[:, -5:-1].float() / trainer.temperature
+        want = logits.log_softmax(-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    counted = mask[:, -4:].bool()
+    torch.testing.assert_close(got[counted], want[counted], rtol=1e-5, atol=1e-5)
+    assert (policy[counted] - want[counted]).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_padded_batches_reach_the_model_without_a_mask(tmp_path, attention):
     """TRL's left-padded prompts and right-padded completions go in rolled (grpo_kit.causal_layout), so the model
@@ -428,7 +455,7 @@ def test_padded_batches_reach_the_model_without_a_mask(tmp_path, attention):
     trainer = EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path), processing_class=tok,
                                    train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
                                    peft_config=_lora())
-    trainer._causal_lm.config._attn_implementation = attention
+    trainer.model.get_base_model().config._attn_implementation = attention
     seen = []
     hook = trainer.model.get_base_model().model.register_forward_pre_hook(
         lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
