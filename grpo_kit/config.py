@@ -176,7 +176,9 @@ class GRPOKitConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
     # --- LoRA ------------------------------------------------------------------------
-    use_lora: bool = _f(True, "Train a LoRA adapter (the reference model is then the base with it disabled).")
+    use_lora: bool = _f(True, "Train a LoRA adapter (the reference model is then the base with it disabled). "
+                        "false: full fine-tuning; with beta > 0 TRL loads a reference copy from the model's "
+                        "checkpoint folder, so a random built-in then needs beta=0.")
     lora_rank: int = _f(16, "LoRA rank r.")
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.0, "LoRA dropout. Above 0 the kit's checkpointing recomputes each layer whole "
