@@ -357,14 +357,6 @@ class GRPOKitConfig:
             kind = check_model_name(self.model)
         except ValueError as e:
             errors.append(str(e))
-        # TRL builds its reference model for full fine-tuning from the policy's checkpoint folder, which a random
-        # built-in does not have (TRL fails deep inside from_pretrained otherwise)
-        beta_on = isinstance(self.beta, (int, float)) and not isinstance(self.beta, bool) and self.beta > 0
-        need(self.use_lora or not beta_on or kind not in ("tiny", "config-only"),
-             f"use_lora=False with beta={self.beta} needs a reference model, which TRL loads from the model's "
-             f"checkpoint folder; model={self.model!r} is a random-weight built-in with none. Set beta=0, or "
-             "use_lora=True (the reference is the model with its adapter off), or save the model and set model= to "
-             "that folder")
         for name, options in [("device", DEVICES), ("dtype", DTYPES), ("trainer", TRAINERS), ("task", TASKS),
                               ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("reward_errors", REWARD_ERRORS),
                               ("generation_backend", GENERATION_BACKENDS)]:
@@ -381,6 +373,14 @@ class GRPOKitConfig:
             if problem:
                 errors.append(problem)
                 out_of_range.add(name)
+        # TRL builds its reference model for full fine-tuning from the policy's checkpoint folder, which a random
+        # built-in does not have (TRL fails deep inside from_pretrained otherwise)
+        if "beta" not in out_of_range:
+            need(self.use_lora or self.beta == 0 or kind not in ("tiny", "config-only"),
+                 f"use_lora=False with beta={self.beta} needs a reference model, which TRL loads from the model's "
+                 f"checkpoint folder; model={self.model!r} is a random-weight built-in with none. Set beta=0, or "
+                 "use_lora=True (the reference is the model with its adapter off), or save the model and set model= "
+                 "to that folder")
         if not out_of_range & {"num_generations", "per_device_train_batch_size", "gradient_accumulation_steps"}:
             total = self.per_device_train_batch_size * self.gradient_accumulation_steps
             need(total % self.num_generations == 0,

@@ -296,6 +296,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     S = None if scoring_batch is None else min(int(scoring_batch), gen_rows)
     scoring = S is not None and S > M  # its own phase: larger than the micro-batch's pass
     scoring_phase = ("scoring",) if scoring else ()
+    # TRL's old-policy pass (adapters on) runs beside the reference pass; only LoRA makes the two differ
+    old_policy = lora and (vllm if old_policy_pass is None else old_policy_pass)
     step_phases = ("generation", "loss", "backward") + scoring_phase
 
     rows: list[dict] = []
@@ -384,11 +386,10 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     if scoring:  # grpo_kit only: chunk_tokens is resolved above
         rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
         slice_tokens = None if lora_dropout else chunk_tokens  # dropout: each layer runs whole
-        adapters = lora and (vllm if old_policy_pass is None else old_policy_pass)
         add("scoring pass (no grad)", "GPU",
-            F.scoring_forward_peak(a, S, T, b, slice_tokens, rows_s * a.vocab * per_elt, adapters), ("scoring",),
+            F.scoring_forward_peak(a, S, T, b, slice_tokens, rows_s * a.vocab * per_elt, old_policy), ("scoring",),
             f"{S} sequences per no-grad forward (" + ("old-policy log-probs, adapters on, the larger of its two "
-                                                      "passes" if adapters else "reference log-probs")
+                                                      "passes" if old_policy else "reference log-probs")
             + "): embeddings, a layer's input and output, its attention or "
             + (f"one {chunk_tokens}-token MLP slice" if slice_tokens else "its whole MLP (LoRA dropout: unsliced)")
             + f", and one logits chunk of {rows_s} rows")
@@ -456,7 +457,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
                          micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
                          kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
                          generation_batch=gen_rows, standby=standby, scoring_batch=S, lora_dropout=lora_dropout,
-                         old_policy_pass=bool(lora and (vllm if old_policy_pass is None else old_policy_pass)),
+                         old_policy_pass=bool(old_policy),
                          offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
                          peak_phase=peak_phase,
                          phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
