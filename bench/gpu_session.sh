@@ -76,7 +76,16 @@ step rl20k 720 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout
 # The 20K memory rows issue 15 names beside the kit's default, never run (2026-12-05, session 32: the default row
 # took 334 s on an H100, 28.61 GiB): the kit with a bf16 KV cache, the kit with a separate engine copy, and TRL 1.16
 # colocate with its sleep mode; one step each, about 6 min a row.
-step rl20k_peers 2200 $bench --rows grpo_kit_bf16,grpo_kit_copy,trl --completion 20480 --steps 1 --timeout 700 --append
+# TRL's default share of the card for its engine (0.3) holds the 8 x 20,992 tokens' bf16 KV cache (20.5 GiB) beside
+# its 15 GiB copy of the weights on an H200 (41.9 GiB) but not on an 80 GiB card (23.8): there the row takes 0.5
+# (39.6 GiB), what a TRL user would set so as not to decode the 8 in turns.
+trl_mem=$(python3 -c "import torch; print(0.5 if torch.cuda.get_device_properties(0).total_memory < 100 * 2**30 else 0.3)" \
+  2>> "$out/progress.txt")
+step rl20k_peers 2200 $bench --rows grpo_kit_bf16,grpo_kit_copy,trl --completion 20480 --steps 1 --timeout 700 --append \
+  --trl-vllm-memory "${trl_mem:-0.3}"
+# The whole GPU tier (committed as bench/results/gpu_tests_<card>.txt); last run at d8ef8b1, before the checkpointing
+# q/k/v backward filter for LoRA on some linears and the trainer's norm and head from the scored model.
+step gpu_tier 600 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -q -s -rs -p no:cacheprovider
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \
 print(q.PROMPT + q.longest_completion('llama-3.1-8b', 'fp16', 15))" 2>> "$out/progress.txt")
 longest=${longest:-86528}  # the calculator's (512 + 86,016 with the kit's matmul), should the line above fail

@@ -25,7 +25,9 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
   merged into it every step with ``load_weights``, vLLM's level-1 sleep offloads it while training.
 * ``trl``: ``GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)`` with TRL's
   defaults otherwise (vllm_gpu_memory_utilization 0.3, HF gradient checkpointing, its chunked log-prob
-  head), fixed length through ``generation_kwargs={"min_tokens": C}``.
+  head), fixed length through ``generation_kwargs={"min_tokens": C}``. ``--trl-vllm-memory`` sets that share:
+  0.3 of an 80 GiB card leaves its engine ~7 GiB of KV cache beside the 15 GiB of weights, under the 20.5 GiB
+  that 8 x (512 + 20,480) bf16 tokens need, so vLLM would decode the 8 in turns; 0.3 of an H200 holds them.
 * ``gen_vllm`` / ``gen_hf``: generation alone, 8 completions of one prompt: vLLM (the kit's engine,
   CUDA graphs) against HF ``generate`` on the same architecture.
 
@@ -303,7 +305,7 @@ def trl_row(a) -> dict:
                       vllm_enable_sleep_mode=True, vllm_max_model_length=PROMPT_TOKENS + C,
                       generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
                       warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
-                      seed=0, disable_tqdm=True)
+                      seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
     ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
     times = StepTimes(totals)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
@@ -421,6 +423,9 @@ def main(argv=None) -> int:
     p.add_argument("--lora-dual-stream", choices=("auto", "on", "off"), default="auto",
                    help="kit rows with the adapter in vLLM's LoRA kernels (grpo_kit_adapter): "
                         "vllm_lora_dual_stream; auto: the kit's default")
+    p.add_argument("--trl-vllm-memory", type=float, default=0.3,
+                   help="trl row: GRPOConfig.vllm_gpu_memory_utilization (TRL's default 0.3), the share of the card "
+                        "its colocated engine takes")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -444,7 +449,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as run_dir:
                 child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
                          "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
-                         "--lora-dual-stream", a.lora_dual_stream]
+                         "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory)]
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
