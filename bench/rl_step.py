@@ -26,7 +26,7 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
 * ``trl``: ``GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)`` with TRL's
   defaults otherwise (vllm_gpu_memory_utilization 0.3, HF gradient checkpointing, its chunked log-prob
   head), fixed length through ``generation_kwargs={"min_tokens": C}``. ``--trl-vllm-memory`` sets that share:
-  0.3 of an 80 GiB card leaves its engine ~7 GiB of KV cache beside the 15 GiB of weights, under the 20.5 GiB
+  0.3 of an 80 GiB card leaves its engine at most 8.8 GiB of KV cache beside the 15 GiB of weights, under the 20.5 GiB
   that 8 x (512 + 20,480) bf16 tokens need, so vLLM would decode the 8 in turns; 0.3 of an H200 holds them.
 * ``gen_vllm`` / ``gen_hf``: generation alone, 8 completions of one prompt: vLLM (the kit's engine,
   CUDA graphs) against HF ``generate`` on the same architecture.
