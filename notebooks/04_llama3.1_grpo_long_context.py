@@ -195,7 +195,8 @@ else:
 # model's weights yet; its 4-bit layers multiply with the kit's matmul (`load_in_4bit_matmul`: each weight
 # dequantised once per layer call, not per matmul; the 8B's 1K step took 1.34x its 16-bit time on an H200).
 # Without it, `fp8_kv_cache` becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
-# 16-bit weights with training (measured on an H200: the 20K step in 28.3 GiB), and `vllm_lora_sync` becomes the
+# 16-bit weights with training (measured: the 20K step in 28.3 GiB on an H200, 28.6 on an H100, where TRL
+# colocate took 54.7), and `vllm_lora_sync` becomes the
 # config's field of that name. The fallback uses none of them.
 
 # %%
