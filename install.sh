@@ -11,7 +11,7 @@ PIP="$PY -m pip install -q --disable-pip-version-check"
 # stay out.
 # Without one: requirements.txt (CPU torch) and vLLM's CPU build, kept to the kit's pins by -c.
 # GRPO_KIT_NO_VLLM=1 skips vLLM (the kit then generates with HF generate), as does a driver too old for vLLM's
-# CUDA 13 build (grpo_kit/cuda_driver.py says why): it would replace a working CUDA torch with one that cannot use
+# CUDA 13 build (grpo_kit/model/cuda_driver.py says why): it would replace a working CUDA torch with one that cannot use
 # the GPU; torch is then held to PyPI's CUDA 12 builds where the driver runs those.
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
@@ -24,7 +24,7 @@ if [ "$gpu" = 1 ]; then
   if [ "${GRPO_KIT_NO_VLLM:-0}" = "1" ]; then vllm=0; fi
   rc=0
   # -I: the script's folder (grpo_kit/) is not put on sys.path, where a module could shadow the standard library's
-  check="$($PY -I grpo_kit/cuda_driver.py)" || rc=$?
+  check="$($PY -I grpo_kit/model/cuda_driver.py)" || rc=$?
   if [ "$rc" = 3 ]; then
     if [ "$vllm" = 1 ]; then
       echo "install.sh: vLLM not installed: $(echo "$check" | head -n 1); the kit generates with HF generate"

@@ -66,10 +66,10 @@ def main(argv=None):
 
     from peft import LoraConfig, get_peft_model
 
-    from grpo_kit.data import generate_tasks
+    from grpo_kit.tasks.data import generate_tasks
     from grpo_kit.generation import HFGenerator, SamplingConfig
     from grpo_kit.generation.vllm_backend import VLLMGenerator, import_vllm
-    from grpo_kit.models import embedded_model_dir, load_model
+    from grpo_kit.model.loading import embedded_model_dir, load_model
 
     import_vllm()
     hw = hardware()

@@ -3,7 +3,7 @@
 # limit and log:
 #  1. the GPU tier's 4-bit paths: the random 4-bit built-in built on the GPU layer by layer; the NF4
 #     dequantisation kernel against bitsandbytes to the bit, and the kit's 4-bit matmul step against
-#     bitsandbytes' (grpo_kit.nf4_matmul);
+#     bitsandbytes' (grpo_kit.model.nf4_matmul);
 #  2. the 4-bit step-time ratio at 1K: five timed steps each (three ranged 3.23-4.01 s) and one profiled, the
 #     kit's 4-bit matmul and bitsandbytes' on the same model in one process, against 16-bit fp16 (2.71 s on the
 #     H200, 2026-12-05) and bf16 (the target: 4-bit within 1.3x of 16-bit);

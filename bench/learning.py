@@ -75,7 +75,7 @@ def signal_steps(run_dir: Path) -> int:
 
 
 def config_line(run_dir: Path) -> str:
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
 
     c = GRPOKitConfig.from_yaml(run_dir / "config.yaml")
     prompts = c.per_device_train_batch_size * c.gradient_accumulation_steps // c.num_generations

@@ -8,7 +8,7 @@ bf16 hidden states and head weight, old/ref log-probs, beta=0.04, loss_type grpo
 * ``cce``     Cut Cross-Entropy ``linear_cross_entropy(reduction="none")`` = -logp, GRPO terms on top
 * ``unsloth`` unsloth-zoo ``fused_linear_logprobs`` (logp with in-forward gradient), GRPO terms on top
 * ``trl``     TRL 1.16's ``trl.kernels.ChunkedLogProbFunction`` (logp with chunked gradient), GRPO terms on top
-* ``ours``    ``grpo_kit.loss.efficient_grpo_loss`` (Triton epilogue on CUDA); ``ours_torch`` the
+* ``ours``    ``grpo_kit.loss.efficient.efficient_grpo_loss`` (Triton epilogue on CUDA); ``ours_torch`` the
   same with the torch epilogue; ``ours_gspo`` / ``ours_cispo`` ours with
   ``importance_sampling_level="sequence"`` (tokens coupled: coefficients after the chunk loop) /
   ``loss_type="cispo"`` (epsilon_high 5), compared with ``ours`` on time and memory only
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from _common import rel_err, sync  # noqa: E402
 from _common import write_report as write_files  # noqa: E402
 from _common import timed_ms as timed  # noqa: E402
-from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
 
 HEADS = {"llama": (4096, 128256), "qwen": (1536, 151936)}  # name: (H, V)
 TINY_HEADS = {"llama": (64, 1000), "qwen": (48, 1201)}

@@ -217,7 +217,7 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig
 
-    from grpo_kit.models import build_random_model
+    from grpo_kit.model.loading import build_random_model
 
     import step  # bench/step.py: bench/ is first on the path, as for every bench script
 

@@ -1,4 +1,4 @@
-"""Host cost per call of the kit's 4-bit linear (grpo_kit.nf4_matmul) against a 16-bit ``nn.Linear``, on the GPU.
+"""Host cost per call of the kit's 4-bit linear (grpo_kit.model.nf4_matmul) against a 16-bit ``nn.Linear``, on the GPU.
 
 A 4096 x 4096 NF4 layer (bitsandbytes, fp16 compute) with the kit's matmul and an fp16 ``nn.Linear``, fed 16 rows
 so the GPU work is negligible and the time per call is the host's: the dequantisation launch, a forward with grad
@@ -32,7 +32,7 @@ def per_call_us(name: str, fn, calls: int = 2000, warmup: int = 50) -> None:
 def main() -> None:
     import bitsandbytes as bnb
 
-    from grpo_kit import nf4_matmul as NM
+    from grpo_kit.model import nf4_matmul as NM
     from grpo_kit.kernels import nf4_dequant as K
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """4-bit quality on the real embedded model: what NF4 does to SmolLM2-135M-Instruct (pretrained), and
-whether the ``auto`` skip list (``grpo_kit.quantize``) protects it better than a fixed list of the same size.
+whether the ``auto`` skip list (``grpo_kit.model.quantize``) protects it better than a fixed list of the same size.
 
     python -m grpo_kit bench qlora [--n 100] [--device cpu|cuda] [--tag cpu]
 
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from _common import command_line, hardware, write_report
-from grpo_kit.config import GRPOKitConfig
-from grpo_kit.data import build_datasets, default_system_prompt, make_prompt
-from grpo_kit.evaluation import evaluate_accuracy
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
+from grpo_kit.app.evaluation import evaluate_accuracy
 from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
-from grpo_kit.models import load_model
-from grpo_kit.quantize import auto_skip_modules, quantizable_linears, quantize_model
-from grpo_kit.run import calibration_batches
+from grpo_kit.model.loading import load_model
+from grpo_kit.model.quantize import auto_skip_modules, quantizable_linears, quantize_model
+from grpo_kit.app.run import calibration_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("bf16", "nf4", "fixed", "auto")

@@ -7,7 +7,7 @@ LoRA r=16 on all linear layers, beta 0.04, prompt 512 tokens, random weights:
 
 * Llama-3.1-8B, fp16 (a T4 has no bf16: HF's GradScaler), 4-bit (the kit's QLoRA load: each linear layer
   created on the GPU and quantised to NF4 there at once, lm_head 16-bit; the kit's 4-bit matmul,
-  ``grpo_kit.nf4_matmul``), 8 generations at completion 1K, 4K and 20K,
+  ``grpo_kit.model.nf4_matmul``), 8 generations at completion 1K, 4K and 20K,
   each under ``torch.cuda.set_per_process_memory_fraction`` = ``--budget-gib`` (15), plus the longest
   completion the calculator says fits that budget, confirmed by a step at that length under the cap with
   ``--confirm-gens`` generations (the peak is one micro-batch's: more generations only take longer);

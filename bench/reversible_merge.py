@@ -94,7 +94,7 @@ def random_adapter_model(name: str, dtype, dev, delta: float):
     layer) whose B factors give each weight mean|dW| / mean|W| = ``delta``."""
     import peft
 
-    from grpo_kit.models import build_random_model
+    from grpo_kit.model.loading import build_random_model
 
     model = build_random_model(name, dtype=dtype, device=dev)
     pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0,
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     else:
         from peft import PeftModel
 
-        from grpo_kit.models import load_model
+        from grpo_kit.model.loading import load_model
 
         model, _ = load_model(dtype=DTYPES[a.dtype], device=a.device)
         pm = PeftModel.from_pretrained(model, a.adapter).eval()

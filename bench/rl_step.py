@@ -172,12 +172,12 @@ def kit_row(name: str, a) -> dict:
     import torch
     from peft import LoraConfig
 
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.generation.plan import lora_sync_mode, plan_generation, start_generation
-    from grpo_kit.generation.trainer_hook import KitGenerationMixin
-    from grpo_kit.models import load_model, load_tokenizer, model_config
-    from grpo_kit.run import grpo_args
-    from grpo_kit.trainer import EfficientGRPOTrainer, make_trainer
+    from grpo_kit.trainer.generation_hook import KitGenerationMixin
+    from grpo_kit.model.loading import load_model, load_tokenizer, model_config
+    from grpo_kit.app.run import grpo_args
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
     from trainer_gpu import time_phases
     from trl import GRPOTrainer
 
@@ -283,7 +283,7 @@ def trl_row(a) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_kit.generation.plan import generation_model_dir
-    from grpo_kit.models import build_random_model, load_tokenizer
+    from grpo_kit.model.loading import build_random_model, load_tokenizer
     from trainer_gpu import time_phases
 
     C = a.completion
@@ -325,7 +325,7 @@ def gen_row(name: str, a) -> dict:
     import torch
 
     from grpo_kit.generation import HFGenerator, SamplingConfig
-    from grpo_kit.models import build_random_model, load_tokenizer
+    from grpo_kit.model.loading import build_random_model, load_tokenizer
 
     C = a.completion
     tok = load_tokenizer(a.model)

@@ -2,7 +2,7 @@
 
     python -m grpo_kit bench soak --steps 200
 
-Runs the main job (``grpo_kit.run.train``: data, LoRA, ``EfficientGRPOTrainer``, TRL's HF
+Runs the main job (``grpo_kit.app.run.train``: data, LoRA, ``EfficientGRPOTrainer``, TRL's HF
 generation, reward functions, metrics and sample files) on ``tiny-llama`` with no evaluation,
 and records the process's RSS (psutil) at the end of every optimiser step. After a warm-up
 (default: the first 20% of the steps, at least 5) it reports the least-squares slope of RSS
@@ -59,8 +59,8 @@ def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, 
     import torch
     from transformers import TrainerCallback
 
-    from grpo_kit.config import GRPOKitConfig
-    from grpo_kit.run import train
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.app.run import train
 
     out = output_dir or str(ROOT / "runs" / "bench_soak")
     cfg = GRPOKitConfig(model="tiny-llama", max_steps=steps, num_eval_samples=0, num_train_samples=max(64, steps),
@@ -114,7 +114,7 @@ def write_results(result: dict, out: Path, command: str) -> None:
     lines = [
         "# Soak: GRPO steps on tiny-llama (CPU), RSS per step", "",
         f"- command: `{command}`", f"- date: {result['date']}", f"- hardware: {hardware_line(result['hardware'])} (CPU only, shared with other jobs)",
-        f"- torch {result['torch']}; run: the main job (`grpo_kit.run.train`) with "
+        f"- torch {result['torch']}; run: the main job (`grpo_kit.app.run.train`) with "
         + ", ".join(f"{k}={v}" for k, v in result["config"].items()) + ", no evaluation",
         f"- injected leak: {result['injected_leak_mib_per_step']} MiB per step", "",
         "| figure | value |", "|---|---|",

@@ -1,6 +1,6 @@
 """Benchmark: one whole GRPO optimiser step on a real architecture with random weights.
 
-Model: ``grpo_kit.models.build_random_model(name)`` in bf16 on the GPU, LoRA r=16 (alpha 16,
+Model: ``grpo_kit.model.loading.build_random_model(name)`` in bf16 on the GPU, LoRA r=16 (alpha 16,
 dropout 0) on every linear layer of the decoder via peft (adapter weights fp32, peft's
 default), AdamW (lr 1e-5) on the adapter. One step =
 
@@ -61,16 +61,16 @@ from _common import hardware as _hardware  # noqa: E402
 from _common import LORA_TARGETS, kernel_profile  # noqa: E402
 from _common import rel_err as rel  # noqa: E402
 from _common import sync  # noqa: E402
-from grpo_kit.checkpointing import (  # noqa: E402
+from grpo_kit.model.offload import (  # noqa: E402
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
     offload_stats,
     reserve_offload_buffers,
 )
-from grpo_kit.loss import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
-from grpo_kit import nf4_matmul  # noqa: E402
+from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit.model import nf4_matmul  # noqa: E402
 from grpo_kit.memory import Profiler, phase  # noqa: E402
-from grpo_kit.models import build_random_model, model_config  # noqa: E402
+from grpo_kit.model.loading import build_random_model, model_config  # noqa: E402
 
 GiB = 2**30
 ROWS = ("baseline", "ours", "ours_offload")
@@ -88,13 +88,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False):
     """PEFT model with LoRA on every linear layer, and the GPU bytes of its base weights. ``dtype``: None
     (bf16 on CUDA, fp32 on CPU) or a torch dtype. ``load_in_4bit``: the kit's QLoRA load
-    (``grpo_kit.models.load_model``: each linear layer created on ``device`` and quantised to NF4 there
+    (``grpo_kit.model.loading.load_model``: each linear layer created on ``device`` and quantised to NF4 there
     at once, lm_head 16-bit), so the GPU never holds the 16-bit model."""
     import peft
 
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if load_in_4bit:
-        from grpo_kit.models import load_model
+        from grpo_kit.model.loading import load_model
 
         if layers is not None:
             raise ValueError("layers= is not supported with load_in_4bit")
@@ -326,7 +326,7 @@ def lora_grads(model, row, batch, P):
 def gpu_check(args, dev):
     out = {}
     # copies: pinned (cudaHostRegister) buffers, 1 GiB each way
-    from grpo_kit.checkpointing import _HostBuffer
+    from grpo_kit.model.offload import _HostBuffer
 
     side = torch.cuda.Stream(dev)
     hb = _HostBuffer(GiB, True, side)
@@ -663,7 +663,7 @@ def main(argv=None):
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
     p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit (ignored without): how the 4-bit layers "
                    "multiply, a comma list run one after the other on the same model (kit, bitsandbytes: "
-                   "grpo_kit.nf4_matmul)")
+                   "grpo_kit.model.nf4_matmul)")
     p.add_argument("--repeat", type=int, default=1, help="timed steps per row at the measured shape; with more "
                    "than one, step_s is the median of those after the first (peak memory: over all)")
     p.add_argument("--kernel-profile", action="store_true", help="after the timed steps, one more under "

@@ -4,7 +4,7 @@
 14 GiB (a T4 has about 15 GiB usable): Llama-3.1-8B, 4-bit base weights, fp16, HF generation, 8 generations of a
 512-token prompt. Its peak is the generation phase (the KV cache of all 8 sequences beside the weights and the
 LoRA optimiser states; `bench qlora` measures the training step at 4K and 20K: lower). This script runs that
-phase on the kit's own QLoRA load (``grpo_kit.models.load_model``, random weights), the GPU capped with
+phase on the kit's own QLoRA load (``grpo_kit.model.loading.load_model``, random weights), the GPU capped with
 ``torch.cuda.set_per_process_memory_fraction`` at ``--budget-gib`` (15: the T4), LoRA r=16 on every linear
 layer and AdamW's states allocated, as after the first step, and reports the peak allocated and reserved bytes
 against the calculator's generation-phase total. Two ways:
@@ -58,7 +58,7 @@ def build(model_name: str, device: torch.device):
     """The 4-bit model with LoRA and AdamW's states (zeros, as allocated at the first optimiser step)."""
     import peft
 
-    from grpo_kit.models import load_model, load_tokenizer
+    from grpo_kit.model.loading import load_model, load_tokenizer
 
     model, _ = load_model(model_name, dtype=torch.float16, device=device, load_in_4bit=True)
     if device.type == "cpu":  # the CPU check only: bitsandbytes 0.50.2 repacks 4-bit weights for eval on CPUs

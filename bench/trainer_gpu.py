@@ -2,7 +2,7 @@
 
     python -m grpo_kit bench trainer_gpu [--model llama-3.2-1b] [--steps 3] [--completion 512]
 
-Each row is one ``grpo_kit.run.train`` call in its own process (so peaks do not mix), on a
+Each row is one ``grpo_kit.app.run.train`` call in its own process (so peaks do not mix), on a
 config-only architecture with random weights (memory and speed do not depend on weight
 values; the embedded tokenizer is used, so only the tokenizer files need be cached):
 
@@ -91,11 +91,11 @@ def one_row(sets: list[str], out_dir: str) -> dict:
 
     from trl import GRPOTrainer
 
-    from grpo_kit.checkpointing import offload_stats
-    from grpo_kit.config import GRPOKitConfig
-    from grpo_kit.generation.trainer_hook import KitGenerationMixin
-    from grpo_kit.run import train
-    from grpo_kit.trainer import EfficientGRPOTrainer
+    from grpo_kit.model.offload import offload_stats
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.trainer.generation_hook import KitGenerationMixin
+    from grpo_kit.app.run import train
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
 
@@ -125,8 +125,8 @@ def one_row(sets: list[str], out_dir: str) -> dict:
 
     # Random weights score 0 on every task reward, so advantages (and the policy gradient)
     # would be zero; a bench-only reward with spread makes the update real.
-    import grpo_kit.config as kit_config
-    import grpo_kit.rewards as kit_rewards
+    import grpo_kit.app.config as kit_config
+    import grpo_kit.tasks.rewards as kit_rewards
 
     def spread_reward(prompts, completions, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from grpo_kit.app.cli import main
 
 sys.exit(main())

@@ -21,7 +21,7 @@
 #
 # $$\mathcal{L} = -\frac{1}{G}\sum_i \frac{1}{|o_i|}\sum_t \Big[\min\big(r_{i,t}\hat A_i,\ \mathrm{clip}(r_{i,t},1-\varepsilon,1+\varepsilon)\hat A_i\big) - \beta\, \mathbb{D}_{KL}\Big],\quad r_{i,t}=\frac{\pi_\theta(o_{i,t})}{\pi_{\theta_{old}}(o_{i,t})}$$
 #
-# Every formula below is computed by `grpo_kit` (`grpo_kit.loss`, `grpo_kit.notebook_utils`); the notebook
+# Every formula below is computed by `grpo_kit` (`grpo_kit.loss.efficient`, `grpo_kit.notebook.helpers`); the notebook
 # only calls it and prints. Cells whose printed output is checked in CI are tagged `nbval-check-output`.
 #
 # **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU). Measured: 8 s for the whole notebook
@@ -40,7 +40,7 @@ if "google.colab" in sys.modules:  # Colab imports it into every kernel
         raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
                          "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
-    from grpo_kit.colab import install_runtime
+    from grpo_kit.notebook.colab import install_runtime
 
     install_runtime(generate=False)
 elif importlib.util.find_spec("grpo_kit") is None:
@@ -54,7 +54,7 @@ completion_length = 6  # tokens per completion in the experiments
 seed = 0
 
 # %%
-from grpo_kit.notebook_utils import validate_params
+from grpo_kit.notebook.helpers import validate_params
 
 cfg = validate_params(dict(model=model, num_generations=num_generations, max_completion_length=completion_length,
                            per_device_train_batch_size=num_generations, seed=seed))
@@ -68,7 +68,7 @@ print(f"model={cfg.model}  G={cfg.num_generations}  T={cfg.max_completion_length
 # %% tags=["nbval-check-output"]
 import torch
 
-from grpo_kit.notebook_utils import group_advantages
+from grpo_kit.notebook.helpers import group_advantages
 
 rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 0.0, 0.0,   0.0, 0.0, 0.0, 0.0])
 for scale in ("group", "batch", "none"):
@@ -82,7 +82,7 @@ for scale in ("group", "batch", "none"):
 # `exp(0)`: the policy gradient vanishes.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.loss import grpo_loss_reference
+from grpo_kit.loss.efficient import grpo_loss_reference
 
 torch.manual_seed(seed)
 G, T = num_generations, completion_length
@@ -108,7 +108,7 @@ print("max |gradient| without detach:", g_no_detach.abs().max().item())
 # samples from π_θ and compared with the exact KLs of two random categorical distributions.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.notebook_utils import exact_kl, kl_estimates
+from grpo_kit.notebook.helpers import exact_kl, kl_estimates
 
 gen = torch.Generator().manual_seed(seed)
 policy_logits = torch.randn(50, generator=gen, dtype=torch.float64)
@@ -122,13 +122,13 @@ for name, v in est.items():
 
 # %% [markdown]
 # ## 4. Loss types and sequence length
-# The per-token losses are summed with weights that depend on `loss_type` (`grpo_kit.loss.token_weights`).
+# The per-token losses are summed with weights that depend on `loss_type` (`grpo_kit.loss.efficient.token_weights`).
 # Two completions, 2 and 6 tokens long: `grpo` averages within each sequence first (a short sequence's
 # tokens weigh 3x more), `bnpo`/`dapo` average over all tokens of the batch, `dr_grpo` divides by the
 # constant `G × max_completion_length` (no length bias).
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.loss import token_weights
+from grpo_kit.loss.efficient import token_weights
 
 mask2 = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
 for lt in ("grpo", "bnpo", "dr_grpo", "dapo"):
@@ -143,8 +143,8 @@ for lt in ("grpo", "bnpo", "dr_grpo", "dapo"):
 # with clipping active (old log-probs perturbed) and β > 0.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.loss import efficient_grpo_loss
-from grpo_kit.models import build_random_model, load_model, BUILTIN_MODELS
+from grpo_kit.loss.efficient import efficient_grpo_loss
+from grpo_kit.model.loading import build_random_model, load_model, BUILTIN_MODELS
 
 if BUILTIN_MODELS.get(cfg.model) is not None and BUILTIN_MODELS[cfg.model].kind in ("tiny", "config-only"):
     net = build_random_model(cfg.model, dtype=torch.float64, seed=seed)

@@ -36,7 +36,7 @@ if "google.colab" in sys.modules:  # Colab imports it into every kernel
         raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
                          "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
-    from grpo_kit.colab import install_runtime
+    from grpo_kit.notebook.colab import install_runtime
 
     install_runtime(generate=False)
 elif importlib.util.find_spec("grpo_kit") is None:
@@ -55,9 +55,9 @@ measure_lengths = [64, 256]  # completion lengths for the measurement
 dashboard = "auto"  # "auto": widgets when a front end is attached; "static": figures only
 
 # %%
-from grpo_kit.dashboard import widget_frontend_available
-from grpo_kit.models import BUILTIN_MODELS
-from grpo_kit.notebook_utils import validate_params
+from grpo_kit.notebook.dashboard import widget_frontend_available
+from grpo_kit.model.loading import BUILTIN_MODELS
+from grpo_kit.notebook.helpers import validate_params
 
 validate_params(dict(model=model, num_generations=num_generations, per_device_train_batch_size=num_generations,
                      lora_rank=lora_rank),
@@ -107,7 +107,7 @@ print(compare(model, unit="GiB", **opts).round(2).to_string())
 import matplotlib.pyplot as plt
 
 from grpo_kit.memory import estimate, plot_components
-from grpo_kit.notebook_utils import show_figure
+from grpo_kit.notebook.helpers import show_figure
 
 
 def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
@@ -144,10 +144,10 @@ else:
 # %%
 import torch
 
-from grpo_kit.loss import efficient_grpo_loss
+from grpo_kit.loss.efficient import efficient_grpo_loss
 from grpo_kit.memory import profile
 from grpo_kit.memory.formulas import logits_bytes
-from grpo_kit.models import build_random_model
+from grpo_kit.model.loading import build_random_model
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 net = build_random_model(measure_model, device=device)
@@ -184,7 +184,7 @@ print(pd.DataFrame(rows).round(4).to_string(index=False))
 # %%
 import json
 
-from grpo_kit.notebook_utils import repo_file
+from grpo_kit.notebook.helpers import repo_file
 
 loss_json = repo_file("bench/results/loss_h200.json")
 if loss_json is None:

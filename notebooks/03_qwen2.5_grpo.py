@@ -42,7 +42,7 @@ if "google.colab" in sys.modules:  # Colab imports it into every kernel
         raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
                          "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
-    from grpo_kit.colab import install_runtime
+    from grpo_kit.notebook.colab import install_runtime
 
     install_runtime(generate=True)
 elif importlib.util.find_spec("grpo_kit") is None:
@@ -74,7 +74,7 @@ seed = 0
 preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
 # %%
-from grpo_kit.notebook_utils import choose_setup, validate_params
+from grpo_kit.notebook.helpers import choose_setup, validate_params
 
 common = dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
               max_prompt_length=max_prompt_length, num_train_samples=num_train_samples,
@@ -100,7 +100,7 @@ print(f"setup: {chosen}  model={cfg.model}  task={cfg.task}  steps={cfg.max_step
 # %%
 import torch
 
-from grpo_kit.run import resolve_device, resolve_dtype
+from grpo_kit.app.run import resolve_device, resolve_dtype
 
 device = resolve_device(cfg)
 dtype = resolve_dtype(cfg, device)  # bf16 where supported; fp16 + GradScaler on a T4; fp32 on the CPU
@@ -128,7 +128,7 @@ else:
 # `fn(prompts, completions, **columns) -> list[float]`.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.rewards import correctness_reward, format_soft_reward
+from grpo_kit.tasks.rewards import correctness_reward, format_soft_reward
 
 completions = ["3 + 4 = 7. Answer: 7", "The answer is 12", "Answer: 7.0", "no idea"]
 print("correctness:", correctness_reward(None, completions, answer=["7", "7", "7", "7"]))
@@ -141,7 +141,7 @@ print("format_soft:", format_soft_reward(None, completions))
 # give nothing (`python -m grpo_kit preflight` is the same check).
 
 # %%
-from grpo_kit.preflight import preflight
+from grpo_kit.app.preflight import preflight
 
 print(preflight(cfg, num_prompts=preflight_prompts).text())
 
@@ -149,8 +149,8 @@ print(preflight(cfg, num_prompts=preflight_prompts).text())
 # ## Train, with the live dashboard
 
 # %%
-from grpo_kit.dashboard import LiveDashboard
-from grpo_kit.run import train
+from grpo_kit.notebook.dashboard import LiveDashboard
+from grpo_kit.app.run import train
 
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
@@ -160,7 +160,7 @@ summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
 # ## Before / after and the saved adapter
 
 # %%
-from grpo_kit.notebook_utils import run_report
+from grpo_kit.notebook.helpers import run_report
 
 print(run_report(summary))
 
@@ -171,12 +171,12 @@ display(Image(filename=f"{summary['run_dir']}/rewards.png"))  # the run folder's
 
 # %% [markdown]
 # ## The same question before and after training
-# The run folder keeps the config and the trained adapter (`adapter/`); `grpo_kit.export` loads them back. A
+# The run folder keeps the config and the trained adapter (`adapter/`); `grpo_kit.app.export` loads them back. A
 # LoRA run loads once: "before" is the same model with the adapter switched off.
 
 # %%
-from grpo_kit.data import build_datasets
-from grpo_kit.export import before_after
+from grpo_kit.tasks.data import build_datasets
+from grpo_kit.app.export import before_after
 
 questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
 for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
@@ -189,7 +189,7 @@ for row in before_after(summary["run_dir"], questions, device=device, dtype=reso
 # token from `huggingface-cli login` or `HF_TOKEN`) to upload it.
 
 # %%
-from grpo_kit.export import push_to_hub, save_merged
+from grpo_kit.app.export import push_to_hub, save_merged
 
 import torch
 
@@ -206,5 +206,5 @@ if save_merged_weights:
 # (`from google.colab import drive; drive.mount("/content/drive")`) and set `output_dir` to a folder under
 # `/content/drive/MyDrive/`, or copy a finished one there (`!cp -r runs/NAME /content/drive/MyDrive/`). After a
 # reconnect, run the install cell, then continue from the last checkpoint (written every `save_steps` steps):
-# `from grpo_kit.run import resume; resume("/content/drive/MyDrive/NAME")`, or on the command line
+# `from grpo_kit.app.run import resume; resume("/content/drive/MyDrive/NAME")`, or on the command line
 # `python -m grpo_kit train --resume /content/drive/MyDrive/NAME` (`--set max_steps=N` to train longer).

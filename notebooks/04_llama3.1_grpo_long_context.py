@@ -52,7 +52,7 @@ if "google.colab" in sys.modules:  # Colab imports it into every kernel
         raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
                          "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
-    from grpo_kit.colab import install_runtime
+    from grpo_kit.notebook.colab import install_runtime
 
     install_runtime(generate=True)
 elif importlib.util.find_spec("grpo_kit") is None:
@@ -92,9 +92,9 @@ seed = 0
 
 # %%
 from grpo_kit.memory.fit import free_t4_preset
-from grpo_kit.models import check_model_name
-from grpo_kit.names import LORA_SYNC_MODES
-from grpo_kit.notebook_utils import choose_setup, validate_params
+from grpo_kit.model.loading import check_model_name
+from grpo_kit.loss.names import LORA_SYNC_MODES
+from grpo_kit.notebook.helpers import choose_setup, validate_params
 
 if preset not in ("", "free_t4"):
     raise ValueError(f"preset={preset!r} is not allowed: '' (the parameters as set) or 'free_t4'")
@@ -165,7 +165,7 @@ print(table.round(2).to_string())
 
 # %%
 from grpo_kit.memory import estimate, plot_components
-from grpo_kit.notebook_utils import show_figure
+from grpo_kit.notebook.helpers import show_figure
 
 fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=1, **opts) for m in ("trl", "grpo_kit")},
                       budget_gib=gpu_gib, title=f"{calculator_model}, {context_length} tokens, G={num_generations}")
@@ -200,8 +200,8 @@ else:
 # config's field of that name. The fallback uses none of them.
 
 # %%
-from grpo_kit.dashboard import LiveDashboard
-from grpo_kit.run import resolve_device, resolve_dtype, train
+from grpo_kit.notebook.dashboard import LiveDashboard
+from grpo_kit.app.run import resolve_device, resolve_dtype, train
 
 device = resolve_device(cfg)
 print("device:", device, " dtype:", resolve_dtype(cfg, device))
@@ -210,18 +210,18 @@ dash = LiveDashboard(mode=dashboard)
 summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
 
 # %%
-from grpo_kit.notebook_utils import run_report
+from grpo_kit.notebook.helpers import run_report
 
 print(run_report(summary))
 
 # %% [markdown]
 # ## The same question before and after training
-# The run folder keeps the config and the trained adapter (`adapter/`); `grpo_kit.export` loads them back. A
+# The run folder keeps the config and the trained adapter (`adapter/`); `grpo_kit.app.export` loads them back. A
 # LoRA run loads once: "before" is the same model with the adapter switched off.
 
 # %%
-from grpo_kit.data import build_datasets
-from grpo_kit.export import before_after
+from grpo_kit.tasks.data import build_datasets
+from grpo_kit.app.export import before_after
 
 questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
 for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
@@ -234,7 +234,7 @@ for row in before_after(summary["run_dir"], questions, device=device, dtype=reso
 # token from `huggingface-cli login` or `HF_TOKEN`) to upload it.
 
 # %%
-from grpo_kit.export import push_to_hub, save_merged
+from grpo_kit.app.export import push_to_hub, save_merged
 
 import torch
 
@@ -251,5 +251,5 @@ if save_merged_weights:
 # (`from google.colab import drive; drive.mount("/content/drive")`) and set `output_dir` to a folder under
 # `/content/drive/MyDrive/`, or copy a finished one there (`!cp -r runs/NAME /content/drive/MyDrive/`). After a
 # reconnect, run the install cell, then continue from the last checkpoint (written every `save_steps` steps):
-# `from grpo_kit.run import resume; resume("/content/drive/MyDrive/NAME")`, or on the command line
+# `from grpo_kit.app.run import resume; resume("/content/drive/MyDrive/NAME")`, or on the command line
 # `python -m grpo_kit train --resume /content/drive/MyDrive/NAME` (`--set max_steps=N` to train longer).

@@ -37,7 +37,7 @@ if "google.colab" in sys.modules:  # Colab imports it into every kernel
         raise ValueError("GRPO_KIT_REPO is not set: type the kit's git URL (https://github.com/<owner>/grpo_kit.git) "
                          "into the form field of this cell, or set the GRPO_KIT_REPO environment variable")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"grpo_kit @ git+{repo}"], check=True)
-    from grpo_kit.colab import install_runtime
+    from grpo_kit.notebook.colab import install_runtime
 
     install_runtime(generate=False)
 elif importlib.util.find_spec("grpo_kit") is None:
@@ -51,7 +51,7 @@ reward_weights = [1.0, 0.2]  # correctness, format
 num_generations = 4
 
 # %%
-from grpo_kit.notebook_utils import repo_file, validate_params
+from grpo_kit.notebook.helpers import repo_file, validate_params
 
 validate_params(dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
                      reward_funcs=["correctness", "format_soft"], reward_weights=reward_weights),
@@ -68,7 +68,7 @@ print("GSM8K file:", "the checkout's data/gsm8k_sample.jsonl" if not gsm8k_path 
 # else the last number; it survives `$1,234.50`, trailing dots, fractions and units.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.rewards import extract_number
+from grpo_kit.tasks.rewards import extract_number
 
 for text in ["#### 1,234", "Answer: $1,234.50", "so she pays 18 dollars.", "The answer is -7 apples",
              "x = 3/4", "Answer: 12. Then 5 more", "\\boxed{42}", "no number here"]:
@@ -80,8 +80,8 @@ for text in ["#### 1,234", "Answer: $1,234.50", "so she pays 18 dollars.", "The 
 # must (almost) never score.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.data import load_gsm8k, load_gsm8k_jsonl
-from grpo_kit.rewards import correctness_reward
+from grpo_kit.tasks.data import load_gsm8k, load_gsm8k_jsonl
+from grpo_kit.tasks.rewards import correctness_reward
 
 rows = load_gsm8k_jsonl(path, limit=num_problems) if path else load_gsm8k(limit=num_problems)
 solutions = [r["solution"] if "solution" in r else r["answer"] for r in rows]
@@ -95,7 +95,7 @@ print(f"{len(rows)} problems: own answer {sum(own):.0f}/{len(own)} correct, anot
 # A reward for brevity: 1.0 up to 20 words, falling linearly to 0 at 60. Test it like any function.
 
 # %%
-from grpo_kit.rewards import completion_text
+from grpo_kit.tasks.rewards import completion_text
 
 
 def brevity_reward(prompts, completions, **columns):
@@ -112,7 +112,7 @@ print(brevity_reward(None, ["Answer: 4", " ".join(["word"] * 40), [{"role": "ass
 # exception stops training with one message naming the function and the sample.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.rewards import checked_reward_func
+from grpo_kit.tasks.rewards import checked_reward_func
 
 
 def bad_reward(prompts, completions, **columns):
@@ -132,8 +132,8 @@ except ValueError as e:
 # %% tags=["nbval-check-output"]
 import torch
 
-from grpo_kit.notebook_utils import group_advantages
-from grpo_kit.rewards import format_soft_reward
+from grpo_kit.notebook.helpers import group_advantages
+from grpo_kit.tasks.rewards import format_soft_reward
 
 group = ["Answer: 7", "7", "I think it is 8. Answer: 8", "Answer: 7 because 3 + 4"][:num_generations]
 cols = dict(answer=["7"] * len(group))

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from grpo_kit.data import generate_tasks, to_prompt_dataset  # noqa: E402
-from grpo_kit.models import load_model  # noqa: E402
-from grpo_kit.trainer import EfficientGRPOTrainer  # noqa: E402
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset  # noqa: E402
+from grpo_kit.model.loading import load_model  # noqa: E402
+from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer  # noqa: E402
 
 
 def main(out_path: str, total_micro: int, loss_type: str):

@@ -51,7 +51,7 @@ def fp8() -> dict:
 
     from grpo_kit.generation import SamplingConfig
     from grpo_kit.generation.vllm_backend import VLLMGenerator
-    from grpo_kit.models import embedded_model_dir, load_tokenizer
+    from grpo_kit.model.loading import embedded_model_dir, load_tokenizer
 
     tok = load_tokenizer()
     gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
@@ -79,7 +79,7 @@ def copy() -> dict:
 
     from grpo_kit.generation import SamplingConfig
     from grpo_kit.generation.vllm_backend import VLLMGenerator
-    from grpo_kit.models import embedded_model_dir, load_model
+    from grpo_kit.model.loading import embedded_model_dir, load_model
 
     model, tok = load_model(dtype=torch.bfloat16, device="cuda")
     gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512,
@@ -119,11 +119,11 @@ def merge() -> dict:
     from transformers import AutoConfig
     from trl import GRPOConfig
 
-    from grpo_kit.data import generate_tasks, to_prompt_dataset
+    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
     from grpo_kit.generation import SamplingConfig
     from grpo_kit.generation.vllm_backend import VLLMGenerator, _engine_model
-    from grpo_kit.models import embedded_model_dir, load_tokenizer
-    from grpo_kit.trainer import EfficientGRPOTrainer
+    from grpo_kit.model.loading import embedded_model_dir, load_tokenizer
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     tok = load_tokenizer()
     gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 def char_reward(prompts, completions, **kwargs):
     """(sum of character codes mod 7) / 6: arbitrary but deterministic, different across completions."""
-    from grpo_kit.rewards import completion_text
+    from grpo_kit.tasks.rewards import completion_text
 
     return [(sum(map(ord, completion_text(c))) % 7) / 6.0 for c in completions]
 
@@ -39,13 +39,13 @@ def _install_test_hooks():
 
     torch.set_num_threads(1)
 
-    import grpo_kit.run as run
+    import grpo_kit.app.run as run
 
     run.get_reward_funcs = lambda names: [char_reward]
 
     pause_at = os.environ.get("GRPO_KIT_TEST_PAUSE_AT_SAVE")
     if pause_at:
-        import grpo_kit.resume as resume_mod
+        import grpo_kit.trainer.checkpoints as resume_mod
 
         write_manifest = resume_mod.write_manifest
 
@@ -59,7 +59,7 @@ def _install_test_hooks():
 
     nan_from = os.environ.get("GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP")
     if nan_from:  # for tests/test_guards.py: sample 1 of every micro-batch from that step on gets a NaN advantage
-        from grpo_kit.trainer import EfficientGRPOTrainer
+        from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
         prepare = EfficientGRPOTrainer._prepare_inputs
 
@@ -76,6 +76,6 @@ def _install_test_hooks():
 
 if __name__ == "__main__":
     _install_test_hooks()
-    from grpo_kit.cli import main
+    from grpo_kit.app.cli import main
 
     sys.exit(main(sys.argv[1:]))

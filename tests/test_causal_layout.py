@@ -1,12 +1,12 @@
-"""grpo_kit.causal_layout: TRL's padded GRPO batches rolled so that the causal mask alone reads them. The rolled
+"""grpo_kit.model.causal_layout: TRL's padded GRPO batches rolled so that the causal mask alone reads them. The rolled
 layout, the rows that predict the completion, the same hidden states as the masked forward (Llama and Qwen2), and
 no (B, 1, T, T) mask built on the way."""
 
 import pytest
 import torch
 
-from grpo_kit.causal_layout import completion_rows, roll_left_pads
-from grpo_kit.models import load_model
+from grpo_kit.model.causal_layout import completion_rows, roll_left_pads
+from grpo_kit.model.loading import load_model
 
 # three rows as TRL lays them out: left-padded prompts (P = 4), right-padded completions (C = 5)
 MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0],

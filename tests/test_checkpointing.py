@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from grpo_kit import checkpointing as ck
-from grpo_kit.checkpointing import (
+from grpo_kit.model import offload as ck
+from grpo_kit.model.offload import (
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
     offload_stats,
@@ -28,7 +28,7 @@ def _tiny(name: str, layers: int = 3, dtype=torch.float32):
 
     from transformers import LlamaConfig, Qwen2Config
 
-    from grpo_kit.models import BUILTIN_MODELS, build_random_model
+    from grpo_kit.model.loading import BUILTIN_MODELS, build_random_model
 
     if name == "tiny-mistral":
         cfg = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=80, num_hidden_layers=layers,
@@ -333,7 +333,7 @@ def test_reserve_buffers_then_no_new_host_memory():
 
 
 def test_auto_chunk_size():
-    from grpo_kit.models import model_config
+    from grpo_kit.model.loading import model_config
     from transformers import AutoModelForCausalLM
 
     for name, want in (("llama-3.1-8b", 4096), ("qwen2.5-1.5b", 4096), ("llama-3.2-1b", 8192)):

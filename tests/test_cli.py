@@ -93,8 +93,8 @@ def test_resume_help_names_every_setting_a_resume_may_change():
     """`train --help` lists what `--resume` accepts with `--set`: the same names as the resume policy."""
     import re as _re
 
-    from grpo_kit.cli import build_parser
-    from grpo_kit.resume_policy import SAFE_RESUME_OVERRIDES
+    from grpo_kit.app.cli import build_parser
+    from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES
 
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     text = " ".join(next(a.help for a in train._actions if "--resume" in a.option_strings).split())

@@ -1,4 +1,4 @@
-"""The notebooks' Colab install (grpo_kit.colab.install_runtime) with pip and the machine faked: what it asks pip
+"""The notebooks' Colab install (grpo_kit.notebook.colab.install_runtime) with pip and the machine faked: what it asks pip
 for, what it prints, and the stop it makes when pip replaced a package the kernel had already imported."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import types
 
 import pytest
 
-from grpo_kit import colab
-
-
+from grpo_kit.notebook import colab
 @pytest.fixture
 def fake_machine(monkeypatch):
     """pip calls recorded (``calls``); installed versions in ``versions``, which a pip call may change

@@ -1,6 +1,6 @@
 import pytest
 
-from grpo_kit.config import ConfigError, GRPOKitConfig
+from grpo_kit.app.config import ConfigError, GRPOKitConfig
 
 
 def test_defaults_validate_and_every_field_has_help():
@@ -97,7 +97,7 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
     import torch
 
     from grpo_kit.generation import plan as P
-    from grpo_kit.models import model_config
+    from grpo_kit.model.loading import model_config
 
     auto, merge, adapter = (GRPOKitConfig(vllm_lora_sync=v) for v in (None, "merge", "adapter"))
     assert P.lora_sync_mode(auto) == "merge"  # measured faster than the LoRA kernels (plan.lora_sync_mode)
@@ -133,7 +133,7 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     """The KV cache is what one generation batch needs; the step peak must fit the free memory."""
     from grpo_kit.generation.plan import memory_plan
     from grpo_kit.memory import formulas as F, resolve_arch
-    from grpo_kit.models import model_config
+    from grpo_kit.model.loading import model_config
 
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=2048, num_generations=8,
                         per_device_train_batch_size=1, gradient_accumulation_steps=8, gradient_checkpointing=True)
@@ -198,7 +198,7 @@ def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
     import dataclasses
     import math
 
-    from grpo_kit.config import NUMERIC_RANGES
+    from grpo_kit.app.config import NUMERIC_RANGES
 
     numeric = {f.name for f in dataclasses.fields(GRPOKitConfig) if str(f.type).split(" ")[0] in ("int", "float")}
     assert numeric == set(NUMERIC_RANGES)
@@ -216,7 +216,7 @@ def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
 def test_scheduler_names_are_transformers_own():
     from transformers.trainer_utils import SchedulerType
 
-    from grpo_kit.config import LR_SCHEDULER_TYPES
+    from grpo_kit.app.config import LR_SCHEDULER_TYPES
 
     assert set(LR_SCHEDULER_TYPES) == {s.value for s in SchedulerType}
 
@@ -250,8 +250,8 @@ def _bad_paths(tmp_path):
 
 
 def test_bad_paths_and_values_give_one_error_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
-    from grpo_kit import models
-    from grpo_kit.cli import main
+    from grpo_kit.model import loading as models
+    from grpo_kit.app.cli import main
 
     def no_model(*a, **k):
         raise AssertionError("a model was loaded: the bad input was not caught first")
@@ -268,8 +268,8 @@ def test_bad_paths_and_values_give_one_error_line_and_exit_code_2(tmp_path, caps
 def test_automatic_values_are_null_and_old_run_folders_with_0_resume(tmp_path):
     """epsilon_high, loss_chunk_size, vllm_gpu_memory_utilization: null means automatic, as in TRL (0 did before);
     min_p: null or 0 is off. A run folder saved when 0 meant automatic resumes with 0 read as null."""
-    from grpo_kit.config import NULL_MEANS_AUTO
-    from grpo_kit.resume_policy import resume_config
+    from grpo_kit.app.config import NULL_MEANS_AUTO
+    from grpo_kit.app.resume_policy import resume_config
 
     cfg = GRPOKitConfig().validate()
     assert all(getattr(cfg, name) is None for name in (*NULL_MEANS_AUTO, "min_p"))

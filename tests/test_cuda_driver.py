@@ -1,4 +1,4 @@
-"""The NVIDIA driver check (grpo_kit.cuda_driver) and where it acts: install.sh and the Colab install plan leave
+"""The NVIDIA driver check (grpo_kit.model.cuda_driver) and where it acts: install.sh and the Colab install plan leave
 vLLM's CUDA 13 build out on an older driver, the kit names a GPU its torch cannot use, and the advice for a
 missing vLLM says why it cannot be installed. A fake ``nvidia-smi`` on PATH plays the driver; a fake Python
 records install.sh's pip calls (nothing is installed)."""
@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kit import cuda_driver as C
-
-
+from grpo_kit.model import cuda_driver as C
 @pytest.fixture
 def fake_smi(tmp_path, monkeypatch):
     """``fake_smi(version, name)``: an ``nvidia-smi`` on PATH answering the driver version and GPU name queries
@@ -79,7 +77,7 @@ def test_driver_and_gpu_from_nvidia_smi(fake_smi):
 
 
 def test_colab_plan_leaves_vllm_out_on_an_old_driver():
-    from grpo_kit.colab import install_plan
+    from grpo_kit.notebook.colab import install_plan
 
     old = install_plan(generate=True, gpu=True, driver="550.54.15")[0]
     new = install_plan(generate=True, gpu=True, driver="580.65.06")[0]
@@ -170,8 +168,8 @@ def test_install_sh_goes_on_with_vllm_when_the_driver_check_fails(tmp_path, repo
 def test_a_gpu_this_torch_cannot_use_is_named(monkeypatch):
     import torch
 
-    from grpo_kit import devices
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.model import devices
+    from grpo_kit.app.config import GRPOKitConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")

@@ -1,4 +1,4 @@
-"""LiveDashboard (grpo_kit.dashboard) and the notebook helpers (grpo_kit.notebook_utils)."""
+"""LiveDashboard (grpo_kit.notebook.dashboard) and the notebook helpers (grpo_kit.notebook.helpers)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
-from grpo_kit.config import ConfigError
-from grpo_kit.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
-from grpo_kit.notebook_utils import (choose_setup, exact_kl, group_advantages, in_colab, kl_estimates,
+from grpo_kit.app.config import ConfigError
+from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
+from grpo_kit.notebook.helpers import (choose_setup, exact_kl, group_advantages, in_colab, kl_estimates,
                                      validate_params)
 
 TRL_LOG = {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.002, "completions/mean_length": 7.5,
@@ -127,8 +127,8 @@ def test_choose_setup_falls_back_without_gpu():
 
 
 def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):
-    import grpo_kit.notebook_utils as nu
-    from grpo_kit import cuda_driver
+    import grpo_kit.notebook.helpers as nu
+    from grpo_kit.model import cuda_driver
     from grpo_kit.generation import vllm_backend
 
     # a T4 whose driver is too old for vLLM's CUDA build: no vLLM, so a setup that needs it falls back, saying why

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from grpo_kit import data
-from grpo_kit.rewards import extract_number
+from grpo_kit.tasks import data
+from grpo_kit.tasks.rewards import extract_number
 
 
 def test_generator_is_deterministic_and_split_disjoint():
@@ -71,7 +71,7 @@ def test_bad_levels_and_tasks():
 
 
 def test_gsm8k_heldout_comes_from_the_test_split(tmp_path, repo_root, monkeypatch):
-    from grpo_kit.config import ConfigError, GRPOKitConfig
+    from grpo_kit.app.config import ConfigError, GRPOKitConfig
 
     sample = (repo_root / "data" / "gsm8k_sample.jsonl").read_text().splitlines()
     train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"

@@ -1,13 +1,13 @@
-"""grpo_kit.export: the trained model back from a run folder, merged 16-bit weights, clear errors."""
+"""grpo_kit.app.export: the trained model back from a run folder, merged 16-bit weights, clear errors."""
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from grpo_kit.config import GRPOKitConfig
-from grpo_kit.export import answer, before_after, load_trained, run_config, save_merged
-from grpo_kit.models import load_model
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.export import answer, before_after, load_trained, run_config, save_merged
+from grpo_kit.model.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from grpo_kit import rewards
-from grpo_kit.loss import LOSS_TYPES, efficient_grpo_loss, grpo_loss_reference, per_token_logps
-from grpo_kit.objective import TOKEN_COUNT_NORMALISED
+from grpo_kit.tasks import rewards
+from grpo_kit.loss.efficient import LOSS_TYPES, efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +116,7 @@ long_adversarial = st.lists(st.tuples(st.sampled_from(_PIECES), st.integers(1, 3
 def test_extractors_stay_fast_on_long_adversarial_text(text):
     import time
 
-    from grpo_kit.code_reward import extract_code
+    from grpo_kit.tasks.code_reward import extract_code
 
     for call in (lambda: rewards.extract_number(text), lambda: rewards.format_strict_reward(None, [text]),
                  lambda: rewards.format_soft_reward(None, [text]), lambda: extract_code(text),
@@ -301,7 +301,7 @@ TRITON_SCRIPT = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from hypothesis import given, settings, HealthCheck
     from tests.test_fuzz import head_inputs, _all_finite
-    from grpo_kit.loss import efficient_grpo_loss
+    from grpo_kit.loss.efficient import efficient_grpo_loss
     from grpo_kit.kernels import grpo_epilogue as E
     assert E.interpreter_active()
     n = 0

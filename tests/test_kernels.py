@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from grpo_kit.kernels import grpo_epilogue as E
-    from grpo_kit.loss import efficient_grpo_loss, per_token_logps
+    from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
     assert E.interpreter_active()
 
     def ulp_close(a, b, dtype):

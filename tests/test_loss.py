@@ -1,4 +1,4 @@
-"""Parity and behaviour tests for grpo_kit.loss (CPU, small sizes: V=257, H=48, odd T).
+"""Parity and behaviour tests for grpo_kit.loss.efficient (CPU, small sizes: V=257, H=48, odd T).
 
 Oracles: an fp64 full-logits computation fed to ``grpo_loss_reference``; TRL 1.16's own
 ``GRPOTrainer._compute_loss`` on the same per-token log-probs; a TRL-style bf16 naive loss.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _objective_settings import SETTINGS, loss_kwargs
-from grpo_kit.loss import (
+from grpo_kit.loss.efficient import (
     LOSS_TYPES,
     efficient_grpo_loss,
     grpo_loss_reference,
@@ -54,8 +54,8 @@ def loss_scale(lp64, old, ref, c, kw, isw=None):
     """sum_t w_t |per-token loss_t| in fp64: the loss's magnitude before the terms of both signs
     cancel. Relative error is measured against it, since a sum that cancels to ~0 has no relative
     precision in any dtype."""
-    from grpo_kit.loss import objective_spec
-    from grpo_kit.objective import per_token_objective, token_weights
+    from grpo_kit.loss.efficient import objective_spec
+    from grpo_kit.loss.objective import per_token_objective, token_weights
 
     opts = {k: v for k, v in kw.items() if k not in ("beta", "epsilon_low", "epsilon_high", "loss_type",
                                                      "max_completion_length", "num_items_in_batch")}
@@ -130,7 +130,7 @@ def _sampling_logps(lp, c):
 
 def test_off_policy_mask_is_exercised():
     """The off-policy setting must drop a sequence in the parity cases (with old log-probs), or it is untested."""
-    from grpo_kit.objective import off_policy_sequence_mask
+    from grpo_kit.loss.objective import off_policy_sequence_mask
 
     for seed, sampler in ((22, _sampling_logps), (list(SETTINGS).index("off_policy_mask") * 2 + 1,
                                                    lambda lp, c: lp + c["noise"][0])):  # TRL case; fp64: old
@@ -657,7 +657,7 @@ def test_padding_may_hold_garbage_and_empty_batch_is_zero():
 @pytest.mark.parametrize("vocab", [128256, 151936])
 def test_auto_chunk_fits_the_quarter_gib_budget(n_tokens, vocab):
     """The chunk plus the per-token vectors stays within 0.25 GiB (the memory target's allowance)."""
-    from grpo_kit.loss import _auto_chunk_rows
+    from grpo_kit.loss.efficient import _auto_chunk_rows
 
     rows = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "triton", n_tokens)
     assert rows >= 512 and rows % 256 == 0  # whole GEMM tiles (bench/results/loss_chunk/)

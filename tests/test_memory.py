@@ -19,7 +19,7 @@ from grpo_kit.memory import (
 )
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.cli import cli_main
-from grpo_kit.models import BUILTIN_MODELS, build_random_model, model_config
+from grpo_kit.model.loading import BUILTIN_MODELS, build_random_model, model_config
 
 LLAMA = "llama-3.1-8b"
 PUB = dict(num_generations=8, prompt_length=0, completion_length=20480)
@@ -130,7 +130,7 @@ def test_layer_saved_bytes_with_lora_dropout_match_autograd(name, dtype, b):
 def test_auto_chunk_tokens_matches_checkpointing(inter):
     from types import SimpleNamespace
 
-    from grpo_kit.checkpointing import _auto_chunk_tokens
+    from grpo_kit.model.offload import _auto_chunk_tokens
 
     layer = SimpleNamespace(mlp=SimpleNamespace(intermediate_size=inter))
     a = F.Arch("x", "llama", 1000, 64, inter, 2, 4, 2, 16, False)
@@ -164,7 +164,7 @@ def test_known_component_values():
     n = F.param_counts(a)
     assert q4.at["model weights", "GB"] * 1e9 == pytest.approx(n["layer_linear"] * 4.127 / 8 + n["other"] * 2, rel=1e-3)
     assert q4.at["KV cache (generation)", "GiB"] == pytest.approx(df.at["KV cache (generation)", "GiB"] / 2)
-    # the kit's 4-bit matmul keeps the running layer's 7 projections dequantised (grpo_kit.nf4_matmul): 218M weights
+    # the kit's 4-bit matmul keeps the running layer's 7 projections dequantised (grpo_kit.model.nf4_matmul): 218M weights
     # of 2 B for the 8B; bitsandbytes (the other methods) one projection at a time, the largest
     assert q4.at["dequantised 4-bit weights of one layer", "GB"] * 1e9 == pytest.approx(
         (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) * 2)
@@ -459,7 +459,7 @@ def test_auto_scoring_batch_outside_the_kit_and_at_a_full_micro_batch():
 
 
 def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory import estimate_for_config, scoring_batch_for_config
 
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=1024, per_device_train_batch_size=1,
@@ -531,7 +531,7 @@ def test_no_grad_mlp_moment_with_and_without_adapters(dtype, b, dropout):
 def test_the_old_policy_pass_prices_the_adapters():
     """With vLLM (the kit's importance-sampling correction) or num_iterations > 1 the scoring phase is the
     old-policy pass's, adapters on; with HF generation and one iteration the reference pass's."""
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory import estimate_for_config
 
     kw = dict(num_generations=8, prompt_length=512, completion_length=20480, dtype="bf16", lora_rank=16,
@@ -557,7 +557,7 @@ def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
     """With LoRA dropout the kit's checkpointing recomputes each layer whole and scores unsliced (the random masks
     cannot be split): its backward is the whole-layer recompute with the dropout's tensors, its scoring pass holds a
     whole MLP, and the config's lora_dropout reaches the estimate."""
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory import estimate_for_config
 
     a = resolve_arch("llama-3.1-8b")

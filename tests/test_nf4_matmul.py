@@ -1,4 +1,4 @@
-"""The kit's 4-bit matmul (grpo_kit.nf4_matmul) on bitsandbytes' CPU backend: the same logits and LoRA gradients
+"""The kit's 4-bit matmul (grpo_kit.model.nf4_matmul) on bitsandbytes' CPU backend: the same logits and LoRA gradients
 as bitsandbytes' own Linear4bit (Llama, and Qwen2 with its q/k/v biases), with and without offloaded
 checkpointing; each weight dequantised once per decoder-layer call under the kit's checkpointing, however many
 token slices the layer runs in; no dequantised weight kept for backward outside it, and inside it only the cached
@@ -10,11 +10,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo_kit import nf4_matmul as NM
-from grpo_kit.checkpointing import enable_offloaded_checkpointing
-from grpo_kit.config import ConfigError, GRPOKitConfig
-from grpo_kit.models import load_model
-from grpo_kit.quantize import is_quantized
+from grpo_kit.model import nf4_matmul as NM
+from grpo_kit.model.offload import enable_offloaded_checkpointing
+from grpo_kit.app.config import ConfigError, GRPOKitConfig
+from grpo_kit.model.loading import load_model
+from grpo_kit.model.quantize import is_quantized
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                 reason="bitsandbytes is not installed")

@@ -67,16 +67,16 @@ def test_wheel_carries_package_data_and_console_script(venv):
                  "grpo_kit/_results/loss_h200.json", "grpo_kit/requirements-nodeps.txt",
                  "grpo_kit/memory/estimate.py", "grpo_kit/generation/base.py", "grpo_kit/kernels/grpo_epilogue.py"):
         assert path in names, path
-    assert "grpo-kit = grpo_kit.cli:main" in entry_points
+    assert "grpo-kit = grpo_kit.app.cli:main" in entry_points
     assert "Requires-Dist: trl==1.16.0" in metadata and 'vllm==0.26.0; extra == "vllm"' in metadata
     # no Triton pin of the kit's own: a CUDA torch brings its matching Triton (a pin would make pip swap the torch)
     assert "Requires-Dist: triton" not in metadata and "Requires-Dist: torch>=2.6" in metadata
 
 
 def test_installed_package_imports_and_runs_outside_the_checkout(venv, repo_root):
-    code = ("import json, grpo_kit, grpo_kit.run\n"
-            "from grpo_kit.notebook_utils import repo_file\n"
-            "from grpo_kit.colab import install_plan\n"
+    code = ("import json, grpo_kit, grpo_kit.app.run\n"
+            "from grpo_kit.notebook.helpers import repo_file\n"
+            "from grpo_kit.notebook.colab import install_plan\n"
             "print(json.dumps({'file': grpo_kit.__file__, 'gsm8k': str(repo_file('data/gsm8k_sample.jsonl')),\n"
             "  'loss': str(repo_file('bench/results/loss_h200.json')), 'png': str(repo_file('bench/results/x.png')),\n"
             "  'cpu': install_plan(generate=True, gpu=False), 'gpu': install_plan(generate=True, gpu=True)}))")

@@ -1,4 +1,4 @@
-"""4-bit base weights (grpo_kit.quantize): NF4 layers, LoRA gradients against a dequantised reference, the
+"""4-bit base weights (grpo_kit.model.quantize): NF4 layers, LoRA gradients against a dequantised reference, the
 `auto` skip rule, a real quantised training step (bitsandbytes' CPU backend), and the config's refusals."""
 
 import copy
@@ -8,10 +8,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo_kit.config import ConfigError, GRPOKitConfig
+from grpo_kit.app.config import ConfigError, GRPOKitConfig
 from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
-from grpo_kit.models import build_random_model, load_model
-from grpo_kit.quantize import (auto_skip_modules, dequantized_weight, is_quantized, layer_errors, nf4_roundtrip,
+from grpo_kit.model.loading import build_random_model, load_model
+from grpo_kit.model.quantize import (auto_skip_modules, dequantized_weight, is_quantized, layer_errors, nf4_roundtrip,
                                quantizable_linears, quantize_model)
 
 bnb_missing = importlib.util.find_spec("bitsandbytes") is None
@@ -109,7 +109,7 @@ def test_auto_keeps_the_layer_nf4_hurts_most_within_the_allowance():
 def test_auto_ranks_by_error_per_extra_byte(monkeypatch):
     """A big layer with the largest error loses to two small layers whose error per extra byte is higher
     and that together cost what it costs (ranking by error alone would keep the big one)."""
-    import grpo_kit.quantize as Q
+    import grpo_kit.model.quantize as Q
 
     model = build_random_model("tiny-llama")
     big, small = "model.layers.0.mlp.down_proj", ["model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.v_proj"]
@@ -130,9 +130,9 @@ def test_auto_ranks_by_error_per_extra_byte(monkeypatch):
 def test_a_quantised_grpo_step_trains_lora_only(tmp_path):
     from trl import GRPOConfig
 
-    from grpo_kit.data import generate_tasks, to_prompt_dataset
-    from grpo_kit.rewards import completion_text
-    from grpo_kit.trainer import EfficientGRPOTrainer
+    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
+    from grpo_kit.tasks.rewards import completion_text
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     model, tok = load_model("tiny-llama", load_in_4bit=True, skip_modules="auto", device="cpu",
                             calibration=[_ids(1, 16)], auto_allowance=0.05)
@@ -164,8 +164,8 @@ def test_a_random_built_in_is_built_in_4bit_on_the_device_without_its_16_bit_mod
     just before it is quantised: the same layers quantised and kept as the host-RAM path's, the same
     parameter names, initialised as transformers initialises them (normal(0, 0.02), ones for norms, zeros for
     biases, the padding row zero), tied weights still tied, and a finite forward."""
-    import grpo_kit.models as M
-    from grpo_kit.quantize import dequantized_weight, is_quantized, quantizable_linears
+    import grpo_kit.model.loading as M
+    from grpo_kit.model.quantize import dequantized_weight, is_quantized, quantizable_linears
 
     monkeypatch.setattr(M, "build_random_model", None)  # the host-RAM build must not run
     model, _ = load_model(name, load_in_4bit=True, skip_modules=["down_proj"], device="cpu")
@@ -219,8 +219,8 @@ def test_skip_modules_auto_parses_from_yaml_and_cli(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_4bit_on_a_cpu_only_machine_is_refused_in_validation_before_loading(tmp_path, monkeypatch):
-    from grpo_kit import models, run
-
+    from grpo_kit.model import loading as models
+    from grpo_kit.app import run
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = GRPOKitConfig(load_in_4bit=True, output_dir=str(tmp_path / "run"), max_steps=1)
     with pytest.raises(ConfigError, match="load_in_4bit=True needs a CUDA GPU .* device='auto' finds none"):
@@ -234,7 +234,7 @@ def test_a_checkpoint_loads_streamed_with_the_same_nf4_as_the_in_ram_path():
     quantised as it is read; host RAM never holds the 16-bit model): the same layers in NF4, the same kept
     ones under the kit's substring rule (a prefix, a suffix, a middle part), the same packed codes and absmax
     constants as quantising the 16-bit model in RAM."""
-    import grpo_kit.models as M
+    import grpo_kit.model.loading as M
 
     skip = ["lm_head", "down_proj", "model.layers.0.", "self_attn.k"]
     streamed, _ = load_model(device="cpu", load_in_4bit=True, skip_modules=skip)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_kit.resume import (CheckpointError, find_resume_checkpoint, last_checkpoint, list_checkpoints,
+from grpo_kit.trainer.checkpoints import (CheckpointError, find_resume_checkpoint, last_checkpoint, list_checkpoints,
                              load_state, save_state, verify_checkpoint, write_checkpoint)
-from grpo_kit.resume_policy import resume_config
+from grpo_kit.app.resume_policy import resume_config
 
 WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
 TINY = ["--set", "model=tiny-llama", "--set", "max_steps=6", "--set", "save_steps=2", "--set", "num_train_samples=16",
@@ -187,7 +187,7 @@ def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, damage, capsys):
     elif damage == "manifest-outside":
         (newest / "manifest.json").write_text('{"files": {"../checkpoint-2/kit_state.json": {"bytes": 1}}}')
     elif damage == "state-not-utf8":  # consistent with its manifest, but unreadable
-        from grpo_kit.resume import write_manifest
+        from grpo_kit.trainer.checkpoints import write_manifest
 
         (newest / "kit_state.json").write_bytes(b'{"run": "\xff"}')
         write_manifest(newest)
@@ -219,7 +219,7 @@ def _cli(*args, cwd):
 
 
 def _run_folder(tmp_path, **fields):
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
 
     run = tmp_path / "run"
     run.mkdir()

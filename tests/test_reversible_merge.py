@@ -165,7 +165,7 @@ def test_non_contiguous_weight_is_refused():
 def _peft_model(dtype, seed=0, **lora):
     from peft import LoraConfig, get_peft_model
 
-    from grpo_kit.models import build_random_model
+    from grpo_kit.model.loading import build_random_model
 
     model = build_random_model("tiny-llama", dtype=dtype, seed=seed)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -266,7 +266,7 @@ def test_rslora_and_two_active_adapters_merge_as_peft_computes_them():
 def test_adapters_that_cannot_be_merged_this_way_are_refused():
     from peft import LoraConfig, get_peft_model
 
-    from grpo_kit.models import build_random_model
+    from grpo_kit.model.loading import build_random_model
 
     with pytest.raises(ValueError, match="LoRA variant.*vllm_lora_sync='adapter'"):
         rm.ReversibleLoraMerge(_peft_model(torch.float32, use_dora=True))
@@ -276,7 +276,7 @@ def test_adapters_that_cannot_be_merged_this_way_are_refused():
     with pytest.raises(ValueError, match="lm_head.*tied to.*embed_tokens"):
         rm.ReversibleLoraMerge(tied)
     with pytest.raises(ValueError, match="no active LoRA layers"):
-        from grpo_kit.models import build_random_model
+        from grpo_kit.model.loading import build_random_model
 
         rm.ReversibleLoraMerge(build_random_model("tiny-llama"))
 

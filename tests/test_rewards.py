@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from grpo_kit import rewards
-from grpo_kit.data import load_gsm8k_jsonl
+from grpo_kit.tasks import rewards
+from grpo_kit.tasks.data import load_gsm8k_jsonl
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -82,8 +82,8 @@ def test_checked_reward_func_names_function_and_sample():
 
 
 def test_reward_errors_zero_scores_raising_samples_zero_with_a_warning(caplog):
-    from grpo_kit.config import ConfigError, GRPOKitConfig
-    from grpo_kit.trainer import _checked
+    from grpo_kit.app.config import ConfigError, GRPOKitConfig
+    from grpo_kit.trainer.grpo_trainer import _checked
 
     def raises_on_x(prompts, completions, **kw):
         if any("x" in c for c in completions):
@@ -91,7 +91,7 @@ def test_reward_errors_zero_scores_raising_samples_zero_with_a_warning(caplog):
         return [float(len(c)) for c in completions]
 
     comps = ["ab", "x", "abc"]
-    with caplog.at_level("WARNING", logger="grpo_kit.rewards"):
+    with caplog.at_level("WARNING", logger="grpo_kit.tasks.rewards"):
         assert rewards.checked_reward_func(raises_on_x, on_error="zero")(None, comps) == [2.0, 0.0, 3.0]
     assert "'raises_on_x' raised KeyError" in caplog.text and "sample 1" in caplog.text
     assert "scored 0.0" in caplog.text
@@ -122,7 +122,7 @@ def test_extract_number_reads_or_refuses_without_misreading(text, expected):
 def test_extract_answer_is_exact_beyond_float_range():
     from fractions import Fraction
 
-    from grpo_kit.answers import extract_answer
+    from grpo_kit.tasks.answers import extract_answer
 
     assert extract_answer("1e400").value == 10**400 and not extract_answer("1e400").exact
     assert extract_answer("Answer: " + "9" * 400).value == 10**400 - 1
@@ -150,8 +150,8 @@ ADVERSARIAL = [
 
 @pytest.mark.parametrize("k", range(len(ADVERSARIAL)))
 def test_reward_extractors_take_linear_time_on_adversarial_text(k):
-    from grpo_kit.code_reward import extract_code
-    from grpo_kit.time_limit import call_with_time_limit
+    from grpo_kit.tasks.code_reward import extract_code
+    from grpo_kit.tasks.time_limit import call_with_time_limit
 
     text = ADVERSARIAL[k]
     calls = [lambda: rewards.extract_number(text), lambda: rewards.format_strict_reward(None, [text]),
@@ -192,7 +192,7 @@ def test_reward_call_time_limit_scores_zero_with_a_logged_reason(caplog, thread)
     fn = rewards.checked_reward_func(_slow_on_marked, time_limit_s=0.3)
     box = {}
     t = time.perf_counter()
-    with caplog.at_level("WARNING", logger="grpo_kit.rewards"):
+    with caplog.at_level("WARNING", logger="grpo_kit.tasks.rewards"):
         if thread:  # off the main thread the call is abandoned at the limit instead of interrupted
             worker = threading.Thread(target=lambda: box.update(out=fn(None, ["ok", "slow", "fine"])))
             worker.start()
@@ -221,14 +221,14 @@ def test_reward_time_limit_interrupts_a_backtracking_regex():
 @pytest.mark.parametrize("line", ["#### 1_000", "#### 1e400", "#### nan", "#### inf", "#### 1,23", "#### 5 apples",
                                   "#### 0x10", "#### " + "9" * 2000])
 def test_gsm8k_answers_must_be_plain_numbers(line):
-    from grpo_kit.data import parse_gsm8k_answer
+    from grpo_kit.tasks.data import parse_gsm8k_answer
 
     with pytest.raises(ValueError, match="not a plain number"):
         parse_gsm8k_answer("so\n" + line)
 
 
 def test_gsm8k_loader_names_the_line_of_non_utf8_or_deeply_nested_json(tmp_path):
-    from grpo_kit.data import parse_gsm8k_answer
+    from grpo_kit.tasks.data import parse_gsm8k_answer
 
     assert parse_gsm8k_answer("#### -$1,000") == "-1000" and parse_gsm8k_answer("#### 2.50") == "2.50"
     good = json.dumps({"question": "q", "answer": "#### 3"}) + "\n"

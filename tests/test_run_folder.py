@@ -1,4 +1,4 @@
-"""Run folders (grpo_kit.run_folder, grpo_kit.run): a run is never trained over without being asked, one writer
+"""Run folders (grpo_kit.app.run_folder, grpo_kit.app.run): a run is never trained over without being asked, one writer
 at a time, and resuming a finished run, or one stopped during its final save or evaluation, trains no further."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from grpo_kit.run_folder import LOCK_FILE, RunFolderError, claim_run_folder, read_lock
+from grpo_kit.app.run_folder import LOCK_FILE, RunFolderError, claim_run_folder, read_lock
 
 TINY = dict(model="tiny-llama", max_steps=2, save_steps=2, num_train_samples=8, num_eval_samples=2,
             max_completion_length=4, num_generations=2, per_device_train_batch_size=2, seed=1)
@@ -28,8 +28,8 @@ def _tree(path):
 
 
 def test_new_run_into_a_run_folder_is_refused_and_overwrite_moves_it_aside(tmp_path, capsys, monkeypatch):
-    from grpo_kit import models
-    from grpo_kit.cli import main
+    from grpo_kit.model import loading as models
+    from grpo_kit.app.cli import main
 
     run = _old_run(tmp_path)
     before = _tree(run)
@@ -82,10 +82,10 @@ def test_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, capsy
 
 
 def test_resume_of_a_finished_run_or_one_stopped_in_its_final_evaluation(tmp_path, capsys):
-    from grpo_kit.config import GRPOKitConfig
-    from grpo_kit.resume import list_checkpoints
-    from grpo_kit.run import resume
-    from grpo_kit.run import train
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.trainer.checkpoints import list_checkpoints
+    from grpo_kit.app.run import resume
+    from grpo_kit.app.run import train
 
     run = tmp_path / "run"
     train(GRPOKitConfig(**TINY, output_dir=str(run)), progress=False)

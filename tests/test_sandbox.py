@@ -1,4 +1,4 @@
-"""The sandbox for model-generated code (grpo_kit.sandbox) and the python_code_reward verifier."""
+"""The sandbox for model-generated code (grpo_kit.tasks.sandbox) and the python_code_reward verifier."""
 
 import logging
 import os
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from grpo_kit.code_reward import extract_code, make_python_code_reward
-from grpo_kit.sandbox import SandboxLimits, run_many, run_python
+from grpo_kit.tasks.code_reward import extract_code, make_python_code_reward
+from grpo_kit.tasks.sandbox import SandboxLimits, run_many, run_python
 
 def _limits(**kw):
     """Limits for these tests: they run as root on CI, where Python under /root cannot run as nobody, so they
@@ -129,7 +129,7 @@ def test_python_code_reward_scores_and_logs(caplog):
     tests = ["assert add(2, 3) == 5"] * 5 + [None, None, None]
     answer = [None] * 5 + ["45", None, "45"]
     expected = [None] * 6 + ["hello", None]
-    with caplog.at_level(logging.INFO, logger="grpo_kit.sandbox"):
+    with caplog.at_level(logging.INFO, logger="grpo_kit.tasks.sandbox"):
         scores = fn(None, completions, tests=tests, answer=answer, expected_output=expected)
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     text = caplog.text
@@ -139,7 +139,7 @@ def test_python_code_reward_scores_and_logs(caplog):
 
 
 def test_python_code_reward_in_the_checked_wrapper():
-    from grpo_kit.rewards import checked_reward_func
+    from grpo_kit.tasks.rewards import checked_reward_func
 
     fn = checked_reward_func(make_python_code_reward(FAST))
     assert fn(None, [_block("print(2 + 2)"), "nothing"], answer=[4, 4]) == [1.0, 0.0]
@@ -162,7 +162,7 @@ def _namespaces() -> bool:
 
 
 def test_outputs_are_files_the_parent_opened_not_paths_in_the_scratch_folder(tmp_path):
-    from grpo_kit.time_limit import call_with_time_limit
+    from grpo_kit.tasks.time_limit import call_with_time_limit
 
     secret = tmp_path / "root_only.txt"
     secret.write_text("TOP SECRET")
@@ -203,8 +203,7 @@ def test_killing_the_parent_does_not_reach_the_trainer():
 def test_root_without_privilege_drop_refuses_unless_opted_in(caplog, monkeypatch):
     import sys
 
-    from grpo_kit import sandbox
-
+    from grpo_kit.tasks import sandbox
     default = SandboxLimits(timeout_s=5.0, memory_mb=256)
     r = run_python("import os\nprint(os.geteuid())", limits=default)
     if os.geteuid() != 0:
@@ -214,7 +213,7 @@ def test_root_without_privilege_drop_refuses_unless_opted_in(caplog, monkeypatch
         assert r.ok and int(r.stdout) >= sandbox.SANDBOX_ID_BASE, r  # dropped to a uid of its own
     monkeypatch.setattr(sandbox, "_interpreter", lambda lim: (sys.executable, False))  # as where none can drop
     monkeypatch.setattr(sandbox, "_ROOT_WARNED", False)
-    with caplog.at_level(logging.WARNING, logger="grpo_kit.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="grpo_kit.tasks.sandbox"):
         first, second = run_python("print(1)", limits=default), run_python("print(1)", limits=default)
     assert not first.ok and first.reason.startswith("refused: running as root") and "allow_root=True" in first.reason
     assert second.reason == first.reason and caplog.text.count("refused: running as root") == 1  # one warning
@@ -225,8 +224,7 @@ def test_root_without_privilege_drop_refuses_unless_opted_in(caplog, monkeypatch
 
 
 def test_concurrent_runs_get_their_own_uid_and_cannot_touch_each_other():
-    from grpo_kit import sandbox
-
+    from grpo_kit.tasks import sandbox
     if os.geteuid() != 0 or not sandbox._interpreter(FAST)[1]:
         pytest.skip("needs root with an interpreter an unprivileged uid can run")
     code = ("import glob, os, time\ntime.sleep(0.5)\nmine = os.getcwd()\nhits = 0\n"

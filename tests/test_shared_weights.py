@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from grpo_kit.generation.shared_weights import UnshareableError, build_shared_model, engine_views, shared_storage
-from grpo_kit.models import build_random_model, model_config
+from grpo_kit.model.loading import build_random_model, model_config
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

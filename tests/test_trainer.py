@@ -11,10 +11,10 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from _objective_settings import SETTINGS, loss_kwargs
-from grpo_kit.data import generate_tasks, to_prompt_dataset
-from grpo_kit.models import load_model
-from grpo_kit.rewards import completion_text, correctness_reward, format_soft_reward
-from grpo_kit.trainer import EfficientGRPOTrainer
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
+from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.rewards import completion_text, correctness_reward, format_soft_reward
+from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
 TRAIN_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -299,9 +299,9 @@ def test_trl_methods_the_kit_overrides_or_calls_keep_their_signatures(name):
 def test_trl_attributes_and_config_fields_the_kit_reads_exist():
     import transformers
 
-    from grpo_kit.names import LOSS_TYPES
-    from grpo_kit.objective import ObjectiveSpec
-    from grpo_kit.trainer import OBJECTIVE_FIELDS
+    from grpo_kit.loss.names import LOSS_TYPES
+    from grpo_kit.loss.objective import ObjectiveSpec
+    from grpo_kit.trainer.grpo_trainer import OBJECTIVE_FIELDS
 
     init_src = inspect.getsource(GRPOTrainer.__init__)
     missing = [a for a in GRPO_ATTRIBUTES if f"self.{a} =" not in init_src]
@@ -373,9 +373,9 @@ def test_make_trainer_resolves_an_auto_scoring_batch_size(tmp_path):
     """``scoring_batch_size: auto`` reaches the trainer as the calculator's number: the generation memory plan's
     where there is one (vLLM on CUDA prices its own generation phase), else the config's estimate on the model's
     own config."""
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory import scoring_batch_for_config
-    from grpo_kit.trainer import make_trainer
+    from grpo_kit.trainer.grpo_trainer import make_trainer
 
     model, tok = load_model("tiny-llama")
     cfg = GRPOKitConfig(model="tiny-llama", device="cpu", per_device_train_batch_size=2, gradient_accumulation_steps=4,
@@ -395,8 +395,8 @@ def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
     """``scoring_batch_size`` chunks TRL's no-grad scoring passes (called with TRL's per-device batch size) into
     that many sequences per forward, the last chunk shorter; the log-probs are those of one sequence at a time.
     ``make_trainer`` takes it from the config."""
-    from grpo_kit.config import GRPOKitConfig
-    from grpo_kit.trainer import make_trainer
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.trainer.grpo_trainer import make_trainer
 
     model, tok = load_model("tiny-llama")  # fresh: the module's shared models carry earlier tests' adapters
     cfg = GRPOKitConfig(model="tiny-llama", scoring_batch_size=3, device="cpu")
@@ -449,7 +449,7 @@ def test_full_fine_tuning_scores_the_reference_with_its_own_layers(tmp_path):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_padded_batches_reach_the_model_without_a_mask(tmp_path, attention):
-    """TRL's left-padded prompts and right-padded completions go in rolled (grpo_kit.causal_layout), so the model
+    """TRL's left-padded prompts and right-padded completions go in rolled (grpo_kit.model.causal_layout), so the model
     gets no attention mask and builds no (B, 1, T, T) one; a pad between real tokens keeps the mask."""
     model, tok = load_model("tiny-llama")  # fresh: the module's shared models carry earlier tests' adapters
     trainer = EfficientGRPOTrainer(model=model, reward_funcs=[_reward], args=_args(tmp_path), processing_class=tok,

@@ -7,8 +7,8 @@ import re
 import subprocess
 import sys
 
-from grpo_kit.config import GRPOKitConfig
-from grpo_kit.rewards import completion_text
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.tasks.rewards import completion_text
 
 CALLS: list[int] = []
 
@@ -20,12 +20,12 @@ def length_bonus(prompts, completions, **kwargs):
 
 
 def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
-    from grpo_kit.run import train
+    from grpo_kit.app.run import train
 
     cfg = GRPOKitConfig(model="tiny-llama", max_steps=2, num_train_samples=16, num_eval_samples=2,
                         max_completion_length=6, num_generations=4, per_device_train_batch_size=4, save_steps=0,
                         output_dir=str(tmp_path / "run"),
-                        reward_funcs=[length_bonus, "grpo_kit.rewards:format_strict_reward"])
+                        reward_funcs=[length_bonus, "grpo_kit.tasks.rewards:format_strict_reward"])
     summary = train(cfg)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
@@ -54,27 +54,27 @@ def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
     assert 0 < gen["generation_seconds"] <= saved["train_seconds"] and 0 < gen["generation_share_of_training"] < 1
     for key in ("mean_step_time_s", "peak_memory_gib"):
         assert len(repr(saved[key]).split(".")[1]) <= 4, saved[key]
-    assert "- test_training_output:length_bonus\n- grpo_kit.rewards:format_strict_reward" in \
+    assert "- test_training_output:length_bonus\n- grpo_kit.tasks.rewards:format_strict_reward" in \
         (run / "config.yaml").read_text()
 
 
 def test_reward_import_errors_are_one_clear_line(repo_root, tmp_path):
     r = subprocess.run([sys.executable, "-m", "grpo_kit", "train", "--set",
-                        "reward_funcs=[correctness,no_such_rewards_mod:score,grpo_kit.rewards:nothing_here]",
+                        "reward_funcs=[correctness,no_such_rewards_mod:score,grpo_kit.tasks.rewards:nothing_here]",
                         "--output-dir", str(tmp_path / "r")], cwd=repo_root, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "cannot import module 'no_such_rewards_mod' (ModuleNotFoundError" in r.stderr
-    assert "module 'grpo_kit.rewards' has no attribute 'nothing_here'" in r.stderr
+    assert "module 'grpo_kit.tasks.rewards' has no attribute 'nothing_here'" in r.stderr
     assert not (tmp_path / "r").exists()
 
 
 def test_the_recorded_reward_is_wrapped_once(tmp_path):
     """run.py checks each reward (with the config's reward_errors and time limit); the sample recorder's wrapper
     keeps that marker, so the trainer does not wrap it a second time with its defaults."""
-    from grpo_kit.rewards import checked_reward_func, correctness_reward
-    from grpo_kit.run import SampleRecorder
-    from grpo_kit.trainer import _checked
+    from grpo_kit.tasks.rewards import checked_reward_func, correctness_reward
+    from grpo_kit.app.run import SampleRecorder
+    from grpo_kit.trainer.grpo_trainer import _checked
 
     rec = SampleRecorder([checked_reward_func(correctness_reward, on_error="zero")], tmp_path / "samples.jsonl")
     assert _checked(rec.wrapped) == rec.wrapped

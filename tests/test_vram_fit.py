@@ -60,7 +60,7 @@ def test_cli_verdict_per_method(capsys):
 
 
 def test_hub_id_from_the_local_cache(tmp_path, monkeypatch):
-    from grpo_kit.models import model_config
+    from grpo_kit.model.loading import model_config
 
     snap = tmp_path / "hub" / "models--someorg--tiny-qwen" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)
@@ -83,7 +83,7 @@ def test_hub_id_from_the_local_cache(tmp_path, monkeypatch):
 
 def test_require_fit_prices_the_config_and_stops_with_the_numbers(capsys, monkeypatch):
     import grpo_kit.memory.fit as fit
-    from grpo_kit.config import GRPOKitConfig
+    from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory.fit import config_fit, require_fit
 
     monkeypatch.setattr(fit, "detected_gpu_gib", lambda: None)  # the gpu_gib given is the budget on any machine

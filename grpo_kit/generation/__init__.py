@@ -1,4 +1,5 @@
-"""Generation backends behind one interface: ``HFGenerator`` and ``VLLMGenerator``.
+"""Generation backends behind one interface: ``HFGenerator`` and ``VLLMGenerator`` (layer: generation; may import
+the core layers, ``kernels`` to ``memory``; not TRL's trainer, ``trainer`` or ``app``).
 
 ``make_generator(backend, ...)`` picks one. vLLM is optional: this package imports
 without it, ``backend="auto"`` then uses HF, and ``backend="vllm"`` stops with the exact
@@ -9,7 +10,7 @@ Which backend a run uses, whether the engine shares the training model's weights
 split: :mod:`grpo_kit.generation.plan` (decided before any model loads). One copy of the weights:
 :mod:`.shared_weights`; LoRA in memory: :mod:`.lora_memory`; standby: :mod:`.standby`.
 
-Trainer integration: :class:`grpo_kit.generation.trainer_hook.KitGenerationMixin`.
+Trainer integration: :class:`grpo_kit.trainer.generation_hook.KitGenerationMixin`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from ..names import GENERATION_BACKENDS
-from .base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
-from .hf import HFGenerator, process_logits, sampling_logprobs_reference
-from .vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, vllm_available,
+from grpo_kit.loss.names import GENERATION_BACKENDS
+from grpo_kit.generation.base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
+from grpo_kit.generation.hf import HFGenerator, process_logits, sampling_logprobs_reference
+from grpo_kit.generation.vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, vllm_available,
                            vllm_install_advice, vllm_install_command)
 
 BACKENDS = GENERATION_BACKENDS
@@ -33,7 +34,7 @@ __all__ = ["BACKENDS", "GenerationEngineError", "GenerationResult", "Generator",
 
 def __getattr__(name):
     if name == "VLLMGenerator":  # importing it is cheap, but keep one import path for it
-        from .vllm_backend import VLLMGenerator
+        from grpo_kit.generation.vllm_backend import VLLMGenerator
 
         return VLLMGenerator
     raise AttributeError(name)
@@ -44,7 +45,7 @@ def make_generator(backend: str = "auto", *, model=None, tokenizer=None, model_d
 
     ``model``/``tokenizer``: the training model (HF backend; may also be given later via
     ``sync_weights``). ``model_dir``: the HF folder vLLM starts from (for the embedded
-    model :func:`grpo_kit.models.embedded_model_dir`). ``vllm_kwargs`` go to
+    model :func:`grpo_kit.model.loading.embedded_model_dir`). ``vllm_kwargs`` go to
     :class:`VLLMGenerator`. ``"auto"``: vLLM when it is importable and ``model_dir`` is
     given, else HF.
     """
@@ -57,7 +58,7 @@ def make_generator(backend: str = "auto", *, model=None, tokenizer=None, model_d
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"model_dir={str(model_dir)!r} is not a HF model folder (no config.json)")
     import_vllm()  # VLLMNotInstalledError with the install command
-    from .vllm_backend import VLLMGenerator, check_vllm_architecture
+    from grpo_kit.generation.vllm_backend import VLLMGenerator, check_vllm_architecture
 
     try:
         check_vllm_architecture(model_dir)

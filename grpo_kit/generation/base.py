@@ -74,7 +74,7 @@ class SamplingConfig:
 
     @classmethod
     def from_config(cls, cfg, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> "SamplingConfig":
-        """From a :class:`grpo_kit.config.GRPOKitConfig` (its field names follow TRL's)."""
+        """From a :class:`grpo_kit.app.config.GRPOKitConfig` (its field names follow TRL's)."""
         return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or 0.0,
                    max_tokens=cfg.max_completion_length, seed=seed, stop_token_ids=tuple(stop_token_ids))
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .base import (GenerationResult, SamplingConfig, check_context, check_num_generations, cut_at_stop,
+from grpo_kit.generation.base import (GenerationResult, SamplingConfig, check_context, check_num_generations, cut_at_stop,
                    encode_prompts)
 
 

@@ -66,7 +66,7 @@ def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
     embedded tokenizer, which the engine fills with random weights (``load_format="dummy"``). None on
     the CPU for those: there they are test models, and an engine start costs more than their run.
     """
-    from ..models import BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir, load_tokenizer, model_config
+    from grpo_kit.model.loading import BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir, load_tokenizer, model_config
 
     kind = check_model_name(name)
     if kind in ("tiny", "config-only"):
@@ -126,7 +126,7 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
     phase does not fit ``free_bytes`` less 1 GiB of headroom; the message names the numbers and
     what to lower. ``batched_tokens``: the engine's ``max_num_batched_tokens`` (its workspace row).
     """
-    from ..memory import estimate_for_config
+    from grpo_kit.memory import estimate_for_config
 
     kv_gib = cfg.vllm_kv_cache_gib
     df = estimate_for_config(cfg, model_config, vllm=True, standby=True, method="grpo_kit",
@@ -165,7 +165,7 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
 
 def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_processes: int = 1) -> GenerationPlan:
     """Decide the generator for ``cfg`` (see the module docstring); loads no model."""
-    from . import vllm_available, vllm_install_advice
+    from grpo_kit.generation import vllm_available, vllm_install_advice
 
     requested = cfg.generation_backend
     if cfg.trainer == "trl":
@@ -246,10 +246,10 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
     ``auto`` an engine that fails to start falls back to HF generate with a warning (unless the user
     set vLLM options).
     """
-    from . import HFGenerator
-    from .base import GenerationEngineError
-    from .shared_weights import UnshareableError
-    from .vllm_backend import UnsupportedArchitectureError, VLLMGenerator
+    from grpo_kit.generation import HFGenerator
+    from grpo_kit.generation.base import GenerationEngineError
+    from grpo_kit.generation.shared_weights import UnshareableError
+    from grpo_kit.generation.vllm_backend import UnsupportedArchitectureError, VLLMGenerator
 
     info = plan.info()
     if plan.backend == "trl":
@@ -306,7 +306,7 @@ def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
     device = "cuda" if param is not None and param.is_cuda else "cpu"
     dtype = param.dtype if param is not None else torch.float32
     if model is None:
-        from ..models import model_config
+        from grpo_kit.model.loading import model_config
 
         config = model_config(cfg.model)
     else:

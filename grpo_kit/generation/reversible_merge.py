@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import lora_merge as K
-from ..kernels.lora_merge import bit_sum  # noqa: F401  (the checksum, part of this module's interface)
+from grpo_kit.kernels import lora_merge as K
+from grpo_kit.kernels.lora_merge import bit_sum  # noqa: F401  (the checksum, part of this module's interface)
 
 MAX_KEPT_SHARE = 0.25  # a merge keeping more of a weight than this is refused (seen: 0.3%-2.5%)
 

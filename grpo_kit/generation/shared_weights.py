@@ -97,7 +97,7 @@ def build_shared_model(engine_model, config, dtype: torch.dtype):
     Every parameter is frozen. Raises :class:`UnshareableError` (nothing allocated but buffers) when a
     weight cannot be mapped. ``model.grpo_kit_shared_weights`` is set to True.
     """
-    from ..models import meta_model
+    from grpo_kit.model.loading import meta_model
 
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     model = meta_model(config, dtype=dtype, real_buffers=True)  # buffers real (on the CPU), moved below

@@ -116,7 +116,7 @@ def config_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     weights, started with random ones); the model is built on the meta device, nothing is allocated."""
     from transformers import AutoConfig
 
-    from ..models import meta_model
+    from grpo_kit.model.loading import meta_model
 
     return weight_manifest(meta_model(AutoConfig.from_pretrained(str(model_dir))))
 

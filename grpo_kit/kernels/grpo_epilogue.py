@@ -1,6 +1,6 @@
 """Per-chunk epilogue of the efficient GRPO loss: two row-wise passes over a logits chunk.
 
-The loss (``grpo_kit.loss``) computes one chunk of logits ``z = h_c @ W^T`` at a time,
+The loss (``grpo_kit.loss.efficient``) computes one chunk of logits ``z = h_c @ W^T`` at a time,
 shape (n, V) in the matmul dtype (bf16/fp16/fp32), and hands it here twice:
 
 1. ``lse_logp(z, ids, inv_temp)``: per row, in fp32, ``lse = logsumexp(z * inv_temp)``,
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
+from grpo_kit.kernels._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
 BACKENDS = ("auto", "torch", "triton")
 

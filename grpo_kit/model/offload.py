@@ -1,0 +1,722 @@
+"""Offloaded gradient checkpointing for HF Llama / Qwen2 / Mistral decoder layers.
+
+What it does, per decoder layer, once :func:`enable_offloaded_checkpointing` is on:
+
+* forward (autograd recording): the layer runs under ``no_grad`` (nothing of its
+  inside is saved); its input hidden states ``x`` (B, T, H) are copied into a reusable
+  pinned CPU buffer on a side CUDA stream. The last layer keeps its input on the GPU
+  (its backward starts at once), as do inputs under ``min_bytes``.
+* backward: ``x`` comes back (the previous layer's copy is already started on the side
+  stream when ``prefetch``), the layer is recomputed with grad, and the gradient of
+  ``x`` flows on. LoRA / trainable weights get their ``.grad`` accumulated during this
+  inner backward (as with reentrant checkpointing), so use ``loss.backward()``, not
+  ``torch.autograd.grad(loss, params)``.
+* long sequences: the per-token work (RMSNorms, q/k/v/o projections with their LoRA,
+  rotary, the MLP, the residual adds) runs over slices of ``chunk_tokens`` tokens, both
+  in the no-grad forward and in the recompute; only attention sees the whole sequence
+  (SDPA: memory O(T)). So one layer's recompute peak no longer holds the full
+  (T x intermediate) MLP activations.
+* ``torch.no_grad`` passes (reference / old-policy log-probs) run the same chunked
+  forward, save nothing and take no offload buffers. Passes with a KV cache (generation)
+  use the layer's original forward.
+* layers with an active dropout (LoRA dropout > 0 in train mode, attention dropout)
+  cannot be split into chunks without changing the random masks, so they use the
+  layer's original forward for the no-grad run and recompute it whole, with the RNG
+  state of the forward restored; offloading still applies.
+* on a CPU-only machine nothing is offloaded; the wrapper does plain (chunked) recompute.
+
+The readable reference is HF's own ``model.gradient_checkpointing_enable()``
+(non-reentrant ``torch.utils.checkpoint``); tests hold the gradients equal.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+import weakref
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from grpo_kit.model.nf4_matmul import layer_weight_cache
+
+__all__ = [
+    "SUPPORTED_LAYERS",
+    "enable_offloaded_checkpointing",
+    "disable_offloaded_checkpointing",
+    "keep_hf_checkpointing_off",
+    "offload_stats",
+    "reserve_offload_buffers",
+]
+
+# Decoder-layer class name -> how its attention passes the sliding window (None: not at all).
+# All three share the layout input_layernorm / self_attn(q,k,v,o_proj) / post_attention_layernorm
+# / mlp(gate, up, down, act_fn).
+SUPPORTED_LAYERS = {
+    "LlamaDecoderLayer": None,
+    "Qwen2DecoderLayer": "module",  # Qwen2Attention passes self.sliding_window
+    "MistralDecoderLayer": "config",  # MistralAttention passes config.sliding_window
+}
+
+_STATE_ATTR = "_grpo_kit_offload_state"
+
+
+# --------------------------------------------------------------------------- host buffers
+
+
+class _HostBuffer:
+    """One flat uint8 CPU buffer, page-locked when possible, exactly ``nbytes`` long.
+
+    Page-locking goes through ``cudaHostRegister`` on an ordinary allocation (exact size;
+    torch's pinned allocator rounds every block up to a power of two, which would double
+    the host RAM at some lengths), then ``pin_memory=True``; if both fail it stays pageable.
+    """
+
+    def __init__(self, nbytes: int, pin: bool, stream):
+        self.nbytes = nbytes
+        self.pinned = False
+        self._registered = False
+        self._stream = stream  # copies into this buffer run here; synced before unregistering
+        self.tensor = None
+        if pin and torch.cuda.is_available():
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+                ok = int(rc) == 0
+            except Exception:  # noqa: BLE001 - any failure means: try the next way
+                ok = False
+            if ok:
+                self.pinned = self._registered = True
+            else:
+                try:
+                    self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    self.pinned = True
+                except RuntimeError:
+                    self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if self.tensor is None:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+
+    def view(self, shape, dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.tensor[:n].view(dtype).view(shape)
+
+    def __del__(self):
+        if self._registered:
+            try:
+                if self._stream is not None:
+                    self._stream.synchronize()
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to do
+                pass
+
+
+class _BufferPool:
+    """Free host buffers, reused across layers, micro-batches and steps.
+
+    Sizes are rounded up to 1/8 of their power of two (at most 12.5% slack) so that
+    micro-batches of slightly different lengths reuse the same buffers.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: list[_HostBuffer] = []
+        self.allocated_bytes = 0  # all buffers made and still owned (free or in use)
+        self.pinned_bytes = 0
+        self.warned = False
+
+    @staticmethod
+    def _round(nbytes: int) -> int:
+        if nbytes <= 1 << 20:
+            return 1 << 20
+        step = 1 << max(0, nbytes.bit_length() - 4)
+        return -(-nbytes // step) * step
+
+    def acquire(self, nbytes: int, stream) -> _HostBuffer:
+        fits = [b for b in self.free if b.nbytes >= nbytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.nbytes)
+            self.free.remove(buf)
+            return buf
+        if self.free:  # a too-small free buffer is stale now: give its memory back first
+            small = min(self.free, key=lambda b: b.nbytes)
+            self.free.remove(small)
+            self._forget(small)
+        buf = _HostBuffer(self._round(nbytes), self.pin, stream)
+        self.allocated_bytes += buf.nbytes
+        self.pinned_bytes += buf.nbytes if buf.pinned else 0
+        if self.pin and not buf.pinned and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"grpo_kit.model.offload: could not page-lock {buf.nbytes / 2**20:.0f} MiB of host memory "
+                "(not enough pinned memory, or no CUDA); using pageable copies, which are slower and "
+                "synchronous.", RuntimeWarning, stacklevel=4)
+        return buf
+
+    def release(self, buf: _HostBuffer) -> None:
+        self.free.append(buf)
+
+    def _forget(self, buf: _HostBuffer) -> None:
+        self.allocated_bytes -= buf.nbytes
+        self.pinned_bytes -= buf.nbytes if buf.pinned else 0
+
+    def clear(self) -> None:
+        for b in self.free:
+            self._forget(b)
+        self.free.clear()
+
+
+# --------------------------------------------------------------------------- saved inputs
+
+
+class _Saved:
+    """A layer input kept for backward: on the GPU as is, or in a host buffer.
+
+    ``prev`` is the record of the layer before, in the same forward pass, so backward can
+    start bringing it back while this layer recomputes.
+    """
+
+    def __init__(self, offloader: "_Offloader", x: torch.Tensor, offload: bool):
+        self.offloader = offloader
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.prev: _Saved | None = None
+        self.host: _HostBuffer | None = None
+        self.gpu: torch.Tensor | None = None
+        self.ready = None  # CUDA event after which self.gpu holds the data
+        if not offload:
+            self.gpu = x
+            return
+        self.host = offloader.pool.acquire(x.numel() * x.element_size(), offloader.side_stream(x.device))
+        dst = self.host.view(x.shape, x.dtype)
+        if x.is_cuda:
+            side = offloader.side_stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))  # x is complete
+            with torch.cuda.stream(side):
+                dst.copy_(x, non_blocking=True)
+            x.record_stream(side)  # x's memory is not reused before the copy has read it
+        else:
+            dst.copy_(x)
+
+    def bring_back(self) -> None:
+        """Start the host -> GPU copy (no-op if done or not offloaded)."""
+        if self.gpu is not None or self.host is None:
+            return
+        src = self.host.view(self.shape, self.dtype)
+        if self.device.type == "cuda":
+            main = torch.cuda.current_stream(self.device)
+            side = self.offloader.side_stream(self.device)
+            gpu = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            side.wait_stream(main)  # the block we got may still be read by queued kernels
+            with torch.cuda.stream(side):
+                gpu.copy_(src, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record(side)
+            gpu.record_stream(side)
+        else:
+            gpu = src.clone()
+        self.gpu = gpu
+        # Same side stream for every copy: a later offload into this buffer queues behind
+        # this read, so the buffer can go back to the pool now.
+        self.offloader.pool.release(self.host)
+        self.host = None
+
+    def take(self) -> torch.Tensor:
+        self.bring_back()
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        x, self.gpu, self.ready = self.gpu, None, None
+        return x
+
+    def __del__(self):
+        # Graph dropped without a backward: the buffer returns to the pool.
+        if self.host is not None:
+            self.offloader.pool.release(self.host)
+            self.host = None
+
+
+class _Offloader:
+    """Per-model state: options, the buffer pool, one side stream per device."""
+
+    def __init__(self, *, offload, pin_memory, min_bytes, prefetch, chunk_tokens, offload_cpu):
+        self.pool = _BufferPool(pin_memory)
+        self._streams: dict = {}
+        self._last = None  # weakref to the last record made, to link the next layer's to it
+        self.configure(offload=offload, pin_memory=pin_memory, min_bytes=min_bytes, prefetch=prefetch,
+                       chunk_tokens=chunk_tokens, offload_cpu=offload_cpu)
+
+    def configure(self, *, offload, pin_memory, min_bytes, prefetch, chunk_tokens, offload_cpu):
+        self.offload, self.min_bytes, self.prefetch = offload, min_bytes, prefetch
+        self.chunk_tokens, self.offload_cpu = chunk_tokens, offload_cpu
+        if pin_memory != self.pool.pin:
+            self.pool.clear()
+            self.pool.pin = pin_memory
+
+    def side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        key = device.index if device.index is not None else torch.cuda.current_device()
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=key)
+        return self._streams[key]
+
+    def save(self, x: torch.Tensor, layer_index: int, is_last: bool) -> _Saved:
+        big = x.numel() * x.element_size() >= self.min_bytes
+        offload = self.offload and not is_last and big and (x.is_cuda or self.offload_cpu)
+        rec = _Saved(self, x, offload)
+        last = self._last() if self._last is not None else None
+        if last is not None and getattr(last, "layer_index", None) == layer_index - 1:
+            rec.prev = last
+        rec.layer_index = layer_index
+        self._last = weakref.ref(rec)
+        return rec
+
+
+# --------------------------------------------------------------------------- the layer, in pieces
+
+
+# Matmul tiles are multiples of 64-128 rows: slices of such lengths leave no ragged tile but the last.
+_SLICE_ALIGN = 128
+
+
+def _rotary_fn(layer: nn.Module):
+    """The model family's own ``apply_rotary_pos_emb`` (same arithmetic as HF's attention)."""
+    import sys
+
+    fn = getattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise ValueError(f"{type(layer).__name__}: no apply_rotary_pos_emb in {type(layer.self_attn).__module__}")
+    return fn
+
+
+def _auto_chunk_tokens(layer) -> int:
+    """Tokens per slice so one MLP intermediate (tokens x intermediate) is <= 2**26 elements
+    (256 MiB in fp32, the dtype peft's default LoRA casts to); a power of two in [1024, 16384]."""
+    inter = getattr(layer.mlp, "intermediate_size", None) or layer.mlp.gate_proj.out_features
+    t = 1 << max(0, (2**26 // max(int(inter), 1)).bit_length() - 1)
+    return min(16384, max(1024, t))
+
+
+def _slices(T: int, B: int, chunk_tokens: int):
+    """Token slices along the sequence, at most ``chunk_tokens`` tokens (B x t) each and close to equal:
+    4,608 tokens in 4,096-token slices run as 2 x 2,304, not 4,096 + 512, whose small second matmuls use the
+    GPU poorly. Slice lengths are rounded up to a multiple of ``_SLICE_ALIGN`` where that stays in bounds."""
+    t_max = max(1, chunk_tokens // max(B, 1))
+    t = -(-T // -(-T // t_max))  # ceil(T / number of slices)
+    t = min(t_max, -(-t // _SLICE_ALIGN) * _SLICE_ALIGN)
+    return [slice(s, min(s + t, T)) for s in range(0, T, t)]
+
+
+def _qkv_chunk(layer, x_c, cos_c, sin_c, rotary):
+    """Per-token attention inputs of a slice: (B, t, heads, head_dim) each, rotary applied."""
+    attn = layer.self_attn
+    B, t, _ = x_c.shape
+    n = layer.input_layernorm(x_c)
+    q = attn.q_proj(n).view(B, t, -1, attn.head_dim)
+    k = attn.k_proj(n).view(B, t, -1, attn.head_dim)
+    v = attn.v_proj(n).view(B, t, -1, attn.head_dim)
+    q, k = rotary(q, k, cos_c, sin_c, unsqueeze_dim=2)  # heads are dim 2 in this layout
+    return q, k, v
+
+
+def _out_chunk(layer, x_c, a_c):
+    """Per-token rest of the layer: residual + o_proj, then residual + MLP(norm). (B, t, H)."""
+    h = x_c + layer.self_attn.o_proj(a_c)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
+    """The attention core exactly as the HF attention module calls it. In/out (B, T, heads, d)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = layer.self_attn
+    mod = __import__(type(attn).__module__, fromlist=["eager_attention_forward"])
+    impl = attn.config._attn_implementation
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        iface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, mod.eager_attention_forward)
+    else:  # older transformers: a plain mapping, eager not in it
+        iface = mod.eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+    extra = {}
+    if sliding == "module":
+        extra["sliding_window"] = attn.sliding_window
+    elif sliding == "config":
+        extra["sliding_window"] = getattr(attn.config, "sliding_window", None)
+    out, _ = iface(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                   dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                   **extra, **kwargs)
+    B, T = q.shape[:2]
+    return out.reshape(B, T, -1)
+
+
+def _chunked_forward(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
+    """The decoder layer, per-token work in slices. x (B, T, H) -> (B, T, H), same dtype.
+
+    Without grad it saves nothing; transient peak ~ q,k,v + attention output + one slice.
+    """
+    with layer_weight_cache():  # 4-bit weights: dequantised once for all slices
+        return _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens)
+
+
+def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
+    B, T, _ = x.shape
+    rotary = _rotary_fn(layer)
+    parts = _slices(T, B, chunk_tokens)
+    qs, ks, vs = [], [], []
+    for s in parts:
+        q, k, v = _qkv_chunk(layer, x[:, s], cos[:, s], sin[:, s], rotary)
+        qs.append(q), ks.append(k), vs.append(v)
+    q, k, v = (torch.cat(z, 1) if len(z) > 1 else z[0] for z in (qs, ks, vs))
+    del qs, ks, vs
+    a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
+    del q, k, v
+    y = torch.empty_like(x)
+    for s in parts:
+        y[:, s] = _out_chunk(layer, x[:, s], a[:, s])
+    return y
+
+
+def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, need_gx):
+    """Recompute the layer slice by slice and backpropagate ``gy`` (B, T, H).
+
+    Parameter gradients accumulate into ``.grad``; returns the gradient of ``x`` (or None).
+    Order: q,k,v without grad -> attention with grad -> per-slice (o_proj + MLP) backward ->
+    attention backward -> per-slice (norm + q,k,v) backward.
+    """
+    B, T, _ = x.shape
+    rotary = _rotary_fn(layer)
+    parts = _slices(T, B, chunk_tokens)
+    with torch.no_grad():
+        qs, ks, vs = [], [], []
+        for s in parts:
+            q, k, v = _qkv_chunk(layer, x[:, s], cos[:, s], sin[:, s], rotary)
+            qs.append(q), ks.append(k), vs.append(v)
+        q, k, v = (torch.cat(z, 1) if len(z) > 1 else z[0] for z in (qs, ks, vs))
+        del qs, ks, vs
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    with torch.enable_grad():
+        a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
+    ga = torch.empty_like(a)
+    gx = torch.zeros_like(x) if need_gx else None
+    a_d = a.detach()
+    for s in parts:
+        x_c = x[:, s].detach().requires_grad_(need_gx)
+        a_c = a_d[:, s].detach().requires_grad_()
+        with torch.enable_grad():
+            y_c = _out_chunk(layer, x_c, a_c)
+        torch.autograd.backward(y_c, gy[:, s])
+        ga[:, s] = a_c.grad
+        if need_gx:
+            gx[:, s] = x_c.grad
+        del x_c, a_c, y_c
+    torch.autograd.backward(a, ga)
+    del a, a_d, ga
+    gq, gk, gv = q.grad, k.grad, v.grad
+    del q, k, v
+    for s in parts:
+        x_c = x[:, s].detach().requires_grad_(need_gx)
+        with torch.enable_grad():
+            qc, kc, vc = _qkv_chunk(layer, x_c, cos[:, s], sin[:, s], rotary)
+        # a projection with nothing to train (LoRA on some of q/k/v only) under a frozen input has no graph
+        pairs = [(t, g[:, s]) for t, g in ((qc, gq), (kc, gk), (vc, gv)) if t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if need_gx:
+            gx[:, s] += x_c.grad
+        del x_c, qc, kc, vc, pairs
+    return gx
+
+
+def _has_active_dropout(layer: nn.Module) -> bool:
+    if layer.training and getattr(layer.self_attn, "attention_dropout", 0.0) > 0:
+        return True
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in layer.modules())
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _GradAnchor:
+    """An empty tensor that requires grad, passed into the Function so that its output
+    requires grad (and its backward runs) even when the layer input does not, e.g. layer 0
+    under LoRA with frozen embeddings."""
+
+    _t: torch.Tensor | None = None
+
+    @classmethod
+    def get(cls) -> torch.Tensor:
+        if cls._t is None:
+            cls._t = torch.empty(0, requires_grad=True)
+        return cls._t
+
+
+class _OffloadedLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, job, anchor, x):
+        # Function.forward runs with grad off: nothing inside the layer is saved.
+        ctx.job = job
+        job.rec = job.offloader.save(x, job.layer_index, job.is_last)
+        job.autocast = _autocast_state(x.device)
+        if job.whole:
+            job.rng = _rng_state(x.device)
+            with layer_weight_cache():  # 4-bit: the kit's matmul, as in the recompute (the same rounding)
+                return job.orig_forward(x, **job.call_kwargs)
+        return _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk)
+
+    @staticmethod
+    def backward(ctx, gy):
+        job = ctx.job
+        ctx.job = None
+        rec, job.rec = job.rec, None
+        x = rec.take()
+        if job.offloader.prefetch and rec.prev is not None:
+            rec.prev.bring_back()  # overlaps with this layer's recompute
+        rec.prev = None
+        need_gx = ctx.needs_input_grad[2]
+        if gy is None:
+            return None, None, None
+        # 4-bit weights: dequantised once for the recompute and its backward (grpo_kit.model.nf4_matmul)
+        with _autocast_ctx(x.device, job.autocast), layer_weight_cache():
+            if job.whole:
+                with _restored_rng(x.device, job.rng):
+                    xg = x.detach().requires_grad_(need_gx)
+                    with torch.enable_grad():
+                        y = job.orig_forward(xg, **job.call_kwargs)
+                    torch.autograd.backward(y, gy)
+                gx = xg.grad if need_gx else None
+            else:
+                gx = _chunked_backward(job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
+                                       job.chunk, need_gx)
+        return None, None, gx
+
+
+class _Job:
+    """Everything one layer call needs again in backward (tensors shared across layers)."""
+
+    __slots__ = ("layer", "offloader", "layer_index", "is_last", "orig_forward", "call_kwargs", "cos_sin",
+                 "mask", "attn_kwargs", "sliding", "whole", "rec", "rng", "autocast", "chunk")
+
+
+def _autocast_state(device):
+    dt = device.type
+    if not torch.is_autocast_enabled(dt):
+        return None
+    return torch.get_autocast_dtype(dt)
+
+
+def _autocast_ctx(device, dtype):
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _rng_state(device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _restored_rng:
+    """Run a block with the CPU (and CUDA) RNG as it was at forward time, then put it back."""
+
+    def __init__(self, device, state):
+        self.device, self.state = device, state
+
+    def __enter__(self):
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
+        return False
+
+
+# --------------------------------------------------------------------------- the wrapped forward
+
+
+def _wrapped_forward(layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                     use_cache=False, position_embeddings=None, **kwargs):
+    """Replacement ``forward`` of a supported decoder layer (same call signature as HF's)."""
+    st = layer.__dict__[_STATE_ATTR]
+    off: _Offloader = st["offloader"]
+    chunk = off.chunk_tokens or st["auto_chunk"]
+    call_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                       use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    if position_embeddings is None:
+        return st["orig_forward"](hidden_states, **call_kwargs)
+    trainable = torch.is_grad_enabled() and (
+        hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    if not trainable:
+        if past_key_values is not None or _has_active_dropout(layer):
+            return st["orig_forward"](hidden_states, **call_kwargs)  # generation with a cache
+        cos, sin = position_embeddings
+        return _chunked_forward(layer, hidden_states, cos, sin, attention_mask,
+                                dict(position_ids=position_ids, use_cache=use_cache, **kwargs),
+                                st["sliding"], chunk)
+    for k, v in list(call_kwargs.items()) + [("cos", position_embeddings[0]), ("sin", position_embeddings[1])]:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            raise ValueError(f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
+                             "only hidden_states may (its gradient is the only one passed back).")
+    # As HF's checkpointing does in training: the recompute must not write a cache twice.
+    call_kwargs["past_key_values"], call_kwargs["use_cache"] = None, False
+    job = _Job()
+    job.layer, job.offloader = layer, off
+    job.layer_index, job.is_last = st["index"], st["is_last"]
+    job.orig_forward, job.call_kwargs = st["orig_forward"], call_kwargs
+    job.cos_sin, job.mask = position_embeddings, attention_mask
+    job.attn_kwargs = dict(position_ids=position_ids, use_cache=False, **kwargs)
+    job.sliding, job.whole, job.chunk = st["sliding"], _has_active_dropout(layer), chunk
+    anchor = _GradAnchor.get()
+    return _OffloadedLayer.apply(job, anchor, hidden_states)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers = [m for m in model.modules() if type(m).__name__ in SUPPORTED_LAYERS]
+    if not layers:
+        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Layer", "Block"))})
+        raise ValueError(
+            f"enable_offloaded_checkpointing: no supported decoder layer in {type(model).__name__} "
+            f"(found: {', '.join(found) or 'none'}). Supported: {', '.join(SUPPORTED_LAYERS)} "
+            "(HF Llama, Qwen2 and Mistral families, also under a PEFT wrapper).")
+    return layers
+
+
+def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pin_memory: bool = True,
+                                   min_bytes: int = 2 * 2**20, prefetch: bool = True, chunk_tokens: int | None = None,
+                                   _offload_on_cpu: bool = False) -> nn.Module:
+    """Turn on offloaded checkpointing for every supported decoder layer of ``model``.
+
+    Args:
+        model: an HF ``*ForCausalLM`` / ``*Model`` of the Llama, Qwen2 or Mistral family, or a
+            PEFT model wrapping one.
+        offload: copy each layer input (B, T, H) to host RAM during forward (False: keep it on
+            the GPU, still recompute and chunk).
+        pin_memory: page-lock the host buffers (fast async copies); falls back to pageable
+            memory with a warning when it cannot.
+        min_bytes: inputs smaller than this stay on the GPU (a copy would cost more than it saves).
+        prefetch: in backward, start bringing back the previous layer's input while this one
+            recomputes (costs one more layer input of GPU memory).
+        chunk_tokens: tokens (batch x sequence) per slice of per-token work (norms, projections,
+            MLP). Smaller: lower peak, smaller matmuls. None: so that one (tokens x intermediate)
+            activation is <= 2**26 elements (4096 for Llama-3.1-8B, 4096 for Qwen2.5-1.5B).
+        _offload_on_cpu: testing only: "offload" CPU tensors too (into the host buffer pool), so
+            the pool and prefetch logic run on machines without CUDA.
+
+    Calling it again updates the options (no double wrapping). HF's own gradient checkpointing
+    flag is switched off on the wrapped layers (it would recompute twice) and restored by
+    :func:`disable_offloaded_checkpointing`. Returns ``model``.
+    """
+    for name, val in (("offload", offload), ("pin_memory", pin_memory), ("prefetch", prefetch)):
+        if not isinstance(val, bool):
+            raise ValueError(f"{name} must be a bool, got {val!r}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be None or an int >= 1, got {chunk_tokens!r}")
+    layers = _decoder_layers(model)
+    opts = dict(offload=offload, pin_memory=pin_memory, min_bytes=min_bytes, prefetch=prefetch,
+                chunk_tokens=chunk_tokens, offload_cpu=_offload_on_cpu)
+    existing = [l.__dict__[_STATE_ATTR]["offloader"] for l in layers if _STATE_ATTR in l.__dict__]
+    if existing:
+        offloader = existing[0]
+        offloader.configure(**opts)
+    else:
+        offloader = _Offloader(**opts)
+    for i, layer in enumerate(layers):
+        if _STATE_ATTR in layer.__dict__:
+            layer.__dict__[_STATE_ATTR].update(offloader=offloader, index=i, is_last=i == len(layers) - 1)
+            continue
+        had_instance_forward = "forward" in layer.__dict__
+        layer.__dict__[_STATE_ATTR] = dict(
+            offloader=offloader, index=i, is_last=i == len(layers) - 1,
+            orig_forward=layer.forward, instance_forward=layer.__dict__.get("forward") if had_instance_forward else None,
+            had_instance_forward=had_instance_forward, sliding=SUPPORTED_LAYERS[type(layer).__name__],
+            auto_chunk=_auto_chunk_tokens(layer),
+            hf_gc=getattr(layer, "gradient_checkpointing", None))
+        if getattr(layer, "gradient_checkpointing", False):
+            layer.gradient_checkpointing = False
+        layer.forward = types.MethodType(_wrapped_forward, layer)
+    return model
+
+
+def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_offloaded_checkpointing`: each layer gets back its original forward
+    (the class method, or the instance attribute it had before) and its HF checkpointing flag;
+    the host buffers are released. A no-op on a model that was never enabled."""
+    offloaders = set()
+    for layer in model.modules():
+        st = layer.__dict__.pop(_STATE_ATTR, None)
+        if st is None:
+            continue
+        offloaders.add(id(st["offloader"]))
+        st["offloader"].pool.clear()
+        if st["had_instance_forward"]:
+            layer.forward = st["instance_forward"]
+        else:
+            del layer.forward
+        if st["hf_gc"] is not None:
+            layer.gradient_checkpointing = st["hf_gc"]
+    return model
+
+
+def keep_hf_checkpointing_off(model: nn.Module) -> int:
+    """Switch HF's own per-layer checkpointing flag off again on the layers this module wraps, and return
+    how many it was on for. HF ``Trainer.train()`` calls ``gradient_checkpointing_enable()`` when its
+    arguments ask for checkpointing, after the trainer was built, and HF's checkpoint then wraps the wrapped
+    layer. With ``use_reentrant=True`` that recomputes each layer once more per micro-batch (and offloads its
+    input twice); with the default non-reentrant checkpoint it finds nothing saved to recompute."""
+    n = 0
+    for layer in model.modules():
+        if _STATE_ATTR in layer.__dict__ and getattr(layer, "gradient_checkpointing", False):
+            layer.gradient_checkpointing = False
+            n += 1
+    return n
+
+
+def offload_stats(model: nn.Module) -> dict:
+    """Host-buffer figures of an enabled model: bytes allocated (free + in use), of which
+    page-locked, and free buffers in the pool. Zeros when not enabled."""
+    for layer in model.modules():
+        st = layer.__dict__.get(_STATE_ATTR)
+        if st is not None:
+            pool = st["offloader"].pool
+            return dict(host_bytes=pool.allocated_bytes, pinned_bytes=pool.pinned_bytes, free_buffers=len(pool.free))
+    return dict(host_bytes=0, pinned_bytes=0, free_buffers=0)
+
+
+def reserve_offload_buffers(model: nn.Module, batch_size: int, seq_len: int) -> int:
+    """Allocate (and page-lock) the host buffers a (batch_size, seq_len) micro-batch will use,
+    before training: page-locking costs ~0.1-0.3 s per GiB and is otherwise paid inside the
+    first step (and again whenever a longer micro-batch arrives). Returns bytes now pooled.
+
+    Only when offloading applies (enabled with ``offload=True`` on CUDA); else returns 0.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    layers = [l for l in model.modules() if _STATE_ATTR in l.__dict__]
+    if not layers:
+        raise ValueError("reserve_offload_buffers: call enable_offloaded_checkpointing(model) first")
+    off: _Offloader = layers[0].__dict__[_STATE_ATTR]["offloader"]
+    param = next(layers[0].parameters())
+    on_cuda = param.is_cuda
+    if not off.offload or not (on_cuda or off.offload_cpu):
+        return 0
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    dtype = layers[0].input_layernorm.weight.dtype
+    nbytes = batch_size * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
+    if nbytes < off.min_bytes:
+        return 0
+    stream = off.side_stream(param.device)
+    # the last layer keeps its input on the device; take them all, then give them all back
+    taken = [off.pool.acquire(nbytes, stream) for _ in range(len(layers) - 1)]
+    for b in taken:
+        off.pool.release(b)
+    return sum(b.nbytes for b in off.pool.free)

@@ -1,0 +1,183 @@
+"""Helpers the notebooks call: parameter validation, hardware-dependent setup choice,
+and the small GRPO formulas notebook 01 demonstrates (group advantages, KL estimators).
+
+Nothing here trains; the notebooks call ``grpo_kit.app.run.train`` for that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import torch
+
+from grpo_kit.app.config import SCALE_REWARDS, GRPOKitConfig
+from grpo_kit.loss.objective import k3_kl
+
+_EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
+
+
+def in_colab() -> bool:
+    """True when running inside Google Colab."""
+    import sys
+
+    return "google.colab" in sys.modules  # Colab imports it into every kernel
+
+
+def online(host: str = "huggingface.co", port: int = 443, timeout: float = 2.0) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout`` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def validate_params(config: dict, extras: dict | None = None, extra_types: dict | None = None) -> GRPOKitConfig:
+    """Build and validate the run's ``GRPOKitConfig`` from a notebook's parameters cell.
+
+    config: field -> value for ``GRPOKitConfig`` (wrong types, unknown fields, unknown
+    models raise ``ConfigError``, a ``ValueError``, naming the field and what is allowed).
+    extras / extra_types: the notebook's own parameters (not config fields) and the type each
+    must have, e.g. ``{"dashboard": "auto"}`` / ``{"dashboard": str}``; a wrong type raises
+    ``ValueError`` naming the parameter.
+    """
+    extras, extra_types = extras or {}, extra_types or {}
+    for name, value in extras.items():
+        if name not in extra_types:
+            raise ValueError(f"parameter {name!r} has no declared type; declared: {sorted(extra_types)}")
+        want = extra_types[name]
+        ok = isinstance(value, want) and not (want in (int, float) and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"parameter {name}={value!r} has the wrong type: expected {_EXTRA_TYPES.get(want, want)}")
+    return GRPOKitConfig.from_dict(dict(config)).validate()
+
+
+def choose_setup(full: dict, fallback: dict, *, need_packages: tuple = (), force: str = "auto") -> tuple[str, dict]:
+    """Pick the notebook's full setup (a GPU torch can use, ``need_packages`` importable, the hub reachable)
+    or its offline fallback. ``force``: ``"auto"``, ``"full"`` or ``"fallback"``; ``"auto"`` prints why when it
+    falls back (:func:`full_setup_blockers`).
+
+    Returns ``(name, settings)`` with name ``"full"`` or ``"fallback"`` and a copy of the settings.
+    """
+    if force not in ("auto", "full", "fallback"):
+        raise ValueError(f"force={force!r} is not allowed; choose one of ['auto', 'full', 'fallback']")
+    if force == "auto":
+        blockers = full_setup_blockers(need_packages)
+        if blockers:
+            print(f"setup: the offline fallback, since {'; '.join(blockers)}")
+        force = "fallback" if blockers else "full"
+    return force, dict(full if force == "full" else fallback)
+
+
+def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
+    """Why a notebook's full setup cannot run here, in words ([] when it can): no GPU that torch can use (with the
+    driver's reason where that is why), a package of ``need_packages`` missing (for vLLM: how to get it, or why it
+    cannot run on this driver), the model hub unreachable (checked last: it waits up to 2 s)."""
+    from grpo_kit.model.devices import unusable_gpu
+
+    blockers = []
+    if not torch.cuda.is_available():
+        why = unusable_gpu()
+        blockers.append(f"torch sees no CUDA GPU{f' ({why})' if why else ''}")
+    for package in need_packages:
+        if importlib.util.find_spec(package) is None:
+            if package == "vllm":
+                from grpo_kit.generation import vllm_install_advice
+
+                blockers.append(f"vllm is not installed ({vllm_install_advice()})")
+            else:
+                blockers.append(f"{package} is not installed")
+    if not blockers and not online():
+        blockers.append("the model hub is not reachable (no network)")
+    return blockers
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by a std (as TRL 1.16 does).
+
+    rewards: (N,) float, N a multiple of ``num_generations`` (consecutive groups). scale:
+    ``"group"`` (each group's std), ``"batch"`` (the whole batch's std) or ``"none"``.
+    Returns (N,) float; std + 1e-4 in the denominator, so a group of equal rewards gives 0.
+    """
+    if rewards.ndim != 1 or num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
+                         f"got shape {tuple(rewards.shape)}")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale={scale!r} is not allowed; choose one of {list(SCALE_REWARDS)}")
+    g = rewards.view(-1, num_generations)
+    adv = (g - g.mean(dim=1, keepdim=True)).view(-1)
+    if scale == "group":
+        adv = adv / (g.std(dim=1).repeat_interleave(num_generations) + 1e-4)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + 1e-4)
+    return adv
+
+
+def kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict:
+    """Per-token KL estimators at sampled tokens, with r = pi_ref / pi_theta = exp(ref_logp - logp).
+
+    logp, ref_logp: (...) float log-probs of the sampled tokens under the policy and the reference.
+    Returns ``k1 = -log r`` (unbiased, can be negative), ``k2 = (log r)^2 / 2`` and
+    ``k3 = r - 1 - log r`` (unbiased for KL(pi_theta || pi_ref), always >= 0; the GRPO paper's).
+    """
+    log_r = ref_logp - logp
+    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": k3_kl(logp, ref_logp)}
+
+
+def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || q) over the last dimension from logits (any float shape (..., V))."""
+    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def show_figure(fig, dpi: int = 100) -> None:
+    """Display a matplotlib ``Figure`` in the notebook as a PNG, whatever the backend: a bare Figure (as
+    ``grpo_kit.memory.plot_components`` returns) has no pyplot manager, so ``plt.show()`` never draws it and
+    ``display(fig)`` shows only its text form unless the inline backend registered a formatter."""
+    import io
+
+    from IPython.display import Image, display
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    display(Image(data=buf.getvalue()))
+
+
+# Where an installed package keeps the checkout's data folders (pyproject.toml's package-dir maps them).
+_PACKAGED_DIRS = {"data": "_data", "bench/results": "_results"}
+
+
+def repo_file(relative: str):
+    """``Path`` of a file of the kit's source checkout (``data/...``, ``bench/results/...``): the checkout's
+    copy, else the one an installed package carries (pip from git on Colab: ``grpo_kit/_data``,
+    ``grpo_kit/_results``), else None (a file that is not packaged, e.g. a PNG of ``bench/results``)."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1]
+    p = package.parent / relative
+    if p.exists():
+        return p
+    for folder, packaged in _PACKAGED_DIRS.items():
+        if relative == folder or relative.startswith(folder + "/"):
+            p = package / packaged / relative[len(folder):].lstrip("/")
+            return p if p.exists() else None
+    return None
+
+
+def run_report(summary: dict) -> str:
+    """Text summary of a finished run (``grpo_kit.app.run.train``'s return): accuracy, time, saved files."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(summary["run_dir"])
+    evals = json.loads((run_dir / "eval.json").read_text())
+    lines = [f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)"
+             for when in ("before", "after") if when in evals]
+    lines.append(f"{summary['steps']} steps in {summary['train_seconds']} s, "
+                 f"peak memory {summary['peak_memory_gib']:.2f} GiB")
+    saved = run_dir / ("adapter" if (run_dir / "adapter").is_dir() else "model")
+    lines.append(f"{saved.name} files: {sorted(p.name for p in saved.iterdir())}")
+    return "\n".join(lines)

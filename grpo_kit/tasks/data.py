@@ -1,0 +1,240 @@
+"""Verifiable tasks: seeded arithmetic and word problems, and GSM8K-format jsonl.
+
+Every example is a dict ``{"question": str, "answer": str}`` (the answer a plain
+number). ``to_prompt_dataset`` turns examples into TRL's conversational format: a
+``prompt`` list of messages (system + user), rendered later with the model's chat
+template, plus the ``answer`` column that reward functions receive.
+
+Held-out problems are drawn from their own fixed seed and removed from every training
+draw, so no evaluation question is ever trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from grpo_kit.tasks.answers import single_number
+
+# Short on purpose: on a 2-core CPU every prompt token is paid for in every generation.
+DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the line: Answer: <number>"
+# Bare arithmetic needs no reasoning; a 135M model that reasons first runs out of tokens before answering.
+ARITHMETIC_SYSTEM_PROMPT = "Give only the final answer, in the form: Answer: <number>"
+
+
+def default_system_prompt(task: str) -> str:
+    """The kit's system prompt for a task: answer-only for arithmetic, brief reasoning otherwise."""
+    return ARITHMETIC_SYSTEM_PROMPT if task == "arithmetic" else DEFAULT_SYSTEM_PROMPT
+HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
+
+LEVELS = {
+    1: "one-digit addition and subtraction",
+    2: "two-digit plus or minus one-digit",
+    3: "two-digit addition and subtraction",
+    4: "two-digit times one-digit, three-digit addition and subtraction",
+}
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def arithmetic_problem(rng: random.Random, level: int) -> dict:
+    """One arithmetic problem of a difficulty level (see ``LEVELS``)."""
+    if level == 1:
+        a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
+    elif level == 2:
+        a, b, op = rng.randint(10, 99), rng.randint(1, 9), rng.choice("+-")
+    elif level == 3:
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+    elif level == 4:
+        op = rng.choice("+-*")
+        a, b = (rng.randint(10, 99), rng.randint(2, 9)) if op == "*" else (rng.randint(100, 999),
+                                                                           rng.randint(100, 999))
+    else:
+        raise ValueError(f"level={level!r} is not allowed; choose one of {sorted(LEVELS)}")
+    if op == "-" and b > a:  # keep results non-negative at the easy levels
+        a, b = b, a
+    result = {"+": a + b, "-": a - b, "*": a * b}[op]
+    sym = {"+": "+", "-": "-", "*": "×"}[op]
+    return {"question": f"What is {a} {sym} {b}?", "answer": _fmt(result), "level": level}
+
+
+_NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Liam"]
+_ITEMS = ["apples", "stickers", "marbles", "books", "pencils", "cookies", "stamps", "shells"]
+
+
+def word_problem(rng: random.Random, level: int) -> dict:
+    """A GSM8K-style word problem built from templates; level 1-2 one step, 3-4 two steps."""
+    name, other = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    hi = 20 if level <= 2 else 99
+    a, b = rng.randint(2, hi), rng.randint(2, hi)
+    k = rng.randint(2, 9)
+    one_step = [
+        (f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?", a + b),
+        (f"{name} had {a + b} {item} and gave {b} to {other}. How many {item} does {name} have left?", a),
+        (f"{name} buys {k} bags with {a} {item} in each bag. How many {item} does {name} buy?", k * a),
+        (f"{name} shares {k * a} {item} equally among {k} friends. How many {item} does each friend get?", a),
+    ]
+    two_step = [
+        (f"{name} has {a} {item}, buys {k} packs of {b} {item}, then gives away {a // 2}. "
+         f"How many {item} does {name} have?", a + k * b - a // 2),
+        (f"{name} earns ${a} a day for {k} days and spends ${b}. How many dollars are left?", a * k - b),
+        (f"{name} has {a} {item} and {other} has {k} times as many. How many {item} do they have together?",
+         a + k * a),
+    ]
+    question, answer = rng.choice(one_step if level <= 2 else two_step)
+    return {"question": question, "answer": _fmt(answer), "level": level}
+
+
+TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem}
+
+
+def generate_tasks(task: str, n: int, *, levels=(1, 2), seed: int = 0, exclude: set[str] | None = None) -> list[dict]:
+    """``n`` distinct problems, deterministic for a seed; questions in ``exclude`` are skipped."""
+    if task not in TASK_GENERATORS:
+        raise ValueError(f"task={task!r} cannot be generated; choose one of {list(TASK_GENERATORS)}")
+    bad = [lv for lv in levels if lv not in LEVELS]
+    if bad or not levels:
+        raise ValueError(f"levels={list(levels)!r}: each must be one of {sorted(LEVELS)}")
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    rng = random.Random(f"{task}:{seed}")
+    exclude = exclude or set()
+    seen: set[str] = set()
+    out: list[dict] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"only {len(out)} distinct {task} problems exist at levels {list(levels)}; asked for {n}")
+        ex = TASK_GENERATORS[task](rng, rng.choice(list(levels)))
+        if ex["question"] in seen or ex["question"] in exclude:
+            continue
+        seen.add(ex["question"])
+        out.append(ex)
+    return out
+
+
+def train_heldout_split(task: str, n_train: int, n_heldout: int, *, levels=(1, 2), seed: int = 0):
+    """Training problems for ``seed`` and the fixed held-out set, disjoint by question."""
+    heldout = generate_tasks(task, n_heldout, levels=levels, seed=HELDOUT_SEED)
+    train = generate_tasks(task, n_train, levels=levels, seed=seed, exclude={e["question"] for e in heldout})
+    return train, heldout
+
+
+# --- GSM8K ---------------------------------------------------------------------------
+
+def parse_gsm8k_answer(answer: str) -> str:
+    """The number after ``####`` in a GSM8K answer, commas removed.
+
+    >>> parse_gsm8k_answer("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\\n#### 72")
+    '72'
+    >>> parse_gsm8k_answer("#### 1,000")
+    '1000'
+    """
+    if "####" not in answer:
+        raise ValueError("answer has no '#### N' final line")
+    tail = answer.rsplit("####", 1)[1].strip()
+    if not tail:
+        raise ValueError("answer has an empty '####' line")
+    number = single_number(tail)
+    if number is None or number.exponent:
+        raise ValueError(f"answer's '####' line is not a plain number: {tail[:80]!r} (expected digits, optionally "
+                         "with a sign, $, thousands commas, a decimal part or a /denominator)")
+    if number.exact and number.value.denominator == 1:
+        return str(number.value.numerator)
+    return "".join(c for c in tail.replace("\u2212", "-") if c not in "$, \u00a0\u202f\u2009")
+
+
+def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read GSM8K-format jsonl (``question``, ``answer`` ending in ``#### N``).
+
+    A missing file or a malformed line raises ``ValueError`` naming the file and line.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"GSM8K file {str(path)!r} does not exist")
+    out = []
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{p}:{lineno}: JSON nested too deeply to be a GSM8K row") from None
+            if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
+                    or not isinstance(row.get("answer"), str):
+                raise ValueError(f"{p}:{lineno}: expected an object with string fields 'question' and 'answer'")
+            try:
+                number = parse_gsm8k_answer(row["answer"])
+            except ValueError as e:
+                raise ValueError(f"{p}:{lineno}: {e}") from None
+            out.append({"question": row["question"], "answer": number, "solution": row["answer"]})
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"GSM8K file {str(path)!r} has no examples")
+    return out
+
+
+def load_gsm8k(path: str | Path | None = None, *, split: str = "train", limit: int | None = None) -> list[dict]:
+    """GSM8K from a local jsonl, or (``path=None``, online) the hub dataset ``openai/gsm8k``."""
+    if path:
+        return load_gsm8k_jsonl(path, limit)
+    try:
+        from datasets import load_dataset
+
+        ds = load_dataset("openai/gsm8k", "main", split=split)
+    except Exception as e:  # offline, or the hub refuses
+        raise ValueError(f"could not load openai/gsm8k from the hub ({type(e).__name__}: {e}); "
+                         "pass a local GSM8K-format jsonl as dataset_path") from None
+    rows = ds if limit is None else ds.select(range(min(limit, len(ds))))
+    return [{"question": r["question"], "answer": parse_gsm8k_answer(r["answer"]), "solution": r["answer"]}
+            for r in rows]
+
+
+# --- prompts -------------------------------------------------------------------------
+
+def make_prompt(question: str, system_prompt: str = "") -> list[dict]:
+    """Conversational prompt (system + user); the trainer renders it with the chat template."""
+    return [{"role": "system", "content": system_prompt or DEFAULT_SYSTEM_PROMPT},
+            {"role": "user", "content": question}]
+
+
+def to_prompt_dataset(examples: list[dict], system_prompt: str = ""):
+    """A ``datasets.Dataset`` with ``prompt`` (messages) and ``answer`` columns, as TRL expects."""
+    from datasets import Dataset
+
+    if not examples:
+        raise ValueError("the dataset is empty: no examples to train on")
+    return Dataset.from_list([{"prompt": make_prompt(e["question"], system_prompt), "answer": e["answer"]}
+                              for e in examples])
+
+
+def build_datasets(cfg) -> tuple[list[dict], list[dict]]:
+    """Training and held-out examples for a validated ``GRPOKitConfig``."""
+    if cfg.task == "gsm8k":
+        if cfg.eval_dataset_path or not cfg.dataset_path:  # GSM8K's test split: the given file, or the hub's
+            heldout = (load_gsm8k(cfg.eval_dataset_path or None, split="test", limit=cfg.num_eval_samples)
+                       if cfg.num_eval_samples else [])
+            train = load_gsm8k(cfg.dataset_path or None, split="train", limit=cfg.num_train_samples)
+            asked = {e["question"] for e in heldout}
+            return [e for e in train if e["question"] not in asked], heldout
+        # only a training file: the held-out problems are drawn from it, and never trained on
+        rows = load_gsm8k(cfg.dataset_path, limit=cfg.num_train_samples + cfg.num_eval_samples)
+        rng = random.Random(HELDOUT_SEED)
+        rng.shuffle(rows)
+        heldout, train = rows[:cfg.num_eval_samples], rows[cfg.num_eval_samples:]
+        return train[:cfg.num_train_samples], heldout
+    return train_heldout_split(cfg.task, cfg.num_train_samples, cfg.num_eval_samples, levels=tuple(cfg.levels),
+                               seed=cfg.seed)

@@ -1,0 +1,327 @@
+"""``EfficientGRPOTrainer``: TRL's ``GRPOTrainer`` with the kit's memory-efficient loss.
+
+It keeps TRL's API (``GRPOConfig``, reward functions, datasets, callbacks, logging)
+and overrides two methods, the smallest set that decides how memory is spent, and a third that saves a pass:
+
+* ``_get_per_token_logps_and_entropies`` (the no-grad reference and old-policy passes,
+  and TRL's own helper wherever it calls it): final hidden states from the model, then
+  chunked log-probs, :func:`grpo_kit.loss.efficient.per_token_logps`; no (B, T, V) logits.
+* ``_compute_loss`` (the policy pass): the same hidden states into
+  :func:`grpo_kit.loss.efficient.efficient_grpo_loss`, which computes the gradient with respect to
+  the hidden states chunk by chunk inside the forward, with the objective options of the
+  ``GRPOConfig`` (every ``loss_type`` of TRL 1.16, ``importance_sampling_level``, ``delta``,
+  ``use_bias_correction_kl``, ``top_entropy_quantile`` through TRL's own
+  ``get_high_entropy_mask``, ``off_policy_mask_threshold``, sapo_* / vespo_*). When TRL's
+  importance-sampling correction is on (``self.use_vllm and
+  self.vllm_importance_sampling_correction``, as TRL 1.16 tests it)
+  ``inputs["importance_sampling_ratio"]`` weights the policy term (VESPO: its gamma weight),
+  exactly as TRL's own ``_compute_loss`` does. Refused, with the reason, at construction:
+  see ``UNSUPPORTED``.
+* ``_generate_and_score_completions``, only when generation is aligned with the optimiser step (TRL's
+  own condition) and the engine's correction is on: TRL's no-grad old-policy pass is skipped, since
+  those log-probs are the current policy's, and the loss forms the same importance ratio from the
+  log-probs it computes anyway (``engine_correction``; TRL's ``sampling/*`` metrics logged from it).
+
+Generation goes through :class:`grpo_kit.trainer.generation_hook.KitGenerationMixin`
+(``generator=``, a kit generator; None keeps TRL's own generation): ``make_trainer``
+builds it from the config's ``generation_backend``.
+
+With PEFT LoRA, TRL already uses the base model with the adapter disabled as the
+reference (no second copy of the weights); that path goes through the first override.
+On a GPU, offloaded gradient checkpointing (:mod:`grpo_kit.model.offload`) is turned on
+by default. ``tests/test_trainer.py`` fails loudly when the pinned TRL changes a method
+signature or attribute this class relies on.
+
+Hidden states are captured with a forward hook on the body's final norm while the model
+is called through its own (possibly DDP-wrapped) forward with ``logits_to_keep=1``, so
+distributed gradient hooks still fire and the full-vocabulary head runs on one position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from trl import GRPOTrainer
+
+from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
+from grpo_kit.model.offload import keep_hf_checkpointing_off
+from grpo_kit.trainer.generation_hook import KitGenerationMixin
+from grpo_kit.trainer.guards import with_reliability
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
+from grpo_kit.memory.estimate import scoring_batch_for_config
+from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
+from grpo_kit.tasks.rewards import checked_reward_func, resolve_reward_func
+
+# GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
+UNSUPPORTED = (
+    (lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy,
+     "an entropy bonus (entropy_coef, use_adaptive_entropy)",
+     "its gradient w.r.t. the logits is not a multiple of d logp / d logits, which is all the chunked epilogue "
+     "computes"),
+    (lambda a: a.use_vllm, "use_vllm", "TRL's own vLLM; use the kit's generation_backend instead"),
+)
+# The GRPOConfig fields of the objective, passed to efficient_grpo_loss under the same names.
+OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_kl", "top_entropy_quantile",
+                    "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+# TRL's metric names the kit logs (the same names in grpo_kit.loss.objective.objective_metrics); min/max ones are
+# reduced over processes by min/max, the others averaged.
+LOGGED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
+                  "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                  "sampling/importance_sampling_ratio/max")
+
+
+def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(final norm of the decoder body, the ``*ForCausalLM``), under DDP and PEFT wrappers."""
+    m = model
+    while hasattr(m, "module") and isinstance(m.module, torch.nn.Module):  # DDP / accelerate wrappers
+        m = m.module
+    if hasattr(m, "get_base_model"):  # PEFT
+        m = m.get_base_model()
+    norm = getattr(getattr(m, "model", None), "norm", None)
+    if not isinstance(norm, torch.nn.Module) or not hasattr(m, "get_output_embeddings"):
+        raise ValueError(f"{type(m).__name__} has no final norm at .model.norm; supported: Llama, Qwen2, Mistral "
+                         "families (HF transformers layout)")
+    return norm, m
+
+
+def _checked(funcs, on_error: str = "raise"):
+    """Wrap plain (synchronous, callable) reward functions with :func:`grpo_kit.tasks.rewards.checked_reward_func`;
+    ``module:function`` strings are imported first (other strings stay TRL's reward-model ids, which hold no
+    colon)."""
+    single = not isinstance(funcs, (list, tuple))
+    funcs = [resolve_reward_func(f) if isinstance(f, str) and ":" in f else f for f in ([funcs] if single else funcs)]
+    funcs = funcs[0] if single else funcs
+    out = [checked_reward_func(f, on_error) if callable(f) and not isinstance(f, torch.nn.Module)
+           and not inspect.iscoroutinefunction(f) and not getattr(f, "_grpo_kit_checked", False) else f
+           for f in ([funcs] if single else funcs)]
+    return out[0] if single else out
+
+
+@contextlib.contextmanager
+def _capture_output(module: torch.nn.Module):
+    box: list[torch.Tensor] = []
+    handle = module.register_forward_hook(lambda _m, _i, out: box.append(out))
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
+    """Drop-in ``GRPOTrainer`` that never builds full logits. Extra keyword arguments:
+
+    ``loss_chunk_size`` (rows per logits chunk; None: chosen from free memory),
+    ``scoring_batch_size`` (sequences per no-grad scoring forward, the reference log-probs; None: TRL's
+    ``per_device_train_batch_size``),
+    ``offload_checkpointing`` (None: on when the model is on CUDA and the config asks for
+    gradient checkpointing; True/False to force), and those of :class:`KitGenerationMixin`:
+    ``generator`` (a kit generator, e.g. ``make_generator("vllm", ...)``; None: TRL's own
+    generation) and ``importance_sampling_correction``.
+    """
+
+    def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
+                 reward_errors: str = "raise", scoring_batch_size: int | None = None, **kwargs):
+        training_args = kwargs.get("args")
+        if training_args is not None:
+            self._check_supported(training_args)
+        # Bad reward output names the function and the sample; reward_errors="zero": a function that
+        # raises scores 0.0 on that sample with a warning instead of stopping training.
+        if "reward_funcs" in kwargs:
+            kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], reward_errors)
+        super().__init__(*args, **kwargs)
+        self._check_vespo_importance_sampling()
+        self.loss_chunk_size = loss_chunk_size
+        self.scoring_batch_size = scoring_batch_size
+        _final_norm(self.model)  # an unsupported layout stops here, not at the first step
+        on_cuda = next(self.model.parameters()).is_cuda
+        if offload_checkpointing is None:
+            offload_checkpointing = on_cuda and bool(self.args.gradient_checkpointing)
+        if offload_checkpointing:
+            from grpo_kit.model.offload import enable_offloaded_checkpointing
+
+            enable_offloaded_checkpointing(self.model, offload=on_cuda)
+        self._offloaded_checkpointing = bool(offload_checkpointing)
+
+    @staticmethod
+    def _check_supported(args) -> None:
+        problems = [f"{what} ({why})" for refused, what, why in UNSUPPORTED if refused(args)]
+        if problems:
+            raise ValueError("EfficientGRPOTrainer does not support: " + "; ".join(problems)
+                             + ". Use trainer='trl' (TRL's GRPOTrainer) for these settings.")
+
+    def _check_vespo_importance_sampling(self) -> None:
+        """TRL refuses VESPO with a sequence-level engine ratio, but only when ``use_vllm`` is set at its
+        construction; the kit's generation mixin sets it afterwards, so the same check runs here."""
+        if (self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+            raise ValueError("loss_type='vespo' with the importance-sampling correction needs "
+                             "vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                             f"{self.vllm_importance_sampling_mode!r}")
+
+    # -- hidden states ------------------------------------------------------------------
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t, of ``model``:
+        the policy, or TRL's separate reference model (full fine-tuning with beta > 0)."""
+        norm, causal_lm = _final_norm(model)
+        if self._offloaded_checkpointing:
+            # Trainer.train() and TRL's generation switch HF's per-layer checkpointing back on; on top of the
+            # kit's own recompute, a reentrant one would run every layer's forward once more per micro-batch
+            keep_hf_checkpointing_off(self.model)
+        # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask.
+        # Flash attention unpads a 2-D mask itself (no T x T tensor), and without one would attend over the pads.
+        lead = None  # each row's leading pads, where the rows were rolled
+        if getattr(causal_lm.config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
+            rolled = roll_left_pads(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
+            if rolled is not None:
+                input_ids, lead, moved = rolled
+                attention_mask, lead = None, lead if moved else None
+        with _capture_output(norm) as box, self.accelerator.autocast():
+            model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+        hidden = box[-1]
+        if lead is not None:
+            return completion_rows(hidden, lead, logits_to_keep)
+        return hidden[:, -logits_to_keep - 1:-1, :]
+
+    def _head(self, model=None):
+        """(weight, bias) of the output head of ``model`` (default: the policy)."""
+        head = _final_norm(self.model if model is None else model)[1].get_output_embeddings()
+        return head.weight, getattr(head, "bias", None)
+
+    # -- override 1: log-probs without logits ----------------------------------------------
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if any(v is not None for v in multimodal.values()) or compute_aux_loss:
+            raise ValueError("EfficientGRPOTrainer supports text-only dense models (no images, no MoE aux loss)")
+        # Only TRL's no-grad scoring passes come here (the loss is _compute_loss's): TRL chunks them by
+        # per_device_train_batch_size; scoring_batch_size, where set, by that many sequences instead.
+        batch_size = self.scoring_batch_size or batch_size or input_ids.size(0)
+        weight, bias = self._head(model)
+        out = []
+        for start in range(0, input_ids.size(0), batch_size):
+            sl = slice(start, start + batch_size)
+            with torch.no_grad():
+                hidden = self._completion_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep)
+                out.append(per_token_logps(hidden.to(weight.dtype), weight, input_ids[sl, -logits_to_keep:],
+                                           temperature=self.temperature, chunk_size=self.loss_chunk_size,
+                                           lm_head_bias=bias))
+        # Entropy needs the full distribution per token: the loss pass reports it instead.
+        return torch.cat(out, 0), None, None
+
+    # -- override 2: the loss ------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+
+        hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
+        weight, bias = self._head(model)
+        mode = "train" if self.model.training else "eval"
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        num_items = None
+        if self.loss_type in TOKEN_COUNT_NORMALISED:  # TRL's normaliser: the window's active tokens per process
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        loss, metrics = efficient_grpo_loss(
+            hidden.to(weight.dtype), weight, completion_ids, mask, inputs["advantages"],
+            old_logps=inputs.get("old_per_token_logps"), ref_logps=inputs.get("ref_per_token_logps"),
+            beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
+            temperature=self.temperature, max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True,
+            importance_weights=self._importance_weights(inputs), engine_correction=self._engine_correction(inputs),
+            # TRL's own mask: its quantile is taken over every process's tokens
+            entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
+            sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
+            **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
+        if self.loss_type not in TOKEN_COUNT_NORMALISED:
+            loss = loss / accum
+        self._log_loss_metrics(mode, metrics)
+        return loss
+
+    def _importance_weights(self, inputs):
+        """TRL's per-token (or per-sequence) importance-sampling ratio, when TRL's ``_compute_loss``
+        would apply it (same condition) and TRL formed it (else the loss does: :meth:`_engine_correction`)."""
+        if self.use_vllm and self.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
+            return inputs["importance_sampling_ratio"]
+        return None
+
+    def _engine_ratio_in_loss(self) -> bool:
+        """Whether the loss forms the engine's importance ratio instead of TRL. TRL runs a no-grad forward of
+        every generation for the old policy's log-probs when the engine's correction is on, also when the
+        policy cannot have moved since the engine sampled (generation aligned with the optimiser steps: its
+        own condition for skipping that pass otherwise). Those log-probs are then the ones the loss computes
+        anyway, so the pass is skipped and the loss forms the same ratio from them (equal up to
+        floating-point noise, and dropout when the adapter has it). VESPO keeps TRL's path."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return bool(self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo"
+                    and self.args.gradient_accumulation_steps % generate_every == 0)
+
+    def _engine_correction(self, inputs):
+        """``(mode, clip_min, clip_max)`` for the loss when TRL left the ratio to it, else None."""
+        if "importance_sampling_ratio" in inputs or not self._engine_ratio_in_loss():
+            return None
+        return (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                self.vllm_importance_sampling_clip_max)
+
+    # -- override 3: no old-policy pass when the policy has not moved ----------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        if not self._engine_ratio_in_loss():
+            return super()._generate_and_score_completions(inputs)
+        self.vllm_importance_sampling_correction = False  # TRL then skips the old-policy pass and its ratio
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+
+    def _log_loss_metrics(self, mode: str, metrics: dict) -> None:
+        """Same metric names as TRL: means averaged over processes, per-sequence extremes their min / max."""
+        for name in LOGGED_METRICS:
+            value = metrics.get(name)
+            if value is None:
+                continue
+            gathered = self.accelerator.gather(value.detach().reshape(1))
+            reduce = nanmin if name.endswith("min") else nanmax if name.endswith("max") else torch.nanmean
+            self._metrics[mode][name].append(reduce(gathered).item())
+
+
+def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
+                 generator=None, reliable: bool = False, memory_plan: dict | None = None):
+    """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
+
+    ``reliable``: its class composed with the NaN/OOM guards and the atomic, resumable checkpoints
+    (:func:`grpo_kit.trainer.guards.with_reliability`, once per class); set their options with
+    :func:`grpo_kit.trainer.guards.configure_reliability`.
+
+    ``generator``: a kit generator (:func:`grpo_kit.generation.make_generator`, e.g. from
+    :func:`grpo_kit.generation.plan.start_generation`) for the ``grpo_kit`` trainer; None: TRL's own generation. TRL's
+    stock trainer always generates its own way. TRL's importance-sampling correction is on
+    for a generator other than HF (vLLM: another engine, another dtype); ``HFGenerator``
+    samples from the training model itself, so the ratio would be 1 and its extra
+    old-policy pass is skipped.
+
+    ``memory_plan``: the CUDA generation memory plan (:func:`grpo_kit.generation.plan.memory_plan`), whose
+    calculator pricing resolves ``scoring_batch_size: auto``; without one the calculator prices the config as it
+    stands (:func:`grpo_kit.memory.scoring_batch_for_config`).
+    """
+    tokenizer.padding_side = "left"  # TRL requires left padding for generation
+    kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
+                  processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
+    if cfg.trainer == "trl":
+        if generator is not None:
+            raise ValueError("trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
+                             "a kit generator needs trainer='grpo_kit'")
+        return (with_reliability(GRPOTrainer) if reliable else GRPOTrainer)(**kwargs)
+    if generator is not None:
+        kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
+    cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
+    scoring = (memory_plan["scoring_batch_size"] if memory_plan and cfg.scoring_batch_size == "auto"
+               else scoring_batch_for_config(cfg, model.config))
+    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator)
