@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
-from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
+from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
 from grpo_kit.model.loading import build_random_model, load_model
 from grpo_kit.model.quantize import (auto_skip_modules, dequantized_weight, is_quantized, layer_errors, nf4_roundtrip,
                                quantizable_linears, quantize_model)
@@ -33,7 +33,7 @@ def test_quantize_replaces_the_linears_but_the_head_and_the_skipped(name):
     assert report["quantized_layers"] == 7 * 2 - n_down
     assert sorted(report["kept_16bit"]) == sorted(["lm_head", *[f"model.layers.{i}.mlp.down_proj" for i in range(2)]])
     assert all(is_quantized(model.get_submodule(n)) for n in quantizable_linears(build_random_model(name), ["down_proj"]))
-    # the bytes held are NF4's 4 bits + double-quantised absmax (formulas.NF4_BITS_PER_PARAM) per weight, plus
+    # the bytes held are NF4's 4 bits + double-quantised absmax (nf4_dequant.NF4_BITS_PER_PARAM) per weight, plus
     # each tensor's 256-entry fp32 code of the second quantisation (1 KiB: noise beside an 8B's weights)
     n = report["quantized_layers"]
     assert report["quantized_weight_bytes"] == pytest.approx(weights * NF4_BITS_PER_PARAM / 8 + n * 1024, rel=0.02)

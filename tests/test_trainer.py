@@ -299,7 +299,7 @@ def test_trl_methods_the_kit_overrides_or_calls_keep_their_signatures(name):
 def test_trl_attributes_and_config_fields_the_kit_reads_exist():
     import transformers
 
-    from grpo_kit.loss.names import LOSS_TYPES
+    from grpo_kit.loss.objective import LOSS_TYPES
     from grpo_kit.loss.objective import ObjectiveSpec
     from grpo_kit.trainer.grpo_trainer import OBJECTIVE_FIELDS
 

@@ -77,9 +77,9 @@ def _bench(args) -> int:
 
 
 def _vram(args) -> int:
-    from grpo_kit import memory
+    from grpo_kit.memory.cli import cli_main
 
-    return memory.cli_main(args.rest)
+    return cli_main(args.rest)
 
 
 def _version(name: str) -> str | None:

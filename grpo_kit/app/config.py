@@ -17,7 +17,11 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_kit.loss.names import GENERATION_BACKENDS, LORA_SYNC_MODES, LOSS_TYPES, NF4_MATMULS, REWARD_ERRORS
+from grpo_kit.generation.base import GENERATION_BACKENDS
+from grpo_kit.generation.sync import LORA_SYNC_MODES
+from grpo_kit.loss.objective import LOSS_TYPES
+from grpo_kit.model.nf4_matmul import NF4_MATMULS
+from grpo_kit.tasks.rewards import REWARD_ERRORS
 from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S
 
 TASKS = ("arithmetic", "word_problems", "gsm8k")

@@ -18,8 +18,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from grpo_kit.loss.names import GENERATION_BACKENDS
-from grpo_kit.generation.base import GenerationEngineError, GenerationResult, Generator, SamplingConfig
+from grpo_kit.generation.base import GENERATION_BACKENDS, GenerationEngineError, GenerationResult, Generator, SamplingConfig
 from grpo_kit.generation.hf import HFGenerator, process_logits, sampling_logprobs_reference
 from grpo_kit.generation.vllm_backend import (UnsupportedArchitectureError, VLLMNotInstalledError, import_vllm, vllm_available,
                            vllm_install_advice, vllm_install_command)

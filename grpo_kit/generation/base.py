@@ -19,6 +19,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+GENERATION_BACKENDS = ("auto", "hf", "vllm")  # make_generator's backend, the config's generation_backend
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

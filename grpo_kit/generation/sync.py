@@ -19,6 +19,10 @@ from typing import Iterator
 
 import torch
 
+# How a LoRA adapter reaches a vLLM engine (VLLMGenerator(lora_sync=...), the config's vllm_lora_sync): merged
+# into the shared weights, or as a vLLM LoRA adapter.
+LORA_SYNC_MODES = ("merge", "adapter")
+
 
 def unwrap(model):
     """The model inside DDP / accelerate wrappers (PEFT wrappers are kept)."""

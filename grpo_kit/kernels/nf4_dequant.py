@@ -35,6 +35,13 @@ import torch
 
 from grpo_kit.kernels._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
 
+# The format this kernel decodes, written by grpo_kit.model.quantize: bitsandbytes NF4 with double quantisation
+# (what QLoRA and Unsloth load): 4 bits per weight, one 8-bit absmax per NF4_BLOCK weights, one fp32 absmax per
+# NF4_NESTED_BLOCK of those blocks.
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+NF4_BITS_PER_PARAM = 4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_NESTED_BLOCK)
+
 _BLOCK = 4096  # weights per Triton program (2048 packed bytes: 16 per thread of 4 warps)
 # No fused multiply-add: bitsandbytes rounds the constants' product and the offset's sum each on its own
 # (compiled with fusion on, the kernel's PTX has an fma there; tests/test_nf4_dequant.py checks it has none).
@@ -101,13 +108,12 @@ def compile_signature(dtype: str, nbytes_multiple_of_16: bool = True) -> tuple[d
     checks in the tests, for sm_90 and sm_75), output ``dtype`` ``"fp16"``, ``"bf16"`` or ``"fp32"``, as launched
     on the kit's 4-bit weights (blocks of ``NF4_BLOCK``, nested blocks of 256). ``nbytes_multiple_of_16``:
     Triton's specialisation of the byte count, true for every weight of the built-in models."""
-    from grpo_kit.model.quantize import NF4_BLOCK
 
     out = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",
            "OUT": f"*i{_WORD[out].itemsize * 8}", "NBYTES": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr",
            "HALF": "constexpr", "BLOCK": "constexpr"}
-    const = {"QBLOCK": NF4_BLOCK, "QBLOCK2": 256, "HALF": _HALF[out], "BLOCK": _BLOCK}
+    const = {"QBLOCK": NF4_BLOCK, "QBLOCK2": NF4_NESTED_BLOCK, "HALF": _HALF[out], "BLOCK": _BLOCK}
     # as Triton specialises a launch: every pointer 16-byte aligned (torch's allocations are), and the byte count
     aligned = [i for i, (name, kind) in enumerate(sig.items())
                if kind.startswith("*") or (name == "NBYTES" and nbytes_multiple_of_16)]

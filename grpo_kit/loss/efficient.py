@@ -41,7 +41,6 @@ import torch
 
 from grpo_kit.kernels import grpo_epilogue as _epi
 
-from grpo_kit.loss.names import LOSS_TYPES  # noqa: F401  (re-exported: the loss types these functions take)
 from grpo_kit.loss.objective import (MAX_LOG_GAP, ObjectiveSpec, check_engine_correction, check_normaliser_args,
                         engine_importance_metrics, engine_importance_weights, high_entropy_mask, objective_metrics,
                         per_token_objective, token_weights)

@@ -39,7 +39,10 @@ import numbers
 
 import torch
 
-from grpo_kit.loss.names import ENGINE_IS_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")  # TRL 1.16's GRPOConfig.loss_type
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPOConfig.importance_sampling_level
+# GRPOConfig.vllm_importance_sampling_mode: the engine's importance-sampling correction
+ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # exp() of a log-prob gap overflows fp32 beyond ~88 nats, and inf * 0 (a zero advantage, a clipped
 # branch) is NaN. Gaps (logp - old for the ratio, ref - logp for the k3 KL) are clamped at 60 nats:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
+
 GB = 1e9
 GiB = 2**30
 
@@ -26,9 +28,6 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 FP32 = 4
 
-# bitsandbytes NF4 with double quantisation (what QLoRA / Unsloth load): 4 bits per weight,
-# one 8-bit absmax per 64 weights, one fp32 absmax per 256 of those blocks.
-NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_kit.loss.names import NF4_MATMULS
+from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
+from grpo_kit.model.nf4_matmul import NF4_MATMULS
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -407,7 +408,6 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
 
 
 def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -> None:
-    from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
     from grpo_kit.model.quantize import auto_skip_modules, quantizable_linears, quantize_model
 
     auto = None

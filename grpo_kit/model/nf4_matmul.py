@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from grpo_kit.kernels import nf4_dequant as K
-from grpo_kit.loss.names import NF4_MATMULS
 from grpo_kit.model.quantize import is_quantized
+
+NF4_MATMULS = ("kit", "bitsandbytes")  # how a 4-bit layer multiplies (the config's load_in_4bit_matmul)
 
 __all__ = ["NF4_MATMULS", "layer_weight_cache", "dequantized", "use_nf4_matmul", "reset_stats"]
 # Per thread: the reentrant backward of a layer (grpo_kit.model.offload) runs its recompute and its backward on

@@ -3,7 +3,7 @@
 NF4 (Dettmers et al. 2023, *QLoRA*): each block of 64 weights is divided by its absolute maximum and
 rounded to the nearest of 16 levels placed at the quantiles of a normal distribution; with double
 quantisation the fp32 absmax constants are themselves stored in 8 bit (blocks of 256), 4.127 bits per
-weight in all (``memory.formulas.NF4_BITS_PER_PARAM``). bitsandbytes' ``Linear4bit`` dequantises its
+weight in all (``kernels.nf4_dequant.NF4_BITS_PER_PARAM``). bitsandbytes' ``Linear4bit`` dequantises its
 weight to the compute dtype for each matmul, forward and backward; the weight never trains, LoRA on top
 does (PEFT wraps ``Linear4bit`` like ``nn.Linear``).
 
@@ -37,11 +37,12 @@ import re
 import torch
 from torch import nn
 
+from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM, NF4_BLOCK
+
 __all__ = ["ALWAYS_16BIT", "NF4_BLOCK", "check_bitsandbytes", "quantizable_linears", "quantize_model",
            "nf4_load_config", "quantization_report",
            "nf4_roundtrip", "layer_errors", "auto_skip_modules", "is_quantized", "dequantized_weight"]
 
-NF4_BLOCK = 64  # weights per absmax block (bitsandbytes' default for NF4)
 ALWAYS_16BIT = ("lm_head",)
 BNB_INSTALL = "python -m pip install bitsandbytes==0.50.2"
 
@@ -204,7 +205,6 @@ def auto_skip_modules(model: nn.Module, batches, *, allowance_bytes: float, skip
     fixed ``skip_modules``. ``allowance_bytes``: the extra memory they may cost, each costing its 16-bit
     size (``dtype_bytes`` per weight) minus its NF4 size. Returns ``(names, report)``; the report holds
     every layer's error, the chosen ones and the bytes spent."""
-    from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
 
     errors = layer_errors(model, batches, skip_modules=skip_modules)
     extra = {n: model.get_submodule(n).weight.numel() * (dtype_bytes - NF4_BITS_PER_PARAM / 8) for n in errors}

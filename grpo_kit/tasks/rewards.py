@@ -17,7 +17,8 @@ import time
 from grpo_kit.tasks.answers import as_number, extract_answer, numbers_equal, single_number, to_float
 from grpo_kit.tasks.time_limit import TimeLimitExceeded, call_with_time_limit
 
-from grpo_kit.loss.names import REWARD_ERRORS
+REWARD_ERRORS = ("raise", "zero")  # what checked_reward_func does when a reward function raises
+
 
 _log = logging.getLogger("grpo_kit.tasks.rewards")
 
