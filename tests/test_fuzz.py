@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from grpo_kit.tasks import rewards
-from grpo_kit.loss.efficient import LOSS_TYPES, efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.loss.objective import LOSS_TYPES
 from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from _objective_settings import SETTINGS, loss_kwargs
-from grpo_kit.loss.efficient import (
-    LOSS_TYPES,
-    efficient_grpo_loss,
-    grpo_loss_reference,
-    per_token_logps,
-)
+from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.loss.objective import LOSS_TYPES
 
 B, T, H, V = 3, 13, 48, 257
 LENGTH_KW = dict(max_completion_length=17, num_items_in_batch=29)
