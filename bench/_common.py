@@ -1,6 +1,8 @@
 """What the benchmark scripts share: synchronised timing, relative error, the hardware and versions a result
-was measured on, the command line it was run with, and writing a result's JSON and Markdown report (peak memory
-comes from :class:`grpo_kit.memory.Profiler`). The scripts import it (``python -m grpo_kit bench
+was measured on, the command line it was run with, and recording a result as data: :func:`record` appends its
+rows to ``bench/results/data/<benchmark>.jsonl`` (one file per benchmark) and regenerates the benchmark's page
+``bench/results/<benchmark>.md`` and the index ``bench/results/README.md`` from the data (:mod:`report`; peak
+memory comes from :class:`grpo_kit.memory.Profiler`). The scripts import it (``python -m grpo_kit bench
 NAME`` and ``python bench/NAME.py`` both put ``bench/`` first on the path) and import each other the same way.
 """
 
@@ -11,6 +13,7 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,15 +64,126 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def write_report(stem, data: dict, lines) -> str:
-    """Write ``stem.json`` (``data``) and ``stem.md`` (``lines``: a list of lines or the text), creating the
-    folder; returns the Markdown text."""
-    stem = Path(stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_name(stem.name + ".json").write_text(json.dumps(data, indent=1, default=str))
+RESULTS = Path(__file__).resolve().parent / "results"
+# Every row of a data file carries these keys; ``figures`` holds the measured numbers (scalars are tabulated on
+# the page), ``detail`` (optional) what is kept but not tabulated (per-step lists, profiles, logs).
+ROW_KEYS = ("benchmark", "row", "model", "shape", "dtype", "card", "date", "commit", "command", "figures")
+# Fields of a result row that describe its shape rather than measure it, in the order the shape is written.
+SHAPE_KEYS = ("gens", "generations", "B", "H", "V", "T", "seq_len", "context", "prompt_len", "completion_len",
+              "micro_batch", "ref_micro_batch", "steps", "n", "seed", "round")
+# Fields that name a row, in order of preference, where it has no ``row``.
+ROW_NAME_KEYS = ("row", "impl", "variant", "notebook", "chunk", "scale", "trainer")
+_IDENTITY = {"row", "model", "dtype", "command", "date", "run"}
+
+
+def data_path(benchmark: str, results_dir=None) -> Path:
+    """``<results_dir>/data/<benchmark>.jsonl`` (default ``bench/results``)."""
+    return Path(results_dir or RESULTS) / "data" / f"{benchmark}.jsonl"
+
+
+def git_commit() -> str:
+    """Short hash of this checkout's HEAD (``+dirty`` with uncommitted changes), or ``""`` outside git."""
+    try:
+        run = dict(cwd=Path(__file__).parent, capture_output=True, text=True, timeout=30)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")
+
+
+def card_of(hw) -> str:
+    """The device a result was measured on, from a :func:`hardware` dict (or its :func:`hardware_line`): the GPU's
+    name, else ``CPU (<model>)``."""
+    if isinstance(hw, dict):
+        if hw.get("gpu"):
+            return str(hw["gpu"])
+        return f"CPU ({hw['cpu']})" if hw.get("cpu") else "CPU"
+    text = str(hw or "")
+    if text.startswith("CPU only; "):
+        return f"CPU ({text.split('; ')[1].split(',')[0]})"
+    if not text or "GPU" in text or "NVIDIA" in text:
+        return text.split(" (")[0]
+    return f"CPU ({text.split(';')[0].split(',')[0]})"
+
+
+def _scalar(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def shape_of(r: dict) -> str:
+    """``k=v`` pairs of the row's :data:`SHAPE_KEYS` (e.g. ``gens=8 seq_len=1024 prompt_len=128``)."""
+    return " ".join(f"{k}={r[k]}" for k in SHAPE_KEYS if r.get(k) is not None and _scalar(r[k]))
+
+
+def make_row(benchmark: str, r: dict, meta: dict) -> dict:
+    """One data row from a benchmark's result dict ``r`` (one configuration) and its run's ``meta`` (command,
+    hardware, date, ... shared by the run's rows): identity and shape keys become the row's fields, the other
+    scalars its ``figures``, the rest its ``detail``; the meta's other keys go to ``run``."""
+    hw = meta.get("hardware") or {}
+    dtype = r.get("dtype") or meta.get("dtype") or ""
+    args = meta.get("args") if isinstance(meta.get("args"), dict) else {}
+    if r.get("load_in_4bit") or args.get("load_in_4bit"):
+        dtype = f"nf4/{dtype}" if dtype and not str(dtype).startswith("nf4") else (dtype or "nf4")
+    name = next((r[k] for k in ROW_NAME_KEYS if r.get(k) not in (None, "")), "")
+    date = r.get("date") or meta.get("date") or (hw.get("date") if isinstance(hw, dict) else None) or ""
+    figures = {k: v for k, v in r.items() if k not in _IDENTITY and k not in SHAPE_KEYS and _scalar(v)}
+    for k, v in r.items():  # a small dict of numbers (e.g. a median, min and max) is tabulated as k.sub
+        if isinstance(v, dict) and k not in _IDENTITY and 0 < sum(map(_scalar, v.values())) <= 6:
+            figures.update({f"{k}.{s}": x for s, x in v.items() if _scalar(x)})
+    out = dict(benchmark=benchmark, row=str(name), model=str(r.get("model") or meta.get("model") or ""),
+               shape=shape_of(r), dtype=str(dtype), card=card_of(hw), date=str(date),
+               commit=str(r.get("commit") or meta.get("commit") or ""),
+               command=str(r.get("command") or meta.get("command") or ""),
+               figures=figures)
+    detail = {k: v for k, v in r.items() if not _scalar(v) and k != "run"}
+    if detail:
+        out["detail"] = detail
+    run = {k: v for k, v in meta.items() if k not in ("command", "date", "commit")}
+    if run:
+        out["run"] = run
+    return out
+
+
+def record(benchmark: str, rows: list, meta: dict, results_dir=None) -> Path:
+    """Append a run's ``rows`` (result dicts, see :func:`make_row`; ``meta``: what the run's rows share, its
+    ``command`` and ``hardware`` at least) to the benchmark's data file, then regenerate its page and the index.
+    The date (UTC) and this checkout's commit are filled in where the meta does not say them. Returns the data
+    file's path."""
+    from report import write_pages  # report imports this module: it is the page writer, this the data writer
+
+    meta = dict(meta)
+    meta.setdefault("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    meta.setdefault("commit", git_commit())
+    path = data_path(benchmark, results_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        for r in rows:
+            fh.write(json.dumps(make_row(benchmark, r, meta), default=str) + "\n")
+    write_pages(path.parent.parent)
+    return path
+
+
+def record_report(benchmark: str, data: dict, lines, results_dir=None) -> str:
+    """Record a run's result dict as data (:func:`record`): its list of rows under ``rows``, ``results`` or
+    ``seeds`` (else ``data`` is one row), the rest its meta. ``lines`` (a list of lines or the text) is the run's
+    summary, printed rather than kept: the page comes from the data. Returns the summary's text."""
+    key = next((k for k in ("rows", "results", "seeds") if isinstance(data.get(k), list)), None)
+    if key:
+        rows, meta = data[key], {k: v for k, v in data.items() if k != key}
+    else:
+        rows, meta = [data], {k: data[k] for k in ("command", "hardware", "date") if k in data}
+    if "meta" in meta and isinstance(meta["meta"], dict):  # bench/loss.py keeps its run's fields under meta
+        meta = {**meta.pop("meta"), **meta}
+    record(benchmark, rows, meta, results_dir)
     text = lines if isinstance(lines, str) else "\n".join(lines) + "\n"
-    stem.with_name(stem.name + ".md").write_text(text)
+    print(text)
     return text
+
+
+def read_rows(path) -> list[dict]:
+    """The rows of a data file (one JSON object per line)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def hardware_line(h: dict) -> str:

@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from _common import hardware as _hardware  # noqa: E402
-from _common import LORA_TARGETS, write_report  # noqa: E402
+from _common import LORA_TARGETS, record_report  # noqa: E402
 
 
 def hardware() -> dict:
@@ -143,7 +143,7 @@ def main(argv=None):
     }
     hf_med = result["generation"]["hf"]["tokens_per_s"]["median"]
     result["speedup_vs_hf"] = {k: result["generation"][k]["tokens_per_s"]["median"] / hf_med for k in gens}
-    write_report(Path(args.out_dir) / f"generation_{args.tag}", result, report(result))
+    record_report("generation", result, report(result), args.out_dir)
     print(report(result))
     for g in (plain, lora):
         g.close()

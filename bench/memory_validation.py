@@ -35,6 +35,9 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import tempfile  # noqa: E402
+
+from _common import command_line, hardware, record_report  # noqa: E402
 
 from grpo_kit.memory import estimate, total_gpu_bytes  # noqa: E402
 
@@ -288,18 +291,21 @@ def write_cpu_md(rows, path: Path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--step-json", default=str(REPO / "bench" / "results" / "step_h200.json"))
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "memory_validation.md"))
-    p.add_argument("--plot", default=str(REPO / "bench" / "results" / "memory_validation.png"))
+    p.add_argument("--step-json", default=str(Path(tempfile.gettempdir()) / "step_h200.json"),
+                   help="a bench/step.py run's json (it keeps one in the temp folder)")
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "memory_validation.md"), help="the run's summary")
+    p.add_argument("--plot", default=str(Path(tempfile.gettempdir()) / "memory_validation.png"))
+    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"), help="results folder the rows are added to")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank the benchmark used (bench/step.py --lora-r)")
     p.add_argument("--cpu", action="store_true", help="measure small models on this machine instead (minutes)")
     args = p.parse_args(argv)
     if args.cpu:
         rows = measure_cpu()
-        out = REPO / "bench" / "results" / "memory_validation_cpu.md"
+        out = Path(args.out).with_name("memory_validation_cpu.md")
         write_cpu_md(rows, out)
-        out.with_suffix(".json").write_text(json.dumps(dict(models=CPU_MODELS, rows=rows), indent=1))
-        print(f"written: {out}, {out.with_suffix('.json')}")
+        record_report("memory_validation", dict(models=CPU_MODELS, rows=rows, hardware=hardware(),
+                                                command=command_line("memory_validation", argv)),
+                      [f"summary: {out}"], args.out_dir)
         return 0
     src = Path(args.step_json)
     if not src.is_file():
@@ -315,10 +321,12 @@ def main(argv=None):
         plot(rows, args.lora_rank, Path(args.plot))
     out = Path(args.out)
     write_md(rows, data, args, out)
-    out.with_suffix(".json").write_text(json.dumps(dict(source=str(src), lora_rank=args.lora_rank, rows=rows), indent=1))
+    record_report("memory_validation", dict(source=str(src), lora_rank=args.lora_rank, rows=rows,
+                                            hardware=data.get("hardware", {}),
+                                            command=command_line("memory_validation", argv)), [], args.out_dir)
     for line in verdict(rows):
         print(line)
-    print(f"written: {out}, {out.with_suffix('.json')}" + (f", {args.plot}" if args.plot else ""))
+    print(f"written: {out}" + (f", {args.plot}" if args.plot else ""))
     return 0
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import hardware, hardware_line, write_report
+from _common import hardware, hardware_line, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         md.append(f"| {r['row']} | {r['notebook']} | {r['status']} | {r['wall_s']} | `{json.dumps(shown)}` |")
     for r in results:
         md += ["", f"## {r['row']}: printed", "", "```", *r["printed"], *([r["error"]] if r["error"] else []), "```"]
-    write_report(out / f"notebooks_gpu_{a.tag}", dict(command=cmd, hardware=hw, results=results), md)
+    record_report("notebooks_gpu", dict(command=cmd, hardware=hw, results=results), md, out)
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
 

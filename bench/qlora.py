@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from _common import command_line, hardware, write_report
+from _common import command_line, hardware, record_report
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
 from grpo_kit.app.evaluation import evaluate_accuracy
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     lines += ["", f"auto: {auto_report['rule']}; allowance {auto_report['allowance_bytes'] / 1e6:.2f} MB (what "
               f"`fixed` spends), spent {auto_report['extra_bytes'] / 1e6:.2f} MB. Largest errors: " +
               ", ".join(f"{k} {v:.4f}" for k, v in list(auto_report["errors"].items())[:6])]
-    write_report(Path(a.out_dir) / f"qlora_quality_{tag}",
-                 {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, lines)
+    record_report("qlora",
+                 {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, lines, a.out_dir)
     return 0
 
 

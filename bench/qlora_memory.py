@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import command_line, hardware, write_report
+from _common import command_line, hardware, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 512
@@ -130,7 +130,7 @@ def write(rows: list[dict], logs: dict, a, out_dir: Path, hw: dict) -> None:
                      f"{r['completion_len']:,}{mark} | {f(r['budget_gib'], 1)} | {f(r['peak_gib'])} | "
                      f"{f(r['peak_allocated_gib'])} | {f(r['calculator_gib'])} | {err} | {f(r['step_s'], 1)} | "
                      f"{r['status']} |")
-    write_report(out_dir / f"qlora_{a.tag}", data, lines)
+    record_report("qlora_memory", data, lines, out_dir)
 
 
 def main(argv=None) -> int:
@@ -161,8 +161,8 @@ def main(argv=None) -> int:
         for q in procs:
             results, logs[q["name"]] = run_process(q, Path(tmp), a.timeout)
             rows += rows_of(q, results)
-            write(rows, logs, a, out_dir, hw)
             print(json.dumps(rows[-len(q["points"]):], default=str), flush=True)
+    write(rows, logs, a, out_dir, hw)  # once: the data file is appended to
     return 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from _common import LORA_TARGETS, command_line, hardware, hardware_line, kernel_profile, sync, write_report
+from _common import LORA_TARGETS, command_line, hardware, hardware_line, kernel_profile, sync, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             lines += [f"| `{e['name']}` | {e['calls']} | {e['self_cpu_ms']:.2f} | {e['self_cuda_ms']:.2f} |"
                       for e in pr["top_cpu"][:15]]
     print("\n".join(lines))
-    write_report(Path(a.out_dir) / f"reversible_merge_{a.tag}", {"command": cmd, "hardware": hw, "adapter_run": run, "rows": rows}, lines)
+    record_report("reversible_merge", {"command": cmd, "hardware": hw, "adapter_run": run, "rows": rows}, lines, a.out_dir)
     return 0 if all(r["bits_restored"] for r in rows) else 1
 
 

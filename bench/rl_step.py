@@ -58,7 +58,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import LORA_TARGETS, command_line, hardware, write_report
+from _common import LORA_TARGETS, command_line, hardware, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -404,7 +404,7 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
                          f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
                          f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |")
     lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]
-    write_report(Path(a.out_dir) / f"rl_step_{tag}", {"command": cmd, "hardware": hw, "rows": rows}, lines)
+    record_report("rl_step", {"command": cmd, "hardware": hw, "rows": rows}, lines, a.out_dir)
 
 
 def main(argv=None) -> int:
@@ -415,7 +415,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--append", action="store_true", help="add the rows to an existing rl_step_<tag>.json")
     p.add_argument("--timeout", type=int, default=560, help="seconds per row")
     p.add_argument("--gen-tokens", type=int, default=0,
                    help="kit rows: after training, time generation alone (vLLM with / without the adapter, HF "
@@ -439,8 +438,6 @@ def main(argv=None) -> int:
         print("ROW " + json.dumps(res, default=str), flush=True)
         return 0
     cmd = command_line("rl_step", argv)
-    json_path = Path(a.out_dir) / f"rl_step_{a.tag}.json"
-    earlier = json.loads(json_path.read_text())["rows"] if a.append and json_path.is_file() else []
     results = []
     for model in a.models.split(","):
         for name in a.rows.split(","):
@@ -471,7 +468,7 @@ def main(argv=None) -> int:
             print(json.dumps({k: res.get(k) for k in ("row", "model", "status", "peak_gib", "generation_s",
                                                        "training_s", "step_s", "tokens_per_s", "wall_s", "error")},
                              default=str)[:3000], flush=True)
-            write(earlier, results, a, cmd)
+            write([], [res], a, cmd)  # each row appended to the data file as it finishes
     return 0
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import hardware, hardware_line, write_report
+from _common import hardware, hardware_line, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,7 +136,7 @@ def write_results(result: dict, out: Path, command: str) -> None:
         "| RSS | " + " | ".join(f"{rss[i]:.1f}" for i in marks) + " |", "",
         "Per-step RSS and step times are in the `.json` file.",
     ]
-    write_report(out.with_suffix(""), result, lines)
+    record_report("soak", result, lines, out.parent)
 
 
 def main(argv=None) -> int:

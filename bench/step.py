@@ -37,7 +37,7 @@ budget, and a confirmation step at a chosen length runs under
 Run: ``python -m grpo_kit bench step --plan full`` (GPU) or single configs, e.g.
 ``python bench/step.py --model llama-3.1-8b --gens 8 --seq-len 20480 --micro-batch 1``.
 CPU debug: ``python bench/step.py --device cpu --model tiny-llama --gens 4 --seq-len 64``.
-Re-plot: ``python bench/step.py --replot bench/results/step_h200.json``.
+Re-plot: ``python bench/step.py --replot /tmp/step_h200.json`` (a run's in-progress json, in the temp folder).
 """
 
 import sys
@@ -51,6 +51,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
@@ -58,7 +59,7 @@ from contextlib import nullcontext  # noqa: E402
 import torch  # noqa: E402
 
 from _common import hardware as _hardware  # noqa: E402
-from _common import LORA_TARGETS, kernel_profile  # noqa: E402
+from _common import LORA_TARGETS, kernel_profile, record_report  # noqa: E402
 from _common import rel_err as rel  # noqa: E402
 from _common import sync  # noqa: E402
 from grpo_kit.model.offload import (  # noqa: E402
@@ -537,10 +538,11 @@ def fmt(v, nd=1):
     return "—" if v is None else f"{v:.{nd}f}"
 
 
-def write_report(data, out_dir, tag):
+def write_report(data, out_dir, tag, record=True):
+    """The run's summary (printed) and phase plot (beside the in-progress json); with ``record``, its rows
+    appended to ``out_dir``'s data file (``data/step.jsonl``). Returns the summary's text."""
     data["derived"] = derive(data)
-    jpath = out_dir / f"step_{tag}.json"
-    jpath.write_text(json.dumps(data, indent=1, default=str))
+    jpath = data.path if isinstance(data, Sink) else None
     hw = data["hardware"]
     L = [f"# Whole GRPO step benchmark ({hw.get('gpu', 'cpu')})", "",
          f"Command: `{data['command']}`  ", f"Date: {hw['date']}; torch {hw['torch']}, triton {hw.get('triton')}, "
@@ -598,15 +600,17 @@ def write_report(data, out_dir, tag):
     if data.get("check"):
         L += ["", "CUDA correctness check (LoRA gradients, 2 micro-batches):", "", "```",
               json.dumps(data["check"], indent=1), "```"]
-    png = out_dir / f"step_{tag}_phases.png"
+    png = Path(tempfile.gettempdir()) / f"step_{tag}_phases.png"
     try:
         plot(data, png)  # only for configs compared across rows (or >= 64K)
     except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are not
         print(f"plot failed: {type(e).__name__}: {e}")
     L += ["", "Per-phase allocator counters (GiB: allocated at start / peak / at end) of each measured step are in the "
-          "json" + (f"; plot: `{png.name}`." if png.exists() else ".")]
-    (out_dir / f"step_{tag}.md").write_text("\n".join(L) + "\n")
-    return jpath
+          "data file" + (f"; plot: `{png}`." if png.exists() else ".") + (f" In-progress json: `{jpath}`." if jpath else "")]
+    if not record:
+        print("\n".join(L))
+        return "\n".join(L)
+    return record_report("step", dict(data), L, out_dir)
 
 
 def plot(data, path):
@@ -676,7 +680,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     p.add_argument("--tag", default=None, help="file tag (default: gpu name, e.g. h200)")
-    p.add_argument("--replot", help="re-write the md/png from an existing json")
+    p.add_argument("--replot", help="re-print the summary and re-draw the png from a run's in-progress json (records nothing)")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: at least 1 timed step")
@@ -684,7 +688,7 @@ def main(argv=None):
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
         tag = Path(args.replot).stem.removeprefix("step_")
-        write_report(data, Path(args.replot).parent, tag)
+        write_report(data, Path(args.replot).parent, tag, record=False)
         return 0
     try:
         seq_lens = [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else args.gens)
@@ -714,7 +718,7 @@ def main(argv=None):
     tag = args.tag or (hw.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if dev.type == "cuda" else "cpu")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sink = Sink(out_dir / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    sink = Sink(Path(tempfile.gettempdir()) / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 hardware=hw, args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit}, results=[],
                 weights_gib={})
     if args.plan:
@@ -729,8 +733,7 @@ def main(argv=None):
         sink["error"] = traceback.format_exc()[-2000:]
         write_report(sink, out_dir, tag)
         return 1
-    path = write_report(sink, out_dir, tag)
-    print(Path(str(path).replace(".json", ".md")).read_text())
+    write_report(sink, out_dir, tag)
     return 0
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from _common import LORA_TARGETS, command_line, hardware, hardware_line, write_report
+from _common import LORA_TARGETS, command_line, hardware, hardware_line, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 512
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
              f"{calc['step']:.2f} GiB."]
     if not row.get("ok"):
         lines += ["", f"Failed: {row.get('error')}"]
-    print(write_report(Path(a.out_dir) / f"t4_preset_{a.tag}", data, lines))
+    record_report("t4_preset", data, lines, a.out_dir)
     return 0 if row.get("ok") else 1
 
 

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import hardware, hardware_line, write_report
+from _common import hardware, hardware_line, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                      f"{ph['rest']:.2f} | {length:.0f} | "
                      f"{r['host_offload_gib']:.2f} | {r['metrics_finite']} | {r['lora_changed_after_step1']} | "
                      f"{','.join(r['trainable_dtypes'])} |")
-    write_report(Path(a.out_dir) / f"trainer_gpu_{a.tag}", dict(command=cmd, hardware=hw, results=results), lines)
+    record_report("trainer_gpu", dict(command=cmd, hardware=hw, results=results), lines, a.out_dir)
     return 0
 
 

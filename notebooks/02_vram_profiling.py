@@ -179,19 +179,23 @@ print(pd.DataFrame(rows).round(4).to_string(index=False))
 # ## 5. The committed GPU benchmarks (`bench/results/`)
 # Loss alone on an H200 (Llama-3.1-8B head, 8 sequences, bf16): time and extra memory against completion
 # length for the naive loss, Liger-Kernel, Unsloth's fused log-probs, Cut Cross-Entropy (cce) and the kit's. Read
-# from `loss_h200.json`; nothing is typed in here.
+# from `data/loss.jsonl`; nothing is typed in here.
 
 # %%
 import json
 
 from grpo_kit.notebook.helpers import repo_file
 
-loss_json = repo_file("bench/results/loss_h200.json")
-if loss_json is None:
-    print("bench/results/loss_h200.json is not available (the kit was installed without its checkout)")
+loss_data = repo_file("bench/results/data/loss.jsonl")
+if loss_data is None:
+    print("bench/results/data/loss.jsonl is not available (the kit was installed without its checkout)")
 else:
-    data = json.loads(loss_json.read_text())
-    df = pd.DataFrame(data["rows"])
+    rows = [json.loads(line) for line in loss_data.read_text().splitlines() if line.strip()]
+    # each row's figures with its shape (B, H, V, T); a later run of a cell replaces an earlier one
+    df = pd.DataFrame([dict(r["figures"], card=r["card"], command=r["command"], date=r["date"],
+                            **{k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())})
+                       for r in rows if not r.get("superseded")])
+    df = df.sort_values("date").drop_duplicates(["head", "impl", "T"], keep="last")
     shown = ["naive", "liger", "unsloth", "cce", "ours"]
     df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(shown)]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -206,24 +210,27 @@ else:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{data['meta']['device_name']}: {data['meta']['command']}", fontsize=8)
+    fig.suptitle(f"{df['card'].iloc[-1]}: {df['command'].iloc[-1]}", fontsize=8)
     plt.show()
     print(df.pivot_table(index="T", columns="impl", values=["ms", "extra_gib"]).round(2).to_string())
 
 # %% [markdown]
-# Whole-step results (`step_h200*.json`): peak allocated memory per configuration, and for one sequence per
+# Whole-step results (`data/step.jsonl`, one table per run): peak allocated memory per configuration, and for one sequence per
 # micro-batch, against context length (baseline = TRL-style full logits and standard checkpointing).
 
 # %%
-import glob
-
-results_dir = repo_file("bench/results")
-for path in sorted(glob.glob(str(results_dir / "step_h200*.json"))) if results_dir else []:
-    step = json.loads(open(path).read())
-    sdf = pd.DataFrame(step["results"])
+step_data = repo_file("bench/results/data/step.jsonl")
+runs = {}  # (card, command) -> that run's current rows: figures, row, model and shape
+for line in step_data.read_text().splitlines() if step_data else []:
+    r = json.loads(line) if line.strip() else {"superseded": True}
+    if not r.get("superseded"):
+        shape = {k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())}
+        runs.setdefault((r["card"], r["command"]), []).append(dict(r["figures"], row=r["row"], model=r["model"], **shape))
+for (card, command), run_rows in runs.items():
+    sdf = pd.DataFrame(run_rows)
     cols = [c for c in ("row", "model", "gens", "seq_len", "micro_batch", "status", "step_s", "peak_allocated_gib")
             if c in sdf.columns]
-    print(path.rsplit("/", 1)[-1], "-", step["command"])
+    print(card, "-", command)
     print(sdf[cols].round(2).to_string(index=False))
     one = sdf[(sdf.get("gens") == 1) & (sdf.get("status") == "ok")] if {"gens", "status"} <= set(sdf.columns) else sdf[:0]
     if len(one):
@@ -234,7 +241,7 @@ for path in sorted(glob.glob(str(results_dir / "step_h200*.json"))) if results_d
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per sequence")
         ax.set_ylabel("peak allocated (GiB)")
-        ax.set_title(path.rsplit("/", 1)[-1], fontsize=9)
+        ax.set_title(card, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         plt.show()

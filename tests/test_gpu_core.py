@@ -5,7 +5,7 @@ GPU (the CPU suite runs it in Triton's interpreter), the whole efficient loss th
 twin, offloaded checkpointing with real page-locked host buffers and side-stream copies, whose
 gradients must equal standard (HF, non-reentrant) checkpointing's, and the LoRA merge's exact restore with
 cuBLAS recomputing the delta. The H200 run's output is committed
-under ``bench/results/gpu_tests_h200.txt``.
+under ``bench/results/gpu_tests/gpu_tests_h200.txt``.
 """
 
 import time

@@ -8,7 +8,7 @@ trainer steps run on the shared engine; in a subprocess each (an engine with sle
 memory pool for its process): the FP8 KV cache with shared weights and standby, the full
 fine-tuning copy path (``load_weights`` sync, level-2 sleep), and the adapter merged into the shared
 weights for each generation with their exact bits restored (``lora_sync="merge"``). The H200 run's output is committed under
-``bench/results/gpu_tests_h200.txt``.
+``bench/results/gpu_tests/gpu_tests_h200.txt``.
 """
 
 import json

@@ -64,7 +64,7 @@ def test_wheel_carries_package_data_and_console_script(venv):
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
         metadata = next(z.read(n).decode() for n in names if n.endswith("METADATA"))
     for path in ("grpo_kit/_data/gsm8k_sample.jsonl", "grpo_kit/_data/arithmetic_heldout.jsonl",
-                 "grpo_kit/_results/loss_h200.json", "grpo_kit/requirements-nodeps.txt",
+                 "grpo_kit/_results/data/loss.jsonl", "grpo_kit/requirements-nodeps.txt",
                  "grpo_kit/memory/estimate.py", "grpo_kit/generation/base.py", "grpo_kit/kernels/grpo_epilogue.py"):
         assert path in names, path
     assert "grpo-kit = grpo_kit.app.cli:main" in entry_points
@@ -78,7 +78,7 @@ def test_installed_package_imports_and_runs_outside_the_checkout(venv, repo_root
             "from grpo_kit.notebook.helpers import repo_file\n"
             "from grpo_kit.notebook.colab import install_plan\n"
             "print(json.dumps({'file': grpo_kit.__file__, 'gsm8k': str(repo_file('data/gsm8k_sample.jsonl')),\n"
-            "  'loss': str(repo_file('bench/results/loss_h200.json')), 'png': str(repo_file('bench/results/x.png')),\n"
+            "  'loss': str(repo_file('bench/results/data/loss.jsonl')), 'png': str(repo_file('bench/results/x.png')),\n"
             "  'cpu': install_plan(generate=True, gpu=False), 'gpu': install_plan(generate=True, gpu=True)}))")
     out = json.loads(_run([str(venv["py"]), "-c", code], cwd=venv["cwd"], env=venv["env"]).stdout)
     site = venv["dir"].resolve()
