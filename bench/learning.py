@@ -5,7 +5,7 @@
 Runs the default ``python -m grpo_kit train`` once per seed (each in its own process and run
 folder), then, for step time, a short run of the kit's trainer and of TRL's stock
 ``GRPOTrainer`` with the same settings, interleaved (ours, TRL, ours, TRL). Writes
-``bench/results/learning_<hw>.md`` and ``.json``.
+``bench/results/data/learning.jsonl`` (page ``learning.md``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Validation of the VRAM calculator against the whole-step benchmark's measured peaks.
 
-Reads ``bench/results/step_<gpu>.json`` (written by ``bench/step.py``) and, for every measured
+Reads a ``bench/step.py`` run's json (``<temp folder>/step_<tag>.json``) and, for every measured
 step, computes ``grpo_kit.memory.estimate`` for the same setup:
 
 * ``ours_offload`` -> ``method="grpo_kit"`` (offloaded, chunked recompute; efficient loss);
@@ -15,7 +15,7 @@ backward phases. Target (issue 7): the grpo_kit estimate within 10% of the measu
 context lengths for Llama-3.1-8B and Qwen2.5-1.5B.
 
 Run: ``python -m grpo_kit bench memory_validation`` (CPU only; needs the json), or
-``python bench/memory_validation.py --step-json bench/results/step_h200.json``.
+``python bench/memory_validation.py --step-json /tmp/step_h200.json``.
 
 ``--cpu`` instead measures on this machine: the same step (``bench/step.py``'s ``grpo_step``:
 reference pass, policy forward/loss/backward per micro-batch, AdamW step) on two small bf16
@@ -23,7 +23,7 @@ models (Llama and Qwen2 layouts, LoRA r=8), with the peak of live tensor bytes t
 PyTorch profiler's memory timeline (``profile_memory=True``; the CPU analogue of
 ``max_memory_allocated``), against the estimate with ``loss_epilogue="torch"`` (the CPU
 epilogue). CPU attention kernels differ from the GPU's flash attention; the rest is the same code.
-Writes ``bench/results/memory_validation_cpu.md`` / ``.json``.
+Appends its rows to ``bench/results/data/memory_validation.jsonl``.
 """
 
 import sys

@@ -3,7 +3,7 @@
 A 4096 x 4096 NF4 layer (bitsandbytes, fp16 compute) with the kit's matmul and an fp16 ``nn.Linear``, fed 16 rows
 so the GPU work is negligible and the time per call is the host's: the dequantisation launch, a forward with grad
 (outside and inside ``layer_weight_cache``), a forward + backward, a no-grad forward. Why the 1K 4-bit step is
-slower than its GPU work says (bench/results/step_h100_llama8b_4bit_fp16_1k.md: GPU kernels about equal, host ops
+slower than its GPU work says (bench/results/step.md: GPU kernels about equal, host ops
 +2.2 s under the profiler). Needs CUDA and bitsandbytes:
 
     python -m grpo_kit bench nf4_host_cost

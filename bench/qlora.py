@@ -17,7 +17,7 @@ Per variant on ``--n`` held-out problems of the default task (arithmetic, levels
 split): greedy held-out accuracy (the kit's verifier), the mean absolute per-token log-prob difference
 against bf16 on bf16's own greedy completions (teacher-forced), the share of those tokens where the
 variant's greedy choice differs, and the linear-layer bytes held. The calibration pass of ``auto`` reads
-8 training prompts (never the held-out ones). Results: ``bench/results/qlora_quality_<tag>.md`` / ``.json``.
+8 training prompts (never the held-out ones). Results: ``bench/results/data/qlora.jsonl`` (page ``qlora.md``).
 
 ``--memory``: the GPU memory rows instead (Llama-3.1-8B in 4-bit fp16 under a 15 GiB cap, 16-bit bf16 beside it,
 Qwen2.5-1.5B): ``bench/qlora_memory.py``, whose options follow.

@@ -16,7 +16,7 @@ LoRA r=16 on all linear layers, beta 0.04, prompt 512 tokens, random weights:
 
 Each model runs in its own process (one model on the GPU at a time). Beside each measured peak: the VRAM
 calculator's figure for the same step (``grpo_kit.memory.estimate``, ``include_generation=False``), which
-should be within 10% of ``peak_allocated_gib``. Results: ``bench/results/qlora_<tag>.md`` / ``.json``
+should be within 10% of ``peak_allocated_gib``. Results: ``bench/results/data/qlora_memory.jsonl`` (page ``qlora_memory.md``)
 (``rows``: model, dtype, load_in_4bit, generations, completion_len, budget_gib, peak_gib, step_s, ok, ...).
 """
 

@@ -43,7 +43,7 @@ at the end). Times per optimiser step: ``generation_s`` (generate, with wake and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
 first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
 it, every step in the JSON. ``--gen-tokens N``: the kit rows then also time generation alone in the same
-process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/results/rl_step_<tag>.md`` and ``.json``.
+process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/results/data/rl_step.jsonl`` (page ``rl_step.md``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ step's outputs are appended to a list), to show what a leak looks like in these 
 measured steps minus that of the first half, per 100 steps), which ignores transient per-step buffers
 and so suits short runs (``tests/test_soak.py``: 20 steps, with and without ``--leak-mib``).
 
-Writes ``bench/results/soak_cpu.md`` and ``.json`` (``--out`` to change, ``--no-write`` for none).
+Appends to ``bench/results/data/soak.jsonl`` (``--out``'s folder to change, ``--no-write`` for none).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ against the calculator's generation-phase total. Two ways:
   minutes of decoding.
 
 The training step at the same length: ``bench/step.py --seq-len CONTEXT:8 --load-in-4bit --dtype fp16
---budget-gib 15``. Results: ``bench/results/t4_preset_<tag>.md`` / ``.json``. On the CPU it runs the same code on
+--budget-gib 15``. Results: ``bench/results/data/t4_preset.jsonl`` (page ``t4_preset.md``). On the CPU it runs the same code on
 a tiny model (``--model tiny-llama --completion 16 --tail 4``) without a cap, for checking the script only.
 
     python -m grpo_kit bench t4_preset --tag h200

@@ -16,7 +16,7 @@ Reported per row: peak ``max_memory_allocated`` over the run, mean step time (st
 the first) split into phases (generation, scoring + old/ref log-probs, forward + backward,
 the rest: optimiser and logging), mean completion length, whether offload buffers were in
 use, loss/reward finite, LoRA weights changed.
-Results: ``bench/results/trainer_gpu_<tag>.md`` and ``.json``.
+Results: ``bench/results/data/trainer_gpu.jsonl`` (page ``trainer_gpu.md``).
 """
 
 from __future__ import annotations
