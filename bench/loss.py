@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from _common import rel_err, sync  # noqa: E402
 from _common import record_report  # noqa: E402
 from _common import timed_ms as timed  # noqa: E402
-from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps  # noqa: E402
+from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
 
 HEADS = {"llama": (4096, 128256), "qwen": (1536, 151936)}  # name: (H, V)
 TINY_HEADS = {"llama": (64, 1000), "qwen": (48, 1201)}

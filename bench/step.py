@@ -68,7 +68,8 @@ from grpo_kit.model.offload import (  # noqa: E402
     offload_stats,
     reserve_offload_buffers,
 )
-from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps  # noqa: E402
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps  # noqa: E402
+from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
 from grpo_kit.model import nf4_matmul  # noqa: E402
 from grpo_kit.memory import Profiler, phase  # noqa: E402
 from grpo_kit.model.loading import build_random_model, model_config  # noqa: E402
