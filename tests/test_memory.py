@@ -609,3 +609,103 @@ def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
         estimate("llama-3.1-8b", scoring_batch=8, **{**kw, "method": "trl", "quantization": None})
     with pytest.raises(ValueError, match="scoring_batch must be an int >= 1"):
         estimate("llama-3.1-8b", scoring_batch=0, **kw)
+
+
+# ----------------------------------------------------------------------------- pinned estimates
+
+QWEN = "qwen2.5-1.5b"
+PINNED_SETTINGS = {
+    "llama_kit_published": (LLAMA, dict(num_generations=8, prompt_length=0, completion_length=20480, lora_rank=16)),
+    "llama_trl_published": (LLAMA, dict(num_generations=8, prompt_length=0, completion_length=20480, method="trl")),
+    "llama_unsloth_4bit": (LLAMA, dict(num_generations=8, prompt_length=512, completion_length=4096, lora_rank=16,
+                                        quantization="4bit", method="unsloth")),
+    "qwen_kit_4bit_standby_auto": (QWEN, dict(num_generations=8, prompt_length=256, completion_length=4096,
+                                              lora_rank=16, quantization="4bit", kv_cache_dtype="fp8",
+                                              micro_batch_size=2, generation_batch=16, standby=True,
+                                              scoring_batch="auto")),
+    "qwen_trl_fp32_hf": (QWEN, dict(num_generations=4, prompt_length=128, completion_length=512, method="trl",
+                                    lora_rank=8, loss_fp32=True, vllm=False, include_generation=False)),
+    "qwen_kit_full_fp32_torch": (QWEN, dict(num_generations=4, prompt_length=128, completion_length=512, dtype="fp32",
+                                            offload=False, loss_epilogue="torch", vllm=False)),
+    "llama_kit_dropout_old_policy": (LLAMA, dict(num_generations=8, prompt_length=512, completion_length=8192,
+                                                 lora_rank=16, lora_dropout=True, old_policy_pass=True,
+                                                 micro_batch_size=1, scoring_batch=4)),
+    "qwen_kit_fp16_given_kv": (QWEN, dict(num_generations=16, prompt_length=64, completion_length=2048, dtype="fp16",
+                                          lora_rank=32, kv_cache_bytes=2.0 * 2**30, chunk_tokens=1024,
+                                          prefetch=False, vllm_batched_tokens=8192, micro_batch_size=4)),
+}
+# estimate() for each setting above before its split into one function per phase: (peak phase, scoring batch,
+# bytes per component)
+PINNED = {
+    "llama_kit_published": ('backward', None, {
+        "model weights": 16060522496, "inference copy (vLLM)": 0, "LoRA + optimiser states": 503316480,
+        "gradients": 167772160, "saved activations (GPU)": 1342177280, "saved activations (CPU)": 41607495680,
+        "recompute peak of one layer": 16127098880, "logits for the loss": 262668288,
+        "final norm + hidden states (loss)": 5369364480, "KV cache (generation)": 21491613696,
+        "vLLM workspace (generation)": 515629056, "total GPU (peak)": 55692500992, "total CPU": 41607495680,
+    }),
+    "llama_trl_published": ('loss', None, {
+        "model weights": 16060522496, "inference copy (vLLM)": 16060522496, "LoRA + optimiser states": 32121044992,
+        "gradients": 16060522496, "saved activations (GPU)": 42949672960, "saved activations (CPU)": 0,
+        "recompute peak of one layer": 49766727680, "logits for the loss": 84053852160,
+        "final norm + hidden states (loss)": 4027187200, "KV cache (generation)": 21491613696,
+        "vLLM workspace (generation)": 515629056, "total GPU (peak)": 232824938496, "total CPU": 0,
+    }),
+    "llama_unsloth_4bit": ('backward', None, {
+        "model weights": 5702295552, "inference copy (vLLM)": 0, "LoRA + optimiser states": 503316480,
+        "gradients": 167772160, "saved activations (GPU)": 301989888, "saved activations (CPU)": 9361686528,
+        "recompute peak of one layer": 16800841728, "dequantised 4-bit weight (transient)": 117440512,
+        "logits for the loss": 2101346304, "final norm + hidden states (loss)": 1174552576,
+        "KV cache (generation)": 4378853376, "vLLM workspace (generation)": 515629056,
+        "total GPU (peak)": 27972509696, "total CPU": 9361686528,
+    }),
+    "qwen_kit_4bit_standby_auto": ('generation', 7, {
+        "model weights": 1142926720, "inference copy (vLLM)": 0, "LoRA + optimiser states": 221577216,
+        "gradients": 73859072, "saved activations (GPU)": 26738688, "saved activations (CPU)": 721944576,
+        "recompute peak of one layer": 1030660096, "dequantised 4-bit weights of one layer": 93585408,
+        "logits for the loss": 252821504, "final norm + hidden states (loss)": 105416704,
+        "scoring pass (no grad)": 1120780288, "KV cache (generation)": 950534144,
+        "vLLM workspace (generation)": 303898624, "total GPU (peak)": 2618936704, "total CPU": 721944576,
+    }),
+    "qwen_trl_fp32_hf": ('loss', None, {
+        "model weights": 3087428608, "inference copy (vLLM)": 0, "LoRA + optimiser states": 110788608,
+        "gradients": 36929536, "saved activations (GPU)": 220200960, "saved activations (CPU)": 0,
+        "recompute peak of one layer": 620687360, "logits for the loss": 3733979136,
+        "final norm + hidden states (loss)": 15738880, "KV cache (generation)": 0, "total GPU (peak)": 7205065728,
+        "total CPU": 0,
+    }),
+    "qwen_kit_full_fp32_torch": ('backward', None, {
+        "model weights": 6174857216, "inference copy (vLLM)": 0, "LoRA + optimiser states": 12349714432,
+        "gradients": 6174857216, "saved activations (GPU)": 440401920, "saved activations (CPU)": 0,
+        "recompute peak of one layer": 804915200, "logits for the loss": 200555520,
+        "final norm + hidden states (loss)": 59779072, "KV cache (generation)": 146800640,
+        "total GPU (peak)": 25944745984, "total CPU": 0,
+    }),
+    "llama_kit_dropout_old_policy": ('scoring', 4, {
+        "model weights": 16060522496, "inference copy (vLLM)": 0, "LoRA + optimiser states": 503316480,
+        "gradients": 167772160, "saved activations (GPU)": 71303168, "saved activations (CPU)": 2210398208,
+        "recompute peak of one layer": 4376858624, "logits for the loss": 262668288,
+        "final norm + hidden states (loss)": 281053184, "scoring pass (no grad)": 9104261120,
+        "KV cache (generation)": 8673820672, "vLLM workspace (generation)": 515629056,
+        "total GPU (peak)": 34341920768, "total CPU": 2210398208,
+    }),
+    "qwen_kit_fp16_given_kv": ('generation', None, {
+        "model weights": 3087428608, "inference copy (vLLM)": 0, "LoRA + optimiser states": 443154432,
+        "gradients": 147718144, "saved activations (GPU)": 25952256, "saved activations (CPU)": 700710912,
+        "recompute peak of one layer": 354304000, "logits for the loss": 252821504,
+        "final norm + hidden states (loss)": 103056384, "KV cache (generation)": 2147483648,
+        "vLLM workspace (generation)": 578625536, "total GPU (peak)": 6256692224, "total CPU": 700710912,
+    }),
+}
+
+
+@pytest.mark.parametrize("name", list(PINNED_SETTINGS))
+def test_estimate_keeps_its_pinned_numbers(name):
+    """Every component of a few full estimates, to the byte: a refactor of ``estimate`` changes none of them."""
+    model, kw = PINNED_SETTINGS[name]
+    peak_phase, scoring_batch, rows = PINNED[name]
+    df = estimate(model, **kw)
+    assert (df.attrs["peak_phase"], df.attrs["scoring_batch"]) == (peak_phase, scoring_batch)
+    assert {c: round(gb * 1e9) for c, gb in zip(df["component"], df["GB"])} == rows
+    assert sum(df.attrs["phase_bytes"].values()) > 0 and df.attrs["phase_bytes"][peak_phase] == pytest.approx(
+        rows["total GPU (peak)"], abs=1)

@@ -29,11 +29,14 @@ import math
 import numbers
 import os
 import warnings
+from dataclasses import dataclass
 
 import pandas as pd
+from transformers import AutoConfig
 
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, GiB, Arch
+from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, model_config
 
 METHODS = ("trl", "unsloth", "grpo_kit")
 AUTO = "auto"  # scoring_batch / scoring_batch_size: chosen by the calculator (auto_scoring_batch)
@@ -79,8 +82,6 @@ def arch_from_config(cfg, name: str = "") -> Arch:
 
 
 def _is_hub_id(name: str) -> bool:
-    from grpo_kit.model.loading import check_model_name
-
     try:
         return check_model_name(name) == "hub"
     except ValueError:
@@ -91,8 +92,6 @@ def resolve_arch(model) -> Arch:
     """A built-in name (``grpo_kit.model.loading.BUILTIN_MODELS``), a path to a ``config.json`` (or a
     folder holding one), a hub id ``org/name`` (its config.json only, from the local hub cache or, online,
     the hub), a transformers config object, or an :class:`Arch`. Never downloads weights."""
-    from grpo_kit.model.loading import BUILTIN_MODELS, model_config
-
     if isinstance(model, Arch):
         return model
     if isinstance(model, str):
@@ -100,8 +99,6 @@ def resolve_arch(model) -> Arch:
             return arch_from_config(model_config(model), model)
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         if path.endswith(".json") and os.path.isfile(path):
-            from transformers import AutoConfig
-
             with open(path) as fh:
                 data = json.load(fh)
             if "model_type" not in data:
@@ -131,9 +128,14 @@ def _int_at_least(name, val, lo):
     return int(val)
 
 
-def _check(num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
-           kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch, generation_batch, standby,
-           kv_cache_bytes):
+def _check_bool(name, val, none_ok=False):
+    if not (isinstance(val, bool) or (none_ok and val is None)):
+        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}a bool, got {val!r}")
+
+
+def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
+                 kv_cache_dtype, micro_batch_size, generation_batch, standby, kv_cache_bytes, **_):
+    """The step's sizes, types and storage formats (one clear ValueError each)."""
     G = _int_at_least("num_generations", num_generations, 1)
     _int_at_least("prompt_length", prompt_length, 0)
     _int_at_least("completion_length", completion_length, 1)
@@ -148,8 +150,7 @@ def _check(num_generations, prompt_length, completion_length, dtype, lora_rank, 
     if quantization is not None and lora_rank is None:
         raise ValueError(f"quantization={quantization!r} needs lora_rank: 4-bit weights are frozen, "
                          "only LoRA adapters can train on top of them")
-    if not isinstance(vllm, bool):
-        raise ValueError(f"vllm must be a bool, got {vllm!r}")
+    _check_bool("vllm", vllm)
     if kv_cache_dtype is not None and kv_cache_dtype not in F.KV_DTYPE_BYTES:
         raise ValueError(f"kv_cache_dtype must be None (= dtype) or one of {list(F.KV_DTYPE_BYTES)}, got {kv_cache_dtype!r}")
     if micro_batch_size is not None:
@@ -158,21 +159,46 @@ def _check(num_generations, prompt_length, completion_length, dtype, lora_rank, 
         gb = _int_at_least("generation_batch", generation_batch, 1)
         if gb % G:
             raise ValueError(f"generation_batch must be a multiple of num_generations={G} (whole groups), got {gb}")
-    if not isinstance(standby, bool):
-        raise ValueError(f"standby must be a bool, got {standby!r}")
+    _check_bool("standby", standby)
     if standby and not vllm:
         raise ValueError("standby=True describes a vLLM engine (vllm=True) that releases its KV cache while training")
     if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
                                        or kv_cache_bytes <= 0):
         raise ValueError(f"kv_cache_bytes must be None or a number of bytes > 0, got {kv_cache_bytes!r}")
+
+
+def _check_options(*, method, lora_rank, loss_chunk_bytes, chunk_tokens, prefetch, vllm_batched_tokens,
+                   include_generation, loss_fp32, lora_dropout, offload, loss_epilogue, old_policy_pass, scoring_batch,
+                   **_):
+    """The switches of each method's training step, and which methods they apply to."""
     _int_at_least("loss_chunk_bytes", loss_chunk_bytes, 1)
     if chunk_tokens is not None:
         _int_at_least("chunk_tokens", chunk_tokens, 1)
-    if not isinstance(prefetch, bool):
-        raise ValueError(f"prefetch must be a bool, got {prefetch!r}")
+    _check_bool("prefetch", prefetch)
+    _int_at_least("vllm_batched_tokens", vllm_batched_tokens, 1)
+    for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32),
+                      ("lora_dropout", lora_dropout)):
+        _check_bool(name, val)
+    _check_bool("offload", offload, none_ok=True)
+    if offload and method == "trl":
+        raise ValueError("offload=True is not available with method='trl' (TRL has no offloaded checkpointing)")
+    if loss_epilogue not in ("triton", "torch"):
+        raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
+    if loss_fp32 and method != "trl":
+        raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
+    _check_bool("old_policy_pass", old_policy_pass, none_ok=True)
+    if lora_dropout and lora_rank is None:
+        raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
+    if scoring_batch is not None:
+        if isinstance(scoring_batch, str):
+            raise ValueError(f"scoring_batch must be None, {AUTO!r} or an integer >= 1, got {scoring_batch!r}")
+        _int_at_least("scoring_batch", scoring_batch, 1)
+        if method != "grpo_kit":
+            raise ValueError(f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
+                             f"got method={method!r}")
 
 
-# ----------------------------------------------------------------------------- the estimate
+# ----------------------------------------------------------------------------- the step and its rows
 
 
 def _is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
@@ -180,6 +206,299 @@ def _is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
     same = (a.vocab, a.hidden, a.intermediate, a.layers, a.kv_dim) == (ref.vocab, ref.hidden, ref.intermediate,
                                                                       ref.layers, ref.kv_dim)
     return same and G == PUBLISHED_SETUP["num_generations"] and P + C == PUBLISHED_SETUP["context"] and dtype == "bf16"
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One GRPO step as :func:`estimate` prices it: its checked arguments (named as there) and what follows from
+    them. ``G`` completions per prompt of ``P`` prompt + ``C`` completion tokens, ``M`` sequences per
+    forward/backward, ``gen_rows`` completions per generation call, ``S`` sequences per scoring forward."""
+
+    a: Arch
+    method: str
+    dtype: str
+    G: int
+    P: int
+    C: int
+    M: int
+    gen_rows: int
+    S: int | None
+    lora_rank: int | None
+    quantization: str | None
+    vllm: bool
+    standby: bool
+    kv_cache_dtype: str | None
+    kv_cache_bytes: float | None
+    vllm_batched_tokens: int
+    include_generation: bool
+    offload: bool  # resolved: the method's own choice where None was given
+    prefetch: bool
+    chunk_tokens: int | None  # resolved for grpo_kit (its automatic rule where None was given)
+    loss_chunk_bytes: int
+    loss_fp32: bool
+    loss_epilogue: str
+    lora_dropout: bool
+    old_policy: bool  # TRL's old-policy pass (adapters on) runs beside the reference pass
+
+    @property
+    def T(self) -> int:
+        return self.P + self.C
+
+    @property
+    def b(self) -> int:
+        return F.DTYPE_BYTES[self.dtype]
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank is not None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one forward/backward."""
+        return self.M * self.T
+
+    @property
+    def scoring(self) -> bool:
+        """The scoring forward is its own phase: it holds more sequences than the micro-batch's pass."""
+        return self.S is not None and self.S > self.M
+
+    @property
+    def scoring_phase(self) -> tuple[str, ...]:
+        return ("scoring",) if self.scoring else ()
+
+    @property
+    def step_phases(self) -> tuple[str, ...]:
+        """Every phase of the step; persistent state is alive in all of them."""
+        return ("generation", "loss", "backward") + self.scoring_phase
+
+
+def _step(a: Arch, *, num_generations, prompt_length, completion_length, micro_batch_size, generation_batch,
+          scoring_batch, method, offload, chunk_tokens, lora_rank, vllm, old_policy_pass, **given) -> _Step:
+    """The :class:`_Step` of checked arguments: sizes as ints, the method's defaults filled in."""
+    G = int(num_generations)
+    M = G if micro_batch_size is None else int(micro_batch_size)
+    gen_rows = int(generation_batch) if generation_batch is not None else -(-max(G, M) // G) * G
+    if method == "grpo_kit":
+        chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
+    lora = lora_rank is not None
+    return _Step(
+        a=a, method=method, G=G, P=int(prompt_length), C=int(completion_length), M=M, gen_rows=gen_rows,
+        # TRL scores one generation batch at a time, so no forward holds more of it than that
+        S=None if scoring_batch is None else min(int(scoring_batch), gen_rows),
+        offload=method in ("unsloth", "grpo_kit") if offload is None else offload, chunk_tokens=chunk_tokens,
+        lora_rank=lora_rank, vllm=vllm,
+        # only LoRA makes the old-policy pass (adapters on) differ from the reference pass (adapters off)
+        old_policy=lora and (vllm if old_policy_pass is None else old_policy_pass), **given)
+
+
+def _row(component: str, where: str, nbytes: float, phases: tuple[str, ...], note: str) -> dict:
+    """One component: ``bytes`` on the ``where`` device (GPU / CPU), alive in ``phases``."""
+    return dict(component=component, where=where, bytes=float(nbytes), phases=phases, note=note)
+
+
+def _state_rows(s: _Step) -> list[dict]:
+    """The persistent state: weights, vLLM's copy of them, the trained parameters with AdamW's states; and the
+    gradients, alive while training."""
+    a, b, persistent = s.a, s.b, s.step_phases
+    n = F.param_counts(a)
+    w = F.weight_bytes(a, b, s.quantization)
+    rows = [_row("model weights", "GPU", w, persistent, f"{n['total'] / 1e9:.2f}e9 params"
+                 + (" (layer projections NF4 4.127 bit)" if s.quantization else f" x {b} B"))]
+    if s.vllm and s.method == "trl":
+        rows.append(_row("inference copy (vLLM)", "GPU", w, persistent,
+                         "TRL colocate: vLLM loads its own copy of the weights"))
+    else:
+        rows.append(_row("inference copy (vLLM)", "GPU", 0, persistent,
+                         "weights shared with vLLM" if s.vllm else "HF generate uses the training weights"))
+    if s.lora:
+        n_lora = F.lora_param_count(a, s.lora_rank)
+        rows.append(_row("LoRA + optimiser states", "GPU", F.lora_state_bytes(n_lora), persistent,
+                         f"{n_lora / 1e6:.1f}M adapter params x (4 B fp32 weight + 8 B AdamW)"))
+        rows.append(_row("gradients", "GPU", n_lora * F.FP32, ("loss", "backward"), "fp32 LoRA gradients"))
+    else:
+        rows.append(_row("LoRA + optimiser states", "GPU", F.full_optimizer_bytes(n["total"], b), persistent,
+                         f"full fine-tuning: AdamW exp_avg + exp_avg_sq, 2 x {b} B per parameter"))
+        rows.append(_row("gradients", "GPU", n["total"] * b, ("loss", "backward"),
+                         f"full fine-tuning: {b} B per parameter"))
+    return rows
+
+
+def _checkpoint_rows(s: _Step) -> list[dict]:
+    """The layer inputs that gradient checkpointing saves, on the GPU or offloaded to the CPU."""
+    a, b, M, T = s.a, s.b, s.M, s.T
+    if s.offload and a.layers > 1:
+        return [_row("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, s.tokens, b, 1), ("loss", "backward"),
+                     f"last layer's input stays on the GPU: {M} seq x {T} tok x {a.hidden} x {b} B"),
+                _row("saved activations (CPU)", "CPU", F.checkpoint_bytes(a, s.tokens, b, a.layers - 1), (),
+                     f"{a.layers - 1} layer inputs offloaded to pinned host RAM")]
+    return [_row("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, s.tokens, b, a.layers), ("loss", "backward"),
+                 f"standard checkpointing: {a.layers} layer inputs of {M} seq x {T} tok x {a.hidden} x {b} B"),
+            _row("saved activations (CPU)", "CPU", 0, (), "nothing offloaded")]
+
+
+def _recompute_rows(s: _Step) -> list[dict]:
+    """The backward phase: one layer's recompute and backward, and the 4-bit weights dequantised for it."""
+    a, b, kit = s.a, s.b, s.method == "grpo_kit"
+    # The layer being recomputed uses its own input (counted above: the last layer's, or one
+    # brought back in its place); grpo_kit's prefetch adds the next one.
+    extra_in = 1 if (kit and s.offload and s.prefetch and a.layers > 1) else 0
+    if kit and not s.lora_dropout:
+        rec = F.chunked_recompute_peak(a, s.tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
+        note = (f"chunked recompute ({s.chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
+                + (", next layer's input prefetched" if extra_in else ""))
+    else:
+        rec = F.full_recompute_peak(a, s.tokens, b, s.lora_rank, extra_in, s.lora_dropout)
+        note = ("whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
+                + (" (LoRA dropout: its masks cannot be split into slices)" if kit else "")
+                + (", dropout masks and each adapter's own dropped input" if s.lora_dropout else ""))
+    rows = [_row("recompute peak of one layer", "GPU", rec, ("backward",), note)]
+    if s.quantization == "4bit" and kit:  # grpo_kit.model.nf4_matmul: a layer's weights kept per call
+        layer = sum(i * o for _, i, o in a.layer_linears())
+        rows.append(_row("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + s.scoring_phase,
+                         f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) "
+                         f"dequantised to {b} B each, kept for its recompute and backward (grpo_kit.model.nf4_matmul)"))
+    elif s.quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
+        rows.append(_row("dequantised 4-bit weight (transient)", "GPU", a.intermediate * a.hidden * b,
+                         ("loss", "backward"), f"the largest projection ({a.intermediate} x {a.hidden}) dequantised "
+                         f"to {b} B per weight for its matmul"))
+    return rows
+
+
+def _kit_logits_chunk(s: _Step, token_rows: int) -> tuple[int, int]:
+    """(rows, bytes alive per logit) of one logits chunk of grpo_kit's loss over ``token_rows`` token rows."""
+    b = s.b
+    # the torch epilogue budgets three fp32 temporaries per logit; two exist at a time
+    budget_elt, per_elt = (b + 3 * F.FP32, b + 2 * F.FP32) if s.loss_epilogue == "torch" else (b, b)
+    return min(F.loss_chunk_rows(s.a.vocab, budget_elt, s.loss_chunk_bytes), token_rows), per_elt
+
+
+def _loss_rows(s: _Step) -> list[dict]:
+    """The loss phase: the logits each method's loss keeps, the final norm's saved input and the hidden states."""
+    a, b, M, C = s.a, s.b, s.M, s.C
+    norm = F.final_norm_bytes(a, s.tokens, b, not s.lora)
+    if s.method == "trl":
+        if s.loss_fp32:
+            logits = _row("logits for the loss", "GPU", F.logits_bytes(3, M, C, a.vocab, F.FP32), ("loss",),
+                          f"3 x ({M} seq, {C} tok, {a.vocab} vocab) x 4 B: fp32 log-softmax output, its gradient "
+                          "and the input gradient at the loss backward")
+        else:
+            logits = _row("logits for the loss", "GPU", F.logits_bytes(2, M, C, a.vocab, b), ("loss",),
+                          f"2 x ({M} seq, {C} tok, {a.vocab} vocab) x {b} B: logits + log-softmax saved for backward")
+        return [logits, _row("final norm + hidden states (loss)", "GPU", norm, ("loss",),
+                             "final RMSNorm's saved fp32 input; the head's gradient is built in backward")]
+    if s.method == "unsloth":
+        logits = _row("logits for the loss", "GPU", F.logits_bytes(2, 1, C, a.vocab, b), ("loss",),
+                      f"one sequence at a time: 2 x ({C} tok, {a.vocab} vocab) x {b} B")
+    else:
+        rows_c, per_elt = _kit_logits_chunk(s, M * C)
+        logits = _row("logits for the loss", "GPU", rows_c * a.vocab * per_elt, ("loss",),
+                      f"one chunk of {rows_c} token rows x {a.vocab} vocab x {per_elt} B")
+    return [logits, _row("final norm + hidden states (loss)", "GPU", norm + s.tokens * a.hidden * b + M * C * a.hidden * b,
+                         ("loss",), "final RMSNorm's fp32 input, the final hidden states and their gradient (computed "
+                         "in the forward, completion tokens)")]
+
+
+def _scoring_rows(s: _Step) -> list[dict]:
+    """The scoring phase (grpo_kit only, where it holds more sequences than a micro-batch): one no-grad forward
+    over ``S`` sequences that scores completions for the reference (or old-policy) log-probs."""
+    if not s.scoring:
+        return []
+    a, S = s.a, s.S
+    rows_s, per_elt = _kit_logits_chunk(s, S * s.C)  # per_token_logps' chunk
+    slice_tokens = None if s.lora_dropout else s.chunk_tokens  # dropout: each layer runs whole
+    return [_row("scoring pass (no grad)", "GPU",
+                 F.scoring_forward_peak(a, S, s.T, s.b, slice_tokens, rows_s * a.vocab * per_elt, s.old_policy),
+                 ("scoring",),
+                 f"{S} sequences per no-grad forward (" + ("old-policy log-probs, adapters on, the larger of its two "
+                                                           "passes" if s.old_policy else "reference log-probs")
+                 + "): embeddings, a layer's input and output, its attention or "
+                 + (f"one {s.chunk_tokens}-token MLP slice" if slice_tokens else "its whole MLP (LoRA dropout: unsliced)")
+                 + f", and one logits chunk of {rows_s} rows")]
+
+
+def _generation_rows(s: _Step) -> list[dict]:
+    """The generation phase: the KV cache (vLLM's pool or HF generate's) and vLLM's workspace."""
+    a, G = s.a, s.G
+    kv_b = F.KV_DTYPE_BYTES[s.kv_cache_dtype or s.dtype]
+    kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
+    if not s.include_generation:
+        return [_row("KV cache (generation)", "GPU", 0, (), "not counted: training step only")]
+    if not s.vllm:
+        return [_row("KV cache (generation)", "GPU", F.kv_cache_bytes(a, s.gen_rows * s.T, kv_b), ("generation",),
+                     f"HF generate, {s.gen_rows} sequences; {kv_what}; freed before training")]
+    prompts = s.gen_rows // G
+    slots = F.vllm_kv_tokens(s.P, s.C, G, prompts)
+    given = s.kv_cache_bytes is not None
+    kv = float(s.kv_cache_bytes) if given else F.kv_cache_bytes(a, slots, kv_b)
+    how = ("the KV budget given" if given else f"{prompts} prompt(s) once (prefix cache) + {G} completions each, "
+           f"{slots} slots in {F.VLLM_BLOCK_TOKENS}-token blocks")
+    return [_row("KV cache (generation)", "GPU", kv, ("generation",) if s.standby else s.step_phases,
+                 f"vLLM: {how}; {kv_what}; " + ("released while training (standby)" if s.standby else "stays resident")),
+            _row("vLLM workspace (generation)", "GPU", F.vllm_workspace_bytes(a, s.vllm_batched_tokens, s.gen_rows, s.b),
+                 ("generation",), f"one layer's activations for {s.vllm_batched_tokens} batched tokens + fp32 sampler "
+                 f"buffers for {s.gen_rows} rows")]
+
+
+# Components whose figure Unsloth published, and the published row each matches; the notes say how they compare.
+_PUBLISHED_ROWS = {"saved activations (GPU)": "training memory", "logits for the loss": "GRPO loss (logits)",
+                   "inference copy (vLLM)": "inference weights", "KV cache (generation)": "KV cache (20K)"}
+_PUBLISHED_NOTES = {
+    ("trl", "training memory"): "published 414 GB 'training memory': no published derivation (shown, not derived)",
+    ("unsloth", "training memory"): "published 42 GB 'training memory' is counted in Unsloth's VRAM total; "
+                                    "one bf16 checkpoint per layer is 42.9 GB",
+    ("grpo_kit", "training memory"): "Unsloth's published 42 GB 'training memory' (counted in its VRAM total)",
+    ("any", "KV cache (20K)"): "published 2.5 (GiB) counts one 20,480-token sequence",
+    ("any", "GRPO loss (logits)"): "published figure is in GiB",
+}
+
+
+def _mark_published(s: _Step, rows: list[dict]) -> bool:
+    """Fills each row's ``published`` (Unsloth's figure for it, NaN unless the setup is the published one; TRL's
+    column for ``trl``, Unsloth's otherwise) and notes how they compare. Returns whether the setup is published."""
+    published = (_is_published_setup(s.a, s.G, s.P, s.C, s.dtype) and not s.loss_fp32
+                 and s.offload == (s.method in ("unsloth", "grpo_kit")))
+    pub_map = dict(_PUBLISHED_ROWS)
+    if s.method in ("unsloth", "grpo_kit"):  # their saved activations sit on the CPU
+        pub_map["saved activations (CPU)"] = pub_map.pop("saved activations (GPU)")
+    col = 1 if s.method == "trl" else 0
+    for r in rows:
+        key = pub_map.get(r["component"]) if published else None
+        r["published"] = PUBLISHED[key][col] if key else math.nan
+        extra = (_PUBLISHED_NOTES.get((s.method, key)) or _PUBLISHED_NOTES.get(("any", key))) if key else None
+        if extra:
+            r["note"] += f" | {extra}"
+    return published
+
+
+def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
+    """The rows with the peak phase marked, the GPU and CPU totals appended, the step in ``attrs``."""
+    phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"])
+                 for ph in s.step_phases}
+    peak_phase = max(phase_tot, key=lambda k: (phase_tot[k], k == "backward"))
+    for r in rows:
+        r["in_peak"] = r["where"] == "GPU" and peak_phase in r["phases"] and r["bytes"] > 0
+    published = _mark_published(s, rows)
+    rows.append(dict(component="total GPU (peak)", where="GPU", bytes=phase_tot[peak_phase], phases=(), in_peak=True,
+                     published=PUBLISHED["total"][1 if s.method == "trl" else 0] if published else math.nan,
+                     note=f"peak during the {peak_phase} phase; excludes CUDA context and fragmentation"))
+    rows.append(dict(component="total CPU", where="CPU", bytes=sum(r["bytes"] for r in rows if r["where"] == "CPU"),
+                     phases=(), in_peak=False, published=math.nan, note="pinned host RAM for offloaded layer inputs"))
+    df = pd.DataFrame(rows)
+    df["GB"] = df["bytes"] / GB
+    df["GiB"] = df["bytes"] / GiB
+    df = df[["component", "where", "GB", "GiB", "in_peak", "published", "note"]]
+    df.attrs.update(dict(model=s.a.name, method=s.method, num_generations=s.G, prompt_length=s.P,
+                         completion_length=s.C, micro_batch_size=s.M, dtype=s.dtype, lora_rank=s.lora_rank,
+                         quantization=s.quantization, vllm=s.vllm, kv_cache_dtype=s.kv_cache_dtype or s.dtype,
+                         include_generation=s.include_generation, generation_batch=s.gen_rows, standby=s.standby,
+                         scoring_batch=s.S, lora_dropout=s.lora_dropout, old_policy_pass=bool(s.old_policy),
+                         offload=s.offload, loss_fp32=s.loss_fp32, loss_epilogue=s.loss_epilogue,
+                         peak_phase=peak_phase, phase_bytes=phase_tot,
+                         published_source=PUBLISHED_SOURCE if published else None))
+    return df
+
+
+# ----------------------------------------------------------------------------- the estimate
 
 
 def estimate(model, *, num_generations: int, prompt_length: int, completion_length: int, dtype: str = "bf16",
@@ -202,9 +521,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         lora_rank: LoRA on all 7 linear layers (None: full fine-tuning).
         quantization: None or ``"4bit"`` (NF4 weights; needs ``lora_rank``).
         method: ``"trl"`` (TRL + FA2: full logits, standard checkpointing, separate vLLM copy),
-            ``"unsloth"`` (Feb 2025 design: one sequence of logits at a time, offloaded
-            checkpoints, weights shared with vLLM), ``"grpo_kit"`` (chunked loss, offloaded and
-            chunked recompute, shared weights).
+            ``"unsloth"`` (its published long-context design: one sequence of logits at a time, offloaded
+            checkpoints, weights shared with vLLM), ``"grpo_kit"`` (chunked loss, offloaded and chunked
+            recompute, shared weights).
         vllm: generation by colocated vLLM (its KV pool stays resident) or by HF generate.
         kv_cache_dtype: ``None`` (= dtype) or ``"fp8"`` etc.
         micro_batch_size: sequences per forward/backward (None: all G at once, as published).
@@ -213,14 +532,13 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         loss_chunk_bytes: grpo_kit's logits chunk budget (``grpo_kit.loss.efficient``: 256 MiB).
         chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
             :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
-        include_generation: False leaves out the KV cache (a training step alone, as the
-            whole-step benchmark measures it).
+        include_generation: False leaves out the KV cache (a training step alone, as the whole-step
+            benchmark measures it).
         offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
             False: every layer input stays on the GPU (e.g. grpo_kit's recompute without offload).
-        loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF
-            style; the whole-step benchmark's baseline). At the loss backward the fp32 saved
-            output, its incoming gradient and the input gradient coexist: 3 x 4 B per logit,
-            instead of TRL's bf16 path (2 x 2 B, as published).
+        loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF style; the
+            whole-step benchmark's baseline): 3 x 4 B per logit at the loss backward (the saved output, its
+            incoming gradient, the input gradient) instead of TRL's bf16 path (2 x 2 B, as published).
         loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"``
             (CPU: the chunk budget counts three fp32 temporaries per logit; two exist at a time).
         standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
@@ -240,228 +558,23 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             more than the reference pass: :func:`formulas.scoring_forward_peak`), as it does under vLLM's
             importance-sampling correction or with ``num_iterations`` > 1. None: when ``vllm``.
 
-    Phases: ``generation`` (weights, LoRA states, the KV cache, vLLM's workspace), ``loss`` and
-    ``backward`` (training), and ``scoring`` where ``scoring_batch`` exceeds the micro-batch; the GPU
-    total is the largest.
+    Phases (the module docstring's peak rule): ``generation``, ``loss``, ``backward``, and ``scoring`` where
+    ``scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
 
     Returns:
-        DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last
-        two rows are ``total GPU (peak)`` and ``total CPU``. ``published`` holds Unsloth's
-        published figure for the same component when the setup is the published one (for
-        ``grpo_kit``: Unsloth's column, the figure to beat), NaN otherwise. ``df.attrs`` holds the
-        inputs, the peak phase and the per-phase GPU totals (bytes).
+        DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last two rows are
+        ``total GPU (peak)`` and ``total CPU``. ``published`` holds Unsloth's published figure for the same
+        component when the setup is the published one (for ``grpo_kit``: Unsloth's column, the figure to beat),
+        NaN otherwise. ``df.attrs`` holds the inputs, the peak phase and the per-phase GPU totals (bytes).
     """
+    args = {k: v for k, v in locals().items() if k != "model"}  # the arguments above, by name
     if scoring_batch == AUTO:
-        args = {k: v for k, v in locals().items() if k not in ("model", "scoring_batch")}
-        return auto_scoring_batch(model, **args)
-    _check(num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
-           kv_cache_dtype, micro_batch_size, loss_chunk_bytes, chunk_tokens, prefetch, generation_batch, standby,
-           kv_cache_bytes)
-    _int_at_least("vllm_batched_tokens", vllm_batched_tokens, 1)
-    for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32),
-                      ("lora_dropout", lora_dropout)):
-        if not isinstance(val, bool):
-            raise ValueError(f"{name} must be a bool, got {val!r}")
-    if offload is not None and not isinstance(offload, bool):
-        raise ValueError(f"offload must be None or a bool, got {offload!r}")
-    if offload and method == "trl":
-        raise ValueError("offload=True is not available with method='trl' (TRL has no offloaded checkpointing)")
-    if loss_epilogue not in ("triton", "torch"):
-        raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
-    if loss_fp32 and method != "trl":
-        raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
-    if old_policy_pass is not None and not isinstance(old_policy_pass, bool):
-        raise ValueError(f"old_policy_pass must be None or a bool, got {old_policy_pass!r}")
-    if lora_dropout and lora_rank is None:
-        raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
-    if scoring_batch is not None:
-        if isinstance(scoring_batch, str):
-            raise ValueError(f"scoring_batch must be None, {AUTO!r} or an integer >= 1, got {scoring_batch!r}")
-        _int_at_least("scoring_batch", scoring_batch, 1)
-        if method != "grpo_kit":
-            raise ValueError(f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
-                             f"got method={method!r}")
-    a = resolve_arch(model)
-    G, P, C = int(num_generations), int(prompt_length), int(completion_length)
-    T = P + C
-    M = G if micro_batch_size is None else int(micro_batch_size)
-    gen_rows = int(generation_batch) if generation_batch is not None else -(-max(G, M) // G) * G
-    b = F.DTYPE_BYTES[dtype]
-    kv_b = F.KV_DTYPE_BYTES[kv_cache_dtype or dtype]
-    lora = lora_rank is not None
-    offload = method in ("unsloth", "grpo_kit") if offload is None else offload
-    tokens = M * T
-    n = F.param_counts(a)
-    # TRL scores one generation batch at a time, so no forward holds more of it than that
-    S = None if scoring_batch is None else min(int(scoring_batch), gen_rows)
-    scoring = S is not None and S > M  # its own phase: larger than the micro-batch's pass
-    scoring_phase = ("scoring",) if scoring else ()
-    # TRL's old-policy pass (adapters on) runs beside the reference pass; only LoRA makes the two differ
-    old_policy = lora and (vllm if old_policy_pass is None else old_policy_pass)
-    step_phases = ("generation", "loss", "backward") + scoring_phase
-
-    rows: list[dict] = []
-
-    def add(component, where, nbytes, phases, note):
-        rows.append(dict(component=component, where=where, bytes=float(nbytes), phases=phases, note=note))
-
-    persistent = step_phases
-    w = F.weight_bytes(a, b, quantization)
-    add("model weights", "GPU", w, persistent,
-        f"{n['total'] / 1e9:.2f}e9 params" + (" (layer projections NF4 4.127 bit)" if quantization else f" x {b} B"))
-    if vllm and method == "trl":
-        add("inference copy (vLLM)", "GPU", w, persistent, "TRL colocate: vLLM loads its own copy of the weights")
-    else:
-        add("inference copy (vLLM)", "GPU", 0, persistent,
-            "weights shared with vLLM" if vllm else "HF generate uses the training weights")
-    if lora:
-        n_lora = F.lora_param_count(a, lora_rank)
-        add("LoRA + optimiser states", "GPU", F.lora_state_bytes(n_lora), persistent,
-            f"{n_lora / 1e6:.1f}M adapter params x (4 B fp32 weight + 8 B AdamW)")
-        add("gradients", "GPU", n_lora * F.FP32, ("loss", "backward"), "fp32 LoRA gradients")
-    else:
-        add("LoRA + optimiser states", "GPU", F.full_optimizer_bytes(n["total"], b), persistent,
-            f"full fine-tuning: AdamW exp_avg + exp_avg_sq, 2 x {b} B per parameter")
-        add("gradients", "GPU", n["total"] * b, ("loss", "backward"), f"full fine-tuning: {b} B per parameter")
-
-    if offload and a.layers > 1:
-        add("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, tokens, b, 1), ("loss", "backward"),
-            f"last layer's input stays on the GPU: {M} seq x {T} tok x {a.hidden} x {b} B")
-        add("saved activations (CPU)", "CPU", F.checkpoint_bytes(a, tokens, b, a.layers - 1), (),
-            f"{a.layers - 1} layer inputs offloaded to pinned host RAM")
-    else:
-        add("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, tokens, b, a.layers), ("loss", "backward"),
-            f"standard checkpointing: {a.layers} layer inputs of {M} seq x {T} tok x {a.hidden} x {b} B")
-        add("saved activations (CPU)", "CPU", 0, (), "nothing offloaded")
-
-    # The layer being recomputed uses its own input (counted above: the last layer's, or one
-    # brought back in its place); grpo_kit's prefetch adds the next one.
-    extra_in = 1 if (method == "grpo_kit" and offload and prefetch and a.layers > 1) else 0
-    if method == "grpo_kit":
-        chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
-    if method == "grpo_kit" and not lora_dropout:
-        rec = F.chunked_recompute_peak(a, tokens, b, lora_rank, extra_in, chunk_tokens)
-        rec_note = (f"chunked recompute ({chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
-                    + (", next layer's input prefetched" if extra_in else ""))
-    else:
-        rec = F.full_recompute_peak(a, tokens, b, lora_rank, extra_in, lora_dropout)
-        rec_note = ("whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
-                    + (" (LoRA dropout: its masks cannot be split into slices)" if method == "grpo_kit" else "")
-                    + (", dropout masks and each adapter's own dropped input" if lora_dropout else ""))
-    add("recompute peak of one layer", "GPU", rec, ("backward",), rec_note)
-    if quantization == "4bit" and method == "grpo_kit":  # grpo_kit.model.nf4_matmul: a layer's weights kept per call
-        layer = sum(i * o for _, i, o in a.layer_linears())
-        add("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + scoring_phase,
-            f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) dequantised to "
-            f"{b} B each, kept for its recompute and backward (grpo_kit.model.nf4_matmul)")
-    elif quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
-        add("dequantised 4-bit weight (transient)", "GPU", a.intermediate * a.hidden * b, ("loss", "backward"),
-            f"the largest projection ({a.intermediate} x {a.hidden}) dequantised to {b} B per weight for its matmul")
-
-    norm = F.final_norm_bytes(a, tokens, b, not lora)
-    if method == "trl":
-        if loss_fp32:
-            add("logits for the loss", "GPU", F.logits_bytes(3, M, C, a.vocab, F.FP32), ("loss",),
-                f"3 x ({M} seq, {C} tok, {a.vocab} vocab) x 4 B: fp32 log-softmax output, its gradient and the "
-                "input gradient at the loss backward")
-        else:
-            add("logits for the loss", "GPU", F.logits_bytes(2, M, C, a.vocab, b), ("loss",),
-                f"2 x ({M} seq, {C} tok, {a.vocab} vocab) x {b} B: logits + log-softmax saved for backward")
-        add("final norm + hidden states (loss)", "GPU", norm, ("loss",),
-            "final RMSNorm's saved fp32 input; the head's gradient is built in backward")
-    else:
-        if method == "unsloth":
-            logit = F.logits_bytes(2, 1, C, a.vocab, b)
-            lnote = f"one sequence at a time: 2 x ({C} tok, {a.vocab} vocab) x {b} B"
-        else:
-            # the torch epilogue budgets three fp32 temporaries per logit; two exist at a time
-            budget_elt, per_elt = (b + 3 * F.FP32, b + 2 * F.FP32) if loss_epilogue == "torch" else (b, b)
-            rows_c = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), M * C)
-            logit = rows_c * a.vocab * per_elt
-            lnote = f"one chunk of {rows_c} token rows x {a.vocab} vocab x {per_elt} B"
-        add("logits for the loss", "GPU", logit, ("loss",), lnote)
-        add("final norm + hidden states (loss)", "GPU", norm + tokens * a.hidden * b + M * C * a.hidden * b,
-            ("loss",), "final RMSNorm's fp32 input, the final hidden states and their gradient (computed in the "
-            "forward, completion tokens)")
-    if scoring:  # grpo_kit only: chunk_tokens is resolved above
-        rows_s = min(F.loss_chunk_rows(a.vocab, budget_elt, loss_chunk_bytes), S * C)  # per_token_logps' chunk
-        slice_tokens = None if lora_dropout else chunk_tokens  # dropout: each layer runs whole
-        add("scoring pass (no grad)", "GPU",
-            F.scoring_forward_peak(a, S, T, b, slice_tokens, rows_s * a.vocab * per_elt, old_policy), ("scoring",),
-            f"{S} sequences per no-grad forward (" + ("old-policy log-probs, adapters on, the larger of its two "
-                                                      "passes" if old_policy else "reference log-probs")
-            + "): embeddings, a layer's input and output, its attention or "
-            + (f"one {chunk_tokens}-token MLP slice" if slice_tokens else "its whole MLP (LoRA dropout: unsliced)")
-            + f", and one logits chunk of {rows_s} rows")
-
-    kv_what = f"{a.layers} layers x 2 x {a.kv_dim} x {kv_b} B per token"
-    prompts = gen_rows // G
-    if not include_generation:
-        add("KV cache (generation)", "GPU", 0, (), "not counted: training step only")
-    elif vllm:
-        slots = F.vllm_kv_tokens(P, C, G, prompts)
-        kv = F.kv_cache_bytes(a, slots, kv_b) if kv_cache_bytes is None else float(kv_cache_bytes)
-        how = (f"{prompts} prompt(s) once (prefix cache) + {G} completions each, {slots} slots in "
-               f"{F.VLLM_BLOCK_TOKENS}-token blocks" if kv_cache_bytes is None else "the KV budget given")
-        add("KV cache (generation)", "GPU", kv, ("generation",) if standby else persistent,
-            f"vLLM: {how}; {kv_what}; " + ("released while training (standby)" if standby else "stays resident"))
-        add("vLLM workspace (generation)", "GPU", F.vllm_workspace_bytes(a, vllm_batched_tokens, gen_rows, b),
-            ("generation",), f"one layer's activations for {vllm_batched_tokens} batched tokens + fp32 sampler "
-            f"buffers for {gen_rows} rows")
-    else:
-        add("KV cache (generation)", "GPU", F.kv_cache_bytes(a, gen_rows * T, kv_b), ("generation",),
-            f"HF generate, {gen_rows} sequences; {kv_what}; freed before training")
-
-    # peak phase
-    phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"])
-                 for ph in step_phases}
-    peak_phase = max(phase_tot, key=lambda k: (phase_tot[k], k == "backward"))
-    for r in rows:
-        r["in_peak"] = r["where"] == "GPU" and peak_phase in r["phases"] and r["bytes"] > 0
-
-    published = (_is_published_setup(a, G, P, C, dtype) and not loss_fp32
-                 and offload == (method in ("unsloth", "grpo_kit")))
-    pub_map = {"saved activations (GPU)": "training memory", "logits for the loss": "GRPO loss (logits)",
-               "inference copy (vLLM)": "inference weights", "KV cache (generation)": "KV cache (20K)"}
-    if method == "unsloth" or method == "grpo_kit":
-        pub_map["saved activations (CPU)"] = "training memory"
-        del pub_map["saved activations (GPU)"]
-    col = 1 if method == "trl" else 0
-    pub_notes = {
-        ("trl", "training memory"): "published 414 GB 'training memory': no published derivation (shown, not derived)",
-        ("unsloth", "training memory"): "published 42 GB 'training memory' is counted in Unsloth's VRAM total; "
-                                        "one bf16 checkpoint per layer is 42.9 GB",
-        ("grpo_kit", "training memory"): "Unsloth's published 42 GB 'training memory' (counted in its VRAM total)",
-        ("any", "KV cache (20K)"): "published 2.5 (GiB) counts one 20,480-token sequence",
-        ("any", "GRPO loss (logits)"): "published figure is in GiB",
-    }
-    for r in rows:
-        key = pub_map.get(r["component"])
-        r["published"] = PUBLISHED[key][col] if (published and key) else math.nan
-        extra = (pub_notes.get((method, key)) or pub_notes.get(("any", key))) if (published and key) else None
-        if extra:
-            r["note"] += f" | {extra}"
-
-    gpu = phase_tot[peak_phase]
-    cpu = sum(r["bytes"] for r in rows if r["where"] == "CPU")
-    rows.append(dict(component="total GPU (peak)", where="GPU", bytes=gpu, phases=(), in_peak=True,
-                     published=PUBLISHED["total"][col] if published else math.nan,
-                     note=f"peak during the {peak_phase} phase; excludes CUDA context and fragmentation"))
-    rows.append(dict(component="total CPU", where="CPU", bytes=cpu, phases=(), in_peak=False, published=math.nan,
-                     note="pinned host RAM for offloaded layer inputs"))
-    df = pd.DataFrame(rows)
-    df["GB"] = df["bytes"] / GB
-    df["GiB"] = df["bytes"] / GiB
-    df = df[["component", "where", "GB", "GiB", "in_peak", "published", "note"]]
-    df.attrs.update(dict(model=a.name, method=method, num_generations=G, prompt_length=P, completion_length=C,
-                         micro_batch_size=M, dtype=dtype, lora_rank=lora_rank, quantization=quantization, vllm=vllm,
-                         kv_cache_dtype=kv_cache_dtype or dtype, include_generation=include_generation,
-                         generation_batch=gen_rows, standby=standby, scoring_batch=S, lora_dropout=lora_dropout,
-                         old_policy_pass=bool(old_policy),
-                         offload=offload, loss_fp32=loss_fp32, loss_epilogue=loss_epilogue,
-                         peak_phase=peak_phase,
-                         phase_bytes=phase_tot, published_source=PUBLISHED_SOURCE if published else None))
-    return df
+        return auto_scoring_batch(model, **{k: v for k, v in args.items() if k != "scoring_batch"})
+    _check_sizes(**args)
+    _check_options(**args)
+    s = _step(resolve_arch(model), **args)
+    return _table(s, [*_state_rows(s), *_checkpoint_rows(s), *_recompute_rows(s), *_loss_rows(s), *_scoring_rows(s),
+                      *_generation_rows(s)])
 
 
 def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
