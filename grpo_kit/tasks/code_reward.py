@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from grpo_kit.tasks.answers import as_number, numbers_equal, single_number
+from grpo_kit.tasks.rewards import completion_text
 from grpo_kit.tasks.sandbox import SandboxLimits, logger, run_many
 
 _FENCE = "```"
@@ -78,10 +80,11 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
 
     Per sample, the dataset columns decide what "right" means (the first one present wins):
 
-    * ``tests``: Python code (a string, or a list of strings) run after the program in its namespace,
-      e.g. ``assert add(2, 3) == 5``; 1.0 only when the harness saw the last test finish (exiting early,
-      ``atexit`` tricks and a faked exit status do not count), and ``==`` / ``!=`` in the tests compare
-      plain values (an object of the program's own never equals a number, string or container of them);
+    * ``tests``: Python code (a string, or a list of strings) run after the program against its top-level
+      names, e.g. ``assert add(2, 3) == 5``; the tests run in the judge, a process that runs no model code,
+      and call into the program with plain data only; 1.0 only when the judge ran the last test to its end
+      (exiting early, ``atexit`` tricks, a faked exit status or report do not count, and an object of the
+      program's own never equals a number, string or container of them);
     * ``expected_output``: 1.0 when the program exits 0 and its stdout, stripped, equals it (``stdin``
       column optional, fed to the program);
     * ``answer``: 1.0 when the program exits 0 and its final-answer line, the last non-empty line of
@@ -92,9 +95,6 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
     all score 0.0; anything other than a plain wrong result is logged at WARNING with its reason.
     The latest batch's :class:`SandboxResult` objects are kept on ``fn.last_results``.
     """
-    from grpo_kit.tasks.answers import as_number, numbers_equal, single_number
-    from grpo_kit.tasks.rewards import completion_text
-
     lim = limits or SandboxLimits()
 
     def reward(prompts, completions, **kwargs) -> list[float]:

@@ -1,75 +1,81 @@
 """Run untrusted, model-generated Python in a subprocess with limits; a code-verifier reward.
 
-``run_python(code)`` runs one program; ``run_many(codes)`` runs many in parallel (a bounded
-thread pool, one subprocess each); :func:`grpo_kit.tasks.code_reward.make_python_code_reward` builds a TRL reward function
-``fn(prompts, completions, **columns)`` that extracts a ```` ```python ```` block from each
-completion, runs it sandboxed, and scores 1.0 (tests pass / output right) or 0.0. A hang, a
-crash, a memory bomb or a network attempt scores 0 for that sample with a logged reason (logger
-``grpo_kit.tasks.sandbox``) and never stalls training: the wall-clock timeout kills what the child started.
+``run_python(code)`` runs one program; ``run_many(codes)`` runs many in parallel (a bounded thread pool, one
+subprocess each); :func:`grpo_kit.tasks.code_reward.make_python_code_reward` builds a TRL reward function
+``fn(prompts, completions, **columns)`` that extracts a ```` ```python ```` block from each completion, runs it
+sandboxed, and scores 1.0 (tests pass / output right) or 0.0. A hang, a crash, a memory bomb or a network attempt
+scores 0 for that sample with a logged reason (logger ``grpo_kit.tasks.sandbox``) and never stalls training: the
+wall-clock timeout kills what the child started. ``run_python`` never raises for what the code does or for a fault
+of its own (a ``sandbox error`` result instead).
 
-What each run gets (applied by a small bootstrap in the child before the user code runs):
+**What the verdict rests on.** Each run has two processes. The *judge* (``sandbox_child.py``) runs no model code:
+it forks and *execs* a fresh interpreter for the program (``sandbox_program.py``), which holds none of the judge's
+memory, functions, flags or descriptors, only stdin/stdout/stderr, the program text and, in ``tests`` mode, a pipe
+to the judge. The judge is non-dumpable and, with namespaces, PID 1 of the run's PID namespace (no signal from
+inside reaches it) behind a ``/proc`` that shows that namespace only. In ``tests`` mode the tests run **in the
+judge**, against the program's top-level names: a call, an attribute, an item or ``len()`` of a program object is
+asked of the program over the pipe, and what comes back is plain data (``None``, ``bool``, ``int``, ``float``,
+``str``, ``bytes``, ``complex`` and lists, tuples, sets, dicts of them, exact types, parsed as untrusted JSON) or an
+opaque handle that equals only itself; an exception comes back as its nearest builtin class and message. The
+program can only choose those values; it cannot reach the assertions, their ``==``, the judge's builtins or the
+report. The judge reports "tests completed" (after the last test ran to its end, and only if the program answered
+every call) and the program's exit status on a descriptor only it holds, tagged with a per-run secret that never
+enters the program's process; the parent reads nothing else. So ``tests_completed`` rests on: the tests' own code,
+the values the program's functions return, and the kernel's process isolation (a separate address space, exec,
+non-dumpable). In ``expected_output`` / ``answer`` mode the verdict rests on the program's stdout and its exit
+status (read by the judge with ``waitpid``), nothing else.
 
-* **bubblewrap** where it is installed and works (``isolation="auto"``, the default; ``"bwrap"``
-  requires it, ``"builtin"`` never uses it): the run starts inside ``bwrap`` with every namespace
-  new, the host file system **read-only**, a private ``/tmp``, ``/dev`` and ``/proc``, the home
-  folder hidden (unless the interpreter lives there) and the scratch folder the one writable place;
-  the measures below apply inside it as well. ``SandboxResult.isolation`` says ``"bwrap"`` or
-  ``"builtin"`` (Debian: ``apt-get install bubblewrap``; the kit does not install it);
-* a fresh ``python -I`` (isolated mode: no user site, ``PYTHON*`` variables ignored) in its own
-  session / process group, with a **minimal environment** (``PATH``, ``LANG``, ``HOME`` and
-  ``TMPDIR`` = the scratch folder, one thread for BLAS/OpenMP) and a **scratch temporary folder
-  (mode 0700) as its working directory**, deleted afterwards;
-* **channels the parent opened**: stdin, stdout, stderr, the program text and the harness's
-  reports are unnamed temporary files the parent created and reads back through its own file
-  objects. Nothing is read by path after the child ran, so a FIFO or a symlink planted in the
-  scratch folder neither hangs the parent nor makes it read another file;
-* **wall-clock timeout** (parent side), **CPU time** (``RLIMIT_CPU``, ``SIGXCPU``), **address
-  space** (``RLIMIT_AS``: a memory bomb gets a ``MemoryError``), largest file written
-  (``RLIMIT_FSIZE``, stdout/stderr included, so endless printing is cut off), no core dumps;
-* **namespaces**, when the process may create them (root, or unprivileged user namespaces
-  enabled): new, empty network, PID and IPC namespaces (``unshare``). No interface is up, so even
-  raw ``ctypes`` sockets reach nothing, and abstract ``AF_UNIX`` sockets and SysV IPC of the host
-  are out of reach. The program runs under an init process of the PID namespace; when the
-  program ends, or the parent kills that init at the timeout, the kernel kills **every process
-  the program started**, ``setsid()`` daemons and ``ctypes`` forks included, and the program's
-  parent is not the trainer (``os.getppid()`` is 0);
-* a **seccomp filter** (x86_64 and aarch64) refuses creating any ``AF_UNIX`` socket with ``EPERM``,
-  so path-named sockets of the host (``/var/run/...``, ``/tmp/...``) cannot be connected to even
-  through ``ctypes``; ``socketpair()`` still works. It also refuses ``io_uring`` and foreign-ABI
-  system calls, and sets ``no_new_privs`` (no setuid binary gains privileges).
+What each run gets:
+
+* **bubblewrap** where it is installed and works (``isolation="auto"``, the default; ``"bwrap"`` requires it,
+  ``"builtin"`` never uses it): the run starts inside ``bwrap`` with every namespace new, the host file system
+  **read-only**, a private ``/tmp``, ``/dev`` and ``/proc``, the home folder hidden (unless the interpreter lives
+  there) and the scratch folder the one writable place; the measures below apply inside it as well.
+  ``SandboxResult.isolation`` says ``"bwrap"`` or ``"builtin"`` (Debian: ``apt-get install bubblewrap``);
+* a fresh ``python -I`` (isolated mode) in its own session, with a **minimal environment** (``PATH``, ``LANG``,
+  ``HOME`` and ``TMPDIR`` = the scratch folder, one thread for BLAS/OpenMP) and the scratch folder (0700) as its
+  working directory;
+* **channels the parent opened**: stdin, stdout, stderr, the payload and the judge's reports are unnamed temporary
+  files the parent reads back through its own file objects, never by path (a FIFO or symlink planted in scratch
+  neither hangs the parent nor makes it read another file);
+* **namespaces**, when the process may create them (root, or unprivileged user namespaces): new PID, IPC, mount
+  and (``network_namespace``) network namespaces. No interface is up, so even raw ``ctypes`` sockets reach
+  nothing. When the judge (PID 1) ends, or the parent kills it at the timeout, the kernel kills **every process
+  the program started**, ``setsid()`` daemons included;
+* **a private, size-limited /tmp**: in the run's mount namespace one tmpfs of ``disk_mb`` is mounted at ``/tmp``
+  and holds the scratch folder, ``/dev/shm`` and ``/var/tmp``; everything the program can write lives in it and
+  goes with the namespace (``extra["mounts"]``). The host's scratch folder stays empty;
+* **limits per run as a whole**: where cgroup v2 has the ``memory`` and ``pids`` controllers and may be written,
+  a cgroup per run (:mod:`grpo_kit.tasks.sandbox_cgroup`: ``memory.max`` = ``memory_mb``, no swap, ``pids.max``
+  = ``max_processes``; ``extra["cgroup"]``). Otherwise ``RLIMIT_NPROC`` = ``max_processes`` (exact for a run's own
+  uid and in a new user namespace) and ``RLIMIT_AS`` per process = ``memory_mb`` (one process: no forks without
+  ``allow_subprocess``) or ``memory_mb / max_processes`` (with it), so the sum stays under the run's limit.
+  Always: CPU time (``RLIMIT_CPU``, ``SIGXCPU``), largest file written (``RLIMIT_FSIZE``, stdout/stderr included),
+  no core dumps, and the parent's wall-clock timeout;
+* a **seccomp filter** (x86_64 and aarch64), which no code in the process can lift: no ``AF_UNIX`` socket (the
+  host's path-named sockets; ``socketpair()`` still works), no socket at all without a network namespace, no
+  ``io_uring``, ``ptrace`` or ``process_vm_*``, no foreign-ABI calls, ``no_new_privs``; without
+  ``allow_subprocess`` no new process (``fork``, ``vfork``, ``exec*``, a ``clone`` that is not a thread).
   ``SandboxResult.network`` says what applied: ``"namespace+seccomp+audit"`` on a usual Linux;
-* always, a Python audit hook (PEP 578) refuses creating non-``AF_UNIX`` sockets, ``connect``,
-  ``bind`` and DNS look-ups (``PermissionError``), and by default new processes (``subprocess``,
-  ``os.system``, ``os.exec*``, ``os.fork``, ``os.posix_spawn``; ``allow_subprocess=True`` lifts
-  this). Without namespaces this hook, the seccomp filter and the process-group kill are all there
-  is (``network`` without ``namespace``);
+* a Python **audit hook** (PEP 578) that words these refusals (``PermissionError: network access is disabled``,
+  ``starting processes is disabled``); it enforces nothing the kernel does not, so there is no flag to flip;
 * **privileges**: when the parent runs as root, each run gets an unprivileged uid/gid of its own
-  (``SANDBOX_ID_BASE`` + a slot, no supplementary groups), distinct among concurrent runs, and its
-  scratch folder (0700) belongs to it: one sample's processes can neither signal another's nor
-  read or write its scratch folder. This needs an interpreter such a uid can start: this one, or
-  else the system's ``python3`` (standard library only; pyenv under ``/root`` cannot be run by
-  others), probed once each. When there is none, ``run_python`` **refuses** (``ok=False``, reason
-  ``refused: running as root ...``, one warning per process) unless ``SandboxLimits(allow_root=True)``.
+  (``SANDBOX_ID_BASE`` + a slot), distinct among concurrent runs, owning its scratch folder. This needs an
+  interpreter such a uid can start: this one, or else the system's ``python3`` (standard library only), probed
+  once each. When there is none, ``run_python`` **refuses** (reason ``refused: running as root ...``, one warning
+  per process) unless ``SandboxLimits(allow_root=True)``;
+* **cleanup that never raises** (:mod:`grpo_kit.tasks.sandbox_cleanup`): the scratch folder is removed
+  iteratively (any depth, unreadable entries, mount points detached); a failure is logged and counted.
 
-The verifier (:func:`grpo_kit.tasks.code_reward.make_python_code_reward`): in ``tests`` mode the tests run after the program,
-in its namespace, and a sample counts only when the harness writes "tests completed" to its own
-report file after the last test, tagged with a per-run secret that the parent checks; exiting
-early (``os._exit``, ``sys.exit``, ``atexit``), printing a fake marker or faking the exit status
-scores 0, and ``==``/``!=`` in the tests compare plain values, so an object with an always-true
-``__eq__`` fails. In ``answer`` mode the final answer is the last non-empty line of stdout, which
-must be exactly one number.
-
-What is **not** guaranteed: this is a guard against accidents and reward hacking in model output,
-not a security boundary against code written to escape. The audit hook and the tests harness live
-in the program's own process: code that inspects the interpreter (``gc``, frames, ``ctypes``) can
-switch the hook off or find the run's secret. Without the seccomp filter (another architecture)
-path-named ``AF_UNIX`` sockets the program's uid may open can be connected to with ``ctypes``.
-Without bubblewrap, files outside the scratch folder are readable and, as far as
-file permissions allow ("other" permissions for the run's uid), writable; with it they are
-readable where permissions allow, never writable. Without namespaces a ``setsid()``
-grandchild escapes the process-group kill, and a program running under the trainer's own uid (no
-root, or ``allow_root=True``) can signal the trainer.
-Run training inside a container or VM if you execute hostile code.
+What is **not** guaranteed: this is a guard against accidents and reward hacking in model output, not a security
+boundary against code written to escape the kernel. Without namespaces (no root and no unprivileged user
+namespaces): a ``setsid()`` grandchild escapes the process-group kill, files outside the scratch folder are
+writable as far as "other" permissions allow (``/tmp`` included, and what is written there outlives the call),
+and, when the program also runs under the trainer's own uid (no root, or ``allow_root=True``), it can signal the
+trainer and read its memory through ``/proc``, so neither the verdict nor the limits hold against it. As root
+without an own uid (``allow_root=True``) ``RLIMIT_NPROC`` does not apply. Without the seccomp filter (another
+architecture) the process block is the audit hook only. Run training inside a container or VM if you execute
+hostile code.
 """
 
 from __future__ import annotations
@@ -91,10 +97,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_kit.tasks.sandbox_cgroup import make_run_cgroup, remove_run_cgroup
+from grpo_kit.tasks.sandbox_cleanup import remove_tree
+
 logger = logging.getLogger("grpo_kit.tasks.sandbox")
 
-# The child's program, a file of its own so that it reads (and lints) as Python.
+# The harness (judge) and the program's interpreter, files of their own so that they read (and lint) as Python.
 _BOOTSTRAP = (Path(__file__).resolve().parent / "sandbox_child.py").read_text(encoding="utf-8")
+_PROGRAM = (Path(__file__).resolve().parent / "sandbox_program.py").read_text(encoding="utf-8")
 
 
 @dataclass
@@ -112,6 +122,8 @@ class SandboxLimits:
     # As root where the code cannot run as nobody: refuse (score 0, one warning) unless this is True.
     allow_root: bool = False
     isolation: str = "auto"  # "bwrap": bubblewrap around the run (required); "builtin": never; "auto": where it works
+    max_processes: int = 8  # processes and threads of the run as a whole (cgroup pids.max, else RLIMIT_NPROC)
+    disk_mb: int = 64  # all the run may write: its private /tmp (scratch, /dev/shm, /var/tmp inside) is this big
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -122,6 +134,10 @@ class SandboxLimits:
             raise ValueError(f"memory_mb={self.memory_mb!r} must be an int >= 32 (MiB), or None")
         if not isinstance(self.max_output_bytes, int) or self.max_output_bytes < 1024:
             raise ValueError(f"max_output_bytes={self.max_output_bytes!r} must be an int >= 1024")
+        if not isinstance(self.max_processes, int) or not 1 <= self.max_processes <= 4096:
+            raise ValueError(f"max_processes={self.max_processes!r} must be an int from 1 to 4096")
+        if not isinstance(self.disk_mb, int) or not 1 <= self.disk_mb <= 1 << 20:
+            raise ValueError(f"disk_mb={self.disk_mb!r} must be an int from 1 to 1048576 (MiB)")
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation={self.isolation!r} is not allowed; choose one of {list(ISOLATIONS)}")
 
@@ -215,23 +231,68 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
     """Run ``code`` (a Python program) in a sandboxed subprocess; never raises for what the code does.
 
     ``stdin`` is fed to the program; stdout and stderr come back (up to ``max_output_bytes``).
-    ``tests``: Python run after the program, in its namespace (``==`` there is plain-value equality);
-    ``tests_completed`` is True only when the harness saw the last of them finish.
+    ``tests``: Python run by the judge after the program (see the module docstring); ``tests_completed`` is True
+    only when the judge ran the last of them to its end.
     """
     if not isinstance(code, str):
         raise ValueError(f"code must be a str, got {type(code).__name__}")
     lim = limits or SandboxLimits()
+    t0 = time.perf_counter()
+    try:
+        return _run_checked(code, stdin, lim, tests)
+    except Exception as e:  # a fault of the sandbox itself: a 0 with a reason, never an exception into training
+        logger.warning("grpo_kit.tasks.sandbox: the sandbox failed: %s: %s", type(e).__name__, e)
+        return SandboxResult(ok=False, reason=f"sandbox error: {type(e).__name__}: {e}", returncode=None,
+                             duration_s=time.perf_counter() - t0)
+
+
+def _run_checked(code: str, stdin: str, lim: SandboxLimits, tests: str | None) -> SandboxResult:
     python, drop = _interpreter(lim)
     if os.geteuid() == 0 and not drop and not lim.allow_root:
         return _refuse_as_root()
     uid = _take_id() if drop else None
-    bwrap = _bwrap(lim, uid)
-    if lim.isolation == "bwrap" and bwrap is None:
+    try:
+        bwrap = _bwrap(lim, uid)
+        if lim.isolation == "bwrap" and bwrap is None:
+            return SandboxResult(ok=False, reason="refused: isolation='bwrap' but bubblewrap (bwrap) is not installed "
+                                 "or cannot create namespaces here (Debian: apt-get install bubblewrap)",
+                                 returncode=None)
+        cgroup = make_run_cgroup(lim)
+        scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
+        try:
+            return _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup)
+        finally:
+            _clean_up(scratch, cgroup)
+    finally:
         if uid is not None:
             _give_id(uid)
-        return SandboxResult(ok=False, reason="refused: isolation='bwrap' but bubblewrap (bwrap) is not installed "
-                             "or cannot create namespaces here (Debian: apt-get install bubblewrap)", returncode=None)
-    scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
+
+
+def _clean_up(scratch: str, cgroup: str | None) -> None:
+    """Remove the run's scratch folder and cgroup; what fails is logged and counted, never raised (the result of
+    the run stands)."""
+    try:
+        failed = remove_tree(scratch) + (remove_run_cgroup(cgroup) if cgroup is not None else 0)
+    except Exception as e:  # remove_tree never raises; this guards the run's result all the same
+        failed = 1
+        logger.warning("grpo_kit.tasks.sandbox: cleanup failed: %s: %s", type(e).__name__, e)
+    if failed:
+        logger.warning("grpo_kit.tasks.sandbox: %d entries of a run were left behind", failed)
+
+
+def _child_config(lim: SandboxLimits, uid: int | None, scratch: str, cgroup: str | None, payload, report) -> dict:
+    """What the harness (sandbox_child.py) needs: limits per process, sized so that the run as a whole stays
+    within ``memory_mb`` and ``max_processes`` (a cgroup, where there is one, holds the sum by itself)."""
+    mem = None if lim.memory_mb is None else lim.memory_mb * 2**20
+    if mem is not None and lim.allow_subprocess and cgroup is None:
+        mem = max(mem // lim.max_processes, 32 * 2**20)  # RLIMIT_AS is per process: the sum stays under the limit
+    return dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))), mem=mem, nproc=lim.max_processes,
+                fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
+                uid=uid, payload_fd=payload.fileno(), report_fd=report.fileno(), scratch=scratch,
+                disk_mb=lim.disk_mb, cgroup=cgroup)
+
+
+def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> SandboxResult:
     t0 = time.perf_counter()
     timed_out = False
     proc = None
@@ -243,23 +304,21 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
             os.chown(scratch, uid, uid)
         os.chmod(scratch, 0o700)
         inp.write(stdin.encode("utf-8", "surrogatepass"))
-        payload.write(json.dumps({"code": code, "tests": tests, "secret": secret}).encode("utf-8", "surrogatepass"))
+        payload.write(json.dumps({"code": code, "tests": tests, "secret": secret, "program": _PROGRAM})
+                      .encode("utf-8", "surrogatepass"))
         for fh in (inp, payload):
             fh.flush()
             fh.seek(0)
-        cfg = dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))),
-                   mem=None if lim.memory_mb is None else lim.memory_mb * 2**20,
-                   fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
-                   uid=uid, payload_fd=payload.fileno(), report_fd=report.fileno())
+        cfg = _child_config(lim, uid, scratch, cgroup, payload, report)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8"}
-        argv = [python, "-I", "-c", _BOOTSTRAP, repr(cfg)]
+        argv = [python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
         as_user = {}
         if bwrap:  # bubblewrap starts as the run's uid (dropped by Popen, in C), so the bootstrap has none to drop
             argv = _bwrap_argv(bwrap, scratch) + argv
             if uid is not None:
-                cfg["uid"], argv[-1] = None, repr({**cfg, "uid": None})
+                argv[-1] = json.dumps({**cfg, "uid": None})
                 as_user = dict(user=uid, group=uid, extra_groups=[])
         proc = subprocess.Popen(argv, cwd=scratch, env=env, stdin=inp, stdout=out, stderr=err,
                                 start_new_session=True, close_fds=True, pass_fds=(payload.fileno(), report.fileno()),
@@ -271,14 +330,15 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         _kill_all(proc, report, secret)
         got = _reports(report, secret)
         rc = proc.returncode
-        if isinstance(got.get("status"), int):  # the program ran under a PID-namespace init: its own status
+        if isinstance(got.get("status"), int):  # the judge's report: the program's own status
             rc = os.waitstatus_to_exitcode(got["status"])
         stdout, stderr = _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes)
         reason = _reason(rc, stderr, timed_out, lim.timeout_s)
         return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout,
                              stderr=stderr, duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
                              tests_completed=got.get("tests_completed") is True,
-                             isolation="bwrap" if bwrap else "builtin")
+                             isolation="bwrap" if bwrap else "builtin",
+                             extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None})
     except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
         return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
                              duration_s=time.perf_counter() - t0)
@@ -287,9 +347,6 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
             _kill_all(proc, report, secret)
         for fh in (out, err, inp, payload, report):
             fh.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-        if uid is not None:
-            _give_id(uid)
 
 
 # Unprivileged ids for code that root runs: one per concurrent run, owned by no account, so one run's processes
@@ -360,7 +417,7 @@ def _bwrap(lim: SandboxLimits, uid: int | None) -> str | None:
         except (OSError, subprocess.SubprocessError):
             _BWRAP_OK[key] = False
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(scratch)
     return path if _BWRAP_OK[key] else None
 
 
