@@ -27,7 +27,7 @@
 # **Runtime:** GPU, a T4 or better (Colab: Runtime > Change runtime type > T4 GPU; the notebook's metadata asks
 # for it). Measured: the CPU fallback took 132 s for the whole notebook with the CI parameters on a 2-core CPU
 # (`python tests/test_notebooks.py --refresh`, shared machine); the full setup (Qwen2.5-1.5B architecture, HF
-# generation, 3 steps x 128 tokens) 88 s on an H200 (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
+# generation, 3 steps x 128 tokens) 88 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
@@ -83,7 +83,7 @@ full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps
             max_completion_length=max_completion_length, learning_rate=learning_rate,
             generation_backend=generation_backend, reward_funcs=["correctness", "format_soft"])
 # 2 prompts per step, as the main job's default: with 1, the untrained embedded model's sparse rewards left
-# most early steps without signal (bench/results/learning_cpu_vllm_b16.md)
+# most early steps without signal (bench/results/learning.md)
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
                 per_device_train_batch_size=2 * num_generations,
                 max_completion_length=fallback_max_completion_length, generation_backend="hf")

@@ -26,14 +26,14 @@
 # the calculator below says whether the chosen context fits). Measured: the CPU fallback took 68-129 s for
 # the whole notebook with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared
 # machine); the full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
-# (`bench/results/notebooks_gpu_h200.md`). Not timed on a T4.
+# (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 #
 # **Free T4:** `preset = "free_t4"` sets 4-bit base weights (QLoRA), fp16, HF generation and the longest context
 # whose whole step the calculator fits in 14 GiB (`grpo_kit.memory.fit.free_t4_preset`): 8,192 tokens for
 # Llama-3.1-8B with 8 generations. What limits it is HF `generate`'s 16-bit KV cache of the 8 completions (8 GiB
 # at 8K); the training step alone was measured on an H200 under a 15 GiB cap at 7.95 GiB for 8 x 4.6K tokens and
 # 10.77 GiB for 8 x 21K, and the generation phase at 8,192 tokens (its KV cache at full size, then decoding) at
-# 14.06 GiB allocated, 14.95 reserved (`bench/results/qlora_h200.md`): it fits, with no room to spare. The preset
+# 14.06 GiB allocated, 14.95 reserved (`bench/results/qlora_memory.md`): it fits, with no room to spare. The preset
 # itself has not run on a T4. The reference pass scores all 8 completions per forward there
 # (`scoring_batch_size: auto`: the calculator's 9.68 GiB at 8K, under the generation phase), which matters most in
 # 4-bit, where each forward dequantises every weight: at 1K on an H100 the 4-bit step took 1.13x the 16-bit step's

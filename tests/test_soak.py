@@ -1,5 +1,5 @@
 """Short soak (bench/soak.py): RSS stays flat over a few dozen GRPO steps, and the same threshold catches a
-deliberate leak. The full figure (200 steps) is in bench/results/soak_cpu.md."""
+deliberate leak. The full figure (200 steps) is in bench/results/soak.md."""
 
 import json
 import os
