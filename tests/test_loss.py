@@ -656,7 +656,7 @@ def test_auto_chunk_fits_the_quarter_gib_budget(n_tokens, vocab):
     from grpo_kit.loss.efficient import _auto_chunk_rows
 
     rows = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "triton", n_tokens)
-    assert rows >= 512 and rows % 256 == 0  # whole GEMM tiles (bench/results/loss_chunk/)
+    assert rows >= 512 and rows % 256 == 0  # whole GEMM tiles (bench/results/loss_chunk.md)
     assert rows * vocab * 2 + 48 * n_tokens <= 2**28
     rows_t = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "torch", n_tokens)
     assert rows_t * vocab * (2 + 12) + 48 * n_tokens <= 2**28
