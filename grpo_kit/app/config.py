@@ -10,38 +10,71 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import yaml
+
 from grpo_kit.generation.base import GENERATION_BACKENDS
 from grpo_kit.generation.sync import LORA_SYNC_MODES
-from grpo_kit.loss.objective import LOSS_TYPES
+from grpo_kit.loss.advantage import SCALE_REWARDS
+from grpo_kit.loss.objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ObjectiveSpec
+from grpo_kit.memory.formulas import KV_DTYPE_BYTES
+from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
-from grpo_kit.tasks.rewards import REWARD_ERRORS
-from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S
+from grpo_kit.tasks.data import LEVELS, TASKS
+from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
 
-TASKS = ("arithmetic", "word_problems", "gsm8k")
-REWARD_FUNCS = ("correctness", "format_strict", "format_soft")
+REWARD_FUNCS = tuple(REWARD_FUNCTIONS)
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 TRAINERS = ("grpo_kit", "trl")
-KV_CACHE_DTYPES = ("auto", "fp8")
-SCALE_REWARDS = ("group", "batch", "none")
+# auto: the KV cache in the model's dtype; else a dtype the calculator prices that is narrower than 16 bit (FP8)
+KV_CACHE_DTYPES = ("auto", *(name for name, size in KV_DTYPE_BYTES.items() if size < 2))
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
                      ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
 NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
-# transformers' SchedulerType values (checked against transformers by tests/test_config.py), so a bad name is
-# refused before any model loads instead of inside the trainer.
+# transformers' SchedulerType values, written out because importing transformers would make this module heavy;
+# tests/test_config.py holds them equal to transformers'.
 LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                       "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
                       "warmup_stable_decay", "greedy")
+
+# The kit's defaults for fields TRL's GRPOConfig also has, where they differ from TRL's (each with its reason);
+# every other TRL-named field has TRL's default (tests/test_config.py holds both).
+KIT_DEFAULTS_OVER_TRL = {
+    "output_dir": "runs/default",  # one run folder per run, beside the others
+    "seed": 0,
+    "max_steps": 40,  # a run that learns arithmetic on the CPU
+    "save_steps": 10,
+    "logging_steps": 1,  # a metrics.csv row and a console line every step
+    "per_device_train_batch_size": 16,  # 2 prompts of 8 completions: fewer steps without reward spread
+    "max_completion_length": 24,  # the arithmetic task's answers are short
+    "temperature": 0.7,
+    "beta": 0.04,  # DeepSeekMath's KL coefficient
+    "loss_type": "grpo",  # DeepSeekMath's per-sequence normalisation
+    "reward_weights": [],  # empty: all 1.0 (TRL: None)
+    "learning_rate": 2e-4,  # a LoRA adapter's rate
+    "lr_scheduler_type": "constant_with_warmup",
+    "warmup_steps": 2,
+    "use_bias_correction_kl": False,  # DeepSeekMath's plain k3 estimator (TRL multiplies it by the ratio)
+    "vllm_gpu_memory_utilization": None,  # null: sized from the VRAM calculator for the kit's own engine
+    "gradient_checkpointing": "auto",  # on where it saves memory (CUDA), off where it only recomputes (CPU)
+}
+# TRL-named fields that do not go to GRPOConfig: the kit's own vLLM engine takes this one (TRL's configures TRL's).
+KIT_ONLY_TRL_NAMES = ("vllm_gpu_memory_utilization",)
+# ObjectiveSpec's name for TRL's epsilon (the config keeps TRL's name).
+OBJECTIVE_RENAMES = {"epsilon_low": "epsilon"}
 
 
 class ConfigError(ValueError):
@@ -78,6 +111,14 @@ _RANGE_NOTES = {
     "scoring_batch_size": "or 'auto', or null for per_device_train_batch_size",
     "min_p": "0 or null: off",
 }
+# The fields with a fixed set of values, each read from the module that owns it (null also allowed where the
+# field's type says `| None`).
+CHOICES = {
+    "device": DEVICES, "dtype": DTYPES, "trainer": TRAINERS, "task": TASKS, "loss_type": LOSS_TYPES,
+    "scale_rewards": SCALE_REWARDS, "reward_errors": REWARD_ERRORS, "generation_backend": GENERATION_BACKENDS,
+    "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
+    "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+}
 
 
 def _range_text(low, high, low_open: bool, high_open: bool) -> str:
@@ -101,6 +142,43 @@ def _numeric_problem(name: str, value, kind: str) -> str | None:
     return f"{name}={value!r} must be {_range_text(low, high, low_open, high_open)}{finite}{note}"
 
 
+def _allowed_text(name: str, kind: str) -> str:
+    """What a field takes, from its range, its choices or its type (``kind``: the annotation as a string)."""
+    extra = [*(["'auto'"] if "| str" in kind else []), *(["null"] if kind.endswith("| None") else [])]
+    if name in NUMERIC_RANGES:
+        base = ("an integer " if kind.startswith("int") else "a number ") + _range_text(*NUMERIC_RANGES[name])
+    elif name in CHOICES:
+        base = f"one of {list(CHOICES[name])}"
+    elif kind.startswith("bool"):
+        base = "true, false"
+    elif kind.startswith(("int", "float")):
+        base = "an integer" if kind.startswith("int") else "a number"
+    else:
+        return ""
+    return base + "".join(f", {e}" for e in extra[:-1]) + (f" or {extra[-1]}" if extra else "")
+
+
+def _field_problem(name: str, value, kind: str) -> str | None:
+    """One field checked alone (its type, range or choices), or None when it is fine. ``kind``: the field's
+    annotation as a string; ``| None`` allows null, ``| str`` allows 'auto'."""
+    if (value is None and kind.endswith("| None")) or (value == "auto" and "| str" in kind):
+        return None
+    if name in NUMERIC_RANGES:
+        return _numeric_problem(name, value, "int" if kind.startswith("int") else "float")
+    if name in CHOICES:
+        options = list(CHOICES[name])
+        return None if value in options else (f"{name}={value!r} is not allowed; choose one of {options}"
+                                              + (" or null" if kind.endswith("| None") else ""))
+    if kind.startswith("bool"):
+        return None if isinstance(value, bool) else f"{name}={value!r} is not allowed: {_allowed_text(name, kind)}"
+    if name in OBJECTIVE_FIELDS:  # the objective's own checks (ObjectiveSpec), one field at a time
+        try:
+            ObjectiveSpec(**{name: value})
+        except ValueError as e:
+            return f"{name}={value!r} is not allowed: {e}"
+    return None
+
+
 def _f(default, help: str, **kw):
     """A dataclass field whose help text lives in its metadata (as in TRL's configs)."""
     if isinstance(default, (list, dict)):
@@ -108,22 +186,40 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _kit(name: str, help: str):
+    """A TRL-named field with the kit's own default (``KIT_DEFAULTS_OVER_TRL``)."""
+    return _f(KIT_DEFAULTS_OVER_TRL[name], help)
+
+
+def _with_objective_fields(cls):
+    """Adds every :class:`ObjectiveSpec` field the class does not declare (name, type and default read from
+    ObjectiveSpec, the kit's default where ``KIT_DEFAULTS_OVER_TRL`` has one), so YAML and ``--set`` reach each
+    option of the objective. Their help is TRL's (:func:`trl_field_help`)."""
+    for f in dataclasses.fields(ObjectiveSpec):
+        if f.name in cls.__annotations__ or f.name in OBJECTIVE_RENAMES:
+            continue
+        cls.__annotations__[f.name] = f.type
+        setattr(cls, f.name, field(default=KIT_DEFAULTS_OVER_TRL.get(f.name, f.default), metadata={"objective": True}))
+    return cls
+
+
 @dataclass
+@_with_objective_fields
 class GRPOKitConfig:
     # --- run -------------------------------------------------------------------------
     model: str = _f("smollm2-135m-instruct", "Built-in name (see `grpo_kit.model.loading.BUILTIN_MODELS`), a local "
                     "folder, or a hub id such as `Qwen/Qwen2.5-1.5B-Instruct`.")
-    output_dir: str = _f("runs/default", "Run folder: metrics.csv, rewards.png, samples, adapter/weights.")
-    seed: int = _f(0, "Seed for data, sampling and initialisation.")
-    max_steps: int = _f(40, "Optimiser steps to run.")
-    save_steps: int = _f(10, "Write a resumable checkpoint (run folder's checkpoints/checkpoint-N: weights, "
+    output_dir: str = _kit("output_dir", "Run folder: metrics.csv, rewards.png, samples, adapter/weights.")
+    seed: int = _kit("seed", "Seed for data, sampling and initialisation.")
+    max_steps: int = _kit("max_steps", "Optimiser steps to run.")
+    save_steps: int = _kit("save_steps", "Write a resumable checkpoint (run folder's checkpoints/checkpoint-N: weights, "
                          "optimiser, scheduler, RNG and data position, metrics so far) every N steps and at the end; "
                          "0: none. A multiple of logging_steps. Resume with `train --resume RUN_DIR`.")
     keep_checkpoints: int = _f(2, "Complete checkpoints kept (the newest N; 0: all). Older ones are deleted only "
                                "after a new one is complete.")
     max_bad_steps: int = _f(3, "Consecutive steps with a non-finite loss or gradient (each one skipped: no "
                             "optimiser update) before training stops with the state saved.")
-    logging_steps: int = _f(1, "Log metrics every N steps.")
+    logging_steps: int = _kit("logging_steps", "Log metrics every N steps.")
     device: str = _f("auto", f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.")
     dtype: str = _f("auto", f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
                     "on GPU (with a GradScaler), fp32 on CPU.")
@@ -131,8 +227,8 @@ class GRPOKitConfig:
                       "EfficientGRPOTrainer (no full logits), `trl` TRL's stock GRPOTrainer.")
     # --- data ------------------------------------------------------------------------
     task: str = _f("arithmetic", f"Training task, one of {TASKS}.")
-    levels: list = _f([1, 2], "Difficulty levels of the generated tasks (1 = one-digit +/-, 2 = two-digit +/- "
-                      "one-digit, 3 = two-digit +/-, 4 = two-digit x one-digit and three-digit +/-).")
+    levels: list = _f([1, 2], "Difficulty levels of the generated tasks (" + "; ".join(
+        f"{n}: {what}" for n, what in LEVELS.items()) + ").")
     dataset_path: str = _f("", "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "
                            "the hub dataset openai/gsm8k's train split (needs network).")
     eval_dataset_path: str = _f("", "task=gsm8k: the held-out problems, a GSM8K-format jsonl (GSM8K's test split); "
@@ -144,29 +240,30 @@ class GRPOKitConfig:
                             "as `Answer: <number>`; word problems and GSM8K: brief reasoning, then that line).")
     # --- GRPO (names as in TRL's GRPOConfig) -------------------------------------------
     num_generations: int = _f(8, "Completions sampled per prompt (the group size); at least 2.")
-    per_device_train_batch_size: int = _f(16, "Completions per micro-batch (one forward/backward); per_device_train_batch_"
-                                          "size x gradient_accumulation_steps must be a multiple of num_generations. "
-                                          "The default 16 is 2 prompts per step: with 1 prompt most early steps of "
-                                          "the untrained embedded model had no reward spread, and a seed could fail "
-                                          "to learn (bench/results/learning_cpu_vllm*.md).")
+    per_device_train_batch_size: int = _kit("per_device_train_batch_size", "Completions per micro-batch (one "
+                                            "forward/backward); per_device_train_batch_size x "
+                                            "gradient_accumulation_steps must be a multiple of num_generations. The "
+                                            "default is 2 prompts per step: with 1 prompt most early steps of an "
+                                            "untrained small model have no reward spread to learn from.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.")
     max_prompt_length: int = _f(256, "Longest prompt in tokens; longer prompts are an error, not silently cut.")
-    max_completion_length: int = _f(24, "Longest completion in tokens.")
-    temperature: float = _f(0.7, "Sampling temperature (> 0).")
+    max_completion_length: int = _kit("max_completion_length", "Longest completion in tokens.")
+    temperature: float = _kit("temperature", "Sampling temperature (> 0).")
     top_p: float = _f(1.0, "Nucleus sampling threshold in (0, 1].")
     top_k: int = _f(0, "Top-k sampling (0: off).")
     min_p: float | None = _f(None, "Min-p sampling threshold in [0, 1) (null or 0: off).")
-    beta: float = _f(0.04, "KL coefficient (k3 estimator against the reference model); 0 skips the reference pass.")
+    beta: float = _kit("beta", "KL coefficient (k3 estimator against the reference model); 0 skips the "
+                       "reference pass.")
     epsilon: float = _f(0.2, "Lower clipping range of the ratio.")
     epsilon_high: float | None = _f(None, "Upper clipping range (null: same as epsilon).")
-    loss_type: str = _f("grpo", f"GRPO objective and normalisation (TRL's), one of {LOSS_TYPES}.")
+    loss_type: str = _kit("loss_type", f"GRPO objective and normalisation (TRL's), one of {LOSS_TYPES}.")
     scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
     num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
     reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions: built-in names from {REWARD_FUNCS}, "
                             "`module:function` strings (an importable module, e.g. `my_rewards:length_penalty`) or, "
                             "from Python (notebook, trainer API), callables `fn(prompts, completions, **columns)`.")
-    reward_weights: list = _f([], "One weight per reward function (empty: all 1.0).")
+    reward_weights: list = _kit("reward_weights", "One weight per reward function (empty: all 1.0).")
     reward_errors: str = _f("raise", f"When a reward function raises, one of {REWARD_ERRORS}: `raise` stops training "
                             "with an error naming the function and the sample; `zero` scores that sample 0.0 and "
                             "logs a warning with the same details.")
@@ -174,9 +271,9 @@ class GRPOKitConfig:
                                     "(0: no limit); a call that runs longer is stopped and its samples re-run one "
                                     "by one within one more such budget; a sample that runs out of it scores 0.0 "
                                     "with a warning naming the function and the sample.")
-    learning_rate: float = _f(2e-4, "Peak learning rate (AdamW).")
-    lr_scheduler_type: str = _f("constant_with_warmup", "transformers scheduler name.")
-    warmup_steps: int = _f(2, "Linear warm-up steps.")
+    learning_rate: float = _kit("learning_rate", "Peak learning rate (AdamW).")
+    lr_scheduler_type: str = _kit("lr_scheduler_type", "transformers scheduler name.")
+    warmup_steps: int = _kit("warmup_steps", "Linear warm-up steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
     # --- LoRA ------------------------------------------------------------------------
@@ -187,8 +284,7 @@ class GRPOKitConfig:
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.0, "LoRA dropout. Above 0 the kit's checkpointing recomputes each layer whole "
                              "(the random masks cannot be split into token slices) and each adapter saves its own "
-                             "dropped input and mask; the VRAM calculator prices both (the 8B's 20K backward: "
-                             "18.2 -> 25.6 GiB).")
+                             "dropped input and mask; the VRAM calculator prices both.")
     lora_target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                    "Module names that get LoRA adapters.")
     # --- memory / generation -----------------------------------------------------------
@@ -199,8 +295,8 @@ class GRPOKitConfig:
                                  "installed and can load the model (the embedded model, a local folder or a hub "
                                  "id; on CUDA also the random-weight built-ins, started with random weights), else HF (with a warning when vLLM is "
                                  "installed but cannot be used). trainer=trl always uses TRL's own HF generation.")
-    vllm_gpu_memory_utilization: float | None = _f(None, "Share of GPU memory (CUDA) or of host RAM (vLLM's CPU "
-                                            "backend) that vLLM reserves for its weights and KV cache, in (0, 1]; null: "
+    vllm_gpu_memory_utilization: float | None = _kit("vllm_gpu_memory_utilization", "Share of GPU memory (CUDA) "
+                                            "or of host RAM (vLLM's CPU backend) that vLLM reserves for its weights and KV cache, in (0, 1]; null: "
                                             "automatic (on CUDA what the VRAM calculator's training estimate leaves "
                                             "of the card, less 1 GiB; on the CPU a KV cache of a quarter of free "
                                             "RAM, at most 4 GiB). A value that cannot fit stops the run before "
@@ -215,15 +311,15 @@ class GRPOKitConfig:
     vllm_lora_dual_stream: bool | None = _f(None, "CUDA, vllm_lora_sync='adapter': run vLLM's LoRA "
                                            "kernels on a second CUDA stream beside each base matmul "
                                            "(VLLM_LORA_ENABLE_DUAL_STREAM) instead of after it. null: the kit's "
-                                           "measured choice (grpo_kit.generation.plan.LORA_DUAL_STREAM_DEFAULT).")
+                                           "default (grpo_kit.generation.plan.LORA_DUAL_STREAM_DEFAULT).")
     vllm_lora_sync: str | None = _f(None, f"How the LoRA adapter reaches vLLM each step, one of {LORA_SYNC_MODES} or "
                                     "null. With shared weights: `adapter` hands the adapter over in memory and vLLM "
                                     "runs it in its LoRA kernels on every token; `merge` merges it into the shared "
                                     "weights for each generation and restores their exact bits after it "
                                     "(grpo_kit.generation.reversible_merge), so vLLM decodes dense. With a "
                                     "separate engine copy: `merge` loads the merged weights into the copy, "
-                                    "`adapter` runs the adapter in the copy's LoRA kernels. null: `merge` (measured "
-                                    "faster: grpo_kit.generation.plan.lora_sync_mode).")
+                                    "`adapter` runs the adapter in the copy's LoRA kernels. null: `merge`, so vLLM "
+                                    "decodes dense (grpo_kit.generation.plan.lora_sync_mode).")
     vllm_share_weights: bool | str = _f("auto", "One copy of the weights on CUDA: the training model's frozen base "
                                         "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
                                         "memory each step, and the engine releases only its KV cache while "
@@ -247,10 +343,10 @@ class GRPOKitConfig:
                                   "weights in 16 bit extra) or `bitsandbytes` (its own Linear4bit, which dequantises "
                                   "for every matmul, forward and backward, and for short inputs on some GPUs multiplies "
                                   "with its own fused kernel, which rounds differently).")
-    gradient_checkpointing: bool | str = _f("auto", "Gradient checkpointing: true, false or `auto` (on when "
-                                            "training on a CUDA GPU, off on the CPU, where it would only "
-                                            "recompute). With the grpo_kit trainer on a GPU the layer inputs are "
-                                            "offloaded to CPU RAM (grpo_kit.model.offload).")
+    gradient_checkpointing: bool | str = _kit("gradient_checkpointing", "Gradient checkpointing: true, false "
+                                              "or `auto` (on when training on a CUDA GPU, off on the CPU, where it "
+                                              "would only recompute). With the grpo_kit trainer on a GPU the layer inputs are "
+                                              "offloaded to CPU RAM (grpo_kit.model.offload).")
     loss_chunk_size: int | None = _f(None, "Rows per logits chunk in the efficient loss (null: chosen from free "
                                     "memory).")
     scoring_batch_size: int | str | None = _f("auto", "Completions per no-grad forward when the grpo_kit trainer "
@@ -274,7 +370,21 @@ class GRPOKitConfig:
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
-        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+        """Each field's help: the kit's own, or TRL's for the objective's options the kit adds as they are."""
+        trl = trl_field_help() if any("help" not in f.metadata for f in dataclasses.fields(cls)) else {}
+        return {f.name: f.metadata.get("help") or f"(TRL's help) {trl.get(f.name, '')}" for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def describe(cls, width: int = 100) -> str:
+        """Every field with its type, default, allowed values and help (``train --help-config``)."""
+        out = []
+        helps = cls.field_help()
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            allowed = _allowed_text(f.name, str(f.type))
+            out.append(f"{f.name}: {f.type} = {json.dumps(default)}" + (f"  [{allowed}]" if allowed else ""))
+            out += textwrap.wrap(helps[f.name], width, initial_indent="    ", subsequent_indent="    ")
+        return "\n".join(out)
 
     @classmethod
     def from_dict(cls, values: dict) -> "GRPOKitConfig":
@@ -288,8 +398,6 @@ class GRPOKitConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> "GRPOKitConfig":
-        import yaml
-
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -307,8 +415,6 @@ class GRPOKitConfig:
 
     def apply_overrides(self, overrides: typing.Sequence[str]) -> "GRPOKitConfig":
         """Apply ``key=value`` strings (as given to ``--set``); values are parsed as YAML scalars."""
-        import yaml
-
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"--set expects key=value, got {item!r}")
@@ -333,10 +439,6 @@ class GRPOKitConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str | os.PathLike) -> None:
-        import yaml
-
-        from grpo_kit.tasks.rewards import reward_func_spec
-
         values = self.to_dict()
         values["reward_funcs"] = [reward_func_spec(r) for r in values["reward_funcs"]]  # callables as module:name
         Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
@@ -344,150 +446,161 @@ class GRPOKitConfig:
     # ---------------------------------------------------------------------------------
     def validate(self) -> "GRPOKitConfig":
         """Check every field; raise one ``ConfigError`` listing all problems. Loads nothing heavy."""
-        from grpo_kit.model.loading import check_model_name
-
         errors: list[str] = []
-
-        def need(ok: bool, msg: str):
-            if not ok:
-                errors.append(msg)
-
-        def choice(name: str, options):
-            value = getattr(self, name)
-            need(value in options, f"{name}={value!r} is not allowed; choose one of {list(options)}")
-
         kind = None
         try:
             kind = check_model_name(self.model)
         except ValueError as e:
             errors.append(str(e))
-        for name, options in [("device", DEVICES), ("dtype", DTYPES), ("trainer", TRAINERS), ("task", TASKS),
-                              ("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS), ("reward_errors", REWARD_ERRORS),
-                              ("generation_backend", GENERATION_BACKENDS)]:
-            choice(name, options)
-        need(isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto",
-             f"gradient_checkpointing={self.gradient_checkpointing!r} is not allowed: true, false or 'auto'")
-        kinds = {f.name: str(f.type) for f in dataclasses.fields(self)}
-        out_of_range = set()
-        for name in NUMERIC_RANGES:
-            value = getattr(self, name)
-            if (value is None and kinds[name].endswith("| None")) or (value == "auto" and "| str" in kinds[name]):
-                continue
-            problem = _numeric_problem(name, value, "int" if kinds[name].startswith("int") else "float")
+        bad = set()
+        for f in dataclasses.fields(self):
+            problem = _field_problem(f.name, getattr(self, f.name), str(f.type))
             if problem:
                 errors.append(problem)
-                out_of_range.add(name)
-        # TRL builds its reference model for full fine-tuning from the policy's checkpoint folder, which a random
-        # built-in does not have (TRL fails deep inside from_pretrained otherwise)
-        if "beta" not in out_of_range:
-            need(self.use_lora or self.beta == 0 or kind not in ("tiny", "config-only"),
-                 f"use_lora=False with beta={self.beta} needs a reference model, which TRL loads from the model's "
-                 f"checkpoint folder; model={self.model!r} is a random-weight built-in with none. Set beta=0, or "
-                 "use_lora=True (the reference is the model with its adapter off), or save the model and set model= "
-                 "to that folder")
-        if not out_of_range & {"num_generations", "per_device_train_batch_size", "gradient_accumulation_steps"}:
-            total = self.per_device_train_batch_size * self.gradient_accumulation_steps
-            need(total % self.num_generations == 0,
-                 f"per_device_train_batch_size × gradient_accumulation_steps = {total} must be a multiple of "
-                 f"num_generations={self.num_generations} (e.g. {self.num_generations} or "
-                 f"{2 * self.num_generations})")
-        if not out_of_range & {"save_steps", "logging_steps"}:
-            need(self.save_steps <= 0 or self.save_steps % self.logging_steps == 0,
-                 f"save_steps={self.save_steps} must be a multiple of logging_steps={self.logging_steps} (a "
-                 "checkpoint between two logged steps would lose the metrics of the steps in between on resume)")
-        choice("lr_scheduler_type", LR_SCHEDULER_TYPES)
-        need(isinstance(self.output_dir, str) and self.output_dir.strip() != "",
-             f"output_dir={self.output_dir!r} must name a run folder (a non-empty path)")
-        if isinstance(self.output_dir, str) and self.output_dir.strip():
-            blocker = _non_folder_on_path(self.output_dir)
-            need(blocker is None, f"output_dir={self.output_dir!r} cannot be a run folder: {blocker!r} exists and "
-                 "is not a folder")
-        lists = ("levels", "reward_funcs", "reward_weights", "lora_target_modules")
-        for name in lists:
-            need(isinstance(getattr(self, name), list), f"{name}={getattr(self, name)!r} must be a list")
-        if not all(isinstance(getattr(self, name), list) for name in lists):  # element checks need lists
-            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
-        need(bool(self.lora_target_modules) and all(isinstance(m, str) and m.strip() for m in self.lora_target_modules),
-             f"lora_target_modules={self.lora_target_modules!r}: each must be a non-empty module name (a string), "
-             "at least one")
-        bad_weights = [w for w in self.reward_weights
-                       if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)]
-        if bad_weights:
-            errors.append(f"reward_weights={self.reward_weights!r}: each must be a finite number, not "
-                          f"{bad_weights[0]!r}")
-        need(len(self.reward_funcs) > 0, f"reward_funcs={self.reward_funcs!r}: at least one is needed")
-        try:  # built-in names, module:function strings (imported here) or callables
-            from grpo_kit.tasks.rewards import get_reward_funcs
-
-            get_reward_funcs(self.reward_funcs)
-        except ValueError as e:
-            errors.append(f"reward_funcs: {e}")
-        need(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
-             f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}")
-        bad_levels = [lv for lv in self.levels if isinstance(lv, bool) or lv not in (1, 2, 3, 4)]
-        need(self.task == "gsm8k" or (self.levels and not bad_levels),
-             f"levels={self.levels!r}: each must be one of [1, 2, 3, 4], at least one")
-        need(isinstance(self.vllm_share_weights, bool) or self.vllm_share_weights == "auto",
-             f"vllm_share_weights={self.vllm_share_weights!r} is not allowed: true, false or 'auto'")
-        need(self.vllm_share_weights is not True or (self.use_lora and not self.load_in_4bit),
-             f"vllm_share_weights=True needs use_lora=True and load_in_4bit=False (use_lora={self.use_lora}, "
-             f"load_in_4bit={self.load_in_4bit}): full fine-tuning updates the weights vLLM would share, and "
-             "a 4-bit training model has no 16-bit weights to share")
-        choice("kv_cache_dtype", KV_CACHE_DTYPES)
-        need(self.vllm_lora_dual_stream is None or isinstance(self.vllm_lora_dual_stream, bool),
-             f"vllm_lora_dual_stream={self.vllm_lora_dual_stream!r} is not allowed: true, false or null (automatic)")
-        need(self.vllm_lora_sync is None or self.vllm_lora_sync in LORA_SYNC_MODES,
-             f"vllm_lora_sync={self.vllm_lora_sync!r} is not allowed: one of {list(LORA_SYNC_MODES)} or null")
-        need(self.vllm_lora_sync is None or self.use_lora, f"vllm_lora_sync={self.vllm_lora_sync!r} needs use_lora=True "
-             "(full fine-tuning syncs the whole weights)")
-        need(not (self.vllm_lora_sync == "merge" and self.vllm_lora_dual_stream),
-             "vllm_lora_dual_stream=True needs the adapter in vLLM's LoRA kernels, but vllm_lora_sync='merge' "
-             "generates with merged weights and no LoRA kernels; drop one of the two")
-        need(self.load_in_4bit_skip_modules == "auto" or (isinstance(self.load_in_4bit_skip_modules, list) and all(
-            isinstance(m, str) and m for m in self.load_in_4bit_skip_modules)),
-             f"load_in_4bit_skip_modules={self.load_in_4bit_skip_modules!r} is not allowed: 'auto' or a list of "
-             "non-empty module names")
-        need(self.load_in_4bit_matmul in NF4_MATMULS, f"load_in_4bit_matmul={self.load_in_4bit_matmul!r} is not "
-             f"allowed: one of {list(NF4_MATMULS)}")
-        need(self.scoring_batch_size in (None, "auto") or self.trainer == "grpo_kit",
-             f"scoring_batch_size={self.scoring_batch_size} needs trainer='grpo_kit' (TRL's GRPOTrainer scores "
-             "with per_device_train_batch_size); leave it 'auto' or null with trainer='trl'")
-        vllm_only = self.vllm_options_set()
-        if self.generation_backend == "vllm" or (vllm_only and self.generation_backend != "hf"):
-            need(self.trainer == "grpo_kit", f"generation_backend={self.generation_backend!r} with "
-                 f"{', '.join(vllm_only) or 'vLLM'} needs trainer='grpo_kit' (trainer='trl' generates with TRL's own "
-                 "HF path)")
-        if vllm_only:
-            need(self.generation_backend != "hf", f"{', '.join(vllm_only)} only apply to vLLM generation, but "
-                 "generation_backend='hf'; set generation_backend='vllm' (or 'auto'), or leave them at their defaults")
-        if self.load_in_4bit:
-            import importlib.util
-
-            need(self.use_lora, "load_in_4bit=True needs use_lora=True: 4-bit weights are frozen (bitsandbytes "
-                 "stores them packed, they have no gradient), so full fine-tuning would train nothing")
-            need(self.device != "cpu", "load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), "
-                 "but device='cpu'; use device=auto on a GPU machine, or load_in_4bit=False")
-            if self.device == "auto":  # where the run will train: known here, before any model or data loads
-                import torch
-
-                need(torch.cuda.is_available(), "load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training "
-                     "path), but device='auto' finds none on this machine; run on a GPU machine or set "
-                     "load_in_4bit=False")
-            need(self.generation_backend != "vllm", "load_in_4bit=True generates with HF generate: vLLM cannot "
-                 "take a 4-bit training model's weights yet; set generation_backend='hf' or 'auto'")
-            need(importlib.util.find_spec("bitsandbytes") is not None,
-                 "load_in_4bit=True needs the bitsandbytes package, which is not installed: python -m pip install "
-                 "bitsandbytes==0.50.2 (CUDA), or set load_in_4bit=False")
-        for name in ("dataset_path", "eval_dataset_path"):
-            path = getattr(self, name)
-            if self.task == "gsm8k" and path:
-                need(os.path.isfile(path), f"{name}={path!r} does not exist")
-        need(not self.eval_dataset_path or self.task == "gsm8k",
-             f"eval_dataset_path={self.eval_dataset_path!r} applies to task='gsm8k' only (task={self.task!r}: its "
-             "held-out set is generated)")
+                bad.add(f.name)
+        errors += _run_problems(self, kind, bad)
+        list_errors = _list_problems(self)
+        if list_errors is None:  # a list field that is no list: the element checks below need lists
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors + _not_lists(self)))
+        errors += list_errors + _generation_problems(self) + _4bit_problems(self) + _data_problems(self)
         if errors:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
         return self
+
+
+OBJECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOKitConfig) if f.metadata.get("objective"))
+LIST_FIELDS = ("levels", "reward_funcs", "reward_weights", "lora_target_modules")
+
+
+def _run_problems(cfg: GRPOKitConfig, kind: str | None, bad: set[str]) -> list[str]:
+    """Fields that must agree: the batch with the group size, checkpoints with logging, the reference model
+    with the weights. ``bad``: fields already refused alone (not checked again here)."""
+    errors = []
+    # TRL builds its reference model for full fine-tuning from the policy's checkpoint folder, which a random
+    # built-in does not have (TRL fails deep inside from_pretrained otherwise)
+    if "beta" not in bad and not (cfg.use_lora or cfg.beta == 0 or kind not in ("tiny", "config-only")):
+        errors.append(f"use_lora=False with beta={cfg.beta} needs a reference model, which TRL loads from the "
+                      f"model's checkpoint folder; model={cfg.model!r} is a random-weight built-in with none. Set "
+                      "beta=0, or use_lora=True (the reference is the model with its adapter off), or save the "
+                      "model and set model= to that folder")
+    if not bad & {"num_generations", "per_device_train_batch_size", "gradient_accumulation_steps"}:
+        total = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        if total % cfg.num_generations:
+            errors.append(f"per_device_train_batch_size × gradient_accumulation_steps = {total} must be a multiple "
+                          f"of num_generations={cfg.num_generations} (e.g. {cfg.num_generations} or "
+                          f"{2 * cfg.num_generations})")
+    if not bad & {"save_steps", "logging_steps"} and cfg.save_steps > 0 and cfg.save_steps % cfg.logging_steps:
+        errors.append(f"save_steps={cfg.save_steps} must be a multiple of logging_steps={cfg.logging_steps} (a "
+                      "checkpoint between two logged steps would lose the metrics of the steps in between on resume)")
+    if not (isinstance(cfg.output_dir, str) and cfg.output_dir.strip()):
+        errors.append(f"output_dir={cfg.output_dir!r} must name a run folder (a non-empty path)")
+    elif (blocker := _non_folder_on_path(cfg.output_dir)) is not None:
+        errors.append(f"output_dir={cfg.output_dir!r} cannot be a run folder: {blocker!r} exists and is not a folder")
+    if cfg.scoring_batch_size not in (None, "auto") and cfg.trainer != "grpo_kit":
+        errors.append(f"scoring_batch_size={cfg.scoring_batch_size} needs trainer='grpo_kit' (TRL's GRPOTrainer "
+                      "scores with per_device_train_batch_size); leave it 'auto' or null with trainer='trl'")
+    return errors
+
+
+def _not_lists(cfg: GRPOKitConfig) -> list[str]:
+    return [f"{name}={getattr(cfg, name)!r} must be a list" for name in LIST_FIELDS
+            if not isinstance(getattr(cfg, name), list)]
+
+
+def _list_problems(cfg: GRPOKitConfig) -> list[str] | None:
+    """The list fields' elements (None when one of them is no list at all); the reward functions are
+    resolved here (built-in names, ``module:function`` strings imported, callables)."""
+    if _not_lists(cfg):
+        return None
+    errors = []
+    if not (cfg.lora_target_modules and all(isinstance(m, str) and m.strip() for m in cfg.lora_target_modules)):
+        errors.append(f"lora_target_modules={cfg.lora_target_modules!r}: each must be a non-empty module name (a "
+                      "string), at least one")
+    bad_weights = [w for w in cfg.reward_weights
+                   if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)]
+    if bad_weights:
+        errors.append(f"reward_weights={cfg.reward_weights!r}: each must be a finite number, not {bad_weights[0]!r}")
+    if not cfg.reward_funcs:
+        errors.append(f"reward_funcs={cfg.reward_funcs!r}: at least one is needed")
+    try:
+        get_reward_funcs(cfg.reward_funcs)
+    except ValueError as e:
+        errors.append(f"reward_funcs: {e}")
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        errors.append(f"reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
+                      f"{len(cfg.reward_funcs)}")
+    bad_levels = [lv for lv in cfg.levels if isinstance(lv, bool) or lv not in LEVELS]
+    if cfg.task != "gsm8k" and (not cfg.levels or bad_levels):
+        errors.append(f"levels={cfg.levels!r}: each must be one of {sorted(LEVELS)}, at least one")
+    skip = cfg.load_in_4bit_skip_modules
+    if skip != "auto" and not (isinstance(skip, list) and all(isinstance(m, str) and m for m in skip)):
+        errors.append(f"load_in_4bit_skip_modules={skip!r} is not allowed: 'auto' or a list of non-empty module "
+                      "names")
+    return errors
+
+
+def _generation_problems(cfg: GRPOKitConfig) -> list[str]:
+    """The generation options that must agree with the backend, the trainer and the LoRA setting."""
+    errors = []
+    if cfg.vllm_share_weights is True and not (cfg.use_lora and not cfg.load_in_4bit):
+        errors.append(f"vllm_share_weights=True needs use_lora=True and load_in_4bit=False (use_lora={cfg.use_lora}, "
+                      f"load_in_4bit={cfg.load_in_4bit}): full fine-tuning updates the weights vLLM would share, "
+                      "and a 4-bit training model has no 16-bit weights to share")
+    if cfg.vllm_lora_sync is not None and not cfg.use_lora:
+        errors.append(f"vllm_lora_sync={cfg.vllm_lora_sync!r} needs use_lora=True (full fine-tuning syncs the whole "
+                      "weights)")
+    if cfg.vllm_lora_sync == "merge" and cfg.vllm_lora_dual_stream:
+        errors.append("vllm_lora_dual_stream=True needs the adapter in vLLM's LoRA kernels, but vllm_lora_sync="
+                      "'merge' generates with merged weights and no LoRA kernels; drop one of the two")
+    vllm_only = cfg.vllm_options_set()
+    if (cfg.generation_backend == "vllm" or (vllm_only and cfg.generation_backend != "hf")) and \
+            cfg.trainer != "grpo_kit":
+        errors.append(f"generation_backend={cfg.generation_backend!r} with {', '.join(vllm_only) or 'vLLM'} needs "
+                      "trainer='grpo_kit' (trainer='trl' generates with TRL's own HF path)")
+    if vllm_only and cfg.generation_backend == "hf":
+        errors.append(f"{', '.join(vllm_only)} only apply to vLLM generation, but generation_backend='hf'; set "
+                      "generation_backend='vllm' (or 'auto'), or leave them at their defaults")
+    return errors
+
+
+def _4bit_problems(cfg: GRPOKitConfig) -> list[str]:
+    """What load_in_4bit needs: LoRA, a CUDA GPU, bitsandbytes and HF generation."""
+    if not cfg.load_in_4bit:
+        return []
+    errors = []
+    if not cfg.use_lora:
+        errors.append("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen (bitsandbytes stores them "
+                      "packed, they have no gradient), so full fine-tuning would train nothing")
+    if cfg.device == "cpu":
+        errors.append("load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), but device='cpu'; "
+                      "use device=auto on a GPU machine, or load_in_4bit=False")
+    elif cfg.device == "auto" and not torch.cuda.is_available():  # where the run will train, known before loading
+        errors.append("load_in_4bit=True needs a CUDA GPU (bitsandbytes' 4-bit training path), but device='auto' "
+                      "finds none on this machine; run on a GPU machine or set load_in_4bit=False")
+    if cfg.generation_backend == "vllm":
+        errors.append("load_in_4bit=True generates with HF generate: vLLM cannot take a 4-bit training model's "
+                      "weights yet; set generation_backend='hf' or 'auto'")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        errors.append("load_in_4bit=True needs the bitsandbytes package, which is not installed: python -m pip "
+                      "install bitsandbytes==0.50.2 (CUDA), or set load_in_4bit=False")
+    return errors
+
+
+def _data_problems(cfg: GRPOKitConfig) -> list[str]:
+    """The GSM8K files exist, and a held-out file only where the task reads one."""
+    errors = [f"{name}={getattr(cfg, name)!r} does not exist" for name in ("dataset_path", "eval_dataset_path")
+              if cfg.task == "gsm8k" and getattr(cfg, name) and not os.path.isfile(getattr(cfg, name))]
+    if cfg.eval_dataset_path and cfg.task != "gsm8k":
+        errors.append(f"eval_dataset_path={cfg.eval_dataset_path!r} applies to task='gsm8k' only (task="
+                      f"{cfg.task!r}: its held-out set is generated)")
+    return errors
+
+
+def trl_field_help() -> dict[str, str]:
+    """TRL's help text of each ``GRPOConfig`` field (imports TRL)."""
+    from trl import GRPOConfig  # lazy: TRL is slow to import; only help for the objective's options needs it
+
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(GRPOConfig)}
 
 
 def _non_folder_on_path(path: str) -> str | None:

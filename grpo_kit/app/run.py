@@ -9,6 +9,7 @@ step), ``rewards.png``, ``samples.jsonl`` (completions with their rewards),
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, GRPOKitConfig
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.app.console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
 from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
@@ -220,28 +221,20 @@ def _release(generator, *, standby: bool) -> None:
 
 
 def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
-    """TRL ``GRPOConfig`` from the kit's config (same names, same meaning)."""
-    from trl import GRPOConfig
+    """TRL ``GRPOConfig`` from the kit's config: every field TRL also has passes by name (but
+    ``KIT_ONLY_TRL_NAMES``), then the few the kit writes its own way are put in TRL's form."""
+    from trl import GRPOConfig  # lazy: TRL is slow to import, and `import grpo_kit.app.run` must not need it
 
-    return GRPOConfig(
-        output_dir=cfg.output_dir, seed=cfg.seed, data_seed=cfg.seed, max_steps=cfg.max_steps,
-        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
-        logging_steps=cfg.logging_steps, report_to="none", disable_tqdm=False,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_generations=cfg.num_generations,
-        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, min_p=cfg.min_p or None, beta=cfg.beta, epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
-        num_iterations=cfg.num_iterations, mask_truncated_completions=cfg.mask_truncated_completions,
-        reward_weights=cfg.reward_weights or None, learning_rate=cfg.learning_rate,
-        lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm, use_cpu=(device == "cpu"),
+    shared = {f.name for f in dataclasses.fields(GRPOConfig) if f.init} & {f.name for f in dataclasses.fields(cfg)}
+    values = {name: getattr(cfg, name) for name in shared - set(KIT_ONLY_TRL_NAMES)}
+    values.update(
+        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,  # 0: no checkpoints
+        min_p=cfg.min_p or None, reward_weights=cfg.reward_weights or None,  # 0 and []: off / all 1.0
+        gradient_checkpointing=cfg.checkpointing_on(device), data_seed=cfg.seed, use_cpu=(device == "cpu"),
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
-        gradient_checkpointing=cfg.checkpointing_on(device), log_completions=False, remove_unused_columns=False,
-        # The kit's config keeps the plain k3 estimator of the DeepSeekMath paper (TRL 1.16 defaults to
-        # multiplying it by the ratio; both trainers compute either); set explicitly so the choice is visible.
-        use_bias_correction_kl=False,
-    )
+        # the kit writes its own metrics.csv, samples.jsonl and console line
+        report_to="none", disable_tqdm=False, log_completions=False, remove_unused_columns=False)
+    return GRPOConfig(**values)
 
 
 def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False,

@@ -90,6 +90,8 @@ def word_problem(rng: random.Random, level: int) -> dict:
 
 
 TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem}
+# Every task name: the generated ones, and GSM8K-format jsonl (load_gsm8k).
+TASKS = (*TASK_GENERATORS, "gsm8k")
 
 
 def generate_tasks(task: str, n: int, *, levels=(1, 2), seed: int = 0, exclude: set[str] | None = None) -> list[dict]:
