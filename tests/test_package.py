@@ -1,9 +1,11 @@
 """The kit as a package: the wheel builds, installs into a fresh virtual environment and works from a folder
 outside the checkout (imports, data files, the `grpo-kit` command, a notebook run by papermill).
 
-The venv sees the system's site-packages (the pinned dependencies are already there: no network) but gets
-its own copy of grpo_kit from the wheel, and every command runs with the venv's Python in a temporary folder
-without PYTHONPATH, so nothing of the checkout can leak in.
+The venv sees the running environment's site-packages (the pinned dependencies are already there: no network) but
+gets its own copy of grpo_kit from the wheel, and every command runs with the venv's Python in a temporary folder
+without PYTHONPATH, so nothing of the checkout can leak in. Where the suite itself runs in a virtual environment,
+``--system-site-packages`` alone would show the base interpreter's packages, not that environment's: a ``.pth``
+file adds the running environment's site-packages after the venv's own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import pytest
 # What the wheel is built from: the files pyproject.toml reads (a copy, so the build leaves nothing behind).
 SOURCES = ("pyproject.toml", "README.md", "requirements-kit.txt", "requirements-notebooks.txt",
            "requirements-test.txt", "requirements-vllm-cuda.txt", "requirements-4bit.txt", "grpo_kit", "data", "bench/results")
+
+
+def _running_site_packages() -> list[str]:
+    """The site-packages folders on the running Python's path (a venv's own where the suite runs in one)."""
+    return [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
 
 
 def _run(cmd, cwd, env=None, timeout=600):
@@ -49,6 +56,8 @@ def venv(tmp_path_factory, repo_root):
     env_dir = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], cwd=tmp)
     py = env_dir / "bin" / "python"
+    own_site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).stdout.strip()
+    Path(own_site, "_running_env.pth").write_text("\n".join(_running_site_packages()) + "\n")
     # --force-reinstall: a grpo_kit in the system's site-packages (install.sh's editable one) must not count.
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)], cwd=tmp)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
