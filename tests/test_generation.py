@@ -18,13 +18,13 @@ from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
-from grpo_kit.generation import (GenerationEngineError, HFGenerator, SamplingConfig, VLLMNotInstalledError,
-                                 make_generator, process_logits, sampling_logprobs_reference)
+from grpo_kit.generation import (GenerationEngineError, HFGenerator, SamplingConfig, UnsupportedArchitectureError,
+                                 VLLMNotInstalledError, make_generator, process_logits, sampling_logprobs_reference)
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
-from grpo_kit.model.loading import embedded_model_dir, load_model
+from grpo_kit.model.loading import embedded_model_dir, load_model, model_config
 from grpo_kit.tasks.rewards import completion_text
-from grpo_kit.generation.plan import build_generator
+from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
 
 def _vllm_distribution() -> str | None:
@@ -176,12 +176,15 @@ def test_import_without_vllm_and_install_command(repo_root):
         "    print(e)\n"
         "from grpo_kit.app.config import GRPOKitConfig\n"
         "from grpo_kit.model.loading import load_model\n"
-        "from grpo_kit.generation.plan import build_generator\n"
+        "from grpo_kit.generation.plan import plan_generation, start_generation\n"
         "m, t = load_model('smollm2-135m-instruct')\n"
-        "gen, info = build_generator(GRPOKitConfig(), model=m, tokenizer=t)\n"  # default auto: HF, no error
+        "def build(cfg):\n"
+        "    plan = plan_generation(cfg, model_config=m.config, device='cpu', dtype=m.dtype)\n"
+        "    return start_generation(plan, tokenizer=t, load_model=lambda: m, dtype=m.dtype)[::2]\n"
+        "gen, info = build(GRPOKitConfig())\n"  # default auto: HF, no error
         "assert isinstance(gen, g.HFGenerator) and info['backend'] == 'hf' and 'not installed' in info['reason']\n"
         "try:\n"
-        "    build_generator(GRPOKitConfig(kv_cache_dtype='fp8'), model=m, tokenizer=t)\n"
+        "    build(GRPOKitConfig(kv_cache_dtype='fp8'))\n"
         "except ValueError as e:\n"
         "    print('FP8:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
@@ -226,21 +229,29 @@ def _cfg(**kw):
     return GRPOKitConfig(**{**base, **kw}).validate()
 
 
-def test_build_generator_choices_and_bad_input(tiny):
+def _generator(cfg, model, tok):
+    """``(generator or None, info)`` for ``cfg`` beside an already loaded CPU ``model``, as a run plans it."""
+    config = model.config if model is not None else model_config(cfg.model)
+    plan = plan_generation(cfg, model_config=config, device="cpu", dtype=torch.float32)
+    gen, _, info = start_generation(plan, tokenizer=tok, load_model=lambda: model, dtype=torch.float32)
+    return gen, info
+
+
+def test_generator_from_config_choices_and_bad_input(tiny):
     model, tok = tiny
-    gen, info = build_generator(_cfg(), model=model, tokenizer=tok)  # auto, random-weight model: HF
+    gen, info = _generator(_cfg(), model, tok)  # auto, random-weight model: HF
     assert isinstance(gen, HFGenerator) and info["requested"] == "auto" and info["backend"] == "hf"
     assert "no checkpoint folder" in info["reason"] or "not installed" in info["reason"]
-    gen, info = build_generator(_cfg(generation_backend="hf"), model=model, tokenizer=tok)
+    gen, info = _generator(_cfg(generation_backend="hf"), model, tok)
     assert isinstance(gen, HFGenerator) and "reason" not in info
-    assert build_generator(_cfg(trainer="trl"), model=model, tokenizer=tok)[0] is None  # TRL's own generation
+    assert _generator(_cfg(trainer="trl"), model, tok)[0] is None  # TRL's own generation
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' need vLLM generation, but (model='tiny-llama'|vLLM is not installed)"):
-        build_generator(_cfg(kv_cache_dtype="fp8"), model=model, tokenizer=tok)  # never dropped silently
+        _generator(_cfg(kv_cache_dtype="fp8"), model, tok)  # never dropped silently
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"= {limit + 8} is beyond the model's context"):
-        build_generator(_cfg(max_prompt_length=limit), model=model, tokenizer=tok)
+        _generator(_cfg(max_prompt_length=limit), model, tok)
     with pytest.raises(ValueError, match="is a random-weight built-in, which vLLM runs on CUDA only"):
-        build_generator(_cfg(generation_backend="vllm"), model=model, tokenizer=tok)  # CPU: no engine folder
+        _generator(_cfg(generation_backend="vllm"), model, tok)  # CPU: no engine folder
     with pytest.raises(ValueError, match="generation_backend='hf'"):
         _cfg(generation_backend="hf", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is not allowed; choose one of \\['auto', 'fp8'\\]"):
@@ -255,7 +266,7 @@ def test_build_generator_choices_and_bad_input(tiny):
 def test_efficient_trainer_hf_generator_two_steps(tiny, tmp_path):
     model, tok = tiny
     cfg = _cfg(generation_backend="hf")
-    gen, _ = build_generator(cfg, model=None, tokenizer=tok)
+    gen, _ = _generator(cfg, None, tok)
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
     trainer = make_trainer(cfg, model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward],
                            args=_args(tmp_path, use_bias_correction_kl=False), train_dataset=ds, peft_config=_lora(),
@@ -433,6 +444,8 @@ def test_vllm_bad_input(engine, embedded, tmp_path, tiny):
         fallback = make_generator("vllm", model=tiny[0], tokenizer=tok, model_dir=foreign)
     assert isinstance(fallback, HFGenerator)
     assert any("cannot load architecture" in str(w.message) and "falling back" in str(w.message) for w in caught)
+    with pytest.raises(UnsupportedArchitectureError, match="cannot load architecture"):  # the run falls back itself
+        make_generator("vllm", tokenizer=tok, model_dir=foreign, fallback=False)
 
 
 @needs_vllm

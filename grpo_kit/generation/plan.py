@@ -10,7 +10,6 @@
 * :func:`start_generation` carries a plan out: the engine first and the training model on its
   weights when they are shared, otherwise the training model from ``load_model`` and an engine copy
   (or HF generate). Returns ``(generator, model, info)``; ``info`` goes to the run folder.
-* :func:`build_generator`: a generator for a training model that is already loaded (never shared).
 """
 
 from __future__ import annotations
@@ -21,14 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoConfig
+
+from grpo_kit.generation import make_generator
+from grpo_kit.generation.base import GenerationEngineError
+from grpo_kit.generation.shared_weights import UnshareableError
+from grpo_kit.generation.vllm_backend import UnsupportedArchitectureError, vllm_available, vllm_install_advice
+from grpo_kit.memory import estimate_for_config
+from grpo_kit.model.loading import (BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir, load_tokenizer,
+                                    model_config)
 
 # vLLM's ``max_num_batched_tokens`` on CUDA: prompts are short next to completions, and a smaller
 # profile run leaves more of the card to training.
 CUDA_BATCHED_TOKENS = 4096
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 # vllm_lora_dual_stream=null on CUDA with the adapter in vLLM: vLLM's LoRA kernels on a second stream beside the
-# base matmuls. Measured on the H200 (bench/results/rl_step_h200.md, Llama-3.1-8B, 8 x 4,096 tokens): generation
-# 26.7 s with it against 29.6 s without (the adapter's decode cost 10% of throughput instead of 31%).
+# base matmuls, which hides much of the adapter's decode cost (measured by bench rl_step).
 LORA_DUAL_STREAM_DEFAULT = True
 HEADROOM_BYTES = 1 << 30  # kept free beside the calculator's peak (CUDA context, fragmentation)
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -66,8 +74,6 @@ def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
     embedded tokenizer, which the engine fills with random weights (``load_format="dummy"``). None on
     the CPU for those: there they are test models, and an engine start costs more than their run.
     """
-    from grpo_kit.model.loading import BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir, load_tokenizer, model_config
-
     kind = check_model_name(name)
     if kind in ("tiny", "config-only"):
         if device != "cuda":
@@ -84,8 +90,7 @@ def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
         return embedded_model_dir(), False
     if Path(name).is_dir():
         return Path(name), False
-    from huggingface_hub import snapshot_download  # the training model's own files, already cached
-
+    # the training model's own files, already cached
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])), False
 
 
@@ -102,9 +107,8 @@ def _share_decision(cfg, device: str) -> tuple[bool, str]:
 
 def lora_sync_mode(cfg) -> str:
     """``vllm_lora_sync`` resolved: null is ``merge`` (dense decoding; with shared weights the adapter is merged
-    into them for each generation and their exact bits restored after). Chosen by measurement on the H200
-    (bench/results/rl_step_h200.md, the 8B's 4K step): merged 30.5 s against TRL colocate's 31.4 s in the same
-    run; with the adapter in vLLM's LoRA kernels 34.3 s against TRL's 32.2 s in an earlier one."""
+    into them for each generation and their exact bits restored after). Chosen by measurement: dense decoding
+    of the merged weights outran the adapter in vLLM's LoRA kernels (bench rl_step)."""
     return cfg.vllm_lora_sync or "merge"
 
 
@@ -120,14 +124,13 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
                 batched_tokens: int = CUDA_BATCHED_TOKENS) -> dict:
     """The CUDA memory plan: KV cache bytes, vLLM's share, and the calculator's phases, in GiB.
 
-    On CUDA the engine sleeps while training runs either way (standby with shared weights; vLLM's
-    level-1 sleep, weights to host RAM, for a separate copy), so the KV cache counts in the
+    On CUDA the engine sleeps while training runs either way (standby with shared weights; for a separate
+    copy vLLM's level-2 sleep, which drops the weights, where every sync rewrites them whole (merged LoRA, full
+    fine-tuning), and level 1, weights to host RAM, with an in-memory adapter), so the KV cache counts in the
     generation phase only; a separate copy adds its weights there. ValueError when the largest
     phase does not fit ``free_bytes`` less 1 GiB of headroom; the message names the numbers and
     what to lower. ``batched_tokens``: the engine's ``max_num_batched_tokens`` (its workspace row).
     """
-    from grpo_kit.memory import estimate_for_config
-
     kv_gib = cfg.vllm_kv_cache_gib
     df = estimate_for_config(cfg, model_config, vllm=True, standby=True, method="grpo_kit",
                              offload=None if cfg.checkpointing_on("cuda") else False,
@@ -165,8 +168,6 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
 
 def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_processes: int = 1) -> GenerationPlan:
     """Decide the generator for ``cfg`` (see the module docstring); loads no model."""
-    from grpo_kit.generation import vllm_available, vllm_install_advice
-
     requested = cfg.generation_backend
     if cfg.trainer == "trl":
         return GenerationPlan(requested, "trl", reason="trainer='trl' generates with TRL's own HF path")
@@ -244,13 +245,8 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
     weights the engine starts first and the model is built on its tensors; a layout that cannot be
     shared keeps the engine and loads the model beside it (a separate copy, with a warning). With
     ``auto`` an engine that fails to start falls back to HF generate with a warning (unless the user
-    set vLLM options).
+    set vLLM options). Generators are built by :func:`grpo_kit.generation.make_generator`.
     """
-    from grpo_kit.generation import HFGenerator
-    from grpo_kit.generation.base import GenerationEngineError
-    from grpo_kit.generation.shared_weights import UnshareableError
-    from grpo_kit.generation.vllm_backend import UnsupportedArchitectureError, VLLMGenerator
-
     info = plan.info()
     if plan.backend == "trl":
         return None, load_model(), info
@@ -259,10 +255,11 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
             warnings.warn(f"generation_backend='auto': {plan.reason}; generating with HF generate", RuntimeWarning,
                           stacklevel=2)
         model = load_model()
-        gen = HFGenerator(model, tokenizer)
+        gen = make_generator("hf", model=model, tokenizer=tokenizer)
         return gen, model, {**info, **gen.options()}
     try:
-        gen = VLLMGenerator(plan.model_dir, tokenizer=tokenizer, **plan.vllm_kwargs)
+        gen = make_generator("vllm", model_dir=plan.model_dir, tokenizer=tokenizer, fallback=False,
+                             **plan.vllm_kwargs)
     except (GenerationEngineError, UnsupportedArchitectureError, ValueError) as e:
         if plan.requested == "vllm" or plan.explicit:
             raise
@@ -270,17 +267,14 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
         warnings.warn(f"generation_backend='auto': {reason}; generating with HF generate", RuntimeWarning,
                       stacklevel=2)
         model = load_model()
-        gen = HFGenerator(model, tokenizer)
+        gen = make_generator("hf", model=model, tokenizer=tokenizer)
         return gen, model, {"requested": plan.requested, "backend": "hf", "reason": reason, **gen.options()}
     if gen.device == "cpu" and gen.kv_cache_dtype == "fp8":
         warnings.warn("kv_cache_dtype='fp8' on vLLM's CPU backend: the KV cache really is FP8 (twice the tokens in "
-                      "the same memory), but generation ran 3.7x slower than with the default KV cache when measured "
-                      "here (README, generation section); use it to save memory, not time", RuntimeWarning,
-                      stacklevel=2)
+                      "the same memory), but the CPU backend generates with it much slower than with the default "
+                      "KV cache; use it to save memory, not time", RuntimeWarning, stacklevel=2)
     model = None
     if plan.share_weights:
-        from transformers import AutoConfig
-
         try:
             model = gen.training_model(AutoConfig.from_pretrained(str(plan.model_dir)), dtype)
         except UnshareableError as e:
@@ -291,27 +285,3 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
     if model is None:
         model = load_model()
     return gen, model, {**info, **gen.options()}
-
-
-def build_generator(cfg, *, model, tokenizer, num_processes: int = 1):
-    """The kit generator for ``cfg`` and an already loaded training ``model`` (its weights stay its own).
-
-    Returns ``(generator or None, info)``; None means TRL's own generation (``trainer='trl'``). Same
-    choices and errors as :func:`plan_generation` with ``vllm_share_weights=False``. ``model`` may be
-    None for HF generation (give it later through ``sync_weights``).
-    """
-    import dataclasses
-
-    param = next(model.parameters()) if model is not None else None
-    device = "cuda" if param is not None and param.is_cuda else "cpu"
-    dtype = param.dtype if param is not None else torch.float32
-    if model is None:
-        from grpo_kit.model.loading import model_config
-
-        config = model_config(cfg.model)
-    else:
-        config = model.config
-    plan = plan_generation(dataclasses.replace(cfg, vllm_share_weights=False), model_config=config, device=device,
-                           dtype=dtype, num_processes=num_processes)
-    gen, _, info = start_generation(plan, tokenizer=tokenizer, load_model=lambda: model, dtype=dtype)
-    return gen, info

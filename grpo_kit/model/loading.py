@@ -371,8 +371,8 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
     its random weight on ``device`` and is quantised there at once (peak: one 16-bit layer beside the NF4
     ones); the rest (embeddings, norms, lm_head, kept layers) is then created in place, tied weights tied
     again. Initialised as transformers does for these architectures: normal(0, initializer_range) for
-    linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Built in host RAM
-    first, the 8B spent minutes of a GPU session in a single-threaded CPU initialisation."""
+    linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Not built in host
+    RAM first: a large model's single-threaded CPU initialisation would dominate the start."""
     from grpo_kit.model.quantize import quantize_model
 
     config = model_config(name)

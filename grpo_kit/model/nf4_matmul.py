@@ -26,6 +26,8 @@ an autograd Function dequantises it again there, as bitsandbytes does, so autogr
 16-bit weights. The arithmetic is bitsandbytes' dequantise-then-multiply path's: W dequantised straight into the
 compute dtype, ``y = F.linear(x, W, b)``, ``dx = dy W``. (bitsandbytes' own forward takes its fused 4-bit kernel
 instead for inputs of up to 1,536 rows on some GPUs, which rounds differently.)
+:func:`use_nf4_matmul` gives a model's 4-bit layers this matmul by replacing each in its parent with a module of
+the class ``Kit<its class>`` that holds the same parameters and quant state (no object changes class);
 ``use_nf4_matmul(model, "bitsandbytes")`` puts bitsandbytes' own class back (the benchmark compares both).
 """
 
@@ -44,7 +46,7 @@ from grpo_kit.model.quantize import is_quantized
 
 NF4_MATMULS = ("kit", "bitsandbytes")  # how a 4-bit layer multiplies (the config's load_in_4bit_matmul)
 
-__all__ = ["NF4_MATMULS", "layer_weight_cache", "dequantized", "use_nf4_matmul", "reset_stats"]
+__all__ = ["NF4_MATMULS", "layer_weight_cache", "dequantized", "use_nf4_matmul", "with_nf4_matmul", "reset_stats"]
 # Per thread: the reentrant backward of a layer (grpo_kit.model.offload) runs its recompute and its backward on
 # the thread that opened the cache; another thread would miss it and dequantise afresh, never share it.
 _local = threading.local()
@@ -157,8 +159,8 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     else:
         # Inside a layer call (grpo_kit.model.offload) the weight stays cached until the call ends, and a graph
         # built there is backpropagated there too: autograd saving the cached weight holds nothing more, and its
-        # own backward skips the Function's Python one (~430 us a call on the H100's host, more than the
-        # dequantisation: bench/results/nf4_host_cost_h100.md).
+        # own backward skips the Function's Python one, whose host cost per call exceeds the dequantisation's
+        # on a fast GPU (bench nf4_host_cost).
         y = F.linear(x, dequantized(self, x.dtype), bias)
     return y.to(inp_dtype)
 
@@ -168,7 +170,7 @@ def _kit_class(base: type) -> type:
     """``Kit<base>``: bitsandbytes' ``base`` (``Linear4bit`` or a subclass that keeps its forward) with
     :func:`_forward`, made on first use (bitsandbytes is optional) and reachable as
     ``grpo_kit.model.nf4_matmul.Kit<base>`` (so a pickled model finds it)."""
-    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module  # lazy: bitsandbytes is optional
 
     return type(f"Kit{base.__name__}", (base,), {
         "forward": _forward, "_grpo_kit_base": base, "__module__": __name__,
@@ -178,7 +180,7 @@ def _kit_class(base: type) -> type:
 
 def __getattr__(name):  # PEP 562: Kit<bitsandbytes class> exists once bitsandbytes is imported
     if name.startswith("Kit"):
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # lazy: bitsandbytes is optional
 
         base = getattr(bnb.nn, name[3:], None)
         if isinstance(base, type) and issubclass(base, bnb.nn.Linear4bit):
@@ -186,30 +188,55 @@ def __getattr__(name):  # PEP 562: Kit<bitsandbytes class> exists once bitsandby
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def use_nf4_matmul(model: torch.nn.Module, impl: str) -> int:
-    """Make the bitsandbytes 4-bit layers in ``model`` multiply with ``impl`` (``NF4_MATMULS``: ``kit``, this
-    module's matmul; ``bitsandbytes``, its own). Each layer keeps its state; only its class changes, to
-    ``Kit<its class>`` and back. A layer whose class has a forward of its own (not ``Linear4bit``'s), or that
-    something else subclassed after the swap, is left as it is. Returns how many layers now use ``impl``."""
-    import bitsandbytes as bnb
+def _target_class(cls: type, impl: str) -> type | None:
+    """The class a 4-bit layer of class ``cls`` has with ``impl``; None for a class that is neither bitsandbytes'
+    own forward nor the kit's (a forward of its own, or someone else's subclass): left as it is."""
+    import bitsandbytes as bnb  # lazy: bitsandbytes is optional
 
+    base = getattr(cls, "_grpo_kit_base", None)
+    if base is not None and cls is _kit_class(base):  # the kit's
+        return base if impl == "bitsandbytes" else cls
+    if base is None and cls.forward is bnb.nn.Linear4bit.forward:  # bitsandbytes'
+        return _kit_class(cls) if impl == "kit" else cls
+    return None
+
+
+def with_nf4_matmul(layer: torch.nn.Module, impl: str) -> torch.nn.Module:
+    """``layer`` (a bitsandbytes 4-bit linear) multiplying with ``impl`` (``NF4_MATMULS``): ``layer`` itself
+    where it already does or where its class is neither bitsandbytes' own forward nor the kit's, else a new
+    module of the other class holding ``layer``'s state: the same parameter, quant-state, buffer and hook
+    objects (nothing copied; the weight's back-reference to its module moves to the new one). ``layer`` keeps
+    its class; put the result where ``layer`` was (:func:`use_nf4_matmul` does, in each parent)."""
     if impl not in NF4_MATMULS:
         raise ValueError(f"nf4 matmul {impl!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
-    n = 0
-    for m in model.modules():
-        if not is_quantized(m):
-            continue
-        cls = type(m)
-        base = getattr(cls, "_grpo_kit_base", None)
-        if base is not None and cls is _kit_class(base):  # the kit's
-            if impl == "bitsandbytes":
-                m.__class__ = base
-            n += 1
-        elif base is None and cls.forward is bnb.nn.Linear4bit.forward:  # bitsandbytes'
-            if impl == "kit":
-                m.__class__ = _kit_class(cls)
-            n += 1
-    return n
+    cls = _target_class(type(layer), impl) if is_quantized(layer) else None
+    if cls is None or cls is type(layer):
+        return layer
+    new = cls.__new__(cls)
+    new.__dict__.update(layer.__dict__)  # a module's state is its __dict__ (as copy.copy takes it)
+    if getattr(layer.weight, "module", None) is layer:  # bitsandbytes sets module.quant_state through it
+        layer.weight.module = new
+    return new
+
+
+def use_nf4_matmul(model: torch.nn.Module, impl: str) -> int:
+    """Make the bitsandbytes 4-bit layers in ``model`` multiply with ``impl`` (``NF4_MATMULS``: ``kit``, this
+    module's matmul; ``bitsandbytes``, its own): each such layer is replaced in its parent by
+    :func:`with_nf4_matmul`'s module (``Kit<its class>`` and back; PEFT's LoRA layers get a new ``base_layer``).
+    No object changes class. A layer whose class has a forward of its own (not ``Linear4bit``'s), or that
+    something else subclassed, is left as it is. ``model`` itself is not replaced: pass its parent, or call
+    :func:`with_nf4_matmul` on a lone layer. Returns how many layers now use ``impl``."""
+    if impl not in NF4_MATMULS:
+        raise ValueError(f"nf4 matmul {impl!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
+    done: dict[int, torch.nn.Module] = {}  # id(old layer) -> its replacement: a layer in two parents stays one
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None or not is_quantized(child) or _target_class(type(child), impl) is None:
+                continue
+            if id(child) not in done:
+                done[id(child)] = with_nf4_matmul(child, impl)
+            parent._modules[name] = done[id(child)]
+    return len(done)
 
 
 def reset_stats() -> dict:

@@ -32,6 +32,7 @@ The readable reference is HF's own ``model.gradient_checkpointing_enable()``
 from __future__ import annotations
 
 import math
+import sys
 import types
 import warnings
 import weakref
@@ -39,6 +40,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo_kit.model.nf4_matmul import layer_weight_cache
 
@@ -281,8 +283,6 @@ _SLICE_ALIGN = 128
 
 def _rotary_fn(layer: nn.Module):
     """The model family's own ``apply_rotary_pos_emb`` (same arithmetic as HF's attention)."""
-    import sys
-
     fn = getattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb", None)
     if fn is None:
         raise ValueError(f"{type(layer).__name__}: no apply_rotary_pos_emb in {type(layer.self_attn).__module__}")
@@ -319,6 +319,15 @@ def _qkv_chunk(layer, x_c, cos_c, sin_c, rotary):
     return q, k, v
 
 
+def _qkv(layer, x, cos, sin, rotary, parts):
+    """q, k, v of the whole sequence x (B, T, H), slice by slice: (B, T, heads, head_dim) each."""
+    qs, ks, vs = [], [], []
+    for s in parts:
+        q, k, v = _qkv_chunk(layer, x[:, s], cos[:, s], sin[:, s], rotary)
+        qs.append(q), ks.append(k), vs.append(v)
+    return tuple(torch.cat(z, 1) if len(z) > 1 else z[0] for z in (qs, ks, vs))
+
+
 def _out_chunk(layer, x_c, a_c):
     """Per-token rest of the layer: residual + o_proj, then residual + MLP(norm). (B, t, H)."""
     h = x_c + layer.self_attn.o_proj(a_c)
@@ -327,8 +336,6 @@ def _out_chunk(layer, x_c, a_c):
 
 def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
     """The attention core exactly as the HF attention module calls it. In/out (B, T, heads, d)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     attn = layer.self_attn
     mod = __import__(type(attn).__module__, fromlist=["eager_attention_forward"])
     impl = attn.config._attn_implementation
@@ -361,12 +368,7 @@ def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, c
     B, T, _ = x.shape
     rotary = _rotary_fn(layer)
     parts = _slices(T, B, chunk_tokens)
-    qs, ks, vs = [], [], []
-    for s in parts:
-        q, k, v = _qkv_chunk(layer, x[:, s], cos[:, s], sin[:, s], rotary)
-        qs.append(q), ks.append(k), vs.append(v)
-    q, k, v = (torch.cat(z, 1) if len(z) > 1 else z[0] for z in (qs, ks, vs))
-    del qs, ks, vs
+    q, k, v = _qkv(layer, x, cos, sin, rotary, parts)
     a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
     del q, k, v
     y = torch.empty_like(x)
@@ -386,12 +388,7 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
     rotary = _rotary_fn(layer)
     parts = _slices(T, B, chunk_tokens)
     with torch.no_grad():
-        qs, ks, vs = [], [], []
-        for s in parts:
-            q, k, v = _qkv_chunk(layer, x[:, s], cos[:, s], sin[:, s], rotary)
-            qs.append(q), ks.append(k), vs.append(v)
-        q, k, v = (torch.cat(z, 1) if len(z) > 1 else z[0] for z in (qs, ks, vs))
-        del qs, ks, vs
+        q, k, v = _qkv(layer, x, cos, sin, rotary, parts)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     with torch.enable_grad():
         a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
@@ -692,7 +689,7 @@ def offload_stats(model: nn.Module) -> dict:
 
 def reserve_offload_buffers(model: nn.Module, batch_size: int, seq_len: int) -> int:
     """Allocate (and page-lock) the host buffers a (batch_size, seq_len) micro-batch will use,
-    before training: page-locking costs ~0.1-0.3 s per GiB and is otherwise paid inside the
+    before training: page-locking is slow, and is otherwise paid inside the
     first step (and again whenever a longer micro-batch arrives). Returns bytes now pooled.
 
     Only when offloading applies (enabled with ``offload=True`` on CUDA); else returns 0.

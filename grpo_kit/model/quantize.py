@@ -22,8 +22,8 @@ Dynamic 4-bit (:func:`auto_skip_modules`): the rule and why.
     layer costs its extra bytes x(W) (16-bit size minus 4-bit size), so under a byte allowance the layers
     are taken in decreasing order of error per extra byte, e(W) / x(W) (the greedy rule for a knapsack),
     while they fit; a layer that does not fit is passed over for smaller ones further down the list.
-    Ranking by e alone spends the allowance on a few large layers: on the embedded SmolLM2-135M it gave a
-    mean log-prob error of 0.280 against 0.238 per byte, with the same 10.5 MB (bench/results/qlora_quality_cpu.md).
+    Ranking by e alone spends the allowance on a few large layers and leaves a larger log-prob error for the
+    same bytes (the ``qlora_quality`` benchmark compares the two).
 
 Everything here runs wherever bitsandbytes does (CUDA; its CPU backend too, which the tests use); the app
 (``config`` / ``run``) accepts ``load_in_4bit`` on CUDA only.
