@@ -1,0 +1,339 @@
+"""FP8 base weights (grpo_kit.model.fp8): e4m3 quantisation against a float64 reference, the W8A8 matmul's torch twin
+against the dequantised matmul, the autograd Function, the layer swap and its memory, LoRA through PEFT against a
+dequantised-fp32 reference, a 2-step GRPO run, the device check; and a GPU tier (torch._scaled_mm against the twin).
+
+Tolerances, and why (e4m3: 3 mantissa bits, so rounding to it errs by at most 2^-4 relative for normal numbers and
+2^-10 x scale absolute below e4m3's smallest normal 2^-6):
+* quantise/dequantise: |W_deq - W| <= 2^-4 |W| + 2^-10 scale (the bound itself), per channel and per block;
+* W8A8 twin against x W_deq^T: |dy| <= 2^-4 |x| |W_deq|^T + 2^-10 s_x sum|W_deq| + output rounding (each
+  activation errs by at most its own bound); on random data the relative error is 2.3 to 2.8 % (asserted < 4 %);
+* LoRA gradients on a 2-layer tiny Llama: W8A16 (activations not quantised) equals the dense-fp32 reference to
+  1e-5; W8A8 differs by its activation rounding, compounded over the layers: each gradient within 25 %
+  (Frobenius), their median within 10 % (measured: at most about 13 %, median about 5.5 %).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+
+import grpo_kit.model.fp8 as M
+from grpo_kit.model.fp8 import (FP8_BLOCK, FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_fp8, fp8_lora_config,
+                                fp8_support, quantize_fp8, quantize_model_fp8, quantize_rows, w8a8_reference)
+from grpo_kit.model.loading import build_random_model, load_model
+from grpo_kit.model.quantize import quantizable_linears
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+U = 2.0 ** -4  # e4m3's unit roundoff (relative error bound of a normal number)
+SUB = 2.0 ** -10  # half the spacing of e4m3's subnormals (absolute bound below 2^-6, in code units)
+SHAPES = [(37, 53), (128, 256), (300, 130), (1, 7)]
+
+
+def _ids(n=2, t=24, seed=0):
+    return torch.randint(3, 1000, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _weight(shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[0])[:, None]  # rows of very different size
+    if shape[0] > 3:
+        w[3] = 0  # a zero row
+        w[1, : shape[1] // 2] = 0
+    return w.to(dtype)
+
+
+def _full_scale(scale, shape, block):
+    """Each weight's scale, (out, in) float64."""
+    return dequantize_fp8(torch.ones(shape, dtype=FP8_DTYPE), scale, block=block).double()
+
+
+def _reference64(w: torch.Tensor, block):
+    """Codes and full-size scales from float64 arithmetic (amax / 448, W / scale, rounded to e4m3)."""
+    w64 = w.double()
+    o, i = w64.shape
+    b = (1, i) if block is None else (block, block)
+    full = torch.zeros_like(w64)
+    for r in range(0, o, b[0]):
+        for c in range(0, i, b[1]):
+            amax = w64[r:r + b[0], c:c + b[1]].abs().max()
+            full[r:r + b[0], c:c + b[1]] = amax / FP8_MAX if amax > 0 else 1.0
+    return (w64 / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), full
+
+
+@pytest.mark.parametrize("block", [None, FP8_BLOCK, 16], ids=["channel", "block128", "block16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantise_dequantise_against_float64(block, shape, dtype):
+    w = _weight(shape, dtype=dtype)
+    codes, scale = quantize_fp8(w, block)
+    assert codes.dtype == FP8_DTYPE and codes.shape == w.shape and scale.dtype == torch.float32
+    expect = (shape[0], 1) if block is None else (-(-shape[0] // block), -(-shape[1] // block))
+    assert tuple(scale.shape) == expect
+    ref_codes, ref_scale = _reference64(w, block)
+    deq = dequantize_fp8(codes, scale, block=block).double()
+    full = _full_scale(scale, shape, block)
+    assert torch.allclose(full, ref_scale, rtol=1e-6, atol=0)  # the scales are float64's to fp32 rounding
+    w64 = w.double()
+    bound = U * w64.abs() + SUB * full + 1e-6 * w64.abs()  # the last term: fp32 division and product
+    assert ((deq - w64).abs() <= bound).all()
+    # the codes are float64's wherever fp32's quotient rounds the same way (all but rare ties)
+    same = (codes.view(torch.uint8) == ref_codes.view(torch.uint8)).float().mean()
+    assert same >= 0.999
+    assert not deq[3].any() if shape[0] > 3 else True  # a zero row stays zero
+    # each row (tile) uses e4m3's whole range: its largest code is +-448, but in an all-zero one
+    amax = codes.float().abs().amax(dim=1) if block is None else None
+    if amax is not None:
+        assert ((amax == FP8_MAX) | (w.float().abs().amax(dim=1) == 0)).all()
+
+
+def test_dequantise_rounds_once_to_the_asked_dtype():
+    codes, scale = quantize_fp8(_weight((37, 53)))
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize_fp8(codes, scale, dtype), dequantize_fp8(codes, scale).to(dtype))
+    with pytest.raises(ValueError, match="does not fit"):
+        dequantize_fp8(codes, scale, block=16)
+
+
+def test_activation_rows_quantise_within_the_bound():
+    x = _weight((9, 53), seed=1)
+    q, s = quantize_rows(x)
+    assert s.shape == (9, 1) and s[3].item() == 1.0 and not q.float()[3].any()
+    assert ((q.float() * s - x).abs() <= U * x.abs() + SUB * s + 1e-6 * x.abs()).all()
+
+
+@pytest.mark.parametrize("block", [None, FP8_BLOCK, 16], ids=["channel", "block128", "block16"])
+@pytest.mark.parametrize("shape,m", [((37, 53), 7), ((130, 300), 33), ((64, 64), 1)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_w8a8_twin_against_the_dequantised_matmul(block, shape, m, dtype):
+    codes, scale = quantize_fp8(_weight(shape), block)
+    x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
+    if m > 3:
+        x[2] = 0
+    bias = torch.randn(shape[0]).to(dtype)
+    y = w8a8_reference(x, codes, scale, bias, block)
+    assert y.dtype == dtype and y.shape == (m, shape[0])
+    w = dequantize_fp8(codes, scale, block=block).double()
+    ref = x.double() @ w.T + bias.double()
+    _, sx = quantize_rows(x)
+    out_round = (2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8) * ref.abs()
+    bound = U * x.double().abs() @ w.abs().T + SUB * sx.double() * w.abs().sum(1) + out_round + 1e-5 * ref.abs().max()
+    assert ((y.double() - ref).abs() <= bound).all()
+    rel = (y.double() - ref).norm() / ref.norm()
+    assert rel < 0.04 or m == 1  # activation rounding on random data: 2.3 to 2.8 % (one row: too few to average)
+    if m > 3:
+        assert torch.allclose(y[2].double(), bias.double())  # a zero row gives the bias
+
+
+def test_w8a8_twin_is_the_fp8_product_rescaled():
+    """Per channel the twin is (q_x q_w^T) s_x s_w, the integer-like product of the codes, up to fp32 rounding."""
+    codes, scale = quantize_fp8(_weight((37, 53)))
+    x = torch.randn(5, 53, generator=torch.Generator().manual_seed(3))
+    qx, sx = quantize_rows(x)
+    exact = (qx.double() @ codes.double().T) * sx.double() * scale.double().T
+    assert torch.allclose(w8a8_reference(x, codes, scale).double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max())
+
+
+def test_the_function_gives_the_input_gradient_from_the_dequantised_weight_and_saves_nothing():
+    layer = FP8Linear.from_weight(_weight((37, 53)), torch.randn(37), block=16)
+    x = torch.randn(2, 5, 53, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert not saved  # no activation and no weight kept for backward (no weight gradient)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    assert torch.allclose(x.grad, gy @ layer.dequantized_weight(), rtol=1e-6, atol=1e-6)
+    assert layer.weight.grad is None and not layer.weight.requires_grad
+    ref = w8a8_reference(x.detach().view(10, 53), layer.weight, layer.weight_scale, layer.bias, 16)
+    assert torch.equal(y.detach().view(10, 37), ref)
+
+
+def test_a_trainable_bias_gets_its_gradient():
+    layer = FP8Linear.from_weight(_weight((8, 16)), torch.zeros(8))
+    layer.bias.requires_grad_(True)
+    y = layer(torch.randn(3, 16))
+    y.sum().backward()
+    assert torch.equal(layer.bias.grad, torch.full((8,), 3.0))
+
+
+def test_to_dtype_moves_the_codes_but_never_casts_them():
+    layer = FP8Linear.from_weight(_weight((37, 53)), torch.randn(37))
+    codes, scale = layer.weight.clone(), layer.weight_scale.clone()
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == FP8_DTYPE and torch.equal(layer.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)
+    assert layer.bias.dtype == torch.bfloat16 and layer.compute_dtype == torch.bfloat16
+    assert layer(torch.randn(2, 53)).dtype == torch.float32  # the input's dtype back
+    layer.half()
+    assert layer.weight.dtype == FP8_DTYPE and layer.compute_dtype == torch.float16
+
+
+@pytest.mark.parametrize("block", [None, FP8_BLOCK], ids=["channel", "block128"])
+def test_quantize_model_swaps_the_linears_layer_by_layer_at_one_byte_per_weight(block):
+    model = build_random_model("tiny-llama")
+    names = quantizable_linears(model, ["down_proj"])
+    old = {n: model.get_submodule(n) for n in names}
+    weights = {n: m.weight.detach().clone() for n, m in old.items()}
+    head = model.lm_head.weight.detach().clone()
+    report = quantize_model_fp8(model, block=block, skip_modules=["down_proj"])
+    assert report["fp8_layers"] == len(names) == 7 * 2 - 2
+    assert sorted(report["kept_16bit"]) == sorted(["lm_head", *[f"model.layers.{i}.mlp.down_proj" for i in range(2)]])
+    for n in names:
+        new = model.get_submodule(n)
+        assert type(new) is FP8Linear and new is not old[n]  # a new module in its parent, no class swap
+        assert type(old[n]) is torch.nn.Linear
+        w = weights[n].double()
+        bound = U * w.abs() + SUB * _full_scale(new.weight_scale, w.shape, block) + 1e-6 * w.abs()
+        assert ((new.dequantized_weight().double() - w).abs() <= bound).all()
+    assert torch.equal(model.lm_head.weight, head)
+    # memory: 1 byte per quantised weight, plus 4 bytes per scale (one per row, or per 128 x 128 tile)
+    n_weights = sum(w.numel() for w in weights.values())
+    assert report["fp8_weight_bytes"] == n_weights
+    rows = sum(w.shape[0] for w in weights.values())
+    tiles = sum(-(-w.shape[0] // FP8_BLOCK) * -(-w.shape[1] // FP8_BLOCK) for w in weights.values())
+    assert report["scale_bytes"] == 4 * (rows if block is None else tiles)
+    fp8_bytes = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, FP8Linear)
+                    for p in m.parameters())
+    assert fp8_bytes == report["fp8_weight_bytes"] + report["scale_bytes"]
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=_ids()).logits).all()
+
+
+def _dense_twin(qmodel):
+    """The FP8 model with each FP8Linear replaced by a plain fp32 Linear holding its dequantised weight."""
+    ref = copy.deepcopy(qmodel)
+    for name, m in list(ref.named_modules()):
+        if isinstance(m, FP8Linear):
+            lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            lin.weight.data = m.dequantized_weight(torch.float32).clone()
+            if m.bias is not None:
+                lin.bias.data = m.bias.data.float().clone()
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, lin)
+    return ref
+
+
+def _lora_grads(model):
+    torch.manual_seed(0)
+    cfg = fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    pm = get_peft_model(model, cfg)
+    pm(input_ids=_ids(), labels=_ids(seed=1)).loss.backward()
+    return pm, {n: p.grad for n, p in pm.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("activations", ["16bit", "fp8"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_lora_gradients_under_fp8_against_the_dequantised_fp32_reference(name, activations):
+    q = build_random_model(name)
+    quantize_model_fp8(q, activations=activations)
+    ref = _dense_twin(q)
+    pm, grads = _lora_grads(q)
+    _, want = _lora_grads(ref)
+    assert isinstance(pm.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").base_layer, FP8Linear)
+    assert grads.keys() == want.keys() and len(grads) == 2 * 7 * 2
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    rel = torch.stack([(grads[n] - want[n]).norm() / want[n].norm() for n in want])
+    if activations == "16bit":
+        assert rel.max() <= 1e-5
+    else:
+        assert rel.max() <= 0.25 and rel.median() <= 0.10, rel
+    assert all(not p.requires_grad for n, p in pm.named_parameters() if p.dtype == FP8_DTYPE)
+
+
+def test_lora_over_fp8_runs_in_the_compute_dtype_and_refuses_a_merge():
+    model = build_random_model("tiny-llama", dtype=torch.bfloat16)
+    quantize_model_fp8(model)
+    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, target_modules=["q_proj"])),
+                        autocast_adapter_dtype=False)  # PEFT's default would lift a bf16 adapter to fp32
+    lora = pm.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+    assert type(lora) is M.FP8LoraLinear and lora.lora_A["default"].weight.dtype == torch.bfloat16
+    with pytest.raises(NotImplementedError, match="cannot be merged into FP8"):
+        pm.merge_and_unload()
+
+
+def test_a_2_step_grpo_run_with_fp8_base_weights_trains_lora_only(tmp_path):
+    from trl import GRPOConfig
+
+    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
+    from grpo_kit.tasks.rewards import completion_text
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
+
+    model, tok = load_model("tiny-llama", device="cpu")
+    quantize_model_fp8(model)
+    tok.padding_side = "left"
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, beta=0.04, report_to="none", use_cpu=True, max_steps=2,
+                      use_bias_correction_kl=False, bf16=False, learning_rate=5e-3, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = EfficientGRPOTrainer(
+        model=model, args=args, processing_class=tok,
+        reward_funcs=[lambda prompts, completions, **kw: [len(completion_text(c)) % 5 / 4 for c in completions]],
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+        peft_config=fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)))
+    fp8 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.dtype == FP8_DTYPE}
+    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    params = dict(trainer.model.named_parameters())
+    assert len(fp8) == 14 and all(torch.equal(params[n].view(torch.uint8), v.view(torch.uint8)) for n, v in fp8.items())
+    assert lora and all(not torch.equal(params[n], v) for n, v in lora.items() if "lora_B" in n)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(v)) for v in losses)
+
+
+def test_fp8_support_names_the_device_and_what_it_supports(monkeypatch):
+    why = fp8_support("cpu")
+    assert "cpu" in why and "16-bit" in why and "8.9" in why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "torch sees no CUDA device" in fp8_support("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, name, dense in [((7, 5), "Tesla T4", "fp16"), ((7, 0), "Tesla V100-SXM2-16GB", "fp16"),
+                             ((8, 0), "NVIDIA A100-SXM4-40GB", "bf16")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        why = fp8_support("cuda:0")
+        assert name in why and f"{cap[0]}.{cap[1]}" in why and dense in why and "load_in_4bit" in why
+    for cap in [(8, 9), (9, 0), (10, 0), (12, 0)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert fp8_support("cuda") is None
+    assert M.BASE_WEIGHTS == ("16bit", "fp8")
+
+
+# ---- GPU tier: torch._scaled_mm (FP8 tensor cores) against the twin ----------------------------------------------
+
+_no_fp8 = fp8_support("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_fp8 is not None, reason=_no_fp8 or "")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,k,m", [(37, 53, 5), (4096, 4096, 33), (14336, 4096, 7), (1000, 130, 1), (48, 64, 300)])
+def test_scaled_mm_matches_the_twin(dtype, n, k, m):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    codes, scale = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = (torch.randn(m, k, device="cuda", generator=g)).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=g).to(dtype)
+    assert M._scaled_mm_ok(x.device, dtype), "torch._scaled_mm failed its probe"
+    y = M.w8a8_scaled_mm(x, codes, scale, bias)
+    ref = w8a8_reference(x, codes, scale, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    # same products of e4m3 numbers, fp32 sums in another order, one rounding to dtype each
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert ((y.float() - ref.float()).abs() <= 2 * ulp * ref.float().abs() + 1e-3 * ref.float().abs().max()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_fp8 is not None, reason=_no_fp8 or "")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_layer_on_the_gpu_takes_scaled_mm_and_its_gradient(dtype, monkeypatch):
+    layer = FP8Linear.from_weight(torch.randn(96, 80, device="cuda", dtype=dtype) * 0.02)
+    calls = []
+    real = M.w8a8_scaled_mm
+    monkeypatch.setattr(M, "w8a8_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(3, 7, 80, device="cuda", dtype=dtype, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert calls and y.dtype == dtype
+    want = torch.ones(21, 96, device="cuda", dtype=dtype) @ layer.dequantized_weight(dtype)
+    assert torch.allclose(x.grad.view(21, 80).float(), want.float(), rtol=1e-2, atol=1e-3)
