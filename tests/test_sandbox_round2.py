@@ -66,9 +66,12 @@ def test_tests_see_plain_values_and_the_programs_exceptions():
             "def box():\n    return Box()\nCONST = 7\nprint('side output')")
     tests = ("assert pair(2) == (2, [2], {'k': 2}, {2}, b'x', 1.5, None, True)\nassert CONST == 7\n"
              "try:\n    boom(1)\n    assert False\nexcept ValueError as e:\n    assert 'bad 1' in str(e)\n"
-             "assert box() != box()\nassert isinstance(pair(1)[0], int)")
+             "assert box() != box()\nassert isinstance(pair(1)[0], int)\nprint('tests ran')")
     fn = make_python_code_reward(_limits())
     assert fn(None, [_block(code)], tests=[tests]) == [1.0], fn.last_results[0]
+    assert fn.last_results[0].stdout == "side output\ntests ran\n", fn.last_results[0]
+    r = run_python(code, tests="assert CONST == 8", limits=_limits())  # a failing test: its traceback, exit 1
+    assert not r.tests_completed and r.reason == "exit code 1: AssertionError", r
 
 
 def test_the_process_block_has_no_flag_to_flip():

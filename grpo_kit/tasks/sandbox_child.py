@@ -242,6 +242,8 @@ def _judge():
         with os.fdopen(req_w, "wb") as req:
             completed, failed = _run_tests(_tests, req, resp)
     resp.close()
+    for stream in (sys.stdout, sys.stderr):  # what the tests printed, before os._exit skips the flush
+        stream.flush()
     status = os.waitpid(pid, 0)[1]
     _report("tests_completed", completed)
     _report("status", 1 << 8 if failed and status == 0 else status)

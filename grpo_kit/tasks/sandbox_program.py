@@ -129,6 +129,7 @@ def _serve(g, enc, dec, dumps=json.dumps, loads=json.loads, getattr=getattr, len
     """Answer the judge: ``{"op": "call"|"getattr"|"getitem"|"len", "h": n, "a": [...]}`` -> ``{"v": value}`` or
     ``{"e": [builtin exception name, message]}``, one JSON line each; EOF ends the program."""
     with os.fdopen(4, "rb") as req, _resp as resp:
+        sys.stdout.flush()  # the program's output so far comes before the tests'
         resp.write(dumps({"g": {k: enc(v) for k, v in g.items() if not k.startswith("__")}}).encode() + b"\n")
         resp.flush()
         for line in req:
@@ -145,6 +146,7 @@ def _serve(g, enc, dec, dumps=json.dumps, loads=json.loads, getattr=getattr, len
                 name = next((c.__name__ for c in type(e).__mro__ if getattr(builtins, c.__name__, None) is c),
                             "Exception")
                 out = {"e": [name, str(e)[:2000]]}
+            sys.stdout.flush()
             resp.write(dumps(out).encode() + b"\n")
             resp.flush()
 _tests = cfg["serve"]
