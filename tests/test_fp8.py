@@ -242,6 +242,21 @@ def test_lora_gradients_under_fp8_against_the_dequantised_fp32_reference(name, a
     assert all(not p.requires_grad for n, p in pm.named_parameters() if p.dtype == FP8_DTYPE)
 
 
+def test_offloaded_checkpointing_over_fp8_gives_the_plain_gradients():
+    """The kit's checkpointing recomputes each layer over token slices: W8A8 quantises each token row on its own,
+    so the slices round as the whole does and the LoRA gradients are the plain forward's (fp32 sum order)."""
+    from test_checkpointing import OURS, TOL, _assert_close, _grads
+
+    model = build_random_model("tiny-llama")
+    quantize_model_fp8(model)
+    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                          init_lora_weights=False)))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :4] = 0
+    batches = [(_ids(2, 13, seed=s), mask) for s in (0, 1)]
+    _assert_close(_grads(pm, "plain", batches), _grads(pm, "ours", batches, **OURS), TOL[torch.float32])
+
+
 def test_lora_over_fp8_runs_in_the_compute_dtype_and_refuses_a_merge():
     model = build_random_model("tiny-llama", dtype=torch.bfloat16)
     quantize_model_fp8(model)

@@ -170,9 +170,11 @@ def w8a8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 def _scaled_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._scaled_mm`` runs on ``device`` for ``dtype`` activations and matches the twin on a
-    probe (checked once; a failure is said once, and the twin serves there)."""
+    """Whether ``device`` has FP8 tensor cores and ``torch._scaled_mm`` runs there for ``dtype`` activations and
+    matches the twin on a probe (checked once; a failure is said once, and the twin serves there)."""
     key = (str(device), dtype)
+    if key not in _probed and fp8_support(device) is not None:
+        _probed[key] = False  # no FP8 tensor cores: the twin, silently (the config refuses FP8 there up front)
     if key not in _probed:
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(32, 64, device=device, generator=g).to(dtype)
@@ -197,8 +199,7 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
     the weight dequantised to x's dtype and ``F.linear``."""
     if activations == "16bit":
         return F.linear(x, dequantize_fp8(codes, scale, x.dtype, block), None if bias is None else bias.to(x.dtype))
-    if (x.is_cuda and block is None and fp8_support(x.device) is None
-            and _scaled_mm_ok(x.device, x.dtype)):
+    if x.is_cuda and block is None and _scaled_mm_ok(x.device, x.dtype):
         return w8a8_scaled_mm(x, codes, scale, bias)
     return w8a8_reference(x, codes, scale, bias, block)
 
