@@ -10,28 +10,22 @@
 * :func:`cli_main` (``cli.py``): ``python -m grpo_kit vram ...``.
 """
 
+from grpo_kit.memory.cli import cli_main
 from grpo_kit.memory.estimate import (METHODS, compare, estimate, estimate_for_config, published_table, resolve_arch,
                                       scoring_batch_for_config, total_gpu_bytes)
 from grpo_kit.memory.profiler import Profiler, ProfileResult, phase, profile
 
 
-def cli_main(argv: list[str]) -> int:
-    """``python -m grpo_kit vram`` (see :mod:`grpo_kit.memory.cli`)."""
-    from grpo_kit.memory.cli import cli_main as _main
-
-    return _main(argv)
-
-
 def plot_components(*args, **kwargs):
     """Stacked bars by component (see :func:`grpo_kit.memory.plot.plot_components`)."""
-    from grpo_kit.memory.plot import plot_components as _f
+    from grpo_kit.memory.plot import plot_components as _f  # lazy: matplotlib
 
     return _f(*args, **kwargs)
 
 
 def plot_vs_context(*args, **kwargs):
     """GPU peak vs context length (see :func:`grpo_kit.memory.plot.plot_vs_context`)."""
-    from grpo_kit.memory.plot import plot_vs_context as _f
+    from grpo_kit.memory.plot import plot_vs_context as _f  # lazy: matplotlib
 
     return _f(*args, **kwargs)
 

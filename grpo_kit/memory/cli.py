@@ -14,6 +14,7 @@ import pandas as pd
 
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.estimate import METHODS, _is_published_setup, estimate, published_table, resolve_arch
+from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
 
 
 def _positive_int(text: str) -> int:
@@ -145,8 +146,6 @@ def cli_main(argv: list[str]) -> int:
             print(f"  {comp}: {how}", file=out)
         print("  TRL's 414 GB training memory has no published derivation (shown as published, not derived); "
               "our own derivation for TRL's setup is the 'trl' table above.", file=out)
-    from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
-
     gpu = (args.gpu_gib, "--gpu-gib") if args.gpu_gib else detected_gpu_gib()
     if gpu is None:
         print("No GPU given or detected: pass --gpu-gib N for a verdict (e.g. 15 for a T4, 80 for an H100).",
@@ -158,7 +157,7 @@ def cli_main(argv: list[str]) -> int:
                             **{k: val for k, val in kw.items() if k not in ("completion_length",)})
             print(f"  {v.text()}", file=out)
     if args.plot:
-        from grpo_kit.memory.plot import plot_components
+        from grpo_kit.memory.plot import plot_components  # lazy: matplotlib, for --plot only
 
         fig = plot_components(tables)
         fig.savefig(args.plot, dpi=120)

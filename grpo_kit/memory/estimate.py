@@ -32,11 +32,17 @@ import warnings
 from dataclasses import dataclass
 
 import pandas as pd
+import torch
 from transformers import AutoConfig
+
+from grpo_kit.loss.efficient import _auto_chunk_rows
 
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, GiB, Arch
 from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, model_config
+
+# The training dtypes (formulas.DTYPE_BYTES) as torch names them, for the loss's own chunk rule
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 METHODS = ("trl", "unsloth", "grpo_kit")
 AUTO = "auto"  # scoring_batch / scoring_batch_size: chosen by the calculator (auto_scoring_batch)
@@ -167,11 +173,10 @@ def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lo
         raise ValueError(f"kv_cache_bytes must be None or a number of bytes > 0, got {kv_cache_bytes!r}")
 
 
-def _check_options(*, method, lora_rank, loss_chunk_bytes, chunk_tokens, prefetch, vllm_batched_tokens,
+def _check_options(*, method, lora_rank, chunk_tokens, prefetch, vllm_batched_tokens,
                    include_generation, loss_fp32, lora_dropout, offload, loss_epilogue, old_policy_pass, scoring_batch,
                    **_):
     """The switches of each method's training step, and which methods they apply to."""
-    _int_at_least("loss_chunk_bytes", loss_chunk_bytes, 1)
     if chunk_tokens is not None:
         _int_at_least("chunk_tokens", chunk_tokens, 1)
     _check_bool("prefetch", prefetch)
@@ -234,7 +239,6 @@ class _Step:
     offload: bool  # resolved: the method's own choice where None was given
     prefetch: bool
     chunk_tokens: int | None  # resolved for grpo_kit (its automatic rule where None was given)
-    loss_chunk_bytes: int
     loss_fp32: bool
     loss_epilogue: str
     lora_dropout: bool
@@ -365,11 +369,14 @@ def _recompute_rows(s: _Step) -> list[dict]:
 
 
 def _kit_logits_chunk(s: _Step, token_rows: int) -> tuple[int, int]:
-    """(rows, bytes alive per logit) of one logits chunk of grpo_kit's loss over ``token_rows`` token rows."""
-    b = s.b
-    # the torch epilogue budgets three fp32 temporaries per logit; two exist at a time
-    budget_elt, per_elt = (b + 3 * F.FP32, b + 2 * F.FP32) if s.loss_epilogue == "torch" else (b, b)
-    return min(F.loss_chunk_rows(s.a.vocab, budget_elt, s.loss_chunk_bytes), token_rows), per_elt
+    """(rows, bytes alive per logit) of one logits chunk of grpo_kit's loss over ``token_rows`` token rows: the
+    loss's own rule (``grpo_kit.loss.efficient._auto_chunk_rows``, where free memory does not cap it) at its full
+    budget, the one ``per_token_logps`` takes. The loss proper sizes its chunk for that budget less 48 B per token of per-token
+    vectors (weights, advantages, log-probs, ids), which this chunk stands in for, within one 256-row tile."""
+    rows = _auto_chunk_rows(s.a.vocab, _TORCH_DTYPES[s.dtype], torch.device("cpu"), s.loss_epilogue)
+    # the torch epilogue makes three fp32 temporaries per logit (its rule counts them); two exist at a time
+    per_elt = s.b + 2 * F.FP32 if s.loss_epilogue == "torch" else s.b
+    return min(rows, token_rows), per_elt
 
 
 def _loss_rows(s: _Step) -> list[dict]:
@@ -504,7 +511,7 @@ def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
 def estimate(model, *, num_generations: int, prompt_length: int, completion_length: int, dtype: str = "bf16",
              lora_rank: int | None = None, quantization: str | None = None, method: str = "grpo_kit",
              vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
-             loss_chunk_bytes: int = 256 * 2**20, chunk_tokens: int | None = None, prefetch: bool = True,
+             chunk_tokens: int | None = None, prefetch: bool = True,
              include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
@@ -529,7 +536,6 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         micro_batch_size: sequences per forward/backward (None: all G at once, as published).
         generation_batch: completions per generation call, whole groups of G (None: the larger of G and
             the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
-        loss_chunk_bytes: grpo_kit's logits chunk budget (``grpo_kit.loss.efficient``: 256 MiB).
         chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
             :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
         include_generation: False leaves out the KV cache (a training step alone, as the whole-step
@@ -539,8 +545,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF style; the
             whole-step benchmark's baseline): 3 x 4 B per logit at the loss backward (the saved output, its
             incoming gradient, the input gradient) instead of TRL's bf16 path (2 x 2 B, as published).
-        loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"``
-            (CPU: the chunk budget counts three fp32 temporaries per logit; two exist at a time).
+        loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"`` (CPU: the
+            loss's chunk rule counts three fp32 temporaries per logit; two exist at a time). Its chunk rows
+            follow the loss's own rule (``grpo_kit.loss.efficient``).
         standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
             (:mod:`grpo_kit.generation.standby`): the KV cache then counts in the generation phase only.
         kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs,

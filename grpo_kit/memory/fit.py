@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from grpo_kit.memory.estimate import AUTO, config_estimate_kwargs, estimate, total_gpu_bytes
 
 GIB = 2**30
@@ -43,8 +45,6 @@ class FitVerdict:
 
 def detected_gpu_gib() -> tuple[float, str] | None:
     """(total memory in GiB, name) of CUDA device 0, or None without one."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)
@@ -86,9 +86,9 @@ def fit_verdict(model, gpu_gib: float, *, context: int, prompt_length: int = 0, 
     return FitVerdict(method=method, context=context, peak_gib=peak, gpu_gib=gpu_gib, max_context=longest)
 
 
-# Colab's free T4: 15 GiB nominal, about 14.6 GiB visible to torch; the budget leaves room for the CUDA context
-# and the allocator's slack (reserved exceeded allocated by up to 2.3 GiB in bench/results/qlora_h200.md, where
-# the whole training step at 20K still stayed at 10.8 GiB reserved).
+# Colab's free T4: 15 GiB nominal, less of it visible to torch; the budget leaves room for the CUDA context and the
+# allocator's slack (memory reserved above what is allocated, which the calculator does not price; the qlora
+# benchmark measures both).
 FREE_T4_GIB = 14.0
 # Context lengths a preset picks are rounded down to this many tokens.
 PRESET_ROUND = 256

@@ -230,7 +230,7 @@ def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, bro
 def auto_chunk_tokens(a: Arch) -> int:
     """``grpo_kit.model.offload``'s default slice (``chunk_tokens=None``): the largest power of two
     with tokens x intermediate <= 2**26 elements, clamped to [1024, 16384] (Llama-3.1-8B and
-    Qwen2.5-1.5B: 4096). Held equal to ``checkpointing._auto_chunk_tokens`` in tests."""
+    Qwen2.5-1.5B: 4096). Held equal to ``offload._auto_chunk_tokens`` in tests."""
     t = 1 << max(0, (2**26 // max(a.intermediate, 1)).bit_length() - 1)
     return min(16384, max(1024, t))
 
@@ -294,14 +294,6 @@ def logits_bytes(n_tensors: int, sequences: int, tokens: int, vocab: int, b: int
     their two gradients replace them. The published TRL figure counts two tensors too
     (policy + reference)."""
     return n_tensors * sequences * tokens * vocab * b
-
-
-def loss_chunk_rows(vocab: int, bytes_per_logit: int, budget_bytes: int) -> int:
-    """Token rows per logits chunk of ``grpo_kit.loss.efficient`` (its ``_auto_chunk_rows`` rule): as many
-    (V,) rows as fit the budget, a multiple of 64 from 128 rows up. ``bytes_per_logit``: b with the
-    Triton epilogue, b + 12 with the torch one (three fp32 temporaries)."""
-    rows = max(1, budget_bytes // (vocab * bytes_per_logit))
-    return int(rows // 64 * 64) if rows >= 128 else int(rows)
 
 
 def kv_cache_bytes(a: Arch, cached_tokens: int, kv_b: int) -> int:

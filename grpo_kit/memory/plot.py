@@ -3,7 +3,7 @@
 * :func:`plot_components`: stacked bars, one bar per estimate, one colour per GPU component, the
   peak total on top (components not alive at the peak are left out of the stack).
 * :func:`plot_vs_context`: estimated GPU peak against context length for several methods, with
-  measured points (e.g. from ``bench/results/step_h200.json``) overlaid.
+  measured points (e.g. a benchmark's peaks) overlaid.
 
 Both return the figure; save it with ``fig.savefig(path)``; in Jupyter it displays itself.
 """
@@ -11,6 +11,7 @@ Both return the figure; save it with ``fig.savefig(path)``; in Jupyter it displa
 from __future__ import annotations
 
 import matplotlib
+import pandas as pd
 from matplotlib.figure import Figure
 
 from grpo_kit.memory.estimate import METHODS, estimate, total_gpu_bytes
@@ -25,8 +26,6 @@ def plot_components(estimates, *, unit: str = "GiB", title: str | None = None, b
     ``estimates``: one :func:`estimate` DataFrame, or a dict ``label -> DataFrame``.
     ``budget_gib``: draw a horizontal line at this many GiB (e.g. 80 for an 80 GB card).
     """
-    import pandas as pd
-
     if unit not in ("GB", "GiB"):
         raise ValueError(f"unit must be 'GB' or 'GiB', got {unit!r}")
     if isinstance(estimates, pd.DataFrame):

@@ -31,15 +31,15 @@ import time
 from dataclasses import dataclass, field
 
 import pandas as pd
+import psutil
+import torch
 
-GiB = 2**30
+from grpo_kit.memory.formulas import GiB
 
 _ACTIVE: contextvars.ContextVar["Profiler | None"] = contextvars.ContextVar("grpo_kit_memory_profiler", default=None)
 
 
 def _rss() -> int:
-    import psutil
-
     return psutil.Process().memory_info().rss
 
 
@@ -96,8 +96,6 @@ class Profiler:
     phases: list = field(default_factory=list)
 
     def __post_init__(self):
-        import torch
-
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -118,8 +116,6 @@ class Profiler:
         return self.device.startswith("cuda")
 
     def _now(self) -> int:
-        import torch
-
         if self.cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.memory_allocated(self.device)
@@ -132,8 +128,6 @@ class Profiler:
 
     def _fold_cuda_peak(self):
         """Fold the allocator's peak since the last reset into every open phase, then reset."""
-        import torch
-
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         reserved = torch.cuda.max_memory_reserved(self.device)
@@ -169,8 +163,6 @@ class Profiler:
             self.phases.append(ph)
 
     def __enter__(self):
-        import torch
-
         if self.cuda:
             torch.cuda.synchronize(self.device)
             if self.snapshot:
@@ -185,8 +177,6 @@ class Profiler:
         return self
 
     def __exit__(self, *exc):
-        import torch
-
         _ACTIVE.reset(self._token)
         self._total_cm.__exit__(*exc)
         if self._sampler is not None:
