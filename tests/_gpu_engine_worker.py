@@ -3,7 +3,8 @@ memory pool for its process). ``python tests/_gpu_engine_worker.py fp8|copy``; p
 
 * ``fp8``: FP8 KV cache + shared weights + standby: greedy output equal before and after standby.
 * ``copy``: full fine-tuning keeps a separate engine copy: changed HF weights reach the engine by
-  ``load_weights`` (greedy output follows the HF model), and level-1 sleep/wake round-trips.
+  ``load_weights`` (greedy output follows the HF model); level-2 sleep drops the copy's weights and the next
+  sync brings them back.
 * ``merge``: shared weights with ``lora_sync="merge"`` (engine without LoRA, CUDA graphs): the adapter merged
   for each generation gives the trained HF model's log-probs, the engine's weights are bit-identical after
   every generation and after two trainer steps, and standby round-trips.

@@ -147,7 +147,7 @@ class HFGenerator:
                                 timings={"generate_s": time.perf_counter() - start})
 
     def _generate_rows(self, model, rows, sampling, stop):
-        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers import GenerationConfig, LogitsProcessorList  # lazy: transformers is slow to import
 
         device = next(model.parameters()).device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else stop[0]

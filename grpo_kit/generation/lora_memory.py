@@ -23,7 +23,7 @@ def adapter_state(model) -> tuple[dict[str, torch.Tensor], dict]:
     copies); ``config``: the fields vLLM's ``PEFTHelper`` reads. ValueError for adapter features vLLM
     does not load (DoRA, per-module rank or alpha patterns, trained biases, modules_to_save).
     """
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # lazy: peft is slow to import (it pulls in bitsandbytes)
 
     name = model.active_adapter
     cfg = model.peft_config[name]
@@ -60,7 +60,7 @@ def install_memory_loader(worker) -> None:
     manager = worker.model_runner.lora_manager
     if getattr(manager, "grpo_kit_pending", None) is not None:
         return
-    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.peft_helper import PEFTHelper  # lazy: vLLM is optional and slow to import
 
     original = manager._load_adapter
     manager.grpo_kit_pending = {}

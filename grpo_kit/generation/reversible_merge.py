@@ -231,7 +231,7 @@ def lora_targets(model) -> list[tuple[str, object]]:
     non-Linear base layer, an adapter PEFT already merged, a base weight tied to another parameter (a tied
     head would move the embedding too), modules_to_save or trainable tokens (trained copies the engine does
     not have)."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # lazy: peft is slow to import (it pulls in bitsandbytes)
 
     problems = []
     peft_config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", None))

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo_kit.model.loading import meta_model
+
 
 class UnshareableError(ValueError):
     """The engine's weights cannot back the training model; the message names the weight and why."""
@@ -97,8 +99,6 @@ def build_shared_model(engine_model, config, dtype: torch.dtype):
     Every parameter is frozen. Raises :class:`UnshareableError` (nothing allocated but buffers) when a
     weight cannot be mapped. ``model.grpo_kit_shared_weights`` is set to True.
     """
-    from grpo_kit.model.loading import meta_model
-
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     model = meta_model(config, dtype=dtype, real_buffers=True)  # buffers real (on the CPU), moved below
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -20,14 +20,14 @@ KV_TAG = "kv_cache"
 
 
 def _kv_allocations(asleep: bool):
-    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.device_allocator.cumem import CuMemAllocator  # lazy: vLLM is optional and slow to import
 
     return [d for d in CuMemAllocator.get_instance().pointer_to_data.values()
             if d.tag == KV_TAG and bool(d.is_asleep) == asleep]
 
 
 def standby_in_worker(worker) -> int:
-    from vllm.device_allocator.cumem import unmap_and_release
+    from vllm.device_allocator.cumem import unmap_and_release  # lazy: vLLM is optional and slow to import
 
     torch.cuda.synchronize()  # no kernel may still read the cache
     released = 0
@@ -39,7 +39,7 @@ def standby_in_worker(worker) -> int:
 
 
 def resume_in_worker(worker) -> int:
-    from vllm.device_allocator.cumem import create_and_map
+    from vllm.device_allocator.cumem import create_and_map  # lazy: vLLM is optional and slow to import
 
     pending = _kv_allocations(asleep=True)
     need = sum(d.handle[1] for d in pending)
@@ -56,6 +56,6 @@ def resume_in_worker(worker) -> int:
 
 def kv_bytes_in_worker(worker) -> int:
     """Bytes of the engine's KV cache allocations (mapped or not) in vLLM's CuMem pool."""
-    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.device_allocator.cumem import CuMemAllocator  # lazy: vLLM is optional and slow to import
 
     return sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.tag == KV_TAG)

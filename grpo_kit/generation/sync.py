@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
+
+from grpo_kit.model.loading import meta_model
 
 # How a LoRA adapter reaches a vLLM engine (VLLMGenerator(lora_sync=...), the config's vllm_lora_sync): merged
 # into the shared weights, or as a vLLM LoRA adapter.
@@ -40,7 +43,7 @@ def _lora_owner(model, name: str):
     if ".base_layer." not in name:
         return None
     try:
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # lazy: peft is slow to import (it pulls in bitsandbytes)
     except ImportError:  # no peft: no LoRA layers either
         return None
     owner = model.get_submodule(name.rsplit(".base_layer.", 1)[0])
@@ -96,8 +99,6 @@ def iter_vllm_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple
 
 def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` from the safetensors headers of a HF folder (sharded or not); reads no tensor data."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -118,9 +119,7 @@ def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
 def config_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of the HF model that ``model_dir/config.json`` describes (for a folder without
     weights, started with random ones); the model is built on the meta device, nothing is allocated."""
-    from transformers import AutoConfig
-
-    from grpo_kit.model.loading import meta_model
+    from transformers import AutoConfig  # lazy: transformers is slow to import
 
     return weight_manifest(meta_model(AutoConfig.from_pretrained(str(model_dir))))
 

@@ -19,6 +19,7 @@ Any other string is a local folder or a hub id, loaded with ``from_pretrained``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -27,9 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
+from grpo_kit.model.quantize import (auto_skip_modules, is_quantized, nf4_load_config, quantizable_linears,
+                                     quantization_report, quantize_model)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,8 +141,6 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
 
     Layout: an 8-byte little-endian header length, a JSON header giving each tensor's byte range, the data.
     """
-    import json
-
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as fh:
@@ -164,7 +166,7 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
 
 def model_config(name: str):
     """The transformers config of a built-in architecture (or a local/hub config)."""
-    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config  # lazy: transformers is slow to import
 
     if name in BUILTIN_MODELS:
         spec = BUILTIN_MODELS[name]
@@ -182,7 +184,7 @@ def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, de
     Weights are created directly on ``device`` in ``dtype`` (no fp32 CPU detour), so an
     8B architecture lands on a GPU in ~15 GiB of bf16 without touching host RAM.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
@@ -195,8 +197,8 @@ def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, de
 def meta_model(config, *, dtype: torch.dtype | None = None, real_buffers: bool = False):
     """The ``*ForCausalLM`` that ``config`` describes with its parameters on the meta device (names and
     shapes, no memory); ``real_buffers``: buffers (RoPE frequencies) are real CPU tensors."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from accelerate import init_empty_weights  # lazy: accelerate costs a second to import; only this path needs it
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     with init_empty_weights(include_buffers=not real_buffers):
         return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
@@ -230,7 +232,7 @@ def embedded_model_dir() -> Path:
     target = cache_dir() / EMBEDDED_NAME
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # lazy: slow to import
 
     gguf = _gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -271,7 +273,7 @@ def _embedded_tokenizer_dir() -> Path:
 
 def load_tokenizer(name: str = EMBEDDED_NAME):
     """Tokenizer with chat template; tiny and config-only models share the embedded one."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     kind = check_model_name(name)
     src = _embedded_tokenizer_dir() if kind in ("embedded", "tiny", "config-only") else name
@@ -316,7 +318,7 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
 
 def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance):
     """:func:`load_model`'s model."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     kind = check_model_name(name)
     if load_in_4bit and skip_modules != "auto":  # never the 16-bit model in host RAM
@@ -346,10 +348,7 @@ def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibrati
 def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):
     """``from_pretrained`` with transformers' bitsandbytes NF4 (``quantize.nf4_load_config``), the kept
     layers named exactly as the kit's substring rule picks them (``quantize.quantizable_linears``)."""
-    from torch import nn
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from grpo_kit.model.quantize import is_quantized, nf4_load_config, quantizable_linears, quantization_report
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers is slow to import
 
     skeleton = meta_model(AutoConfig.from_pretrained(src))  # module names only, no memory
     quantized = set(quantizable_linears(skeleton, skip_modules))
@@ -373,8 +372,6 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
     again. Initialised as transformers does for these architectures: normal(0, initializer_range) for
     linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Not built in host
     RAM first: a large model's single-threaded CPU initialisation would dominate the start."""
-    from grpo_kit.model.quantize import quantize_model
-
     config = model_config(name)
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     model = meta_model(config, dtype=dtype, real_buffers=True)
@@ -408,8 +405,6 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
 
 
 def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -> None:
-    from grpo_kit.model.quantize import auto_skip_modules, quantizable_linears, quantize_model
-
     auto = None
     skip = skip_modules
     if skip_modules == "auto":

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 
 import torch
 from torch import nn
@@ -63,8 +64,6 @@ def quantizable_linears(model: nn.Module, skip_modules=()) -> list[str]:
 
 
 def is_quantized(module: nn.Module) -> bool:
-    import sys
-
     bnb = sys.modules.get("bitsandbytes")
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
@@ -90,7 +89,7 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
     the quantised weights hold (packed 4-bit data + absmax constants).
     """
     check_bitsandbytes()
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # lazy: bitsandbytes is optional
 
     names = quantizable_linears(model, skip_modules)
     for name in names:
@@ -127,7 +126,7 @@ def nf4_load_config(compute_dtype: torch.dtype, keep_16bit):
     ``keep_16bit``: the exact qualified names of the linear layers to keep (transformers matches its skip
     list as regex prefixes and suffixes; escaped and anchored, each name matches only itself)."""
     check_bitsandbytes()
-    from transformers import BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig  # lazy: transformers is slow to import
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype,
@@ -147,7 +146,7 @@ def _quantized_bytes(p) -> int:
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """The weight a ``Linear4bit`` multiplies with (its NF4 data dequantised), or a plain layer's weight."""
     if is_quantized(module):
-        import bitsandbytes.functional as BF
+        import bitsandbytes.functional as BF  # lazy: bitsandbytes is optional
 
         return BF.dequantize_4bit(module.weight.data, module.weight.quant_state)
     return module.weight
@@ -156,7 +155,7 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
 def nf4_roundtrip(weight: torch.Tensor) -> torch.Tensor:
     """``Q(W)``: ``weight`` (out, in) quantised to NF4 with double quantisation and dequantised, same dtype."""
     check_bitsandbytes()
-    import bitsandbytes.functional as BF
+    import bitsandbytes.functional as BF  # lazy: bitsandbytes is optional
 
     w = weight.detach()
     q, state = BF.quantize_4bit(w.contiguous(), blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")

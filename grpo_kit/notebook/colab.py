@@ -26,11 +26,6 @@ RESTART_IF_REPLACED = ("torch", "numpy", "transformers", "tokenizers", "safetens
                        "datasets", "pandas", "matplotlib", "bitsandbytes", "triton", "vllm")
 
 
-def on_colab() -> bool:
-    """Whether this kernel runs on Colab (Colab imports ``google.colab`` into every kernel)."""
-    return "google.colab" in sys.modules
-
-
 def _requirements(extra: str | None) -> list[str]:
     """The installed grpo_kit's requirements: the runtime ones (``extra=None``) or one extra's."""
     out = []

@@ -36,6 +36,8 @@ from __future__ import annotations
 import os
 import time
 
+from trl.extras.profiling import profiling_context
+
 from grpo_kit.generation.base import GenerationEngineError, SamplingConfig
 
 
@@ -92,8 +94,6 @@ class KitGenerationMixin:
                                                  has_tool_images)
         if images is not None or multimodal_fields:
             raise ValueError("kit generation is text-only: got images or multimodal fields")
-        from trl.extras.profiling import profiling_context
-
         mode = "train" if self.model.training else "eval"
         t0 = time.perf_counter()
         try:
