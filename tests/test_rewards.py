@@ -77,8 +77,11 @@ def test_checked_reward_func_names_function_and_sample():
     with pytest.raises(rewards.RewardFunctionError, match="'not_numbers' returned 'high' for sample 0"):
         rewards.checked_reward_func(not_numbers)(None, comps)
     assert rewards.checked_reward_func(not_applicable)(None, comps) == [None, None, None]  # TRL: not applicable
-    wrapped = rewards.checked_reward_func(rewards.correctness_reward)
-    assert wrapped.__name__ == "correctness_reward" and rewards.checked_reward_func(wrapped) is wrapped
+    seen = []
+    wrapped = rewards.checked_reward_func(rewards.correctness_reward, on_rewards=lambda *a: seen.append(a))
+    assert wrapped.__name__ == "correctness_reward"
+    assert wrapped(None, ["Answer: 3"], answer=["3"]) == [1.0]
+    assert seen == [("correctness_reward", None, ["Answer: 3"], {"answer": ["3"]}, [1.0])]  # the checked scores
 
 
 def test_reward_errors_zero_scores_raising_samples_zero_with_a_warning(caplog):

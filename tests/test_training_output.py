@@ -70,12 +70,18 @@ def test_reward_import_errors_are_one_clear_line(repo_root, tmp_path):
 
 
 def test_the_recorded_reward_is_wrapped_once(tmp_path):
-    """run.py checks each reward (with the config's reward_errors and time limit); the sample recorder's wrapper
-    keeps that marker, so the trainer does not wrap it a second time with its defaults."""
-    from grpo_kit.tasks.rewards import checked_reward_func, correctness_reward
+    """The trainer wraps each reward once (the config's reward_errors and time limit); the sample recorder sees
+    the first function's checked scores through on_rewards instead of wrapping it again."""
+    import json
+
+    from grpo_kit.tasks.rewards import correctness_reward, format_soft_reward
     from grpo_kit.app.run import SampleRecorder
     from grpo_kit.trainer.grpo_trainer import _checked
 
-    rec = SampleRecorder([checked_reward_func(correctness_reward, on_error="zero")], tmp_path / "samples.jsonl")
-    assert _checked(rec.wrapped) == rec.wrapped
-    assert _checked([correctness_reward])[0] is not correctness_reward  # an unchecked one still gets wrapped
+    rec = SampleRecorder(tmp_path / "samples.jsonl")
+    funcs = _checked([correctness_reward, format_soft_reward], "zero", on_rewards=rec.record)
+    assert [f.__name__ for f in funcs] == ["correctness_reward", "format_soft_reward"]
+    for f in funcs:
+        f([[{"role": "user", "content": "1+2"}]], ["Answer: 3"], answer=["3"])
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "prompt": "1+2", "completion": "Answer: 3", "answer": "3", "correctness_reward": 1.0}]

@@ -39,7 +39,7 @@ def _config_from_args(args):
 
 
 def _preflight(args) -> int:
-    from grpo_kit.app.preflight import preflight  # lazy: imports TRL, which the other commands do not need
+    from grpo_kit.app.preflight import preflight  # lazy: the model and generation code, only this command needs
 
     report = preflight(_config_from_args(args).validate(), num_prompts=args.prompts, backend=args.backend)
     print(report.text())

@@ -86,7 +86,8 @@ def quiet_trainer_logs(trainer, *, progress_bar: bool = True) -> None:
     """Stop a transformers ``Trainer`` from printing its raw log dict: its progress callbacks (tqdm bar, or
     the bar-less printer) give way to a tqdm bar without the dict lines (``progress_bar``) or to nothing.
     The run prints :func:`step_line` instead."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    # lazy: transformers is slow to import, and the CLI imports this module for every command
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback  # lazy: see above
 
     class BarOnly(ProgressCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from grpo_kit.tasks.data import make_prompt
 from grpo_kit.tasks.rewards import answer_matches
@@ -19,8 +20,6 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
     ``by_level`` (when examples carry a level), ``n`` and the first few ``samples``. ``progress``: the label
     of a tqdm bar over the problems (None: no bar).
     """
-    from tqdm.auto import tqdm
-
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

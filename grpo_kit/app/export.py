@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
 
 from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.model.loading import load_model, load_tokenizer
 from grpo_kit.tasks.data import default_system_prompt, make_prompt
 
 __all__ = ["run_config", "load_base", "load_trained", "answer", "before_after", "save_merged", "push_to_hub"]
@@ -30,8 +33,6 @@ def run_config(run_dir: str | os.PathLike) -> GRPOKitConfig:
 
 def load_base(run_dir: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str = "cpu"):
     """``(model, tokenizer)``: the run's base model as it was before training (16-bit, no adapter)."""
-    from grpo_kit.model.loading import load_model
-
     return load_model(run_config(run_dir).model, dtype=dtype, device=device)
 
 
@@ -39,18 +40,14 @@ def load_trained(run_dir: str | os.PathLike, *, dtype: torch.dtype | None = None
     """``(model, tokenizer)``: the base model with the run's trained adapter (``adapter/``), or the fully
     fine-tuned weights (``model/``), from the run folder. Runs trained in 4 bit load on 16-bit base
     weights here (the adapter was trained against their NF4 rounding; merging targets 16 bit)."""
-    from transformers import AutoModelForCausalLM
-
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
     if (run_dir / "adapter").is_dir():
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: peft is slow to import and full fine-tuning does not need it
 
         base, tok = load_base(run_dir, dtype=dtype, device=device)
         return PeftModel.from_pretrained(base, str(run_dir / "adapter")).to(device).eval(), tok
     if (run_dir / "model").is_dir():
-        from grpo_kit.model.loading import load_tokenizer
-
         model = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype=dtype or torch.float32)
         return model.to(device).eval(), load_tokenizer(cfg.model)
     raise ValueError(f"{str(run_dir)!r} holds no trained weights (no adapter/ or model/ folder): did the run "
@@ -98,8 +95,6 @@ def save_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype
 
     A non-empty ``out_dir`` is refused unless ``overwrite=True``, which renames it to
     ``OUT.replaced-<UTC time>`` first (never deletes it)."""
-    from tqdm.auto import tqdm
-
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype={dtype!r} is not allowed: torch.bfloat16, torch.float16 or torch.float32")
     out = Path(out_dir)
@@ -126,7 +121,7 @@ def save_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype
 def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = True, token: str | None = None) -> str:
     """Upload a saved folder (e.g. :func:`save_merged`'s) to the Hub as ``repo_id``; needs network and a token
     (``HF_TOKEN`` or ``huggingface-cli login``). Returns the repo URL."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # lazy: only for an upload, which few runs make
 
     if not isinstance(repo_id, str) or repo_id.count("/") != 1:
         raise ValueError(f"repo_id={repo_id!r} is not allowed: 'user/name' or 'org/name'")

@@ -6,6 +6,8 @@ the entry point that resumes a run is :func:`grpo_kit.app.run.resume`.
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 from pathlib import Path
 
@@ -60,9 +62,6 @@ def restore_run_files(run_dir: str | os.PathLike, run_state: dict, columns: list
     Rows and samples written after it (by the run that was killed) are dropped, so the resumed run
     appends exactly the steps it redoes: no duplicate or missing rows. Returns the metrics rows.
     """
-    import csv
-    import io
-
     history = list(run_state.get("metrics") or [])
     buf = io.StringIO(newline="")
     writer = csv.writer(buf)

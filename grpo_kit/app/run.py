@@ -17,13 +17,24 @@ import resource
 import time
 from pathlib import Path
 
+import matplotlib
 import torch
+from accelerate import PartialState
+from tqdm import tqdm
+from transformers import TrainerCallback
 
 from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, GRPOKitConfig
-from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.app.console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
+from grpo_kit.app.evaluation import evaluate_accuracy
+from grpo_kit.app.preflight import advice
+from grpo_kit.app.resume_policy import restore_run_files, resume_config
+from grpo_kit.app.run_folder import claim_run_folder
+from grpo_kit.generation.plan import plan_generation, start_generation
+from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
+from grpo_kit.model.loading import load_model, load_tokenizer, meta_model, model_config
 from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
-from grpo_kit.tasks.rewards import checked_reward_func, get_reward_funcs
+from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
+from grpo_kit.trainer.checkpoints import checkpoint_step, find_resume_checkpoint, read_run_state
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
                   "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
@@ -43,107 +54,75 @@ def peak_memory_gib(device: str) -> float:
 
 
 class SampleRecorder:
-    """Wraps the reward functions to keep what each step generated and how it scored.
+    """Keeps what each step generated and how it scored: the first reward function's checked scores
+    (once per generation batch, enough to follow the completions), as ``on_rewards`` of
+    :func:`grpo_kit.tasks.rewards.checked_reward_func`."""
 
-    Only the first function's calls are recorded (once per generation batch), which is
-    enough to follow the completions; the wrappers keep the names TRL logs under.
-    """
-
-    def __init__(self, funcs, path: Path, keep_per_step: int = 4):
+    def __init__(self, path: Path, keep_per_step: int = 4):
         self.path, self.keep, self.step = path, keep_per_step, 0
-        self.first = funcs[0]
-        self.wrapped = [self._wrap(f) for f in funcs]
 
-    def _wrap(self, fn):
-        def wrapper(prompts, completions, **kwargs):
-            rewards = fn(prompts, completions, **kwargs)
-            if fn is self.first:
-                self._write(prompts, completions, kwargs, rewards, fn.__name__)
-            return rewards
-
-        wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
-        # keeps checked_reward_func's marker: the trainer must not wrap (and time-limit) the function again
-        wrapper._grpo_kit_checked = getattr(fn, "_grpo_kit_checked", False)
-        return wrapper
-
-    def _write(self, prompts, completions, kwargs, rewards, name):
-        from grpo_kit.tasks.rewards import completion_text
-
+    def record(self, name: str, prompts, completions, columns: dict, rewards: list) -> None:
         with self.path.open("a", encoding="utf-8") as fh:
             for i in range(min(self.keep, len(completions))):
                 prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
                 fh.write(json.dumps({"step": self.step, "prompt": prompt, "completion": completion_text(completions[i]),
-                                     "answer": kwargs.get("answer", [None] * len(completions))[i],
+                                     "answer": columns.get("answer", [None] * len(completions))[i],
                                      name: rewards[i]}) + "\n")
         self.step += 1
 
 
-def _make_callback(cfg: GRPOKitConfig, run_dir: Path, device: str, history: list):
-    from transformers import TrainerCallback
+class MetricsCallback(TrainerCallback):
+    """Writes one metrics.csv row per logged step (TRL's whole dict, with step time and peak memory) and
+    prints the step's compact line (grpo_kit.app.console.step_line)."""
 
-    class MetricsCallback(TrainerCallback):
-        """Writes one metrics.csv row per logged step (TRL's whole dict, with step time and peak memory) and
-        prints the step's compact line (grpo_kit.app.console.step_line)."""
+    def __init__(self, cfg: GRPOKitConfig, run_dir: Path, device: str, history: list):
+        self.cfg, self.device, self.history = cfg, device, history
+        self._t0 = None
+        self._times: list[float] = []
+        self.csv_path = run_dir / "metrics.csv"
+        self._started = bool(history)  # resumed: metrics.csv already has the rows so far
+        self.columns = metric_columns(history)
+        self._first_row = not history  # a resumed run had its first step already
 
-        def __init__(self):
-            self._t0 = None
-            self._times: list[float] = []
-            self.csv_path = run_dir / "metrics.csv"
-            self._started = bool(history)  # resumed: metrics.csv already has the rows so far
-            self.columns = metric_columns(history)
-            self._first_row = not history  # a resumed run had its first step already
+    def on_step_begin(self, args, state, control, **kw):
+        self._t0 = time.perf_counter()
 
-        def on_step_begin(self, args, state, control, **kw):
-            self._t0 = time.perf_counter()
+    def on_step_end(self, args, state, control, **kw):
+        if self._t0 is not None:
+            self._times.append(time.perf_counter() - self._t0)
 
-        def on_step_end(self, args, state, control, **kw):
-            if self._t0 is not None:
-                self._times.append(time.perf_counter() - self._t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            logs = logs or {}
-            if "reward" not in logs or not state.is_world_process_zero:  # summary line, or another process
-                return
-            row = {
-                "step": state.global_step,
-                "reward_mean": logs.get("reward"),
-                "reward_std": logs.get("reward_std"),
-                "loss": logs.get("loss"),
-                "kl": logs.get("kl"),
-                "completion_length": logs.get("completions/mean_length"),
-                "step_time_s": sum(self._times) / len(self._times) if self._times else None,
-                "peak_memory_gib": peak_memory_gib(device),
-                "learning_rate": logs.get("learning_rate"),
-                "grad_norm": logs.get("grad_norm"),
-                "clip_ratio": logs.get("clip_ratio/region_mean"),
-                # Share of groups whose rewards are all equal: zero advantage, so no learning signal.
-                "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
-            }
-            row.update({k: v for k, v in logs.items() if k not in row})
-            self._times.clear()
-            history.append(row)
-            if not self._started:  # created on the first row, so other processes never truncate it
-                self.columns = metric_columns(history)
-                with self.csv_path.open("w", newline="") as fh:
-                    csv.writer(fh).writerow(self.columns)
-                self._started = True
-            with self.csv_path.open("a", newline="") as fh:
-                csv.writer(fh).writerow([row.get(c) for c in self.columns])
-            from tqdm import tqdm
-
-            tqdm.write(step_line(row, cfg.max_steps))  # above the progress bar, not through it
-            if self._first_row:  # the short pre-flight check: did the start carry a learning signal?
-                self._first_row = False
-                tqdm.write(first_step_advice(cfg, row))
-
-    return MetricsCallback()
+    def on_log(self, args, state, control, logs=None, **kw):
+        logs = logs or {}
+        if "reward" not in logs or not state.is_world_process_zero:  # summary line, or another process
+            return
+        row = {
+            "step": state.global_step, "reward_mean": logs.get("reward"), "reward_std": logs.get("reward_std"),
+            "loss": logs.get("loss"), "kl": logs.get("kl"), "completion_length": logs.get("completions/mean_length"),
+            "step_time_s": sum(self._times) / len(self._times) if self._times else None,
+            "peak_memory_gib": peak_memory_gib(self.device), "learning_rate": logs.get("learning_rate"),
+            "grad_norm": logs.get("grad_norm"), "clip_ratio": logs.get("clip_ratio/region_mean"),
+            # Share of groups whose rewards are all equal: zero advantage, so no learning signal.
+            "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
+        }
+        row.update({k: v for k, v in logs.items() if k not in row})
+        self._times.clear()
+        self.history.append(row)
+        if not self._started:  # created on the first row, so other processes never truncate it
+            self.columns = metric_columns(self.history)
+            with self.csv_path.open("w", newline="") as fh:
+                csv.writer(fh).writerow(self.columns)
+            self._started = True
+        with self.csv_path.open("a", newline="") as fh:
+            csv.writer(fh).writerow([row.get(c) for c in self.columns])
+        tqdm.write(step_line(row, self.cfg.max_steps))  # above the progress bar, not through it
+        if self._first_row:  # the short pre-flight check: did the start carry a learning signal?
+            self._first_row = False
+            tqdm.write(first_step_advice(self.cfg, row))
 
 
 def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
     """One line after the first logged step: its share of no-signal groups and, when most groups had none,
     the pre-flight advice (grpo_kit.app.preflight.advice)."""
-    from grpo_kit.app.preflight import advice
-
     zero = row.get("frac_reward_zero_std") or 0.0
     means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
     tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
@@ -154,10 +133,8 @@ def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
 
 def plot_rewards(history: list[dict], path: Path) -> None:
     """Reward mean ± std per step (and each reward function's mean) to a PNG."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend, which pyplot reads on import
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in history]
@@ -176,13 +153,18 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
+    """A question's token ids as the model sees them: system prompt and question in the chat template."""
+    text = tokenizer.apply_chat_template(make_prompt(question, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
     """Longest rendered prompt in tokens; one over ``max_prompt_length`` is an error, not a silent cut."""
     longest, worst = 0, None
     for e in examples:
-        text = tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
-                                             add_generation_prompt=True)
-        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        n = len(prompt_ids(tokenizer, e["question"], system_prompt))
         if n > longest:
             longest, worst = n, e["question"]
     if longest > cfg.max_prompt_length:
@@ -194,12 +176,7 @@ def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, sy
 def calibration_batches(tokenizer, examples: list[dict], system_prompt: str, n: int = 8) -> list[torch.Tensor]:
     """``input_ids`` (1, T) of the first ``n`` training prompts as the model sees them: the activations
     ``load_in_4bit_skip_modules: auto`` measures NF4's error on."""
-    out = []
-    for e in examples[:n]:
-        text = tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
-                                             add_generation_prompt=True)
-        out.append(torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]]))
-    return out
+    return [torch.tensor([prompt_ids(tokenizer, e["question"], system_prompt)]) for e in examples[:n]]
 
 
 def check_lora_targets(model, targets: list[str]) -> None:
@@ -258,19 +235,15 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     device = resolve_device(cfg)
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
-
-    from accelerate import PartialState
-
     # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
     is_main = PartialState(cpu=(device == "cpu")).is_main_process
     run_dir = Path(cfg.output_dir)
-    from grpo_kit.app.run_folder import claim_run_folder
-
     lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if is_main else None
     if lock is None:  # other processes: the main one owns the folder
         run_dir.mkdir(parents=True, exist_ok=True)
+    run = _Run(cfg, run_dir, device, is_main, progress, train_ex, heldout)
     try:
-        return _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume)
+        return _train(run, reward_funcs, callbacks, resume)
     finally:
         if lock is not None:
             lock.release()
@@ -282,171 +255,206 @@ def resume(run_dir: str | os.PathLike, overrides=(), **train_kwargs) -> dict:
     ``overrides``: ``key=value`` strings, only for :data:`grpo_kit.app.resume_policy.SAFE_RESUME_OVERRIDES` (e.g. ``max_steps=80``).
     Other keyword arguments go to :func:`train` (``progress``, ``callbacks``).
     """
-    from grpo_kit.app.resume_policy import resume_config
-
     cfg = resume_config(run_dir, overrides)
     return train(cfg, resume=True, **train_kwargs)
 
 
-def _train(cfg, run_dir, train_ex, heldout, reward_funcs, device, is_main, progress, callbacks, resume) -> dict:
-    """:func:`train` once the run folder is this process's."""
-    dtype = resolve_dtype(cfg, device)
-    system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
-    from accelerate import PartialState
+@dataclasses.dataclass
+class _Run:
+    """What one run's phases share: the config, where it trains, its data, and what each phase adds."""
 
-    ckpt, resumed, finishing = None, {}, False
-    if resume:
-        from grpo_kit.trainer.checkpoints import checkpoint_step, find_resume_checkpoint, read_run_state
+    cfg: GRPOKitConfig
+    run_dir: Path
+    device: str
+    is_main: bool
+    progress: bool
+    train_ex: list
+    heldout: list
+    dtype: torch.dtype | None = None
+    system_prompt: str = ""
+    ckpt: Path | None = None  # the checkpoint resumed from
+    resumed: dict = dataclasses.field(default_factory=dict)  # its run state (metrics, evals, recorder step)
+    finishing: bool = False  # resumed at max_steps: only the final save and evaluation are left
+    evals: dict = dataclasses.field(default_factory=dict)
+    history: list = dataclasses.field(default_factory=list)
 
-        ckpt = find_resume_checkpoint(run_dir)
-        resumed = read_run_state(ckpt)
-        finishing = checkpoint_step(ckpt) >= cfg.max_steps  # stopped during the final save or evaluation
-        if finishing and (run_dir / "summary.json").is_file():
-            print(f"the run in {run_dir} is already finished ({ckpt.name}, max_steps={cfg.max_steps}, summary.json "
-                  f"written); nothing to do. To train longer: train --resume {run_dir} --set max_steps=N", flush=True)
-            return {**json.loads((run_dir / "summary.json").read_text()), "already_finished": True}
-        print(f"resuming from {ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no more "
-                                         "training)" if finishing else ""), flush=True)
-    if is_main:
+
+def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dict:
+    """:func:`train` once the run folder is this process's: the run's phases, in order."""
+    cfg, run_dir = run.cfg, run.run_dir
+    run.dtype = resolve_dtype(cfg, run.device)
+    run.system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
+    if resume and (done := _find_resume_point(run)) is not None:
+        return done
+    if run.is_main:
         cfg.save(run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
-
-    from grpo_kit.app.evaluation import evaluate_accuracy
-    from grpo_kit.model.loading import load_model, load_tokenizer, model_config
-
     t_start = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.model)
-    check_prompt_lengths(tokenizer, train_ex + heldout, cfg, system_prompt)
-    config = model_config(cfg.model)
-    if cfg.use_lora:
-        from grpo_kit.model.loading import meta_model
-
-        check_lora_targets(meta_model(config), cfg.lora_target_modules)
-
-    from grpo_kit.generation.plan import plan_generation, start_generation
-
-    # Generation backend (config: generation_backend, kv_cache_dtype, vllm_share_weights, ...), decided before any
-    # model loads so that a bad option or a plan that cannot fit stops the run early; what was used goes to
-    # summary.json. With shared weights the engine starts first and the training model is built on its tensors.
-    plan = plan_generation(cfg, model_config=config, device=device, dtype=dtype,
-                           num_processes=PartialState().num_processes)
-    quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
-                 auto_allowance=cfg.load_in_4bit_auto_allowance,
-                 nf4_matmul=cfg.load_in_4bit_matmul,
-                 calibration=calibration_batches(tokenizer, train_ex, system_prompt)) if cfg.load_in_4bit else {}
-    generator, model, generation_info = start_generation(
-        plan, tokenizer=tokenizer, dtype=dtype,
-        load_model=lambda: load_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed, **quant)[0])
+    tokenizer, model, generator, plan, generation_info = _load(run)
+    run.evals = dict(run.resumed.get("evals") or {})
+    if run.heldout and run.is_main and "before" not in run.evals:
+        run.evals["before"] = _evaluate(run, model, tokenizer, "before")
+    samples_path, recorder = _run_files(run, resume)
+    trainer = _make_trainer(run, model, tokenizer, generator, plan, reward_funcs, recorder, callbacks, samples_path)
     shared = bool(getattr(generator, "share_weights", False))
-    if is_main:
-        print(f"generation: {generation_info['backend']}" + (f" ({generation_info['reason']})"
-                                                             if generation_info.get("reason") else "")
-              + (f", weights {generation_info['weights']}" if generation_info.get("weights") else ""), flush=True)
-
-    eval_kw = dict(system_prompt=system_prompt, max_new_tokens=cfg.max_completion_length)
-    evals = dict(resumed.get("evals") or {})
-    if heldout and is_main and "before" not in evals:
-        evals["before"] = evaluate_accuracy(model, tokenizer, heldout, **eval_kw,
-                                            progress="held-out before" if progress else None)
-        print(f"held-out accuracy before training: {evals['before']['accuracy']:.3f} (n={len(heldout)}, greedy)", flush=True)
-
-    peft_config = None
-    if cfg.use_lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                 target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
-
-    samples_path = run_dir / ("samples.jsonl" if is_main else f"samples.rank{PartialState().process_index}.jsonl")
-    history: list[dict] = []
-    if resume:
-        from grpo_kit.app.resume_policy import restore_run_files
-
-        history = restore_run_files(run_dir, resumed, metric_columns(resumed.get("metrics") or []),
-                                    samples_path) if is_main else []
-    else:
-        samples_path.write_text("")
-    recorder = SampleRecorder([checked_reward_func(f, on_error=cfg.reward_errors, time_limit_s=cfg.reward_time_limit_s)
-                               for f in reward_funcs], samples_path)
-    recorder.step = int(resumed.get("recorder_step") or 0)
-    callback = _make_callback(cfg, run_dir, device, history)
-
-    from grpo_kit.trainer.grpo_trainer import make_trainer
-
-    trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=recorder.wrapped,
-                           args=grpo_args(cfg, device, dtype), train_dataset=to_prompt_dataset(train_ex, system_prompt),
-                           callbacks=[callback, *callbacks], peft_config=peft_config, generator=generator,
-                           reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
-                           memory_plan=plan.memory)
-    from grpo_kit.trainer.guards import configure_reliability
-
-    configure_reliability(trainer, cfg, run_state_provider=lambda: {
-        "metrics": list(history), "evals": evals, "recorder_step": recorder.step,
-        "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
-    if not progress:
-        trainer.args.disable_tqdm = True
-    quiet_trainer_logs(trainer, progress_bar=progress)  # the compact step line instead of TRL's dict
-    t_train = time.perf_counter()
     try:
-        try:
-            if finishing:  # at max_steps already: the checkpoint's weights, and no training step
-                trainer._load_from_checkpoint(str(ckpt))
-            else:
-                trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
-        finally:
-            if generator is not None:
-                syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
-                generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
-                    round(sum(syncs) / len(syncs), 4) if syncs else None))
-                if getattr(generator, "last_merge", None) is not None:  # vllm_lora_sync=merge, shared weights
-                    generation_info["last_merge"] = generator.last_merge
-                # Free the engine's memory before evaluation; an engine whose weights the model uses goes to
-                # standby instead (KV cache released) and is closed after the last use of the model.
-                _release(generator, standby=shared)
-            # Whatever happened, keep what was trained: adapter (or weights) and the metrics so far.
-            if is_main:
-                save_dir = run_dir / ("adapter" if cfg.use_lora else "model")
-                trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
-                tokenizer.save_pretrained(save_dir)
-                if history:
-                    plot_rewards(history, run_dir / "rewards.png")
-        if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
-            raise trainer.stop_error
-        train_seconds = time.perf_counter() - t_train
-        if generator is not None and train_seconds > 0:  # what the GPU half of a step costs, measured per run
-            gen_s = getattr(trainer, "kit_generation_seconds", 0.0)
-            generation_info.update(generation_seconds=round(gen_s, 1),
-                                   generation_share_of_training=round(gen_s / train_seconds, 3))
-        if not is_main:
+        train_seconds = _fit(run, trainer, tokenizer, generator, generation_info, shared)
+        if not run.is_main:
             return {"run_dir": str(run_dir), "main_process": False}
-
-        trained = trainer.model
-        if heldout:
-            evals["after"] = evaluate_accuracy(trained, tokenizer, heldout, **eval_kw,
-                                               progress="held-out after" if progress else None)
-            print(f"held-out accuracy after training: {evals['after']['accuracy']:.3f}", flush=True)
-        (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
+        if run.heldout:
+            run.evals["after"] = _evaluate(run, trainer.model, tokenizer, "after")
+        (run_dir / "eval.json").write_text(json.dumps(run.evals, indent=2))
     finally:
         if shared:
             _release(generator, standby=False)
+    summary = rounded(_summary(run, trainer, model, generation_info, train_seconds, t_start))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _find_resume_point(run: _Run) -> dict | None:
+    """Sets the checkpoint to resume from and its run state; the summary when the run is already finished."""
+    run.ckpt = find_resume_checkpoint(run.run_dir)
+    run.resumed = read_run_state(run.ckpt)
+    run.finishing = checkpoint_step(run.ckpt) >= run.cfg.max_steps  # stopped during the final save or evaluation
+    if run.finishing and (run.run_dir / "summary.json").is_file():
+        print(f"the run in {run.run_dir} is already finished ({run.ckpt.name}, max_steps={run.cfg.max_steps}, "
+              f"summary.json written); nothing to do. To train longer: train --resume {run.run_dir} --set "
+              "max_steps=N", flush=True)
+        return {**json.loads((run.run_dir / "summary.json").read_text()), "already_finished": True}
+    print(f"resuming from {run.ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no more "
+                                         "training)" if run.finishing else ""), flush=True)
+    return None
+
+
+def _load(run: _Run):
+    """Tokenizer, generation plan, engine and training model: (tokenizer, model, generator, plan, info).
+
+    The generation backend (config: generation_backend, kv_cache_dtype, vllm_share_weights, ...) is decided before
+    any model loads, so that a bad option or a plan that cannot fit stops the run early; what was used goes to
+    summary.json. With shared weights the engine starts first and the training model is built on its tensors."""
+    cfg, dtype = run.cfg, run.dtype
+    tokenizer = load_tokenizer(cfg.model)
+    check_prompt_lengths(tokenizer, run.train_ex + run.heldout, cfg, run.system_prompt)
+    config = model_config(cfg.model)
+    if cfg.use_lora:
+        check_lora_targets(meta_model(config), cfg.lora_target_modules)
+    plan = plan_generation(cfg, model_config=config, device=run.device, dtype=dtype,
+                           num_processes=PartialState().num_processes)
+    quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
+                 auto_allowance=cfg.load_in_4bit_auto_allowance, nf4_matmul=cfg.load_in_4bit_matmul,
+                 calibration=calibration_batches(tokenizer, run.train_ex, run.system_prompt)) if cfg.load_in_4bit else {}
+    generator, model, info = start_generation(
+        plan, tokenizer=tokenizer, dtype=dtype,
+        load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed, **quant)[0])
+    if run.is_main:
+        print(f"generation: {info['backend']}" + (f" ({info['reason']})" if info.get("reason") else "")
+              + (f", weights {info['weights']}" if info.get("weights") else ""), flush=True)
+    return tokenizer, model, generator, plan, info
+
+
+def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
+    """Greedy held-out accuracy ``before`` or ``after`` training, printed."""
+    result = evaluate_accuracy(model, tokenizer, run.heldout, system_prompt=run.system_prompt,
+                               max_new_tokens=run.cfg.max_completion_length,
+                               progress=f"held-out {when}" if run.progress else None)
+    extra = f" (n={len(run.heldout)}, greedy)" if when == "before" else ""
+    print(f"held-out accuracy {when} training: {result['accuracy']:.3f}{extra}", flush=True)
+    return result
+
+
+def _run_files(run: _Run, resume: bool):
+    """samples.jsonl (this process's) and its recorder; metrics so far into ``run.history`` when resuming."""
+    name = "samples.jsonl" if run.is_main else f"samples.rank{PartialState().process_index}.jsonl"
+    samples_path = run.run_dir / name
+    if resume:
+        run.history = restore_run_files(run.run_dir, run.resumed, metric_columns(run.resumed.get("metrics") or []),
+                                        samples_path) if run.is_main else []
+    else:
+        samples_path.write_text("")
+    recorder = SampleRecorder(samples_path)
+    recorder.step = int(run.resumed.get("recorder_step") or 0)
+    return samples_path, recorder
+
+
+def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, recorder, callbacks, samples_path):
+    """The trainer the config names, with the kit's guards, resumable checkpoints and console line."""
+    from peft import LoraConfig  # lazy: peft is slow to import and full fine-tuning does not need it
+    from grpo_kit.trainer.grpo_trainer import make_trainer  # lazy: imports TRL, after the checks above
+    from grpo_kit.trainer.guards import configure_reliability  # lazy: imports TRL
+
+    cfg = run.cfg
+    peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                             target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM") if cfg.use_lora else None
+    trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
+                           args=grpo_args(cfg, run.device, run.dtype),
+                           train_dataset=to_prompt_dataset(run.train_ex, run.system_prompt),
+                           callbacks=[MetricsCallback(cfg, run.run_dir, run.device, run.history), *callbacks],
+                           peft_config=peft_config, generator=generator,
+                           reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
+                           memory_plan=plan.memory, on_rewards=recorder.record)
+    configure_reliability(trainer, cfg, run_state_provider=lambda: {
+        "metrics": list(run.history), "evals": run.evals, "recorder_step": recorder.step,
+        "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
+    if not run.progress:
+        trainer.args.disable_tqdm = True
+    quiet_trainer_logs(trainer, progress_bar=run.progress)  # the compact step line instead of TRL's dict
+    return trainer
+
+
+def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared: bool) -> float:
+    """Train (or, at max_steps already, load the checkpoint's weights); whatever happens, keep what was trained.
+    Returns the training seconds; records the engine's weight syncs and generation share in ``generation_info``."""
+    t_train = time.perf_counter()
+    try:
+        if run.finishing:  # at max_steps already: the checkpoint's weights, and no training step
+            trainer._load_from_checkpoint(str(run.ckpt))
+        else:
+            trainer.train(resume_from_checkpoint=str(run.ckpt) if run.ckpt is not None else None)
+    finally:
+        if generator is not None:
+            syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
+            generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
+                round(sum(syncs) / len(syncs), 4) if syncs else None))
+            if getattr(generator, "last_merge", None) is not None:  # vllm_lora_sync=merge, shared weights
+                generation_info["last_merge"] = generator.last_merge
+            # Free the engine's memory before evaluation; an engine whose weights the model uses goes to
+            # standby instead (KV cache released) and is closed after the last use of the model.
+            _release(generator, standby=shared)
+        if run.is_main:  # the adapter (or weights) and the metrics so far
+            save_dir = run.run_dir / ("adapter" if run.cfg.use_lora else "model")
+            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
+            tokenizer.save_pretrained(save_dir)
+            if run.history:
+                plot_rewards(run.history, run.run_dir / "rewards.png")
+    if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
+        raise trainer.stop_error
+    train_seconds = time.perf_counter() - t_train
+    if generator is not None and train_seconds > 0:  # what the GPU half of a step costs, measured per run
+        gen_s = getattr(trainer, "kit_generation_seconds", 0.0)
+        generation_info.update(generation_seconds=round(gen_s, 1),
+                               generation_share_of_training=round(gen_s / train_seconds, 3))
+    return train_seconds
+
+
+def _summary(run: _Run, trainer, model, generation_info: dict, train_seconds: float, t_start: float) -> dict:
+    """summary.json's contents (not yet rounded)."""
+    history, cfg = run.history, run.cfg
     finite = all(math.isfinite(r[k]) for r in history for k in ("reward_mean", "loss") if r[k] is not None)
-    summary = {
-        "model": cfg.model, "task": cfg.task, "steps": cfg.max_steps if finishing else trainer.state.global_step, "device": device, "dtype": str(dtype),
-        "trainer": cfg.trainer, "train_seconds": round(train_seconds, 1),
+    # over the logged rows that carry a time (logging_steps > 1 logs fewer rows than steps)
+    timed = [r["step_time_s"] for r in history if r["step_time_s"]]
+    return {
+        "model": cfg.model, "task": cfg.task, "steps": cfg.max_steps if run.finishing else trainer.state.global_step,
+        "device": run.device, "dtype": str(run.dtype), "trainer": cfg.trainer, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        # over the logged rows that carry a time (logging_steps > 1 logs fewer rows than steps)
-        "mean_step_time_s": (sum(timed) / len(timed) if (timed := [r["step_time_s"] for r in history
-                                                                  if r["step_time_s"]]) else None),
-        "peak_memory_gib": peak_memory_gib(device), "metrics_finite": finite,
-        "accuracy_before": evals.get("before", {}).get("accuracy"),
-        "accuracy_after": evals.get("after", {}).get("accuracy"),
+        "mean_step_time_s": sum(timed) / len(timed) if timed else None,
+        "peak_memory_gib": peak_memory_gib(run.device), "metrics_finite": finite,
+        "accuracy_before": run.evals.get("before", {}).get("accuracy"),
+        "accuracy_after": run.evals.get("after", {}).get("accuracy"),
         "generation": generation_info,
         # sequences per no-grad scoring forward as the trainer ran (scoring_batch_size, "auto" resolved; null:
         # per_device_train_batch_size)
         "scoring_batch_size": getattr(trainer, "scoring_batch_size", None),
         "quantization": getattr(model, "grpo_kit_quantization", None),
-        "run_dir": str(run_dir),
+        "run_dir": str(run.run_dir),
     }
-    summary = rounded(summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary

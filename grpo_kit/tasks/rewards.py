@@ -9,6 +9,7 @@ The examples below run as tests (``pytest --doctest-modules grpo_kit/tasks/rewar
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import re
@@ -175,8 +176,6 @@ def resolve_reward_func(spec):
     if not sep or not module_name or not attr:
         raise ValueError(f"unknown reward function {spec!r}; use a built-in name ({', '.join(REWARD_FUNCTIONS)}), "
                          "'module:function' (an importable module) or, from Python, a callable")
-    import importlib
-
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # the module's own import errors too: name the entry, keep the cause
@@ -225,7 +224,8 @@ def _excerpt(x, n: int = 80) -> str:
 REWARD_TIME_LIMIT_S = 60.0
 
 
-def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S):
+def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S,
+                        on_rewards=None):
     """Wrap a reward function so bad output stops training with a message naming it and the sample.
 
     Allowed per sample: a finite number that fits a float, or ``None`` (TRL's "not applicable to this
@@ -242,6 +242,9 @@ def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None 
     scores 0.0 with a warning naming the function and the sample, whatever ``on_error`` says. A call
     thus takes at most about ``2 * time_limit_s``.
 
+    ``on_rewards(name, prompts, completions, columns, rewards)``: called with each checked batch (the run
+    folder's samples.jsonl is written this way).
+
     >>> ok = checked_reward_func(correctness_reward)
     >>> ok(None, ["Answer: 3"], answer=["3"])
     [1.0]
@@ -256,77 +259,83 @@ def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None 
                                          and time_limit_s >= 0):
         raise ValueError(f"time_limit_s={time_limit_s!r} must be a finite number of seconds >= 0 (0: no limit)")
     name = getattr(fn, "__name__", type(fn).__name__)
-    if getattr(fn, "_grpo_kit_checked", False):
-        return fn
-
-    def one_by_one(prompts, completions, kwargs, batch_error):
-        """Each sample alone, within one shared time budget: the failing ones named, or scored 0.0."""
-        n = len(completions)
-        deadline = time.monotonic() + time_limit_s if time_limit_s else None
-        scores = []
-        for i in range(n):
-            one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
-            # An equal share of what is left, so one slow sample cannot starve the ones after it.
-            left = None if deadline is None else (deadline - time.monotonic()) / (n - i)
-            where = f"on sample {i} (completion {_excerpt(completions[i])})"
-            try:
-                if left is not None and left <= 0:
-                    raise TimeLimitExceeded("no time left")
-                r1 = call_with_time_limit(left, fn, None if prompts is None else prompts[i:i + 1],
-                                          completions[i:i + 1], **one)
-                scores.append(list(r1)[0] if isinstance(r1, (list, tuple)) and len(r1) == 1 else r1)
-            except TimeLimitExceeded:
-                _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) %s; scored 0.0",
-                             name, time_limit_s, where)
-                scores.append(0.0)
-            except Exception as e1:
-                msg = f"reward function {name!r} raised {type(e1).__name__}: {e1} {where}"
-                if on_error == "raise":
-                    raise RewardFunctionError(msg) from e1
-                _log.warning("%s; scored 0.0 (reward_errors='zero')", msg)
-                scores.append(0.0)
-        if batch_error is not None and on_error == "raise":
-            raise RewardFunctionError(f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} "
-                                      f"on a batch of {n} completions") from batch_error
-        return scores
 
     def wrapper(prompts, completions, **kwargs):
-        n = len(completions)
         try:
             out = call_with_time_limit(time_limit_s, fn, prompts, completions, **kwargs)
         except TimeLimitExceeded:
             _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) on a batch of %d "
-                         "completions; re-running them one by one", name, time_limit_s, n)
-            out = one_by_one(prompts, completions, kwargs, None)
+                         "completions; re-running them one by one", name, time_limit_s, len(completions))
+            out = _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, None)
         except Exception as e:
-            out = one_by_one(prompts, completions, kwargs, e)
-        if not isinstance(out, (list, tuple)) and not hasattr(out, "__len__"):
-            raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}, expected a list "
-                                      f"of {n} floats (or None)")
-        out = list(out)
-        if len(out) != n:
-            raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions")
-        values = []
-        for i, r in enumerate(out):
-            if r is None:
-                values.append(None)
-                continue
-            if isinstance(r, bool) or not isinstance(r, (int, float)) and not hasattr(r, "__float__"):
-                raise RewardFunctionError(f"reward function {name!r} returned {r!r} for sample {i}; expected a "
-                                          "number or None")
-            try:
-                value = float(r)
-            except (OverflowError, ValueError, TypeError) as e:  # 10**400, or a __float__ that fails
-                raise RewardFunctionError(f"reward function {name!r} returned a value that is no float for sample "
-                                          f"{i} ({type(e).__name__}: {e}; completion {_excerpt(completions[i])})"
-                                          ) from None
-            if not math.isfinite(value):
-                raise RewardFunctionError(f"reward function {name!r} returned {value} for sample {i} "
-                                          f"(completion {_excerpt(completions[i])}); rewards must be finite "
-                                          "(None means 'not applicable')")
-            values.append(value)
+            out = _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, e)
+        values = _checked_values(name, out, completions)
+        if on_rewards is not None:
+            on_rewards(name, prompts, completions, kwargs, values)
         return values
 
     wrapper.__name__, wrapper.__doc__ = name, fn.__doc__
-    wrapper._grpo_kit_checked = True
     return wrapper
+
+
+def _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, batch_error) -> list:
+    """Each sample alone, within one shared time budget: the failing ones named, or scored 0.0."""
+    n = len(completions)
+    deadline = time.monotonic() + time_limit_s if time_limit_s else None
+    scores = []
+    for i in range(n):
+        one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+        # An equal share of what is left, so one slow sample cannot starve the ones after it.
+        left = None if deadline is None else (deadline - time.monotonic()) / (n - i)
+        where = f"on sample {i} (completion {_excerpt(completions[i])})"
+        try:
+            if left is not None and left <= 0:
+                raise TimeLimitExceeded("no time left")
+            r1 = call_with_time_limit(left, fn, None if prompts is None else prompts[i:i + 1], completions[i:i + 1],
+                                      **one)
+            scores.append(list(r1)[0] if isinstance(r1, (list, tuple)) and len(r1) == 1 else r1)
+        except TimeLimitExceeded:
+            _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) %s; scored 0.0",
+                         name, time_limit_s, where)
+            scores.append(0.0)
+        except Exception as e1:
+            msg = f"reward function {name!r} raised {type(e1).__name__}: {e1} {where}"
+            if on_error == "raise":
+                raise RewardFunctionError(msg) from e1
+            _log.warning("%s; scored 0.0 (reward_errors='zero')", msg)
+            scores.append(0.0)
+    if batch_error is not None and on_error == "raise":
+        raise RewardFunctionError(f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} "
+                                  f"on a batch of {n} completions") from batch_error
+    return scores
+
+
+def _checked_values(name: str, out, completions) -> list:
+    """A reward function's output as floats (or None), or a ``RewardFunctionError`` naming what is wrong."""
+    n = len(completions)
+    if not isinstance(out, (list, tuple)) and not hasattr(out, "__len__"):
+        raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}, expected a list "
+                                  f"of {n} floats (or None)")
+    out = list(out)
+    if len(out) != n:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions")
+    values = []
+    for i, r in enumerate(out):
+        if r is None:
+            values.append(None)
+            continue
+        if isinstance(r, bool) or not isinstance(r, (int, float)) and not hasattr(r, "__float__"):
+            raise RewardFunctionError(f"reward function {name!r} returned {r!r} for sample {i}; expected a "
+                                      "number or None")
+        try:
+            value = float(r)
+        except (OverflowError, ValueError, TypeError) as e:  # 10**400, or a __float__ that fails
+            raise RewardFunctionError(f"reward function {name!r} returned a value that is no float for sample "
+                                      f"{i} ({type(e).__name__}: {e}; completion {_excerpt(completions[i])})"
+                                      ) from None
+        if not math.isfinite(value):
+            raise RewardFunctionError(f"reward function {name!r} returned {value} for sample {i} "
+                                      f"(completion {_excerpt(completions[i])}); rewards must be finite "
+                                      "(None means 'not applicable')")
+        values.append(value)
+    return values

@@ -49,11 +49,10 @@ from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_row
 from grpo_kit.model.offload import keep_hf_checkpointing_off
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
-from grpo_kit.trainer.sharding import check_sharding, full_head
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.memory.estimate import scoring_batch_for_config
 from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
-from grpo_kit.tasks.rewards import checked_reward_func, resolve_reward_func
+from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
 UNSUPPORTED = (
@@ -90,16 +89,16 @@ def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return norm, m
 
 
-def _checked(funcs, on_error: str = "raise"):
-    """Wrap plain (synchronous, callable) reward functions with :func:`grpo_kit.tasks.rewards.checked_reward_func`;
-    ``module:function`` strings are imported first (other strings stay TRL's reward-model ids, which hold no
-    colon)."""
+def _checked(funcs, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None):
+    """The one place reward functions are wrapped: plain (synchronous, callable) ones with
+    :func:`grpo_kit.tasks.rewards.checked_reward_func`; ``module:function`` strings are imported first (other
+    strings stay TRL's reward-model ids, which hold no colon). ``on_rewards`` sees the first function's checked
+    scores (the run folder's samples.jsonl)."""
     single = not isinstance(funcs, (list, tuple))
     funcs = [resolve_reward_func(f) if isinstance(f, str) and ":" in f else f for f in ([funcs] if single else funcs)]
-    funcs = funcs[0] if single else funcs
-    out = [checked_reward_func(f, on_error) if callable(f) and not isinstance(f, torch.nn.Module)
-           and not inspect.iscoroutinefunction(f) and not getattr(f, "_grpo_kit_checked", False) else f
-           for f in ([funcs] if single else funcs)]
+    out = [checked_reward_func(f, on_error, time_limit_s, on_rewards=on_rewards if i == 0 else None)
+           if callable(f) and not isinstance(f, torch.nn.Module) and not inspect.iscoroutinefunction(f) else f
+           for i, f in enumerate(funcs)]
     return out[0] if single else out
 
 
@@ -120,22 +119,23 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     ``scoring_batch_size`` (sequences per no-grad scoring forward, the reference log-probs; None: TRL's
     ``per_device_train_batch_size``),
     ``offload_checkpointing`` (None: on when the model is on CUDA and the config asks for
-    gradient checkpointing; True/False to force), and those of :class:`KitGenerationMixin`:
+    gradient checkpointing; True/False to force),
+    ``reward_errors``, ``reward_time_limit_s`` and ``on_rewards`` (how each reward function is checked:
+    :func:`grpo_kit.tasks.rewards.checked_reward_func`), and those of :class:`KitGenerationMixin`:
     ``generator`` (a kit generator, e.g. ``make_generator("vllm", ...)``; None: TRL's own
     generation) and ``importance_sampling_correction``.
     """
 
     def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
-                 reward_errors: str = "raise", scoring_batch_size: int | None = None, **kwargs):
+                 reward_errors: str = "raise", scoring_batch_size: int | None = None,
+                 reward_time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None, **kwargs):
         training_args = kwargs.get("args")
         if training_args is not None:
             self._check_supported(training_args)
-            # an unproven sharding mode stops here, before the Trainer prepares the model
-            check_sharding(training_args, offload_checkpointing=offload_checkpointing)
         # Bad reward output names the function and the sample; reward_errors="zero": a function that
         # raises scores 0.0 on that sample with a warning instead of stopping training.
         if "reward_funcs" in kwargs:
-            kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], reward_errors)
+            kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], reward_errors, reward_time_limit_s, on_rewards)
         super().__init__(*args, **kwargs)
         self._check_vespo_importance_sampling()
         self.loss_chunk_size = loss_chunk_size
@@ -191,8 +191,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         return hidden[:, -logits_to_keep - 1:-1, :]
 
     def _head(self, model=None):
-        """(weight, bias) of the output head of ``model`` (default: the policy), gathered where FSDP2 shards it."""
-        return full_head(_final_norm(self.model if model is None else model)[1])
+        """(weight, bias) of the output head of ``model`` (default: the policy)."""
+        head = _final_norm(self.model if model is None else model)[1].get_output_embeddings()
+        return head.weight, getattr(head, "bias", None)
 
     # -- override 1: log-probs without logits ----------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -295,7 +296,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
 
 def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
-                 generator=None, reliable: bool = False, memory_plan: dict | None = None):
+                 generator=None, reliable: bool = False, memory_plan: dict | None = None, on_rewards=None):
     """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
 
     ``reliable``: its class composed with the NaN/OOM guards and the atomic, resumable checkpoints
@@ -312,18 +313,24 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     ``memory_plan``: the CUDA generation memory plan (:func:`grpo_kit.generation.plan.memory_plan`), whose
     calculator pricing resolves ``scoring_batch_size: auto``; without one the calculator prices the config as it
     stands (:func:`grpo_kit.memory.scoring_batch_for_config`).
+
+    The reward functions are checked with the config's ``reward_errors`` and ``reward_time_limit_s``
+    (:func:`_checked`, once); ``on_rewards`` sees the first one's checked scores.
     """
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
     kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
                   processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
+    checks = (cfg.reward_errors, cfg.reward_time_limit_s, on_rewards)
     if cfg.trainer == "trl":
         if generator is not None:
             raise ValueError("trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
                              "a kit generator needs trainer='grpo_kit'")
+        kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], *checks)  # TRL's own class checks nothing
         return (with_reliability(GRPOTrainer) if reliable else GRPOTrainer)(**kwargs)
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
     cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
     scoring = (memory_plan["scoring_batch_size"] if memory_plan and cfg.scoring_batch_size == "auto"
                else scoring_batch_for_config(cfg, model.config))
-    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator)
+    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
+               reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2])
