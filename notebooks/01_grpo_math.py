@@ -68,7 +68,7 @@ print(f"model={cfg.model}  G={cfg.num_generations}  T={cfg.max_completion_length
 # %% tags=["nbval-check-output"]
 import torch
 
-from grpo_kit.notebook.helpers import group_advantages
+from grpo_kit.loss.advantage import group_advantages
 
 rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 0.0, 0.0,   0.0, 0.0, 0.0, 0.0])
 for scale in ("group", "batch", "none"):
@@ -82,7 +82,7 @@ for scale in ("group", "batch", "none"):
 # `exp(0)`: the policy gradient vanishes.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.loss.efficient import grpo_loss_reference
+from grpo_kit.loss.reference import grpo_loss_reference
 
 torch.manual_seed(seed)
 G, T = num_generations, completion_length
@@ -122,13 +122,13 @@ for name, v in est.items():
 
 # %% [markdown]
 # ## 4. Loss types and sequence length
-# The per-token losses are summed with weights that depend on `loss_type` (`grpo_kit.loss.efficient.token_weights`).
+# The per-token losses are summed with weights that depend on `loss_type` (`grpo_kit.loss.objective.token_weights`).
 # Two completions, 2 and 6 tokens long: `grpo` averages within each sequence first (a short sequence's
 # tokens weigh 3x more), `bnpo`/`dapo` average over all tokens of the batch, `dr_grpo` divides by the
 # constant `G × max_completion_length` (no length bias).
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.loss.efficient import token_weights
+from grpo_kit.loss.objective import token_weights
 
 mask2 = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
 for lt in ("grpo", "bnpo", "dr_grpo", "dapo"):

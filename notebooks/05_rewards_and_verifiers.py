@@ -132,7 +132,7 @@ except ValueError as e:
 # %% tags=["nbval-check-output"]
 import torch
 
-from grpo_kit.notebook.helpers import group_advantages
+from grpo_kit.loss.advantage import group_advantages
 from grpo_kit.tasks.rewards import format_soft_reward
 
 group = ["Answer: 7", "7", "I think it is 8. Answer: 8", "Answer: 7 because 3 + 4"][:num_generations]

@@ -14,8 +14,8 @@ import torch
 
 from grpo_kit.app.config import ConfigError
 from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
-from grpo_kit.notebook.helpers import (choose_setup, exact_kl, group_advantages, in_colab, kl_estimates,
-                                     validate_params)
+from grpo_kit.loss.advantage import group_advantages
+from grpo_kit.notebook.helpers import choose_setup, exact_kl, in_colab, kl_estimates, validate_params
 
 TRL_LOG = {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.002, "completions/mean_length": 7.5,
            "learning_rate": 1e-4}

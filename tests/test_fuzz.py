@@ -21,9 +21,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from grpo_kit.tasks import rewards
-from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.loss.objective import LOSS_TYPES
-from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED
+from grpo_kit.loss.reference import grpo_loss_reference
+from grpo_kit.loss.registry import get_loss_type
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,7 +177,8 @@ def loss_inputs(draw, max_b=4, max_t=6):
                 epsilon_high=draw(st.sampled_from([None, 0.0, 0.28, 5.0])), loss_type=draw(st.sampled_from(LOSS_TYPES)))
     opts["max_completion_length"] = T + draw(st.integers(0, 3))
     opts["num_items_in_batch"] = (draw(st.sampled_from([0, 1, B * T, 10**6]))
-                                  if opts["loss_type"] in TOKEN_COUNT_NORMALISED else None)
+                                  if "num_items_in_batch" in get_loss_type(opts["loss_type"]).normaliser.needs
+                                  else None)
     # (use_bias_correction_kl is left out: k3 times the ratio, each up to e^MAX_LOG_GAP, overflows fp32 by design)
     opts.update(importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
                 delta=draw(st.sampled_from([None, 1.5])))

@@ -25,7 +25,7 @@ from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.trainer.guards import (NonFiniteStop, OutOfMemoryStop, _split_batch, configure_reliability, split_weights,
                              with_reliability)
-from grpo_kit.loss.efficient import grpo_loss_reference
+from grpo_kit.loss.reference import grpo_loss_reference
 from grpo_kit.loss.objective import LOSS_TYPES
 from grpo_kit.model.loading import load_model
 from grpo_kit.trainer.checkpoints import list_checkpoints, verify_checkpoint

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from _objective_settings import SETTINGS, loss_kwargs
-from grpo_kit.loss.efficient import efficient_grpo_loss, grpo_loss_reference, per_token_logps
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.loss.objective import LOSS_TYPES
+from grpo_kit.loss.reference import grpo_loss_reference
 
 B, T, H, V = 3, 13, 48, 257
 LENGTH_KW = dict(max_completion_length=17, num_items_in_batch=29)
@@ -50,7 +51,7 @@ def loss_scale(lp64, old, ref, c, kw, isw=None):
     """sum_t w_t |per-token loss_t| in fp64: the loss's magnitude before the terms of both signs
     cancel. Relative error is measured against it, since a sum that cancels to ~0 has no relative
     precision in any dtype."""
-    from grpo_kit.loss.efficient import objective_spec
+    from grpo_kit.loss.checks import objective_spec
     from grpo_kit.loss.objective import per_token_objective, token_weights
 
     opts = {k: v for k, v in kw.items() if k not in ("beta", "epsilon_low", "epsilon_high", "loss_type",

@@ -1,29 +1,25 @@
-"""The GRPO loss: a readable reference and a chunked, memory-efficient twin with the same numbers.
+"""The GRPO loss from final hidden states, chunk by chunk, never holding the (B, T, V) logits.
 
-Notation (shapes; dtypes): B completions, T completion tokens, H hidden size, V vocabulary. The
-objective itself (ratio, clipping variants, importance weights, KL, entropy mask, ``loss_type``
-normalisation) is written once, in :mod:`grpo_kit.loss.objective`; both functions here evaluate it.
+Notation (shapes; dtypes): B completions, T completion tokens, H hidden size, V vocabulary. The objective
+itself (ratio, the loss types of :mod:`grpo_kit.loss.registry`, importance weights, KL, entropy mask,
+normalisation) is written once, in :mod:`grpo_kit.loss.objective`;
+:func:`grpo_kit.loss.reference.grpo_loss_reference` sums it over per-token log-probs, and this module evaluates
+the same sum (:func:`grpo_kit.loss.reference.objective_loss`) over the log-probs it computes itself.
 
-* ``grpo_loss_reference(logps, ...)`` works on per-token log-probs (B, T): it fills padding,
-  calls :func:`grpo_kit.loss.objective.per_token_objective` and sums it with
-  :func:`grpo_kit.loss.objective.token_weights`. Options are TRL 1.16 ``GRPOConfig``'s
-  (:class:`grpo_kit.loss.objective.ObjectiveSpec`).
-
-* ``efficient_grpo_loss(hidden, lm_head_weight, ...)`` starts from the final hidden states
-  (B, T, H) and never builds the (B, T, V) logits: it runs over chunks of token rows, computes
-  one (rows, V) logits chunk in the input dtype, takes an fp32 log-softmax of it, and computes the
-  gradient w.r.t. hidden (and the head weight/bias if they require grad) right there, in the
-  forward. The chain rule needs one number per token, c = dL/dlogp: the gradient w.r.t. the
-  chunk's logits is c * (onehot - softmax) / temperature, and row t of the hidden gradient is
-  c_t * d logp_t / d hidden_t. So the loop stores d logp/d hidden per row; after it, c is autograd
-  of the objective over all (B, T) log-probs (normalisers fixed from the mask; GSPO's sequence
-  ratio, VESPO's sequence weight and the entropy quantile then known too) and each row is scaled
-  by its c: one pass, exact, no per-chunk work beyond the head's GEMMs and the epilogue. A
-  trainable head's weight/bias gradient sums over tokens, so it needs c inside the loop: with a
-  token-local spec (``ObjectiveSpec.token_local``) c is then autograd of the objective over the
-  chunk's (rows,) log-prob vector; with coupled tokens a second pass over the chunks adds it.
-  Backward only scales the stored gradient by the incoming one; matmul work stays at the naive
-  4*B*T*H*V FLOPs (6 with a trainable head).
+* ``efficient_grpo_loss(hidden, lm_head_weight, ...)`` starts from the final hidden states (B, T, H): it runs over
+  chunks of token rows, computes one (rows, V) logits chunk in the input dtype, takes an fp32 log-softmax of it,
+  and computes the gradient w.r.t. hidden (and the head weight/bias if they require grad) right there, before any
+  backward. The chain rule needs one number per token, c = dL/dlogp: the gradient w.r.t. the chunk's logits is
+  c * (onehot - softmax) / temperature, and row t of the hidden gradient is c_t * d logp_t / d hidden_t. So the
+  first pass stores d logp/d hidden per row; after it, c is autograd of the objective over all (B, T) log-probs
+  (normalisers fixed from the mask; GSPO's sequence ratio, VESPO's sequence weight and the entropy quantile then
+  known too) and each row is scaled by its c: exact, no per-chunk work beyond the head's GEMMs and the epilogue.
+  A trainable head's weight/bias gradient sums over tokens, so it needs c inside the loop: with a token-local
+  spec (``ObjectiveSpec.token_local``) c is then autograd of the objective over the chunk's (rows,) log-prob
+  vector; with coupled tokens a second pass over the chunks recomputes the logits and adds it. Backward only
+  scales the stored gradient by the incoming one. Matmul work: 4*B*T*H*V FLOPs (logits, hidden gradient);
+  6 with a trainable head and a token-local objective; 8 with a trainable head and coupled tokens (the
+  second pass's logits and head gradient).
 
 * ``per_token_logps(hidden, lm_head_weight, ids)``: the same chunked log-probs, no grad, for the
   reference-model and old-policy passes.
@@ -40,224 +36,14 @@ import numbers
 import torch
 
 from grpo_kit.kernels import grpo_epilogue as _epi
-
-from grpo_kit.loss.objective import (MAX_LOG_GAP, ObjectiveSpec, check_engine_correction, check_normaliser_args,
-                        engine_importance_metrics, engine_importance_weights, high_entropy_mask, objective_metrics,
-                        per_token_objective, token_weights)
+from grpo_kit.loss.checks import check_inputs, objective_spec
+from grpo_kit.loss.objective import MAX_LOG_GAP, objective_metrics, per_token_objective, token_weights
+from grpo_kit.loss.reference import engine_metrics, objective_loss
 
 # Budget for one chunk of logits (plus the torch epilogue's fp32 temporaries when it is used).
 _CHUNK_BUDGET_BYTES = 256 * 2**20
-_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveSpec))
 
 
-# ================================================================================================
-# argument checks shared by both paths
-# ================================================================================================
-def objective_spec(loss_type, beta, epsilon_low, epsilon_high, options) -> ObjectiveSpec:
-    """The :class:`ObjectiveSpec` of one call; ``options``: the remaining TRL-named keywords."""
-    unknown = sorted(set(options) - set(_SPEC_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown loss option(s) {unknown}; allowed: {list(_SPEC_FIELDS)}")
-    return ObjectiveSpec(loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                         **options)
-
-
-def _check_token_tensor(name, x, shape, *, allow_none=True, mask=None):
-    """(B, T) floating tensor, finite where ``mask`` is non-zero (padding may hold anything)."""
-    if x is None:
-        if allow_none:
-            return
-        raise ValueError(f"{name} is required here")
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    bad = ~torch.isfinite(x)
-    if mask is not None:
-        bad = bad & (mask != 0)
-    if bool(bad.any()):
-        raise ValueError(f"{name} holds NaN or inf at unmasked positions")
-
-
-def _check_importance_weights(weights, batch, length, mask):
-    """None, or a floating (B, T) / (B, 1) / (B,) tensor, finite and >= 0 where ``mask`` is
-    non-zero; returned as (B, T) or (B, 1)."""
-    if weights is None:
-        return None
-    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-        raise ValueError("importance_weights must be None or a floating tensor of shape (B, T), (B, 1) or (B,), got "
-                         f"{type(weights).__name__} {getattr(weights, 'dtype', '')}")
-    if tuple(weights.shape) not in ((batch,), (batch, 1), (batch, length)):
-        raise ValueError(f"importance_weights must have shape ({batch}, {length}), ({batch}, 1) or ({batch},), got "
-                         f"{tuple(weights.shape)}")
-    weights = weights.view(batch, 1) if weights.dim() == 1 else weights
-    bad = ~torch.isfinite(weights) | (weights < 0)
-    if weights.shape[1] == length:
-        bad = bad & (mask != 0)
-    else:
-        bad = bad & (mask != 0).any(-1, keepdim=True)
-    if bool(bad.any()):
-        raise ValueError("importance_weights hold NaN, inf or a negative value at unmasked positions")
-    return weights
-
-
-def _check_advantages(advantages, batch, length):
-    if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
-        raise ValueError("advantages must be a floating tensor of shape (B,), (B, 1) or (B, T)")
-    if tuple(advantages.shape) not in ((batch,), (batch, 1), (batch, length)):
-        raise ValueError(
-            f"advantages must have shape ({batch},), ({batch}, 1) or ({batch}, {length}), got {tuple(advantages.shape)}"
-        )
-    if not bool(torch.isfinite(advantages).all()):
-        raise ValueError("advantages hold NaN or inf")
-    return advantages.view(batch, 1) if advantages.dim() == 1 else advantages
-
-
-def _check_mask(mask, shape):
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError("completion_mask must be a tensor")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"completion_mask must have shape {tuple(shape)}, got {tuple(mask.shape)}")
-    if mask.is_floating_point() and not bool(torch.isfinite(mask).all()):
-        raise ValueError("completion_mask holds NaN or inf")
-
-
-def _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights, max_completion_length,
-                  num_items_in_batch, engine_correction=None, sampling_logps=None):
-    """Checks both paths share; returns advantages as (B, 1) / (B, T), the importance weights
-    as None / (B, 1) / (B, T) and the engine correction as None / (mode, clip_min, clip_max)."""
-    check_normaliser_args(spec.loss_type, max_completion_length, num_items_in_batch)
-    _check_mask(mask, (B, T))
-    advantages = _check_advantages(advantages, B, T)
-    _check_token_tensor("old_logps", old_logps, (B, T), mask=mask)
-    _check_token_tensor("ref_logps", ref_logps, (B, T), mask=mask)
-    if spec.beta != 0 and ref_logps is None:
-        raise ValueError("ref_logps is required when beta != 0")
-    engine = check_engine_correction(engine_correction)
-    if engine is not None:
-        if importance_weights is not None:
-            raise ValueError("engine_correction forms the importance weights itself: pass importance_weights=None")
-        if spec.loss_type == "vespo":
-            raise ValueError("engine_correction does not apply to loss_type='vespo' (its gamma weight takes the "
-                             "importance weights): pass them as importance_weights")
-        if not isinstance(sampling_logps, torch.Tensor) or tuple(sampling_logps.shape) != (B, T):
-            raise ValueError(f"engine_correction needs the sampler's log-probs: sampling_logps of shape ({B}, {T})")
-    return advantages, _check_importance_weights(importance_weights, B, T, mask), engine
-
-
-def _fill_padding(logp, active, old, ref, isw):
-    """Padding may hold anything: there old and ref become logp (ratio 1, KL 0) and the importance
-    weight 1, so an extreme padded value cannot overflow exp() into inf * 0 = NaN. (B, T) in, and
-    the weights (B, 1) or (B, T); in logp's dtype. old / ref keep their autograd history, as in
-    TRL (an old that is logp itself, not detached, gives no policy gradient: notebook 01); the
-    weights are detached."""
-    lp = logp.detach()
-    old = None if old is None else torch.where(active, old.to(lp.dtype), lp)
-    ref = None if ref is None else torch.where(active, ref.to(lp.dtype), lp)
-    if isw is not None:
-        keep = active if isw.shape[-1] == active.shape[-1] else active.any(-1, keepdim=True)
-        isw = torch.where(keep, isw.detach().to(lp.dtype), torch.ones((), dtype=lp.dtype, device=lp.device))
-    return old, ref, isw
-
-
-def _entropy_mask(spec, entropy, mask, entropy_mask_fn):
-    """None, or the (B, T) 0/1 mask of the tokens in the top ``top_entropy_quantile`` by entropy."""
-    if spec.top_entropy_quantile >= 1.0:
-        return None
-    if entropy is None:
-        raise ValueError("top_entropy_quantile < 1 needs the per-token entropy (B, T)")
-    if entropy_mask_fn is None:
-        return high_entropy_mask(entropy, mask, spec.top_entropy_quantile)
-    return entropy_mask_fn(entropy, mask)
-
-
-def _objective(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_fn, weights, sampling, engine=None):
-    """sum(weights * per-token objective) over (B, T) log-probs with padding filled: (loss, parts).
-    ``engine``: None or (mode, clip_min, clip_max): the importance weights are the engine correction of the
-    old log-probs (``old``, or the current ones detached) against ``sampling``; ``parts["engine_ratio"]``
-    keeps them for the metrics."""
-    engine_ratio = None
-    if engine is not None:
-        isw = engine_ratio = engine_importance_weights(logp.detach() if old is None else old.detach(), sampling,
-                                                       mask, *engine)
-    active = mask != 0
-    old, ref, isw = _fill_padding(logp, active, old, ref, isw)
-    ent_mask = _entropy_mask(spec, entropy, mask, entropy_mask_fn)
-    per_tok, parts = per_token_objective(logp, old, ref, adv, mask, spec, importance_weights=isw,
-                                         entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
-                                         sampling_logp=None if sampling is None else sampling.to(logp.dtype))
-    if engine_ratio is not None:
-        parts["engine_ratio"] = engine_ratio
-    return (weights * per_tok).sum(), parts
-
-
-def _engine_metrics(logp, old, sampling, mask, parts) -> dict:
-    """The ``sampling/*`` metrics of the engine correction :func:`_objective` formed (empty without one)."""
-    if "engine_ratio" not in parts:
-        return {}
-    return engine_importance_metrics(logp.detach() if old is None else old.detach(), sampling, mask,
-                                     parts["engine_ratio"])
-
-
-# ================================================================================================
-# reference: plain math on per-token log-probs
-# ================================================================================================
-def grpo_loss_reference(
-    logps,
-    old_logps,
-    ref_logps,
-    advantages,
-    mask,
-    *,
-    beta,
-    epsilon_low,
-    epsilon_high,
-    loss_type,
-    max_completion_length=None,
-    num_items_in_batch=None,
-    importance_weights=None,
-    entropy=None,
-    entropy_mask_fn=None,
-    sampling_logps=None,
-    engine_correction=None,
-    **options,
-):
-    """GRPO loss on per-token log-probs; the oracle for :func:`efficient_grpo_loss`.
-
-    logps: (B, T) float (requires grad); old_logps: (B, T) or None (then logps.detach(): ratio 1,
-    gradient A * grad(logp)); ref_logps: (B, T), needed when beta != 0; advantages: (B,), (B, 1) or
-    (B, T); mask: (B, T) bool/int/float; importance_weights: None or (B, T) / (B, 1) / (B,), no
-    gradient (TRL's ``importance_sampling_ratio``); entropy: (B, T), needed when
-    ``top_entropy_quantile < 1``; ``entropy_mask_fn(entropy, mask) -> (B, T) bool`` replaces the
-    one-process quantile (the trainer passes TRL's, which gathers across processes);
-    sampling_logps: (B, T) or None (then old), the sampler's log-probs read by
-    ``off_policy_mask_threshold``. ``engine_correction``: None, or ``(mode, clip_min, clip_max)``: the
-    importance weights are then TRL's engine correction (:func:`grpo_kit.loss.objective.engine_importance_weights`)
-    of old_logps, or of the current log-probs detached when old_logps is None (the policy has not moved
-    since the engine sampled: TRL's old-policy pass would give the same numbers), against sampling_logps,
-    and the metrics gain TRL's ``sampling/*``. ``options``: the other
-    :class:`grpo_kit.loss.objective.ObjectiveSpec` fields (``delta``, ``importance_sampling_level``,
-    ``use_bias_correction_kl``, ``top_entropy_quantile``, ``off_policy_mask_threshold``, sapo_*, vespo_*).
-    Returns (loss 0-d, metrics dict of detached 0-d tensors).
-    """
-    spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
-    if not isinstance(logps, torch.Tensor) or not logps.is_floating_point() or logps.dim() != 2:
-        raise ValueError(f"logps must be a floating (B, T) tensor, got {type(logps).__name__} "
-                         f"{getattr(logps, 'dtype', '')} of shape {tuple(getattr(logps, 'shape', ()))}")
-    B, T = logps.shape
-    adv, isw, engine = _check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights,
-                                     max_completion_length, num_items_in_batch, engine_correction, sampling_logps)
-    maskf = mask.to(logps.dtype)
-    w = token_weights(mask, loss_type, max_completion_length, num_items_in_batch, dtype=logps.dtype)
-    loss, parts = _objective(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w,
-                             sampling_logps, engine)
-    metrics = objective_metrics(parts, adv, maskf, spec, entropy)
-    return loss, {**metrics, **_engine_metrics(logps, old_logps, sampling_logps, maskf, parts)}
-
-
-# ================================================================================================
-# efficient path
-# ================================================================================================
 def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
     """Rows per chunk so that one logits chunk (plus epilogue temporaries) and the per-token fp32/int64
     vectors (~48 bytes a token: weights, advantages, old/ref/log-probs, ids) fit in ~0.25 GiB."""
@@ -269,8 +55,8 @@ def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
         free, _ = torch.cuda.mem_get_info(device)
         budget = min(budget, free // 4)
     rows = max(1, budget // per_row)
-    # Whole 256-row GEMM tiles: on an H200 a 896-row chunk took 1942 ms at Llama 64K where 768 rows took
-    # 1845 ms (bench/results/loss_chunk/); a partly filled last tile wastes more than the extra launches cost.
+    # Whole 256-row GEMM tiles: a partly filled last tile wastes more than the extra launches cost
+    # (bench/results/loss_chunk/).
     for step in (256, 64):
         if rows >= 2 * step:
             return int(rows // step * step)
@@ -342,136 +128,199 @@ def _pow2_scale(x_max):
     return 2.0 ** (-math.floor(math.log2(x_max))) if x_max > 0 else 1.0
 
 
-class _EfficientGRPOFn(torch.autograd.Function):
-    """Forward computes loss, log-probs and the (pre-scaled) gradients; backward rescales them."""
+class _ChunkedHead:
+    """The output head over a batch's active token rows, one (rows, V) logits chunk at a time, and the gradient
+    buffers the chunks write: hidden (B*T, H) in the input dtype, head weight (V, H) and bias (V,) in fp32.
+
+    hidden (B, T, H); weight (V, H); bias (V,) or None; ids (B*T,) int64; active (B*T,) bool (padding rows are
+    skipped entirely); needs: whether hidden, weight, bias get a gradient.
+    """
+
+    def __init__(self, hidden, weight, bias, ids, active, *, chunk_rows, temperature, backend, needs):
+        B, T, H = hidden.shape
+        self.hidden, self.weight, self.bias, self.n_total = hidden, weight, bias, B * T
+        self.n_rows = int(active.sum())
+        self.rows = None if self.n_rows == self.n_total else active.nonzero().squeeze(1)
+        self.ids = self.select(ids)
+        self.chunk_rows, self.inv_temp, self.backend = int(chunk_rows), 1.0 / temperature, backend
+        need_hidden, need_weight, need_bias = needs
+        dev = hidden.device
+        self.grad_hidden = self.grad_weight = self.grad_bias = None
+        if need_hidden:  # rows never written stay zero: padding
+            alloc = torch.empty if self.rows is None else torch.zeros
+            self.grad_hidden = alloc(self.n_total, H, dtype=hidden.dtype, device=dev)
+        if need_weight:
+            self.grad_weight = torch.zeros(weight.shape[0], H, dtype=torch.float32, device=dev)
+        if need_bias:
+            self.grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev)
+
+    @property
+    def trains_head(self) -> bool:
+        return self.grad_weight is not None or self.grad_bias is not None
+
+    def select(self, x):
+        """(B*T,) -> the active rows' (n,); None stays None."""
+        return x if x is None or self.rows is None else x.index_select(0, self.rows)
+
+    def scatter(self, x):
+        """The active rows' (n,) -> (B*T,), zero on padding; None stays None."""
+        if x is None or self.rows is None:
+            return x
+        return torch.zeros(self.n_total, dtype=x.dtype, device=x.device).index_copy_(0, self.rows, x)
+
+    def chunks(self):
+        for start in range(0, self.n_rows, self.chunk_rows):
+            yield start, min(start + self.chunk_rows, self.n_rows)
+
+    def logits(self, start, end):
+        """(rows of hidden, their logits chunk)."""
+        h = _row_gather(self.hidden, self.rows, start, end)
+        return h, _logits(h, self.weight, self.bias)
+
+    def log_probs(self, logits, start, end, with_entropy):
+        """(logp, logsumexp, entropy or None) of the chunk's tokens, (rows,) fp32."""
+        return _epi.lse_logp(logits, self.ids[start:end], self.inv_temp, with_entropy, self.backend)
+
+    def accumulate(self, start, end, h, logits, lse, coef, *, into_hidden, into_head):
+        """Add the chunk's gradient for per-token coefficients ``coef`` (rows,): the epilogue turns the logits
+        into dL/dz = coef * (softmax - onehot) / temperature in place, then the head's GEMMs."""
+        dz = _epi.softmax_grad_(logits, self.ids[start:end], lse, coef, self.inv_temp, self.backend)
+        if into_hidden:
+            if self.rows is None:
+                torch.mm(dz, self.weight, out=self.grad_hidden[start:end])
+            else:
+                self.grad_hidden.index_copy_(0, self.rows[start:end], torch.mm(dz, self.weight))
+        if into_head and self.grad_weight is not None:
+            self.grad_weight.add_(torch.mm(dz.t(), h))
+        if into_head and self.grad_bias is not None:
+            self.grad_bias.add_(dz.float().sum(0))
+
+    def scale_hidden_rows(self, start, end, coef):
+        """Multiply stored rows (d logp / d hidden) by their coefficients (rows,), in fp32."""
+        if self.rows is None:
+            rows = self.grad_hidden[start:end]
+            rows.copy_(rows.float().mul_(coef[:, None]))
+        else:
+            idx = self.rows[start:end]
+            scaled = self.grad_hidden.index_select(0, idx).float().mul_(coef[:, None])
+            self.grad_hidden.index_copy_(0, idx, scaled.to(self.grad_hidden.dtype))
+
+
+def _first_pass(head, *, with_entropy, store_rows, coefficient=None):
+    """Log-probs and entropies (None unless ``with_entropy``) of the active rows, (n,) fp32, in one pass over
+    the chunks. ``coefficient(start, end, logp_chunk) -> (rows,)``: each row's final (scaled) coefficient,
+    written to the hidden and head gradients in the same pass (token-local objective, trainable head); else,
+    with ``store_rows``, each hidden-gradient row gets d logp / d hidden, to be scaled once c is known."""
+    dev = head.hidden.device
+    logp = torch.empty(head.n_rows, dtype=torch.float32, device=dev)
+    entropy = torch.empty(head.n_rows, dtype=torch.float32, device=dev) if with_entropy else None
+    minus_one = torch.full((min(head.chunk_rows, head.n_rows),), -1.0, dtype=torch.float32, device=dev)
+    for start, end in head.chunks():
+        h, z = head.logits(start, end)
+        logp_chunk, lse, ent = head.log_probs(z, start, end, with_entropy)
+        logp[start:end] = logp_chunk
+        if entropy is not None:
+            entropy[start:end] = ent
+        if coefficient is not None:
+            head.accumulate(start, end, h, z, lse, coefficient(start, end, logp_chunk),
+                            into_hidden=store_rows, into_head=True)
+        elif store_rows:  # coefficient -1 gives dz = d logp / dz
+            head.accumulate(start, end, h, z, lse, minus_one[:end - start], into_hidden=True, into_head=False)
+        del z
+    return logp, entropy
+
+
+def _apply_coefficients(head, grad_logp):
+    """Scale each stored hidden row by its c = dL/dlogp (``grad_logp`` (B*T,) fp32); a trainable head gets its
+    gradient from a second pass over the chunks. Returns the power of two c was scaled by."""
+    c = head.select(grad_logp)
+    scale = _pow2_scale(float(c.abs().max()) if head.n_rows else 0.0)
+    c = c * scale
+    for start, end in head.chunks():
+        if head.grad_hidden is not None:
+            head.scale_hidden_rows(start, end, c[start:end])
+        if head.trains_head:  # coupled tokens: the head's gradient needs c, known only now
+            h, z = head.logits(start, end)
+            lse = head.log_probs(z, start, end, False)[1]
+            head.accumulate(start, end, h, z, lse, -c[start:end], into_hidden=False, into_head=True)
+            del z
+    return scale
+
+
+class _StoredGradients(torch.autograd.Function):
+    """Connects the loss to hidden / head weight / bias with their gradients computed before backward
+    (``grads``: hidden (B*T, H), weight (V, H) fp32, bias (V,) fp32, each or None); backward rescales them in
+    place by the incoming gradient over the power-of-two ``scale`` (so one backward only)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, tok, opts):
-        # hidden (B,T,H); weight (V,H); bias (V,) or None; ids (N,) int64; tok: the per-token inputs
-        # flattened to N = B*T, fp32 (N,) or None: w (normaliser weights), adv, old, ref, isw;
-        # opts: options, and opts["objective"](logp (N,), entropy (N,) or None, need_grad) ->
-        # (loss, dL/dlogp (N,) or None, parts), the objective over all tokens.
-        B, T, H = hidden.shape
-        N = B * T
-        V = weight.shape[0]
-        dev = hidden.device
-        spec = opts["spec"]
-        need_h, need_w, need_b = opts["needs_grad"]
-        any_grad = need_h or need_w or need_b
-        # Coefficients in the loop only where a head gradient needs them and the spec allows it: the
-        # autograd call per chunk is ~45 small kernels (on a CPU 0.2-0.5 ms a chunk, the hand-derived
-        # derivative it replaced 0.07-0.15 ms), while scaling stored rows after the loop is one pass.
-        in_loop = opts["token_local"] and (need_w or need_b)
-
-        active = tok["w"] != 0
-        n_act = int(active.sum())
-        rows = None if n_act == N else active.nonzero().squeeze(1)  # skip padding rows entirely
-
-        def sel(x):
-            return None if x is None else (x if rows is None else x.index_select(0, rows))
-
-        ids_a = sel(ids)
-        w_a, adv_a, old_a, ref_a, isw_a = (sel(tok[k]) for k in ("w", "adv", "old", "ref", "isw"))
-        # In the loop: each row's coefficient, scaled so the largest weight is O(1); else the loop stores
-        # d logp/d hidden per row (coefficient 1) and the rows are scaled afterwards.
-        scale = _pow2_scale(float(w_a.max()) if n_act else 0.0) if in_loop else 1.0
-
-        grad_h = None
-        if need_h:
-            grad_h = (torch.empty if rows is None else torch.zeros)(N, H, dtype=hidden.dtype, device=dev)
-        grad_w = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_w else None
-        grad_b = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
-
-        def accumulate(s, e, h_c, z, lse_c, coef, write_h, write_wb):
-            # dL/dz = c * (onehot - softmax) / temp; the kernel writes coef * (softmax - onehot) / temp
-            dz = _epi.softmax_grad_(z, ids_a[s:e], lse_c, coef, inv_temp, backend)
-            if write_h:
-                if rows is None:
-                    torch.mm(dz, weight, out=grad_h[s:e])
-                else:
-                    grad_h.index_copy_(0, rows[s:e], torch.mm(dz, weight))
-            if write_wb and need_w:
-                grad_w.add_(torch.mm(dz.t(), h_c))
-            if write_wb and need_b:
-                grad_b.add_(dz.float().sum(0))
-
-        logp_a = torch.empty(n_act, dtype=torch.float32, device=dev)
-        ent_a = torch.empty(n_act, dtype=torch.float32, device=dev) if opts["compute_entropy"] else None
-        inv_temp = 1.0 / opts["temperature"]
-        backend = opts["backend"]
-        chunk = opts["chunk_size"]
-        minus_one = torch.full((min(chunk, n_act),), -1.0, dtype=torch.float32, device=dev)
-        for s in range(0, n_act, chunk):
-            e = min(s + chunk, n_act)
-            h_c = _row_gather(hidden, rows, s, e)
-            z = _logits(h_c, weight, bias)
-            logp_c, lse_c, ent_c = _epi.lse_logp(z, ids_a[s:e], inv_temp, ent_a is not None, backend)
-            logp_a[s:e] = logp_c
-            if ent_a is not None:
-                ent_a[s:e] = ent_c
-            if not (need_h or in_loop):
-                continue
-            if in_loop:
-                coef = -_chunk_coefficient(spec, logp_c, w_a[s:e], adv_a[s:e], *(
-                    None if x is None else x[s:e] for x in (old_a, ref_a, isw_a))) * scale
-            else:
-                coef = minus_one[:e - s]  # dz = d logp / dz
-            accumulate(s, e, h_c, z, lse_c, coef, need_h, in_loop)
-            del z
-
-        logp = torch.zeros(N, dtype=torch.float32, device=dev)
-        ent = torch.zeros(N, dtype=torch.float32, device=dev) if ent_a is not None else None
-        for full, part in ((logp, logp_a), (ent, ent_a)):
-            if full is None:
-                continue
-            if rows is None:
-                full.copy_(part)
-            else:
-                full.index_copy_(0, rows, part)
-        loss, grad_logp, opts["parts"] = opts["objective"](logp, ent, any_grad and not in_loop)
-
-        if grad_logp is not None:  # the coefficients of the rows stored above
-            c = sel(grad_logp)
-            scale = _pow2_scale(float(c.abs().max()) if n_act else 0.0)
-            c = c * scale
-            for s in range(0, n_act, chunk):
-                e = min(s + chunk, n_act)
-                if need_h:  # rows hold d logp / d hidden: scale each by its coefficient, in fp32
-                    if rows is None:
-                        grad_h[s:e].copy_(grad_h[s:e].float().mul_(c[s:e, None]))
-                    else:
-                        idx = rows[s:e]
-                        grad_h.index_copy_(0, idx, grad_h.index_select(0, idx).float().mul_(c[s:e, None]).to(
-                            grad_h.dtype))
-                if need_w or need_b:  # coupled tokens and a trainable head: one more pass over the chunks
-                    h_c = _row_gather(hidden, rows, s, e)
-                    z = _logits(h_c, weight, bias)
-                    lse_c = _epi.lse_logp(z, ids_a[s:e], inv_temp, False, backend)[1]
-                    accumulate(s, e, h_c, z, lse_c, -c[s:e], False, True)
-                    del z
-
-        ctx.grads = (grad_h, grad_w, grad_b)
-        ctx.meta = (scale, (B, T, H), weight.dtype)
-        outs = (loss, logp) if ent is None else (loss, logp, ent)
-        ctx.mark_non_differentiable(*outs[1:])
-        return outs
+    def forward(ctx, loss, hidden, weight, bias, grads, scale):
+        ctx.grads, ctx.scale, ctx.shape, ctx.wdtype = grads, scale, hidden.shape, weight.dtype
+        return loss.clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, *_):
+    def backward(ctx, grad_loss):
         grad_h, grad_w, grad_b = ctx.grads
         if grad_h is None and grad_w is None and grad_b is None:
             raise RuntimeError("efficient_grpo_loss: backward ran twice on one forward; compute the loss again")
         ctx.grads = (None, None, None)  # stored gradients are rescaled in place: one backward only
-        scale, shape, wdtype = ctx.meta
-        factor = grad_loss.float() / scale
+        factor = grad_loss.float() / ctx.scale
         if grad_h is not None:
-            grad_h = grad_h.mul_(factor).view(shape)  # in place: no second hidden-sized buffer
+            grad_h = grad_h.mul_(factor).view(ctx.shape)  # in place: no second hidden-sized buffer
         if grad_w is not None:
-            grad_w = grad_w.mul_(factor).to(wdtype)
+            grad_w = grad_w.mul_(factor).to(ctx.wdtype)
         if grad_b is not None:
-            grad_b = grad_b.mul_(factor).to(wdtype)
-        return grad_h, grad_w, grad_b, None, None, None
+            grad_b = grad_b.mul_(factor).to(ctx.wdtype)
+        return None, grad_h, grad_w, grad_b, None, None
+
+
+@dataclasses.dataclass
+class _Batch:
+    """The objective's inputs as the chunked loss reads them: mask, normaliser weights (B, T) fp32; advantages
+    (B, 1) / (B, T); old, ref, sampling (B, T) and importance weights (B, 1) / (B, T) fp32 or None; all
+    detached. ``engine``: None or (mode, clip_min, clip_max)."""
+
+    spec: object
+    mask: torch.Tensor
+    weights: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    sampling: torch.Tensor | None
+    engine: tuple | None
+    entropy_mask_fn: object
+
+    def objective(self, logp, entropy, need_grad):
+        """(loss 0-d, dL/dlogp (B*T,) or None, parts) of the objective over all tokens' log-probs (B*T,)."""
+        B, T = self.mask.shape
+        x = logp.view(B, T).detach().requires_grad_(need_grad)
+        ent = None if entropy is None else entropy.view(B, T)
+        with torch.enable_grad() if need_grad else torch.no_grad():
+            loss, parts = objective_loss(x, self.spec, self.mask, self.advantages, self.old, self.ref,
+                                         self.importance_weights, ent, self.entropy_mask_fn, self.weights,
+                                         self.sampling, self.engine)
+            grad = torch.autograd.grad(loss, x)[0].reshape(B * T) if need_grad else None
+        return loss.detach(), grad, parts
+
+    def token_inputs(self, head):
+        """Normaliser weights, advantages, old, ref, importance weights of the active rows: (n,) fp32 or None."""
+        B, T = self.mask.shape
+        return [None if x is None else head.select(x.expand(B, T).reshape(B * T))
+                for x in (self.weights, self.advantages, self.old, self.ref, self.importance_weights)]
+
+
+def _in_loop_coefficient(batch, head):
+    """``coefficient(start, end, logp_chunk)`` for :func:`_first_pass` under a token-local spec, and the
+    power of two it scales by (the largest normaliser weight brought to O(1))."""
+    weights, adv, old, ref, isw = batch.token_inputs(head)
+    scale = _pow2_scale(float(weights.max()) if head.n_rows else 0.0)
+
+    def coefficient(start, end, logp):
+        rows = (None if x is None else x[start:end] for x in (old, ref, isw))
+        return -_chunk_coefficient(batch.spec, logp, weights[start:end], adv[start:end], *rows) * scale
+
+    return coefficient, scale
 
 
 def efficient_grpo_loss(
@@ -508,69 +357,70 @@ def efficient_grpo_loss(
     old_logps / ref_logps: (B, T) float or None (ref needed when beta != 0).
     ``importance_weights``: None or (B, T) / (B, 1) / (B,) float, no gradient (TRL's
     ``importance_sampling_ratio``). ``entropy_mask_fn``, ``sampling_logps``, ``engine_correction`` and
-    ``options``: as in :func:`grpo_loss_reference`; the entropy of the same chunk pass feeds the entropy mask.
-    ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of logits).
-    ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
+    ``options``: as in :func:`grpo_kit.loss.reference.grpo_loss_reference`; the entropy of the same chunk pass
+    feeds the entropy mask. ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of
+    logits). ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
 
     Returns (loss: 0-d fp32, metrics: dict of detached 0-d fp32 tensors, same keys as
-    :func:`grpo_loss_reference` plus ``entropy`` when ``compute_entropy``). Gradients reach
-    ``hidden`` and, only if they require grad, ``lm_head_weight`` / ``lm_head_bias``. The stored
+    :func:`grpo_kit.loss.reference.grpo_loss_reference` plus ``entropy`` when ``compute_entropy``). Gradients
+    reach ``hidden`` and, only if they require grad, ``lm_head_weight`` / ``lm_head_bias``. The stored
     gradient allows one backward per call.
     """
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     _check_temperature_chunk(temperature, chunk_size)
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, completion_ids, "completion_ids")
-    adv, isw, engine = _check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps,
-                                     importance_weights, max_completion_length, num_items_in_batch, engine_correction,
-                                     sampling_logps)
+    adv, isw, engine = check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps,
+                                    importance_weights, max_completion_length, num_items_in_batch, engine_correction,
+                                    sampling_logps)
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
         chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T)
-
-    N = B * T
-    mask = completion_mask.float()
-    w = token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch)
-    adv = adv.detach().float()
-    old = None if old_logps is None else old_logps.detach().float()
-    ref = None if (ref_logps is None or spec.beta == 0) else ref_logps.detach().float()
-    isw = None if isw is None else isw.detach().float()
-    sampling = None if sampling_logps is None else sampling_logps.detach().float()
-
-    def flat(x):
-        return None if x is None else x.expand(B, T).reshape(N)
-
-    tok = {"w": w.reshape(N), "adv": flat(adv), "old": flat(old), "ref": flat(ref), "isw": flat(isw)}
-
-    def objective(logp_n, ent_n, need_grad):
-        x = logp_n.view(B, T).detach().requires_grad_(need_grad)
-        ent_bt = None if ent_n is None else ent_n.view(B, T)
-        with torch.enable_grad() if need_grad else torch.no_grad():
-            loss, parts = _objective(x, spec, mask, adv, old, ref, isw, ent_bt, entropy_mask_fn, w, sampling, engine)
-            grad = torch.autograd.grad(loss, x)[0].reshape(N) if need_grad else None
-        return loss.detach(), grad, parts
-
+    batch = _Batch(spec, completion_mask.float(),
+                   token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch),
+                   adv.detach().float(), _fp32(old_logps), None if spec.beta == 0 else _fp32(ref_logps), _fp32(isw),
+                   _fp32(sampling_logps), engine, entropy_mask_fn)
     grad_on = torch.is_grad_enabled()
-    opts = dict(
-        spec=spec, objective=objective, temperature=float(temperature), chunk_size=int(chunk_size), backend=backend,
-        token_local=spec.token_local and engine is None,  # the engine's weights may couple a sequence's tokens
-        compute_entropy=bool(compute_entropy) or spec.top_entropy_quantile < 1.0,
-        needs_grad=(
-            grad_on and hidden.requires_grad,
-            grad_on and lm_head_weight.requires_grad,
-            grad_on and lm_head_bias is not None and lm_head_bias.requires_grad,
-        ),
-    )
-    outs = _EfficientGRPOFn.apply(hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(N).long(), tok, opts)
-    loss, logp = outs[0], outs[1]
+    needs = (grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad,
+             grad_on and lm_head_bias is not None and lm_head_bias.requires_grad)
+    head = _ChunkedHead(hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(B * T).long(),
+                        batch.weights.reshape(B * T) != 0, chunk_rows=chunk_size, temperature=float(temperature),
+                        backend=backend, needs=needs)
+    with torch.no_grad():
+        loss, logp, entropy, parts, scale = _loss_and_gradients(batch, head, bool(compute_entropy))
+    if any(needs):
+        grads = (head.grad_hidden, head.grad_weight, head.grad_bias)
+        loss = _StoredGradients.apply(loss, hidden, lm_head_weight, lm_head_bias, grads, scale)
     if not bool(torch.isfinite(logp).all()):
         # one sync; checked on the outputs so that the inputs need no extra full pass
         raise ValueError("the GRPO loss is not finite: hidden or lm_head_weight (or lm_head_bias) hold NaN/inf")
     if not bool(torch.isfinite(loss)):  # gaps are clamped (MAX_LOG_GAP): only astronomic advantages get here
         raise ValueError(f"the GRPO loss overflowed fp32: advantages up to {float(adv.abs().max()):.3g} times a "
                          f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale")
-    ent = outs[2].view(B, T) if len(outs) > 2 and compute_entropy else None
-    metrics = objective_metrics(opts["parts"], adv, mask, spec, ent)
-    return loss, {**metrics, **_engine_metrics(logp.view(B, T), old, sampling, mask, opts["parts"])}
+    ent = entropy.view(B, T) if entropy is not None and compute_entropy else None
+    metrics = objective_metrics(parts, batch.advantages, batch.mask, spec, ent)
+    return loss, {**metrics, **engine_metrics(logp.view(B, T), batch.old, batch.sampling, batch.mask, parts)}
+
+
+def _fp32(x):
+    return None if x is None else x.detach().float()
+
+
+def _loss_and_gradients(batch, head, compute_entropy):
+    """The chunk passes and the objective: (loss 0-d, logp (B*T,), entropy (B*T,) or None, parts, scale), the
+    gradients left in ``head``'s buffers, pre-multiplied by the power of two ``scale``."""
+    need_hidden = head.grad_hidden is not None
+    # Coefficients in the loop only where a head gradient needs them and the spec allows it (the engine's
+    # weights may couple a sequence's tokens): the autograd call per chunk is ~45 small kernels, while
+    # scaling stored rows after the loop is one pass.
+    in_loop = batch.spec.token_local and batch.engine is None and head.trains_head
+    coefficient, scale = _in_loop_coefficient(batch, head) if in_loop else (None, 1.0)
+    with_entropy = compute_entropy or batch.spec.top_entropy_quantile < 1.0
+    logp, entropy = _first_pass(head, with_entropy=with_entropy, store_rows=need_hidden, coefficient=coefficient)
+    logp, entropy = head.scatter(logp), head.scatter(entropy)
+    loss, grad_logp, parts = batch.objective(logp, entropy, (need_hidden or head.trains_head) and not in_loop)
+    if grad_logp is not None:
+        scale = _apply_coefficients(head, grad_logp)
+    return loss, logp, entropy, parts, scale
 
 
 def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto"):

@@ -1,8 +1,9 @@
 """The GRPO objective, once: per-token losses over per-token log-probs and their normalisation.
 
-Every path of the kit computes the loss with these functions: :func:`grpo_kit.loss.efficient.grpo_loss_reference`
+Every path of the kit computes the loss with these functions: :func:`grpo_kit.loss.reference.grpo_loss_reference`
 (the oracle), the chunked :func:`grpo_kit.loss.efficient.efficient_grpo_loss` (which takes each chunk's
-gradient coefficient dL/dlogp from autograd of :func:`per_token_objective`) and the metrics. The
+gradient coefficient dL/dlogp from autograd of :func:`per_token_objective`) and the metrics. Each loss type
+is one function registered below (:mod:`grpo_kit.loss.registry`) with its normaliser and metrics. The
 math follows TRL 1.16 ``GRPOTrainer._compute_loss`` term by term; papers:
 
 * ratio, PPO clip, k3 KL ``exp(ref - logp) - (ref - logp) - 1``: DeepSeekMath (arXiv 2402.03300, GRPO);
@@ -39,10 +40,15 @@ import numbers
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")  # TRL 1.16's GRPOConfig.loss_type
+from grpo_kit.loss.registry import LossMetrics, PolicyInputs, get_loss_type, register_loss, registered_loss_types
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPOConfig.importance_sampling_level
 # GRPOConfig.vllm_importance_sampling_mode: the engine's importance-sampling correction
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# TRL 1.16's names of the engine correction's metrics (:func:`engine_importance_metrics`)
+ENGINE_IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                     "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                     "sampling/importance_sampling_ratio/max")
 
 # exp() of a log-prob gap overflows fp32 beyond ~88 nats, and inf * 0 (a zero advantage, a clipped
 # branch) is NaN. Gaps (logp - old for the ratio, ref - logp for the k3 KL) are clamped at 60 nats:
@@ -50,11 +56,6 @@ ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequenc
 # that term (as torch's clamp gives it). Real training never comes near: a ratio of e^60 is a policy
 # that has left the trust region by 26 orders of magnitude.
 MAX_LOG_GAP = 60.0
-
-# Loss types whose normaliser is the accumulated batch's active-token count (TRL: num_items_in_batch).
-TOKEN_COUNT_NORMALISED = ("dapo", "cispo", "vespo")
-# PPO-clip family: the clip metrics are logged for these (as TRL does).
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def _real(name, val, *, low=None, allow_none=False, positive=False):
@@ -94,8 +95,7 @@ class ObjectiveSpec:
     vespo_lambda_neg: float = 2.0
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        get_loss_type(self.loss_type)  # refuses a name no loss type is registered under
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                              f"got {self.importance_sampling_level!r}")
@@ -123,21 +123,24 @@ class ObjectiveSpec:
         """True when each token's dL/dlogp depends on that token's own log-prob only (given the
         normaliser): then the chunked loss can get it inside the chunk loop (it does for a trainable
         head). A sequence ratio (GSPO), VESPO's sequence weight, the off-policy sequence mask and the
-        entropy quantile (a batch threshold) couple the tokens."""
-        return (self.importance_sampling_level == "token" and self.loss_type != "vespo"
+        entropy quantile (a batch threshold) couple the tokens, as does a loss type registered with
+        ``token_local=False``."""
+        return (self.importance_sampling_level == "token" and get_loss_type(self.loss_type).token_local
                 and self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None)
 
 
 def check_normaliser_args(loss_type, max_completion_length, num_items_in_batch):
-    """The normaliser inputs a loss type needs (dr_grpo: max_completion_length; dapo, cispo,
-    vespo: num_items_in_batch, a scalar number or 0-d / 1-element tensor)."""
-    if loss_type == "dr_grpo":
+    """The normaliser inputs a loss type needs (its normaliser's ``needs``): ``max_length`` (dr_grpo)
+    max_completion_length; ``token_count`` (dapo, cispo, vespo) num_items_in_batch, a scalar number or
+    0-d / 1-element tensor."""
+    needs = get_loss_type(loss_type).normaliser.needs
+    if "max_completion_length" in needs:
         if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length (it divides by "
+            raise ValueError(f"loss_type={loss_type!r} needs max_completion_length (it divides by "
                              "B * max_completion_length)")
         if not isinstance(max_completion_length, numbers.Integral) or max_completion_length <= 0:
             raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
-    if loss_type in TOKEN_COUNT_NORMALISED:
+    if "num_items_in_batch" in needs:
         if num_items_in_batch is None:
             raise ValueError(f"loss_type={loss_type!r} needs num_items_in_batch (active tokens of the whole "
                              "accumulated batch)")
@@ -152,29 +155,19 @@ def token_weights(mask, loss_type, max_completion_length=None, num_items_in_batc
     """Per-token weight w of the ``loss_type`` normalisation: loss = sum(w * per_token_loss).
 
     mask: (B, T) any dtype. Returns (B, T) in ``dtype``, fixed by the mask alone (what lets the chunked
-    loss know every token's weight before its chunk loop). With L_i the active tokens of sequence i:
+    loss know every token's weight before its chunk loop). With L_i the active tokens of sequence i, by
+    the loss type's normaliser (:data:`grpo_kit.loss.registry.NORMALISERS`):
 
-    ==================  ================================================================
-    ``grpo``, ``sapo``  1 / (B * L_i): mean over sequences of each sequence's token mean
-    ``bnpo``            1 / sum(L_i): token mean over the micro-batch
-    ``dr_grpo``         1 / (B * max_completion_length)
-    ``dapo``, ``cispo``, 1 / num_items_in_batch (active tokens of the whole accumulated batch)
-    ``vespo``
-    ``luspo``           1 / B: per-sequence sums, averaged over sequences
-    ==================  ================================================================
+    ==================  ========================  ===========================================================
+    ``sequence_mean``   ``grpo``, ``sapo``        1 / (B * L_i): mean over sequences of each one's token mean
+    ``token_mean``      ``bnpo``                  1 / sum(L_i): token mean over the micro-batch
+    ``max_length``      ``dr_grpo``               1 / (B * max_completion_length)
+    ``token_count``     ``dapo``, ``cispo``,      1 / num_items_in_batch (active tokens of the whole
+                        ``vespo``                 accumulated batch)
+    ``sequence_sum``    ``luspo``                 1 / B: per-sequence sums, averaged over sequences
+    ==================  ========================  ===========================================================
     """
-    m = mask.to(dtype)
-    B = m.shape[0]
-    if loss_type in ("grpo", "sapo"):
-        return m / (B * m.sum(-1, keepdim=True).clamp(min=1.0))
-    if loss_type == "bnpo":
-        return m / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return m / float(B * max_completion_length)
-    if loss_type == "luspo":
-        return m / float(max(B, 1))
-    n = torch.as_tensor(num_items_in_batch, dtype=dtype, device=m.device).reshape(())
-    return m / n.clamp(min=1.0)
+    return get_loss_type(loss_type).normaliser.weights(mask.to(dtype), max_completion_length, num_items_in_batch)
 
 
 def high_entropy_mask(entropy, mask, quantile):
@@ -254,11 +247,9 @@ def engine_importance_metrics(old_logp, sampling_logp, mask, ratio):
     def pick(x, fn):
         return fn(x) if x.numel() else zero
 
-    return {"sampling/sampling_logp_difference/mean": pick(delta, torch.mean),
-            "sampling/sampling_logp_difference/max": pick(delta, torch.max),
-            "sampling/importance_sampling_ratio/min": pick(flat, torch.min),
-            "sampling/importance_sampling_ratio/mean": pick(flat, torch.mean),
-            "sampling/importance_sampling_ratio/max": pick(flat, torch.max)}
+    values = (pick(delta, torch.mean), pick(delta, torch.max), pick(flat, torch.min), pick(flat, torch.mean),
+              pick(flat, torch.max))
+    return dict(zip(ENGINE_IS_METRICS, values))
 
 
 def check_engine_correction(correction):
@@ -276,6 +267,91 @@ def check_engine_correction(correction):
     return mode, low, high
 
 
+# ================================================================================================
+# the loss types: one registered function each, its policy term per token (TRL 1.16's eight)
+# ================================================================================================
+def _clip_metrics(parts, advantages, spec, mean, seq_mean):
+    ratio = parts["ratio"]
+    low = (ratio < 1 - spec.epsilon_low) & (advantages < 0)
+    high = (ratio > 1 + spec.epsilon_high) & (advantages > 0)
+    return {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+            "clip_ratio/region_mean": mean(low | high), "clip_ratio/low_min": nanmin(seq_mean(low)),
+            "clip_ratio/high_max": nanmax(seq_mean(high))}
+
+
+CLIP_METRICS = LossMetrics(("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                            "clip_ratio/low_min", "clip_ratio/high_max"), _clip_metrics)
+CISPO_METRICS = LossMetrics(("cispo_clip_ratio",), lambda parts, advantages, spec, mean, seq_mean: {
+    "cispo_clip_ratio": mean((parts["ratio"] > spec.epsilon_high) & (advantages > 0))})
+VESPO_METRICS = LossMetrics(("vespo/phi_seq_mean",), lambda parts, advantages, spec, mean, seq_mean: {
+    "vespo/phi_seq_mean": mean(parts["phi"])})
+
+
+def clipped_surrogate(t: PolicyInputs, spec):
+    """PPO's clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with ``delta`` the
+    unclipped branch is capped at delta too (two-sided, after the clipped one is taken)."""
+    clipped = t.ratio.clamp(1 - spec.epsilon_low, 1 + spec.epsilon_high)
+    ratio = t.ratio if spec.delta is None else t.ratio.clamp(max=spec.delta)
+    return -torch.min(ratio * t.advantages, clipped * t.advantages), {"ratio": ratio}
+
+
+@register_loss("grpo", normaliser="sequence_mean", metrics=CLIP_METRICS)
+def grpo(t, spec):
+    """GRPO (DeepSeekMath): the clipped surrogate, each sequence's token mean averaged over sequences."""
+    return clipped_surrogate(t, spec)
+
+
+@register_loss("bnpo", normaliser="token_mean", metrics=CLIP_METRICS)
+def bnpo(t, spec):
+    """The clipped surrogate, averaged over the micro-batch's active tokens."""
+    return clipped_surrogate(t, spec)
+
+
+@register_loss("dr_grpo", normaliser="max_length", metrics=CLIP_METRICS)
+def dr_grpo(t, spec):
+    """Dr. GRPO: the clipped surrogate over a constant B * max_completion_length (no length bias)."""
+    return clipped_surrogate(t, spec)
+
+
+@register_loss("dapo", normaliser="token_count", metrics=CLIP_METRICS)
+def dapo(t, spec):
+    """DAPO: the clipped surrogate over the whole accumulated batch's active tokens."""
+    return clipped_surrogate(t, spec)
+
+
+@register_loss("cispo", normaliser="token_count", metrics=CISPO_METRICS)
+def cispo(t, spec):
+    """CISPO (MiniMax-M1): REINFORCE weighted by the detached ratio clipped from above at epsilon_high."""
+    return -t.ratio.clamp(max=spec.epsilon_high).detach() * t.advantages * t.logp
+
+
+@register_loss("sapo", normaliser="sequence_mean")
+def sapo(t, spec):
+    """SAPO: a soft gate 4/tau sigmoid(tau (r - 1)) in place of the hard clip: slope 1 at r = 1, decaying
+    smoothly away from it (tau by the advantage's sign)."""
+    tau = torch.where(t.advantages > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (t.ratio - 1)) * 4 / tau * t.advantages
+
+
+@register_loss("vespo", normaliser="token_count", metrics=VESPO_METRICS, token_local=False,
+               takes_importance_weights=True)
+def vespo(t, spec):
+    """VESPO: -phi(w) A logp with phi a detached gamma weight of the sequence ratio w, into which the
+    importance weights fold (so it couples a sequence's tokens)."""
+    phi = vespo_gamma_weights(t.logp - t.old, t.mask, t.advantages, spec, t.importance_weights)
+    return -phi * t.advantages * t.logp, {"phi": phi}
+
+
+@register_loss("luspo", normaliser="sequence_sum", metrics=CLIP_METRICS)
+def luspo(t, spec):
+    """LUSPO: the clipped surrogate (of GSPO's sequence ratio) summed per sequence, averaged over sequences."""
+    return clipped_surrogate(t, spec)
+
+
+# The built-in loss types (TRL 1.16's GRPOConfig.loss_type); registered_loss_types() adds any registered later.
+LOSS_TYPES = registered_loss_types()
+
+
 def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, importance_weights=None,
                         entropy_mask=None, sampling_logp=None):
     """Per-token GRPO loss before normalisation, as TRL 1.16 ``_compute_loss`` builds it.
@@ -289,10 +365,11 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
     sampling_logp: (B, T) or None (then old), the sampler's log-probs for the off-policy mask.
 
     Returns (per_token_loss (B, T) or broadcastable, parts) with ``parts`` the detached terms
-    the metrics read: ``ratio`` (as TRL's ``coef_1``), ``kl`` (or None), ``phi`` (vespo, or None).
+    the metrics read: ``ratio`` (as TRL's ``coef_1``), ``kl`` (or None), and the loss type's own
+    (vespo: ``phi``).
     """
+    variant = get_loss_type(spec.loss_type)
     old = logp.detach() if old_logp is None else old_logp
-    A = advantages
     log_ratio = logp - old
     if spec.importance_sampling_level == "sequence":  # GSPO: one length-normalised ratio per sequence
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
@@ -304,31 +381,18 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
         if spec.use_bias_correction_kl:  # importance-weighted: unbiased under off-policy samples
             kl = kl * ratio
 
-    phi, logged_ratio = None, ratio
-    if spec.loss_type == "cispo":  # REINFORCE with the detached ratio clipped from above
-        policy = -ratio.clamp(max=spec.epsilon_high).detach() * A * logp
-    elif spec.loss_type == "sapo":  # soft gate: slope 1 at r = 1, decaying smoothly away from it
-        tau = torch.where(A > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
-        policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
-    elif spec.loss_type == "vespo":
-        phi = vespo_gamma_weights(logp - old, mask, A, spec, importance_weights)
-        policy = -phi * A * logp
-    else:  # PPO clip (grpo, bnpo, dr_grpo, dapo, luspo)
-        clipped = ratio.clamp(1 - spec.epsilon_low, 1 + spec.epsilon_high)
-        if spec.delta is not None:  # two-sided: the unclipped branch is capped too (after clipped is taken)
-            ratio = ratio.clamp(max=spec.delta)
-            logged_ratio = ratio
-        policy = -torch.min(ratio * A, clipped * A)
-
+    policy = variant.policy(PolicyInputs(logp, old, ratio, advantages, mask, importance_weights), spec)
+    policy, own_parts = policy if isinstance(policy, tuple) else (policy, {})
     if spec.off_policy_mask_threshold is not None:
-        policy = policy * off_policy_sequence_mask(logp, old if sampling_logp is None else sampling_logp, A, mask,
-                                                   spec.off_policy_mask_threshold)
+        policy = policy * off_policy_sequence_mask(logp, old if sampling_logp is None else sampling_logp, advantages,
+                                                   mask, spec.off_policy_mask_threshold)
     if entropy_mask is not None:
         policy = policy * entropy_mask
-    if importance_weights is not None and spec.loss_type != "vespo":  # vespo folds them into phi
+    if importance_weights is not None and not variant.takes_importance_weights:
         policy = policy * importance_weights
     loss = policy if kl is None else policy + spec.beta * kl
-    parts = {"ratio": logged_ratio.detach(), "kl": None if kl is None else kl.detach(), "phi": phi}
+    parts = {"ratio": ratio.detach(), "kl": None if kl is None else kl.detach()}
+    parts.update({name: value.detach() for name, value in own_parts.items()})
     return loss, parts
 
 
@@ -350,8 +414,9 @@ def objective_metrics(parts, advantages, mask, spec, entropy=None):
 
     parts: from :func:`per_token_objective`; advantages (B, 1) or (B, T); mask, entropy (B, T).
     A (B, 1) term (sequence level) is averaged over sequences, as TRL does. Returns 0-d fp32
-    tensors: ``ratio_mean``; for the clip family ``clip_ratio/{low_mean,high_mean,region_mean,
-    low_min,high_max}``; ``cispo_clip_ratio``; ``vespo/phi_seq_mean``; ``kl``; ``entropy``.
+    tensors: ``ratio_mean``; the loss type's own (:class:`grpo_kit.loss.registry.LossMetrics`: for the clip
+    family ``clip_ratio/{low_mean,high_mean,region_mean,low_min,high_max}``, ``cispo_clip_ratio``,
+    ``vespo/phi_seq_mean``); ``kl``; ``entropy``.
     """
     mask = mask.float()
 
@@ -365,18 +430,10 @@ def objective_metrics(parts, advantages, mask, spec, entropy=None):
         x = x.float()
         return x.squeeze(-1) if x.shape[-1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
-    ratio = parts["ratio"]
-    out = {"ratio_mean": mean(ratio)}
-    if spec.loss_type in CLIP_LOSS_TYPES:
-        low = (ratio < 1 - spec.epsilon_low) & (advantages < 0)
-        high = (ratio > 1 + spec.epsilon_high) & (advantages > 0)
-        out.update({"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
-                    "clip_ratio/region_mean": mean(low | high), "clip_ratio/low_min": nanmin(seq_mean(low)),
-                    "clip_ratio/high_max": nanmax(seq_mean(high))})
-    elif spec.loss_type == "cispo":
-        out["cispo_clip_ratio"] = mean((ratio > spec.epsilon_high) & (advantages > 0))
-    elif spec.loss_type == "vespo":
-        out["vespo/phi_seq_mean"] = mean(parts["phi"])
+    out = {"ratio_mean": mean(parts["ratio"])}
+    own = get_loss_type(spec.loss_type).metrics
+    if own is not None:
+        out.update(own.compute(parts, advantages, spec, mean, seq_mean))
     if parts["kl"] is not None:
         out["kl"] = mean(parts["kl"])
     if entropy is not None:

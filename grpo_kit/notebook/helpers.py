@@ -1,5 +1,6 @@
 """Helpers the notebooks call: parameter validation, hardware-dependent setup choice,
-and the small GRPO formulas notebook 01 demonstrates (group advantages, KL estimators).
+and the small formulas notebook 01 demonstrates (KL estimators; the group advantage is
+:func:`grpo_kit.loss.advantage.group_advantages`).
 
 Nothing here trains; the notebooks call ``grpo_kit.app.run.train`` for that.
 """
@@ -11,7 +12,7 @@ import socket
 
 import torch
 
-from grpo_kit.app.config import SCALE_REWARDS, GRPOKitConfig
+from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.loss.objective import k3_kl
 
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
@@ -93,27 +94,6 @@ def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
     if not blockers and not online():
         blockers.append("the model hub is not reachable (no network)")
     return blockers
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
-    """GRPO advantages: reward minus its group's mean, divided by a std (as TRL 1.16 does).
-
-    rewards: (N,) float, N a multiple of ``num_generations`` (consecutive groups). scale:
-    ``"group"`` (each group's std), ``"batch"`` (the whole batch's std) or ``"none"``.
-    Returns (N,) float; std + 1e-4 in the denominator, so a group of equal rewards gives 0.
-    """
-    if rewards.ndim != 1 or num_generations < 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
-                         f"got shape {tuple(rewards.shape)}")
-    if scale not in SCALE_REWARDS:
-        raise ValueError(f"scale={scale!r} is not allowed; choose one of {list(SCALE_REWARDS)}")
-    g = rewards.view(-1, num_generations)
-    adv = (g - g.mean(dim=1, keepdim=True)).view(-1)
-    if scale == "group":
-        adv = adv / (g.std(dim=1).repeat_interleave(num_generations) + 1e-4)
-    elif scale == "batch":
-        adv = adv / (rewards.std() + 1e-4)
-    return adv
 
 
 def kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict:

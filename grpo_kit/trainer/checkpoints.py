@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
@@ -124,7 +125,6 @@ def _decode(obj, tensors: dict):
 
 def save_state(obj, folder: str | os.PathLike, name: str) -> None:
     """``obj`` (nested dict/list/tuple of tensors, arrays and scalars) to ``name.json`` + ``name.safetensors``."""
-    from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(obj, tensors, name)
@@ -134,7 +134,6 @@ def save_state(obj, folder: str | os.PathLike, name: str) -> None:
 
 
 def load_state(folder: str | os.PathLike, name: str, device: str | torch.device = "cpu"):
-    from safetensors.torch import load_file
 
     folder = Path(folder)
     tensors = load_file(str(folder / f"{name}.safetensors"), device=str(device))
@@ -320,7 +319,7 @@ class ResumableTrainerMixin:
         self._kit_step_begin = None  # snapshot taken at the start of each optimiser step
         self._kit_epoch_begin = None  # (epoch index, sampler generator state) at each epoch start
         self._kit_resume_state = None  # kit_state of the checkpoint being resumed
-        from transformers import TrainerCallback
+        from transformers import TrainerCallback  # lazy: slow to import; the CLI imports this module for its helpers
 
         trainer = self
 
@@ -386,7 +385,6 @@ class ResumableTrainerMixin:
             if hasattr(unwrapped, "peft_config"):
                 unwrapped.save_pretrained(tmp / "adapter", safe_serialization=True)
             else:
-                from safetensors.torch import save_model
 
                 save_model(unwrapped, str(tmp / "weights.safetensors"))
             save_state(self.optimizer.state_dict(), tmp, "optimizer")
@@ -408,10 +406,8 @@ class ResumableTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         folder = Path(resume_from_checkpoint)
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        from safetensors.torch import load_file
-
         if (folder / "adapter").is_dir():
-            from peft import set_peft_model_state_dict
+            from peft import set_peft_model_state_dict  # lazy: peft imports transformers; LoRA checkpoints only
 
             if not hasattr(model, "peft_config"):
                 raise CheckpointError(f"{folder} holds a LoRA adapter but the model has none (use_lora differs)")
@@ -421,7 +417,6 @@ class ResumableTrainerMixin:
             if unexpected:
                 raise CheckpointError(f"{folder}: adapter tensors that do not fit the model: {unexpected[:5]}")
         else:
-            from safetensors.torch import load_model
 
             load_model(model, str(folder / "weights.safetensors"))
         kit = json.loads((folder / KIT_STATE).read_text())

@@ -51,7 +51,8 @@ from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.memory.estimate import scoring_batch_for_config
-from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED, nanmax, nanmin
+from grpo_kit.loss.objective import ENGINE_IS_METRICS, nanmax, nanmin
+from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
@@ -66,13 +67,9 @@ UNSUPPORTED = (
 OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_kl", "top_entropy_quantile",
                     "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-# TRL's metric names the kit logs (the same names in grpo_kit.loss.objective.objective_metrics); min/max ones are
-# reduced over processes by min/max, the others averaged.
-LOGGED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
-                  "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-                  "sampling/importance_sampling_ratio/max")
+# TRL's metric names the kit logs for every loss type; each type's own (clip ratios, ...) come from the registry
+# (grpo_kit.loss.registry.LossMetrics). Min/max ones are reduced over processes by min/max, the others averaged.
+LOGGED_METRICS = ("kl", "entropy", *ENGINE_IS_METRICS)
 
 
 def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -229,7 +226,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         num_items = None
-        if self.loss_type in TOKEN_COUNT_NORMALISED:  # TRL's normaliser: the window's active tokens per process
+        normaliser = get_loss_type(self.loss_type).normaliser
+        if normaliser.global_count:  # TRL's normaliser: the window's active tokens per process
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -244,7 +242,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
             sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
             **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
-        if self.loss_type not in TOKEN_COUNT_NORMALISED:
+        if not normaliser.global_count:
             loss = loss / accum
         self._log_loss_metrics(mode, metrics)
         return loss
@@ -262,9 +260,11 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         policy cannot have moved since the engine sampled (generation aligned with the optimiser steps: its
         own condition for skipping that pass otherwise). Those log-probs are then the ones the loss computes
         anyway, so the pass is skipped and the loss forms the same ratio from them (equal up to
-        floating-point noise, and dropout when the adapter has it). VESPO keeps TRL's path."""
+        floating-point noise, and dropout when the adapter has it). VESPO (a loss type that takes the importance
+        weights itself) keeps TRL's path."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        return bool(self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo"
+        return bool(self.use_vllm and self.vllm_importance_sampling_correction
+                    and not get_loss_type(self.loss_type).takes_importance_weights
                     and self.args.gradient_accumulation_steps % generate_every == 0)
 
     def _engine_correction(self, inputs):
@@ -286,7 +286,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
     def _log_loss_metrics(self, mode: str, metrics: dict) -> None:
         """Same metric names as TRL: means averaged over processes, per-sequence extremes their min / max."""
-        for name in LOGGED_METRICS:
+        own = get_loss_type(self.loss_type).metrics
+        for name in LOGGED_METRICS + (own.names if own is not None else ()):
             value = metrics.get(name)
             if value is None:
                 continue

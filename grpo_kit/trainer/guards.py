@@ -31,8 +31,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import Trainer, TrainerCallback
 
-from grpo_kit.loss.objective import TOKEN_COUNT_NORMALISED, k3_kl
+from grpo_kit.kernels import grpo_epilogue as _epi
+from grpo_kit.loss.efficient import _auto_chunk_rows
+from grpo_kit.loss.objective import k3_kl
+from grpo_kit.loss.registry import get_loss_type
+from grpo_kit.memory import estimate_for_config, total_gpu_bytes
 from grpo_kit.trainer.checkpoints import ResumableTrainerMixin
 
 
@@ -71,27 +76,19 @@ def _split_batch(inputs: dict, parts: int) -> list[dict]:
 
 
 def split_weights(halves: list[dict], full: dict, loss_type: str) -> list[float]:
-    """Weights that make the weighted sum of the halves' losses equal the whole micro-batch's loss.
-
-    grpo / sapo / dr_grpo / luspo: a mean over sequences (B_half / B); bnpo: over active tokens
-    (tokens_half / tokens); dapo / cispo / vespo: already normalised by the whole window's token
-    count (1). Exact for every objective option except ``top_entropy_quantile < 1``, whose
-    threshold each half then takes over its own tokens.
+    """Weights that make the weighted sum of the halves' losses equal the whole micro-batch's loss: each
+    half's share under the loss type's normaliser (:class:`grpo_kit.loss.registry.Normaliser`): a mean over
+    sequences (grpo, sapo, dr_grpo, luspo) B_half / B; over active tokens (bnpo) tokens_half / tokens; the
+    whole window's token count (dapo, cispo, vespo) 1. Exact for every objective option except
+    ``top_entropy_quantile < 1``, whose threshold each half then takes over its own tokens.
     """
-    B = full["completion_ids"].size(0)
-    if loss_type in TOKEN_COUNT_NORMALISED:
-        return [1.0] * len(halves)
-    if loss_type == "bnpo":
-        total = float(full["completion_mask"].sum().clamp(min=1))
-        return [float(h["completion_mask"].sum()) / total for h in halves]
-    return [h["completion_ids"].size(0) / B for h in halves]
+    share = get_loss_type(loss_type).normaliser.share
+    return [share(h["completion_mask"], full["completion_mask"]) for h in halves]
 
 
 def vram_estimate_text(cfg, model_config=None) -> str:
     """The VRAM calculator's peak for a kit config, as one phrase (never raises)."""
     try:
-        from grpo_kit.memory import estimate_for_config, total_gpu_bytes
-
         df = estimate_for_config(cfg, model_config)
         gib = total_gpu_bytes(df) / 2**30
         return (f"the VRAM calculator estimates {gib:.1f} GiB peak for this config (prompt up to "
@@ -128,8 +125,6 @@ class GuardedTrainerMixin:
         self._oom_shrunk = False
         self._split_parts = 1
         self._loss_weight = 1.0
-        from transformers import TrainerCallback
-
         trainer = self
 
         class _Guard(TrainerCallback):
@@ -292,9 +287,6 @@ class GuardedTrainerMixin:
             torch.cuda.empty_cache()
 
     def _current_chunk(self, inputs: dict) -> int:
-        from grpo_kit.loss.efficient import _auto_chunk_rows
-        from grpo_kit.kernels import grpo_epilogue as _epi
-
         B, T = inputs["completion_ids"].shape
         if self.loss_chunk_size:
             return min(int(self.loss_chunk_size), B * T)
@@ -342,8 +334,6 @@ class GuardedTrainerMixin:
 
     def _split_training_step(self, model, inputs, num_items_in_batch, *, reuse: bool):
         """One micro-batch as ``_split_parts`` smaller ones (same total loss and gradient)."""
-        from transformers import Trainer
-
         full = self._buffered_inputs[self._step % self.args.steps_per_generation] if reuse else self._prepare_inputs(inputs)
         parts = _split_batch(full, self._split_parts)
         weights = split_weights(parts, full, getattr(self, "loss_type", "grpo"))
