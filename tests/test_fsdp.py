@@ -2,7 +2,9 @@
 1 process x accumulation 2k under FSDP2 with LoRA (configs/accelerate/cpu_fsdp2.yaml), as tests/test_distributed.py
 checks DDP. Unproven sharding modes are refused by grpo_kit.trainer.sharding."""
 
+import csv
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -51,6 +53,30 @@ def test_fsdp2_two_processes_match_one_process_with_double_accumulation(repo_roo
         assert u1.abs().max() > 0, name  # every trainable tensor moved
 
 
+def _train_grad_norms(repo_root, tmp_path, config):
+    out = tmp_path / config
+    env = {**os.environ, "PYTHONPATH": str(repo_root / "tests")}  # the reward below: _fsdp_worker:length_reward
+    # no checkpoint and no held-out evaluation: under FSDP2 both still fail after training (the kit's checkpoint
+    # writes the DTensor shards with safetensors; the evaluation generates on the main process only)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "grpo_kit",
+           "train", "--set", "device=cpu", "--set", "model=tiny-llama", "--set", "max_steps=2", "--set", "save_steps=0",
+           "--set", "num_eval_samples=0", "--set", "reward_funcs=[_fsdp_worker:length_reward]",
+           "--set", f"output_dir={out}"]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [int(row["step"]) for row in rows] == [1, 2] and all(float(row["reward_std"]) > 0 for row in rows)
+    return [float(row["grad_norm"]) for row in rows]
+
+
+def test_train_under_cpu_fsdp2_matches_ddp_grad_norms(repo_root, tmp_path):
+    fsdp = _train_grad_norms(repo_root, tmp_path, "cpu_fsdp2")
+    ddp = _train_grad_norms(repo_root, tmp_path, "cpu_2proc")
+    assert all(g > 0 for g in ddp)
+    assert fsdp == pytest.approx(ddp, rel=1e-4)
+
+
 @pytest.mark.parametrize("env, says", [
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "DeepSpeed ZeRO stage 3"),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "DeepSpeed ZeRO stage 2"),
@@ -87,7 +113,11 @@ def test_unsharded_head_is_the_parameters_themselves():
     assert w is lm.head.weight and b is lm.head.bias
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                    reason="DeepSpeed is not installed here; ZeRO-3 stays refused (sharding.check_launch_env)")
 def test_zero3_head():
-    pytest.skip("ZeRO-3 has no CPU test yet: it stays refused (sharding.check_launch_env)")
+    # DeepSpeed 0.19.8 itself runs ZeRO-3 on the CPU with gloo (DS_ACCELERATOR=cpu: a 2-rank engine, the
+    # parameter gathered under GatheredParameters, a step), checked from a private install; it is not in this
+    # environment, and the kit has no ZeRO-3 path yet (accelerate 1.16 selects DeepSpeed only off the CPU, and the
+    # head is not gathered through GatheredParameters), so ZeRO-3 stays refused.
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed in this environment; ZeRO-3 stays refused (sharding.check_launch_env)")
+    pytest.skip("the kit's ZeRO-3 path is not written yet; ZeRO-3 stays refused (sharding.check_launch_env)")
