@@ -49,6 +49,7 @@ from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_row
 from grpo_kit.model.offload import keep_hf_checkpointing_off
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
+from grpo_kit.trainer.sharding import check_sharding, full_head
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.memory.estimate import scoring_batch_for_config
 from grpo_kit.loss.objective import ENGINE_IS_METRICS, nanmax, nanmin
@@ -129,6 +130,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         training_args = kwargs.get("args")
         if training_args is not None:
             self._check_supported(training_args)
+            # an unproven sharding mode stops here, before the Trainer prepares the model
+            check_sharding(training_args, offload_checkpointing=offload_checkpointing)
         # Bad reward output names the function and the sample; reward_errors="zero": a function that
         # raises scores 0.0 on that sample with a warning instead of stopping training.
         if "reward_funcs" in kwargs:
@@ -188,9 +191,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         return hidden[:, -logits_to_keep - 1:-1, :]
 
     def _head(self, model=None):
-        """(weight, bias) of the output head of ``model`` (default: the policy)."""
-        head = _final_norm(self.model if model is None else model)[1].get_output_embeddings()
-        return head.weight, getattr(head, "bias", None)
+        """(weight, bias) of the output head of ``model`` (default: the policy), gathered where FSDP2 shards it."""
+        return full_head(_final_norm(self.model if model is None else model)[1])
 
     # -- override 1: log-probs without logits ----------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
