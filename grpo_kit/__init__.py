@@ -23,6 +23,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "efficient_grpo_loss": "grpo_kit.loss.efficient",
     "per_token_logps": "grpo_kit.loss.efficient",
+    "grpo_loss_reference": "grpo_kit.loss.reference",
+    "register_loss": "grpo_kit.loss.registry",
     "ObjectiveSpec": "grpo_kit.loss.objective",
     "load_model": "grpo_kit.model.loading",
     "load_tokenizer": "grpo_kit.model.loading",

