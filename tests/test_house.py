@@ -2,6 +2,7 @@
 where it is lazy on purpose, with its reason in a comment on the import's line."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,30 @@ def test_public_names_without_importing_trl(name):
             f"obj = grpo_kit.{name}; assert obj is not None; from grpo_kit import {name}")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+_DIARY = re.compile(r"bench/results/[A-Za-z_]|\b20\d\d-\d\d-\d\d\b|\bsession \d+\b")
+
+
+def diary_lines(pkg: Path) -> list[str]:
+    """Lines of the package that name a result file, a date or a work session: measurements live in
+    bench/results/, not in the code. A citation of a peer's published source names its date on purpose
+    (``*_SOURCE`` constants) and is left out."""
+    out = []
+    for p in sorted(pkg.rglob("*.py")):
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if _DIARY.search(line) and "_SOURCE = " not in line:
+                out.append(f"{p.relative_to(pkg.parent)}:{i} {line.strip()[:100]}")
+    return out
+
+
+def test_no_result_paths_dates_or_sessions_in_the_package():
+    lines = diary_lines(PKG)
+    assert not lines, "; ".join(lines)
+
+
+def test_the_diary_check_can_fail(tmp_path):
+    pkg = tmp_path / "grpo_kit"
+    pkg.mkdir()
+    (pkg / "a.py").write_text('"""Measured 0.3 s (bench/results/step.md) on 2026-12-05."""\nSRC_SOURCE = "blog (2025-02-20)"\n')
+    assert diary_lines(pkg) == ['grpo_kit/a.py:1 """Measured 0.3 s (bench/results/step.md) on 2026-12-05."""']

@@ -48,7 +48,7 @@ METHODS = ("trl", "unsloth", "grpo_kit")
 AUTO = "auto"  # scoring_batch / scoring_batch_size: chosen by the calculator (auto_scoring_batch)
 QUANTIZATIONS = (None, "4bit")
 
-# Unsloth's published table (blog "Long-context GRPO", 20 Feb 2025): Llama 3.1 8B, 20K context,
+# Unsloth's published table (blog "Long-context GRPO", PUBLISHED_SOURCE below): Llama 3.1 8B, 20K context,
 # num_generations = 8, "GB". Per row: (Unsloth, TRL + FA2, shown decimals, our unit that matches).
 PUBLISHED = {
     "training memory": (42.0, 414.0, 0, "GB"),
