@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import sys
 
 import torch
 
@@ -19,10 +20,8 @@ _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "lis
 
 
 def in_colab() -> bool:
-    """True when running inside Google Colab."""
-    import sys
-
-    return "google.colab" in sys.modules  # Colab imports it into every kernel
+    """True when running inside Google Colab (Colab imports ``google.colab`` into every kernel)."""
+    return "google.colab" in sys.modules
 
 
 def online(host: str = "huggingface.co", port: int = 443, timeout: float = 2.0) -> bool:
