@@ -153,7 +153,7 @@ def dequantize_triton(packed: torch.Tensor, quant_state, dtype: torch.dtype | No
 
 def dequantize_bitsandbytes(packed: torch.Tensor, quant_state) -> torch.Tensor:
     """bitsandbytes' own dequantisation (the kit's path where the kernel does not apply)."""
-    import bitsandbytes.functional as BF
+    import bitsandbytes.functional as BF  # lazy: bitsandbytes is optional (the 4-bit extra)
 
     return BF.dequantize_4bit(packed, quant_state)
 
@@ -163,7 +163,7 @@ def kernel_matches_bitsandbytes(device: str, dtype: torch.dtype) -> bool:
     """Whether the compiled kernel gives bitsandbytes' bits on a probe weight (odd size: a partial block and a
     half-used last byte) on ``device`` for output ``dtype``; checked once, before real weights use it. Where it
     does not, the kit's matmul dequantises through bitsandbytes."""
-    import bitsandbytes.functional as BF
+    import bitsandbytes.functional as BF  # lazy: bitsandbytes is optional (the 4-bit extra)
 
     g = torch.Generator(device="cpu").manual_seed(1234)
     w = (torch.randn(333, 515, generator=g) * 0.02).to(device=device, dtype=dtype)

@@ -23,7 +23,11 @@ import json
 import os
 from pathlib import Path
 
+import psutil
+import torch
 from transformers import TrainerCallback
+
+from grpo_kit.app.console import reward_name
 
 MODES = ("auto", "widgets", "static")
 # TRL 1.16 log keys -> dashboard column names
@@ -47,8 +51,8 @@ def widget_frontend_available() -> bool:
     if os.environ.get("GRPO_KIT_STATIC_DASHBOARD") or os.environ.get("CI"):
         return False
     try:
-        import ipywidgets  # noqa: F401
-        from IPython import get_ipython
+        import ipywidgets  # noqa: F401  # lazy: the widgets' front end is optional
+        from IPython import get_ipython  # lazy: IPython is there only inside a notebook kernel
     except ImportError:
         return False
     shell = get_ipython()
@@ -58,8 +62,6 @@ def widget_frontend_available() -> bool:
 def memory_now() -> dict:
     """Current memory in GiB: ``cpu_rss_gib`` always; ``gpu_allocated_gib`` and
     ``gpu_peak_gib`` when CUDA is initialised."""
-    import psutil
-    import torch
 
     out = {"cpu_rss_gib": psutil.Process().memory_info().rss / 2**30}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -135,8 +137,8 @@ class LiveDashboard(TrainerCallback):
         if self.samples_path is None:
             self.samples_path = Path(args.output_dir) / "samples.jsonl"
         if self.widgets:
-            import ipywidgets as w
-            from IPython.display import display
+            import ipywidgets as w  # lazy: the widgets' front end is optional
+            from IPython.display import display  # lazy: IPython is there only inside a notebook kernel
 
             self._out, self._table = w.Output(), w.HTML()
             display(w.VBox([self._out, self._table]))
@@ -170,9 +172,8 @@ class LiveDashboard(TrainerCallback):
 
     def figure(self):
         """A matplotlib Figure with one panel per entry of ``PANELS`` over the history."""
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: pyplot after the backend is chosen
 
-        from grpo_kit.app.console import reward_name
 
         cols = -(-len(PANELS) // PANEL_ROWS)
         fig, axes = plt.subplots(PANEL_ROWS, cols, figsize=(3.2 * cols, 2.6 * PANEL_ROWS), squeeze=False)
@@ -211,8 +212,8 @@ class LiveDashboard(TrainerCallback):
         return read_samples(self.samples_path, self.num_samples) if self.samples_path else []
 
     def _redraw(self):
-        import matplotlib.pyplot as plt
-        from IPython.display import display
+        import matplotlib.pyplot as plt  # lazy: pyplot after the backend is chosen
+        from IPython.display import display  # lazy: IPython is there only inside a notebook kernel
 
         fig = self.figure()
         with self._out:
@@ -223,8 +224,8 @@ class LiveDashboard(TrainerCallback):
 
     def show(self):
         """Display the figure and the samples table once (the static fallback)."""
-        import matplotlib.pyplot as plt
-        from IPython.display import HTML, display
+        import matplotlib.pyplot as plt  # lazy: pyplot after the backend is chosen
+        from IPython.display import HTML, display  # lazy: IPython is there only inside a notebook kernel
 
         fig = self.figure()
         display(fig)

@@ -8,12 +8,17 @@ Nothing here trains; the notebooks call ``grpo_kit.app.run.train`` for that.
 from __future__ import annotations
 
 import importlib.util
+import io
+import json
 import socket
 import sys
+from pathlib import Path
 
 import torch
 
 from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.generation import vllm_install_advice
+from grpo_kit.model.devices import unusable_gpu
 from grpo_kit.loss.objective import k3_kl
 
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
@@ -76,7 +81,6 @@ def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
     """Why a notebook's full setup cannot run here, in words ([] when it can): no GPU that torch can use (with the
     driver's reason where that is why), a package of ``need_packages`` missing (for vLLM: how to get it, or why it
     cannot run on this driver), the model hub unreachable (checked last: it waits up to 2 s)."""
-    from grpo_kit.model.devices import unusable_gpu
 
     blockers = []
     if not torch.cuda.is_available():
@@ -85,7 +89,6 @@ def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
     for package in need_packages:
         if importlib.util.find_spec(package) is None:
             if package == "vllm":
-                from grpo_kit.generation import vllm_install_advice
 
                 blockers.append(f"vllm is not installed ({vllm_install_advice()})")
             else:
@@ -116,9 +119,8 @@ def show_figure(fig, dpi: int = 100) -> None:
     """Display a matplotlib ``Figure`` in the notebook as a PNG, whatever the backend: a bare Figure (as
     ``grpo_kit.memory.plot_components`` returns) has no pyplot manager, so ``plt.show()`` never draws it and
     ``display(fig)`` shows only its text form unless the inline backend registered a formatter."""
-    import io
 
-    from IPython.display import Image, display
+    from IPython.display import Image, display  # lazy: IPython is there only inside a notebook kernel
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
@@ -133,7 +135,6 @@ def repo_file(relative: str):
     """``Path`` of a file of the kit's source checkout (``data/...``, ``bench/results/...``): the checkout's
     copy, else the one an installed package carries (pip from git on Colab: ``grpo_kit/_data``,
     ``grpo_kit/_results``), else None (a file that is not packaged, e.g. a PNG of ``bench/results``)."""
-    from pathlib import Path
 
     package = Path(__file__).resolve().parents[1]
     p = package.parent / relative
@@ -148,8 +149,6 @@ def repo_file(relative: str):
 
 def run_report(summary: dict) -> str:
     """Text summary of a finished run (``grpo_kit.app.run.train``'s return): accuracy, time, saved files."""
-    import json
-    from pathlib import Path
 
     run_dir = Path(summary["run_dir"])
     evals = json.loads((run_dir / "eval.json").read_text())

@@ -194,7 +194,7 @@ def load_gsm8k(path: str | Path | None = None, *, split: str = "train", limit: i
     if path:
         return load_gsm8k_jsonl(path, limit)
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # lazy: datasets imports pyarrow and pandas (seconds)
 
         ds = load_dataset("openai/gsm8k", "main", split=split)
     except Exception as e:  # offline, or the hub refuses
@@ -215,7 +215,7 @@ def make_prompt(question: str, system_prompt: str = "") -> list[dict]:
 
 def to_prompt_dataset(examples: list[dict], system_prompt: str = ""):
     """A ``datasets.Dataset`` with ``prompt`` (messages) and ``answer`` columns, as TRL expects."""
-    from datasets import Dataset
+    from datasets import Dataset  # lazy: datasets imports pyarrow and pandas (seconds)
 
     if not examples:
         raise ValueError("the dataset is empty: no examples to train on")

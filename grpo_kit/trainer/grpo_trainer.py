@@ -46,7 +46,7 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
-from grpo_kit.model.offload import keep_hf_checkpointing_off
+from grpo_kit.model.offload import enable_offloaded_checkpointing, keep_hf_checkpointing_off
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
 from grpo_kit.trainer.sharding import check_sharding, full_head
@@ -145,8 +145,6 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         if offload_checkpointing is None:
             offload_checkpointing = on_cuda and bool(self.args.gradient_checkpointing)
         if offload_checkpointing:
-            from grpo_kit.model.offload import enable_offloaded_checkpointing
-
             enable_offloaded_checkpointing(self.model, offload=on_cuda)
         self._offloaded_checkpointing = bool(offload_checkpointing)
 
