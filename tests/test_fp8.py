@@ -315,6 +315,71 @@ def test_fp8_support_names_the_device_and_what_it_supports(monkeypatch):
     assert M.BASE_WEIGHTS == ("16bit", "fp8")
 
 
+# ---- load_model(base_weights='fp8'): the device check refuses the CPU; tests pass it to run the torch twin ----------
+
+@pytest.fixture
+def twin_on_cpu(monkeypatch):
+    """load_model's device check lets the CPU through (the torch twin computes there); the config still refuses it."""
+    import grpo_kit.model.loading as L
+
+    monkeypatch.setattr(L, "fp8_support", lambda device: None)
+
+
+def test_load_model_refuses_fp8_where_the_device_has_none_and_with_4bit():
+    with pytest.raises(ValueError, match="the device is cpu"):
+        load_model("tiny-llama", device="cpu", base_weights="fp8")
+    with pytest.raises(ValueError, match="choose one"):
+        load_model("tiny-llama", device="cpu", base_weights="fp8", load_in_4bit=True)
+    with pytest.raises(ValueError, match="base_weights='int8' is not allowed"):
+        load_model("tiny-llama", device="cpu", base_weights="int8")
+
+
+@pytest.mark.parametrize("block", [None, FP8_BLOCK], ids=["channel", "block128"])
+def test_load_model_fp8_streams_a_checkpoint_layer_by_layer(tmp_path, twin_on_cpu, monkeypatch, block):
+    """A checkpoint folder: each linear weight read alone from the safetensors and quantised at once (never the
+    16-bit model whole); the codes and scales are those of quantising the 16-bit model, the rest equal to it."""
+    import grpo_kit.model.loading as L
+
+    dense = build_random_model("tiny-qwen2", dtype=torch.bfloat16)  # QKV biases, a tied head
+    dense.save_pretrained(tmp_path / "ckpt")
+    reads = []
+    real_read = L._read_tensor
+
+    def read(file, key, device):  # each tensor read alone, when its turn comes
+        reads.append(key)
+        return real_read(file, key, device)
+
+    monkeypatch.setattr(L, "_read_tensor", read)
+    model, _ = load_model(str(tmp_path / "ckpt"), dtype=torch.bfloat16, device="cpu", base_weights="fp8",
+                          fp8_block=block)
+    ref = copy.deepcopy(dense)
+    quantize_model_fp8(ref, block=block)
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert got.keys() == want.keys() and model.grpo_kit_quantization["fp8_layers"] == 14
+    for n, p in want.items():
+        assert got[n].dtype == p.dtype and torch.equal(got[n].view(torch.uint8) if p.dtype == FP8_DTYPE else got[n],
+                                                       p.view(torch.uint8) if p.dtype == FP8_DTYPE else p), n
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.grpo_kit_quantization["load"].startswith("streamed")
+    assert len(reads) == len(set(reads)) and all(k.rsplit(".", 2)[-2].endswith("proj") for k in reads[:20])  # 14 weights, 6 biases
+    ids = _ids()
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_load_model_fp8_builds_a_random_builtin_on_the_device_with_lora_and_the_reference(twin_on_cpu):
+    """A random built-in built layer by layer (no 16-bit linear left but lm_head); LoRA through fp8_lora_config;
+    the reference pass (adapter disabled) is the base model's."""
+    model, _ = load_model("tiny-llama", device="cpu", base_weights="fp8")
+    report = model.grpo_kit_quantization
+    assert report["fp8_layers"] == 14 and report["kept_16bit"] == ["lm_head"] and report["base_weights"] == "fp8"
+    ids = _ids()
+    base = model(ids).logits
+    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)))
+    assert not torch.equal(pm(ids).logits, base)  # the adapter acts
+    with pm.disable_adapter():
+        assert torch.equal(pm(ids).logits, base)
+
+
 # ---- GPU tier: torch._scaled_mm (FP8 tensor cores) against the twin ----------------------------------------------
 
 _no_fp8 = fp8_support("cuda")

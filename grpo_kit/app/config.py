@@ -29,6 +29,7 @@ from grpo_kit.loss.objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Obje
 from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
+from grpo_kit.model.fp8 import BASE_WEIGHTS, fp8_support
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.tasks.data import LEVELS, TASKS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
@@ -120,6 +121,7 @@ CHOICES = {
     "scale_rewards": SCALE_REWARDS, "reward_errors": REWARD_ERRORS, "generation_backend": GENERATION_BACKENDS,
     "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
     "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+    "base_weights": BASE_WEIGHTS,
 }
 
 
@@ -334,6 +336,12 @@ class GRPOKitConfig:
                                         "training runs (standby). true, false (a separate engine copy, weights "
                                         "synced each step) or `auto` (shared on CUDA with LoRA and 16-bit engine "
                                         "weights; a layout vLLM cannot share falls back to a copy with a warning).")
+    base_weights: str = _f("16bit", f"How the frozen base linear weights are held, one of {BASE_WEIGHTS}: `16bit` in "
+                           "the training dtype; `fp8`: FP8 e4m3 with per-output-channel scales, quantised layer by "
+                           "layer on the GPU (grpo_kit.model.fp8), the forward as a W8A8 matmul, LoRA on top in the "
+                           "training dtype. `fp8` needs use_lora, a CUDA GPU with FP8 tensor cores (compute "
+                           "capability 8.9 or newer: L4, RTX 40/50, H100, H200, B200) and load_in_4bit off; it "
+                           "generates with HF generate for now (the vLLM FP8 engine sharing is not wired yet).")
     load_in_4bit: bool = _f(False, "QLoRA: the training model's base linear weights in 4 bit (bitsandbytes NF4, "
                             "double quantisation; matmuls in the training dtype), LoRA on top, except the layers "
                             "in load_in_4bit_skip_modules. Needs use_lora, a CUDA GPU and bitsandbytes; generates "
@@ -471,6 +479,7 @@ class GRPOKitConfig:
         if list_errors is None:  # a list field that is no list: the element checks below need lists
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors + _not_lists(self)))
         errors += list_errors + _generation_problems(self) + _4bit_problems(self) + _data_problems(self)
+        errors += _fp8_problems(self)
         if errors:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
         return self
@@ -591,6 +600,28 @@ def _4bit_problems(cfg: GRPOKitConfig) -> list[str]:
     if importlib.util.find_spec("bitsandbytes") is None:
         errors.append("load_in_4bit=True needs the bitsandbytes package, which is not installed: python -m pip "
                       "install bitsandbytes==0.50.2 (CUDA), or set load_in_4bit=False")
+    return errors
+
+
+def _fp8_problems(cfg: GRPOKitConfig) -> list[str]:
+    """What base_weights='fp8' needs: LoRA, no 4-bit, HF generation, and a device with FP8 tensor cores (where the
+    run will train, known before any model loads: grpo_kit.model.fp8.fp8_support names it)."""
+    if cfg.base_weights != "fp8":
+        return []
+    errors = []
+    if not cfg.use_lora:
+        errors.append("base_weights='fp8' needs use_lora=True: the FP8 base weights are frozen (no gradient reaches "
+                      "them, only the LoRA adapters on top train), so full fine-tuning would train nothing; use "
+                      "base_weights='16bit' for full fine-tuning")
+    if cfg.load_in_4bit:
+        errors.append("base_weights='fp8' and load_in_4bit=True are two formats for the same base weights; choose "
+                      "one (FP8 on GPUs with FP8 tensor cores, 4 bit elsewhere)")
+    if cfg.generation_backend == "vllm":
+        errors.append("base_weights='fp8' generates with HF generate for now (vLLM's FP8 engine does not share the "
+                      "training model's FP8 weights yet); set generation_backend='hf' or 'auto'")
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device in DEVICES and (why := fp8_support(device)) is not None:
+        errors.append(f"base_weights='fp8': {why}")
     return errors
 
 

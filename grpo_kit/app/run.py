@@ -31,6 +31,7 @@ from grpo_kit.app.resume_policy import restore_run_files, resume_config
 from grpo_kit.app.run_folder import claim_run_folder
 from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
+from grpo_kit.model.fp8 import fp8_lora_config
 from grpo_kit.model.loading import load_model, load_tokenizer, meta_model, model_config
 from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
@@ -344,6 +345,7 @@ def _load(run: _Run):
     quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
                  auto_allowance=cfg.load_in_4bit_auto_allowance, nf4_matmul=cfg.load_in_4bit_matmul,
                  calibration=calibration_batches(tokenizer, run.train_ex, run.system_prompt)) if cfg.load_in_4bit else {}
+    quant = dict(base_weights="fp8") if cfg.base_weights == "fp8" else quant  # the config refuses both together
     generator, model, info = start_generation(
         plan, tokenizer=tokenizer, dtype=dtype,
         load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed, **quant)[0])
@@ -386,6 +388,8 @@ def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, re
     cfg = run.cfg
     peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM") if cfg.use_lora else None
+    if cfg.base_weights == "fp8":  # PEFT's LoRA layer for the FP8 base layers (use_lora: the config checked)
+        peft_config = fp8_lora_config(peft_config)
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
                            args=grpo_args(cfg, run.device, run.dtype),
                            train_dataset=to_prompt_dataset(run.train_ex, run.system_prompt),

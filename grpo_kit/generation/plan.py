@@ -190,6 +190,8 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
         return hf("", False)
     if cfg.load_in_4bit:  # config refuses 'vllm' with it
         return hf("load_in_4bit: vLLM cannot take a 4-bit training model's weights yet", False)
+    if cfg.base_weights == "fp8":  # config refuses 'vllm' with it
+        return hf("base_weights='fp8': vLLM's FP8 engine does not share the training model's FP8 weights yet", False)
     if requested == "auto" and not vllm_available():
         return hf(f"vLLM is not installed ({vllm_install_advice(device == 'cuda')})", device == "cuda")
     model_dir, dummy = generation_model_dir(cfg.model, device)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
+from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support, quantize_model_fp8
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.model.quantize import (auto_skip_modules, is_quantized, nf4_load_config, quantizable_linears,
                                      quantization_report, quantize_model)
@@ -285,7 +286,7 @@ def load_tokenizer(name: str = EMBEDDED_NAME):
 
 def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0,
                load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1,
-               nf4_matmul: str = "kit"):
+               nf4_matmul: str = "kit", base_weights: str = "16bit", fp8_block: int | None = None):
     """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id.
 
     ``dtype`` defaults to fp32 on CPU (the embedded model is dequantised to fp32) and
@@ -304,9 +305,28 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     checkpoint are the same either way; ``model.grpo_kit_quantization`` reports what was done.
     ``nf4_matmul``: how the 4-bit layers multiply (:func:`grpo_kit.model.nf4_matmul.use_nf4_matmul`: ``kit`` or
     ``bitsandbytes``).
+
+    ``base_weights="fp8"``: the base linear weights (but lm_head and ``skip_modules``, a list of names) become FP8
+    e4m3 :class:`grpo_kit.model.fp8.FP8Linear` layers, per output channel or per ``fp8_block`` x ``fp8_block`` tile
+    (``FP8_BLOCK``), quantised on ``device`` one layer at a time (:func:`_load_fp8`): the 16-bit model is never
+    whole in host RAM or on the device. Refused where ``device`` has no FP8 tensor cores
+    (:func:`grpo_kit.model.fp8.fp8_support`) and with ``load_in_4bit``. LoRA goes on top through
+    :func:`grpo_kit.model.fp8.fp8_lora_config`.
     """
     if nf4_matmul not in NF4_MATMULS:  # before anything loads
         raise ValueError(f"nf4_matmul={nf4_matmul!r} is not allowed: one of {', '.join(NF4_MATMULS)}")
+    if base_weights not in BASE_WEIGHTS:
+        raise ValueError(f"base_weights={base_weights!r} is not allowed: one of {', '.join(BASE_WEIGHTS)}")
+    if base_weights == "fp8":
+        if load_in_4bit:
+            raise ValueError("base_weights='fp8' and load_in_4bit=True are two formats for the same base weights; "
+                             "choose one")
+        if fp8_block not in (None, FP8_BLOCK):
+            raise ValueError(f"fp8_block={fp8_block!r} is not allowed: None (per-channel scales) or {FP8_BLOCK}")
+        if (why := fp8_support(device)) is not None:
+            raise ValueError(why)
+        skip = ("lm_head",) if skip_modules == "auto" else skip_modules  # no calibration for FP8
+        return _load_fp8(name, dtype, device, seed, skip, fp8_block), load_tokenizer(name)
     model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance)
     if load_in_4bit:
         from grpo_kit.model.nf4_matmul import use_nf4_matmul  # Triton and bitsandbytes: only for a 4-bit model
@@ -365,11 +385,20 @@ def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):
 
 
 def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules) -> torch.nn.Module:
-    """A built-in architecture with random weights and NF4 linear layers, built on ``device`` without the
-    16-bit model existing anywhere: parameters start on the meta device; each linear layer to quantise gets
-    its random weight on ``device`` and is quantised there at once (peak: one 16-bit layer beside the NF4
-    ones); the rest (embeddings, norms, lm_head, kept layers) is then created in place, tied weights tied
-    again. Initialised as transformers does for these architectures: normal(0, initializer_range) for
+    """A built-in architecture with random weights and NF4 linear layers (:func:`_random_layerwise`)."""
+    model, report = _random_layerwise(name, dtype, device, seed, lambda m, init: quantize_model(
+        m, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=init))
+    model.grpo_kit_quantization = {**report, "skip_modules": list(skip_modules), "auto": None,
+                                   "load": "random, built and quantised layer by layer on the device"}
+    return model
+
+
+def _random_layerwise(name: str, dtype: torch.dtype, device, seed: int, quantize) -> tuple[torch.nn.Module, dict]:
+    """A built-in architecture with random weights and quantised linear layers, built on ``device`` without the
+    16-bit model existing anywhere: parameters start on the meta device; ``quantize(model, materialize)`` (returns
+    its report) gives each linear layer to quantise its random weight on ``device`` and quantises it there at once
+    (peak: one 16-bit layer beside the quantised ones); the rest (embeddings, norms, lm_head, kept layers) is then
+    created in place, tied weights tied again. Returns ``(model, report)``. Initialised as transformers does for these architectures: normal(0, initializer_range) for
     linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Not built in host
     RAM first: a large model's single-threaded CPU initialisation would dominate the start."""
     config = model_config(name)
@@ -388,7 +417,7 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
             t[module.padding_idx] = 0
         return t
 
-    report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=init)
+    report = quantize(model, init)
     if getattr(config, "tie_word_embeddings", False):  # the meta build with real buffers comes back untied
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     made = {}  # id of a meta parameter -> (it, its replacement): a tied parameter is created once
@@ -399,9 +428,97 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
                     made[id(p)] = (p, torch.nn.Parameter(init(module, pname, p), requires_grad=p.requires_grad))
                 setattr(module, pname, made[id(p)][1])
     model.to(device)  # the buffers (RoPE frequencies) were real on the CPU
-    model.grpo_kit_quantization = {**report, "skip_modules": list(skip_modules), "auto": None,
-                                   "load": "random, built and quantised layer by layer on the device"}
+    return model, report
+
+
+def _load_fp8(name: str, dtype: torch.dtype | None, device, seed: int, skip_modules, block: int | None):
+    """:func:`load_model`'s FP8 model: random built-ins built layer by layer on ``device``
+    (:func:`_random_layerwise`); a checkpoint streamed tensor by tensor from its safetensors files onto ``device``
+    (:func:`_checkpoint_tensors`), each linear weight quantised there as it arrives. ``model.grpo_kit_quantization``
+    reports the FP8 layers (:func:`grpo_kit.model.fp8.fp8_report`) and how they were made."""
+    kind = check_model_name(name)
+    start = time.perf_counter()
+    if kind in ("tiny", "config-only"):
+        dtype = dtype or torch.float32
+        model, report = _random_layerwise(name, dtype, device, seed, lambda m, init: quantize_model_fp8(
+            m, compute_dtype=dtype, device=device, block=block, skip_modules=skip_modules, materialize=init))
+        load = "random, built and quantised layer by layer on the device"
+    else:
+        src = embedded_model_dir() if kind == "embedded" else _checkpoint_dir(name)
+        model, report = _fp8_streamed(src, dtype or (torch.float32 if kind == "embedded" else None), device,
+                                      skip_modules, block)
+        load = "streamed from the checkpoint's safetensors, quantised layer by layer on the device"
+    model.grpo_kit_quantization = {**report, "base_weights": "fp8", "skip_modules": list(skip_modules),
+                                   "load": load, "build_s": round(time.perf_counter() - start, 2)}
     return model
+
+
+def _checkpoint_dir(name: str) -> Path:
+    """A local folder, or a hub id's files (config, safetensors, tokenizer) downloaded to the hub cache."""
+    if os.path.isdir(name):
+        return Path(name)
+    from huggingface_hub import snapshot_download  # lazy: only a hub id needs it
+
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def _checkpoint_tensors(src: Path, device) -> dict:
+    """``{tensor name: reader}`` over the safetensors files of ``src``; ``reader()`` reads that one tensor onto
+    ``device`` (nothing is read before it is asked for)."""
+    from safetensors import safe_open  # lazy: only a streamed FP8 load reads the files itself
+
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{src}: no .safetensors files to stream the FP8 weights from")
+    readers = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:  # the names only
+            for key in fh.keys():
+                readers[key] = (lambda f=str(file), k=key: _read_tensor(f, k, device))
+    return readers
+
+
+def _read_tensor(file: str, key: str, device) -> torch.Tensor:
+    from safetensors import safe_open  # lazy: only a streamed FP8 load reads the files itself
+
+    with safe_open(file, framework="pt", device=str(device)) as fh:
+        return fh.get_tensor(key)
+
+
+def _fp8_streamed(src: Path, dtype: torch.dtype | None, device, skip_modules, block: int | None):
+    """The model of checkpoint folder ``src`` with FP8 linear layers: built on the meta device, each parameter
+    read from the safetensors files onto ``device`` when its turn comes (the linear weights quantised at once, so
+    at most one 16-bit layer exists beside the FP8 ones), cast to ``dtype`` (default: the checkpoint's).
+    Returns ``(model, fp8 report)``; a parameter the files lack is an error naming it (a tied head is tied)."""
+    from transformers import AutoConfig  # lazy: transformers is slow to import
+
+    config = AutoConfig.from_pretrained(src)
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = meta_model(config, dtype=dtype, real_buffers=True)
+    tensors = _checkpoint_tensors(src, device)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def read(module, pname, p) -> torch.Tensor:
+        full = names[id(p)]
+        if full not in tensors:
+            raise ValueError(f"{src}: the checkpoint has no tensor {full!r}")
+        return tensors[full]().to(dtype)
+
+    report = quantize_model_fp8(model, compute_dtype=dtype, device=device, block=block, skip_modules=skip_modules,
+                                materialize=read)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:  # the meta build with real buffers comes back untied
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    made = {}
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(read(module, pname, p), requires_grad=p.requires_grad)
+                setattr(module, pname, made[id(p)])
+    return model.to(device), report
 
 
 def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -> None:
