@@ -367,3 +367,50 @@ def test_help_config_prints_every_field(capsys):
         assert f"\n{f.name}: " in "\n" + out, f.name
     assert "loss_type: str = \"grpo\"  [one of ['grpo'" in out
     assert "bench/results" not in out
+
+
+def _gpu(monkeypatch, name: str | None, capability=(9, 0)):
+    """Make torch see one CUDA GPU ``name`` of ``capability`` (what fp8_support reads); None: no CUDA device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: name is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+
+
+@pytest.mark.parametrize("name,cap,device,match", [
+    (None, None, "cpu", r"base_weights='fp8': FP8 base weights need a CUDA GPU .*the device is cpu, which trains with "
+                        r"16-bit base weights only"),
+    (None, None, "auto", r"the device is cpu"),
+    ("Tesla T4", (7, 5), "auto", r"the Tesla T4 \(compute capability 7.5\) has none .* use 16-bit base weights \(fp16\) "
+                                 r"or load_in_4bit"),
+    ("Tesla V100-SXM2-16GB", (7, 0), "cuda", r"V100.*compute capability 7.0.*\(fp16\) or load_in_4bit"),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "cuda", r"A100.*compute capability 8.0.*\(bf16\) or load_in_4bit"),
+])
+def test_fp8_base_weights_are_refused_where_the_device_has_no_fp8(monkeypatch, name, cap, device, match):
+    _gpu(monkeypatch, name, cap)
+    cfg = GRPOKitConfig().apply_overrides(["base_weights=fp8", f"device={device}"])
+    with pytest.raises(ConfigError, match=match) as e:
+        cfg.validate()
+    assert str(e.value).count("base_weights") == 1  # one clear message
+
+
+@pytest.mark.parametrize("name,cap", [("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA L4", (8, 9)),
+                                      ("NVIDIA B200", (10, 0))])
+def test_fp8_base_weights_validate_on_gpus_with_fp8(monkeypatch, name, cap):
+    _gpu(monkeypatch, name, cap)
+    cfg = GRPOKitConfig().apply_overrides(["base_weights=fp8"]).validate()
+    assert cfg.base_weights == "fp8"
+    GRPOKitConfig(base_weights="fp8", device="cuda").validate()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["use_lora=false", "beta=0"], r"base_weights='fp8' needs use_lora=True: the FP8 base weights are frozen"),
+    (["load_in_4bit=true"], r"base_weights='fp8' and load_in_4bit=True .* choose one"),
+    (["generation_backend=vllm"], r"base_weights='fp8' generates with HF generate"),
+    (["base_weights=fp16"], r"base_weights='fp16' is not allowed; choose one of \['16bit', 'fp8'\]"),
+])
+def test_fp8_base_weights_refuse_what_they_cannot_do(monkeypatch, overrides, match):
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ConfigError, match=match):
+        GRPOKitConfig().apply_overrides(["base_weights=fp8", *overrides]).validate()
