@@ -265,26 +265,44 @@ def test_bad_input_raises_one_clear_error(kwargs, match):
         estimate(kw.pop("model"), **kw)
 
 
+def _vram(argv) -> int:
+    """``python -m grpo_kit vram ARGV``: the kit's default config is the run it prices (the app layer hands it in)."""
+    from grpo_kit.app.config import GRPOKitConfig
+
+    return cli_main(argv, run_config=GRPOKitConfig())
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--model", "nope", "--context", "100"], "Built-in names"),
     (["--model", LLAMA, "--context", "0"], "must be >= 1"),
     (["--model", LLAMA, "--context", "100", "--generations", "0"], "must be >= 1"),
-    (["--model", LLAMA, "--context", "100", "--prompt-length", "100"], "must be smaller than --context"),
-    (["--model", LLAMA, "--context", "100", "--quantization", "4bit"], "needs --lora-rank"),
+    (["--model", LLAMA, "--context", "100", "--prompt-length", "100"], r"the prompt \(100 tokens\) must be shorter"),
+    (["--model", LLAMA, "--context", "100"], r"the prompt \(256 tokens, the kit's max_prompt_length\) must be shorter"),
+    (["--model", LLAMA, "--context", "100", "--published-setting", "--quantization", "4bit"], "needs LoRA"),
+    (["--model", LLAMA, "--context", "100", "--full-finetuning", "--quantization", "4bit"], "needs LoRA"),
+    (["--model", LLAMA, "--context", "100", "--full-finetuning", "--lora-rank", "8"], "exclude each other"),
     (["--model", LLAMA, "--context", "100", "--method", "peft"], "invalid choice"),
     (["--model", LLAMA, "--context", "100", "--standby", "--no-vllm"], "--standby describes a vLLM engine"),
-    (["--model", LLAMA, "--context", "100", "--lora-dropout"], "--lora-dropout needs --lora-rank"),
+    (["--model", LLAMA, "--context", "100", "--published-setting", "--lora-dropout"], "--lora-dropout needs LoRA"),
 ])
 def test_cli_bad_input(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
-        cli_main(argv)
+        _vram(argv)
     assert e.value.code == 2
     assert re.search(match, capsys.readouterr().err)
 
 
+def test_cli_without_the_run_config_prices_only_the_published_setting(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--model", LLAMA, "--context", "1024"])
+    assert e.value.code == 2 and "--published-setting" in capsys.readouterr().err
+    assert cli_main(["--model", LLAMA, "--context", "1024", "--published-setting", "--method", "grpo_kit"]) == 0
+
+
 def test_cli_prints_the_table_and_plots(tmp_path, capsys):
     out_png = tmp_path / "vram.png"
-    assert cli_main(["--model", LLAMA, "--context", "20480", "--generations", "8", "--plot", str(out_png)]) == 0
+    assert _vram(["--model", LLAMA, "--context", "20480", "--generations", "8", "--published-setting",
+                  "--plot", str(out_png)]) == 0
     text = capsys.readouterr().out
     for needle in ("78.3", "510.8", "54.3", "published, not derived", "method grpo_kit", "total GPU (peak)"):
         assert needle in text
@@ -294,9 +312,9 @@ def test_cli_prints_the_table_and_plots(tmp_path, capsys):
 def test_cli_standby_plans_the_shared_engine(capsys):
     argv = ["--model", LLAMA, "--context", "20992", "--prompt-length", "512", "--lora-rank", "16", "--kv-cache-dtype",
             "fp8", "--micro-batch", "16", "--method", "grpo_kit"]  # a micro-batch above the group size is fine now
-    assert cli_main(argv + ["--standby"]) == 0
+    assert _vram(argv + ["--standby"]) == 0
     assert "peak during the backward phase" in capsys.readouterr().out  # 16 x 21K tokens outweigh generation
-    assert cli_main(argv[:-4] + ["--micro-batch", "1", "--method", "grpo_kit", "--standby"]) == 0
+    assert _vram(argv[:-4] + ["--micro-batch", "1", "--method", "grpo_kit", "--standby"]) == 0
     assert "peak during the generation phase" in capsys.readouterr().out
 
 
@@ -580,7 +598,7 @@ def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
     assert estimate_for_config(GRPOKitConfig(model="llama-3.1-8b")).attrs["lora_dropout"] is False
     argv = ["--model", "llama-3.1-8b", "--context", str(T), "--prompt-length", "512", "--lora-rank", "16",
             "--micro-batch", "1", "--method", "grpo_kit", "--training-only"]
-    assert cli_main(argv + ["--lora-dropout"]) == 0 and "masks cannot be split" in capsys.readouterr().out
+    assert _vram(argv + ["--lora-dropout"]) == 0 and "masks cannot be split" in capsys.readouterr().out
     with pytest.raises(ValueError, match="lora_dropout=True needs lora_rank"):
         estimate("llama-3.1-8b", **{**kw, "lora_rank": None, "scoring_batch": None}, lora_dropout=True)
 

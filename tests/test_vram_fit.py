@@ -1,12 +1,18 @@
-"""`vram` answers "does it fit": a verdict against --gpu-gib and the longest context that fits; hub ids read
-their config.json from the local hub cache."""
+"""`vram` answers "does it fit" for the kit's own run (the defaults of `python -m grpo_kit train`) or, with
+--published-setting, for the published table's: a verdict against --gpu-gib naming what does not fit, and the longest
+context that fits; hub ids read their config.json from the local hub cache."""
 
+import dataclasses
 import json
+import re
 
 import pytest
 
-from grpo_kit.memory import cli_main, estimate, total_gpu_bytes
-from grpo_kit.memory.fit import FREE_T4_GIB, GIB, PRESET_ROUND, fit_verdict, free_t4_preset, longest_fitting_context
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.memory.cli import build_parser, cli_main
+from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, estimate_for_config, total_gpu_bytes
+from grpo_kit.memory.fit import (FREE_T4_GIB, GIB, PRESET_ROUND, fit_verdict, free_t4_preset, longest_fitting_context,
+                                 verdict_kwargs)
 
 KW = dict(num_generations=8, lora_rank=16, method="grpo_kit")
 
@@ -22,7 +28,8 @@ def test_longest_context_is_the_boundary():
     assert peak(n) <= budget < peak(n + 1)
     v = fit_verdict("qwen2.5-1.5b", 15, context=n + 1, prompt_length=256, num_generations=8, lora_rank=16)
     assert not v.fits and v.max_context == n and "does not fit" in v.text() and f"{n:,} tokens" in v.text()
-    assert fit_verdict("llama-3.1-8b", 8, context=1024, num_generations=8, lora_rank=16).max_context is None
+    heavy = fit_verdict("llama-3.1-8b", 8, context=1024, num_generations=8, lora_rank=16)
+    assert heavy.max_context is None and "the weights alone take 14.96 GiB" in heavy.text()
     with pytest.raises(ValueError, match="gpu_gib=0 must be > 0"):
         fit_verdict("qwen2.5-1.5b", 0, context=1024)
 
@@ -47,16 +54,93 @@ def test_free_t4_preset_is_the_longest_whole_step_in_4bit_fp16():
         free_t4_preset("llama-3.1-8b", num_generations=512)
 
 
+def _vram(argv, capsys) -> str:
+    """``python -m grpo_kit vram ARGV``'s output (the app layer hands in the kit's default config)."""
+    assert cli_main(argv, run_config=GRPOKitConfig()) == 0
+    return capsys.readouterr().out
+
+
+def _verdicts(out: str) -> dict[str, str]:
+    """The verdict lines after "Does it fit", by method."""
+    lines = out.split("Does it fit", 1)[1].splitlines()[1:]
+    return {line.strip().split(":")[0]: line.strip() for line in lines if line.startswith("  ")}
+
+
 def test_cli_verdict_per_method(capsys):
-    assert cli_main(["--model", "qwen2.5-1.5b", "--context", "1024", "--lora-rank", "16", "--gpu-gib", "15"]) == 0
-    out = capsys.readouterr().out
+    out = _vram(["--model", "qwen2.5-1.5b", "--context", "1024", "--method", "all", "--gpu-gib", "15"], capsys)
     assert "Does it fit in 15.00 GiB (--gpu-gib)?" in out
-    lines = [line.strip() for line in out.splitlines() if "longest context that fits" in line]
-    assert [line.split(":")[0] for line in lines] == ["trl", "unsloth", "grpo_kit"]
-    ours = lines[-1]
-    assert ours.startswith("grpo_kit: fits") and int(ours.rsplit(": ", 1)[1].split()[0].replace(",", "")) > 1024
+    verdicts = _verdicts(out)
+    assert list(verdicts) == ["trl", "unsloth", "grpo_kit"]
+    ours = verdicts["grpo_kit"]
+    assert ours.startswith("grpo_kit: fits")
+    assert int(re.search(r"the longest context that fits is ([\d,]+) tokens", ours)[1].replace(",", "")) > 1024
     with pytest.raises(SystemExit):
-        cli_main(["--model", "qwen2.5-1.5b", "--context", "1024", "--gpu-gib", "-1"])
+        cli_main(["--model", "qwen2.5-1.5b", "--context", "1024", "--gpu-gib", "-1"], run_config=GRPOKitConfig())
+
+
+ISSUE_COMMAND = ["--model", "llama-3.1-8b", "--context", "20480", "--generations", "8", "--gpu-gib", "24"]
+
+
+def test_vram_prices_the_kits_default_run(capsys, monkeypatch):
+    """The issue's command answers for `python -m grpo_kit train`'s defaults with that model and context: the same
+    peak as estimate_for_config on that config, the same verdict as the run's own fit check (config_fit), and the
+    longest context from the same step."""
+    import grpo_kit.memory.fit as fit
+
+    monkeypatch.setattr(fit, "detected_gpu_gib", lambda: None)  # the gpu_gib given is the budget on any machine
+    out = _vram(ISSUE_COMMAND, capsys)
+    default = GRPOKitConfig()
+    cfg = dataclasses.replace(default, model="llama-3.1-8b", max_completion_length=20480 - default.max_prompt_length)
+    peak = total_gpu_bytes(estimate_for_config(cfg)) / GIB
+    line = _verdicts(out)["grpo_kit"]
+    assert (f"{peak:.2f} GiB" in line) and (peak <= 24) == line.startswith("grpo_kit: fits")
+    assert line == fit.config_fit(cfg, gpu_gib=24.0)[0].text()
+    longest = longest_fitting_context("llama-3.1-8b", 24 * GIB, prompt_length=default.max_prompt_length,
+                                      **verdict_kwargs(config_estimate_kwargs(cfg)))
+    assert f"the longest context that fits is {longest:,} tokens" in line
+    assert "96.12" not in out and "prompt fits" not in out and "Published table reproduced" not in out
+    kw = config_estimate_kwargs(cfg)
+    assert (f"micro-batch {kw['micro_batch_size']} sequences" in out and f"LoRA r={kw['lora_rank']}" in out
+            and f"prompt {default.max_prompt_length} + completion" in out)
+
+
+def test_published_setting_gives_the_published_tables_figures(capsys):
+    out = _vram(ISSUE_COMMAND + ["--published-setting"], capsys)
+    verdicts = _verdicts(out)
+    assert list(verdicts) == ["trl", "unsloth", "grpo_kit"]
+    assert "(the step 96.12 GiB)" in verdicts["grpo_kit"] and "Published table reproduced" in out
+    # full fine-tuning: the weights fit 24 GiB, their AdamW state beside them does not
+    assert "the weights (14.96 GiB) and the optimiser state (29.92 GiB) alone take" in verdicts["grpo_kit"]
+    assert "the weights and vLLM's copy of them alone take 29.92 GiB" in verdicts["trl"]
+
+
+def test_a_verdict_names_what_does_not_fit(capsys):
+    # the 8B's bf16 weights alone exceed the card
+    line = _verdicts(_vram(["--model", "llama-3.1-8b", "--context", "1024", "--gpu-gib", "8"], capsys))["grpo_kit"]
+    assert "does not fit on 8.00 GiB: the weights alone take 14.96 GiB" in line and line.endswith("no context fits")
+    # the weights fit; the step's largest phase does not, and a shorter context does
+    line = _verdicts(_vram(ISSUE_COMMAND, capsys))["grpo_kit"]
+    assert re.search(r"does not fit on 24.00 GiB: the weights take 14.96 GiB and the step's \w+ phase [\d.]+ GiB", line)
+    assert "the longest context that fits is" in line
+    # the generation phase names the KV cache's share
+    v = fit_verdict("llama-3.1-8b", 24, context=20480, prompt_length=256, num_generations=8, lora_rank=16,
+                    micro_batch_size=1, generation_batch=16, vllm=False)
+    assert v.peak_phase == "generation" and f"{v.kv_cache_gib:.2f} GiB of it the KV cache" in v.text()
+    # the weights and the adapters fit, not even the shortest step: said so, with the prompt's length
+    weights = v.weights_gib + v.optimizer_gib
+    tight = fit_verdict("llama-3.1-8b", weights + 0.01, context=1024, prompt_length=256, num_generations=8,
+                        lora_rank=16)
+    assert tight.max_context is None and "no context fits: at 257 tokens (the prompt and one more)" in tight.text()
+
+
+def test_the_help_says_what_the_defaults_are():
+    cfg = GRPOKitConfig()
+    text = " ".join(build_parser(cfg).format_help().split())
+    for needle in (f"num_generations, {cfg.num_generations}", f"max_prompt_length, {cfg.max_prompt_length}",
+                   f"lora_rank, {cfg.lora_rank}", f"per_device_train_batch_size, {cfg.per_device_train_batch_size}",
+                   f"kv_cache_dtype {cfg.kv_cache_dtype!r}", f"generation_backend {cfg.generation_backend!r}",
+                   "--published-setting", "python -m grpo_kit train"):
+        assert needle in text, needle
 
 
 def test_hub_id_from_the_local_cache(tmp_path, monkeypatch):
@@ -99,7 +183,8 @@ def test_require_fit_prices_the_config_and_stops_with_the_numbers(capsys, monkey
     assert config_fit(lean, gpu_gib=15.0)[0].peak_gib < verdict.peak_gib
     big = GRPOKitConfig(model="llama-3.1-8b", num_generations=8, per_device_train_batch_size=8, max_prompt_length=512,
                         max_completion_length=8192, use_lora=True)
-    with pytest.raises(RuntimeError, match=r"does not fit, needs [\d.]+ GiB, the GPU has 15.00 GiB.*try "):
+    with pytest.raises(RuntimeError, match=r"does not fit on 15.00 GiB: the weights \(14.96 GiB\) and the LoRA adapters with their "
+                                           r"optimiser state \([\d.]+ GiB\) alone take .*; no context fits; try "):
         require_fit(big, gpu_gib=15.0)
     with pytest.raises(ValueError, match="no CUDA GPU detected; pass gpu_gib"):
         config_fit(small)

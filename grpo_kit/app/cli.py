@@ -84,7 +84,7 @@ def _bench(args) -> int:
 
 
 def _vram(args) -> int:
-    return cli_main(args.rest)
+    return cli_main(args.rest, run_config=GRPOKitConfig())  # the kit's default run is what it prices
 
 
 def _version(name: str) -> str | None:

@@ -1,21 +1,28 @@
-"""``python -m grpo_kit vram``: print the VRAM estimate as a plain-text table (and plot it).
+"""``python -m grpo_kit vram``: does a run fit a GPU? The VRAM estimate as a plain-text table (and a plot), a
+verdict against the GPU's memory and the longest context that fits.
 
-    python -m grpo_kit vram --model llama-3.1-8b --context 20480 --generations 8
-    python -m grpo_kit vram --model qwen2.5-1.5b --context 1024 --method grpo_kit --lora-rank 16 --plot vram.png
+By default it prices ``python -m grpo_kit train``'s own run on a CUDA GPU: the defaults of ``GRPOKitConfig`` (which
+the ``app`` layer hands in as ``run_config``; this layer sits below it) with the named model and context; each flag
+given replaces one of them. ``--published-setting`` prices the setting of Unsloth's published table instead.
+
+    python -m grpo_kit vram --model llama-3.1-8b --context 20480 --gpu-gib 24
+    python -m grpo_kit vram --model llama-3.1-8b --context 20480 --generations 8 --published-setting
+    python -m grpo_kit vram --model qwen2.5-1.5b --context 1024 --method all --plot vram.png
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
 import pandas as pd
 
 from grpo_kit.memory import formulas as F
-from grpo_kit.memory.estimate import METHODS, _is_published_setup, estimate, published_table, resolve_arch
-from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
-
+from grpo_kit.memory.estimate import (METHODS, PUBLISHED_SETUP, _is_published_setup, config_estimate_kwargs, estimate,
+                                      published_table, resolve_arch)
+from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict, verdict_kwargs
 
 def _positive_int(text: str) -> int:
     try:
@@ -47,34 +54,127 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m grpo_kit vram",
-                                description="Estimate the GPU memory of one GRPO step, by component.")
+def _defaults_help(run_config) -> dict[str, str]:
+    """Each flag's default in words, for ``--help``: the kit's run's (read from ``run_config``) and, after it, the
+    published setting's."""
+    G = PUBLISHED_SETUP["num_generations"]
+    if run_config is None:
+        kit = dict.fromkeys(("generations", "prompt", "lora", "method", "dtype", "kv", "micro", "gen"),
+                            "value in its run config")
+    else:
+        kw = config_estimate_kwargs(run_config)
+        kit = dict(generations=f"num_generations, {kw['num_generations']}",
+                   prompt=f"max_prompt_length, {kw['prompt_length']}",
+                   lora=f"lora_rank, {kw['lora_rank']}" if kw["lora_rank"] else "use_lora false: full fine-tuning",
+                   method=f"trainer, {kw['method']}", dtype=f"dtype {run_config.dtype!r}, {kw['dtype']} on a GPU",
+                   kv=f"kv_cache_dtype {run_config.kv_cache_dtype!r}, " + (kw["kv_cache_dtype"] or "the model's dtype"),
+                   micro=f"per_device_train_batch_size, {kw['micro_batch_size']}",
+                   gen=f"generation_backend {run_config.generation_backend!r}, priced as "
+                       + ("vLLM" if kw["vllm"] else "HF generate (every sequence's KV cache padded to the context, "
+                                                     "the larger)"))
+    return dict(
+        generations=f"completions per prompt (default: the kit's {kit['generations']}; published setting: {G})",
+        prompt=f"prompt tokens within --context (default: the kit's {kit['prompt']}; published setting: 0, the whole "
+               "context is completion)",
+        lora=f"LoRA rank on all linear layers (default: the kit's {kit['lora']}; published setting: full fine-tuning)",
+        method=f"which method's step to price (default: the kit's {kit['method']}; published setting: all)",
+        dtype=f"weights and activations (default: the kit's {kit['dtype']}; published setting: bf16)",
+        kv=f"KV cache dtype (default: the kit's {kit['kv']}; published setting: --dtype)",
+        micro=f"sequences per forward/backward (default: the kit's {kit['micro']}; published setting: all "
+              "generations at once)",
+        gen=f"the kit's {kit['gen']}; published setting: vLLM colocated, its KV cache resident",
+    )
+
+
+def build_parser(run_config=None) -> argparse.ArgumentParser:
+    """The ``vram`` arguments; ``run_config``: the kit's default ``GRPOKitConfig`` (its values appear in the help)."""
+    h = _defaults_help(run_config)
+    p = argparse.ArgumentParser(
+        prog="python -m grpo_kit vram",
+        description="Does a GRPO run fit a GPU? Estimates the GPU memory of one step, by component, against "
+                    "--gpu-gib (or the detected CUDA GPU), with the longest context that fits. By default it prices "
+                    "the run `python -m grpo_kit train` makes with --model and --context on a CUDA GPU (the config's "
+                    "defaults, each flag below replacing one); --published-setting prices the setting of Unsloth's "
+                    "published long-context table instead.")
     p.add_argument("--model", required=True, help="built-in name (e.g. llama-3.1-8b) or path to a config.json")
     p.add_argument("--context", type=_positive_int, required=True, help="tokens per sequence (prompt + completion)")
-    p.add_argument("--generations", type=_positive_int, default=8, help="completions per prompt (default 8)")
-    p.add_argument("--prompt-length", type=_non_negative_int, default=0,
-                   help="prompt tokens within --context (default 0: the whole context is completion, "
-                        "as in Unsloth's published table)")
-    p.add_argument("--lora-rank", type=_positive_int, default=None, help="LoRA rank on all linear layers "
-                   "(default: full fine-tuning)")
-    p.add_argument("--lora-dropout", action="store_true", help="LoRA dropout above 0 (needs --lora-rank): every "
-                   "adapter saves its own dropped input and a mask, and grpo_kit recomputes each layer whole")
-    p.add_argument("--method", choices=[*METHODS, "all"], default="all")
-    p.add_argument("--dtype", choices=list(F.DTYPE_BYTES), default="bf16")
-    p.add_argument("--quantization", choices=["4bit"], default=None, help="NF4 weights (needs --lora-rank)")
-    p.add_argument("--kv-cache-dtype", choices=list(F.KV_DTYPE_BYTES), default=None, help="default: --dtype")
-    p.add_argument("--micro-batch", type=_positive_int, default=None,
-                   help="sequences per forward/backward (default: all generations at once)")
+    p.add_argument("--published-setting", action="store_true",
+                   help="Unsloth's published table's setting instead of the kit's run: a prompt of 0 tokens, full "
+                        "fine-tuning, all generations in one forward, vLLM colocated without standby, the KV cache "
+                        "in --dtype, all three methods")
+    p.add_argument("--generations", type=_positive_int, default=None, help=h["generations"])
+    p.add_argument("--prompt-length", type=_non_negative_int, default=None, help=h["prompt"])
+    p.add_argument("--lora-rank", type=_positive_int, default=None, help=h["lora"])
+    p.add_argument("--full-finetuning", action="store_true", help="no LoRA: every weight trains, with AdamW's state")
+    p.add_argument("--lora-dropout", action="store_true", help="LoRA dropout above 0: every adapter saves its own "
+                   "dropped input and a mask, and grpo_kit recomputes each layer whole")
+    p.add_argument("--method", choices=[*METHODS, "all"], default=None, help=h["method"])
+    p.add_argument("--dtype", choices=list(F.DTYPE_BYTES), default=None, help=h["dtype"])
+    p.add_argument("--quantization", choices=["4bit"], default=None, help="NF4 weights (needs LoRA)")
+    p.add_argument("--kv-cache-dtype", choices=list(F.KV_DTYPE_BYTES), default=None, help=h["kv"])
+    p.add_argument("--micro-batch", type=_positive_int, default=None, help=h["micro"])
     p.add_argument("--no-vllm", action="store_true", help="generation by HF generate (KV cache freed before training)")
+    p.add_argument("--standby", action="store_true", help="generation by the kit's vLLM engine on shared weights, which "
+                   "releases its KV cache while training runs: the KV cache counts in the generation phase only. "
+                   f"Without --standby or --no-vllm: {h['gen']}")
     p.add_argument("--training-only", action="store_true", help="leave out generation (KV cache)")
-    p.add_argument("--standby", action="store_true", help="vLLM releases its KV cache while training runs "
-                   "(grpo_kit's shared-weight engine): the KV cache counts in the generation phase only")
     p.add_argument("--gpu-gib", type=_positive_float, default=None, metavar="GIB",
                    help="GPU memory to check the estimate against (default: the detected CUDA GPU's, if any): "
-                        "a verdict per method and the longest context that fits")
+                        "a verdict per method, naming what does not fit, and the longest context that fits")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="also draw stacked bars to this file")
     return p
+
+
+def _check_args(parser, args, run_config) -> None:
+    """Combinations that cannot be priced: one parser error each (exit 2)."""
+    lora = args.lora_rank is not None or not (args.published_setting or args.full_finetuning)
+    if not args.published_setting and run_config is None:
+        parser.error("the kit's run is priced from its default config: run `python -m grpo_kit vram` (or call "
+                     "cli_main(argv, run_config=GRPOKitConfig())), or pass --published-setting")
+    if args.full_finetuning and args.lora_rank is not None:
+        parser.error("--full-finetuning and --lora-rank exclude each other")
+    if args.standby and args.no_vllm:
+        parser.error("--standby describes a vLLM engine; it cannot go with --no-vllm")
+    if args.quantization and not lora:
+        parser.error("--quantization 4bit needs LoRA (--lora-rank): 4-bit weights are frozen; only LoRA trains")
+    if args.lora_dropout and not lora:
+        parser.error("--lora-dropout needs LoRA (--lora-rank): LoRA dropout acts on the adapters")
+
+
+def _given(args) -> dict:
+    """The estimate arguments the flags set, whichever setting they replace."""
+    kw = dict(lora_dropout=args.lora_dropout or None, quantization=args.quantization, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, micro_batch_size=args.micro_batch,
+              lora_rank=args.lora_rank, include_generation=False if args.training_only else None)
+    if args.no_vllm or args.standby:
+        kw.update(vllm=not args.no_vllm, standby=args.standby)
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def _published_kwargs(args) -> dict:
+    """:func:`estimate`'s arguments for the published table's setting, flags applied."""
+    G = args.generations or PUBLISHED_SETUP["num_generations"]
+    P = args.prompt_length or 0
+    return dict(num_generations=G, prompt_length=P, completion_length=args.context - P, dtype="bf16", lora_rank=None,
+                quantization=None, vllm=True, kv_cache_dtype=None, micro_batch_size=None, include_generation=True,
+                standby=False, lora_dropout=False) | _given(args)
+
+
+def _kit_kwargs(args, run_config) -> dict:
+    """:func:`estimate`'s arguments for the kit's run: ``run_config`` with the model, the context and the
+    generations of the command line (``config_estimate_kwargs``, as the run's own fit check prices it), flags
+    applied. A step generates the config's completions (``per_device_train_batch_size`` x
+    ``gradient_accumulation_steps``) or at least one micro-batch, in whole groups."""
+    G = args.generations or run_config.num_generations
+    P = run_config.max_prompt_length if args.prompt_length is None else args.prompt_length
+    cfg = dataclasses.replace(run_config, model=args.model, num_generations=G, max_prompt_length=P,
+                              max_completion_length=args.context - P)
+    kw = config_estimate_kwargs(cfg) | _given(args)
+    if args.full_finetuning:
+        kw.update(lora_rank=None, lora_dropout=False)
+    rows = max(run_config.per_device_train_batch_size * run_config.gradient_accumulation_steps, kw["micro_batch_size"])
+    kw["generation_batch"] = -(-rows // G) * G
+    return kw
 
 
 def _fmt(v: float, digits: int = 2) -> str:
@@ -97,65 +197,84 @@ def _print_one(df: pd.DataFrame, out) -> None:
     print(file=out)
 
 
-def cli_main(argv: list[str]) -> int:
-    """Entry point of ``python -m grpo_kit vram``; returns the exit status (argparse exits 2 on
-    bad input, before any work)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.prompt_length >= args.context:
-        parser.error(f"--prompt-length ({args.prompt_length}) must be smaller than --context ({args.context})")
-    if args.standby and args.no_vllm:
-        parser.error("--standby describes a vLLM engine; it cannot go with --no-vllm")
-    if args.quantization and args.lora_rank is None:
-        parser.error("--quantization 4bit needs --lora-rank (4-bit weights are frozen; only LoRA trains)")
-    if args.lora_dropout and args.lora_rank is None:
-        parser.error("--lora-dropout needs --lora-rank (LoRA dropout acts on the adapters)")
-    try:
-        arch = resolve_arch(args.model)
-    except ValueError as e:
-        parser.error(str(e))
-    kw = dict(num_generations=args.generations, prompt_length=args.prompt_length,
-              completion_length=args.context - args.prompt_length, dtype=args.dtype, lora_rank=args.lora_rank,
-              quantization=args.quantization, vllm=not args.no_vllm, kv_cache_dtype=args.kv_cache_dtype,
-              micro_batch_size=args.micro_batch, include_generation=not args.training_only, standby=args.standby,
-              lora_dropout=args.lora_dropout)
-    methods = list(METHODS) if args.method == "all" else [args.method]
-    try:
-        tables = {m: estimate(arch, method=m, **kw) for m in methods}
-    except ValueError as e:
-        parser.error(str(e))
-    out = sys.stdout
-    a = next(iter(tables.values())).attrs
-    print(f"VRAM estimate: {args.model}, {args.generations} generations x {args.context} tokens "
-          f"(prompt {args.prompt_length} + completion {args.context - args.prompt_length}), "
-          f"micro-batch {a['micro_batch_size']} sequences, {args.dtype}"
-          + (f", LoRA r={args.lora_rank}" if args.lora_rank else ", full fine-tuning")
-          + (f", {args.quantization} weights" if args.quantization else "")
-          + (", HF generate" if args.no_vllm else ", vLLM colocated")
-          + f", KV cache {a['kv_cache_dtype']}" + (", training step only" if args.training_only else ""), file=out)
-    print("GB = 1e9 bytes, GiB = 2^30 bytes; 'published' = Unsloth's published figure for the same component "
-          "(grpo_kit: Unsloth's column, the figure to beat).\n", file=out)
-    for df in tables.values():
-        _print_one(df, out)
-    if _is_published_setup(arch, args.generations, args.prompt_length, args.context - args.prompt_length, args.dtype):
-        pt = published_table(arch)
-        print(f"Published table reproduced ({pt.attrs['source']}); 'derived' is our formula rounded as published:",
-              file=out)
-        print(pt.drop(columns=["derivation"]).to_string(index=False), file=out)
-        for comp, how in zip(pt["component"], pt["derivation"]):
-            print(f"  {comp}: {how}", file=out)
-        print("  TRL's 414 GB training memory has no published derivation (shown as published, not derived); "
-              "our own derivation for TRL's setup is the 'trl' table above.", file=out)
+def _method_kwargs(kw: dict, method: str) -> dict:
+    """``kw`` for ``method``: TRL and Unsloth score by micro-batch (no ``scoring_batch``)."""
+    return dict(kw, method=method) if method == "grpo_kit" else dict(kw, method=method, scoring_batch=None)
+
+
+def _header(args, kw: dict, a: dict) -> str:
+    """The first line: what is priced."""
+    P, C, G = kw["prompt_length"], kw["completion_length"], kw["num_generations"]
+    what = ("Unsloth's published table's setting" if args.published_setting else
+            "the run of `python -m grpo_kit train` on a CUDA GPU (its config's defaults; flags replace them; "
+            "--published-setting for the published table's)")
+    gen = "vLLM colocated" + (", standby" if a["standby"] else "") if a["vllm"] else "HF generate"
+    if not (a["vllm"] or args.no_vllm or args.published_setting):  # the config's backend, priced as HF
+        gen += " (how the config's generation_backend is priced: its KV cache is the larger; --standby for vLLM's)"
+    return (f"VRAM estimate of {what}: {args.model}, {G} generations x {args.context} tokens (prompt {P} + completion "
+            f"{C}), micro-batch {a['micro_batch_size']} sequences, generation batch {a['generation_batch']}, "
+            f"{a['dtype']}" + (f", LoRA r={a['lora_rank']}" if a["lora_rank"] else ", full fine-tuning")
+            + (f", {a['quantization']} weights" if a["quantization"] else "") + f", {gen}"
+            + f", KV cache {a['kv_cache_dtype']}" + ("" if a["include_generation"] else ", training step only"))
+
+
+def _print_published(arch, out) -> None:
+    pt = published_table(arch)
+    print(f"Published table reproduced ({pt.attrs['source']}); 'derived' is our formula rounded as published:",
+          file=out)
+    print(pt.drop(columns=["derivation"]).to_string(index=False), file=out)
+    for comp, how in zip(pt["component"], pt["derivation"]):
+        print(f"  {comp}: {how}", file=out)
+    print("  TRL's 414 GB training memory has no published derivation (shown as published, not derived); "
+          "our own derivation for TRL's setup is the 'trl' table above.", file=out)
+
+
+def _print_verdicts(arch, args, kw: dict, methods: list[str], out) -> None:
+    """Per method: does the step fit the GPU, what does not, and the longest context that does."""
     gpu = (args.gpu_gib, "--gpu-gib") if args.gpu_gib else detected_gpu_gib()
     if gpu is None:
         print("No GPU given or detected: pass --gpu-gib N for a verdict (e.g. 15 for a T4, 80 for an H100).",
               file=out)
-    else:
-        print(f"Does it fit in {gpu[0]:.2f} GiB ({gpu[1]})?", file=out)
-        for m in methods:
-            v = fit_verdict(arch, gpu[0], context=args.context, method=m,
-                            **{k: val for k, val in kw.items() if k not in ("completion_length",)})
-            print(f"  {v.text()}", file=out)
+        return
+    print(f"Does it fit in {gpu[0]:.2f} GiB ({gpu[1]})?", file=out)
+    for m in methods:
+        step = verdict_kwargs(_method_kwargs(kw, m))
+        v = fit_verdict(arch, gpu[0], context=args.context, prompt_length=kw["prompt_length"], **step)
+        print(f"  {v.text()}", file=out)
+
+
+def cli_main(argv: list[str], run_config=None) -> int:
+    """Entry point of ``python -m grpo_kit vram``; returns the exit status (argparse exits 2 on bad input, before
+    any work). ``run_config``: the kit's default ``GRPOKitConfig()``, whose run is priced unless
+    ``--published-setting`` is given (``grpo_kit.app.cli`` passes it)."""
+    parser = build_parser(run_config)
+    args = parser.parse_args(argv)
+    _check_args(parser, args, run_config)
+    try:
+        arch = resolve_arch(args.model)
+    except ValueError as e:
+        parser.error(str(e))
+    kw = _published_kwargs(args) if args.published_setting else _kit_kwargs(args, run_config)
+    if kw["prompt_length"] >= args.context:
+        parser.error(f"the prompt ({kw['prompt_length']} tokens"
+                     + (", the kit's max_prompt_length" if args.prompt_length is None else "")
+                     + f") must be shorter than --context ({args.context}); pass a smaller --prompt-length")
+    method = args.method or ("all" if args.published_setting else kw["method"])
+    methods = list(METHODS) if method == "all" else [method]
+    try:
+        tables = {m: estimate(arch, **_method_kwargs(kw, m)) for m in methods}
+    except ValueError as e:
+        parser.error(str(e))
+    out = sys.stdout
+    print(_header(args, kw, next(iter(tables.values())).attrs), file=out)
+    print("GB = 1e9 bytes, GiB = 2^30 bytes; 'published' = Unsloth's published figure for the same component "
+          "(grpo_kit: Unsloth's column, the figure to beat).\n", file=out)
+    for df in tables.values():
+        _print_one(df, out)
+    if args.published_setting and _is_published_setup(arch, kw["num_generations"], kw["prompt_length"],
+                                                      kw["completion_length"], kw["dtype"]):
+        _print_published(arch, out)
+    _print_verdicts(arch, args, kw, methods, out)
     if args.plot:
         from grpo_kit.memory.plot import plot_components  # lazy: matplotlib, for --plot only
 
@@ -163,7 +282,3 @@ def cli_main(argv: list[str]) -> int:
         fig.savefig(args.plot, dpi=120)
         print(f"\nplot written to {args.plot}", file=out)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli_main(sys.argv[1:]))

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo_kit.memory.estimate import AUTO, config_estimate_kwargs, estimate, total_gpu_bytes
+from grpo_kit.memory.formulas import GiB as GIB
 
-GIB = 2**30
 # Upper end of the context search (tokens): beyond every built-in model's positions.
 MAX_SEARCH_CONTEXT = 1 << 20
 
@@ -22,24 +22,54 @@ MAX_SEARCH_CONTEXT = 1 << 20
 class FitVerdict:
     """``peak_gib``: the estimate's GPU peak at ``context`` tokens; ``gpu_gib``: the memory it is compared
     with; ``max_context``: the longest context (prompt + completion tokens) that fits, None when not even
-    ``prompt_length + 1`` tokens fit."""
+    ``prompt_length + 1`` tokens fit. What the peak is made of, at ``context`` (GiB): ``weights_gib`` (the model's
+    weights and any separate vLLM copy), ``optimizer_gib`` (the trained parameters' AdamW state: the LoRA adapters
+    with theirs, or every weight's under full fine-tuning), ``kv_cache_gib`` (generation's KV cache) and
+    ``peak_phase`` (the step's largest phase); ``shortest_peak_gib``: the peak at ``prompt_length + 1`` tokens;
+    ``weights_what`` / ``optimizer_what``: those two in words (vLLM's copy of the weights where it has one; the
+    LoRA adapters with their optimiser state)."""
     method: str
     context: int
     peak_gib: float
     gpu_gib: float
     max_context: int | None
+    prompt_length: int = 0
+    weights_gib: float = 0.0
+    optimizer_gib: float = 0.0
+    kv_cache_gib: float = 0.0
+    peak_phase: str = ""
+    shortest_peak_gib: float | None = None
+    weights_what: str = "the weights"
+    optimizer_what: str = "the optimiser state"
 
     @property
     def fits(self) -> bool:
         return self.peak_gib <= self.gpu_gib
 
+    def reason(self) -> str:
+        """What does not fit, in words: the weights alone, the weights with the optimiser state, or the step's
+        largest phase (with the KV cache's share when that is generation)."""
+        w, opt, kv, peak = self.weights_gib, self.optimizer_gib, self.kv_cache_gib, self.peak_gib
+        if w > self.gpu_gib:
+            return f"{self.weights_what} alone take {w:.2f} GiB (the step {peak:.2f} GiB)"
+        if w + opt > self.gpu_gib:
+            return (f"{self.weights_what} ({w:.2f} GiB) and {self.optimizer_what} ({opt:.2f} GiB) alone take "
+                    f"{w + opt:.2f} GiB (the step {peak:.2f} GiB)")
+        phase = f"{self.weights_what} take {w:.2f} GiB and the step's {self.peak_phase} phase {peak:.2f} GiB"
+        return phase + (f", {kv:.2f} GiB of it the KV cache" if self.peak_phase == "generation" and kv > 0 else "")
+
     def text(self) -> str:
         head = (f"{self.method}: fits, {self.peak_gib:.2f} of {self.gpu_gib:.2f} GiB "
                 f"({self.gpu_gib - self.peak_gib:.2f} GiB to spare)" if self.fits else
-                f"{self.method}: does not fit, needs {self.peak_gib:.2f} GiB, the GPU has {self.gpu_gib:.2f} GiB")
-        longest = ("not even the prompt fits" if self.max_context is None else
-                   f"longest context that fits: {self.max_context:,} tokens"
-                   + (" (or more: the search stops there)" if self.max_context >= MAX_SEARCH_CONTEXT else ""))
+                f"{self.method}: does not fit on {self.gpu_gib:.2f} GiB: {self.reason()}")
+        if self.max_context is not None:
+            longest = (f"the longest context that fits is {self.max_context:,} tokens"
+                       + (" (or more: the search stops there)" if self.max_context >= MAX_SEARCH_CONTEXT else ""))
+        elif self.weights_gib + self.optimizer_gib > self.gpu_gib:
+            longest = "no context fits"
+        else:
+            longest = (f"no context fits: at {self.prompt_length + 1:,} tokens (the prompt and one more) the step "
+                       f"needs {self.shortest_peak_gib:.2f} GiB")
         return f"{head}; {longest}"
 
 
@@ -74,16 +104,41 @@ def longest_fitting_context(model, gpu_bytes: float, *, prompt_length: int = 0, 
     return lo
 
 
+def _gib(df, *components: str) -> float:
+    """The GPU bytes of ``components`` in an :func:`estimate` table, in GiB."""
+    return float(df.loc[df["component"].isin(components), "GiB"].sum())
+
+
 def fit_verdict(model, gpu_gib: float, *, context: int, prompt_length: int = 0, method: str = "grpo_kit",
                 **kwargs) -> FitVerdict:
-    """Whether ``method``'s step at ``context`` tokens fits in ``gpu_gib`` GiB, and the longest context that
-    does (``kwargs``: :func:`estimate`'s other arguments, e.g. ``num_generations``, ``lora_rank``)."""
+    """Whether ``method``'s step at ``context`` tokens fits in ``gpu_gib`` GiB, what its peak is made of, and the
+    longest context that fits (``kwargs``: :func:`estimate`'s other arguments, e.g. ``num_generations``,
+    ``lora_rank``)."""
     if not gpu_gib > 0:
         raise ValueError(f"gpu_gib={gpu_gib} must be > 0")
     kwargs = dict(kwargs, method=method)
-    peak = _peak_bytes(model, context, prompt_length, kwargs) / GIB
+    df = estimate(model, prompt_length=prompt_length, completion_length=context - prompt_length, **kwargs)
     longest = longest_fitting_context(model, gpu_gib * GIB, prompt_length=prompt_length, **kwargs)
-    return FitVerdict(method=method, context=context, peak_gib=peak, gpu_gib=gpu_gib, max_context=longest)
+    shortest = None if longest is not None else _peak_bytes(model, prompt_length + 1, prompt_length, kwargs) / GIB
+    return FitVerdict(method=method, context=context, peak_gib=total_gpu_bytes(df) / GIB, gpu_gib=gpu_gib,
+                      max_context=longest, prompt_length=prompt_length,
+                      weights_gib=_gib(df, "model weights", "inference copy (vLLM)"),
+                      optimizer_gib=_gib(df, "LoRA + optimiser states"), kv_cache_gib=_gib(df, "KV cache (generation)"),
+                      peak_phase=df.attrs["peak_phase"], shortest_peak_gib=shortest,
+                      weights_what="the weights" + (" and vLLM's copy of them" if _gib(df, "inference copy (vLLM)")
+                                                    else ""),
+                      optimizer_what="the LoRA adapters with their optimiser state" if df.attrs["lora_rank"] else
+                      "the optimiser state")
+
+
+def verdict_kwargs(estimate_kwargs: dict) -> dict:
+    """:func:`estimate`'s arguments for :func:`fit_verdict`: the prompt and completion lengths left out (the
+    verdict's context and prompt set them), a ``scoring_batch`` of ``auto`` as None (``auto`` never raises the
+    peak, so the verdict is the same without its search)."""
+    kw = {k: v for k, v in estimate_kwargs.items() if k not in ("prompt_length", "completion_length")}
+    if kw.get("scoring_batch") == AUTO:
+        kw["scoring_batch"] = None
+    return kw
 
 
 # Colab's free T4: 15 GiB nominal, less of it visible to torch; the budget leaves room for the CUDA context and the
@@ -125,11 +180,7 @@ def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> t
     if detected is None and gpu_gib is None:
         raise ValueError("config_fit: no CUDA GPU detected; pass gpu_gib= (the card's memory in GiB)")
     budget, source = detected if detected else (gpu_gib, "gpu_gib parameter")
-    kw = config_estimate_kwargs(cfg)
-    for k in ("prompt_length", "completion_length"):
-        kw.pop(k)
-    if kw["scoring_batch"] == AUTO:  # never raises the peak, so the verdict is the same without its search
-        kw["scoring_batch"] = None
+    kw = verdict_kwargs(config_estimate_kwargs(cfg))
     context = cfg.max_prompt_length + cfg.max_completion_length
     verdict = fit_verdict(calculator_model or cfg.model, budget, context=context, prompt_length=cfg.max_prompt_length,
                           **kw)
