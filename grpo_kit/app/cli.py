@@ -24,7 +24,7 @@ from grpo_kit.memory.cli import cli_main
 from grpo_kit.model import cuda_driver
 from grpo_kit.model.devices import unusable_gpu
 from grpo_kit.model.loading import EMBEDDED_NAME, cache_dir
-from grpo_kit.trainer.checkpoints import CheckpointError
+from grpo_kit.trainer.checkpoints import CheckpointError, Interrupted
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except Interrupted as e:  # SIGTERM/SIGINT: the state saved (or nothing trained yet), how to go on
+        print(f"stopped: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except ValueError as e:  # ConfigError included: bad input gets one clear line
+
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a path that cannot be used (permissions, a file where a folder must be)

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import reprlib
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from grpo_kit.app.run_folder import unsafe_run_folder
 from grpo_kit.generation.base import GENERATION_BACKENDS
 from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.loss.advantage import SCALE_REWARDS
@@ -83,32 +85,48 @@ class ConfigError(ValueError):
     """A config value that is not allowed; the message names the field and the options."""
 
 
-# The allowed range of every numeric field: (low, high, low_open, high_open); None: no bound on that side.
+# Upper bounds of the counts and sizes: far beyond any run the kit can make, low enough that a typo (1e12) is
+# refused with its range instead of failing later (an overflow, an allocation, a loop that never ends). The
+# sizes that depend on the model, the task or the machine are checked again before the model loads
+# (grpo_kit.app.run: lora_rank against the hidden size, the data against the task, the step against memory).
+MAX_STEPS = 10**7
+MAX_BATCH = 2**16  # sequences in one micro-batch, one generation batch or one group
+MAX_TOKENS = 2**20  # prompt or completion tokens: beyond every model's context
+MAX_SAMPLES = 10**6
+# The allowed range of every numeric field: (low, high, low_open, high_open).
 # validate() also refuses NaN and infinities in every float field, and bools where numbers are expected.
 NUMERIC_RANGES = {
-    "seed": (0, 2**32 - 1, False, False), "max_steps": (1, None, False, False),
-    "save_steps": (0, None, False, False), "keep_checkpoints": (0, None, False, False),
-    "max_bad_steps": (1, None, False, False), "logging_steps": (1, None, False, False),
-    "num_train_samples": (1, None, False, False), "num_eval_samples": (0, None, False, False),
-    "num_generations": (2, None, False, False), "per_device_train_batch_size": (1, None, False, False),
-    "gradient_accumulation_steps": (1, None, False, False), "max_prompt_length": (1, None, False, False),
-    "max_completion_length": (1, None, False, False), "temperature": (0, None, True, False),
-    "top_p": (0, 1, True, False), "top_k": (0, None, False, False), "min_p": (0, 1, False, True),
-    "beta": (0, None, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, None, True, False),
-    "num_iterations": (1, None, False, False), "reward_time_limit_s": (0, None, False, False),
-    "learning_rate": (0, None, True, False), "warmup_steps": (0, None, False, False),
-    "weight_decay": (0, None, False, False), "max_grad_norm": (0, None, False, False),
-    "lora_rank": (1, None, False, False), "lora_alpha": (1, None, False, False),
+    "seed": (0, 2**32 - 1, False, False), "max_steps": (1, MAX_STEPS, False, False),
+    "save_steps": (0, MAX_STEPS, False, False), "keep_checkpoints": (0, 10**4, False, False),
+    "max_bad_steps": (1, MAX_STEPS, False, False), "logging_steps": (1, MAX_STEPS, False, False),
+    "num_train_samples": (1, MAX_SAMPLES, False, False), "num_eval_samples": (0, MAX_SAMPLES, False, False),
+    "num_generations": (2, MAX_BATCH, False, False), "per_device_train_batch_size": (1, MAX_BATCH, False, False),
+    "gradient_accumulation_steps": (1, MAX_BATCH, False, False), "max_prompt_length": (1, MAX_TOKENS, False, False),
+    "max_completion_length": (1, MAX_TOKENS, False, False), "temperature": (0, 100, True, False),
+    "top_p": (0, 1, True, False), "top_k": (0, MAX_TOKENS, False, False), "min_p": (0, 1, False, True),
+    "beta": (0, 1000, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, 100, True, False),
+    "num_iterations": (1, 1000, False, False), "reward_time_limit_s": (0, 3600, False, False),
+    "learning_rate": (0, 1, True, False), "warmup_steps": (0, MAX_STEPS, False, False),
+    "weight_decay": (0, 10, False, False), "max_grad_norm": (0, 1e6, False, False),
+    "lora_rank": (1, MAX_BATCH, False, False), "lora_alpha": (1, MAX_TOKENS, False, False),
     "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, True, False),
-    "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (1, None, False, False),
-    "scoring_batch_size": (1, None, False, False),
+    "vllm_kv_cache_gib": (0, 4096, True, False), "loss_chunk_size": (1, MAX_BATCH * MAX_TOKENS, False, False),
+    "scoring_batch_size": (1, MAX_BATCH, False, False),
     "load_in_4bit_auto_allowance": (0, 4, False, False),
 }
+# What a YAML config (file or --set value) may hold: a config is a flat mapping of short values, so anything
+# larger is refused before it is built (an alias bomb expands to billions of entries from a few lines).
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 16
+MAX_YAML_ALIASES = 100
+MAX_YAML_NODES = 100_000  # after aliases are expanded
+MAX_LIST_ENTRIES = 10_000
 # Why a bound is what it is, where that is not obvious; appended to the message.
 _RANGE_NOTES = {
     "num_generations": "advantages compare completions within a group",
     "vllm_gpu_memory_utilization": "or null for automatic", "vllm_kv_cache_gib": "or null for automatic",
-    "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit",
+    "max_grad_norm": "0: no clipping", "reward_time_limit_s": "0: no limit; at most an hour",
+
     "epsilon_high": "or null for the same as epsilon", "loss_chunk_size": "or null for automatic",
     "scoring_batch_size": "or 'auto', or null for per_device_train_batch_size",
     "min_p": "0 or null: off",
@@ -143,7 +161,7 @@ def _numeric_problem(name: str, value, kind: str) -> str | None:
     wanted = "an integer" if kind == "int" else "a finite number"
     note = f" ({_RANGE_NOTES[name]})" if name in _RANGE_NOTES else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "int" and not isinstance(value, int)):
-        return f"{name}={value!r} must be {wanted} {_range_text(low, high, low_open, high_open)}{note}"
+        return f"{name}={short(value)} must be {wanted} {_range_text(low, high, low_open, high_open)}{note}"
     ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
         high is None or (value < high if high_open else value <= high))
     if ok:
@@ -152,7 +170,13 @@ def _numeric_problem(name: str, value, kind: str) -> str | None:
     return f"{name}={value!r} must be {_range_text(low, high, low_open, high_open)}{finite}{note}"
 
 
+def _hashable_in(value, options: list) -> bool:
+    """``value in options`` for a value of any type (a nested list is compared by type first, never walked)."""
+    return isinstance(value, (str, int, float, type(None))) and value in options
+
+
 def _allowed_text(name: str, kind: str) -> str:
+
     """What a field takes, from its range, its choices or its type (``kind``: the annotation as a string)."""
     extra = [*(["'auto'"] if "| str" in kind else []), *(["null"] if kind.endswith("| None") else [])]
     if name in NUMERIC_RANGES:
@@ -177,10 +201,10 @@ def _field_problem(name: str, value, kind: str) -> str | None:
         return _numeric_problem(name, value, "int" if kind.startswith("int") else "float")
     if name in CHOICES:
         options = choices(name)
-        return None if value in options else (f"{name}={value!r} is not allowed; choose one of {options}"
+        return None if _hashable_in(value, options) else (f"{name}={short(value)} is not allowed; choose one of {options}"
                                               + (" or null" if kind.endswith("| None") else ""))
     if kind.startswith("bool"):
-        return None if isinstance(value, bool) else f"{name}={value!r} is not allowed: {_allowed_text(name, kind)}"
+        return None if isinstance(value, bool) else f"{name}={short(value)} is not allowed: {_allowed_text(name, kind)}"
     if name in OBJECTIVE_FIELDS:  # the objective's own checks (ObjectiveSpec), one field at a time
         try:
             ObjectiveSpec(**{name: value})
@@ -417,8 +441,11 @@ class GRPOKitConfig:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
+        if p.stat().st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is {p.stat().st_size / 2**20:.1f} MiB; a config is at most "
+                              f"{MAX_YAML_BYTES / 2**20:.0f} MiB")
         try:
-            values = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            values = load_yaml(p.read_text(encoding="utf-8"), f"config file {str(path)!r}") or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
@@ -435,8 +462,11 @@ class GRPOKitConfig:
             if "=" not in item:
                 raise ConfigError(f"--set expects key=value, got {item!r}")
             key, raw = item.split("=", 1)
+            if len(raw) > MAX_YAML_BYTES:
+                raise ConfigError(f"--set {key.strip()}=...: the value is {len(raw)} characters; at most "
+                                  f"{MAX_YAML_BYTES}")
             try:
-                value = yaml.safe_load(raw) if raw != "" else ""
+                value = load_yaml(raw, f"--set {key.strip()}=...") if raw != "" else ""
             except yaml.YAMLError:
                 value = raw
             self.set(key.strip(), value)
@@ -513,6 +543,9 @@ def _run_problems(cfg: GRPOKitConfig, kind: str | None, bad: set[str]) -> list[s
         errors.append(f"output_dir={cfg.output_dir!r} must name a run folder (a non-empty path)")
     elif (blocker := _non_folder_on_path(cfg.output_dir)) is not None:
         errors.append(f"output_dir={cfg.output_dir!r} cannot be a run folder: {blocker!r} exists and is not a folder")
+    elif (why := unsafe_run_folder(cfg.output_dir)) is not None:
+        errors.append(f"output_dir={cfg.output_dir!r} cannot be a run folder: {why}")
+
     if cfg.scoring_batch_size not in (None, "auto") and cfg.trainer != "grpo_kit":
         errors.append(f"scoring_batch_size={cfg.scoring_batch_size} needs trainer='grpo_kit' (TRL's GRPOTrainer "
                       "scores with per_device_train_batch_size); leave it 'auto' or null with trainer='trl'")
@@ -520,8 +553,8 @@ def _run_problems(cfg: GRPOKitConfig, kind: str | None, bad: set[str]) -> list[s
 
 
 def _not_lists(cfg: GRPOKitConfig) -> list[str]:
-    return [f"{name}={getattr(cfg, name)!r} must be a list" for name in LIST_FIELDS
-            if not isinstance(getattr(cfg, name), list)]
+    """The list fields that are no flat list of single values (the element checks need them)."""
+    return [p for name in LIST_FIELDS if (p := _plain_list_problem(name, getattr(cfg, name)))]
 
 
 def _list_problems(cfg: GRPOKitConfig) -> list[str] | None:
@@ -642,7 +675,98 @@ def trl_field_help() -> dict[str, str]:
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(GRPOConfig)}
 
 
+class _LimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses, while it reads, nesting deeper than ``MAX_YAML_DEPTH`` and more than
+    ``MAX_YAML_ALIASES`` aliases (each a ``_TooBig``)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.kit_depth, self.kit_aliases = 0, 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.kit_aliases += 1
+            if self.kit_aliases > MAX_YAML_ALIASES:
+                raise _TooBig(f"uses more than {MAX_YAML_ALIASES} aliases (*name)")
+            return super().compose_node(parent, index)
+        self.kit_depth += 1
+        try:
+            if self.kit_depth > MAX_YAML_DEPTH:
+                raise _TooBig(f"is nested more than {MAX_YAML_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self.kit_depth -= 1
+
+
+class _TooBig(Exception):
+    """A YAML text beyond the limits of a config (its message says which)."""
+
+
+def _expanded_nodes(root) -> int:
+    """Nodes of a composed YAML tree with every alias expanded, counted without expanding them (each node's count
+    once); ``_TooBig`` beyond ``MAX_YAML_NODES`` or for a node that contains itself. Iterative: no recursion."""
+    counts: dict[int, int] = {}
+    stack, on_path = [(root, False)], set()
+    while stack:
+        node, children_done = stack.pop()
+        children = [c for item in node.value for c in (item if isinstance(item, tuple) else (item,))] \
+            if isinstance(node.value, list) else []
+        if children_done:
+            on_path.discard(id(node))
+            counts[id(node)] = min(MAX_YAML_NODES + 1, 1 + sum(counts[id(c)] for c in children))
+            if counts[id(node)] > MAX_YAML_NODES:
+                raise _TooBig(f"expands (aliases included) to more than {MAX_YAML_NODES} values")
+            continue
+        if id(node) in counts:
+            continue
+        if id(node) in on_path:
+            raise _TooBig("holds an alias that refers to itself")
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in counts)
+    return counts[id(root)]
+
+
+def load_yaml(text: str, what: str):
+    """``yaml.safe_load`` within the limits of a config (``MAX_YAML_*``); a text beyond them is a ``ConfigError``
+    naming ``what`` (the file or the --set value) and the limit, raised before any value is built. YAML syntax
+    errors stay ``yaml.YAMLError``."""
+    loader = _LimitedLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _expanded_nodes(root)
+        return loader.construct_document(root)
+    except _TooBig as e:
+        raise ConfigError(f"{what} {e}; a config is a mapping of short values") from None
+    finally:
+        loader.dispose()
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict = 3, 8, 8, 8
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 200, 200, 60
+
+
+def short(value) -> str:
+    """``repr(value)`` cut short for a message: a nested or self-referring value costs no more than its first
+    entries (a plain ``repr`` of an alias bomb runs out of memory, of a deep list out of recursion)."""
+    return _SHORT.repr(value)
+
+
+def _plain_list_problem(name: str, value) -> str | None:
+    """Why a list field's value is not a flat list of plain values (or callables), else None."""
+    if not isinstance(value, list):
+        return f"{name}={short(value)} must be a list"
+    if len(value) > MAX_LIST_ENTRIES:
+        return f"{name}: {len(value)} entries; at most {MAX_LIST_ENTRIES}"
+    bad = next((v for v in value if isinstance(v, (list, tuple, dict, set))), None)
+    return None if bad is None else f"{name}={short(value)}: each entry must be a single value, not {short(bad)}"
+
+
 def _non_folder_on_path(path: str) -> str | None:
+
     """The first existing path on the way to ``path`` (itself included) that is not a folder, or None."""
     p = Path(path).absolute()
     for q in (p, *p.parents):
@@ -655,7 +779,7 @@ def _coerce(key: str, value, annotation):
     """Coerce YAML/CLI/papermill values to the field's type, or raise a clear error."""
     typ = {"int": int, "float": float, "bool": bool, "str": str, "list": list}.get(
         annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""), None)
-    err = ConfigError(f"{key}={value!r} has the wrong type: expected {getattr(typ, '__name__', annotation)}")
+    err = ConfigError(f"{key}={short(value)} has the wrong type: expected {getattr(typ, '__name__', annotation)}")
     if isinstance(annotation, str) and annotation.endswith(" | None"):  # null, or a value of the type
         if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
             return None
@@ -706,9 +830,14 @@ def _coerce(key: str, value, annotation):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise ConfigError(f"{key}: the value is nested too deeply to be a list of values") from None
             except json.JSONDecodeError:
                 value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise err
+        problem = _plain_list_problem(key, list(value))
+        if problem:
+            raise ConfigError(problem)
         return list(value)
     return value

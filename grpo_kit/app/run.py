@@ -18,24 +18,29 @@ import time
 from pathlib import Path
 
 import matplotlib
+import psutil
 import torch
 from accelerate import PartialState
 from tqdm import tqdm
 from transformers import TrainerCallback
 
-from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, GRPOKitConfig
+from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, ConfigError, GRPOKitConfig
 from grpo_kit.app.console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
 from grpo_kit.app.evaluation import evaluate_accuracy
 from grpo_kit.app.preflight import advice
 from grpo_kit.app.resume_policy import restore_run_files, resume_config
 from grpo_kit.app.run_folder import claim_run_folder
 from grpo_kit.generation.plan import plan_generation, start_generation
+from grpo_kit.memory import estimate_for_config, total_gpu_bytes
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.model.fp8 import fp8_lora_config
 from grpo_kit.model.loading import load_model, load_tokenizer, meta_model, model_config
-from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt, to_prompt_dataset
+from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
+                                 to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
-from grpo_kit.trainer.checkpoints import checkpoint_step, find_resume_checkpoint, read_run_state
+from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
+                                          find_resume_checkpoint, read_run_state, resume_hint)
+
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
                   "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
@@ -234,20 +239,34 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     warn_once_per_message()  # before TRL's imports, whose vLLM version warning comes from five lines
     cfg.validate()
     device = resolve_device(cfg)
+    check_task_size(cfg)  # before the data: drawing more distinct problems than a task has would never end
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
     # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
-    is_main = PartialState(cpu=(device == "cpu")).is_main_process
+    state = PartialState(cpu=(device == "cpu"))
+    check_before_load(cfg, device, train_ex, heldout, num_processes=state.num_processes)
     run_dir = Path(cfg.output_dir)
-    lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if is_main else None
-    if lock is None:  # other processes: the main one owns the folder
-        run_dir.mkdir(parents=True, exist_ok=True)
-    run = _Run(cfg, run_dir, device, is_main, progress, train_ex, heldout)
-    try:
-        return _train(run, reward_funcs, callbacks, resume)
-    finally:
-        if lock is not None:
-            lock.release()
+    with SignalStop() as signals:
+        lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if state.is_main_process else None
+        if lock is None:  # other processes: the main one owns the folder
+            run_dir.mkdir(parents=True, exist_ok=True)
+        run = _Run(cfg, run_dir, device, state.is_main_process, progress, train_ex, heldout, signals=signals)
+        finished = False
+        try:
+            summary = _train(run, reward_funcs, callbacks, resume)
+            finished = True
+            return summary
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            raise disk_full_error(run_dir, e, "the run's files") from None
+        finally:
+            if lock is not None and not (finished or run.started or resume):  # nothing trained: nothing left
+                for name in UNSTARTED_FILES:
+                    (run_dir / name).unlink(missing_ok=True)
+                lock.abandon()
+            elif lock is not None:
+                lock.release()
 
 
 def resume(run_dir: str | os.PathLike, overrides=(), **train_kwargs) -> dict:
@@ -278,6 +297,69 @@ class _Run:
     finishing: bool = False  # resumed at max_steps: only the final save and evaluation are left
     evals: dict = dataclasses.field(default_factory=dict)
     history: list = dataclasses.field(default_factory=list)
+    signals: SignalStop | None = None  # SIGTERM/SIGINT while the run lasts
+    started: bool = False  # training began (a failure before it removes what the run wrote)
+
+
+# What a run writes into its folder before training starts (removed again when it fails before then).
+UNSTARTED_FILES = ("config.yaml", "samples.jsonl")
+
+
+def check_task_size(cfg: GRPOKitConfig) -> None:
+    """num_train_samples + num_eval_samples within the distinct problems the task can generate (ConfigError)."""
+    most = max_distinct_problems(cfg.task, cfg.levels)
+    if most is not None and cfg.num_train_samples + cfg.num_eval_samples > most:
+        raise ConfigError(f"num_train_samples={cfg.num_train_samples}: task={cfg.task!r} at levels {cfg.levels} has "
+                          f"only {most} distinct problems, and the held-out set takes num_eval_samples="
+                          f"{cfg.num_eval_samples} of them; ask for at most {max(0, most - cfg.num_eval_samples)}, "
+                          "or add levels")
+
+
+def check_before_load(cfg: GRPOKitConfig, device: str, train_ex: list, heldout: list, num_processes: int = 1) -> None:
+    """What the model's config, the data and the machine allow, checked before any model loads (ConfigError):
+    lora_rank within the hidden size, prompt and completion within the context, a step's prompts within the
+    data, the held-out set as large as asked, and the step within memory as the VRAM calculator prices it."""
+    config = model_config(cfg.model)
+    errors = []
+    hidden = getattr(config, "hidden_size", None)
+    if cfg.use_lora and hidden and cfg.lora_rank > hidden:
+        errors.append(f"lora_rank={cfg.lora_rank} is more than the model's hidden size {hidden} (an adapter of a "
+                      f"higher rank than its weights adds nothing); choose at most {hidden}")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cfg.max_prompt_length + cfg.max_completion_length > limit:
+        errors.append(f"max_prompt_length={cfg.max_prompt_length} + max_completion_length="
+                      f"{cfg.max_completion_length} is beyond the model's context ({limit} tokens, "
+                      f"max_position_embeddings); together they may be at most {limit}")
+    prompts = max(1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes
+                  // cfg.num_generations)
+    if len(train_ex) < prompts:
+        errors.append(f"the data has {len(train_ex)} training problems, fewer training problems than one step takes "
+                      f"({prompts} prompts: per_device_train_batch_size x gradient_accumulation_steps x processes / "
+                      "num_generations); use more data or a smaller batch")
+    if len(heldout) < cfg.num_eval_samples:
+        errors.append(f"num_eval_samples={cfg.num_eval_samples}, but the data has only {len(heldout)} held-out "
+                      f"problems; lower num_eval_samples to at most {len(heldout)}, or give more data")
+    errors += [p for p in (_memory_problem(cfg, config, device),) if p]
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _memory_problem(cfg: GRPOKitConfig, config, device: str) -> str | None:
+    """The step against the device's whole memory (host RAM on the CPU) as the VRAM calculator prices it, or None."""
+    try:
+        need = total_gpu_bytes(estimate_for_config(cfg, config))
+    except Exception:  # an architecture the calculator cannot price: the run itself finds out
+        return None
+    on_gpu = device == "cuda"
+    have = torch.cuda.get_device_properties(0).total_memory if on_gpu else psutil.virtual_memory().total
+    if need <= have:
+        return None
+    return (f"the step does not fit in memory: the VRAM calculator estimates {need / 2**30:.1f} GiB at its peak "
+            f"(num_generations={cfg.num_generations}, per_device_train_batch_size={cfg.per_device_train_batch_size}, "
+            f"max_prompt_length + max_completion_length = {cfg.max_prompt_length + cfg.max_completion_length}), "
+            f"and {'the GPU has' if on_gpu else 'this machine has'} {have / 2**30:.1f} GiB; lower them "
+            "(python -m grpo_kit vram prices other settings)")
+
 
 
 def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dict:
@@ -410,12 +492,20 @@ def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared
     """Train (or, at max_steps already, load the checkpoint's weights); whatever happens, keep what was trained.
     Returns the training seconds; records the engine's weight syncs and generation share in ``generation_info``."""
     t_train = time.perf_counter()
+    run.started = True
+    trainer.kit_signals = run.signals  # a SIGTERM/SIGINT now saves at the next step's end and stops
+    if run.signals is not None:
+        run.signals.training = True
     try:
         if run.finishing:  # at max_steps already: the checkpoint's weights, and no training step
             trainer._load_from_checkpoint(str(run.ckpt))
         else:
             trainer.train(resume_from_checkpoint=str(run.ckpt) if run.ckpt is not None else None)
     finally:
+        if run.signals is not None:  # a signal from now on stops at once; the checkpoints so far are resumable
+            run.signals.training = False
+            run.signals.hint = f"after training; {resume_hint(run.run_dir)}"
+
         if generator is not None:
             syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
             generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(

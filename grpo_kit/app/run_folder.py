@@ -14,6 +14,7 @@ written on another host is never taken over automatically (delete the file once 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -25,6 +26,31 @@ from pathlib import Path
 RUN_FILES = ("config.yaml", "metrics.csv", "samples.jsonl", "summary.json", "eval.json", "rewards.png",
              "checkpoints", "adapter", "model")
 LOCK_FILE = ".grpo_kit.lock"
+# Folders that are never a run folder, nor is anything inside them: the system's own (/lib* as well).
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/proc", "/sbin", "/sys", "/usr")
+# Folders that are never a run folder themselves (a run would write beside everything in them, and --overwrite
+# would move them aside), though a folder inside them may be.
+SYSTEM_FOLDERS = ("/", "/home", "/media", "/mnt", "/opt", "/root", "/run", "/srv", "/tmp", "/var")
+# The folder that holds the grpo_kit package: the checkout (or site-packages).
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def unsafe_run_folder(path: str | os.PathLike) -> str | None:
+    """Why ``path`` must not be a run folder (the root, a system folder, the home folder, the checkout, or a
+    folder that holds one of those), or None. Symlinks are followed."""
+    p = Path(os.path.expanduser(str(path))).resolve()
+    top = Path(*p.parts[:2]) if len(p.parts) > 1 else p
+    if str(p) in SYSTEM_FOLDERS or str(top) in SYSTEM_TREES or top.name.startswith("lib"):
+        return f"{p} is a system folder" if str(p) != "/" else "it is the root folder"
+    for name, special in (("the home folder", Path.home().resolve()), ("the grpo_kit checkout", PACKAGE_ROOT)):
+        if p == special:
+            return f"{p} is {name}"
+        if p in special.parents:
+            return f"{p} holds {name} ({special})"
+    if PACKAGE_ROOT / "grpo_kit" in (p, *p.parents):
+        return f"{p} is inside the grpo_kit package"
+    return None
+
 
 
 class RunFolderError(ValueError):
@@ -59,17 +85,40 @@ def read_lock(run_dir: str | os.PathLike) -> dict | None:
     return info if isinstance(info, dict) else {}
 
 
+def _flock_held(path: Path) -> bool:
+    """Whether a process holds the lock file's ``flock`` now (probed without waiting)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own lock
+    return False
+
+
+def _content_owner(info: dict) -> dict | None:
+    """The owner a lock file's content names when it may still run (a live process on this host, or any process
+    on another), else None. ``{}`` (unreadable) is not an owner: whoever writes it holds the flock meanwhile."""
+    pid, host = info.get("pid"), info.get("host")
+    if not info:
+        return None
+    if host != socket.gethostname():
+        return info
+    return info if isinstance(pid, int) and pid > 0 and _owner_alive(pid) else None
+
+
 def _live_owner(run_dir: Path) -> dict | None:
-    """The lock's content when a live process (or one on another host) holds it, else None."""
+    """The lock's content when a process holds it (its flock, or a live owner named in it), else None."""
     info = read_lock(run_dir)
     if info is None:
         return None
-    pid, host = info.get("pid"), info.get("host")
-    if isinstance(pid, int) and pid > 0 and host == socket.gethostname() and not _owner_alive(pid):
-        return None
-    if not info:  # a lock file we cannot read: its writer may be mid-write, so treat it as held
-        return {"pid": "?", "host": "?", "started": "?"}
-    return info
+    if _flock_held(Path(run_dir) / LOCK_FILE):
+        return info or {"pid": "?", "host": "?", "started": "?"}
+    return _content_owner(info)
 
 
 def _held_message(run_dir: Path, owner: dict) -> str:
@@ -78,45 +127,72 @@ def _held_message(run_dir: Path, owner: dict) -> str:
             f"{run_dir / LOCK_FILE}")
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
 class RunLock:
-    """The lock file of one run folder, held by this process until :meth:`release`."""
+    """The lock file of one run folder, held by this process until :meth:`release`.
+
+    Held as an exclusive ``flock`` on a descriptor kept open for the run: the kernel lets one process at a time
+    have it, and drops it when the process ends however it ends, so taking over a dead run's lock is the same
+    atomic step as taking a free one. The file's content (owner PID, host, start time) is for the messages.
+    ``created``: the folders :func:`claim_run_folder` made for the run (removed again by :meth:`abandon`)."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.held = False
+        self.created: list[Path] = []
+        self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-        data = json.dumps(info).encode()
-        for _ in range(2):
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                owner = _live_owner(self.run_dir)
-                if owner is not None:
-                    raise RunFolderError(_held_message(self.run_dir, owner)) from None
-                print(f"[grpo_kit] taking over the lock of {self.run_dir}: its owner "
-                      f"(process {read_lock(self.run_dir).get('pid')}) is gone", file=sys.stderr, flush=True)
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
-                continue
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
                 os.close(fd)
-            self.held = True
+                raise RunFolderError(_held_message(self.run_dir, read_lock(self.run_dir) or {})) from None
+            if not _same_file(fd, self.path):  # its last holder removed it between our open and our lock
+                os.close(fd)
+                continue
+            previous = read_lock(self.run_dir) or {}
+            owner = _content_owner(previous)
+            if owner is not None:  # a live process that holds no flock (another host, or an older kit)
+                os.close(fd)
+                raise RunFolderError(_held_message(self.run_dir, owner))
+            if previous:
+                print(f"[grpo_kit] taking over the lock of {self.run_dir}: its owner (process "
+                      f"{previous.get('pid')}) is gone", file=sys.stderr, flush=True)
+            info = {"pid": os.getpid(), "host": socket.gethostname(),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+            self._fd, self.held = fd, True
             return self
         raise RunFolderError(_held_message(self.run_dir, read_lock(self.run_dir) or {}))
 
     def release(self) -> None:
-        if self.held and (read_lock(self.run_dir) or {}).get("pid") == os.getpid():
-            self.path.unlink(missing_ok=True)
-        self.held = False
+        if self.held and self._fd is not None:
+            if _same_file(self._fd, self.path):  # removed before the flock goes, so no one locks a removed file
+                self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+        self._fd, self.held = None, False
+
+    def abandon(self) -> None:
+        """:meth:`release`, then remove the folders the claim made when nothing else is in them (a run that
+        failed before training leaves nothing behind)."""
+        self.release()
+        for folder in reversed(self.created):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or gone: leave it
+                break
 
 
 def _aside_name(run_dir: Path) -> Path:
@@ -136,6 +212,8 @@ def claim_run_folder(run_dir: str | os.PathLike, *, resume: bool = False, overwr
     ``overwrite``. Either way another live writer is refused first, before anything moves.
     """
     run_dir = Path(run_dir)
+    if (why := unsafe_run_folder(run_dir)) is not None:
+        raise RunFolderError(f"output_dir={str(run_dir)!r} cannot be a run folder: {why}")
     if resume and overwrite:
         raise RunFolderError("--resume continues the run in its folder and --overwrite moves it aside: choose one")
     if run_dir.is_dir():
@@ -154,5 +232,8 @@ def claim_run_folder(run_dir: str | os.PathLike, *, resume: bool = False, overwr
             os.rename(run_dir, aside)
             print(f"[grpo_kit] moved the run that was in {run_dir} to {aside} (--overwrite)", file=sys.stderr,
                   flush=True)
+    created = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()][::-1]
     run_dir.mkdir(parents=True, exist_ok=True)
-    return RunLock(run_dir).acquire()
+    lock = RunLock(run_dir).acquire()
+    lock.created = created
+    return lock

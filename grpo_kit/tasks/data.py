@@ -34,6 +34,14 @@ LEVELS = {
     3: "two-digit addition and subtraction",
     4: "two-digit times one-digit, three-digit addition and subtraction",
 }
+# Distinct questions arithmetic_problem can produce at each level (its operand ranges counted; a difference's
+# operands ordered); the levels share none. tests/test_hardening.py draws them to hold the counts.
+ARITHMETIC_PROBLEMS = {1: 100 + 55, 2: 810 + 810, 3: 8100 + 4095, 4: 720 + 810_000 + 405_450}
+
+
+def max_distinct_problems(task: str, levels) -> int | None:
+    """How many distinct problems ``task`` can generate at ``levels``; None where that is more than a run takes."""
+    return sum(ARITHMETIC_PROBLEMS[lv] for lv in set(levels)) if task == "arithmetic" else None
 
 
 def _fmt(x: float) -> str:

@@ -23,13 +23,16 @@ state); :class:`ResumableTrainerMixin` replaces its save/load methods with the f
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +49,86 @@ TRAINER_STATE = "trainer_state.json"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the run."""
+
+
+class DiskFullError(CheckpointError):
+    """The run folder's disk is full (or its quota spent); the message names the folder and its free space."""
+
+
+# errno values of a write that found no room.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def resume_hint(run_dir: str | os.PathLike) -> str:
+    """How to continue the run in ``run_dir``, for the CLI and for notebooks."""
+    return (f"continue with `python -m grpo_kit train --resume {run_dir}` (notebooks: "
+            f"grpo_kit.app.run.resume({str(run_dir)!r}))")
+
+
+def disk_full_error(run_dir: str | os.PathLike, error: OSError, what: str) -> DiskFullError:
+    """The one-line :class:`DiskFullError` for ``error`` (a full disk) while writing ``what`` in ``run_dir``."""
+    where = Path(run_dir).absolute()
+    existing = next(p for p in (where, *where.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    saved = list_checkpoints(run_dir)
+    last = f"the last complete checkpoint, {saved[-1]}, is intact" if saved else "no checkpoint was complete yet"
+    return DiskFullError(f"disk full while writing {what} in {where}: {free / 2**20:.1f} MiB free there "
+                         f"({error.strerror or error}); {last}. Free some space, then "
+                         + (resume_hint(run_dir) if saved else "start the run again"))
+
+
+class Interrupted(RuntimeError):
+    """Training stopped on SIGTERM or SIGINT (the state saved when training had started); ``exit_code``: 128 plus
+    the signal's number, as a shell reports a process ended by it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+class SignalStop:
+    """SIGTERM and SIGINT (what Colab, SLURM and Kubernetes send before a kill; a notebook's interrupt) while a run
+    lasts, as a context manager (installed in the main thread only; the previous handlers put back on exit).
+
+    While ``training``: the first signal is recorded (``signum``) and the trainer (``ResumableTrainerMixin``) saves a
+    checkpoint at the end of the next logged step and stops with :class:`Interrupted`. Otherwise (loading, the
+    final evaluation) the first signal raises :class:`Interrupted` at once. A second signal gets the previous
+    handler at once: SIGTERM ends the process, SIGINT raises ``KeyboardInterrupt``."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.training = False
+        self.hint = "before training ran a step; nothing to resume: start the run again"  # for a stop outside it
+        self._previous: dict = {}
+
+    def __enter__(self) -> "SignalStop":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._restore()
+        return False
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:  # the second: at once
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        if not self.training:
+            raise Interrupted(f"stopped by {name} {self.hint}", signum)
+
+        print(f"[grpo_kit] {name}: saving a checkpoint at the end of this step, then stopping (send it again to "
+              "stop at once, without saving)", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,11 +348,18 @@ def write_checkpoint(run_dir: str | os.PathLike, step: int, fill, *, keep: int =
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(run_dir)
     tmp = root / f".tmp-{PREFIX}{step}-{os.getpid()}"
-    tmp.mkdir()
-    fill(tmp)
-    write_manifest(tmp)
-    _fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        write_manifest(tmp)
+        _fsync_tree(tmp)
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; the complete checkpoints are untouched
+        raise disk_full_error(run_dir, e, f"{PREFIX}{step}") from None
     final = root / f"{PREFIX}{step}"
+
     if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
         old = root / f".old-{PREFIX}{step}-{os.getpid()}"
         os.rename(final, old)
@@ -330,7 +420,24 @@ class ResumableTrainerMixin:
             def on_step_begin(self, args, state, control, **kw):
                 trainer._kit_step_begin = trainer._kit_snapshot()
 
+            def on_step_end(self, args, state, control, **kw):
+                trainer._kit_stop_on_signal(args, state, control)
+
         self.add_callback(_Snapshots())
+
+    def _kit_stop_on_signal(self, args, state, control) -> None:
+        """After a SIGTERM/SIGINT (``kit_signals``, a :class:`SignalStop`): save and stop at the end of the first
+        logged step (a step between two logged ones would lose its metrics row on resume)."""
+        signals = getattr(self, "kit_signals", None)
+        if signals is None or signals.signum is None or state.global_step % max(1, args.logging_steps):
+            return
+        control.should_save = True
+        control.should_training_stop = True
+        ckpt = checkpoints_dir(args.output_dir) / f"{PREFIX}{state.global_step}"
+        self.stop_error = Interrupted(f"training stopped by {signal.Signals(signals.signum).name} at step "
+                                      f"{state.global_step} of {state.max_steps}; state saved in {ckpt}; "
+                                      + resume_hint(args.output_dir), signals.signum)
+
 
     # -- what is saved besides model/optimizer --------------------------------------------------
     def _kit_sampler(self):
