@@ -10,23 +10,25 @@
 * :func:`cli_main` (``cli.py``): ``python -m grpo_kit vram ...``.
 """
 
-import importlib
-
-# public name -> the module of this package that defines it; imported on first use, so that a module needing only
-# the formulas (the config's KV-cache dtypes) does not import the estimate's transformers and pandas
-_PUBLIC = {
-    "METHODS": "estimate", "compare": "estimate", "estimate": "estimate", "estimate_for_config": "estimate",
-    "published_table": "estimate", "resolve_arch": "estimate", "scoring_batch_for_config": "estimate",
-    "total_gpu_bytes": "estimate", "Profiler": "profiler", "ProfileResult": "profiler", "phase": "profiler",
-    "profile": "profiler", "cli_main": "cli", "plot_components": "plot", "plot_vs_context": "plot",
-}
-
-__all__ = list(_PUBLIC)
+from grpo_kit.memory.cli import cli_main
+from grpo_kit.memory.estimate import (METHODS, compare, estimate, estimate_for_config, published_table, resolve_arch,
+                                      scoring_batch_for_config, total_gpu_bytes)
+from grpo_kit.memory.profiler import Profiler, ProfileResult, phase, profile
 
 
-def __getattr__(name):  # PEP 562
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(f"grpo_kit.memory.{_PUBLIC[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'grpo_kit.memory' has no attribute {name!r}")
+def plot_components(*args, **kwargs):
+    """Stacked bars by component (see :func:`grpo_kit.memory.plot.plot_components`)."""
+    from grpo_kit.memory.plot import plot_components as _f  # lazy: matplotlib
+
+    return _f(*args, **kwargs)
+
+
+def plot_vs_context(*args, **kwargs):
+    """GPU peak vs context length (see :func:`grpo_kit.memory.plot.plot_vs_context`)."""
+    from grpo_kit.memory.plot import plot_vs_context as _f  # lazy: matplotlib
+
+    return _f(*args, **kwargs)
+
+
+__all__ = ["METHODS", "estimate", "estimate_for_config", "scoring_batch_for_config", "compare", "published_table", "resolve_arch", "total_gpu_bytes", "Profiler",
+           "ProfileResult", "phase", "profile", "cli_main", "plot_components", "plot_vs_context"]
