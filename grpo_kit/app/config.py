@@ -85,35 +85,46 @@ class ConfigError(ValueError):
     """A config value that is not allowed; the message names the field and the options."""
 
 
-# Upper bounds of the counts and sizes: far beyond any run the kit can make, low enough that a typo (1e12) is
-# refused with its range instead of failing later (an overflow, an allocation, a loop that never ends). The
-# sizes that depend on the model, the task or the machine are checked again before the model loads
-# (grpo_kit.app.run: lora_rank against the hidden size, the data against the task, the step against memory).
+# Upper bounds of the counts and sizes whose range has no natural end: far beyond any run the kit can make, low
+# enough that a typo (1e12) is refused with its limit instead of failing later (an overflow, an allocation, a loop
+# that never ends). The sizes that depend on the model, the task or the machine are checked again before the model
+# loads (grpo_kit.app.run: lora_rank against the hidden size, the data against the task, the step against memory).
 MAX_STEPS = 10**7
 MAX_BATCH = 2**16  # sequences in one micro-batch, one generation batch or one group
 MAX_TOKENS = 2**20  # prompt or completion tokens: beyond every model's context
 MAX_SAMPLES = 10**6
-# The allowed range of every numeric field: (low, high, low_open, high_open).
+NUMERIC_LIMITS = {
+    "max_steps": MAX_STEPS, "save_steps": MAX_STEPS, "keep_checkpoints": 10**4, "max_bad_steps": MAX_STEPS,
+    "logging_steps": MAX_STEPS, "num_train_samples": MAX_SAMPLES, "num_eval_samples": MAX_SAMPLES,
+    "num_generations": MAX_BATCH, "per_device_train_batch_size": MAX_BATCH, "gradient_accumulation_steps": MAX_BATCH,
+    "max_prompt_length": MAX_TOKENS, "max_completion_length": MAX_TOKENS, "temperature": 100, "top_k": MAX_TOKENS,
+    "beta": 1000, "epsilon_high": 100, "num_iterations": 1000, "reward_time_limit_s": 3600, "learning_rate": 1,
+    "warmup_steps": MAX_STEPS, "weight_decay": 10, "max_grad_norm": 1e6, "lora_rank": MAX_BATCH,
+    "lora_alpha": MAX_TOKENS, "vllm_kv_cache_gib": 4096, "loss_chunk_size": MAX_BATCH * MAX_TOKENS,
+    "scoring_batch_size": MAX_BATCH,
+}
+# The allowed range of every numeric field: (low, high, low_open, high_open); None: only NUMERIC_LIMITS' bound.
 # validate() also refuses NaN and infinities in every float field, and bools where numbers are expected.
 NUMERIC_RANGES = {
-    "seed": (0, 2**32 - 1, False, False), "max_steps": (1, MAX_STEPS, False, False),
-    "save_steps": (0, MAX_STEPS, False, False), "keep_checkpoints": (0, 10**4, False, False),
-    "max_bad_steps": (1, MAX_STEPS, False, False), "logging_steps": (1, MAX_STEPS, False, False),
-    "num_train_samples": (1, MAX_SAMPLES, False, False), "num_eval_samples": (0, MAX_SAMPLES, False, False),
-    "num_generations": (2, MAX_BATCH, False, False), "per_device_train_batch_size": (1, MAX_BATCH, False, False),
-    "gradient_accumulation_steps": (1, MAX_BATCH, False, False), "max_prompt_length": (1, MAX_TOKENS, False, False),
-    "max_completion_length": (1, MAX_TOKENS, False, False), "temperature": (0, 100, True, False),
-    "top_p": (0, 1, True, False), "top_k": (0, MAX_TOKENS, False, False), "min_p": (0, 1, False, True),
-    "beta": (0, 1000, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, 100, True, False),
-    "num_iterations": (1, 1000, False, False), "reward_time_limit_s": (0, 3600, False, False),
-    "learning_rate": (0, 1, True, False), "warmup_steps": (0, MAX_STEPS, False, False),
-    "weight_decay": (0, 10, False, False), "max_grad_norm": (0, 1e6, False, False),
-    "lora_rank": (1, MAX_BATCH, False, False), "lora_alpha": (1, MAX_TOKENS, False, False),
+    "seed": (0, 2**32 - 1, False, False), "max_steps": (1, None, False, False),
+    "save_steps": (0, None, False, False), "keep_checkpoints": (0, None, False, False),
+    "max_bad_steps": (1, None, False, False), "logging_steps": (1, None, False, False),
+    "num_train_samples": (1, None, False, False), "num_eval_samples": (0, None, False, False),
+    "num_generations": (2, None, False, False), "per_device_train_batch_size": (1, None, False, False),
+    "gradient_accumulation_steps": (1, None, False, False), "max_prompt_length": (1, None, False, False),
+    "max_completion_length": (1, None, False, False), "temperature": (0, None, True, False),
+    "top_p": (0, 1, True, False), "top_k": (0, None, False, False), "min_p": (0, 1, False, True),
+    "beta": (0, None, False, False), "epsilon": (0, 1, False, True), "epsilon_high": (0, None, True, False),
+    "num_iterations": (1, None, False, False), "reward_time_limit_s": (0, None, False, False),
+    "learning_rate": (0, None, True, False), "warmup_steps": (0, None, False, False),
+    "weight_decay": (0, None, False, False), "max_grad_norm": (0, None, False, False),
+    "lora_rank": (1, None, False, False), "lora_alpha": (1, None, False, False),
     "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, True, False),
-    "vllm_kv_cache_gib": (0, 4096, True, False), "loss_chunk_size": (1, MAX_BATCH * MAX_TOKENS, False, False),
-    "scoring_batch_size": (1, MAX_BATCH, False, False),
+    "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (1, None, False, False),
+    "scoring_batch_size": (1, None, False, False),
     "load_in_4bit_auto_allowance": (0, 4, False, False),
 }
+
 # What a YAML config (file or --set value) may hold: a config is a flat mapping of short values, so anything
 # larger is refused before it is built (an alias bomb expands to billions of entries from a few lines).
 MAX_YAML_BYTES = 1 << 20
@@ -165,7 +176,8 @@ def _numeric_problem(name: str, value, kind: str) -> str | None:
     ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
         high is None or (value < high if high_open else value <= high))
     if ok:
-        return None
+        limit = NUMERIC_LIMITS.get(name)
+        return None if limit is None or value <= limit else f"{name}={short(value)} must be at most {limit}{note}"
     finite = "" if kind == "int" else " and finite"
     return f"{name}={value!r} must be {_range_text(low, high, low_open, high_open)}{finite}{note}"
 
@@ -181,6 +193,7 @@ def _allowed_text(name: str, kind: str) -> str:
     extra = [*(["'auto'"] if "| str" in kind else []), *(["null"] if kind.endswith("| None") else [])]
     if name in NUMERIC_RANGES:
         base = ("an integer " if kind.startswith("int") else "a number ") + _range_text(*NUMERIC_RANGES[name])
+        base += f", at most {NUMERIC_LIMITS[name]}" if name in NUMERIC_LIMITS else ""
     elif name in CHOICES:
         base = f"one of {choices(name)}"
     elif kind.startswith("bool"):
