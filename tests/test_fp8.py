@@ -417,3 +417,163 @@ def test_fp8_layer_on_the_gpu_takes_scaled_mm_and_its_gradient(dtype, monkeypatc
     assert calls and y.dtype == dtype
     want = torch.ones(21, 96, device="cuda", dtype=dtype) @ layer.dequantized_weight(dtype)
     assert torch.allclose(x.grad.view(21, 80).float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+# ---- One FP8 copy: the training model's FP8 layers as views of a vLLM-layout engine (generation/shared_weights) ----
+
+def _fake_engine(dense, block=None, per_tensor=False):
+    """A module tree laid out as vLLM holds an FP8 model (module docstring of shared_weights): fused qkv_proj and
+    gate_up_proj (output_sizes), FP8 codes transposed (in, out) per channel or (out, in) with block scales named
+    weight_scale_inv, lm_head and embeddings padded to 64 rows, dummy (random) codes. ``dense``: the HF model whose
+    shapes it copies."""
+    from torch import nn
+
+    def fp8_layer(outs, k):
+        n = sum(outs)
+        layer = nn.Module()
+        layer.output_sizes = outs
+        codes = torch.randn(n, k).clamp(-400, 400).to(FP8_DTYPE)
+        if block:
+            layer.weight = nn.Parameter(codes, requires_grad=False)
+            layer.weight_scale_inv = nn.Parameter(torch.rand(-(-n // block), -(-k // block)), requires_grad=False)
+            layer.weight_block_size = [block, block]
+        else:
+            layer.weight = nn.Parameter(codes.t(), requires_grad=False)  # vLLM's GEMM layout: a transposed view
+            layer.weight_scale = nn.Parameter(torch.rand(len(outs) if per_tensor else n, 1), requires_grad=False)
+        return layer
+
+    def dense_layer(t):
+        layer = nn.Module()
+        pad = -t.shape[0] % 64 if t.dim() == 2 and t.shape[0] > 1000 else 0
+        layer.weight = nn.Parameter(torch.cat([t.detach().clone(), t.new_zeros(pad, *t.shape[1:])]), requires_grad=False)
+        return layer
+
+    engine = nn.Module()
+    engine.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    engine.model = nn.Module()
+    engine.model.embed_tokens = dense_layer(dense.model.embed_tokens.weight)
+    engine.model.norm = dense_layer(dense.model.norm.weight)
+    engine.model.layers = nn.ModuleList()
+    for src in dense.model.layers:
+        at, mlp = src.self_attn, src.mlp
+        layer = nn.Module()
+        layer.input_layernorm = dense_layer(src.input_layernorm.weight)
+        layer.post_attention_layernorm = dense_layer(src.post_attention_layernorm.weight)
+        layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+        h = at.q_proj.in_features
+        layer.self_attn.qkv_proj = fp8_layer([at.q_proj.out_features, at.k_proj.out_features, at.v_proj.out_features], h)
+        if at.q_proj.bias is not None:
+            layer.self_attn.qkv_proj.bias = nn.Parameter(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
+        layer.self_attn.o_proj = fp8_layer([at.o_proj.out_features], at.o_proj.in_features)
+        layer.mlp.gate_up_proj = fp8_layer([mlp.gate_proj.out_features] * 2, h)
+        layer.mlp.down_proj = fp8_layer([mlp.down_proj.out_features], mlp.down_proj.in_features)
+        engine.model.layers.append(layer)
+    if not dense.config.tie_word_embeddings:
+        engine.lm_head = dense_layer(dense.lm_head.weight)
+    return engine
+
+
+def _block_config():
+    """A 2-layer Llama whose q, k, v, gate and up outputs are whole 128-row blocks (block sharing needs them)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("name,block", [("tiny-llama", None), ("tiny-qwen2", None), ("block-llama", FP8_BLOCK)])
+def test_the_training_models_fp8_layers_are_views_of_the_engines_and_fill_them(name, block):
+    """build_shared_model(fp8=True): every FP8 code and scale is a view of the engine's tensors (equal storage,
+    nothing else allocated); fill_fp8 quantises the 16-bit weights into them; the model then computes exactly what
+    quantize_model_fp8 of the 16-bit model computes, and the engine's own tensors hold those codes."""
+    from grpo_kit.generation.shared_weights import build_shared_model, fill_fp8, shared_storage
+
+    dense = build_random_model(_block_config() if block else name, dtype=torch.float32)
+    engine = _fake_engine(dense, block)
+    model = build_shared_model(engine, dense.config, torch.float32, fp8=True, fp8_block=block)
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 14 and all(m.block == block for m in layers)
+    assert shared_storage(model, engine)["other_bytes"] == 0
+    weights = dict(dense.named_parameters())
+    assert fill_fp8(model, lambda n: weights[f"{n}.weight"]) == 14
+    ref = copy.deepcopy(dense)
+    quantize_model_fp8(ref, block=block)
+    ids = _ids()
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+    qkv = engine.model.layers[1].self_attn.qkv_proj
+    q = ref.model.layers[1].self_attn.q_proj
+    engine_codes = qkv.weight if block else qkv.weight.t()
+    assert torch.equal(engine_codes[: q.out_features].view(torch.uint8), q.weight.view(torch.uint8))
+    assert model.model.layers[1].self_attn.k_proj.weight.data_ptr() == \
+        engine_codes[q.out_features:].data_ptr()
+
+
+def test_an_fp8_engine_layout_the_kit_cannot_view_is_refused_before_anything_changes():
+    from grpo_kit.generation.shared_weights import UnshareableError, build_shared_model
+
+    dense = build_random_model("tiny-llama")
+    with pytest.raises(UnshareableError, match="per-tensor scales"):  # vLLM's online quantization='fp8'
+        build_shared_model(_fake_engine(dense, per_tensor=True), dense.config, torch.float32, fp8=True)
+    with pytest.raises(UnshareableError, match="cross a 128-row block"):  # tiny-llama's q has 64 rows
+        build_shared_model(_fake_engine(dense, FP8_BLOCK), dense.config, torch.float32, fp8=True, fp8_block=FP8_BLOCK)
+    with pytest.raises(UnshareableError, match="the engine's FP8 scales are per channel, the training model's 128"):
+        build_shared_model(_fake_engine(dense), dense.config, torch.float32, fp8=True, fp8_block=FP8_BLOCK)
+    with pytest.raises(UnshareableError, match="not FP8 e4m3"):  # a 16-bit engine
+        engine = _fake_engine(dense)
+        engine.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 160), requires_grad=False)
+        build_shared_model(engine, dense.config, torch.float32, fp8=True)
+
+
+def test_the_vllm_quantization_config_is_the_kits_layout():
+    from grpo_kit.generation.shared_weights import vllm_fp8_quantization
+
+    channel = vllm_fp8_quantization()
+    group = channel["config_groups"]["group_0"]
+    assert channel["quant_method"] == "compressed-tensors" and channel["ignore"] == ["lm_head"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
+    assert group["input_activations"]["dynamic"] and group["weights"]["num_bits"] == 8
+    block = vllm_fp8_quantization(FP8_BLOCK)
+    assert block["quant_method"] == "fp8" and block["weight_block_size"] == [FP8_BLOCK, FP8_BLOCK]
+
+
+def test_reversible_merge_refuses_fp8_base_layers_with_the_reason():
+    from grpo_kit.generation.reversible_merge import lora_targets
+
+    model = build_random_model("tiny-llama")
+    quantize_model_fp8(model)
+    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, target_modules=["q_proj"])))
+    with pytest.raises(ValueError, match="FP8 base weights.*vllm_lora_sync='adapter'"):
+        lora_targets(pm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_fp8 is not None, reason=_no_fp8 or "")
+@pytest.mark.parametrize("block", [None, FP8_BLOCK], ids=["channel", "block128"])
+def test_vllm_serves_the_training_models_fp8_tensors(block, monkeypatch):
+    """On an FP8 GPU with vLLM: the engine started with vllm_fp8_quantization and dummy weights, the training model
+    built on its tensors (equal data_ptrs), the kit's codes filled in, and vLLM's greedy log-probs against the
+    training model's (W8A8 both sides, within the measured mismatch; the bench records it)."""
+    vllm = pytest.importorskip("vllm")
+    from grpo_kit.generation.shared_weights import build_shared_model, fill_fp8, shared_storage, vllm_fp8_quantization
+    from grpo_kit.generation.vllm_backend import _engine_model
+    from grpo_kit.model.loading import embedded_model_dir, model_config
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = embedded_model_dir()
+    llm = vllm.LLM(str(folder), dtype="bfloat16", load_format="dummy", max_model_len=256, enforce_eager=True,
+                   gpu_memory_utilization=0.2, hf_overrides={"quantization_config": vllm_fp8_quantization(block)})
+    engine = llm.collective_rpc(_engine_model)[0]
+    config = model_config(str(folder / "config.json"))
+    model = build_shared_model(engine, config, torch.bfloat16, fp8=True, fp8_block=block)
+    assert shared_storage(model, engine)["other_bytes"] == 0
+    dense = load_model(device="cuda", dtype=torch.bfloat16)[0]
+    weights = dict(dense.named_parameters())
+    fill_fp8(model, lambda n: weights[f"{n}.weight"])
+    prompt = list(range(100, 140))
+    out = llm.generate([{"prompt_token_ids": prompt}], vllm.SamplingParams(max_tokens=16, temperature=0, logprobs=0))
+    ids = torch.tensor([prompt + list(out[0].outputs[0].token_ids)], device="cuda")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    trainer = logp.gather(1, ids[0, len(prompt):, None]).squeeze(1)
+    engine_lp = torch.tensor([next(iter(d.values())).logprob for d in out[0].outputs[0].logprobs], device="cuda")
+    assert (trainer - engine_lp).abs().max() < 0.5  # W8A8 both sides; the bench's mismatch row says how close

@@ -46,6 +46,7 @@ import torch
 
 from grpo_kit.kernels import lora_merge as K
 from grpo_kit.kernels.lora_merge import bit_sum  # noqa: F401  (the checksum, part of this module's interface)
+from grpo_kit.model.fp8 import FP8Linear
 
 MAX_KEPT_SHARE = 0.25  # a merge keeping more of a weight than this is refused (seen: 0.3%-2.5%)
 
@@ -249,7 +250,9 @@ def lora_targets(model) -> list[tuple[str, object]]:
         adapters = [a for a in module.active_adapters if a in module.lora_A]
         tied = [n for n in owners.get(base.weight.data_ptr(), []) if not n.startswith(f"{name}.")] \
             if isinstance(base, torch.nn.Linear) else []
-        why = ("its base layer is not nn.Linear" if not isinstance(base, torch.nn.Linear)
+        why = ("FP8 base weights: merging into them would round them again, so their exact bits could not be "
+               "restored" if isinstance(base, FP8Linear)
+               else "its base layer is not nn.Linear" if not isinstance(base, torch.nn.Linear)
                else "PEFT already merged it" if module.merged
                else "fan_in_fan_out" if getattr(module, "fan_in_fan_out", False)
                else "a LoRA variant (DoRA, ...)" if any(module.use_dora.get(a, False)

@@ -15,13 +15,35 @@ that differs) raises :class:`UnshareableError` naming the weight, before anythin
 caller then starts a separate engine copy.
 
 Only on CUDA: vLLM's CPU backend repacks the linear weights for its GEMM and drops the originals.
+
+FP8 base weights (``base_weights='fp8'``, :mod:`grpo_kit.model.fp8`): one FP8 copy, read by vLLM's FP8 linear
+kernels and wrapped by the training model's :class:`~grpo_kit.model.fp8.FP8Linear` layers. The engine is started
+with a quantisation config whose layout is the kit's (:func:`vllm_fp8_quantization`, passed as
+``hf_overrides={"quantization_config": ...}`` with dummy weights): per output channel, vLLM's compressed-tensors
+W8A8-FP8 scheme (channel-wise weight scales, dynamic per-token activation scales: the kit's W8A8 definition); with
+128 x 128 blocks, vLLM's ``fp8`` method with ``weight_block_size``. After loading, vLLM holds per layer:
+
+* ``weight`` float8_e4m3fn: per channel, the (out, in) codes as a transposed view (in, out) (``.t()``, for its
+  GEMM), so ``weight.t()`` is the contiguous (out, in) storage; with blocks, (out, in) as it is;
+* ``weight_scale`` float32 (out, 1) per channel; with blocks ``weight_scale_inv`` (or the compressed-tensors
+  ``weight_scale``) (ceil(out / 128), ceil(in / 128)), which despite its name multiplies like the kit's scale.
+
+A fused layer (``qkv_proj``, ``gate_up_proj``) is split as for 16-bit weights: the codes' rows, the channel
+scales' rows, or the block scales' block rows (a shard that does not start on a block boundary is refused).
+vLLM's online ``quantization="fp8"`` (per-tensor scales, requantised to one scale per fused layer) cannot back
+per-channel layers and is refused. :func:`build_shared_model` with ``fp8=True`` builds the training model on
+these tensors; :func:`fill_fp8` then quantises each 16-bit weight (streamed, or random) into them, layer by
+layer, so the engine serves the kit's codes and scales (equal ``data_ptr``). The adapter reaches the engine
+through vLLM's LoRA kernels (``vllm_lora_sync='adapter'``): a merge into FP8 weights would round them again.
 """
 
 from __future__ import annotations
 
 import torch
 
+from grpo_kit.model.fp8 import FP8_BLOCK, FP8_DTYPE, FP8Linear, quantize_fp8
 from grpo_kit.model.loading import meta_model
+from grpo_kit.model.quantize import quantizable_linears
 
 
 class UnshareableError(ValueError):
@@ -40,16 +62,21 @@ def _submodule(model, path: str):
         return None
 
 
-def _engine_tensor(engine_model, hf_name: str, packed: dict[str, list[str]]) -> torch.Tensor:
-    """The engine tensor (a view where fused) that holds HF parameter ``hf_name``."""
+def _out_rows(tensor: torch.Tensor) -> int:
+    """A layer tensor's output rows: dim 0, or dim 1 of FP8 codes held transposed (vLLM's per-channel layout)."""
+    return tensor.shape[1] if tensor.dtype == FP8_DTYPE and not tensor.is_contiguous() else tensor.shape[0]
+
+
+def _engine_layer(engine_model, hf_name: str, packed: dict[str, list[str]]):
+    """``(layer, rows)``: the engine layer holding HF parameter ``hf_name`` (``path.attr``), and ``(offset,
+    size)`` of its output rows within a fused layer (None where not fused)."""
     path, attr = hf_name.rsplit(".", 1)
     parent, _, leaf = path.rpartition(".")
     module = _submodule(engine_model, path)
     if module is not None:
-        tensor = getattr(_base(module), attr, None)
-        if tensor is None:
+        if getattr(_base(module), attr, None) is None:
             raise UnshareableError(f"{hf_name}: the engine's {path} has no {attr!r} tensor")
-        return tensor
+        return _base(module), None
     for fused, parts in packed.items():
         if leaf not in parts:
             continue
@@ -59,13 +86,72 @@ def _engine_tensor(engine_model, hf_name: str, packed: dict[str, list[str]]) -> 
         layer = _base(module)
         sizes = list(getattr(layer, "output_sizes", []) or [])
         tensor = getattr(layer, attr, None)
-        if len(sizes) != len(parts) or tensor is None or sum(sizes) != tensor.shape[0]:
+        if len(sizes) != len(parts) or tensor is None or sum(sizes) != _out_rows(tensor):
             raise UnshareableError(f"{hf_name}: the engine's fused {fused} does not split into {parts} "
                                    f"(output_sizes {sizes}, {attr} {None if tensor is None else tuple(tensor.shape)})")
         k = parts.index(leaf)
-        return tensor.narrow(0, sum(sizes[:k]), sizes[k])
+        return layer, (sum(sizes[:k]), sizes[k])
     raise UnshareableError(f"{hf_name}: no engine module {path} and no fused module holding {leaf!r} "
                            f"(engine fusions: {packed or 'none'})")
+
+
+def _engine_tensor(engine_model, hf_name: str, packed: dict[str, list[str]]) -> torch.Tensor:
+    """The engine tensor (a view where fused) that holds HF parameter ``hf_name``."""
+    layer, rows = _engine_layer(engine_model, hf_name, packed)
+    tensor = getattr(layer, hf_name.rsplit(".", 1)[1])
+    return tensor if rows is None else tensor.narrow(0, *rows)
+
+
+def _fp8_layout(layer, name: str) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """``(codes (out, in), scale, block)`` of an engine layer with FP8 weights, views of its tensors: the codes
+    un-transposed where vLLM holds them (in, out); ``scale`` (out, 1) per channel (block None) or per ``block``
+    x ``block`` tile. Per-tensor scales and other layouts raise :class:`UnshareableError`."""
+    w = getattr(layer, "weight", None)
+    w = w.data if isinstance(w, torch.nn.Parameter) else w
+    if w is None or w.dtype != FP8_DTYPE:
+        raise UnshareableError(f"{name}: the engine's weight is {None if w is None else w.dtype}, not FP8 e4m3 (start "
+                               "the engine with vllm_fp8_quantization())")
+    codes = w if w.is_contiguous() else w.t() if w.t().is_contiguous() else None
+    scale = getattr(layer, "weight_scale_inv", None)
+    scale = getattr(layer, "weight_scale", None) if scale is None else scale
+    scale = scale.data if isinstance(scale, torch.nn.Parameter) else scale
+    if codes is None or scale is None or scale.dtype != torch.float32:
+        raise UnshareableError(f"{name}: the engine's FP8 layout is not the kit's (weight strides {tuple(w.stride())}, "
+                               f"scale {None if scale is None else (tuple(scale.shape), scale.dtype)})")
+    n, k = codes.shape
+    if scale.numel() == n:  # per output channel
+        return codes, scale.reshape(n, 1), None
+    block = (getattr(layer, "weight_block_size", None) or [None])[0]
+    if block and tuple(scale.shape) == (-(-n // block), -(-k // block)):
+        return codes, scale, block
+    raise UnshareableError(f"{name}: the engine's FP8 scales {tuple(scale.shape)} are neither per channel nor "
+                           f"per block for ({n}, {k}) codes (per-tensor scales, vLLM's online quantization='fp8', "
+                           "cannot back the training model's per-channel scales)")
+
+
+def fp8_engine_views(engine_model, layers: dict[str, tuple[int, int, int | None]]) -> dict[str, torch.Tensor]:
+    """``{"<module>.weight": codes view, "<module>.weight_scale": scale view}`` for every FP8 layer of the HF
+    model, or :class:`UnshareableError`. ``layers``: ``{module name: (out, in, block)}`` (block None: per
+    channel). A fused engine layer's shard: its rows of codes and scales (block rows: the shard must start on a
+    block boundary and end on one or at the layer's end)."""
+    packed = dict(getattr(engine_model, "packed_modules_mapping", None) or {})
+    views = {}
+    for path, (n, k, block) in layers.items():
+        layer, rows = _engine_layer(engine_model, f"{path}.weight", packed)
+        codes, scale, engine_block = _fp8_layout(layer, path)
+        if engine_block != block:
+            raise UnshareableError(f"{path}: the engine's FP8 scales are {engine_block or 'per channel'}, the "
+                                   f"training model's {block or 'per channel'}")
+        if rows is not None:
+            off, size = rows
+            if block and (off % block or (size % block and off + size != codes.shape[0])):
+                raise UnshareableError(f"{path}: rows {off}..{off + size} of the fused layer cross a {block}-row block")
+            codes = codes.narrow(0, off, size)
+            scale = scale.narrow(0, off // block, -(-size // block)) if block else scale.narrow(0, off, size)
+        if tuple(codes.shape) != (n, k):
+            raise UnshareableError(f"{path}: engine FP8 codes {tuple(codes.shape)}, training shape {(n, k)}")
+        views[f"{path}.weight"], views[f"{path}.weight_scale"] = codes, scale
+    return views
 
 
 def engine_views(engine_model, hf_params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -93,19 +179,41 @@ def engine_views(engine_model, hf_params: dict[str, tuple[tuple[int, ...], torch
     return views
 
 
-def build_shared_model(engine_model, config, dtype: torch.dtype):
+def _fp8_meta_layers(model, dtype: torch.dtype, block: int | None) -> dict[str, tuple[int, int, int | None]]:
+    """Replace ``model``'s (meta) linear layers but lm_head by meta :class:`FP8Linear` layers (the rule of
+    :func:`grpo_kit.model.quantize.quantizable_linears`); returns ``{name: (out, in, block)}``."""
+    layers = {}
+    for name in quantizable_linears(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lin = getattr(parent, child)
+        setattr(parent, child, FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                         compute_dtype=dtype, block=block, device="meta"))
+        layers[name] = (lin.out_features, lin.in_features, block)
+    return layers
+
+
+def build_shared_model(engine_model, config, dtype: torch.dtype, *, fp8: bool = False, fp8_block: int | None = None):
     """A ``*ForCausalLM`` for ``config`` whose parameters are all views of ``engine_model``'s tensors.
 
     Every parameter is frozen. Raises :class:`UnshareableError` (nothing allocated but buffers) when a
-    weight cannot be mapped. ``model.grpo_kit_shared_weights`` is set to True.
+    weight cannot be mapped. ``model.grpo_kit_shared_weights`` is set to True. ``fp8``: the layer projections
+    are :class:`FP8Linear` layers (per channel, or ``fp8_block`` tiles) whose codes and scales are views of the
+    engine's FP8 tensors (module docstring); the rest in ``dtype``.
     """
+    if fp8_block not in (None, FP8_BLOCK):
+        raise ValueError(f"fp8_block={fp8_block!r}: None (per channel) or {FP8_BLOCK}")
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     model = meta_model(config, dtype=dtype, real_buffers=True)  # buffers real (on the CPU), moved below
+    fp8_layers = _fp8_meta_layers(model, dtype, fp8_block) if fp8 else {}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     # Meta init leaves a tied head as its own tensor: map the embedding only and tie the head to it after.
     head = {n for n, _ in model.named_parameters() if n.startswith("lm_head.")} if tied else set()
+    fp8_params = {f"{n}.{a}" for n in fp8_layers for a in ("weight", "weight_scale")}
     params = {n: p for n, p in model.named_parameters() if n not in head}
-    views = engine_views(engine_model, {n: (tuple(p.shape), p.dtype) for n, p in params.items()})
+    views = engine_views(engine_model, {n: (tuple(p.shape), p.dtype) for n, p in params.items()
+                                        if n not in fp8_params})
+    views.update(fp8_engine_views(engine_model, fp8_layers))
     device = next(iter(views.values())).device
     new = {id(p): torch.nn.Parameter(views[n], requires_grad=False) for n, p in params.items()}
     for module in model.modules():  # every slot, so tied heads follow their embedding
@@ -122,6 +230,40 @@ def build_shared_model(engine_model, config, dtype: torch.dtype):
         raise UnshareableError(f"{left[:3]}: no engine tensor was assigned (untied head of a tied config?)")
     model.grpo_kit_shared_weights = True
     return model
+
+
+def fill_fp8(model, read) -> int:
+    """Quantise each :class:`FP8Linear` layer of ``model`` (whose codes and scales are engine views, from
+    :func:`build_shared_model` with ``fp8=True``) from its 16-bit weight into those views, in place, one layer at
+    a time: ``read(name)`` gives the 16-bit weight (out, in) of layer ``name`` on the engine's device (from the
+    checkpoint, or random), quantised there and dropped. The engine then serves the kit's codes and scales.
+    Returns the layers filled."""
+    done = 0
+    for name, layer in model.named_modules():
+        if isinstance(layer, FP8Linear):
+            codes, scale = quantize_fp8(read(name), layer.block)
+            with torch.no_grad():
+                layer.weight.copy_(codes)
+                layer.weight_scale.copy_(scale)
+            done += 1
+    return done
+
+
+def vllm_fp8_quantization(block: int | None = None) -> dict:
+    """The ``quantization_config`` (for vLLM's ``hf_overrides``) under which vLLM's layers hold FP8 weights in the
+    kit's layout (module docstring): per output channel with dynamic per-token activation scales (compressed-tensors
+    W8A8-FP8, the kit's W8A8), or ``block`` x ``block`` weight tiles (vLLM's ``fp8`` method). lm_head stays in 16
+    bit, as the kit's :func:`grpo_kit.model.fp8.quantize_model_fp8` keeps it."""
+    if block is not None:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [block, block], "ignored_layers": ["lm_head"]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                            "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}}}
 
 
 def storage_spans(engine_model) -> list[tuple[int, int]]:
