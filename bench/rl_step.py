@@ -28,8 +28,14 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
   head), fixed length through ``generation_kwargs={"min_tokens": C}``. ``--trl-vllm-memory`` sets that share:
   0.3 of an 80 GiB card leaves its engine at most 8.8 GiB of KV cache beside the 15 GiB of weights, under the 20.5 GiB
   that 8 x (512 + 20,480) bf16 tokens need, so vLLM would decode the 8 in turns; 0.3 of an H200 holds them.
-* ``gen_vllm`` / ``gen_hf``: generation alone, 8 completions of one prompt: vLLM (the kit's engine,
-  CUDA graphs) against HF ``generate`` on the same architecture.
+* ``grpo_kit_fp8w``: the kit's trainer with FP8 base weights (``base_weights=fp8``: e4m3, per-channel scales,
+  quantised on the GPU layer by layer, W8A8 forward), LoRA through ``fp8_lora_config``; it generates with HF
+  ``generate`` until the FP8 engine sharing (``grpo_kit.generation.shared_weights``) is wired into the generator,
+  so its ``training_s`` compares with the 16-bit rows' and its generation with ``gen_hf``'s.
+* ``gen_vllm`` / ``gen_hf`` / ``gen_hf_fp8w``: generation alone, 8 completions of one prompt: vLLM (the kit's
+  engine, CUDA graphs) against HF ``generate`` on the same architecture, with 16-bit or FP8 base weights.
+
+Every row records ``base_weights`` (``bf16`` or ``fp8``).
 
 Random weights: the engines start with vLLM's random init (``load_format="dummy"``); the shared model
 uses those tensors, the copy row and TRL push the training model's weights at each sync as always.
@@ -62,13 +68,20 @@ from _common import LORA_TARGETS, command_line, hardware, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync)
-KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None), "grpo_kit_bf16": ("auto", True, None),
-            "grpo_kit_merge": ("fp8", True, "merge"), "grpo_kit_adapter": ("fp8", True, "adapter"),
-            "grpo_kit_copy": ("auto", False, None)}
+# row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync, base_weights); FP8 base weights generate with HF
+# generate until the FP8 engine sharing is wired into the generator (config.base_weights' help)
+KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None, "16bit"), "grpo_kit_bf16": ("auto", True, None, "16bit"),
+            "grpo_kit_merge": ("fp8", True, "merge", "16bit"), "grpo_kit_adapter": ("fp8", True, "adapter", "16bit"),
+            "grpo_kit_copy": ("auto", False, None, "16bit"), "grpo_kit_fp8w": ("auto", "auto", None, "fp8")}
 IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge": "grpo_kit",
-        "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy"}
-ROWS = (*KIT_ROWS, "trl", "gen_vllm", "gen_hf")
+        "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy", "grpo_kit_fp8w": "grpo_kit"}
+GEN_ROWS = {"gen_vllm": "16bit", "gen_hf": "16bit", "gen_hf_fp8w": "fp8"}  # row: base_weights
+ROWS = (*KIT_ROWS, "trl", *GEN_ROWS)
+
+
+def weights_name(base_weights: str) -> str:
+    """The recorded ``base_weights``: ``fp8``, or the 16-bit dtype the rows run in (``bf16``)."""
+    return "fp8" if base_weights == "fp8" else "bf16"
 PROMPT_TOKENS = 512
 GENERATIONS = 8
 
@@ -181,12 +194,15 @@ def kit_row(name: str, a) -> dict:
     from trainer_gpu import time_phases
     from trl import GRPOTrainer
 
-    kv, share, lora_sync = KIT_ROWS[name]
+    from grpo_kit.model.fp8 import fp8_lora_config
+
+    kv, share, lora_sync, base_weights = KIT_ROWS[name]
     C = a.completion
     cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=PROMPT_TOKENS, max_completion_length=C,
                         num_generations=GENERATIONS, per_device_train_batch_size=1,
                         gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
-                        kv_cache_dtype=kv, vllm_share_weights=share, generation_backend="vllm", vllm_lora_sync=lora_sync,
+                        kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
+                        generation_backend="hf" if base_weights == "fp8" else "vllm",
                         gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
     lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
@@ -199,7 +215,8 @@ def kit_row(name: str, a) -> dict:
     t0 = time.perf_counter()
     plan = plan_generation(cfg, model_config=model_config(a.model), device="cuda", dtype=dtype)
     gen, model, info = start_generation(plan, tokenizer=tok, dtype=dtype,
-                                        load_model=lambda: load_model(a.model, dtype=dtype, device="cuda")[0])
+                                        load_model=lambda: load_model(a.model, dtype=dtype, device="cuda",
+                                                                      base_weights=base_weights)[0])
     setup_s = time.perf_counter() - t0
     from datasets import Dataset
 
@@ -214,7 +231,8 @@ def kit_row(name: str, a) -> dict:
     times = StepTimes(totals)
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
-                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS),
+                           peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
+                               LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS)),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
     trainer.train()
@@ -224,8 +242,10 @@ def kit_row(name: str, a) -> dict:
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
     except Exception as e:
         gen_alone = {"error": f"{type(e).__name__}: {e}"}
-    out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(gen.share_weights),
-               lora_dual_stream=gen.lora_dual_stream, lora_sync=gen.lora_sync, last_merge=gen.last_merge,
+    out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(getattr(gen, "share_weights", False)),
+               base_weights=weights_name(base_weights), quantization=getattr(model, "grpo_kit_quantization", None),
+               lora_dual_stream=getattr(gen, "lora_dual_stream", None), lora_sync=getattr(gen, "lora_sync", None),
+               last_merge=getattr(gen, "last_merge", None),
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
@@ -315,7 +335,8 @@ def trl_row(a) -> dict:
     trainer.train()
     peak = mem.stop()
     # TRL syncs inside generation (after its level-2 sleep the weights must be pushed again)
-    return dict(impl="trl", weights_shared=False, kv_cache_dtype="bf16", setup_s=setup_s, steps=times.steps,
+    return dict(impl="trl", weights_shared=False, base_weights="bf16", kv_cache_dtype="bf16", setup_s=setup_s,
+                steps=times.steps,
                 peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                 vllm_pool_gib=_cumem_gib(), completion_tokens=GENERATIONS * C,
                 vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
@@ -325,7 +346,7 @@ def gen_row(name: str, a) -> dict:
     import torch
 
     from grpo_kit.generation import HFGenerator, SamplingConfig
-    from grpo_kit.model.loading import build_random_model, load_tokenizer
+    from grpo_kit.model.loading import load_model, load_tokenizer
 
     C = a.completion
     tok = load_tokenizer(a.model)
@@ -342,10 +363,11 @@ def gen_row(name: str, a) -> dict:
         eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
                             max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
                             gpu_memory_utilization=0.5)
-    else:
-        eng = HFGenerator(build_random_model(a.model, dtype=torch.bfloat16, device="cuda").eval(), tok)
+    else:  # gen_hf_fp8w: the FP8 layers quantised on the GPU layer by layer, W8A8 through torch._scaled_mm
+        model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
+        eng = HFGenerator(model.eval(), tok)
     eng.generate([prompt], GENERATIONS, warm)
-    return dict(impl=name, **_timed_generate(eng, prompt, sampling))
+    return dict(impl=name, base_weights=weights_name(GEN_ROWS[name]), **_timed_generate(eng, prompt, sampling))
 
 
 def one(name: str, a) -> dict:
@@ -384,12 +406,13 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
     lines = [f"# bench rl_step ({tag})", "", f"Command: `{cmd}`" + (" (rows appended to an earlier run's: each "
                                                                    "row has its own command)" if earlier else ""),
              f"Hardware: {hw}", "",
-             "| impl | model | KV | completion | weights shared | peak GiB | generation s | sync s | training s | "
-             "step s | first step s | tokens/s | status |", "|" + "---|" * 13]
+             "| impl | model | base weights | KV | completion | weights shared | peak GiB | generation s | sync s | "
+             "training s | step s | first step s | tokens/s | status |", "|" + "---|" * 14]
     for r in rows:
         f = lambda k, d=2: (f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "")  # noqa: E731
         first = f"{r['first_step']['step_s']:.2f}" if r.get("first_step") else ""
-        lines.append(f"| {r.get('impl', r.get('row'))} ({r.get('row')}) | {r.get('model')} | {r.get('kv_cache_dtype', '')} | "
+        lines.append(f"| {r.get('impl', r.get('row'))} ({r.get('row')}) | {r.get('model')} | "
+                     f"{r.get('base_weights', 'bf16')} | {r.get('kv_cache_dtype', '')} | "
                      f"{r.get('completion_len')} | {r.get('weights_shared', '')} | {f('peak_gib')} | "
                      f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | {first} | "
                      f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |")
