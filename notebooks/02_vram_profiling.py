@@ -20,8 +20,10 @@
 # layer checkpoints, the loss's logits, the vLLM KV cache) from the architecture alone; every byte count has
 # its derivation in `grpo_kit/memory/formulas.py`.
 #
-# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU). Measured: 12 s for the whole notebook
-# with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared machine).
+# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU). The outputs below are a real run with the
+# parameters as they stand: 59 s for the whole notebook on a 2-core CPU with no GPU, shared with other jobs (load average about 10)
+# (`python tests/test_notebooks.py --refresh 02_vram_profiling`); the benchmark pictures read the committed GPU
+# measurements, nothing of them runs here.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
@@ -114,7 +116,8 @@ def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
     kw = dict(num_generations=num_generations, prompt_length=0, completion_length=int(2 ** log2_context),
               lora_rank=lora_rank, quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv else None)
     fig = plot_components({m: estimate(model, method=m, **kw) for m in ("trl", "unsloth", "grpo_kit")}, budget_gib=80,
-                          title=f"{model}, {int(2 ** log2_context)} tokens, G={num_generations}")
+                          title=f"Estimated GPU memory of one GRPO step: {model}, {int(2 ** log2_context)} tokens "
+                                f"x {num_generations} generations")
     show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 
@@ -176,72 +179,66 @@ for T in measure_lengths:
 print(pd.DataFrame(rows).round(4).to_string(index=False))
 
 # %% [markdown]
-# ## 5. The committed GPU benchmarks (`bench/results/`)
-# Loss alone on an H200 (Llama-3.1-8B head, 8 sequences, bf16): time and extra memory against completion
-# length for the naive loss, Liger-Kernel, Unsloth's fused log-probs, Cut Cross-Entropy (cce) and the kit's. Read
-# from `data/loss.jsonl`; nothing is typed in here.
+# ## 5. The committed GPU benchmarks (`bench/results/`), the kit beside its peers
+# The loss alone on an H200 (Llama-3.1-8B's head: hidden 4096, vocabulary 128,256; 8 sequences; bf16): time and
+# extra memory against completion length for a naive fp32-logits loss, Liger-Kernel, Unsloth's fused log-probs,
+# Cut Cross-Entropy and the kit's, in one run; TRL 1.16's own loss in a second run. Read from `data/loss.jsonl`
+# (each row's `run` names the peers' versions); nothing is typed in here. A missing point is a peer that ran out of
+# memory or was not run at that length.
 
 # %%
-import json
+import matplotlib.pyplot as plt
 
-from grpo_kit.notebook.helpers import repo_file
+from grpo_kit.notebook.helpers import PEER_LABELS, bench_rows, line_style
 
-loss_data = repo_file("bench/results/data/loss.jsonl")
-if loss_data is None:
+loss_df = bench_rows("loss")
+if loss_df is None:
     print("bench/results/data/loss.jsonl is not available (the kit was installed without its checkout)")
 else:
-    rows = [json.loads(line) for line in loss_data.read_text().splitlines() if line.strip()]
-    # each row's figures with its shape (B, H, V, T); a later run of a cell replaces an earlier one
-    df = pd.DataFrame([dict(r["figures"], card=r["card"], command=r["command"], date=r["date"],
-                            **{k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())})
-                       for r in rows if not r.get("superseded")])
-    df = df.sort_values("date").drop_duplicates(["head", "impl", "T"], keep="last")
-    shown = ["naive", "liger", "unsloth", "cce", "ours"]
-    df = df[(df["head"] == "llama") & (df["status"] == "ok") & df["impl"].isin(shown)]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for impl, g in df.groupby("impl"):
+    # a later run of a (row, length) replaces an earlier one
+    ldf = loss_df.sort_values("date").drop_duplicates(["head", "row", "T"], keep="last")
+    ldf = ldf[(ldf["head"] == "llama") & (ldf["status"] == "ok")
+              & ldf["row"].isin(["naive", "liger", "unsloth", "cce", "trl", "ours"])]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for row, g in ldf.groupby("row"):
         g = g.sort_values("T")
-        a1.plot(g["T"], g["ms"], marker="o", label=impl)
-        a2.plot(g["T"], g["extra_gib"], marker="o", label=impl)
-    for ax, ylabel in ((a1, "forward + backward (ms)"), (a2, "extra memory (GiB)")):
+        a1.plot(g["T"], g["ms"], label=PEER_LABELS[row], **line_style(row))
+        a2.plot(g["T"], g["extra_gib"], label=PEER_LABELS[row], **line_style(row))
+    a1.set_title("Loss forward + backward time, Llama-3.1-8B head, 8 sequences (H200)", fontsize=9)
+    a2.set_title("Loss extra GPU memory over its inputs, same runs (H200)", fontsize=9)
+    for ax, ylabel in ((a1, "time per forward + backward (ms)"), (a2, "extra peak memory (GiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("completion length (tokens)")
+        ax.set_xlabel("completion length per sequence (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{df['card'].iloc[-1]}: {df['command'].iloc[-1]}", fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
     plt.show()
-    print(df.pivot_table(index="T", columns="impl", values=["ms", "extra_gib"]).round(2).to_string())
+    print(ldf.assign(impl=ldf["row"].map(PEER_LABELS)).pivot_table(index="T", columns="impl",
+                                                                    values="extra_gib").round(2).to_string())
 
 # %% [markdown]
-# Whole-step results (`data/step.jsonl`, one table per run): peak allocated memory per configuration, and for one sequence per
-# micro-batch, against context length (baseline = TRL-style full logits and standard checkpointing).
+# The whole training step (no generation) for Llama-3.1-8B, LoRA rank 16, one sequence per micro-batch, on an
+# H200: peak allocated GPU memory against tokens per sequence, from `data/step.jsonl`. The TRL-style row is
+# `bench/step.py`'s baseline (HF gradient checkpointing, the full fp32 logits, as TRL 1.16 computes them).
 
 # %%
-step_data = repo_file("bench/results/data/step.jsonl")
-runs = {}  # (card, command) -> that run's current rows: figures, row, model and shape
-for line in step_data.read_text().splitlines() if step_data else []:
-    r = json.loads(line) if line.strip() else {"superseded": True}
-    if not r.get("superseded"):
-        shape = {k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())}
-        runs.setdefault((r["card"], r["command"]), []).append(dict(r["figures"], row=r["row"], model=r["model"], **shape))
-for (card, command), run_rows in runs.items():
-    sdf = pd.DataFrame(run_rows)
-    cols = [c for c in ("row", "model", "gens", "seq_len", "micro_batch", "status", "step_s", "peak_allocated_gib")
-            if c in sdf.columns]
-    print(card, "-", command)
-    print(sdf[cols].round(2).to_string(index=False))
-    one = sdf[(sdf.get("gens") == 1) & (sdf.get("status") == "ok")] if {"gens", "status"} <= set(sdf.columns) else sdf[:0]
-    if len(one):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for (m, row), g in one.groupby(["model", "row"]):
-            g = g.sort_values("seq_len")
-            ax.plot(g["seq_len"], g["peak_allocated_gib"], marker="o", label=f"{m} {row}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens per sequence")
-        ax.set_ylabel("peak allocated (GiB)")
-        ax.set_title(card, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        plt.show()
+step_df = bench_rows("step")
+if step_df is not None:
+    one = step_df[(step_df["model"] == "llama-3.1-8b") & (step_df["gens"] == 1) & (step_df["status"] == "ok")
+                  & (step_df["dtype"] == "")]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for row, g in one.groupby("row"):
+        g = g.sort_values("seq_len").drop_duplicates("seq_len", keep="last")
+        ax.plot(g["seq_len"], g["peak_allocated_gib"], label=PEER_LABELS[row], **line_style(row))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per sequence")
+    ax.set_ylabel("peak allocated GPU memory (GiB)")
+    ax.set_title("Training step peak memory, Llama-3.1-8B, LoRA r=16, bf16, 1 sequence (H200)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    print(one.assign(impl=one["row"].map(PEER_LABELS)).pivot_table(
+        index="seq_len", columns="impl", values="peak_allocated_gib").round(2).to_string())

@@ -159,3 +159,48 @@ def run_report(summary: dict) -> str:
     saved = run_dir / ("adapter" if (run_dir / "adapter").is_dir() else "model")
     lines.append(f"{saved.name} files: {sorted(p.name for p in saved.iterdir())}")
     return "\n".join(lines)
+
+
+# What each benchmark row of bench/results/data/*.jsonl is, for a legend: the peers by name (their versions are in
+# each row's `run`), the kit as grpo_kit.
+PEER_LABELS = {
+    "ours": "grpo_kit", "ours_offload": "grpo_kit (offloaded checkpoints)", "ours_torch": "grpo_kit (torch twin)",
+    "ours_gspo": "grpo_kit GSPO", "ours_cispo": "grpo_kit CISPO",
+    "naive": "naive fp32 logits", "trl": "TRL 1.16", "unsloth": "Unsloth", "cce": "Cut Cross-Entropy",
+    "liger": "Liger-Kernel", "baseline": "TRL-style (HF checkpointing, full logits)",
+    "grpo_kit_fp8": "grpo_kit (shared weights, FP8 KV)", "grpo_kit_bf16": "grpo_kit (shared weights, bf16 KV)",
+    "grpo_kit_merge": "grpo_kit (shared weights, merged adapter)", "grpo_kit_copy": "grpo_kit (separate vLLM copy)",
+}
+
+
+def is_kit(row: str) -> bool:
+    """Whether a benchmark row is one of the kit's (drawn distinct from the peers)."""
+    return row.startswith("ours") or row.startswith("grpo_kit")
+
+
+def bench_rows(benchmark: str):
+    """The current rows of ``bench/results/data/<benchmark>.jsonl`` as a pandas DataFrame: the figures, ``row``,
+    ``model``, ``card``, ``command``, ``date`` and the shape's ``key=value`` fields as ints (superseded rows left
+    out); None when the file is not there (a kit installed without its checkout's results)."""
+    import pandas as pd  # lazy: a second of import that only the benchmark cells need
+
+    path = repo_file(f"bench/results/data/{benchmark}.jsonl")
+    if path is None:
+        return None
+    rows = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {"superseded": True}
+        if r.get("superseded"):
+            continue
+        shape = {k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())}
+        rows.append(dict(r["figures"], row=r["row"], model=r["model"], card=r["card"], command=r["command"],
+                         date=r["date"], dtype=r.get("dtype", ""), **shape))
+    return pd.DataFrame(rows)
+
+
+def line_style(row: str) -> dict:
+    """matplotlib keywords for a benchmark row's line: the kit's thick and solid with round markers, peers thin and
+    dashed with square ones."""
+    if is_kit(row):
+        return dict(linewidth=2.6, linestyle="-", marker="o", zorder=3)
+    return dict(linewidth=1.3, linestyle="--", marker="s", zorder=2)
