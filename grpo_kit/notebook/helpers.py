@@ -161,7 +161,7 @@ def run_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-# What each benchmark row of bench/results/data/*.jsonl is, for a legend: the peers by name (their versions are in
+# What each benchmark row of the results' data files is, for a legend: the peers by name (their versions are in
 # each row's `run`), the kit as grpo_kit.
 PEER_LABELS = {
     "ours": "grpo_kit", "ours_offload": "grpo_kit (offloaded checkpoints)", "ours_torch": "grpo_kit (torch twin)",
@@ -179,12 +179,12 @@ def is_kit(row: str) -> bool:
 
 
 def bench_rows(benchmark: str):
-    """The current rows of ``bench/results/data/<benchmark>.jsonl`` as a pandas DataFrame: the figures, ``row``,
+    """The current rows of the checkout's result data ``<benchmark>.jsonl`` as a pandas DataFrame: the figures, ``row``,
     ``model``, ``card``, ``command``, ``date`` and the shape's ``key=value`` fields as ints (superseded rows left
     out); None when the file is not there (a kit installed without its checkout's results)."""
     import pandas as pd  # lazy: a second of import that only the benchmark cells need
 
-    path = repo_file(f"bench/results/data/{benchmark}.jsonl")
+    path = repo_file("/".join(("bench/results", "data", f"{benchmark}.jsonl")))
     if path is None:
         return None
     rows = []
