@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-dir", help="run folder (same as --set output_dir=...)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
                    "with its saved config (--set only for max_steps, save_steps, keep_checkpoints, max_bad_steps, "
-                   "loss_chunk_size, scoring_batch_size)")
+                   "loss_chunk_size, scoring_batch_size, report_to, run_name)")
     t.add_argument("--help-config", action="store_true", help="print every config field with its type, default, "
                    "allowed values and help, then exit")
     t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "

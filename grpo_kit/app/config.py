@@ -42,6 +42,10 @@ DEVICES = ("auto", "cpu", "cuda")
 TRAINERS = ("grpo_kit", "trl")
 # auto: the KV cache in the model's dtype; else a dtype the calculator prices that is narrower than 16 bit (FP8)
 KV_CACHE_DTYPES = ("auto", *(name for name, size in KV_DTYPE_BYTES.items() if size < 2))
+# The experiment trackers report_to names (TRL's names): the modules whose presence makes each available (as
+# transformers checks it) and the package that installs it.
+TRACKERS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wandb": (("wandb",), "wandb"),
+            "trackio": (("trackio",), "trackio")}
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
                      ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None))
@@ -267,6 +271,15 @@ class GRPOKitConfig:
     max_bad_steps: int = _f(3, "Consecutive steps with a non-finite loss or gradient (each one skipped: no "
                             "optimiser update) before training stops with the state saved.")
     logging_steps: int = _kit("logging_steps", "Log metrics every N steps.")
+    report_to: str | list = _f("none", "Experiment trackers that receive every logged step, as TRL's `report_to`: "
+                               f"`none`, one of {list(TRACKERS)}, several as a list (`[tensorboard, wandb]`, or "
+                               "the comma string `tensorboard,wandb`), or `all` (every integration transformers finds "
+                               "installed). They get TRL's metrics and the kit's own (step_time_s, peak_memory_gib). "
+                               "TensorBoard writes to the run folder's `tensorboard/`; W&B and Trackio log where "
+                               "their own settings say (WANDB_PROJECT, WANDB_DIR; Trackio's local store). A tracker "
+                               "that is not installed is refused with its install command.")
+    run_name: str | None = _f(None, "The run's name in the trackers of report_to (TRL's `run_name`); null: each "
+                              "tracker names it.")
     device: str = _f("auto", f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.")
     dtype: str = _f("auto", f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
                     "on GPU (with a GradScaler), fp32 on CPU.")
@@ -522,6 +535,7 @@ class GRPOKitConfig:
         if list_errors is None:  # a list field that is no list: the element checks below need lists
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors + _not_lists(self)))
         errors += list_errors + _generation_problems(self) + _4bit_problems(self) + _data_problems(self)
+        errors += _tracker_problems(self)
         errors += _fp8_problems(self)
         if errors:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
@@ -671,6 +685,47 @@ def _fp8_problems(cfg: GRPOKitConfig) -> list[str]:
     return errors
 
 
+def tracker_installed(name: str) -> bool:
+    """Whether the experiment tracker ``name`` (a ``TRACKERS`` key) can be imported here."""
+    return any(importlib.util.find_spec(module) is not None for module in TRACKERS[name][0])
+
+
+def _tracker_problems(cfg: GRPOKitConfig) -> list[str]:
+    """report_to: 'none', 'all', or known tracker names, each installed (else its install command)."""
+    value = cfg.report_to
+    if value in ("none", "all"):
+        return []
+    names = [value] if isinstance(value, str) else value
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+        return [f"report_to={value!r} is not allowed: 'none', 'all', or tracker names from {list(TRACKERS)} (a list "
+                "or a comma-separated string)"]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        return [f"report_to={value!r}: {unknown[0]!r} is not a tracker the kit passes on; choose from "
+                f"{list(TRACKERS)} (several as a list), or 'none' or 'all' alone"]
+    return [f"report_to={value!r}: {n} is not installed; install it with `python -m pip install {TRACKERS[n][1]}`, "
+            f"or drop it from report_to" for n in names if not tracker_installed(n)]
+
+
+def _report_to(key: str, value):
+    """report_to from YAML, ``--set`` or a notebook: null, 'none', 'all', a name, a comma string or a list; a
+    list of names, or 'none' / 'all' alone (names are checked by validate())."""
+    if isinstance(value, str) and value.strip().startswith("["):  # a YAML/JSON list given as text
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}={value!r} is not a valid list") from None
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        names = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        names = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else list(value)
+    else:
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected 'none', 'all', a tracker name or a list")
+    return "none" if names in ([], ["none"]) else "all" if names == ["all"] else names
+
+
 def _data_problems(cfg: GRPOKitConfig) -> list[str]:
     """The GSM8K files exist, and a held-out file only where the task reads one."""
     errors = [f"{name}={getattr(cfg, name)!r} does not exist" for name in ("dataset_path", "eval_dataset_path")
@@ -797,6 +852,8 @@ def _coerce(key: str, value, annotation):
         if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
             return None
         return _coerce(key, value, annotation.removesuffix(" | None"))
+    if annotation == "str | list":  # report_to: TRL's 'none' / 'all', a name, several as a list or a comma string
+        return _report_to(key, value)
     if annotation == "int | str":  # "auto", or an int
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"

@@ -15,9 +15,9 @@ from grpo_kit.app.config import NULL_MEANS_AUTO, ConfigError, GRPOKitConfig
 from grpo_kit.trainer.checkpoints import atomic_write_text
 
 # Config fields that may differ from the run folder's saved config when resuming: they change how
-# long the run goes or what is kept, not the math of the steps already taken.
+# long the run goes, what is kept or where its metrics are reported, not the math of the steps already taken.
 SAFE_RESUME_OVERRIDES = ("max_steps", "save_steps", "keep_checkpoints", "max_bad_steps", "loss_chunk_size",
-                         "scoring_batch_size")
+                         "scoring_batch_size", "report_to", "run_name")
 
 
 def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict | None = None):

@@ -3,7 +3,7 @@
 Run folder contents: ``config.yaml`` (what ran), ``metrics.csv`` (one row per logged
 step), ``rewards.png``, ``samples.jsonl`` (completions with their rewards),
 ``eval.json`` (held-out accuracy before/after), ``adapter/`` or ``model/``
-(safetensors) and ``summary.json``.
+(safetensors), ``summary.json`` and, with ``report_to`` TensorBoard, ``tensorboard/`` (its event files).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from accelerate import PartialState
 from tqdm import tqdm
 from transformers import TrainerCallback
+from transformers.integrations import TensorBoardCallback
 
 from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, ConfigError, GRPOKitConfig
 from grpo_kit.app.console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
@@ -44,6 +45,9 @@ from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
                   "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
+# The kit's own per-step metrics, added to the trainer's logged dict for the trackers of report_to (TRL logs the
+# others: rewards per function, frac_reward_zero_std, generation/seconds, ...).
+KIT_LOGGED_METRICS = ("step_time_s", "peak_memory_gib")
 
 
 def metric_columns(history: list[dict]) -> list[str]:
@@ -79,7 +83,8 @@ class SampleRecorder:
 
 class MetricsCallback(TrainerCallback):
     """Writes one metrics.csv row per logged step (TRL's whole dict, with step time and peak memory) and
-    prints the step's compact line (grpo_kit.app.console.step_line)."""
+    prints the step's compact line (grpo_kit.app.console.step_line). It adds ``KIT_LOGGED_METRICS`` to the
+    logged dict, so the trackers' callbacks, which run after it (:func:`_connect_trackers`), log them too."""
 
     def __init__(self, cfg: GRPOKitConfig, run_dir: Path, device: str, history: list):
         self.cfg, self.device, self.history = cfg, device, history
@@ -111,6 +116,7 @@ class MetricsCallback(TrainerCallback):
             "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
         }
         row.update({k: v for k, v in logs.items() if k not in row})
+        logs.update({k: row[k] for k in KIT_LOGGED_METRICS if row[k] is not None})  # after the row: same columns
         self._times.clear()
         self.history.append(row)
         if not self._started:  # created on the first row, so other processes never truncate it
@@ -215,8 +221,8 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
         min_p=cfg.min_p or None, reward_weights=cfg.reward_weights or None,  # 0 and []: off / all 1.0
         gradient_checkpointing=cfg.checkpointing_on(device), data_seed=cfg.seed, use_cpu=(device == "cpu"),
         bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
-        # the kit writes its own metrics.csv, samples.jsonl and console line
-        report_to="none", disable_tqdm=False, log_completions=False, remove_unused_columns=False)
+        # the kit writes its own metrics.csv, samples.jsonl and console line (report_to passes by name)
+        disable_tqdm=False, log_completions=False, remove_unused_columns=False)
     return GRPOConfig(**values)
 
 
@@ -468,6 +474,7 @@ def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, re
     from grpo_kit.trainer.guards import configure_reliability  # lazy: imports TRL
 
     cfg = run.cfg
+    metrics = MetricsCallback(cfg, run.run_dir, run.device, run.history)
     peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM") if cfg.use_lora else None
     if cfg.base_weights == "fp8":  # PEFT's LoRA layer for the FP8 base layers (use_lora: the config checked)
@@ -475,7 +482,7 @@ def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, re
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
                            args=grpo_args(cfg, run.device, run.dtype),
                            train_dataset=to_prompt_dataset(run.train_ex, run.system_prompt),
-                           callbacks=[MetricsCallback(cfg, run.run_dir, run.device, run.history), *callbacks],
+                           callbacks=[metrics, *callbacks],
                            peft_config=peft_config, generator=generator,
                            reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
                            memory_plan=plan.memory, on_rewards=recorder.record)
@@ -485,7 +492,20 @@ def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, re
     if not run.progress:
         trainer.args.disable_tqdm = True
     quiet_trainer_logs(trainer, progress_bar=run.progress)  # the compact step line instead of TRL's dict
+    _connect_trackers(trainer, metrics, run.run_dir)
     return trainer
+
+
+def _connect_trackers(trainer, metrics: MetricsCallback, run_dir: Path) -> None:
+    """The kit's metrics callback first, before the trackers' callbacks of report_to (transformers puts those
+    before the ones passed in), so they log what it adds; TensorBoard's event files in the run folder's
+    ``tensorboard/`` (unless TENSORBOARD_LOGGING_DIR names another folder)."""
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.remove(metrics)
+    callbacks.insert(0, metrics)
+    for callback in callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = str(run_dir / "tensorboard")
 
 
 def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared: bool) -> float:
