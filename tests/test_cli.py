@@ -85,8 +85,8 @@ def test_bench_step_until_ok_stops_at_the_first_length_that_runs(repo_root, tmp_
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(repo_root)})
     assert r.returncode == 0, r.stderr[-2000:]
-    results = json.loads((tmp_path / "step_untilok.json").read_text())["results"]
-    assert [(x["seq_len"], x["status"]) for x in results] == [(48, "ok")]
+    rows = [json.loads(line) for line in (tmp_path / "data" / "step.jsonl").read_text().splitlines()]
+    assert [(r["shape"].split()[1], r["figures"]["status"]) for r in rows] == [("seq_len=48", "ok")]
 
 
 def test_resume_help_names_every_setting_a_resume_may_change():
