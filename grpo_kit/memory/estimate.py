@@ -46,7 +46,7 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 
 METHODS = ("trl", "unsloth", "grpo_kit")
 AUTO = "auto"  # scoring_batch / scoring_batch_size: chosen by the calculator (auto_scoring_batch)
-QUANTIZATIONS = (None, "4bit")
+QUANTIZATIONS = (None, "4bit", "fp8")  # the base weights: 16-bit, NF4 (load_in_4bit), FP8 (base_weights)
 
 # Unsloth's published table (blog "Long-context GRPO", PUBLISHED_SOURCE below): Llama 3.1 8B, 20K context,
 # num_generations = 8, "GB". Per row: (Unsloth, TRL + FA2, shown decimals, our unit that matches).
@@ -150,11 +150,11 @@ def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lo
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or '4bit', got {quantization!r}")
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     if lora_rank is not None:
         _int_at_least("lora_rank", lora_rank, 1)
     if quantization is not None and lora_rank is None:
-        raise ValueError(f"quantization={quantization!r} needs lora_rank: 4-bit weights are frozen, "
+        raise ValueError(f"quantization={quantization!r} needs lora_rank: quantised weights are frozen, "
                          "only LoRA adapters can train on top of them")
     _check_bool("vllm", vllm)
     if kv_cache_dtype is not None and kv_cache_dtype not in F.KV_DTYPE_BYTES:
@@ -307,7 +307,9 @@ def _state_rows(s: _Step) -> list[dict]:
     n = F.param_counts(a)
     w = F.weight_bytes(a, b, s.quantization)
     rows = [_row("model weights", "GPU", w, persistent, f"{n['total'] / 1e9:.2f}e9 params"
-                 + (" (layer projections NF4 4.127 bit)" if s.quantization else f" x {b} B"))]
+                 + {"4bit": " (layer projections NF4 4.127 bit)",
+                    "fp8": " (layer projections FP8 e4m3, 1 B + fp32 scale per output channel)"}.get(
+                     s.quantization, f" x {b} B"))]
     if s.vllm and s.method == "trl":
         rows.append(_row("inference copy (vLLM)", "GPU", w, persistent,
                          "TRL colocate: vLLM loads its own copy of the weights"))
@@ -365,6 +367,14 @@ def _recompute_rows(s: _Step) -> list[dict]:
         rows.append(_row("dequantised 4-bit weight (transient)", "GPU", a.intermediate * a.hidden * b,
                          ("loss", "backward"), f"the largest projection ({a.intermediate} x {a.hidden}) dequantised "
                          f"to {b} B per weight for its matmul"))
+    elif s.quantization == "fp8":  # grpo_kit.model.fp8: one projection's matmul at a time
+        slice_rows = s.chunk_tokens if kit and not s.lora_dropout else s.tokens
+        rows.append(_row("FP8 matmul transient (one projection)", "GPU",
+                         F.fp8_matmul_transient_bytes(a, b, min(slice_rows, s.tokens)),
+                         ("loss", "backward") + s.scoring_phase,
+                         f"the larger of the backward's dequantised {a.intermediate} x {a.hidden} weight (fp32 and "
+                         f"{b} B) and the W8A8 forward's per-row quantised input ({min(slice_rows, s.tokens)} rows x "
+                         f"{a.intermediate}: fp32 copy, fp32 quotient, e4m3 codes)"))
     return rows
 
 
@@ -526,7 +536,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             counts the whole context as completion (as the published table does).
         dtype: ``"bf16" | "fp16" | "fp32"``, weights and activations.
         lora_rank: LoRA on all 7 linear layers (None: full fine-tuning).
-        quantization: None or ``"4bit"`` (NF4 weights; needs ``lora_rank``).
+        quantization: None, ``"4bit"`` (NF4 weights) or ``"fp8"`` (FP8 e4m3 weights with per-channel fp32 scales,
+            grpo_kit.model.fp8); either needs ``lora_rank``.
         method: ``"trl"`` (TRL + FA2: full logits, standard checkpointing, separate vLLM copy),
             ``"unsloth"`` (its published long-context design: one sequence of logits at a time, offloaded
             checkpoints, weights shared with vLLM), ``"grpo_kit"`` (chunked loss, offloaded and chunked
@@ -632,7 +643,7 @@ def config_estimate_kwargs(cfg, **overrides) -> dict:
     kw = dict(num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
               completion_length=cfg.max_completion_length,
               dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
-              lora_rank=cfg.lora_rank if cfg.use_lora else None, quantization="4bit" if cfg.load_in_4bit else None,
+              lora_rank=cfg.lora_rank if cfg.use_lora else None, quantization="4bit" if cfg.load_in_4bit else "fp8" if cfg.base_weights == "fp8" else None,
               method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
               kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
               micro_batch_size=cfg.per_device_train_batch_size,

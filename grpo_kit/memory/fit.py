@@ -13,6 +13,7 @@ import torch
 
 from grpo_kit.memory.estimate import AUTO, config_estimate_kwargs, estimate, total_gpu_bytes
 from grpo_kit.memory.formulas import GiB as GIB
+from grpo_kit.model.fp8 import FP8_MIN_CAPABILITY, fp8_support
 
 # Upper end of the context search (tokens): beyond every built-in model's positions.
 MAX_SEARCH_CONTEXT = 1 << 20
@@ -79,6 +80,31 @@ def detected_gpu_gib() -> tuple[float, str] | None:
         return None
     props = torch.cuda.get_device_properties(0)
     return props.total_memory / GIB, props.name
+
+
+# Compute capability of the GPUs the kit names (NVIDIA's published values): FP8 tensor cores from
+# grpo_kit.model.fp8.FP8_MIN_CAPABILITY on.
+GPU_CAPABILITY = {"T4": (7, 5), "V100": (7, 0), "A100": (8, 0), "A10G": (8, 6), "RTX 3090": (8, 6), "L4": (8, 9),
+                  "RTX 4090": (8, 9), "L40S": (8, 9), "H100": (9, 0), "H200": (9, 0), "B200": (10, 0),
+                  "RTX 5090": (12, 0)}
+
+
+def has_fp8(gpu: str | None = None) -> bool:
+    """Whether ``gpu`` (a ``GPU_CAPABILITY`` name, or a device name containing one such as ``"NVIDIA H100 80GB
+    HBM3"``; None: CUDA device 0 here) has FP8 tensor cores, so ``base_weights='fp8'`` can run on it."""
+    if gpu is None:
+        return fp8_support("cuda") is None
+    found = [cap for name, cap in GPU_CAPABILITY.items() if name.lower() in gpu.lower()]
+    if not found:
+        raise ValueError(f"unknown GPU {gpu!r}: one of {list(GPU_CAPABILITY)}")
+    return found[0] >= FP8_MIN_CAPABILITY
+
+
+def base_weights_for(gpu: str | None = None) -> dict:
+    """The calculator's and the config's base-weight settings for ``gpu`` (see :func:`has_fp8`): FP8 where it
+    has FP8 tensor cores (``{"base_weights": "fp8", "quantization": "fp8"}``), else 16-bit (``"16bit"``, None)."""
+    fp8 = has_fp8(gpu)
+    return {"base_weights": "fp8" if fp8 else "16bit", "quantization": "fp8" if fp8 else None}
 
 
 def _peak_bytes(model, context: int, prompt_length: int, kwargs: dict) -> float:
@@ -166,7 +192,7 @@ def free_t4_preset(model="llama-3.1-8b", *, num_generations: int = 8, prompt_len
                          f"{FREE_T4_GIB} GiB in 4-bit even at a {prompt_length}-token prompt")
     peak = _peak_bytes(model, context, prompt_length, kwargs) / GIB
     return dict(context_length=context, four_bit=True, dtype="fp16", generation_backend="hf",
-                budget_gib=FREE_T4_GIB, estimate_gib=peak)
+                budget_gib=FREE_T4_GIB, estimate_gib=peak, base_weights=base_weights_for("T4")["base_weights"])
 
 
 def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> tuple[FitVerdict, str]:
@@ -195,6 +221,8 @@ def require_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> 
     if not verdict.fits:
         fix = (f"max_completion_length <= {verdict.max_context - cfg.max_prompt_length}"
                if verdict.max_context and verdict.max_context > cfg.max_prompt_length else "a smaller model")
+        weights = ("FP8 base weights (base_weights='fp8'), " if cfg.base_weights != "fp8" and detected_gpu_gib()
+                   and has_fp8() else "")
         raise RuntimeError(f"the run does not fit: {verdict.text()}; try {fix}, fewer generations per micro-batch, "
-                           "4-bit weights (load_in_4bit) or an FP8 KV cache (kv_cache_dtype='fp8')")
+                           f"{weights}4-bit weights (load_in_4bit) or an FP8 KV cache (kv_cache_dtype='fp8')")
     return verdict

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
+from grpo_kit.model.fp8 import FP8_DTYPE
 
 GB = 1e9
 GiB = 2**30
@@ -27,6 +28,7 @@ GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 FP32 = 4
+FP8_BYTES = FP8_DTYPE.itemsize  # an e4m3 weight (grpo_kit.model.fp8)
 
 
 
@@ -86,17 +88,35 @@ def param_counts(a: Arch) -> dict[str, int]:
     return {"layer_linear": lin, "other": other, "total": lin + other}
 
 
+def fp8_scale_count(a: Arch) -> int:
+    """fp32 scales of FP8 layer projections (grpo_kit.model.fp8, per output channel): one per output row of each
+    of the 7 projections of every layer, ``L * (q + 2 kv + h + 2 I + h)``."""
+    return a.layers * sum(o for _, _, o in a.layer_linears())
+
+
 def weight_bytes(a: Arch, b: int, quantization: str | None) -> float:
     """Model weights: ``total * b``; with ``"4bit"`` the layer projections take
     ``NF4_BITS_PER_PARAM / 8`` bytes each (4.127 bits: NF4 + double-quantised absmax) while the
-    embedding, head and norms stay in the training dtype (bitsandbytes does not quantise them).
+    embedding, head and norms stay in the training dtype (bitsandbytes does not quantise them). With ``"fp8"``
+    the layer projections take 1 byte each (e4m3) plus a 4-byte fp32 scale per output channel
+    (:func:`fp8_scale_count`); the embedding, head, norms and biases stay in the training dtype.
     """
     n = param_counts(a)
     if quantization is None:
         return n["total"] * b
     if quantization == "4bit":
         return n["layer_linear"] * NF4_BITS_PER_PARAM / 8 + n["other"] * b
-    raise ValueError(f"quantization must be None or '4bit', got {quantization!r}")
+    if quantization == "fp8":
+        return n["layer_linear"] * FP8_BYTES + fp8_scale_count(a) * FP32 + n["other"] * b
+    raise ValueError(f"quantization must be None, '4bit' or 'fp8', got {quantization!r}")
+
+
+def fp8_matmul_transient_bytes(a: Arch, b: int, rows: int) -> float:
+    """The largest transient of one FP8 projection's matmul (grpo_kit.model.fp8), whichever is larger: its
+    backward's weight dequantised for ``dx = dy W`` (the largest projection, I x h: an fp32 product rounded to the
+    training dtype, ``I h (4 + b)``), or its forward's input quantised per row for W8A8 (the widest input, ``rows``
+    x I: an fp32 copy, its fp32 quotient by the row scale and the e4m3 codes, ``rows I (4 + 4 + 1)``)."""
+    return max(a.intermediate * a.hidden * (FP32 + b), rows * a.intermediate * (2 * FP32 + FP8_BYTES))
 
 
 def lora_param_count(a: Arch, r: int) -> int:
