@@ -71,6 +71,7 @@ output_dir = "runs/03_qwen2.5_grpo"
 save_merged_weights = True  # write merged 16-bit weights after training
 hub_repo = ""  # e.g. "user/qwen2.5-grpo": push the merged weights to the Hub
 seed = 0
+report_to = "none"  # trackers (TRL's report_to): "tensorboard", "wandb", "trackio", several: "tensorboard,wandb"
 preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
 # %%
@@ -78,7 +79,8 @@ from grpo_kit.notebook.helpers import choose_setup, validate_params
 
 common = dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
               max_prompt_length=max_prompt_length, num_train_samples=num_train_samples,
-              num_eval_samples=num_eval_samples, output_dir=output_dir, seed=seed, use_lora=True)
+              num_eval_samples=num_eval_samples, output_dir=output_dir, seed=seed, use_lora=True,
+              report_to=report_to)
 full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps=max_steps,
             max_completion_length=max_completion_length, learning_rate=learning_rate,
             generation_backend=generation_backend, reward_funcs=["correctness", "format_soft"])

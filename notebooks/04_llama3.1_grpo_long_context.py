@@ -89,11 +89,12 @@ output_dir = "runs/04_llama3.1_long_context"
 save_merged_weights = False  # merged 16-bit weights after training (an 8B needs its 16-bit copy on `device`)
 hub_repo = ""  # e.g. "user/llama3.1-grpo": push the merged weights to the Hub
 seed = 0
+report_to = "none"  # trackers (TRL's report_to): "tensorboard", "wandb", "trackio", several: "tensorboard,wandb"
 
 # %%
 from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.model.loading import check_model_name
-from grpo_kit.loss.names import LORA_SYNC_MODES
+from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.notebook.helpers import choose_setup, validate_params
 
 if preset not in ("", "free_t4"):
@@ -123,7 +124,7 @@ for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
         raise ValueError(f"{name}={ctx} must be larger than its prompt length {prompt}")
 common = dict(num_generations=num_generations, num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
               output_dir=output_dir, seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
-              gradient_checkpointing=True)
+              gradient_checkpointing=True, report_to=report_to)
 # the full setup trains one sequence per micro-batch (what the calculator below prices); the tiny fallback all at once
 full = dict(common, model=model, per_device_train_batch_size=1, gradient_accumulation_steps=num_generations,
             max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
