@@ -65,6 +65,8 @@ generation_backend = "auto"  # vLLM where it is installed and can run, else HF g
 fallback_model = "smollm2-135m-instruct"
 fallback_max_steps = 40
 fallback_max_completion_length = 24
+fallback_num_eval_samples = 200
+fallback_generation_backend = "auto"  # as `python -m grpo_kit train`: vLLM on the CPU where installed
 setup = "auto"  # "auto" | "full" | "fallback"
 dashboard = "auto"  # "auto" | "widgets" | "static"
 output_dir = "runs/03_qwen2.5_grpo"
@@ -84,11 +86,11 @@ common = dict(num_generations=num_generations, per_device_train_batch_size=num_g
 full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps=max_steps,
             max_completion_length=max_completion_length, learning_rate=learning_rate,
             generation_backend=generation_backend, reward_funcs=["correctness", "format_soft"])
-# 2 prompts per step, as the main job's default: with 1, the untrained embedded model's sparse rewards left
-# most early steps without signal (bench/results/learning.md)
+# the fallback is `python -m grpo_kit train`'s default run: 2 prompts per step (with 1, the untrained embedded
+# model's sparse rewards left most early steps without signal), the config's learning rate
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
-                per_device_train_batch_size=2 * num_generations,
-                max_completion_length=fallback_max_completion_length, generation_backend="hf")
+                per_device_train_batch_size=2 * num_generations, num_eval_samples=fallback_num_eval_samples,
+                max_completion_length=fallback_max_completion_length, generation_backend=fallback_generation_backend)
 extras = dict(setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo)
 validate_params(full, extras, dict(setup=str, dashboard=str, save_merged_weights=bool, hub_repo=str))  # both now
 validate_params(fallback)

@@ -80,8 +80,8 @@ gpu_gib = 80.0  # the card's memory, for the calculator's budget line
 generation_backend = "vllm"  # full setup; "hf" generates with transformers (slow at long context, no FP8 KV)
 fallback_model = "smollm2-135m-instruct"
 fallback_max_prompt_length = 64
-fallback_context_length = 96
-fallback_max_steps = 20
+fallback_context_length = 2048  # the CPU run's window: prompt + completion tokens per sequence
+fallback_max_steps = 5
 setup = "auto"  # "auto" | "full" | "fallback"
 preset = ""  # "free_t4": Colab's free T4 (15 GiB, fp16): 4-bit, HF generation, the longest context that fits
 dashboard = "auto"
@@ -173,6 +173,101 @@ fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=
 show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
 # %% [markdown]
+# ## The long-context story, from the committed measurements
+# Peak GPU memory of one training step (no generation) of Llama-3.1-8B, LoRA rank 16, one sequence per micro-batch,
+# against the tokens per sequence. **Measured** points (solid, markers) are `bench/step.py`'s runs on an H200
+# (`bench/results/data/step.jsonl`): the kit with offloaded checkpoints, the kit with checkpoints on the GPU, and the
+# TRL-style baseline (HF gradient checkpointing, the full fp32 logits, as stock TRL 1.16 computes them). **Calculator**
+# lines (dashed, no markers) are `grpo_kit.memory.estimate` for the same step with TRL 1.16's design, Unsloth's
+# long-context components (one sequence of logits at a time, offloaded checkpoints) and the kit's, at the lengths
+# that were not measured. Nothing here runs on this machine.
+
+# %%
+import matplotlib.pyplot as plt
+
+from grpo_kit.memory import estimate
+from grpo_kit.memory.estimate import total_gpu_bytes
+from grpo_kit.notebook.helpers import PEER_LABELS, bench_rows, line_style
+
+lengths = [20480, 32768, 65536, 131072, 262144]
+fig, ax = plt.subplots(figsize=(8.5, 4.5))
+step_df = bench_rows("step")
+if step_df is not None:
+    one = step_df[(step_df["model"] == "llama-3.1-8b") & (step_df["gens"] == 1) & (step_df["status"] == "ok")
+                  & (step_df["dtype"] == "")]
+    for row, g in one.groupby("row"):
+        g = g.sort_values("seq_len").drop_duplicates("seq_len", keep="last")
+        ax.plot(g["seq_len"], g["peak_allocated_gib"], label=f"{PEER_LABELS[row]} (measured, H200)", **line_style(row))
+calc = {}
+for method, label in (("trl", "TRL 1.16"), ("unsloth", "Unsloth's components"), ("grpo_kit", "grpo_kit")):
+    calc[label] = [total_gpu_bytes(estimate(calculator_model, method=method, num_generations=1, prompt_length=512,
+                                            completion_length=n - 512, lora_rank=lora_rank, micro_batch_size=1,
+                                            include_generation=False)) / 2**30 for n in lengths]
+    ax.plot(lengths, calc[label], linestyle=":", linewidth=2.6 if method == "grpo_kit" else 1.4,
+            label=f"{label} (calculator)")
+ax.axhline(80, color="0.4", linewidth=0.8)
+ax.text(lengths[0], 82, "80 GiB card", fontsize=7)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("tokens per sequence (prompt 512 + completion)")
+ax.set_ylabel("peak GPU memory (GiB)")
+ax.set_title("Training step peak memory against context, Llama-3.1-8B, LoRA r=16, bf16, 1 sequence", fontsize=9)
+ax.grid(alpha=0.3)
+ax.legend(fontsize=7)
+fig.tight_layout()
+plt.show()
+print(pd.DataFrame(calc, index=pd.Index(lengths, name="tokens")).round(1).to_string())
+
+# %% [markdown]
+# The whole step with generation: 8 completions of 20K tokens (prompt 512) of Llama-3.1-8B with vLLM on an H100
+# 80GB, one step each (`python -m grpo_kit bench rl_step`, `bench/results/data/rl_step.jsonl`): the kit's default
+# (weights shared with vLLM, FP8 KV cache), the same with a bf16 KV cache, the kit with a separate vLLM copy of the
+# weights, and stock TRL 1.16 with colocated vLLM.
+
+# %%
+rl = bench_rows("rl_step")
+if rl is not None:
+    rl = rl[(rl["model"] == "llama-3.1-8b") & (rl["completion_len"] == 20480) & rl["peak_gib"].notna()
+            & rl["card"].str.contains("H100")].drop_duplicates("row", keep="last")
+    order = [r for r in ("grpo_kit_fp8", "grpo_kit_bf16", "grpo_kit_copy", "trl") if r in set(rl["row"])]
+    rl = rl.set_index("row").loc[order]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    colors = ["k" if r.startswith("grpo_kit") else "C1" for r in order]
+    names = [PEER_LABELS[r].replace(" (", "\n(") for r in order]
+    a1.barh(names, rl["peak_gib"], color=colors, alpha=0.8)
+    a1.set_xlabel("peak GPU memory (GiB)")
+    a1.set_title("Whole GRPO step, 8 x 20K tokens, Llama-3.1-8B (H100 80GB)", fontsize=9)
+    a2.barh(names, rl["step_s"], color=colors, alpha=0.8)
+    a2.set_xlabel("step time (s)")
+    a2.set_title("Same runs: one step's wall time", fontsize=9)
+    for ax in (a1, a2):
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    plt.show()
+    print(rl[["peak_gib", "step_s", "generation_s", "training_s"]].round(1).to_string())
+
+# %% [markdown]
+# ## Does the full run fit your card? The calculator for a T4, an L4, an A100 40GB and an H100
+# The full setup's step as configured above (LoRA, one sequence per micro-batch, vLLM sharing the weights, FP8 KV
+# cache unless 4-bit), priced against each card's memory: the verdict and the longest context that fits.
+
+# %% tags=["nbval-check-output"]
+from grpo_kit.memory.estimate import config_estimate_kwargs
+from grpo_kit.memory.fit import fit_verdict, verdict_kwargs
+
+full_cfg = validate_params(dict(full, load_in_4bit=True, generation_backend="hf") if four_bit else
+                           dict(full, kv_cache_dtype="fp8" if fp8_kv_cache else "auto"))
+kw = verdict_kwargs(config_estimate_kwargs(full_cfg))
+for card, gib in (("T4 (15 GiB)", 15.0), ("L4 (24 GiB)", 24.0), ("A100 40GB", 40.0), ("H100 80GB", 80.0)):
+    v = fit_verdict(calculator_model, gib, context=context_length, prompt_length=max_prompt_length, **kw)
+    print(f"{card:>12} at {context_length:,} tokens: {v.text()}")
+t4 = free_t4_preset(calculator_model, num_generations=num_generations, prompt_length=max_prompt_length,
+                    lora_rank=lora_rank)
+print(f"on a T4 in 4-bit (preset='free_t4': fp16, HF generation): {t4['context_length']:,} tokens fit, "
+      f"the step {t4['estimate_gib']:.2f} of {t4['budget_gib']} GiB")
+
+# %% [markdown]
 # ## Does it fit? The calculator against this GPU
 # The calculator's estimate for the config as it will train (`grpo_kit.memory.fit.require_fit`) against the
 # detected GPU's memory (`gpu_gib` without one): the full setup stops here with the numbers and what to change
@@ -198,7 +293,10 @@ else:
 # Without it, `fp8_kv_cache` becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
 # 16-bit weights with training (measured: the 20K step in 28.3 GiB on an H200, 28.6 on an H100, where TRL
 # colocate took 54.7), and `vllm_lora_sync` becomes the
-# config's field of that name. The fallback uses none of them.
+# config's field of that name. The fallback uses none of them: on the CPU it trains the embedded model with a
+# 2,048-token window per sequence (prompt + completion); its completions end where the model stops (the
+# dashboard's completion-length panel shows how long they were), so the window bounds the memory, it is
+# not always filled.
 
 # %%
 from grpo_kit.notebook.dashboard import LiveDashboard
@@ -211,9 +309,15 @@ dash = LiveDashboard(mode=dashboard)
 summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
 
 # %%
+from grpo_kit.memory.fit import config_fit
 from grpo_kit.notebook.helpers import run_report
 
 print(run_report(summary))
+# the calculator prices the step at the full window; on the CPU the measured figure is the process's peak RSS
+# (Python, torch and the tokenizer included), on a GPU the allocator's peak
+verdict, _ = config_fit(cfg, gpu_gib=gpu_gib)
+print(f"memory, measured: {summary['peak_memory_gib']:.2f} GiB ({device}); the calculator's step at "
+      f"{cfg.max_prompt_length + cfg.max_completion_length:,} tokens: {verdict.peak_gib:.2f} GiB")
 
 # %% [markdown]
 # ## The same question before and after training
