@@ -27,6 +27,14 @@ generator's log-probs. A trainer that overrides ``_compute_loss`` must apply
 ``inputs["importance_sampling_ratio"]`` itself (``EfficientGRPOTrainer`` does, or, when generation is
 aligned with the optimiser step, skips TRL's old-policy pass and forms the ratio in its loss).
 
+Tools and environments (TRL's ``tools=``, ``environment_factory=``): TRL's ``_tool_call_loop`` calls
+``_generate_single_turn`` again after each round of tool results, one row per rollout that called a tool, so
+every turn is served by the kit's engine (same shared weights, sync and standby). Each tool runs under
+:func:`grpo_kit.tasks.tools.checked_tool` (``tool_time_limit_s``, ``tool_output_tokens``): a tool that raises,
+hangs or returns non-text is a counted, logged failure and the rollout goes on. ``rollout_func=``: TRL calls
+it with the trainer; it generates through :meth:`KitGenerationMixin.kit_generate` (the engine, synced), and TRL's
+own vLLM sync is skipped (there is none).
+
 A generator failure (:class:`GenerationEngineError`) saves the model and trainer state to
 ``<output_dir>/crash-step-<N>`` before the error propagates.
 """
@@ -39,15 +47,21 @@ import time
 from trl.extras.profiling import profiling_context
 
 from grpo_kit.generation.base import GenerationEngineError, SamplingConfig
+from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, checked_tool
 
 
 class KitGenerationMixin:
     """Mixin for TRL's ``GRPOTrainer``; extra keyword arguments ``generator`` (a
     :class:`grpo_kit.generation.Generator`; None keeps TRL's own generation) and
-    ``importance_sampling_correction`` (None: ``args.vllm_importance_sampling_correction``)."""
+    ``importance_sampling_correction`` (None: ``args.vllm_importance_sampling_correction``), and how each tool
+    call is checked: ``tool_time_limit_s`` (wall seconds; None: no limit) and ``tool_output_tokens`` (tokens of a
+    text result kept; None: all)."""
 
-    def __init__(self, *args, generator=None, importance_sampling_correction: bool | None = None, **kwargs):
+    def __init__(self, *args, generator=None, importance_sampling_correction: bool | None = None,
+                 tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
+                 tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tool_time_limit_s, self.tool_output_tokens = tool_time_limit_s, tool_output_tokens
         self.kit_generator = generator
         self._kit_synced_step = None
         self.kit_sync_log: list[dict] = []
@@ -72,12 +86,6 @@ class KitGenerationMixin:
             problems.append("args.use_vllm=True (TRL's own vLLM; the kit generator replaces it)")
         if getattr(self, "use_transformers_continuous_batching", False):
             problems.append("use_transformers_continuous_batching")
-        if getattr(self, "tools", None):
-            problems.append("tools")
-        if getattr(self, "rollout_func", None) is not None:
-            problems.append("rollout_func")
-        if getattr(self, "environment_factories", None) is not None:
-            problems.append("environment_factory")
         if getattr(self, "_is_vlm", False):
             problems.append("vision-language models")
         if getattr(self, "repetition_penalty", 1.0) not in (None, 1.0):
@@ -118,6 +126,27 @@ class KitGenerationMixin:
         self.kit_generation_seconds += seconds
         self._metrics[mode]["generation/seconds"].append(seconds)  # per call, sync included (metrics.csv)
         return result.completion_ids, result.logprobs_lists()
+
+    def kit_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One completion per prompt (token ids, no padding) with the trainer's sampling, and its per-token
+        sampling log-probs: for a ``rollout_func``. Through the kit's engine (weights synced once per optimiser
+        step) when a generator is set, else TRL's own generation."""
+        return self._generate_single_turn([list(p) for p in prompt_ids], None, {}, 1)
+
+    def _generate(self, prompts):
+        if self.kit_generator is not None and self.rollout_func is not None:
+            # TRL syncs its own vLLM before a rollout_func whenever use_vllm is set (here: only for its IS
+            # correction); the kit's engine syncs in kit_generate instead
+            self._last_loaded_step = self.state.global_step
+        return super()._generate(prompts)
+
+    def _tool_call_loop(self, *args, **kwargs):
+        # TRL rebuilds the per-rollout tool tables every batch (environment methods are per instance): wrap them here
+        for table in getattr(self, "_sync_tool_dicts", None) or ():
+            for name, tool in table.items():
+                table[name] = checked_tool(tool, time_limit_s=self.tool_time_limit_s, tokenizer=self._tokenizer,
+                                           max_output_tokens=self.tool_output_tokens)
+        return super()._tool_call_loop(*args, **kwargs)
 
     def _kit_save_after_crash(self) -> str:
         path = os.path.join(self.args.output_dir, f"crash-step-{self.state.global_step}")

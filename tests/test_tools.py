@@ -1,0 +1,297 @@
+"""Tools and environments on the kit's path (issue 38): TRL 1.16's tool loop served by a kit generator, parity
+with stock TRL on a fixed batch with tool calls, the checked tools, the tool chat template, bad input."""
+
+import copy
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOTrainer
+
+from _objective_settings import SETTINGS
+from grpo_kit.generation.base import GenerationResult
+from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.chat_template import check_tool_template, tool_template_problems, use_tool_template
+from grpo_kit.tasks.tools import (TRUNCATION_MARKER, ToolError, calculator, checked_tool, get_tools, python,
+                                  resolve_environment)
+from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
+from test_trainer import _args, _assert_same_lora_grads, _lora, _setting_args
+
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
+# The first turn of each row in a group of four: a good call, a plain answer, an unknown tool, two calls at once.
+FIRST_TURN = (CALL.format(name="calculator", args='{"expression": "2 + 3"}'), "Answer: 7<|im_end|>",
+              CALL.format(name="nope", args="{}"),
+              CALL.format(name="calculator", args='{"expression": "2 + 3"}')[:-len("<|im_end|>")] + "\n"
+              + CALL.format(name="calculator", args='{"expression": "4 * 4"}'))
+
+
+def _script(tok, prompt_ids):
+    """Completions for one generate call: the first turn by row, then an answer after a tool result."""
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        after_tool = "<tool_response>" in tok.decode(ids)
+        text = ("Answer: 5 thanks<|im_end|>" if i % 2 else "Answer: 5<|im_end|>") if after_tool else FIRST_TURN[i % 4]
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    # sampling log-probs near the tiny random model's (ln 49152 ~ 10.8), varied per token
+    lps = [[-10.8 + 0.05 * ((i + 3 * j) % 7 - 3) for j in range(len(c))] for i, c in enumerate(out)]
+    return out, lps
+
+
+class ScriptedGenerator:
+    """A kit generator that answers from the script; counts its calls (every turn must come here)."""
+
+    name = "scripted"
+
+    def __init__(self, tok):
+        self.tok, self.calls, self.syncs, self.needs_sync = tok, [], 0, False
+
+    def generate(self, prompts, num_generations=1, sampling=None):
+        ids, lps = _script(self.tok, prompts)
+        self.calls.append(len(prompts))
+        return GenerationResult(prompt_ids=prompts, completion_ids=ids, texts=[self.tok.decode(c) for c in ids],
+                                logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in lps],
+                                finish_reasons=["stop"] * len(ids), num_generations=1)
+
+    def sync_weights(self, model):
+        self.syncs += 1
+        return {}
+
+    def sleep(self):
+        return True
+
+
+def _reward(prompts, completions, answer, **kw):
+    return [float(c[-1]["content"].startswith(f"Answer: {a}")) + 0.1 * len(c) for c, a in zip(completions, answer)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_model("tiny-llama")
+    return model, use_tool_template(tok)
+
+
+def _batch():
+    ask = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"}]
+    ask2 = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 4 * 4?"}]
+    return [{"prompt": ask, "answer": "5"}] * 2 + [{"prompt": ask2, "answer": "16"}] * 2
+
+
+def _dataset():
+    return Dataset.from_list(_batch())
+
+
+def _pair(tiny, tmp_path, setting="grpo", engine_ratio=False, tools=(calculator,)):
+    """Stock TRL (its single turn scripted) and the kit's trainer (a scripted kit generator), same LoRA."""
+    model, tok = tiny
+    tok.padding_side = "left"
+    args = [_setting_args(tmp_path, setting) for _ in range(2)]
+    for a in args:
+        a.num_generations, a.max_completion_length = 2, 160
+        a.vllm_importance_sampling_mode = "token_truncate"
+    ds = _dataset()
+    gen = ScriptedGenerator(tok)
+    stock = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args[0], train_dataset=ds,
+                        processing_class=tok, peft_config=_lora(), tools=list(tools))
+    ours = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args[1], train_dataset=ds,
+                                processing_class=tok, peft_config=_lora(), tools=list(tools), generator=gen,
+                                importance_sampling_correction=engine_ratio)
+    stock._generate_single_turn = lambda ids, *a, **k: _script(tok, ids)
+    if engine_ratio:
+        stock.use_vllm = True  # TRL's correction on the scripted log-probs; its own vLLM is never called
+    g = torch.Generator().manual_seed(3)
+    for (_, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
+        if p1.requires_grad:
+            v = torch.randn(p1.shape, generator=g) * 0.05
+            p1.data.copy_(v), p2.data.copy_(v)
+    for t in (stock, ours):
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+    return stock, ours, gen
+
+
+# top_entropy left out: the rows of a group share their prompt and open alike, so their first tokens' entropies tie
+# and any quantile of them falls on a tie, which float rounding breaks either way (tests/test_trainer.py holds it)
+@pytest.mark.parametrize("setting,engine_ratio", [(s, False) for s in SETTINGS if s != "top_entropy"] + [
+    (s, True) for s in ("grpo", "gspo", "dapo", "trl_default")])
+def test_tool_rollout_loss_grads_and_metrics_equal_stock_trl(tiny, tmp_path, setting, engine_ratio):
+    """A fixed batch with tool calls (a good call, no call, an unknown tool, two calls in one turn): the rollout
+    (ids, tool mask, advantages), the loss, LoRA gradients and every metric TRL logs are stock TRL's. engine_ratio:
+    the kit's engine correction (formed in the loss over model tokens only) against TRL's old-policy pass."""
+    stock, ours, gen = _pair(tiny, tmp_path, setting, engine_ratio)
+    torch.manual_seed(0)
+    out_stock = stock._generate_and_score_completions(_batch())
+    torch.manual_seed(0)
+    out_ours = ours._generate_and_score_completions(_batch())
+    assert gen.calls == [4, 3], gen.calls  # both turns through the kit's engine: 3 rows called a tool
+    for key in ("completion_ids", "completion_mask", "tool_mask", "advantages", "num_items_in_batch"):
+        torch.testing.assert_close(out_ours[key], out_stock[key], msg=key)
+    tm = out_ours["tool_mask"]
+    assert (tm == 0).any() and (tm[1] == 1).all()  # row 1 answered without a tool
+    loss_stock = stock._compute_loss(stock.model, out_stock)
+    loss_ours = ours._compute_loss(ours.model, out_ours)
+    torch.testing.assert_close(loss_ours, loss_stock, rtol=1e-5, atol=1e-7)
+    _assert_same_lora_grads(stock, ours, loss_stock, loss_ours)
+    logged = {k for k, v in stock._metrics["train"].items() if v}
+    assert {"tools/call_frequency", "tools/failure_frequency", "completions/mean_length"} <= logged
+    for k in logged:
+        assert ours._metrics["train"][k][-1] == pytest.approx(stock._metrics["train"][k][-1], rel=1e-4, abs=1e-6,
+                                                              nan_ok=True), k
+    m = ours._metrics["train"]
+    assert m["tools/call_frequency"][-1] == pytest.approx(4 / 4)  # 1 + 1 + 2 calls over 4 rollouts
+    assert m["tools/failure_frequency"][-1] == pytest.approx(1 / 4)  # the unknown tool
+    assert m["completions/mean_length"][-1] == pytest.approx((tm * out_ours["completion_mask"]).sum().item() / 4)  # model tokens
+
+
+def test_tool_mask_changes_the_loss(tiny, tmp_path):
+    """The mask really takes the tool results out (else parity with TRL would prove nothing about it)."""
+    _, ours, _ = _pair(tiny, tmp_path)
+    out = ours._generate_and_score_completions(_batch())
+    masked = ours._compute_loss(ours.model, out)
+    unmasked = ours._compute_loss(ours.model, {k: v for k, v in out.items() if k != "tool_mask"})
+    assert abs(masked.item() - unmasked.item()) > 1e-4 * abs(masked.item())
+
+
+def _slow(expression: str) -> str:
+    """Sleep.
+
+    Args:
+        expression: anything.
+    """
+    time.sleep(30)
+    return "late"
+
+
+def _number(expression: str) -> str:
+    """Return a number, not text.
+
+    Args:
+        expression: anything.
+    """
+    return 5
+
+
+def _boom(expression: str) -> str:
+    """Raise.
+
+    Args:
+        expression: anything.
+    """
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("bad", [_slow, _number, _boom])
+def test_a_bad_tool_is_a_logged_failure_and_the_rollout_goes_on(tiny, tmp_path, bad, caplog):
+    """A tool that hangs, returns non-text or raises: a failure in tools/failure_frequency, a warning naming it,
+    the model's next turn still generated."""
+    bad.__name__ = "calculator"  # the scripted model calls "calculator"
+    _, ours, gen = _pair(tiny, tmp_path, tools=(bad,))
+    ours.tool_time_limit_s = 0.5
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        out = ours._generate_and_score_completions(_batch())
+    assert time.perf_counter() - t0 < 15
+    assert gen.calls == [4, 3]
+    assert ours._metrics["train"]["tools/failure_frequency"][-1] == pytest.approx(1.0)
+    assert "tool 'calculator'" in caplog.text
+    assert out["tool_mask"].shape == out["completion_ids"].shape
+
+
+def test_checked_tool_keeps_the_schema_and_truncates(tiny):
+    from transformers.utils import get_json_schema
+    _, tok = tiny
+    wrapped = checked_tool(python, tokenizer=tok, max_output_tokens=5)
+    assert get_json_schema(wrapped) == get_json_schema(python)
+    assert wrapped.__name__ == "python"
+    long = checked_tool(lambda code: "word " * 100, tokenizer=tok, max_output_tokens=5)
+    cut = long(code="x")
+    assert cut.endswith(TRUNCATION_MARKER) and len(tok.encode(cut.removesuffix(TRUNCATION_MARKER))) <= 6
+    with pytest.raises(ToolError, match="raised ValueError"):
+        checked_tool(calculator)(expression="import os")
+
+
+def test_ready_tools():
+    assert calculator("37 * 48") == "1776" and calculator("7 / 2") == "3.5" and calculator("2^10") == "1024"
+    for bad in ("__import__('os')", "9 ** 9 ** 9", "1 +"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+    assert python("print(6 * 7)") == "42"
+    with pytest.raises(ValueError, match="memory|MemoryError"):
+        python("x = bytearray(1 << 30)")
+    assert get_tools(["calculator", "grpo_kit.tasks.tools:python"]) == [calculator, python]
+    with pytest.raises(ValueError, match="'nope'.*no_such_mod_x"):
+        get_tools(["nope", "no_such_mod_x:f"])
+    with pytest.raises(ValueError, match="environment"):
+        resolve_environment("no_colon")
+
+
+def test_chat_template_without_tools_named_with_what_it_lacks():
+    _, tok = load_model("tiny-llama")
+    assert tool_template_problems(tok)  # SmolLM2's own template: plain ChatML
+    with pytest.raises(ValueError, match=r"'tiny-llama'.*tool_calls.*response parser"):
+        check_tool_template(tok, "tiny-llama")
+    check_tool_template(use_tool_template(tok), "tiny-llama")
+    from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
+
+
+class _Counter:
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def calculator(self, expression: str) -> str:
+        """Count and evaluate.
+
+        Args:
+            expression: An arithmetic expression.
+        """
+        self.n += 1
+        return calculator(expression)
+
+
+class _NoReset:
+    def calculator(self, expression: str) -> str:
+        """Evaluate.
+
+        Args:
+            expression: An arithmetic expression.
+        """
+        return calculator(expression)
+
+
+def test_environment_factory_on_the_kit_generator(tiny, tmp_path):
+    model, tok = tiny
+    gen = ScriptedGenerator(tok)
+    args = _args(tmp_path, "grpo", num_generations=2, max_completion_length=160)
+    t = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
+                             train_dataset=_dataset(), processing_class=tok, peft_config=_lora(),
+                             environment_factory=_Counter, generator=gen, importance_sampling_correction=False)
+    t.model.train()
+    t._generate_and_score_completions(_batch())
+    assert gen.calls == [4, 3]
+    assert sum(e.n for e in t.environments) == 3  # rows 0 and 3 (two calls); row 2 asked for an unknown tool
+    with pytest.raises(ValueError, match="must define a callable `reset`"):
+        EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args, processing_class=tok,
+                             train_dataset=_dataset(), peft_config=_lora(),
+                             environment_factory=_NoReset, generator=gen)
+
+
+def test_rollout_func_generates_through_the_kit_engine(tiny, tmp_path):
+    model, tok = tiny
+    gen = ScriptedGenerator(tok)
+
+    def rollout(prompts, trainer):
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        completion_ids, logprobs = trainer.kit_generate(ids)
+        return {"prompt_ids": ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    args = _args(tmp_path, "grpo", num_generations=2, max_completion_length=160)
+    t = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[lambda prompts, completions, **k: [0.0, 1.0] * 2],
+                             args=args, train_dataset=_dataset(), processing_class=tok,
+                             peft_config=_lora(), rollout_func=rollout, generator=gen)
+    assert t.use_vllm  # the engine's correction is on: TRL would sync a vLLM it does not have
+    t.model.train()
+    out = t._generate_and_score_completions(_batch())
+    assert gen.calls == [4] and gen.syncs == 1
+    assert out["completion_ids"].shape[0] == 4
