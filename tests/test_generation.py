@@ -506,6 +506,29 @@ def test_efficient_trainer_vllm_two_steps_applies_is_ratio(engine, embedded, tmp
 
 
 @needs_vllm
+def test_cpu_engine_plan_from_the_calculator():
+    """The default CPU run's engine: the embedded model in the engine's dtype (no per-weight cast), one step's
+    sequences at most, the KV cache the calculator prices for them (``cpu_kv_cache``) instead of vLLM's 4 GiB;
+    a KV size or a RAM share in the config wins."""
+    from grpo_kit.generation.plan import cpu_kv_cache
+    from grpo_kit.generation.vllm_backend import fp32_checkpoint_dtype
+
+    cfg = GRPOKitConfig().validate()
+    config = model_config(cfg.model)
+    plan = plan_generation(cfg, model_config=config, device="cpu", dtype=torch.float32)
+    kv = cpu_kv_cache(cfg, config)
+    assert plan.backend == "vllm" and plan.model_dir.name.endswith(str(fp32_checkpoint_dtype()).removeprefix("torch."))
+    assert plan.vllm_kwargs["max_num_seqs"] == 16 and plan.vllm_kwargs["kv_cache_memory_bytes"] == kv["bytes"]
+    assert kv["bytes"] < 2**30 // 4 and plan.memory["kv_source"].startswith("calculator")
+    given = plan_generation(GRPOKitConfig(vllm_kv_cache_gib=0.5).validate(), model_config=config, device="cpu",
+                            dtype=torch.float32)
+    assert given.vllm_kwargs["kv_cache_memory_bytes"] == 2**29 and given.memory["kv_source"] == "vllm_kv_cache_gib"
+    share = plan_generation(GRPOKitConfig(vllm_gpu_memory_utilization=0.4).validate(), model_config=config,
+                            device="cpu", dtype=torch.float32)
+    assert "kv_cache_memory_bytes" not in share.vllm_kwargs and share.memory["kv_cache_gib"] is None
+
+
+@needs_vllm
 def test_default_train_picks_vllm_and_records_options(repo_root, tmp_path):
     """`python -m grpo_kit train` with the default generation_backend=auto: vLLM where installed; the
     options used (FP8 KV cache here) land in summary.json; bad vLLM options stop with one line."""

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from grpo_kit.app.config import GRPOKitConfig
-from grpo_kit.app.console import warn_once_per_message
+from grpo_kit.app.console import quiet_console, warn_once_per_message
 from grpo_kit.app.resume_policy import resume_config
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.model import cuda_driver
@@ -59,14 +59,13 @@ def _train(args) -> int:
     else:
         cfg = _config_from_args(args)
     cfg.validate()
+    verbose = bool(getattr(args, "verbose", False))
+    quiet_console(verbose)  # before the imports below print their warnings
     from grpo_kit.app.run import train  # lazy: TRL and the model code, only once the config is valid
 
-    summary = train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)))
-    if not summary.get("main_process", True) or summary.get("already_finished"):  # nothing more to print
-        return 0
-    print("run folder:", summary["run_dir"])
-    for k in ("steps", "train_seconds", "mean_step_time_s", "peak_memory_gib", "accuracy_before", "accuracy_after"):
-        print(f"  {k}: {summary[k]}")
+    # train() prints the plan, the step lines and the closing table
+    train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)),
+          verbose=verbose)
     return 0
 
 
@@ -143,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "allowed values and help, then exit")
     t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "
                    "the old run is moved aside to RUN_DIR.replaced-<time> (never deleted)")
+    t.add_argument("--verbose", action="store_true", help="print vLLM's log and third-party warnings as the "
+                   "libraries do (by default: the plan, a line per step, the closing table)")
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="run a benchmark script from bench/ (loss, step, ...)")
     b.add_argument("name")

@@ -1,39 +1,127 @@
-"""What a training run prints: one compact line per logged step, each distinct warning once, rounded numbers.
+"""What a training run prints: the plan, one compact line per logged step, a closing table; third-party logs quiet.
 
-TRL logs a dict of ~27 keys every step; the console gets :func:`step_line` instead (the full dict goes to the
-run folder's ``metrics.csv``). :func:`quiet_trainer_logs` takes the dict printing out of a transformers
-``Trainer``'s progress callbacks, :func:`warn_once_per_message` makes Python show each warning text once
-(libraries warn the same text from several lines, e.g. TRL's vLLM version check at five import sites).
+By default a run prints its plan (:func:`plan_lines`), the held-out accuracy before, one line per logged step
+(:func:`step_line`; TRL's dict of ~27 keys goes to the run folder's ``metrics.csv``) and a closing table
+(:func:`closing_lines`). :func:`quiet_console` keeps the rest off the console: vLLM's own log below errors, and each
+third-party warning a default run meets (:data:`KNOWN_WARNINGS`) as one line of what it means for the run; with
+``verbose`` all of it comes back as the libraries print it. :func:`warn_once_per_message` makes Python show each
+warning text once (libraries warn the same text from several lines, e.g. TRL's vLLM version check at five import
+sites); :func:`quiet_trainer_logs` takes the dict printing out of a transformers ``Trainer``'s progress callbacks.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import sys
 import warnings
+from pathlib import Path
+
+from grpo_kit.generation.vllm_backend import VLLM_LOGGER
 
 # Decimal places of the numbers written to summary.json and printed at the end of a run.
 SUMMARY_DIGITS = 4
+VERBOSE_HINT = "--verbose, or train(verbose=True)"  # how a user brings the full logs back
+_VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM sets its logger's level from it when imported
 
+# Third-party warnings a default run meets, each as (where it comes from: a logger's name or a warning category,
+# the start of its text, what it means for a kit run). Without ``verbose`` the kit's line replaces it, once.
+KNOWN_WARNINGS = (
+    (UserWarning, "TRL currently supports vLLM versions",
+     "TRL says the installed vLLM is outside the versions it was tested with; the kit drives vLLM itself "
+     "(grpo_kit.generation), not through TRL's vLLM code"),
+    ("transformers.training_args", "torch.distributed process group is initialized, but parallel_mode",
+     "transformers sees a torch.distributed group in a one-process run: vLLM's in-process engine opens a "
+     "one-process group; the run is not distributed"),
+    (FutureWarning, "`torch.distributed.reduce_op` is deprecated",
+     "vLLM's Triton dispatcher reads a deprecated torch name while it scans the loaded modules; harmless"),
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward",
+     "bitsandbytes (which peft imports) has no optional CPU 4-bit kernel here; only 4-bit CPU runs use that path"),
+)
 
+_STATE = {"verbose": False, "set_vllm_env": False}
 _SHOWN: set[tuple[type, str]] = set()  # (category, text) of the warnings shown so far in this process
+_NOTES_SHOWN: set[str] = set()  # the kit's lines for KNOWN_WARNINGS said so far
+
+
+def _known(source, text: str) -> str | None:
+    """The kit's line for a warning from ``source`` (logger name or category) with ``text``, or None."""
+    for where, start, note in KNOWN_WARNINGS:
+        hit = where == source if isinstance(where, str) else isinstance(source, type) and issubclass(source, where)
+        if hit and text.startswith(start):
+            return note
+    return None
+
+
+def _say_once(note: str) -> None:
+    if note not in _NOTES_SHOWN:
+        _NOTES_SHOWN.add(note)
+        print(f"note: {note} ({VERBOSE_HINT} shows the original)", file=sys.stderr, flush=True)
+
+
+class _KnownLogLines(logging.Filter):
+    """On a library's logger: a :data:`KNOWN_WARNINGS` line becomes the kit's note (once), unless verbose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _STATE["verbose"]:
+            return True
+        note = _known(record.name, record.getMessage())
+        if note is None:
+            return True
+        _say_once(note)
+        return False
 
 
 def warn_once_per_message() -> None:
-    """Show each distinct warning (category and text) once per process, whichever line raises it. The filters
-    still decide what is shown; this only drops repeats. (Python's ``"once"`` action cannot do it: it keys on
-    the calling module's registry, which is cleared whenever any filter changes.)"""
+    """Show each distinct warning (category and text) once per process, whichever line raises it; a
+    :data:`KNOWN_WARNINGS` one as the kit's line instead, unless :func:`quiet_console` was told ``verbose``. The
+    filters still decide what is shown; this only drops repeats. (Python's ``"once"`` action cannot do it: it
+    keys on the calling module's registry, which is cleared whenever any filter changes.)"""
     if getattr(warnings.showwarning, "_grpo_kit_once", False):
         return
     inner = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         key = (category, str(message))
-        if key not in _SHOWN:
-            _SHOWN.add(key)
+        if key in _SHOWN:
+            return
+        _SHOWN.add(key)
+        note = None if _STATE["verbose"] else _known(category, str(message))
+        if note is None:
             inner(message, category, filename, lineno, file, line)
+        else:
+            _say_once(note)
 
     show._grpo_kit_once = True
     warnings.showwarning = show
+
+
+def quiet_console(verbose: bool = False) -> None:
+    """Set what third-party code prints for the runs that follow in this process (call before they import it:
+    vLLM reads its level when imported). Quiet (default): vLLM's log at errors only, unless ``VLLM_LOGGING_LEVEL``
+    is set in the environment (its loading bar goes with it); the :data:`KNOWN_WARNINGS` as the kit's
+    line, once; every other warning once. ``verbose``: all of it as the libraries print it (repeats of one
+    Python warning text still once)."""
+    _STATE["verbose"] = bool(verbose)
+    warn_once_per_message()
+    for where, _, _ in KNOWN_WARNINGS:
+        logger = logging.getLogger(where) if isinstance(where, str) else None
+        if logger is not None and not any(isinstance(f, _KnownLogLines) for f in logger.filters):
+            logger.addFilter(_KnownLogLines())
+    if _STATE["set_vllm_env"] or _VLLM_LEVEL_ENV not in os.environ:  # the user's own setting stays
+        level = "INFO" if verbose else "ERROR"
+        os.environ[_VLLM_LEVEL_ENV] = level
+        _STATE["set_vllm_env"] = True
+        logging.getLogger(VLLM_LOGGER).setLevel(level)  # where vLLM is imported already
+
+
+def console_line() -> str:
+    """What the console leaves out, and how to see it (the plan's last line)."""
+    if _STATE["verbose"]:
+        return "console: verbose (vLLM's log and third-party warnings as the libraries print them)"
+    return (f"console: vLLM's log off (errors only), known third-party warnings one line each; {VERBOSE_HINT} "
+            "shows them all")
 
 
 def _num(value, fmt: str) -> str:
@@ -98,3 +186,58 @@ def quiet_trainer_logs(trainer, *, progress_bar: bool = True) -> None:
             trainer.remove_callback(cls)
     if progress_bar:
         trainer.add_callback(BarOnly)
+
+
+def _memory_text(memory: dict) -> str:
+    """The generation memory plan (:mod:`grpo_kit.generation.plan`) in a line."""
+    if memory.get("kv_cache_gib") is None:
+        return f"vLLM's KV cache from {memory.get('kv_source')}"
+    dtype = "" if memory.get("kv_cache_dtype") in (None, "auto") else f" in {memory['kv_cache_dtype']}"
+    text = f"vLLM's KV cache {memory['kv_cache_gib']:.2f} GiB{dtype} from {memory['kv_source']}"
+    if "calculator_peak_gib" in memory:  # CUDA: the whole step priced against the free memory
+        text += (f"; the calculator's step peak {memory['calculator_peak_gib']:.2f} GiB of "
+                 f"{memory['free_gib']:.2f} GiB free")
+    return text
+
+
+def plan_lines(cfg, *, device: str, dtype, info: dict) -> list[str]:
+    """The run's plan, printed before the model trains: model, device and dtype, the generation backend, whether
+    the engine shares the training weights or holds a copy, the memory plan, and what the console leaves out.
+    ``info``: :func:`grpo_kit.generation.plan.start_generation`'s."""
+    adapter = f"LoRA r={cfg.lora_rank}" if cfg.use_lora else "full fine-tuning"
+    lines = [f"plan: {cfg.model} on {device} in {str(dtype).removeprefix('torch.')}, {adapter}, task {cfg.task}, "
+             f"{cfg.max_steps} steps"]
+    generation = f"  generation: {info['backend']}" + (f" ({info['reason']})" if info.get("reason") else "")
+    if info.get("weights"):
+        generation += f", weights {info['weights']}"
+    lines.append(generation)
+    if info.get("memory_plan"):
+        lines.append(f"  memory: {_memory_text(info['memory_plan'])}")
+    lines.append(f"  {console_line()}")
+    return lines
+
+
+def _files_text(run_dir: Path) -> str:
+    """What the run folder holds, checkpoints counted."""
+    if not run_dir.is_dir():
+        return "-"
+    entries = sorted(run_dir.iterdir())
+    names = [p.name + ("/" if p.is_dir() else "") for p in entries if not p.name.startswith("checkpoint-")]
+    checkpoints = sum(p.name.startswith("checkpoint-") for p in entries)
+    return ", ".join(names + ([f"{checkpoints} checkpoint(s)"] if checkpoints else []))
+
+
+def closing_lines(summary: dict) -> list[str]:
+    """The closing table of a run from its ``summary.json`` dict: held-out accuracy before -> after, steps and
+    time, peak memory, the run folder and what it holds."""
+    def acc(key):
+        return _num(summary.get(key), ".3f")
+
+    peak = "CUDA allocated" if summary.get("device") == "cuda" else "process RSS"
+    return [f"run folder: {summary['run_dir']}",
+            f"  held-out accuracy: {acc('accuracy_before')} -> {acc('accuracy_after')}",
+            f"  steps: {summary.get('steps')} ({_num(summary.get('train_seconds'), '.1f')} s training, "
+            f"{_num(summary.get('mean_step_time_s'), '.2f')} s/step; {_num(summary.get('total_seconds'), '.1f')} s "
+            "in all)",
+            f"  peak memory: {_num(summary.get('peak_memory_gib'), '.2f')} GiB ({peak})",
+            f"  files: {_files_text(Path(summary['run_dir']))}"]

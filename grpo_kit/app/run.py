@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, ConfigError, GRPOKitConfig
-from grpo_kit.app.console import quiet_trainer_logs, rounded, step_line, warn_once_per_message
+from grpo_kit.app.console import closing_lines, plan_lines, quiet_console, quiet_trainer_logs, rounded, step_line
 from grpo_kit.app.evaluation import evaluate_accuracy
 from grpo_kit.app.preflight import advice
 from grpo_kit.app.resume_policy import restore_run_files, resume_config
@@ -227,10 +227,12 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
 
 
 def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False,
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, verbose: bool = False) -> dict:
     """Run the main job for a config; returns the summary also written to ``summary.json``.
 
-    ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard).
+    ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard). ``verbose``: vLLM's
+    log and third-party warnings as the libraries print them; by default the console shows the plan, the held-out
+    accuracy, a line per step and a closing table (:mod:`grpo_kit.app.console`).
 
     The config is validated and the data built before any model is loaded, so bad input
     fails in seconds. Nothing already in the run folder is deleted: a folder that holds a run is
@@ -242,7 +244,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     already finished is left as it is; one stopped at ``max_steps`` during its final save or
     evaluation finishes those without training further.
     """
-    warn_once_per_message()  # before TRL's imports, whose vLLM version warning comes from five lines
+    quiet_console(verbose)  # before TRL's and vLLM's imports, whose warnings and log it sets
     cfg.validate()
     device = resolve_device(cfg)
     check_task_size(cfg)  # before the data: drawing more distinct problems than a task has would never end
@@ -398,6 +400,7 @@ def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dic
             _release(generator, standby=False)
     summary = rounded(_summary(run, trainer, model, generation_info, train_seconds, t_start))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("\n".join(closing_lines(summary)), flush=True)
     return summary
 
 
@@ -438,8 +441,7 @@ def _load(run: _Run):
         plan, tokenizer=tokenizer, dtype=dtype,
         load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed, **quant)[0])
     if run.is_main:
-        print(f"generation: {info['backend']}" + (f" ({info['reason']})" if info.get("reason") else "")
-              + (f", weights {info['weights']}" if info.get("weights") else ""), flush=True)
+        print("\n".join(plan_lines(cfg, device=run.device, dtype=dtype, info=info)), flush=True)
     return tokenizer, model, generator, plan, info
 
 

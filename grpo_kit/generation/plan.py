@@ -26,10 +26,12 @@ from transformers import AutoConfig
 from grpo_kit.generation import make_generator
 from grpo_kit.generation.base import GenerationEngineError
 from grpo_kit.generation.shared_weights import UnshareableError
-from grpo_kit.generation.vllm_backend import UnsupportedArchitectureError, vllm_available, vllm_install_advice
-from grpo_kit.memory import estimate_for_config
-from grpo_kit.model.loading import (BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir, load_tokenizer,
-                                    model_config)
+from grpo_kit.generation.vllm_backend import (UnsupportedArchitectureError, fp32_checkpoint_dtype, vllm_available,
+                                              vllm_install_advice)
+from grpo_kit.memory import estimate_for_config, resolve_arch, scoring_batch_for_config
+from grpo_kit.memory.formulas import kv_cache_bytes, vllm_kv_tokens
+from grpo_kit.model.loading import (BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir_as,
+                                    load_tokenizer, model_config)
 
 # vLLM's ``max_num_batched_tokens`` on CUDA: prompts are short next to completions, and a smaller
 # profile run leaves more of the card to training.
@@ -38,6 +40,7 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank value
 # vllm_lora_dual_stream=null on CUDA with the adapter in vLLM: vLLM's LoRA kernels on a second stream beside the
 # base matmuls, which hides much of the adapter's decode cost (measured by bench rl_step).
 LORA_DUAL_STREAM_DEFAULT = True
+CPU_BLOCK_TOKENS = 128  # vLLM's CPU backend's KV cache block, its default (formulas.VLLM_BLOCK_TOKENS is CUDA's)
 HEADROOM_BYTES = 1 << 30  # kept free beside the calculator's peak (CUDA context, fragmentation)
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -66,10 +69,12 @@ class GenerationPlan:
         return out
 
 
-def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
+def generation_model_dir(name: str, device: str, dtype: torch.dtype | None = None) -> tuple[Path | None, bool]:
     """``(folder, dummy_weights)``: the HF folder a vLLM engine starts from for model ``name``.
 
-    The embedded model's cached export, a local folder, or a hub id's cached snapshot (real weights);
+    The embedded model's cached export in the engine's dtype (``dtype``, or None: the one vLLM runs an fp32
+    checkpoint in here), so that it loads each weight as it is; a local folder, or a hub id's cached snapshot
+    (real weights);
     on CUDA, for the random-weight built-ins, a cached folder with their ``config.json`` and the
     embedded tokenizer, which the engine fills with random weights (``load_format="dummy"``). None on
     the CPU for those: there they are test models, and an engine start costs more than their run.
@@ -87,7 +92,7 @@ def generation_model_dir(name: str, device: str) -> tuple[Path | None, bool]:
             config.to_json_file(str(target / "config.json"))  # last: its presence marks a complete folder
         return target, True
     if kind == "embedded":
-        return embedded_model_dir(), False
+        return embedded_model_dir_as(dtype or fp32_checkpoint_dtype()), False
     if Path(name).is_dir():
         return Path(name), False
     # the training model's own files, already cached
@@ -194,7 +199,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
         return hf("base_weights='fp8': vLLM's FP8 engine does not share the training model's FP8 weights yet", False)
     if requested == "auto" and not vllm_available():
         return hf(f"vLLM is not installed ({vllm_install_advice(device == 'cuda')})", device == "cuda")
-    model_dir, dummy = generation_model_dir(cfg.model, device)
+    model_dir, dummy = generation_model_dir(cfg.model, device, dtype if device == "cuda" else None)
     if model_dir is None:
         if requested == "vllm":
             raise ValueError(f"generation_backend='vllm' needs a model folder; model={cfg.model!r} is a random-weight "
@@ -218,26 +223,65 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
                          + "; set vllm_lora_sync='adapter', or leave vllm_lora_dual_stream null")
     plan = GenerationPlan(requested, "vllm", model_dir=model_dir, share_weights=share,
                           share_reason=why, vllm_kwargs=kwargs, explicit=explicit)
-    if device == "cuda":
-        batched = max(CUDA_BATCHED_TOKENS, context)  # what the engine gets is what the calculator prices
-        kwargs.update(dtype=str(dtype).removeprefix("torch."), max_num_seqs=gen_rows,
-                      llm_kwargs={"max_num_batched_tokens": batched})
-        free, total = torch.cuda.mem_get_info()
-        try:
-            mem = memory_plan(cfg, model_config, share_weights=share, free_bytes=free, total_bytes=total,
-                              batched_tokens=batched)
-        except ValueError as e:
-            if requested == "vllm" or explicit:
-                raise
-            return hf(f"vLLM could not be planned ({e})", True)
-        plan.memory = mem
-        if cfg.vllm_gpu_memory_utilization is None:
-            kwargs.update(gpu_memory_utilization=mem["vllm_share"], kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
-        elif cfg.vllm_kv_cache_gib:
-            kwargs.update(kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
+    if device != "cuda":
+        _size_cpu_engine(plan, cfg, model_config)
+        return plan
+    batched = max(CUDA_BATCHED_TOKENS, context)  # what the engine gets is what the calculator prices
+    kwargs.update(dtype=str(dtype).removeprefix("torch."), max_num_seqs=gen_rows,
+                  llm_kwargs={"max_num_batched_tokens": batched})
+    free, total = torch.cuda.mem_get_info()
+    try:
+        mem = memory_plan(cfg, model_config, share_weights=share, free_bytes=free, total_bytes=total,
+                          batched_tokens=batched)
+    except ValueError as e:
+        if requested == "vllm" or explicit:
+            raise
+        return hf(f"vLLM could not be planned ({e})", True)
+    plan.memory = mem
+    if cfg.vllm_gpu_memory_utilization is None:
+        kwargs.update(gpu_memory_utilization=mem["vllm_share"], kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
     elif cfg.vllm_kv_cache_gib:
-        kwargs.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gib * 2**30))
+        kwargs.update(kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
     return plan
+
+
+def cpu_kv_cache(cfg, model_config) -> dict:
+    """The CPU engine's KV cache as the calculator prices one step's generation: ``{"bytes", "tokens", "rows"}``.
+
+    ``rows`` (per_device_train_batch_size x gradient_accumulation_steps) sequences of up to max_prompt_length +
+    max_completion_length tokens in vLLM's CPU blocks (``CPU_BLOCK_TOKENS``), each with its own prompt blocks
+    (a group's completions are scheduled together, before their prompt's blocks are cached to be shared), at the
+    prompt length that takes the most blocks; K and V of every layer in the engine's KV dtype (the model's 16-bit
+    dtype, or the one vLLM runs an fp32 checkpoint in; 1 byte with ``kv_cache_dtype`` fp8). The held-out
+    evaluation generates with the training model, not the engine."""
+    rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    tokens = max(vllm_kv_tokens(p, cfg.max_completion_length, 1, rows, block=CPU_BLOCK_TOKENS)
+                 for p in range(1, cfg.max_prompt_length + 1))
+    own = getattr(model_config, "dtype", None)
+    dtype = own if own in (torch.bfloat16, torch.float16) else fp32_checkpoint_dtype()
+    kv_b = 1 if cfg.kv_cache_dtype != "auto" else torch.empty(0, dtype=dtype).element_size()
+    return {"bytes": kv_cache_bytes(resolve_arch(model_config), tokens, kv_b), "tokens": tokens, "rows": rows}
+
+
+def _size_cpu_engine(plan: GenerationPlan, cfg, model_config) -> None:
+    """The CPU engine's KV cache and batch: the calculator's (:func:`cpu_kv_cache`) unless the config gives a KV
+    size or a share of RAM (``vllm_gpu_memory_utilization``, which vLLM's CPU backend takes less this process's
+    RSS); ``plan.memory`` says which."""
+    kv = cpu_kv_cache(cfg, model_config)
+    plan.vllm_kwargs["max_num_seqs"] = kv["rows"]  # what one generation call sends
+    if cfg.vllm_kv_cache_gib:
+        plan.vllm_kwargs["kv_cache_memory_bytes"] = int(cfg.vllm_kv_cache_gib * 2**30)
+        source = "vllm_kv_cache_gib"
+    elif cfg.vllm_gpu_memory_utilization is None:
+        plan.vllm_kwargs["kv_cache_memory_bytes"] = kv["bytes"]
+        source = f"calculator ({kv['rows']} sequences, {kv['tokens']} tokens in {CPU_BLOCK_TOKENS}-token blocks)"
+    else:
+        source = "vllm_gpu_memory_utilization (a share of RAM less this process's RSS)"
+    size = plan.vllm_kwargs.get("kv_cache_memory_bytes")
+    plan.memory = {"kv_cache_gib": None if size is None else round(size / 2**30, 3),
+                   "kv_cache_dtype": cfg.kv_cache_dtype, "kv_source": source, "generation_rows": kv["rows"],
+                   # as the trainer resolves it without a CUDA plan
+                   "scoring_batch_size": scoring_batch_for_config(cfg, model_config)}
 
 
 def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torch.dtype):

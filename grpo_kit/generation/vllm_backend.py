@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -156,6 +157,44 @@ def _device_type() -> str:
     from vllm.platforms import current_platform  # lazy: vLLM is optional and slow to import
 
     return current_platform.device_type
+
+
+def fp32_checkpoint_dtype() -> torch.dtype:
+    """The dtype vLLM runs an fp32 checkpoint in here (``dtype="auto"``): the platform's first supported dtype,
+    bf16 on x86 and most ARM CPUs."""
+    from vllm.platforms import current_platform  # lazy: vLLM is optional and slow to import
+
+    return current_platform.supported_dtypes[0]
+
+
+# vLLM's in-place reload (the CPU sync, :func:`_reload_in_worker`) counts every layer that holds a tensor as one to
+# load, and says "<layer>: Failed to load weights" for these two each sync, falsely: the rotary embedding's cos/sin
+# cache is computed, never in a checkpoint, and a tied output head's weight is the embedding's, reloaded with it
+# (both keep their tensors, as vLLM then does). Any other layer's line is real and stays.
+RELOAD_FALSE_ALARMS = ("RotaryEmbedding", "ParallelLMHead")
+VLLM_LOGGER = "vllm"  # the logger all of vLLM's modules log under
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ReloadFalseAlarms(logging.Filter):
+    tied = False  # an engine with a tied output head started in this process
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = record.args[0]
+        return not (layer in RELOAD_FALSE_ALARMS and (layer != "ParallelLMHead" or self.tied))
+
+
+def _drop_reload_false_alarms(tied: bool) -> None:
+    """Keep vLLM's false "Failed to load weights" lines (:data:`RELOAD_FALSE_ALARMS`) off the console: the rotary
+    embedding's always, the output head's once an engine with a tied head (``tied``) started."""
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    found = [f for f in logger.filters if isinstance(f, _ReloadFalseAlarms)]
+    alarms = found[0] if found else _ReloadFalseAlarms()
+    if not found:
+        logger.addFilter(alarms)
+    alarms.tied = alarms.tied or tied
 
 
 def cpu_has_fp8_kv() -> bool:
@@ -361,6 +400,7 @@ class VLLMGenerator:
         self.lora_dual_stream = _set_lora_dual_stream(bool(lora_dual_stream) and lora_sync == "adapter"
                                                       and self.device == "cuda")
         kwargs.update(llm_kwargs or {})
+        _drop_reload_false_alarms(self._tied)
         self._start(vllm, kwargs)
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.dtype = self.llm.llm_engine.model_config.dtype
@@ -372,7 +412,9 @@ class VLLMGenerator:
         kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=self.seed,
                       gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
                       logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
-                      kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs)
+                      kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs,
+                      # its checkpoint-loading bar goes with its INFO log (off on the kit's quiet console)
+                      use_tqdm_on_load=logging.getLogger(VLLM_LOGGER).isEnabledFor(logging.INFO))
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.dummy_weights:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
@@ -38,6 +39,7 @@ from grpo_kit.model.quantize import (auto_skip_modules, is_quantized, nf4_load_c
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WEIGHTS = "model.safetensors"  # the exported folders' one weights file
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -231,7 +233,7 @@ def embedded_model_dir() -> Path:
     interrupted export never leaves a half-written cache behind.
     """
     target = cache_dir() / EMBEDDED_NAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if (target / "config.json").is_file() and (target / _WEIGHTS).is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # lazy: slow to import
 
@@ -251,10 +253,43 @@ def embedded_model_dir() -> Path:
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if (target / "model.safetensors").is_file():  # a concurrent export won; keep theirs
+        if (target / _WEIGHTS).is_file():  # a concurrent export won; keep theirs
             shutil.rmtree(tmp)
         else:
             if target.exists():  # an incomplete folder (e.g. tokenizer files only): moved aside, not deleted
+                os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def embedded_model_dir_as(dtype: torch.dtype) -> Path:
+    """The embedded model's cached folder with its weights in ``dtype`` (the fp32 export's tensors cast, round to
+    nearest even, as a loader casting them would): what a generation engine that runs in ``dtype`` reads, so it
+    loads each weight as it is instead of casting (and warning about) every one. fp32 is the export itself.
+    Written once beside it, through a temporary folder renamed into place."""
+    source = embedded_model_dir()
+    if dtype == torch.float32:
+        return source
+    target = source.with_name(f"{EMBEDDED_NAME}-{str(dtype).removeprefix('torch.')}")
+    if (target / "config.json").is_file():  # written last: a complete folder
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(source / _WEIGHTS).items()}
+        save_file(tensors, tmp / _WEIGHTS, metadata={"format": "pt"})
+        for f in source.iterdir():  # tokenizer and generation config as they are
+            if f.is_file() and f.name not in (_WEIGHTS, "config.json"):
+                shutil.copy2(f, tmp / f.name)
+        config = json.loads((source / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if (target / "config.json").is_file():  # a concurrent export won; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            if target.exists():  # an incomplete folder: moved aside, not deleted
                 os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
             os.replace(tmp, target)
     except BaseException:
