@@ -49,14 +49,20 @@ gsm8k_path = ""  # GSM8K-format jsonl; empty: the checkout's data/gsm8k_sample.j
 num_problems = 50  # GSM8K problems to check the verifier on
 reward_weights = [1.0, 0.2]  # correctness, format
 num_generations = 4
+sample_model = "smollm2-135m-instruct"  # the embedded model whose completions are scored in section 6
+num_sample_questions = 8  # GSM8K questions the model answers (num_generations samples each)
+sample_max_tokens = 128  # longest sampled completion (tokens)
 
 # %%
 from grpo_kit.notebook.helpers import repo_file, validate_params
 
 validate_params(dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
                      reward_funcs=["correctness", "format_soft"], reward_weights=reward_weights),
-                dict(gsm8k_path=gsm8k_path, num_problems=num_problems),
-                dict(gsm8k_path=str, num_problems=int))
+                dict(gsm8k_path=gsm8k_path, num_problems=num_problems, sample_model=sample_model,
+                     num_sample_questions=num_sample_questions, sample_max_tokens=sample_max_tokens),
+                dict(gsm8k_path=str, num_problems=int, sample_model=str, num_sample_questions=int,
+                     sample_max_tokens=int))
+validate_params(dict(model=sample_model))
 if num_problems < 1:
     raise ValueError(f"num_problems={num_problems} must be >= 1")
 path = gsm8k_path or repo_file("data/gsm8k_sample.jsonl")
@@ -143,3 +149,47 @@ for w in ([1.0, 0.0], reward_weights, [1.0, 1.0]):
     total = w[0] * r_correct + w[1] * r_format
     print(f"weights {w}: reward {[round(x, 2) for x in total.tolist()]} -> advantage "
           f"{[round(x, 2) for x in group_advantages(total, len(group)).tolist()]}")
+
+# %% [markdown]
+# ## 6. Reward distributions: real GSM8K answers against the model's samples
+# The same two rewards on the reference solutions of section 2 (a human's worked answer, ending `#### N`) and on
+# completions sampled from the embedded model (`sample_model`, temperature 1, the kit's GSM8K system prompt,
+# `num_generations` per question, on this machine's CPU). The references score 1 on correctness and get partial
+# format credit (they end with `#### N`, not `Answer: N`); the untrained small model rarely gets the number right:
+# the sparse reward GRPO has to start from.
+
+# %%
+import matplotlib.pyplot as plt
+
+from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.data import make_prompt
+
+torch.manual_seed(0)
+lm, tok = load_model(sample_model, dtype=torch.float32)
+lm.eval()
+questions, refs = [r["question"] for r in rows[:num_sample_questions]], answers[:num_sample_questions]
+samples, sample_answers = [], []
+for q, a in zip(questions, refs):
+    ids = tok.apply_chat_template(make_prompt(q), add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = lm.generate(**ids, do_sample=True, temperature=1.0, max_new_tokens=sample_max_tokens,
+                          num_return_sequences=num_generations, pad_token_id=tok.eos_token_id)
+    samples += tok.batch_decode(out[:, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    sample_answers += [a] * num_generations
+dist = {"GSM8K reference solutions": (solutions, answers),
+        f"{sample_model} samples": (samples, sample_answers)}
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for ax, (title, fn) in zip(axes, (("correctness reward", correctness_reward),
+                                  ("format_soft reward", format_soft_reward))):
+    for i, (label, (texts, ans)) in enumerate(dist.items()):
+        vals = fn(None, texts, answer=ans)
+        ax.hist(vals, bins=[x / 10 for x in range(-1, 12)], alpha=0.6, color=f"C{i}", align="left", rwidth=0.8,
+                weights=[1 / len(vals)] * len(vals), label=f"{label} (n={len(vals)}, mean {sum(vals) / len(vals):.2f})")
+    ax.set_title(f"Distribution of the {title}", fontsize=9)
+    ax.set_xlabel("reward (unitless)")
+    ax.set_ylabel("share of completions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+fig.tight_layout()
+plt.show()
+print("a sampled completion:", repr(samples[0][:200]))
