@@ -128,7 +128,8 @@ def show_figure(fig, dpi: int = 100) -> None:
 
 
 # Where an installed package keeps the checkout's data folders (pyproject.toml's package-dir maps them).
-_PACKAGED_DIRS = {"data": "_data", "bench/results": "_results"}
+RESULTS_DIR = "bench/results"  # the committed benchmark results, relative to the checkout
+_PACKAGED_DIRS = {"data": "_data", RESULTS_DIR: "_results"}
 
 
 def repo_file(relative: str):
@@ -184,7 +185,7 @@ def bench_rows(benchmark: str):
     out); None when the file is not there (a kit installed without its checkout's results)."""
     import pandas as pd  # lazy: a second of import that only the benchmark cells need
 
-    path = repo_file("/".join(("bench/results", "data", f"{benchmark}.jsonl")))
+    path = repo_file(f"{RESULTS_DIR}/data/{benchmark}.jsonl")
     if path is None:
         return None
     rows = []
