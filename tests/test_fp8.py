@@ -548,11 +548,12 @@ def test_reversible_merge_refuses_fp8_base_layers_with_the_reason():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_no_fp8 is not None, reason=_no_fp8 or "")
-@pytest.mark.parametrize("block", [None, FP8_BLOCK], ids=["channel", "block128"])
-def test_vllm_serves_the_training_models_fp8_tensors(block, monkeypatch):
-    """On an FP8 GPU with vLLM: the engine started with vllm_fp8_quantization and dummy weights, the training model
-    built on its tensors (equal data_ptrs), the kit's codes filled in, and vLLM's greedy log-probs against the
-    training model's (W8A8 both sides, within the measured mismatch; the bench records it)."""
+def test_vllm_serves_the_training_models_fp8_tensors(monkeypatch):
+    """On an FP8 GPU with vLLM: the engine started with vllm_fp8_quantization (per channel) and dummy weights, the
+    training model built on its tensors (equal data_ptrs), the kit's codes filled in, and vLLM's greedy log-probs
+    against the training model's (W8A8 both sides), the per-token |dlogp| printed. Per channel only: the embedded
+    model's q_proj (576 rows) does not end on a 128-row block."""
+    block = None
     vllm = pytest.importorskip("vllm")
     from grpo_kit.generation.shared_weights import build_shared_model, fill_fp8, shared_storage, vllm_fp8_quantization
     from grpo_kit.generation.vllm_backend import _engine_model
@@ -576,4 +577,6 @@ def test_vllm_serves_the_training_models_fp8_tensors(block, monkeypatch):
         logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
     trainer = logp.gather(1, ids[0, len(prompt):, None]).squeeze(1)
     engine_lp = torch.tensor([next(iter(d.values())).logprob for d in out[0].outputs[0].logprobs], device="cuda")
-    assert (trainer - engine_lp).abs().max() < 0.5  # W8A8 both sides; the bench's mismatch row says how close
+    gap = (trainer - engine_lp).abs()
+    print(f"FP8 vLLM vs trainer |dlogp| per token: mean {gap.mean():.4f}, max {gap.max():.4f} over {gap.numel()}")
+    assert gap.max() < 0.5  # W8A8 both sides; a loose bound until the measured mismatch sets one
