@@ -35,6 +35,8 @@ from grpo_kit.model.fp8 import BASE_WEIGHTS, fp8_support
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.tasks.data import LEVELS, TASKS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
+from grpo_kit.tasks.tools import (READY_TOOLS, TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, get_tools, resolve_environment,
+                                  tool_spec)
 
 REWARD_FUNCS = tuple(REWARD_FUNCTIONS)
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -105,7 +107,8 @@ NUMERIC_LIMITS = {
     "beta": 1000, "epsilon_high": 100, "num_iterations": 1000, "reward_time_limit_s": 3600, "learning_rate": 1,
     "warmup_steps": MAX_STEPS, "weight_decay": 10, "max_grad_norm": 1e6, "lora_rank": MAX_BATCH,
     "lora_alpha": MAX_TOKENS, "vllm_kv_cache_gib": 4096, "loss_chunk_size": MAX_BATCH * MAX_TOKENS,
-    "scoring_batch_size": MAX_BATCH,
+    "scoring_batch_size": MAX_BATCH, "tool_time_limit_s": 3600, "tool_output_tokens": MAX_TOKENS,
+    "max_tool_calling_iterations": 1000,
 }
 # The allowed range of every numeric field: (low, high, low_open, high_open); None: only NUMERIC_LIMITS' bound.
 # validate() also refuses NaN and infinities in every float field, and bools where numbers are expected.
@@ -125,7 +128,8 @@ NUMERIC_RANGES = {
     "lora_rank": (1, None, False, False), "lora_alpha": (1, None, False, False),
     "lora_dropout": (0, 1, False, True), "vllm_gpu_memory_utilization": (0, 1, True, False),
     "vllm_kv_cache_gib": (0, None, True, False), "loss_chunk_size": (1, None, False, False),
-    "scoring_batch_size": (1, None, False, False),
+    "scoring_batch_size": (1, None, False, False), "tool_time_limit_s": (0, None, False, False),
+    "tool_output_tokens": (1, None, False, False), "max_tool_calling_iterations": (1, None, False, False),
     "load_in_4bit_auto_allowance": (0, 4, False, False),
 }
 
@@ -331,6 +335,19 @@ class GRPOKitConfig:
                                     "(0: no limit); a call that runs longer is stopped and its samples re-run one "
                                     "by one within one more such budget; a sample that runs out of it scores 0.0 "
                                     "with a warning naming the function and the sample.")
+    tools: list = _f([], f"Tools the model may call in its rollout (TRL's multi-turn tool loop): ready tools from "
+                     f"{list(READY_TOOLS)}, `module:function` strings (a typed function with a Google-style "
+                     "docstring) or, from Python, callables. Needs a chat template that carries tool calls (the "
+                     "kit's for SmolLM2 and the tiny models).")
+    environment: str | None = _f(None, "An environment factory `module:Factory` (TRL's environment_factory): each "
+                                 "rollout gets an instance; its reset(**row) starts it and its public methods are "
+                                 "tools.")
+    tool_time_limit_s: float = _f(TOOL_TIME_LIMIT_S, "Wall-clock seconds one tool call may take (0: no limit); a "
+                                  "call that runs longer is a tool failure and the rollout goes on.")
+    tool_output_tokens: int = _f(TOOL_OUTPUT_TOKENS, "Tokens of a tool's text result the model sees; the rest is "
+                                 "cut with a marker.")
+    max_tool_calling_iterations: int | None = _f(None, "Rounds of tool calls per rollout (null: until the model "
+                                                 "stops calling).")
     learning_rate: float = _kit("learning_rate", "Peak learning rate (AdamW).")
     lr_scheduler_type: str = _kit("lr_scheduler_type", "transformers scheduler name.")
     warmup_steps: int = _kit("warmup_steps", "Linear warm-up steps.")
@@ -513,6 +530,7 @@ class GRPOKitConfig:
     def save(self, path: str | os.PathLike) -> None:
         values = self.to_dict()
         values["reward_funcs"] = [reward_func_spec(r) for r in values["reward_funcs"]]  # callables as module:name
+        values["tools"] = [tool_spec(t) if callable(t) else t for t in values["tools"]]
         Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
     # ---------------------------------------------------------------------------------
@@ -543,7 +561,7 @@ class GRPOKitConfig:
 
 
 OBJECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOKitConfig) if f.metadata.get("objective"))
-LIST_FIELDS = ("levels", "reward_funcs", "reward_weights", "lora_target_modules")
+LIST_FIELDS = ("levels", "reward_funcs", "reward_weights", "lora_target_modules", "tools")
 
 
 def _run_problems(cfg: GRPOKitConfig, kind: str | None, bad: set[str]) -> list[str]:
@@ -603,6 +621,14 @@ def _list_problems(cfg: GRPOKitConfig) -> list[str] | None:
         get_reward_funcs(cfg.reward_funcs)
     except ValueError as e:
         errors.append(f"reward_funcs: {e}")
+    try:
+        get_tools(cfg.tools)
+    except ValueError as e:
+        errors.append(f"tools: {e}")
+    try:
+        resolve_environment(cfg.environment) if cfg.environment is not None else None
+    except ValueError as e:
+        errors.append(str(e))
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
         errors.append(f"reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
                       f"{len(cfg.reward_funcs)}")

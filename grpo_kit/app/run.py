@@ -35,7 +35,8 @@ from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.model.fp8 import fp8_lora_config
-from grpo_kit.model.loading import load_model, load_tokenizer, meta_model, model_config
+from grpo_kit.model.loading import BUILTIN_MODELS, load_model, load_tokenizer, meta_model, model_config
+from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
@@ -374,7 +375,7 @@ def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dic
     """:func:`train` once the run folder is this process's: the run's phases, in order."""
     cfg, run_dir = run.cfg, run.run_dir
     run.dtype = resolve_dtype(cfg, run.device)
-    run.system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)
+    run.system_prompt = cfg.system_prompt or default_system_prompt(cfg.task, tools=bool(cfg.tools or cfg.environment))
     if resume and (done := _find_resume_point(run)) is not None:
         return done
     if run.is_main:
@@ -430,6 +431,10 @@ def _load(run: _Run):
     check_prompt_lengths(tokenizer, run.train_ex + run.heldout, cfg, run.system_prompt)
     config = model_config(cfg.model)
     if cfg.use_lora:
+    if cfg.tools or cfg.environment:
+        if cfg.model in BUILTIN_MODELS:  # SmolLM2's ChatML vocabulary: the kit's tool-calling template
+            use_tool_template(tokenizer)
+        check_tool_template(tokenizer, cfg.model)  # one message naming what it lacks, before any model loads
         check_lora_targets(meta_model(config), cfg.lora_target_modules)
     plan = plan_generation(cfg, model_config=config, device=run.device, dtype=dtype,
                            num_processes=PartialState().num_processes)

@@ -23,9 +23,19 @@ DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the lin
 ARITHMETIC_SYSTEM_PROMPT = "Give only the final answer, in the form: Answer: <number>"
 
 
-def default_system_prompt(task: str) -> str:
-    """The kit's system prompt for a task: answer-only for arithmetic, brief reasoning otherwise."""
-    return ARITHMETIC_SYSTEM_PROMPT if task == "arithmetic" else DEFAULT_SYSTEM_PROMPT
+# With tools: a worked example, since a 135M model that has never seen the call format does not produce it.
+TOOL_SYSTEM_PROMPT = ("Use the calculator tool for arithmetic, then give the final answer in the form: "
+                      "Answer: <number>\nExample. User: What is 12 × 34?\nAssistant: <tool_call>\n"
+                      '{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>\n'
+                      "Tool: 408\nAssistant: Answer: 408")
+
+
+def default_system_prompt(task: str, tools: bool = False) -> str:
+    """The kit's system prompt for a task: with tools, how to call one (a worked example); else answer-only for
+    arithmetic and multiplication, brief reasoning otherwise."""
+    if tools:
+        return TOOL_SYSTEM_PROMPT
+    return ARITHMETIC_SYSTEM_PROMPT if task in ("arithmetic", "multiplication") else DEFAULT_SYSTEM_PROMPT
 HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
 
 LEVELS = {
@@ -97,7 +107,21 @@ def word_problem(rng: random.Random, level: int) -> dict:
     return {"question": question, "answer": _fmt(answer), "level": level}
 
 
-TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem}
+# Multiplication operands by level: (digits of a, digits of b); hard for a 135M model by heart, easy with a tool.
+MULTIPLICATION_DIGITS = {1: (2, 1), 2: (2, 2), 3: (3, 2), 4: (3, 3)}
+
+
+def multiplication_problem(rng: random.Random, level: int) -> dict:
+    """One multi-digit multiplication (operand digits by level: ``MULTIPLICATION_DIGITS``), the task to learn with
+    a calculator tool."""
+    if level not in MULTIPLICATION_DIGITS:
+        raise ValueError(f"level={level!r} is not allowed; choose one of {sorted(MULTIPLICATION_DIGITS)}")
+    a, b = (rng.randint(10 ** (d - 1) + 1, 10 ** d - 1) for d in MULTIPLICATION_DIGITS[level])
+    return {"question": f"What is {a} × {b}?", "answer": str(a * b), "level": level}
+
+
+TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem,
+                   "multiplication": multiplication_problem}
 # Every task name: the generated ones, and GSM8K-format jsonl (load_gsm8k).
 TASKS = (*TASK_GENERATORS, "gsm8k")
 

@@ -55,6 +55,7 @@ from grpo_kit.memory.estimate import scoring_batch_for_config
 from grpo_kit.loss.objective import ENGINE_IS_METRICS, nanmax, nanmin
 from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
+from grpo_kit.tasks.tools import get_tools, resolve_environment
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
 UNSUPPORTED = (
@@ -316,11 +317,17 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     stands (:func:`grpo_kit.memory.scoring_batch_for_config`).
 
     The reward functions are checked with the config's ``reward_errors`` and ``reward_time_limit_s``
-    (:func:`_checked`, once); ``on_rewards`` sees the first one's checked scores.
+    (:func:`_checked`, once); ``on_rewards`` sees the first one's checked scores. The config's ``tools`` and
+    ``environment`` reach TRL as ``tools=`` and ``environment_factory=`` (the kit's trainer checks each call with
+    ``tool_time_limit_s`` and ``tool_output_tokens``).
     """
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
     kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
                   processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
+    if cfg.tools:
+        kwargs["tools"] = get_tools(cfg.tools)
+    if cfg.environment is not None:
+        kwargs["environment_factory"] = resolve_environment(cfg.environment)
     checks = (cfg.reward_errors, cfg.reward_time_limit_s, on_rewards)
     if cfg.trainer == "trl":
         if generator is not None:
@@ -334,4 +341,5 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     scoring = (memory_plan["scoring_batch_size"] if memory_plan and cfg.scoring_batch_size == "auto"
                else scoring_batch_for_config(cfg, model.config))
     return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
-               reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2])
+               reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2],
+               tool_time_limit_s=cfg.tool_time_limit_s or None, tool_output_tokens=cfg.tool_output_tokens)
