@@ -12,6 +12,7 @@ from trl import GRPOTrainer
 from _objective_settings import SETTINGS
 from grpo_kit.generation.base import GenerationResult
 from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.rewards import correctness_reward, final_answer_text, format_soft_reward, format_strict_reward
 from grpo_kit.tasks.chat_template import check_tool_template, tool_template_problems, use_tool_template
 from grpo_kit.tasks.tools import (TRUNCATION_MARKER, ToolError, calculator, checked_tool, get_tools, python,
                                   resolve_environment)
@@ -295,3 +296,25 @@ def test_rollout_func_generates_through_the_kit_engine(tiny, tmp_path):
     out = t._generate_and_score_completions(_batch())
     assert gen.calls == [4] and gen.syncs == 1
     assert out["completion_ids"].shape[0] == 4
+
+
+def _rollout(final: str, tool_result: str = "408") -> list[dict]:
+    """A multi-turn completion as TRL's tool loop hands it to the rewards: call, result, then the final turn."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": tool_result},
+            {"role": "assistant", "content": final}]
+
+
+def test_answer_rewards_judge_the_final_assistant_message_only():
+    """A bare tool result is not the model's answer: with the final turn silent or wrong, nothing is credited."""
+    completions = [_rollout("Answer: 408"), _rollout("I do not know."), _rollout(""), _rollout("Answer: 407"),
+                   _rollout("Answer: 408", tool_result="Answer: 1")]
+    answers = ["408"] * len(completions)
+    assert correctness_reward(None, completions, answers) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert format_soft_reward(None, completions) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert format_strict_reward(None, completions) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    # a rollout whose last turn was cut away ends on the tool result: only the model's own text counts
+    assert correctness_reward(None, [_rollout("")[:2]], ["408"]) == [0.0]
+    assert final_answer_text(_rollout("Answer: 408")) == "Answer: 408"
+    assert final_answer_text("Answer: 3") == "Answer: 3"

@@ -45,6 +45,25 @@ def completion_text(completion) -> str:
     raise CompletionFormatError(f"completion must be a str or a list of messages, got {type(completion).__name__}")
 
 
+def final_answer_text(completion) -> str:
+    """The text the model gave as its answer: a plain completion whole; of a conversation (a multi-turn rollout
+    with tool calls and tool results), only the content of its last assistant message, so that a tool's result
+    is never taken for the model's answer.
+
+    >>> final_answer_text([{"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]},
+    ...                    {"role": "tool", "name": "calculator", "content": "408"},
+    ...                    {"role": "assistant", "content": "Answer: 408"}])
+    'Answer: 408'
+    >>> final_answer_text([{"role": "assistant", "content": "Let me compute."}, {"role": "tool", "content": "408"}])
+    'Let me compute.'
+    """
+    if isinstance(completion, list):
+        messages = [m for m in completion if isinstance(m, dict)]
+        answers = [m for m in messages if m.get("role", "assistant") == "assistant"]
+        return _content_text(answers[-1].get("content")) if answers else ""
+    return completion_text(completion)
+
+
 class CompletionFormatError(ValueError, TypeError):
     """A completion that is neither text nor a list of chat messages (a ValueError; also a TypeError)."""
 
@@ -101,7 +120,8 @@ def answer_matches(text: str, reference) -> bool:
 def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's final number equals the reference answer, else 0.0.
 
-    ``answer`` is the dataset column (a number or a string; GSM8K's ``#### N`` works).
+    ``answer`` is the dataset column (a number or a string; GSM8K's ``#### N`` works). A conversation is judged
+    on its last assistant message only (:func:`final_answer_text`): a tool's result is not the model's answer.
 
     >>> correctness_reward(None, ["I think 5 + 7 = 12.\\nAnswer: 12", "Answer: 13"], ["12", "12"])
     [1.0, 0.0]
@@ -110,18 +130,19 @@ def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """
     if len(answer) != len(completions):
         raise ValueError(f"correctness_reward: {len(completions)} completions but {len(answer)} answers")
-    return [1.0 if answer_matches(completion_text(c), a) else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if answer_matches(final_answer_text(c), a) else 0.0 for c, a in zip(completions, answer)]
 
 
 def format_strict_reward(prompts, completions, **kwargs) -> list[float]:
-    """1.0 when the last non-empty line is exactly ``Answer: <number>``, else 0.0.
+    """1.0 when the last non-empty line of the answer (:func:`final_answer_text`) is exactly ``Answer: <number>``,
+    else 0.0.
 
     >>> format_strict_reward(None, ["7 + 5 = 12\\nAnswer: 12", "Answer: 12 apples", "The answer is 12"])
     [1.0, 0.0, 0.0]
     """
     out = []
     for c in completions:
-        lines = [ln for ln in completion_text(c).splitlines() if ln.strip()]
+        lines = [ln for ln in final_answer_text(c).splitlines() if ln.strip()]
         out.append(1.0 if lines and _is_answer_line(lines[-1]) else 0.0)
     return out
 
@@ -136,12 +157,12 @@ def _is_answer_line(line: str) -> bool:
 
 
 def format_soft_reward(prompts, completions, **kwargs) -> list[float]:
-    """1.0 when ``Answer: <number>`` appears anywhere (any case), else 0.0.
+    """1.0 when ``Answer: <number>`` appears anywhere in the answer (:func:`final_answer_text`; any case), else 0.0.
 
     >>> format_soft_reward(None, ["so answer: 12 apples", "12"])
     [1.0, 0.0]
     """
-    return [1.0 if _SOFT_ANSWER.search(completion_text(c)) else 0.0 for c in completions]
+    return [1.0 if _SOFT_ANSWER.search(final_answer_text(c)) else 0.0 for c in completions]
 
 
 REWARD_FUNCTIONS = {
