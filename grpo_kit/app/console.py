@@ -221,7 +221,7 @@ def _files_text(run_dir: Path) -> str:
     """What the run folder holds, checkpoints counted."""
     if not run_dir.is_dir():
         return "-"
-    entries = sorted(run_dir.iterdir())
+    entries = sorted(p for p in run_dir.iterdir() if not p.name.startswith("."))  # not the run's lock
     names = [p.name + ("/" if p.is_dir() else "") for p in entries if not p.name.startswith("checkpoint-")]
     checkpoints = sum(p.name.startswith("checkpoint-") for p in entries)
     return ", ".join(names + ([f"{checkpoints} checkpoint(s)"] if checkpoints else []))
