@@ -1,15 +1,24 @@
 """FSDP2 on the CPU (gloo): the output head gathered where it is sharded, and 2 processes x accumulation k ==
 1 process x accumulation 2k under FSDP2 with LoRA (configs/accelerate/cpu_fsdp2.yaml), as tests/test_distributed.py
-checks DDP. Unproven sharding modes are refused by grpo_kit.trainer.sharding."""
+checks DDP; `python -m grpo_kit train` under it (checkpoints, held-out evaluation) with DDP's gradient norms, and
+resumed after a SIGKILL between saves to the uninterrupted run's numbers. Unproven sharding modes are refused by
+grpo_kit.trainer.sharding."""
 
+import contextlib
 import csv
 import importlib.util
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from grpo_kit.trainer import sharding
 
@@ -53,28 +62,112 @@ def test_fsdp2_two_processes_match_one_process_with_double_accumulation(repo_roo
         assert u1.abs().max() > 0, name  # every trainable tensor moved
 
 
-def _train_grad_norms(repo_root, tmp_path, config):
-    out = tmp_path / config
-    env = {**os.environ, "PYTHONPATH": str(repo_root / "tests")}  # the reward below: _fsdp_worker:length_reward
-    # no checkpoint and no held-out evaluation: under FSDP2 both still fail after training (the kit's checkpoint
-    # writes the DTensor shards with safetensors; the evaluation generates on the main process only)
+# `python -m grpo_kit train` under a 2-process accelerate config: 3 steps, a checkpoint at step 2 (and the final one), the
+# held-out evaluation before and after (every process takes part in the sharded model's forwards).
+TRAIN = ["--set", "device=cpu", "--set", "model=tiny-llama", "--set", "max_steps=3", "--set", "save_steps=2",
+         "--set", "num_eval_samples=4", "--set", "reward_funcs=[_fsdp_worker:length_reward]"]
+# metrics.csv columns that are a function of the math only (step_time_s and peak_memory_gib are measurements)
+EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "learning_rate", "grad_norm",
+                 "clip_ratio", "frac_reward_zero_std"]
+
+
+def _launch(repo_root, cwd, config, args, log):
+    """``accelerate launch --config_file configs/accelerate/CONFIG.yaml -m grpo_kit train ARGS``, output to the file
+    ``log``."""
+    env = {**os.environ, "PYTHONPATH": str(repo_root / "tests")}  # the reward: _fsdp_worker:length_reward
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "grpo_kit",
-           "train", "--set", "device=cpu", "--set", "model=tiny-llama", "--set", "max_steps=2", "--set", "save_steps=0",
-           "--set", "num_eval_samples=0", "--set", "reward_funcs=[_fsdp_worker:length_reward]",
-           "--set", f"output_dir={out}"]
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
-    assert [int(row["step"]) for row in rows] == [1, 2] and all(float(row["reward_std"]) > 0 for row in rows)
-    return [float(row["grad_norm"]) for row in rows]
+           "train", *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    proc.log = Path(log)
+    return proc
 
 
-def test_train_under_cpu_fsdp2_matches_ddp_grad_norms(repo_root, tmp_path):
-    fsdp = _train_grad_norms(repo_root, tmp_path, "cpu_fsdp2")
-    ddp = _train_grad_norms(repo_root, tmp_path, "cpu_2proc")
-    assert all(g > 0 for g in ddp)
-    assert fsdp == pytest.approx(ddp, rel=1e-4)
+def _kill_all(proc):
+    """SIGKILL the launcher and every process under it at once (torchrun puts its workers in sessions of their own,
+    so a kill of the launcher's process group would not reach them)."""
+    tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _finish(proc, timeout=600):
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            _kill_all(proc)
+    assert proc.returncode == 0, proc.log.read_text()[-6000:]
+
+
+def _rows(run_dir):
+    with open(run_dir / "metrics.csv") as fh:
+        return [{c: r[c] for c in EXACT_COLUMNS} for r in csv.DictReader(fh)]
+
+
+def _train(repo_root, tmp, config):
+    out = tmp / config
+    _finish(_launch(repo_root, tmp, config, [*TRAIN, "--set", f"output_dir={out}"], tmp / f"{config}.log"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(repo_root, tmp_path_factory):
+    """One uninterrupted run under cpu_fsdp2.yaml, for the tests below."""
+    return _train(repo_root, tmp_path_factory.mktemp("fsdp"), "cpu_fsdp2")
+
+
+def _adapter(run_dir, sub="adapter"):
+    return load_file(str(run_dir / sub / "adapter_model.safetensors"))
+
+
+def test_train_under_cpu_fsdp2_matches_ddp(repo_root, tmp_path, fsdp_run):
+    ddp = _train(repo_root, tmp_path, "cpu_2proc")
+    rows_fsdp, rows_ddp = _rows(fsdp_run), _rows(ddp)
+    assert [int(r["step"]) for r in rows_fsdp] == [1, 2, 3] and all(float(r["reward_std"]) > 0 for r in rows_fsdp)
+    norms_fsdp, norms_ddp = ([float(r["grad_norm"]) for r in rows] for rows in (rows_fsdp, rows_ddp))
+    assert all(g > 0 for g in norms_ddp)
+    assert norms_fsdp == pytest.approx(norms_ddp, rel=1e-4)
+    # the adapter written whole (every process gathers its shards), in the one-process format, in the run folder and
+    # in each checkpoint; the held-out evaluation ran after training as before it
+    a_fsdp, a_ddp = _adapter(fsdp_run), _adapter(ddp)
+    assert len(a_ddp) > 0 and {k: v.shape for k, v in a_fsdp.items()} == {k: v.shape for k, v in a_ddp.items()}
+    last = _adapter(fsdp_run, "checkpoints/checkpoint-3/adapter")
+    assert all(torch.equal(last[k], a_fsdp[k]) for k in a_fsdp)
+    evals = json.loads((fsdp_run / "eval.json").read_text())
+    assert evals["before"]["n"] == evals["after"]["n"] == 4
+
+
+def test_resume_under_fsdp2_after_sigkill_equals_uninterrupted(repo_root, tmp_path, fsdp_run):
+    b = tmp_path / "B"
+    # Killed (every process, SIGKILL) during step 3: checkpoint-2 complete, the next save not begun.
+    first = _launch(repo_root, tmp_path, "cpu_fsdp2", [*TRAIN, "--set", f"output_dir={b}"], tmp_path / "b1.log")
+    t0 = time.time()
+    try:
+        while not (b / "checkpoints" / "checkpoint-2").is_dir():
+            assert first.poll() is None, "the run ended before the kill point:\n" + first.log.read_text()[-4000:]
+            assert time.time() - t0 < 600, "checkpoint-2 never appeared"
+            time.sleep(0.05)
+    finally:
+        _kill_all(first)
+    assert not (b / "checkpoints" / "checkpoint-3").exists()
+    ckpt = b / "checkpoints" / "checkpoint-2"
+    assert (ckpt / "rng_rank1.json").is_file()  # each process's RNG, written by the main one
+    resumed = _launch(repo_root, tmp_path, "cpu_fsdp2", ["--resume", str(b)], tmp_path / "b2.log")
+    _finish(resumed)
+    assert "checkpoint-2" in resumed.log.read_text().split("resuming from", 1)[1].splitlines()[0]
+
+    assert _rows(b) == _rows(fsdp_run)  # every logged number the same to the last digit, no row twice or missing
+    wa, wb = _adapter(fsdp_run), _adapter(b)
+    assert wa.keys() == wb.keys() and len(wa) > 0 and all(torch.equal(wa[k], wb[k]) for k in wa)
+    for name in ("optimizer", "scheduler"):  # the final checkpoints agree: AdamW's moments, the schedule
+        ta, tb = (load_file(str(run / "checkpoints" / "checkpoint-3" / f"{name}.safetensors")) for run in (fsdp_run, b))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+    ea, eb = (json.loads((run / "eval.json").read_text()) for run in (fsdp_run, b))
+    assert eb == ea
 
 
 @pytest.mark.parametrize("env, says", [

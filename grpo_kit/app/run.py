@@ -42,6 +42,7 @@ from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_pro
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
 from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
                                           find_resume_checkpoint, read_run_state, resume_hint)
+from grpo_kit.trainer.sharding import check_launch_env, save_whole
 
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
@@ -247,6 +248,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     """
     quiet_console(verbose)  # before TRL's and vLLM's imports, whose warnings and log it sets
     cfg.validate()
+    check_launch_env()  # a sharding mode without a passing test stops here, before any data or model loads
     device = resolve_device(cfg)
     check_task_size(cfg)  # before the data: drawing more distinct problems than a task has would never end
     train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
@@ -391,10 +393,11 @@ def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dic
     shared = bool(getattr(generator, "share_weights", False))
     try:
         train_seconds = _fit(run, trainer, tokenizer, generator, generation_info, shared)
+        # FSDP: each forward gathers the weights' shards from every process, so all evaluate; the main one reports
+        if run.heldout and (run.is_main or trainer.is_fsdp_enabled):
+            run.evals["after"] = _evaluate(run, trainer.model, tokenizer, "after")
         if not run.is_main:
             return {"run_dir": str(run_dir), "main_process": False}
-        if run.heldout:
-            run.evals["after"] = _evaluate(run, trainer.model, tokenizer, "after")
         (run_dir / "eval.json").write_text(json.dumps(run.evals, indent=2))
     finally:
         if shared:
@@ -454,9 +457,10 @@ def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
     """Greedy held-out accuracy ``before`` or ``after`` training, printed."""
     result = evaluate_accuracy(model, tokenizer, run.heldout, system_prompt=run.system_prompt,
                                max_new_tokens=run.cfg.max_completion_length,
-                               progress=f"held-out {when}" if run.progress else None)
+                               progress=f"held-out {when}" if run.progress and run.is_main else None)
     extra = f" (n={len(run.heldout)}, greedy)" if when == "before" else ""
-    print(f"held-out accuracy {when} training: {result['accuracy']:.3f}{extra}", flush=True)
+    if run.is_main:
+        print(f"held-out accuracy {when} training: {result['accuracy']:.3f}{extra}", flush=True)
     return result
 
 
@@ -542,9 +546,10 @@ def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared
             # Free the engine's memory before evaluation; an engine whose weights the model uses goes to
             # standby instead (KV cache released) and is closed after the last use of the model.
             _release(generator, standby=shared)
-        if run.is_main:  # the adapter (or weights) and the metrics so far
-            save_dir = run.run_dir / ("adapter" if run.cfg.use_lora else "model")
-            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(save_dir, safe_serialization=True)
+        save_dir = run.run_dir / ("adapter" if run.cfg.use_lora else "model")
+        # the adapter (or weights): under FSDP2 every process gathers its shards, the main one writes
+        save_whole(trainer.accelerator.unwrap_model(trainer.model), save_dir, writes=run.is_main)
+        if run.is_main:  # and the metrics so far
             tokenizer.save_pretrained(save_dir)
             if run.history:
                 plot_rewards(run.history, run.run_dir / "rewards.png")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 CHECKPOINTS = "checkpoints"
@@ -219,7 +220,8 @@ def save_state(obj, folder: str | os.PathLike, name: str) -> None:
 def load_state(folder: str | os.PathLike, name: str, device: str | torch.device = "cpu"):
 
     folder = Path(folder)
-    tensors = load_file(str(folder / f"{name}.safetensors"), device=str(device))
+    device = torch.device(device)  # accelerate's CPU device under several processes is cpu:0, which safetensors refuses
+    tensors = load_file(str(folder / f"{name}.safetensors"), device="cpu" if device.type == "cpu" else str(device))
     return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
 
 
@@ -377,6 +379,35 @@ def write_checkpoint(run_dir: str | os.PathLike, step: int, fill, *, keep: int =
 
 
 # ----------------------------------------------------------------------------------------------
+# Several processes: each one's RNG and TRL buffer, written by the main one as NAME_rank<r> (rank 0: NAME)
+RANK_SUFFIX = "_rank"
+
+
+def _sharding():
+    """:mod:`grpo_kit.trainer.sharding`, imported on first use."""
+    from grpo_kit.trainer import sharding  # lazy: imports accelerate (slow); the CLI imports this module for its helpers
+
+    return sharding
+
+
+def _gather_to_main(obj) -> list | None:
+    """``obj`` of every process in rank order on rank 0, None on the others (a collective); ``[obj]`` in a
+    single process. Tensors travel on the CPU."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    sharding = _sharding()
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sharding.map_tensors(obj, lambda t: t.detach().cpu()), out, dst=0)
+    return out
+
+
+def _own_file(folder: str | os.PathLike, name: str, rank: int) -> str:
+    """The state file ``name`` of process ``rank``: its own where the checkpoint has one, else the main process's."""
+    own = f"{name}{RANK_SUFFIX}{rank}"
+    return own if rank > 0 and (Path(folder) / f"{own}.json").is_file() else name
+
+
+# ----------------------------------------------------------------------------------------------
 # The trainer side
 def _find_repeat_sampler(obj, depth: int = 0):
     """The data sampler with its own ``torch.Generator`` (TRL's RepeatSampler) inside a (wrapped) DataLoader."""
@@ -483,18 +514,26 @@ class ResumableTrainerMixin:
         """
         self.store_flos()
         snapshot = self._kit_step_begin if (mid_step and self._kit_step_begin is not None) else self._kit_snapshot()
-        if not self.args.should_save:  # other processes of a multi-process run keep their RNG only
-            return None
+        writes = self.args.should_save
         unwrapped = self.accelerator.unwrap_model(self.model)
         buffered = getattr(self, "_buffered_inputs", None)
-
+        # Every process takes part in these gathers; only the writing one keeps what they return.
+        gathered = _gather_to_main((snapshot["rng"], buffered))
+        others = gathered[1:] if gathered else []  # the other processes' RNG and TRL buffer
+        weights, optimizer = self._kit_whole_state(unwrapped, keep=writes)
+        if not writes:
+            return None
+        sharding = _sharding()
         def fill(tmp: Path):
-            if hasattr(unwrapped, "peft_config"):
+            if hasattr(unwrapped, "peft_config") and weights is not None:  # FSDP2: the adapter gathered whole
+                sharding.write_adapter(unwrapped, tmp / "adapter", weights)
+            elif hasattr(unwrapped, "peft_config"):
                 unwrapped.save_pretrained(tmp / "adapter", safe_serialization=True)
+            elif weights is not None:
+                save_file(weights, str(tmp / "weights.safetensors"))
             else:
-
                 save_model(unwrapped, str(tmp / "weights.safetensors"))
-            save_state(self.optimizer.state_dict(), tmp, "optimizer")
+            save_state(optimizer, tmp, "optimizer")
             if self.lr_scheduler is not None:
                 save_state(self.lr_scheduler.state_dict(), tmp, "scheduler")
             scaler = getattr(self.accelerator, "scaler", None)
@@ -503,14 +542,34 @@ class ResumableTrainerMixin:
             save_state(snapshot["rng"], tmp, "rng")
             if buffered is not None:
                 save_state(buffered, tmp, "trl_buffer")
+            for rank, (rng, buffer) in enumerate(others, start=1):  # each process resumes its own
+                save_state(rng, tmp, f"rng{RANK_SUFFIX}{rank}")
+                if buffer is not None:
+                    save_state(buffer, tmp, f"trl_buffer{RANK_SUFFIX}{rank}")
             self.state.save_to_json(str(tmp / TRAINER_STATE))
             (tmp / KIT_STATE).write_text(json.dumps(self._kit_state(snapshot)))
 
         return write_checkpoint(self.args.output_dir, self.state.global_step, fill,
                                 keep=int(getattr(self, "keep_checkpoints", 2) or 0))
 
+    def _kit_whole_state(self, unwrapped, *, keep: bool):
+        """(model tensors, optimizer state dict) to write. Under FSDP2 both gathered whole by every process, in the
+        one-process format (the adapter's entries, or the model's with tied weights once); the processes that do not
+        write get (None, None). Unsharded: (None: the model writes itself, the optimizer's own state)."""
+        sharding = _sharding()
+        if not sharding.is_sharded(unwrapped):
+            return None, (self.optimizer.state_dict() if keep else None)
+        if hasattr(unwrapped, "peft_config"):
+            weights = sharding.whole_adapter(unwrapped, keep=keep)
+        else:
+            seen: set[int] = set()  # a tied weight under each of its names: written once, as save_model does
+            state = {k: v for k, v in unwrapped.state_dict().items() if id(v) not in seen and not seen.add(id(v))}
+            weights = sharding.whole_state(state, keep=keep)
+        return weights, sharding.whole_state(self.optimizer.state_dict(), keep=keep)
+
     # -- load (called by transformers' Trainer.train(resume_from_checkpoint=...)) ----------------
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        sharding = _sharding()
         folder = Path(resume_from_checkpoint)
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
         if (folder / "adapter").is_dir():
@@ -519,19 +578,30 @@ class ResumableTrainerMixin:
             if not hasattr(model, "peft_config"):
                 raise CheckpointError(f"{folder} holds a LoRA adapter but the model has none (use_lora differs)")
             sd = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
-            result = set_peft_model_state_dict(model, sd)
-            unexpected = getattr(result, "unexpected_keys", None)
-            if unexpected:
-                raise CheckpointError(f"{folder}: adapter tensors that do not fit the model: {unexpected[:5]}")
+            if sharding.is_sharded(model):  # FSDP2: each process keeps its shards of the whole tensors
+                try:
+                    sharding.load_whole_adapter(model, sd)
+                except ValueError as e:
+                    raise CheckpointError(f"{folder}: {e}") from None
+            else:
+                result = set_peft_model_state_dict(model, sd)
+                unexpected = getattr(result, "unexpected_keys", None)
+                if unexpected:
+                    raise CheckpointError(f"{folder}: adapter tensors that do not fit the model: {unexpected[:5]}")
+        elif sharding.is_sharded(model):
+            with sharding.loading_whole_tensors(model):
+                result = model.load_state_dict(load_file(str(folder / "weights.safetensors")), strict=False)
+            if result.unexpected_keys:
+                raise CheckpointError(f"{folder}: weights that do not fit the model: {result.unexpected_keys[:5]}")
         else:
-
             load_model(model, str(folder / "weights.safetensors"))
         kit = json.loads((folder / KIT_STATE).read_text())
         self._kit_resume_state = kit
         self._step = kit["trl_step"]
-        if (folder / "trl_buffer.json").is_file():
+        buffer = _own_file(folder, "trl_buffer", self.args.process_index)
+        if (folder / f"{buffer}.json").is_file():
             device = self.accelerator.device
-            self._buffered_inputs = load_state(folder, "trl_buffer", device=device)
+            self._buffered_inputs = load_state(folder, buffer, device=device)
         if kit.get("trl_metrics") is not None and isinstance(getattr(self, "_metrics", None), dict):
             for mode, values in kit["trl_metrics"].items():
                 self._metrics[mode].clear()
@@ -540,8 +610,12 @@ class ResumableTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
+        sharding = _sharding()
         folder = Path(checkpoint)
-        self.optimizer.load_state_dict(load_state(folder, "optimizer", device=self.args.device))
+        state = load_state(folder, "optimizer", device=self.args.device)
+        if sharding.is_sharded(self.model):  # FSDP2: the whole moments cut to this process's shards
+            state = sharding.shard_optimizer_state(state, self.optimizer)
+        self.optimizer.load_state_dict(state)
         if self.lr_scheduler is not None and (folder / "scheduler.json").is_file():
             self.lr_scheduler.load_state_dict(load_state(folder, "scheduler"))
 
@@ -551,8 +625,9 @@ class ResumableTrainerMixin:
             scaler.load_state_dict(load_state(checkpoint, "scaler"))
 
     def _load_rng_state(self, checkpoint):
-        if checkpoint is not None and (Path(checkpoint) / "rng.json").is_file():
-            set_rng_state(load_state(checkpoint, "rng"))
+        rng = _own_file(checkpoint, "rng", self.args.process_index) if checkpoint is not None else "rng"
+        if checkpoint is not None and (Path(checkpoint) / f"{rng}.json").is_file():
+            set_rng_state(load_state(checkpoint, rng))
 
 
 # ----------------------------------------------------------------------------------------------
