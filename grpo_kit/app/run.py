@@ -431,13 +431,13 @@ def _load(run: _Run):
     summary.json. With shared weights the engine starts first and the training model is built on its tensors."""
     cfg, dtype = run.cfg, run.dtype
     tokenizer = load_tokenizer(cfg.model)
-    check_prompt_lengths(tokenizer, run.train_ex + run.heldout, cfg, run.system_prompt)
-    config = model_config(cfg.model)
-    if cfg.use_lora:
     if cfg.tools or cfg.environment:
         if cfg.model in BUILTIN_MODELS:  # SmolLM2's ChatML vocabulary: the kit's tool-calling template
             use_tool_template(tokenizer)
         check_tool_template(tokenizer, cfg.model)  # one message naming what it lacks, before any model loads
+    check_prompt_lengths(tokenizer, run.train_ex + run.heldout, cfg, run.system_prompt)
+    config = model_config(cfg.model)
+    if cfg.use_lora:
         check_lora_targets(meta_model(config), cfg.lora_target_modules)
     plan = plan_generation(cfg, model_config=config, device=run.device, dtype=dtype,
                            num_processes=PartialState().num_processes)
