@@ -3,6 +3,7 @@ with stock TRL on a fixed batch with tool calls, the checked tools, the tool cha
 
 import copy
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from trl import GRPOTrainer
 from _objective_settings import SETTINGS
 from grpo_kit.generation.base import GenerationResult
 from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.data import make_prompt
 from grpo_kit.tasks.rewards import correctness_reward, final_answer_text, format_soft_reward, format_strict_reward
 from grpo_kit.tasks.chat_template import check_tool_template, tool_template_problems, use_tool_template
 from grpo_kit.tasks.tools import (TRUNCATION_MARKER, ToolError, calculator, checked_tool, get_tools, python,
@@ -100,6 +102,9 @@ def _pair(tiny, tmp_path, setting="grpo", engine_ratio=False, tools=(calculator,
     stock._generate_single_turn = lambda ids, *a, **k: _script(tok, ids)
     if engine_ratio:
         stock.use_vllm = True  # TRL's correction on the scripted log-probs; its own vLLM is never called
+        # but its tool loop reads the context ceiling from the colocated engine: the model's, as without vLLM
+        ceiling = SimpleNamespace(max_model_len=stock.model.config.max_position_embeddings)
+        stock.vllm_generation = SimpleNamespace(llm=SimpleNamespace(llm_engine=SimpleNamespace(model_config=ceiling)))
     g = torch.Generator().manual_seed(3)
     for (_, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
         if p1.requires_grad:
@@ -318,3 +323,71 @@ def test_answer_rewards_judge_the_final_assistant_message_only():
     assert correctness_reward(None, [_rollout("")[:2]], ["408"]) == [0.0]
     assert final_answer_text(_rollout("Answer: 408")) == "Answer: 408"
     assert final_answer_text("Answer: 3") == "Answer: 3"
+
+
+class ScriptedModel(torch.nn.Module):
+    """A model whose greedy ``generate`` answers from the script (left-padded batch in, padded continuations out)."""
+
+    def __init__(self, tok):
+        super().__init__()
+        self.tok, self.weight, self.calls = tok, torch.nn.Parameter(torch.zeros(1)), []
+        self.generation_config = None
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **kw):
+        assert kw["do_sample"] is False
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+        self.calls.append(len(rows))
+        new, _ = _script(self.tok, rows)
+        width = max(map(len, new))
+        return torch.cat([input_ids, torch.tensor([c + [pad_token_id] * (width - len(c)) for c in new])], dim=1)
+
+
+def test_tool_evaluation_is_the_training_rollout(tiny, tmp_path):
+    """The held-out evaluation with tools walks TRL's tool loop: the same completion ids (tool results included)
+    as stock TRL's rollout of the same turns, the same call and failure counts; accuracy on the final message."""
+    from grpo_kit.app.evaluation import evaluate_with_tools
+
+    stock, _, _ = _pair(tiny, tmp_path)
+    out = stock._generate_and_score_completions(_batch())
+    _, tok = tiny
+    examples = [{"question": r["prompt"][1]["content"], "answer": r["answer"]} for r in _batch()]
+    fake = ScriptedModel(tok)
+    result = evaluate_with_tools(fake, tok, examples, [calculator], system_prompt="Use the calculator.",
+                                 max_new_tokens=160)
+    assert fake.calls == [4, 3]
+    for i, sample in enumerate(result["samples"]):
+        ids = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
+        assert sample["completion"] == tok.decode(ids), i
+    m = stock._metrics["train"]
+    assert result["tool_use_share"] == 3 / 4 and result["tool_calls"] == 4 and result["tool_failures"] == 1
+    assert result["tool_calls"] / 4 == pytest.approx(m["tools/call_frequency"][-1])
+    assert result["tool_failure_rate"] == pytest.approx(m["tools/failure_frequency"][-1])
+    # row 0 answers 5 after its call; row 1 answers 7 without one; rows 2-3 (4 * 4) answer 5
+    assert result["accuracy"] == 1 / 4 and [s["correct"] for s in result["samples"]] == [True, False, False, False]
+    # a budget too small for the tool result: the rollout ends on its call, nothing is appended
+    call = len(tok(FIRST_TURN[0], add_special_tokens=False)["input_ids"])
+    short = evaluate_with_tools(ScriptedModel(tok), tok, examples[:1], [calculator],
+                                system_prompt="Use the calculator.", max_new_tokens=call + 2)
+    assert short["tool_calls"] == 1 and [m["role"] for m in short["samples"][0]["messages"]] == ["assistant"]
+    assert short["accuracy"] == 0.0
+
+
+
+def test_prompt_length_check_counts_the_tool_schema(tiny):
+    """With tools the rendered prompt carries their JSON schema: the check counts it, as TRL renders the prompt."""
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.app.run import check_prompt_lengths, prompt_ids
+
+    _, tok = tiny
+    examples = [{"question": "What is 123 * 456?", "answer": "56088"}]
+    plain = len(prompt_ids(tok, examples[0]["question"], "Use the calculator."))
+    rendered = tok.apply_chat_template(make_prompt(examples[0]["question"], "Use the calculator."), tools=[calculator],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(rendered) > plain + 50
+    cfg = GRPOKitConfig(model="tiny-llama", task="multiplication", tools=["calculator"], max_prompt_length=plain + 10)
+    with pytest.raises(ValueError, match=f"a prompt is {len(rendered)} tokens, over max_prompt_length={plain + 10}"):
+        check_prompt_lengths(tok, examples, cfg, "Use the calculator.")
+    cfg.max_prompt_length = len(rendered)
+    assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == len(rendered)
+    cfg.tools = []
+    assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == plain

@@ -27,7 +27,7 @@ from transformers.integrations import TensorBoardCallback
 
 from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, ConfigError, GRPOKitConfig
 from grpo_kit.app.console import closing_lines, plan_lines, quiet_console, quiet_trainer_logs, rounded, step_line
-from grpo_kit.app.evaluation import evaluate_accuracy
+from grpo_kit.app.evaluation import evaluate_accuracy, evaluate_with_tools
 from grpo_kit.app.preflight import advice
 from grpo_kit.app.resume_policy import restore_run_files, resume_config
 from grpo_kit.app.run_folder import claim_run_folder
@@ -40,6 +40,7 @@ from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
+from grpo_kit.tasks.tools import get_tools
 from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
                                           find_resume_checkpoint, read_run_state, resume_hint)
 from grpo_kit.trainer.sharding import check_launch_env, save_whole
@@ -167,18 +168,21 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def prompt_ids(tokenizer, question: str, system_prompt: str) -> list[int]:
-    """A question's token ids as the model sees them: system prompt and question in the chat template."""
-    text = tokenizer.apply_chat_template(make_prompt(question, system_prompt), tokenize=False,
+def prompt_ids(tokenizer, question: str, system_prompt: str, tools: list | None = None) -> list[int]:
+    """A question's token ids as the model sees them: system prompt and question in the chat template (with the
+    ``tools``' schema when given, as TRL renders it)."""
+    text = tokenizer.apply_chat_template(make_prompt(question, system_prompt), tools=tools or None, tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
-    """Longest rendered prompt in tokens; one over ``max_prompt_length`` is an error, not a silent cut."""
+    """Longest rendered prompt in tokens (the config's tools' schema included); one over ``max_prompt_length`` is an
+    error, not a silent cut."""
     longest, worst = 0, None
+    tools = get_tools(cfg.tools) if cfg.tools else None
     for e in examples:
-        n = len(prompt_ids(tokenizer, e["question"], system_prompt))
+        n = len(prompt_ids(tokenizer, e["question"], system_prompt, tools))
         if n > longest:
             longest, worst = n, e["question"]
     if longest > cfg.max_prompt_length:
@@ -454,11 +458,23 @@ def _load(run: _Run):
 
 
 def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
-    """Greedy held-out accuracy ``before`` or ``after`` training, printed."""
-    result = evaluate_accuracy(model, tokenizer, run.heldout, system_prompt=run.system_prompt,
-                               max_new_tokens=run.cfg.max_completion_length,
-                               progress=f"held-out {when}" if run.progress and run.is_main else None)
+    """Greedy held-out accuracy ``before`` or ``after`` training, printed; with tools, multi-turn through training's
+    tool loop, with the share of answers that called a tool and the tool failures."""
+    cfg = run.cfg
+    progress = f"held-out {when}" if run.progress and run.is_main else None
+    if cfg.tools:
+        result = evaluate_with_tools(model, tokenizer, run.heldout, get_tools(cfg.tools),
+                                     system_prompt=run.system_prompt, max_new_tokens=cfg.max_completion_length,
+                                     max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                                     tool_time_limit_s=cfg.tool_time_limit_s or None,
+                                     tool_output_tokens=cfg.tool_output_tokens, progress=progress)
+    else:
+        result = evaluate_accuracy(model, tokenizer, run.heldout, system_prompt=run.system_prompt,
+                                   max_new_tokens=cfg.max_completion_length, progress=progress)
     extra = f" (n={len(run.heldout)}, greedy)" if when == "before" else ""
+    if cfg.tools:
+        extra += (f"; tool used in {result['tool_use_share']:.0%} of answers, {result['tool_calls']} calls, "
+                  f"{result['tool_failures']} failed")
     if run.is_main:
         print(f"held-out accuracy {when} training: {result['accuracy']:.3f}{extra}", flush=True)
     return result

@@ -98,3 +98,21 @@ def check_tool_template(tokenizer, name: str) -> None:
                          + "; ".join(problems) + ". Use a model whose template supports tools, or, for SmolLM2 and "
                          "the kit's tiny models, the kit's template (grpo_kit.tasks.chat_template.use_tool_template; "
                          "set by the app when tools are configured).")
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """Token ids that follow a tool-calling assistant turn (ending on its EOS) for ``tool_messages``: the rendered
+    tool results and the next assistant header, as TRL 1.16's tool loop appends them (``_get_tool_suffix_ids``: the
+    difference between a dummy conversation with and without the results, cut at the prefix's last EOS)."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, return_dict=False)
+    full = tokenizer.apply_chat_template(dummy + list(tool_messages), add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:  # templates that close a turn with EOS + newline: the boundary is the EOS
+        prefix = prefix[:eos[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template is not prefix-preserving around tool results: the EOS-trimmed "
+                         "assistant turn is not a prefix of the turn followed by its tool results")
+    return full[len(prefix):]

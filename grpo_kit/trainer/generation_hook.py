@@ -79,6 +79,8 @@ class KitGenerationMixin:
         self.kit_importance_sampling = bool(importance_sampling_correction)
         if self.kit_importance_sampling:
             self.use_vllm = True  # switches on TRL's IS correction only; see the module docstring
+            # not "colocate": TRL's tool loop would read its context ceiling from its own (never built) vLLM engine
+            self.vllm_mode = "server"
 
     def _check_kit_generation_supported(self) -> None:
         problems = []
