@@ -140,11 +140,14 @@ def _check_bool(name, val, none_ok=False):
 
 
 def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
-                 kv_cache_dtype, micro_batch_size, generation_batch, standby, kv_cache_bytes, **_):
+                 kv_cache_dtype, micro_batch_size, generation_batch, standby, kv_cache_bytes, tool_turns,
+                 tool_result_tokens, **_):
     """The step's sizes, types and storage formats (one clear ValueError each)."""
     G = _int_at_least("num_generations", num_generations, 1)
     _int_at_least("prompt_length", prompt_length, 0)
     _int_at_least("completion_length", completion_length, 1)
+    _int_at_least("tool_turns", tool_turns, 0)
+    _int_at_least("tool_result_tokens", tool_result_tokens, 0)
     if dtype not in F.DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {list(F.DTYPE_BYTES)}, got {dtype!r}")
     if method not in METHODS:
@@ -217,7 +220,9 @@ def _is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
 class _Step:
     """One GRPO step as :func:`estimate` prices it: its checked arguments (named as there) and what follows from
     them. ``G`` completions per prompt of ``P`` prompt + ``C`` completion tokens, ``M`` sequences per
-    forward/backward, ``gen_rows`` completions per generation call, ``S`` sequences per scoring forward."""
+    forward/backward, ``gen_rows`` completions per generation call, ``S`` sequences per scoring forward. With
+    tools, ``C`` is the whole rollout after the prompt: the model's tokens of every turn plus ``tool_tokens`` of
+    tool results (out of the loss by TRL's tool mask, but in every forward and in the KV cache)."""
 
     a: Arch
     method: str
@@ -243,6 +248,7 @@ class _Step:
     loss_epilogue: str
     lora_dropout: bool
     old_policy: bool  # TRL's old-policy pass (adapters on) runs beside the reference pass
+    tool_tokens: int = 0  # tool-result tokens within C (tool_turns x tool_result_tokens)
 
     @property
     def T(self) -> int:
@@ -277,8 +283,11 @@ class _Step:
 
 
 def _step(a: Arch, *, num_generations, prompt_length, completion_length, micro_batch_size, generation_batch,
-          scoring_batch, method, offload, chunk_tokens, lora_rank, vllm, old_policy_pass, **given) -> _Step:
-    """The :class:`_Step` of checked arguments: sizes as ints, the method's defaults filled in."""
+          scoring_batch, method, offload, chunk_tokens, lora_rank, vllm, old_policy_pass, tool_turns,
+          tool_result_tokens, **given) -> _Step:
+    """The :class:`_Step` of checked arguments: sizes as ints, the method's defaults filled in; the tool results
+    joined to the completion (each turn's result follows the model's call in the same sequence)."""
+    tool_tokens = int(tool_turns) * int(tool_result_tokens)
     G = int(num_generations)
     M = G if micro_batch_size is None else int(micro_batch_size)
     gen_rows = int(generation_batch) if generation_batch is not None else -(-max(G, M) // G) * G
@@ -286,7 +295,8 @@ def _step(a: Arch, *, num_generations, prompt_length, completion_length, micro_b
         chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
     lora = lora_rank is not None
     return _Step(
-        a=a, method=method, G=G, P=int(prompt_length), C=int(completion_length), M=M, gen_rows=gen_rows,
+        a=a, method=method, G=G, P=int(prompt_length), C=int(completion_length) + tool_tokens, M=M, gen_rows=gen_rows,
+        tool_tokens=tool_tokens,
         # TRL scores one generation batch at a time, so no forward holds more of it than that
         S=None if scoring_batch is None else min(int(scoring_batch), gen_rows),
         offload=method in ("unsloth", "grpo_kit") if offload is None else offload, chunk_tokens=chunk_tokens,
@@ -447,8 +457,9 @@ def _generation_rows(s: _Step) -> list[dict]:
     slots = F.vllm_kv_tokens(s.P, s.C, G, prompts)
     given = s.kv_cache_bytes is not None
     kv = float(s.kv_cache_bytes) if given else F.kv_cache_bytes(a, slots, kv_b)
-    how = ("the KV budget given" if given else f"{prompts} prompt(s) once (prefix cache) + {G} completions each, "
-           f"{slots} slots in {F.VLLM_BLOCK_TOKENS}-token blocks")
+    how = ("the KV budget given" if given else f"{prompts} prompt(s) once (prefix cache) + {G} completions each"
+           + (f" over all turns ({s.tool_tokens} tokens of tool results)" if s.tool_tokens else "")
+           + f", {slots} slots in {F.VLLM_BLOCK_TOKENS}-token blocks")
     return [_row("KV cache (generation)", "GPU", kv, ("generation",) if s.standby else s.step_phases,
                  f"vLLM: {how}; {kv_what}; " + ("released while training (standby)" if s.standby else "stays resident")),
             _row("vLLM workspace (generation)", "GPU", F.vllm_workspace_bytes(a, s.vllm_batched_tokens, s.gen_rows, s.b),
@@ -505,7 +516,8 @@ def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
     df["GiB"] = df["bytes"] / GiB
     df = df[["component", "where", "GB", "GiB", "in_peak", "published", "note"]]
     df.attrs.update(dict(model=s.a.name, method=s.method, num_generations=s.G, prompt_length=s.P,
-                         completion_length=s.C, micro_batch_size=s.M, dtype=s.dtype, lora_rank=s.lora_rank,
+                         completion_length=s.C - s.tool_tokens, tool_tokens=s.tool_tokens,
+                         sequence_length=s.T, micro_batch_size=s.M, dtype=s.dtype, lora_rank=s.lora_rank,
                          quantization=s.quantization, vllm=s.vllm, kv_cache_dtype=s.kv_cache_dtype or s.dtype,
                          include_generation=s.include_generation, generation_batch=s.gen_rows, standby=s.standby,
                          scoring_batch=s.S, lora_dropout=s.lora_dropout, old_policy_pass=bool(s.old_policy),
@@ -526,7 +538,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
              scoring_batch: int | str | None = None, lora_dropout: bool = False,
-             old_policy_pass: bool | None = None) -> pd.DataFrame:
+             old_policy_pass: bool | None = None, tool_turns: int = 0, tool_result_tokens: int = 0) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -575,6 +587,12 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         old_policy_pass: ``grpo_kit`` with LoRA: TRL's old-policy log-prob pass runs too (adapters on, which costs
             more than the reference pass: :func:`formulas.scoring_forward_peak`), as it does under vLLM's
             importance-sampling correction or with ``num_iterations`` > 1. None: when ``vllm``.
+        tool_turns / tool_result_tokens: a multi-turn step (TRL's tool loop): ``tool_turns`` tool results of
+            ``tool_result_tokens`` tokens each (as the template renders them: the result, its wrapper and the next
+            assistant header) follow the model's calls in each rollout, ``completion_length`` then counting the
+            model's tokens of all turns. The rollout is ``prompt_length + completion_length + tool_turns x
+            tool_result_tokens`` tokens: the KV cache holds the prompt plus all turns, and every forward, the
+            loss's included, runs over the tool tokens (masked out of the loss, still computed).
 
     Phases (the module docstring's peak rule): ``generation``, ``loss``, ``backward``, and ``scoring`` where
     ``scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
@@ -639,7 +657,11 @@ def scoring_batch_for_config(cfg, model=None, **overrides) -> int | None:
 
 
 def config_estimate_kwargs(cfg, **overrides) -> dict:
-    """The :func:`estimate` arguments (all but the model) that describe a ``GRPOKitConfig``'s step."""
+    """The :func:`estimate` arguments (all but the model) that describe a ``GRPOKitConfig``'s step.
+
+    With tools, the step is priced at its bound as it stands: TRL's ``max_completion_length`` counts the model's
+    and the tools' tokens together (its tool loop drops a result that would pass it), and ``max_prompt_length``
+    covers the tools' schema (the app checks the rendered prompts), so no ``tool_turns`` are added on top."""
     kw = dict(num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
               completion_length=cfg.max_completion_length,
               dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
