@@ -425,3 +425,25 @@ def test_config_estimate_with_tools_is_priced_at_trls_bound():
     tools = GRPOKitConfig(model="tiny-llama", task="multiplication", tools=["calculator"])
     assert config_estimate_kwargs(tools) == config_estimate_kwargs(plain)
     assert config_estimate_kwargs(tools).get("tool_turns", 0) == 0
+
+
+def test_dashboard_tool_panel():
+    """TRL's tool metrics get their own panel (calls per rollout, failed share of calls); none without tools."""
+    import matplotlib
+
+    from grpo_kit.notebook.dashboard import PANELS, TOOL_PANEL, LiveDashboard
+
+    log = {"reward": 0.5, "reward_std": 0.1, "loss": 0.0, "kl": 0.0, "completions/mean_length": 20.0}
+    plain = LiveDashboard(mode="static", display=False)
+    plain.record(1, log)
+    assert plain.panels() == PANELS
+    dash = LiveDashboard(mode="static", display=False)
+    for step, (calls, failed) in enumerate([(0.25, 0.0), (1.0, 0.5)], start=1):
+        dash.record(step, dict(log, **{"tools/call_frequency": calls, "tools/failure_frequency": failed}))
+    assert dash.panels() == PANELS + (TOOL_PANEL,)
+    fig = dash.figure()
+    assert len(fig.axes) == len(PANELS) + 1
+    tools = fig.axes[-1]
+    assert tools.get_title() == "tool calls"
+    assert [list(line.get_ydata()) for line in tools.lines] == [[0.25, 1.0], [0.0, 0.5]]
+    matplotlib.pyplot.close(fig)

@@ -2,7 +2,8 @@
 
 Every logged step it records reward mean/std, each reward function's mean, the share of groups with no
 reward spread, loss, KL, mean completion length, step time and memory (CUDA allocated / peak, process
-RSS), and shows them as two rows of matplotlib panels plus a
+RSS), with tools TRL's tool-call and tool-failure frequencies, and shows them as two rows of matplotlib panels
+(a tool-call panel added when tools were called) plus a
 table of the latest sample completions (read from the run folder's ``samples.jsonl``,
 which ``grpo_kit.app.run.train`` writes). With a widget front end (Jupyter, Colab) the
 figure and table live in an ``ipywidgets.Output`` redrawn in place; without one
@@ -33,15 +34,18 @@ MODES = ("auto", "widgets", "static")
 # TRL 1.16 log keys -> dashboard column names
 _LOG_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "loss": "loss", "kl": "kl",
              "completions/mean_length": "completion_length", "frac_reward_zero_std": "frac_reward_zero_std",
-             "step_time": "step_time_s"}
+             "step_time": "step_time_s", "tools/call_frequency": "tool_call_frequency",
+             "tools/failure_frequency": "tool_failure_frequency"}
 # (row key, title); two rows of four panels. "rewards": one line per reward function (rewards/<fn>/mean).
 PANELS = (("reward_mean", "reward (mean ± std)"), ("rewards", "each reward function"),
           ("frac_reward_zero_std", "no-signal groups"), ("loss", "loss"), ("kl", "KL (k3)"),
           ("completion_length", "completion length"), ("step_time_s", "step time"), ("memory", "memory"))
 Y_LABELS = {"reward_mean": "reward", "rewards": "mean reward", "frac_reward_zero_std": "share of groups",
             "loss": "loss", "kl": "KL", "completion_length": "tokens", "step_time_s": "seconds",
-            "memory": "GiB"}
+            "memory": "GiB", "tools": "per rollout / per call"}
 PANEL_ROWS = 2
+# With tools (TRL logs tools/call_frequency): calls per rollout and the share of calls that failed.
+TOOL_PANEL = ("tools", "tool calls")
 
 
 def widget_frontend_available() -> bool:
@@ -170,15 +174,21 @@ class LiveDashboard(TrainerCallback):
         self.history.append(row)
         return row
 
+    def panels(self) -> tuple:
+        """``PANELS``, and ``TOOL_PANEL`` when TRL logged tool calls."""
+        return PANELS + ((TOOL_PANEL,) if any("tool_call_frequency" in r for r in self.history) else ())
+
     def figure(self):
-        """A matplotlib Figure with one panel per entry of ``PANELS`` over the history."""
+        """A matplotlib Figure with one panel per entry of :meth:`panels` over the history."""
         import matplotlib.pyplot as plt  # lazy: pyplot after the backend is chosen
 
-
-        cols = -(-len(PANELS) // PANEL_ROWS)
+        panels = self.panels()
+        cols = -(-len(panels) // PANEL_ROWS)
         fig, axes = plt.subplots(PANEL_ROWS, cols, figsize=(3.2 * cols, 2.6 * PANEL_ROWS), squeeze=False)
+        for ax in axes.flat[len(panels):]:  # an odd panel count leaves one cell empty
+            ax.remove()
         steps = [r["step"] for r in self.history]
-        for ax, (key, title) in zip(axes.flat, PANELS):
+        for ax, (key, title) in zip(axes.flat, panels):
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.set_ylabel(Y_LABELS[key], fontsize=8)
@@ -189,6 +199,12 @@ class LiveDashboard(TrainerCallback):
                     ax.plot(steps, [r.get(k, float("nan")) for r in self.history], marker=".", label=reward_name(k))
                 if names:
                     ax.legend(fontsize=7)
+                continue
+            if key == "tools":
+                for tkey, label in (("tool_call_frequency", "calls per rollout"),
+                                    ("tool_failure_frequency", "failed share of calls")):
+                    ax.plot(steps, [r.get(tkey, float("nan")) for r in self.history], marker=".", label=label)
+                ax.legend(fontsize=7)
                 continue
             if key == "memory":
                 for mkey, label in (("cpu_rss_gib", "CPU RSS"), ("gpu_allocated_gib", "GPU allocated"),
