@@ -122,10 +122,10 @@ def _install_sh(tmp_path, repo_root, fake_smi, version, **env):
 
     fake_smi(version)
     work = tmp_path / "checkout"
-    (work / "grpo_kit").mkdir(parents=True)
+    (work / "grpo_kit" / "model").mkdir(parents=True)
     for f in ["install.sh", *(p.name for p in repo_root.glob("requirements*.txt"))]:
         shutil.copy(repo_root / f, work / f)
-    for f in ("cuda_driver.py", "requirements-nodeps.txt"):
+    for f in ("model/cuda_driver.py", "requirements-nodeps.txt"):
         shutil.copy(repo_root / "grpo_kit" / f, work / "grpo_kit" / f)
     log = tmp_path / "pip.log"
     py = tmp_path / "python"
