@@ -334,7 +334,7 @@ class ScriptedModel(torch.nn.Module):
         self.generation_config = None
 
     def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **kw):
-        assert kw["do_sample"] is False
+        self.sampled = kw["do_sample"]
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
         self.calls.append(len(rows))
         new, _ = _script(self.tok, rows)
@@ -354,7 +354,7 @@ def test_tool_evaluation_is_the_training_rollout(tiny, tmp_path):
     fake = ScriptedModel(tok)
     result = evaluate_with_tools(fake, tok, examples, [calculator], system_prompt="Use the calculator.",
                                  max_new_tokens=160)
-    assert fake.calls == [4, 3]
+    assert fake.calls == [4, 3] and fake.sampled is False  # greedy
     for i, sample in enumerate(result["samples"]):
         ids = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
         assert sample["completion"] == tok.decode(ids), i
@@ -447,3 +447,18 @@ def test_dashboard_tool_panel():
     assert tools.get_title() == "tool calls"
     assert [list(line.get_ydata()) for line in tools.lines] == [[0.25, 1.0], [0.0, 0.5]]
     matplotlib.pyplot.close(fig)
+
+
+def test_tool_preflight_counts_spread_and_calls(tiny):
+    """The pre-flight samples num_generations rollouts per prompt through the tool loop: groups with reward spread,
+    calls per rollout."""
+    from grpo_kit.app.evaluation import tool_preflight
+
+    _, tok = tiny
+    fake = ScriptedModel(tok)
+    out = tool_preflight(fake, tok, [{"question": "What is 2 + 3?", "answer": "5"}], [calculator], num_generations=4,
+                         system_prompt="Use the calculator.", max_new_tokens=160)
+    assert fake.sampled is True and fake.calls == [4, 3]
+    # rows: a call then 5, a plain 7, an unknown tool then 5, two calls then 5
+    assert out == {"groups": 1, "spread_share": 1.0, "tool_call_rate": 1.0, "tool_use_share": 0.75,
+                   "tool_failure_rate": 0.25, "accuracy": 0.75}

@@ -80,16 +80,19 @@ def _by_level(examples: list[dict], correct: list[float]) -> dict | None:
             / max(1, sum(1 for e in examples if e.get("level") == lv)) for lv in levels}
 
 
-def _greedy_turn(model, tokenizer, seqs: list[list[int]], budgets: list[int]) -> list[list[int]]:
-    """One greedy turn for each token sequence (left-padded into one batch): at most ``budgets[i]`` new tokens, up
-    to and including the first EOS, as TRL's transformers path keeps them."""
+def _greedy_turn(model, tokenizer, seqs: list[list[int]], budgets: list[int], temperature: float = 0.0
+                 ) -> list[list[int]]:
+    """One greedy turn (``temperature`` > 0: sampled) for each token sequence (left-padded into one batch): at most
+    ``budgets[i]`` new tokens, up to and including the first EOS, as TRL's transformers path keeps them."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(s) for s in seqs)
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=device)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=device)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(
+        do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), pad_token_id=pad,
-                         do_sample=False, temperature=None, top_p=None, top_k=None)
+                         **sampling)
     eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
     stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     turns = []
@@ -125,7 +128,7 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
                         max_new_tokens: int = 32, max_tool_calling_iterations: int | None = None,
                         tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
                         tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, batch_size: int = 50,
-                        progress: str | None = None) -> dict:
+                        progress: str | None = None, temperature: float = 0.0) -> dict:
     """Greedy multi-turn accuracy of ``model`` with ``tools`` on ``examples`` (``question``/``answer`` dicts).
 
     The rollout is training's: the prompt rendered with the tools' schema, each call parsed by TRL's
@@ -134,8 +137,9 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     together, tool results included (TRL's ``max_completion_length``). The answer is the last assistant message
     (:func:`~grpo_kit.tasks.rewards.final_answer_text`). Returns ``accuracy``, ``tool_use_share`` (answers that
     called a tool), ``tool_calls``, ``tool_failures``, ``tool_failure_rate`` (per call, as TRL's
-    ``tools/failure_frequency``), ``n``, ``by_level`` when examples carry a level and the first few ``samples``
-    (messages, and the completion's text with the tool results as the model read them).
+    ``tools/failure_frequency``), ``n``, ``by_level`` when examples carry a level, per example ``correct`` and
+    ``calls`` (lists) and the first few ``samples`` (messages, and the completion's text with the tool results as
+    the model read them). ``temperature`` > 0 samples every turn instead (the pre-flight's rollouts).
     """
     from trl.chat_template_utils import parse_response  # lazy: imports TRL (the parser training reads calls with)
 
@@ -150,7 +154,7 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
         for start in range(0, len(examples), batch_size):
             batch = examples[start:start + batch_size]
             rollouts += _tool_rollouts(model, tokenizer, batch, checked, by_name, parse_response, system_prompt,
-                                       max_new_tokens, max_tool_calling_iterations)
+                                       max_new_tokens, max_tool_calling_iterations, temperature)
             bar.update(len(batch))
     finally:
         bar.close()
@@ -158,13 +162,14 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     return _tool_eval_result(examples, rollouts, tokenizer)
 
 
-def _tool_rollouts(model, tokenizer, batch, tools, by_name, parse, system_prompt, budget, max_iterations):
+def _tool_rollouts(model, tokenizer, batch, tools, by_name, parse, system_prompt, budget, max_iterations,
+                   temperature=0.0):
     """Each example's rollout (TRL 1.16's ``_tool_call_loop`` with greedy turns): its messages, completion ids,
     tool calls and failures."""
     prompts = [tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tools=tools or None,
                                              add_generation_prompt=True, tokenize=True, return_dict=False)
                for e in batch]
-    completion_ids = _greedy_turn(model, tokenizer, prompts, [budget] * len(prompts))
+    completion_ids = _greedy_turn(model, tokenizer, prompts, [budget] * len(prompts), temperature)
     messages = [[parse(tokenizer, ids, prefix=p, tools=tools)] for p, ids in zip(prompts, completion_ids)]
     calls = [0] * len(batch)
     failures = [0] * len(batch)
@@ -185,7 +190,8 @@ def _tool_rollouts(model, tokenizer, batch, tools, by_name, parse, system_prompt
             kept.append(i)
         if not kept:
             break
-        turns = _greedy_turn(model, tokenizer, seqs, [budget - (len(s) - len(prompts[i])) for s, i in zip(seqs, kept)])
+        turns = _greedy_turn(model, tokenizer, seqs, [budget - (len(s) - len(prompts[i])) for s, i in zip(seqs, kept)],
+                             temperature)
         active = []
         for i, seq, turn in zip(kept, seqs, turns):
             completion_ids[i] = seq[len(prompts[i]):] + turn
@@ -208,6 +214,7 @@ def _tool_eval_result(examples: list[dict], rollouts: list[dict], tokenizer) -> 
     result = {"accuracy": sum(correct) / n, "n": len(examples),
               "tool_use_share": sum(1 for r in rollouts if r["tool_calls"]) / n, "tool_calls": calls,
               "tool_failures": failures, "tool_failure_rate": failures / calls if calls else 0.0,
+              "correct": correct, "calls": [r["tool_calls"] for r in rollouts],
               "samples": [{"question": e["question"], "answer": e["answer"], "messages": r["messages"],
                            "completion": tokenizer.decode(r["completion_ids"]), "correct": bool(c)}
                           for e, r, c in list(zip(examples, rollouts, correct))[:8]]}
@@ -215,3 +222,18 @@ def _tool_eval_result(examples: list[dict], rollouts: list[dict], tokenizer) -> 
     if levels:
         result["by_level"] = levels
     return result
+
+
+def tool_preflight(model, tokenizer, examples: list[dict], tools: list, *, num_generations: int,
+                   temperature: float = 1.0, seed: int = 0, **kwargs) -> dict:
+    """Will a run with ``tools`` start with a learning signal? ``num_generations`` sampled rollouts of each example
+    (training's tool loop, :func:`evaluate_with_tools`'s other arguments in ``kwargs``): the share of groups whose
+    correctness differs (GRPO learns only from those), the tool-call rate (calls per rollout), the share of
+    rollouts that called a tool, the failed share of calls, and the accuracy of the samples."""
+    torch.manual_seed(seed)
+    repeated = [e for e in examples for _ in range(num_generations)]
+    result = evaluate_with_tools(model, tokenizer, repeated, tools, temperature=temperature, **kwargs)
+    groups = [result["correct"][i:i + num_generations] for i in range(0, len(repeated), num_generations)]
+    return {"groups": len(groups), "spread_share": sum(len(set(g)) > 1 for g in groups) / max(1, len(groups)),
+            "tool_call_rate": result["tool_calls"] / max(1, len(repeated)), "tool_use_share": result["tool_use_share"],
+            "tool_failure_rate": result["tool_failure_rate"], "accuracy": result["accuracy"]}
