@@ -588,11 +588,9 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             more than the reference pass: :func:`formulas.scoring_forward_peak`), as it does under vLLM's
             importance-sampling correction or with ``num_iterations`` > 1. None: when ``vllm``.
         tool_turns / tool_result_tokens: a multi-turn step (TRL's tool loop): ``tool_turns`` tool results of
-            ``tool_result_tokens`` tokens each (as the template renders them: the result, its wrapper and the next
-            assistant header) follow the model's calls in each rollout, ``completion_length`` then counting the
-            model's tokens of all turns. The rollout is ``prompt_length + completion_length + tool_turns x
-            tool_result_tokens`` tokens: the KV cache holds the prompt plus all turns, and every forward, the
-            loss's included, runs over the tool tokens (masked out of the loss, still computed).
+            ``tool_result_tokens`` tokens each (as rendered: result, wrapper, next assistant header) follow the
+            model's calls, ``completion_length`` counting the model's tokens of all turns. The KV cache holds the
+            prompt plus all turns; every forward, the loss's included, runs over the tool tokens (masked, computed).
 
     Phases (the module docstring's peak rule): ``generation``, ``loss``, ``backward``, and ``scoring`` where
     ``scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
