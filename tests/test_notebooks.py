@@ -28,7 +28,7 @@ NB_DIR = ROOT / "notebooks"
 CHECK_TAG = "nbval-check-output"
 NAMES = sorted(p.stem for p in NB_DIR.glob("[0-9][0-9]_*.ipynb"))
 EXPECTED = ["01_grpo_math", "02_vram_profiling", "03_qwen2.5_grpo", "04_llama3.1_grpo_long_context",
-            "05_rewards_and_verifiers"]
+            "05_rewards_and_verifiers", "06_multi_turn_tools"]
 
 
 def pictures(outputs: list) -> list:
