@@ -9,12 +9,12 @@ The examples below run as tests (``pytest --doctest-modules grpo_kit/tasks/rewar
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import re
 import time
 
+from grpo_kit.tasks.entries import resolve_entries, resolve_entry
 from grpo_kit.tasks.answers import as_number, extract_answer, numbers_equal, single_number, to_float
 from grpo_kit.tasks.time_limit import TimeLimitExceeded, call_with_time_limit
 
@@ -186,42 +186,14 @@ def resolve_reward_func(spec):
     ...
     ValueError: reward function 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz' (ModuleNotFoundError: No module named 'no_such_module_xyz')
     """
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise ValueError(f"reward function {spec!r}: expected a built-in name, 'module:function' or a callable, "
-                         f"got {type(spec).__name__}")
-    if spec in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"unknown reward function {spec!r}; use a built-in name ({', '.join(REWARD_FUNCTIONS)}), "
-                         "'module:function' (an importable module) or, from Python, a callable")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # the module's own import errors too: name the entry, keep the cause
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} "
-                         f"({type(e).__name__}: {e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return resolve_entry(spec, "reward function", REWARD_FUNCTIONS,
+                         f"a built-in name ({', '.join(REWARD_FUNCTIONS)}), 'module:function' (an importable module) "
+                         "or, from Python, a callable")
 
 
 def get_reward_funcs(specs) -> list:
     """Reward functions from config entries (see :func:`resolve_reward_func`); every bad entry in one error."""
-    funcs, errors = [], []
-    for spec in specs:
-        try:
-            funcs.append(resolve_reward_func(spec))
-        except ValueError as e:
-            errors.append(str(e))
-    if errors:
-        raise ValueError("; ".join(errors))
-    return funcs
+    return resolve_entries(specs, resolve_reward_func)
 
 
 def reward_func_spec(spec) -> str:

@@ -25,6 +25,7 @@ import importlib
 import logging
 import operator
 
+from grpo_kit.tasks.entries import resolve_entries, resolve_entry
 from grpo_kit.tasks.sandbox import SandboxLimits, run_python
 from grpo_kit.tasks.time_limit import TimeLimitExceeded, call_with_time_limit
 
@@ -104,41 +105,13 @@ def resolve_tool(spec):
     """One tool from a config entry: a ready tool's name (``READY_TOOLS``), a ``module:function`` string (dots
     allowed after the colon for a class attribute), or a callable, returned as is. A bad entry raises ``ValueError``
     naming it and what failed."""
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise ValueError(f"tool {spec!r}: expected a ready tool name, 'module:function' or a callable, "
-                         f"got {type(spec).__name__}")
-    if spec in READY_TOOLS:
-        return READY_TOOLS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"unknown tool {spec!r}; use a ready tool ({', '.join(READY_TOOLS)}) or "
-                         "'module:function' (an importable module)")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # the module's own import errors too: name the entry, keep the cause
-        raise ValueError(f"tool {spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"tool {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"tool {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return resolve_entry(spec, "tool", READY_TOOLS,
+                         f"a ready tool ({', '.join(READY_TOOLS)}) or 'module:function' (an importable module)")
 
 
 def get_tools(specs) -> list:
     """Tools from config entries (see :func:`resolve_tool`); every bad entry in one error."""
-    tools, errors = [], []
-    for spec in specs or ():
-        try:
-            tools.append(resolve_tool(spec))
-        except ValueError as e:
-            errors.append(str(e))
-    if errors:
-        raise ValueError("; ".join(errors))
-    return tools
+    return resolve_entries(specs, resolve_tool)
 
 
 def tool_spec(tool) -> str:
