@@ -50,8 +50,8 @@ num_problems = 50  # GSM8K problems to check the verifier on
 reward_weights = [1.0, 0.2]  # correctness, format
 num_generations = 4
 sample_model = "smollm2-135m-instruct"  # the embedded model whose completions are scored in section 6
-num_sample_questions = 8  # GSM8K questions the model answers (num_generations samples each)
-sample_max_tokens = 128  # longest sampled completion (tokens)
+num_sample_questions = 4  # GSM8K questions the model answers (num_generations samples each)
+sample_max_tokens = 96  # longest sampled completion (tokens)
 
 # %%
 from grpo_kit.notebook.helpers import repo_file, validate_params
