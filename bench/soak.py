@@ -134,7 +134,7 @@ def write_results(result: dict, out: Path, command: str) -> None:
         "| step | " + " | ".join(str(i + 1) for i in marks) + " |",
         "|---" * (len(marks) + 1) + "|",
         "| RSS | " + " | ".join(f"{rss[i]:.1f}" for i in marks) + " |", "",
-        "Per-step RSS and step times are in the `.json` file.",
+        "Per-step RSS and step times are in the data file's row (`detail`).",
     ]
     record_report("soak", result, lines, out.parent)
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
           flush=True)
     if not args.no_write:
         write_results(result, Path(args.out), command.strip())
-        print("wrote", Path(args.out).with_suffix(".md"))
+        print("wrote", Path(args.out).parent / "data" / "soak.jsonl")
     if args.check_slope is not None and result["slope_mib_per_100_steps"] > args.check_slope:
         print(f"FAIL: slope above {args.check_slope} MiB per 100 steps", file=sys.stderr)
         return 1

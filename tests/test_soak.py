@@ -51,5 +51,7 @@ def test_short_soak_flat_and_injected_leak_caught(tmp_path, repo_root):
     for name in runs:
         summary = next((line for line in out[name].splitlines() if line.startswith("20 steps")), None)
         assert summary is not None, out[name][-3000:]
-        rss = json.loads((tmp_path / name / "soak.json").read_text())["rss_mib"]
+        rows = (tmp_path / name / "data" / "soak.jsonl").read_text().splitlines()  # bench/_common.record's data file
+        rss = json.loads(rows[-1])["detail"]["rss_mib"]
+        assert len(rss) == 20, rss
         print(f"{name}: {summary}; RSS per step {rss}")  # shown with pytest -s
