@@ -74,7 +74,8 @@ EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_
 def _launch(repo_root, cwd, config, args, log):
     """``accelerate launch --config_file configs/accelerate/CONFIG.yaml -m grpo_kit train ARGS``, output to the file
     ``log``."""
-    env = {**os.environ, "PYTHONPATH": str(repo_root / "tests")}  # the reward: _fsdp_worker:length_reward
+    # the reward (_fsdp_worker:length_reward) from tests/, the kit from this checkout (also where it is not installed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "tests"), str(repo_root)])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "grpo_kit",
            "train", *args]

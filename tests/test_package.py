@@ -112,7 +112,8 @@ def test_papermill_runs_a_notebook_from_another_folder(venv, repo_root):
          cwd=venv["cwd"], env=venv["env"])
     out = venv["cwd"] / "05_out.ipynb"
     _run([str(venv["py"]), "-m", "papermill", str(repo_root / "notebooks" / "05_rewards_and_verifiers.ipynb"),
-          str(out), "-k", "grpo-kit-wheel", "-p", "num_problems", "20", "--cwd", str(venv["cwd"]),
+          str(out), "-k", "grpo-kit-wheel", "-p", "num_problems", "20", "-p", "num_sample_questions", "1",
+          "-p", "sample_max_tokens", "8", "--cwd", str(venv["cwd"]),
           "--no-progress-bar"], cwd=venv["cwd"], env={**venv["env"], "MPLBACKEND": "Agg"})
     import nbformat
 
