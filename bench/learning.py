@@ -1,11 +1,15 @@
 """Does the main job learn? Held-out accuracy before/after over seeds, and step time vs stock TRL.
 
     python -m grpo_kit bench learning --seeds 0 1 2
+    python -m grpo_kit bench learning --config configs/tools.yaml --variant tool: --variant no_tool:tools=[] \
+        --seeds 0 --timing-steps 0
 
-Runs the default ``python -m grpo_kit train`` once per seed (each in its own process and run
-folder), then, for step time, a short run of the kit's trainer and of TRL's stock
-``GRPOTrainer`` with the same settings, interleaved (ours, TRL, ours, TRL). Writes
-``bench/results/data/learning.jsonl`` (page ``learning.md``).
+Runs ``python -m grpo_kit train`` (the default job, or ``--config``) once per seed and variant (each in its own
+process and run folder), then, for step time, a short run of the kit's trainer and of TRL's stock
+``GRPOTrainer`` with the same settings, interleaved (ours, TRL, ours, TRL). A variant (``NAME:KEY=VALUE,...``)
+adds its overrides to every run of its rows: the same seeds and budget, side by side in one run (e.g. the tool
+task with and without its tool; with tools the held-out rows also give the share of answers that called one).
+Writes ``bench/results/data/learning.jsonl`` (page ``learning.md``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from _common import hardware, hardware_line, record_report
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_job(out: Path, sets: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "grpo_kit", "train", "--output-dir", str(out)]
+def run_job(out: Path, sets: list[str], config: str | None = None) -> dict:
+    cfg_args = ["--config", config] if config else []
+    cmd = [sys.executable, "-m", "grpo_kit", "train", *cfg_args, "--output-dir", str(out)]
     for s in sets:
         cmd += ["--set", s]
     t = time.perf_counter()
@@ -34,8 +39,34 @@ def run_job(out: Path, sets: list[str]) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     summary["wall_seconds"] = round(time.perf_counter() - t, 1)
-    summary["command"] = " ".join(["python -m grpo_kit train", *[f"--set {s}" for s in sets]])
+    summary["command"] = " ".join(["python -m grpo_kit train", *cfg_args, *[f"--set {s}" for s in sets]])
+    ev = json.loads((out / "eval.json").read_text()) if (out / "eval.json").is_file() else {}
+    for when in ("before", "after"):  # the tool task's held-out figures (absent without tools)
+        for key in ("tool_use_share", "tool_failure_rate"):
+            if key in ev.get(when, {}):
+                summary[f"{key}_{when}"] = ev[when][key]
     return summary
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME:KEY=VALUE,KEY=VALUE`` (or ``NAME:`` for none) -> (name, overrides). A value holding a comma must
+    be a YAML list or mapping (``tools=[a,b]``): commas inside brackets do not split."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: want NAME:KEY=VALUE,... (NAME a word, e.g. no_tool:tools=[])")
+    sets, depth, cur = [], 0, ""
+    for ch in rest:
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            sets.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    sets += [cur] if cur else []
+    bad = [x for x in sets if "=" not in x]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: {bad[0]!r} is not KEY=VALUE")
+    return name, sets
 
 
 def timing_runs(runs: Path, rows, *, steps: int, rounds: int, sets=()) -> dict:
@@ -84,9 +115,54 @@ def config_line(run_dir: Path) -> str:
             f"{c.max_steps} steps, rewards {c.reward_funcs}")
 
 
+def run_seeds(runs: Path, variants, seeds, sets, config=None) -> list[dict]:
+    """One run of the job per (variant, seed), in its own folder; each summary gains ``row`` (the variant),
+    ``seed`` and ``signal_steps``."""
+    rows = []
+    for name, variant_sets in variants:
+        for seed in seeds:
+            folder = runs / (f"seed{seed}" if len(variants) == 1 else f"{name}_seed{seed}")
+            s = run_job(folder, [*sets, *variant_sets, f"seed={seed}"], config)
+            s.update(row=name, seed=seed, signal_steps=signal_steps(Path(s["run_dir"])))
+            tool = (f", tool used in {s['tool_use_share_after']:.0%} of answers after"
+                    if "tool_use_share_after" in s else "")
+            print(f"{name} seed {seed}: before {s['accuracy_before']:.3f} after {s['accuracy_after']:.3f}{tool} "
+                  f"({s['wall_seconds']:.0f} s, {s['mean_step_time_s']:.2f} s/step)", flush=True)
+            rows.append(s)
+    return rows
+
+
+def gain_row(name: str, rows: list[dict]) -> dict:
+    """A variant's seeds in one row: mean gain, seed-to-seed spread of the after-accuracy, and whether the gain
+    clears twice that spread (``learns``)."""
+    after = [s["accuracy_after"] for s in rows]
+    gains = [s["accuracy_after"] - s["accuracy_before"] for s in rows]
+    spread = statistics.pstdev(after) if len(after) > 1 else 0.0
+    out = {"row": f"{name} (all seeds)", "seeds_run": len(rows), "mean_after": statistics.mean(after),
+           "mean_gain": statistics.mean(gains), "after_std": spread, "learns": statistics.mean(gains) > 2 * spread}
+    if all("tool_use_share_after" in s for s in rows):
+        out["mean_tool_use_share_after"] = statistics.mean(s["tool_use_share_after"] for s in rows)
+    return out
+
+
+def seed_line(s: dict) -> str:
+    ev = json.loads((Path(s["run_dir"]) / "eval.json").read_text())
+    lv = ev["after"].get("by_level", {})
+    tool = (f"{s['tool_use_share_before']:.2f} -> {s['tool_use_share_after']:.2f}"
+            if "tool_use_share_after" in s else "-")
+    return (f"| {s['row']} | {s['seed']} | {s['accuracy_before']:.3f} | {s['accuracy_after']:.3f} | "
+            f"{s['accuracy_after'] - s['accuracy_before']:+.3f} | {lv.get('1', float('nan')):.3f} | "
+            f"{lv.get('2', float('nan')):.3f} | {tool} | {s['signal_steps']}/{s['steps']} | "
+            f"{s['mean_step_time_s']:.2f} | {s['wall_seconds']:.0f} s |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--config", default=None, help="a YAML config for every run (default: the main job's defaults)")
+    p.add_argument("--variant", dest="variants", action="append", type=parse_variant, default=[],
+                   metavar="NAME:KEY=VALUE,...", help="rows to compare (repeatable), each run over every seed with "
+                   "its overrides added, e.g. --variant tool: --variant no_tool:tools=[]")
     p.add_argument("--timing-steps", type=int, default=8, help="steps of each short timing run (0: skip)")
     p.add_argument("--timing-rounds", type=int, default=2)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -95,51 +171,31 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_cpu"))
     args = p.parse_args(argv)
     runs = Path(args.runs_dir)
-
-    seeds = []
-    for seed in args.seeds:
-        s = run_job(runs / f"seed{seed}", [*args.sets, f"seed={seed}"])
-        s["seed"], s["signal_steps"] = seed, signal_steps(Path(s["run_dir"]))
-        print(f"seed {seed}: before {s['accuracy_before']:.3f} after {s['accuracy_after']:.3f} "
-              f"({s['wall_seconds']:.0f} s, {s['mean_step_time_s']:.2f} s/step)", flush=True)
-        seeds.append(s)
-
+    variants = args.variants or [("main_job" if not args.config else Path(args.config).stem, [])]
+    seeds = run_seeds(runs, variants, args.seeds, args.sets, args.config)
     timing = timing_runs(runs, (("grpo_kit", ["trainer=grpo_kit"]), ("trl", ["trainer=trl"])),
                          steps=args.timing_steps, rounds=args.timing_rounds if args.timing_steps else 0, sets=args.sets)
-
-    before = [s["accuracy_before"] for s in seeds]
-    after = [s["accuracy_after"] for s in seeds]
-    gains = [a - b for a, b in zip(after, before)]
-    spread = statistics.pstdev(after) if len(after) > 1 else 0.0
+    summaries = [gain_row(name, [s for s in seeds if s["row"] == name]) for name, _ in variants]
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m grpo_kit bench learning " + " ".join(sys.argv[1:]),
-        "hardware": hardware(),
-        "seeds": seeds, "timing": timing,
-        "mean_gain": statistics.mean(gains), "after_std": spread,
-        "learns": statistics.mean(gains) > 2 * spread,
+        "command": "python -m grpo_kit bench learning " + " ".join(sys.argv[1:] if argv is None else argv),
+        "hardware": hardware(), "timing": timing, "seeds": [*seeds, *summaries],
     }
-    out = Path(args.out)
+    first = Path(seeds[0]["run_dir"]) if seeds else None
     lines = [
         "# Learning on the embedded model (CPU)", "",
         f"- command: `{result['command']}`", f"- date: {result['date']}", f"- hardware: {hardware_line(result['hardware'])}",
-        f"- each seed: `python -m grpo_kit train {' '.join('--set ' + x for x in args.sets)} --set seed=S` "
-        f"({config_line(Path(seeds[0]['run_dir'])) if seeds else 'no seeds'}); generation: "
-        f"{seeds[0].get('generation', {}).get('backend', '?') if seeds else '?'}; held-out: the fixed 200 problems "
-        "(`data/arithmetic_heldout.jsonl`), greedy; signal steps: steps with at least one group whose rewards "
-        "differed", "",
-        "| seed | accuracy before | accuracy after | gain | level 1 after | level 2 after | signal steps | s/step | wall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"- each run: `python -m grpo_kit train {'--config ' + args.config + ' ' if args.config else ''}"
+        f"{' '.join('--set ' + x for x in args.sets)} [variant's sets] --set seed=S` "
+        f"({config_line(first) if first else 'no seeds'}); generation: "
+        f"{seeds[0].get('generation', {}).get('backend', '?') if seeds else '?'}; held-out: greedy; signal steps: "
+        "steps with at least one group whose rewards differed", "",
+        "| variant | seed | accuracy before | accuracy after | gain | level 1 after | level 2 after | tool use "
+        "before -> after | signal steps | s/step | wall |", "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[seed_line(s) for s in seeds], "",
+        *[f"{g['row']}: mean after {g['mean_after']:.3f}, mean gain {g['mean_gain']:+.3f}; seed-to-seed std of the "
+          f"after-accuracy {g['after_std']:.3f}; gain > 2 x spread: {g['learns']}." for g in summaries],
     ]
-    for s in seeds:
-        ev = json.loads((Path(s["run_dir"]) / "eval.json").read_text())
-        lv = ev["after"].get("by_level", {})
-        lines.append(f"| {s['seed']} | {s['accuracy_before']:.3f} | {s['accuracy_after']:.3f} | "
-                     f"{s['accuracy_after'] - s['accuracy_before']:+.3f} | {lv.get('1', float('nan')):.3f} | "
-                     f"{lv.get('2', float('nan')):.3f} | {s['signal_steps']}/{s['steps']} | "
-                     f"{s['mean_step_time_s']:.2f} | {s['wall_seconds']:.0f} s |")
-    lines += ["", f"Mean gain {result['mean_gain']:+.3f}; seed-to-seed std of the after-accuracy {spread:.3f}; "
-              f"gain > 2 x spread: {result['learns']}."]
     if any(timing.values()):
         lines += ["", f"Step time, short runs of {args.timing_steps} steps without evaluation, interleaved:", "",
                   "| trainer | s/step, steps 2+, per round | s/step incl. step 1 | peak RSS (GiB) |",
@@ -148,8 +204,7 @@ def main(argv=None) -> int:
             after, times, rss = (", ".join(f"{x[key]:.2f}" for x in v)
                                  for key in ("mean_after_first_s", "mean_step_time_s", "peak_rss_gib"))
             lines.append(f"| {k} | {after} | {times} | {rss} |")
-    record_report("learning", result, lines, out.parent)
-    print("\n".join(lines))
+    record_report("learning", result, lines, Path(args.out).parent)
     return 0
 
 

@@ -1,0 +1,33 @@
+"""bench/learning.py's pieces that need no training run: the --variant parser and the per-variant summary row."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from learning import gain_row, parse_variant  # noqa: E402
+
+
+def test_parse_variant_splits_outside_brackets_only():
+    assert parse_variant("tool:") == ("tool", [])
+    assert parse_variant("no_tool:tools=[]") == ("no_tool", ["tools=[]"])
+    assert parse_variant("b:levels=[1,2],seed=3,x={a: 1, b: 2}") == ("b", ["levels=[1,2]", "seed=3", "x={a: 1, b: 2}"])
+    for bad, needle in (("notool", "want NAME:KEY=VALUE"), ("1x:seed=1", "want NAME:KEY=VALUE"),
+                        ("a:seed", "'seed' is not KEY=VALUE")):
+        with pytest.raises(argparse.ArgumentTypeError, match=needle):
+            parse_variant(bad)
+
+
+def test_gain_row_mean_spread_and_tool_share():
+    rows = [{"accuracy_before": 0.1, "accuracy_after": 0.5, "tool_use_share_after": 0.5},
+            {"accuracy_before": 0.1, "accuracy_after": 0.7, "tool_use_share_after": 1.0}]
+    g = gain_row("tool", rows)
+    assert g["row"] == "tool (all seeds)" and g["seeds_run"] == 2
+    assert g["mean_after"] == pytest.approx(0.6) and g["mean_gain"] == pytest.approx(0.5)
+    assert g["after_std"] == pytest.approx(0.1) and g["learns"] is True  # 0.5 > 2 x 0.1
+    assert g["mean_tool_use_share_after"] == pytest.approx(0.75)
+    flat = gain_row("no_tool", [{"accuracy_before": 0.2, "accuracy_after": 0.2}])
+    assert flat["mean_gain"] == 0 and flat["learns"] is False and "mean_tool_use_share_after" not in flat
