@@ -19,14 +19,16 @@
 # Online with a GPU (Colab T4 or better): Qwen2.5-1.5B-Instruct, GSM8K from the hub, vLLM generation (HF generate
 # where vLLM is not installed or the GPU's driver cannot run its CUDA build), LoRA,
 # the kit's efficient loss (not run or timed here: no GPU). Otherwise (CPU, no network) the notebook falls back
-# by itself to the embedded SmolLM2-135M-Instruct on the arithmetic tasks (CI's 2 steps × 4 generations × 8
-# tokens take about 2 minutes on a 2-core CPU). `-p max_steps N` sets the full run's steps,
+# by itself to the embedded SmolLM2-135M-Instruct on the arithmetic tasks, as `python -m grpo_kit train`
+# does (CI runs it with 2 steps × 4 generations × 8 tokens). `-p max_steps N` sets the full run's steps,
 # `-p fallback_max_steps N` the fallback's. The dashboard redraws every step; the run folder keeps metrics.csv, samples.jsonl, eval.json and the
 # adapter.
 #
 # **Runtime:** GPU, a T4 or better (Colab: Runtime > Change runtime type > T4 GPU; the notebook's metadata asks
-# for it). Measured: the CPU fallback took 132 s for the whole notebook with the CI parameters on a 2-core CPU
-# (`python tests/test_notebooks.py --refresh`, shared machine); the full setup (Qwen2.5-1.5B architecture, HF
+# for it). Measured: the outputs below are the CPU fallback with the parameters as they stand
+# (the embedded model, vLLM's CPU engine, 40 steps of 2 prompts × 8 completions of at most 24 tokens, 200
+# held-out problems before and after): 376 s for the whole notebook on a 2-core CPU
+# (`python tests/test_notebooks.py --refresh`). The full setup (Qwen2.5-1.5B architecture, HF
 # generation, 3 steps x 128 tokens) 88 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 
 # %%
@@ -74,6 +76,7 @@ save_merged_weights = True  # write merged 16-bit weights after training
 hub_repo = ""  # e.g. "user/qwen2.5-grpo": push the merged weights to the Hub
 seed = 0
 report_to = "none"  # trackers (TRL's report_to): "tensorboard", "wandb", "trackio", several: "tensorboard,wandb"
+verbose = False  # True: vLLM's log and third-party warnings as the libraries print them (the CLI's --verbose)
 preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
 # %%
@@ -91,8 +94,9 @@ full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
                 per_device_train_batch_size=2 * num_generations, num_eval_samples=fallback_num_eval_samples,
                 max_completion_length=fallback_max_completion_length, generation_backend=fallback_generation_backend)
-extras = dict(setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo)
-validate_params(full, extras, dict(setup=str, dashboard=str, save_merged_weights=bool, hub_repo=str))  # both now
+extras = dict(setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo,
+              verbose=verbose)
+validate_params(full, extras, dict(setup=str, dashboard=str, save_merged_weights=bool, hub_repo=str, verbose=bool))  # both now
 validate_params(fallback)
 # vLLM is needed only when asked for by name; with "auto" a GPU without it trains the full setup with HF generate
 chosen, settings = choose_setup(full, fallback, need_packages=("vllm",) if generation_backend == "vllm" else (),
@@ -158,7 +162,7 @@ from grpo_kit.app.run import train
 
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
-summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
+summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True, verbose=verbose)
 
 # %% [markdown]
 # ## Before / after and the saved adapter

@@ -19,13 +19,16 @@
 # On a GPU (how much memory: see the calculator below; the full run was not timed or run here) the run uses
 # everything the kit has for long context: offloaded gradient checkpointing (each layer's input parked in CPU RAM), the
 # efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
-# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a small
-# context (CI's 2 steps × 4 generations take a few minutes on a 2-core CPU).
+# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a 2,048-token
+# window (CI runs it with 2 steps × 4 generations at 72 tokens).
 #
 # **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for;
-# the calculator below says whether the chosen context fits). Measured: the CPU fallback took 68-129 s for
-# the whole notebook with the CI parameters on a 2-core CPU (`python tests/test_notebooks.py --refresh`, shared
-# machine); the full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
+# the calculator below says whether the chosen context fits). Measured: the outputs below are the CPU fallback with the
+# parameters as they stand (the embedded model at a 2,048-token window, 5 steps × 8 completions, HF generation, 50
+# held-out problems): 1,581 s for the whole notebook on a 2-core CPU that another job shared for part of the run
+# (steps 1-3 took 21-41 s, steps 4-5 216-631 s). In 5 steps of one prompt no sampled group earned a reward, so
+# the adapter did not move (notebook 03 shows the same model learning over 40 steps); the run is here for the
+# memory at a long window, measured beside the calculator's. The full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
 # (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 #
 # **Free T4:** `preset = "free_t4"` sets 4-bit base weights (QLoRA), fp16, HF generation and the longest context
@@ -90,6 +93,7 @@ save_merged_weights = False  # merged 16-bit weights after training (an 8B needs
 hub_repo = ""  # e.g. "user/llama3.1-grpo": push the merged weights to the Hub
 seed = 0
 report_to = "none"  # trackers (TRL's report_to): "tensorboard", "wandb", "trackio", several: "tensorboard,wandb"
+verbose = False  # True: vLLM's log and third-party warnings as the libraries print them (the CLI's --verbose)
 
 # %%
 from grpo_kit.memory.fit import free_t4_preset
@@ -112,10 +116,10 @@ if preset == "free_t4":  # the calculator picks the context: the whole step, HF 
 extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit,
               fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
               fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard,
-              save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset)
+              save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset, verbose=verbose)
 types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_kv_cache=bool, gpu_gib=float,
              fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
-             save_merged_weights=bool, hub_repo=str, preset=str)
+             save_merged_weights=bool, hub_repo=str, preset=str, verbose=bool)
 check_model_name(calculator_model)
 validate_params({}, extras, types)  # types first, so the comparisons below are safe
 for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
@@ -296,7 +300,11 @@ else:
 # config's field of that name. The fallback uses none of them: on the CPU it trains the embedded model with a
 # 2,048-token window per sequence (prompt + completion); its completions end where the model stops (the
 # dashboard's completion-length panel shows how long they were), so the window bounds the memory, it is
-# not always filled.
+# not always filled. The measured memory printed after the run is not the calculator's quantity on the CPU: it is
+# the process's peak RSS over the whole run (Python, torch, transformers and TRL take about 0.8 GiB once
+# imported; the held-out evaluation generates its 50 answers in one batch, each up to the window, before
+# training starts; the allocator keeps what it freed), where the calculator prices one training step. On a GPU
+# the measured figure is the allocator's peak.
 
 # %%
 from grpo_kit.notebook.dashboard import LiveDashboard
@@ -306,7 +314,7 @@ device = resolve_device(cfg)
 print("device:", device, " dtype:", resolve_dtype(cfg, device))
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
-summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
+summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True, verbose=verbose)
 
 # %%
 from grpo_kit.memory.fit import config_fit

@@ -23,9 +23,12 @@
 # multi-digit multiplication with the kit's calculator (`configs/tools.yaml` is the same run from the CLI),
 # with the dashboard's tool-call panel, and shows the same held-out questions before and after.
 #
-# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU), HF generation. The outputs below are a real run
-# with the parameters as they stand (`python tests/test_notebooks.py --refresh 06_multi_turn_tools`); the
-# report says how long it took.
+# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU), HF generation. Measured: the outputs below are a run with
+# the parameters as they stand (3 steps × 4 rollouts, 4 held-out questions): 115 s for the whole notebook on a
+# 2-core CPU (`python tests/test_notebooks.py --refresh 06_multi_turn_tools`). What they show: the untrained 135M
+# model does not call the tool (no call in the pre-flight, in training or on the held-out questions, before or
+# after), so no group has a reward spread and GRPO has nothing to learn from; the pre-flight says so before the
+# run. A model that calls tools (or an SFT warm-up on a few tool transcripts first) is what this task needs.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at

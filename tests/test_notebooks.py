@@ -140,14 +140,7 @@ def closing_steps(text: str) -> int:
 MIN_COMMITTED_STEPS = {"03_qwen2.5_grpo": 20, "04_llama3.1_grpo_long_context": 5}
 
 
-# Notebooks whose real run is not committed yet (issue 36 stays open for them: their runs did not finish on the
-# shared 2-core machine). Strict: committing a real run makes the test pass, and then this entry must go.
-REAL_RUN_PENDING = ("03_qwen2.5_grpo", "04_llama3.1_grpo_long_context", "05_rewards_and_verifiers",
-                    "06_multi_turn_tools")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="real run not committed yet (issue 36)")) if n in REAL_RUN_PENDING else n for n in EXPECTED])
+@pytest.mark.parametrize("name", EXPECTED)
 def test_committed_outputs_are_a_real_run(name):
     """The committed outputs come from a real execution: at least one picture, no error, and for the training
     notebooks a run of at least MIN_COMMITTED_STEPS steps by its own closing lines."""
