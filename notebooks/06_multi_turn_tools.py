@@ -65,6 +65,7 @@ preflight_prompts = 1  # prompts the pre-flight samples (num_generations rollout
 dashboard = "auto"  # "auto" | "widgets" | "static"
 output_dir = "runs/06_multi_turn_tools"
 seed = 0
+verbose = False  # True: vLLM's log and third-party warnings as the libraries print them (the CLI's --verbose)
 
 # %%
 from grpo_kit.notebook.helpers import validate_params
@@ -77,8 +78,8 @@ cfg = validate_params(dict(model=model, task="multiplication", levels=levels, to
                            num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
                            reward_funcs=["correctness", "format_soft"], generation_backend="hf",
                            output_dir=output_dir, seed=seed, use_lora=True),
-                      dict(preflight_prompts=preflight_prompts, dashboard=dashboard),
-                      dict(preflight_prompts=int, dashboard=str))
+                      dict(preflight_prompts=preflight_prompts, dashboard=dashboard, verbose=verbose),
+                      dict(preflight_prompts=int, dashboard=str, verbose=bool))
 print(f"model={cfg.model}  task={cfg.task} levels={cfg.levels}  tools={cfg.tools}  steps={cfg.max_steps}  "
       f"G={cfg.num_generations}  completion<={cfg.max_completion_length} tokens (all turns)")
 
@@ -205,7 +206,7 @@ from grpo_kit.notebook.dashboard import LiveDashboard
 
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
-summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True)
+summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True, verbose=verbose)
 
 # %% [markdown]
 # ## 6. Before → after on the same questions
