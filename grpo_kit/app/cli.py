@@ -19,7 +19,7 @@ import yaml
 
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.app.console import quiet_console, warn_once_per_message
-from grpo_kit.app.resume_policy import resume_config
+from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES, resume_config
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.model import cuda_driver
 from grpo_kit.model.devices import unusable_gpu
@@ -136,8 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
     t.add_argument("--output-dir", help="run folder (same as --set output_dir=...)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
-                   "with its saved config (--set only for max_steps, save_steps, keep_checkpoints, max_bad_steps, "
-                   "loss_chunk_size, scoring_batch_size, report_to, run_name)")
+                   f"with its saved config (--set only for {', '.join(SAFE_RESUME_OVERRIDES)})")
     t.add_argument("--help-config", action="store_true", help="print every config field with its type, default, "
                    "allowed values and help, then exit")
     t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "
