@@ -156,8 +156,8 @@ print("tools:", [n for n, _ in inspect.getmembers(CalculatorEnv, inspect.isfunct
 # ## 3. The template and the prompt
 # SmolLM2's own template drops tool calls; the kit gives its built-in models a ChatML template with Qwen2.5's tool
 # conventions and the response parser TRL reads calls back with, and checks any other model's template before it
-# loads (`check_tool_template`). The system prompt carries a worked example: a 135M model that has never seen the
-# call format would not produce it.
+# loads (`check_tool_template`). The system prompt carries a worked example, since a model that has never seen the
+# call format would not produce it; the untrained 135M model rarely does even with it (the pre-flight below).
 
 # %%
 import torch
