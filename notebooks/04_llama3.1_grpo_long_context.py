@@ -256,7 +256,7 @@ if rl is not None:
 # The full setup's step as configured above (LoRA, one sequence per micro-batch, vLLM sharing the weights, FP8 KV
 # cache unless 4-bit), priced against each card's memory: the verdict and the longest context that fits.
 
-# %%
+# %% tags=["nbval-check-output"]
 from grpo_kit.memory.estimate import config_estimate_kwargs
 from grpo_kit.memory.fit import fit_verdict, verdict_kwargs
 
