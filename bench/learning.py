@@ -41,6 +41,7 @@ def run_job(out: Path, sets: list[str], config: str | None = None) -> dict:
     summary["wall_seconds"] = round(time.perf_counter() - t, 1)
     summary["command"] = " ".join(["python -m grpo_kit train", *cfg_args, *[f"--set {s}" for s in sets]])
     ev = json.loads((out / "eval.json").read_text()) if (out / "eval.json").is_file() else {}
+    summary["by_level_after"] = ev.get("after", {}).get("by_level", {})
     for when in ("before", "after"):  # the tool task's held-out figures (absent without tools)
         for key in ("tool_use_share", "tool_failure_rate"):
             if key in ev.get(when, {}):
@@ -146,8 +147,7 @@ def gain_row(name: str, rows: list[dict]) -> dict:
 
 
 def seed_line(s: dict) -> str:
-    ev = json.loads((Path(s["run_dir"]) / "eval.json").read_text())
-    lv = ev["after"].get("by_level", {})
+    lv = s["by_level_after"]
     tool = (f"{s['tool_use_share_before']:.2f} -> {s['tool_use_share_after']:.2f}"
             if "tool_use_share_after" in s else "-")
     return (f"| {s['row']} | {s['seed']} | {s['accuracy_before']:.3f} | {s['accuracy_after']:.3f} | "

@@ -38,13 +38,10 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
             texts = [tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
                                                    add_generation_prompt=True) for e in batch]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **_decoding(temperature))
             if temperature > 0:
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-                kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                              num_return_sequences=num_samples)
-            else:
-                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                kwargs.update(num_return_sequences=num_samples)
             out = model.generate(**enc, **kwargs)
             completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             reps = num_samples if temperature > 0 else 1
@@ -61,14 +58,18 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
         tokenizer.padding_side = side
         model.train(was_training)
     result = {"accuracy": sum(correct) / max(1, len(correct)), "n": len(examples), "samples": samples}
-    levels = sorted({e.get("level") for e in examples if e.get("level") is not None})
+    reps = num_samples if temperature > 0 else 1
+    levels = _by_level([e for e in examples for _ in range(reps)], correct)  # a score per sample, in order
     if levels:
-        reps = num_samples if temperature > 0 else 1
-        result["by_level"] = {
-            str(lv): sum(c for i, c in enumerate(correct) if examples[i // reps].get("level") == lv)
-            / max(1, sum(1 for i in range(len(correct)) if examples[i // reps].get("level") == lv))
-            for lv in levels}
+        result["by_level"] = levels
     return result
+
+
+def _decoding(temperature: float) -> dict:
+    """``generate``'s decoding arguments: greedy at ``temperature`` 0, else pure sampling (no top-k, no top-p)."""
+    if temperature > 0:
+        return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
 
 
 def _by_level(examples: list[dict], correct: list[float]) -> dict | None:
@@ -89,10 +90,8 @@ def _greedy_turn(model, tokenizer, seqs: list[list[int]], budgets: list[int], te
     width = max(len(s) for s in seqs)
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=device)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=device)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(
-        do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), pad_token_id=pad,
-                         **sampling)
+                         **_decoding(temperature))
     eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
     stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     turns = []
