@@ -17,13 +17,15 @@
 #  (after 4) the main job on the embedded model and the 8B's 20K step with the merge as the default (both run on an
 #  H100 in session 32), then the 20K rows of the peers (rl20k_peers: bf16 KV, separate copy, TRL colocate; run on an
 #  H100 in session 33) and the whole GPU tier (gpu_tier).
-#  Issue 37, FP8 base weights (only those: STEPS="fp8_tier fp8_rl4k fp8_rl20k fp8_gen4k fp8_learning bf16_learning"): the
+#  Issue 37, FP8 base weights (only those: STEPS="fp8_tier fp8_rl4k fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k"): the
 #  FP8 GPU tier (torch._scaled_mm against its twin, vLLM serving the training model's FP8 tensors with equal
 #  data_ptrs and its greedy log-probs against the trainer's: the mismatch |dlogp|, printed); the 4K step with FP8
 #  weights beside the kit's bf16-weight row and TRL colocate in the same run; the 20K step's memory (target <= 22
 #  GiB); generation alone at 8 x 4,096 with FP8 and 16-bit weights; learning over 3 seeds with FP8 weights against
-#  bf16 (held-out after within 0.05 of the bf16 runs' mean). Until the FP8 engine sharing is wired into the
-#  generator, FP8-weight rows generate with HF generate (config.base_weights' help).
+#  bf16 (held-out after within 0.05 of the bf16 runs' mean). FP8-weight rows generate with vLLM's FP8 engine on the
+#  training model's own codes (one copy); SEEDS="0" runs the learning step on one seed. In this order: the tier,
+#  the 4K rows, the 20K memory row, the main job with FP8 and bf16 weights side by side (the checkpoint written
+#  into the FP8 engine end to end), then TRL's 4K row and generation alone.
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Bringing results home: append each OUT_DIR/results/data/<benchmark>.jsonl to bench/results/data/ (cat >>, never
@@ -118,11 +120,10 @@ step qlora_1k_refbatch 500 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --
 step fp16_1k_refbatch 300 $ratio --dtype fp16 --ref-micro-batch 8 --tag ${card}_llama8b_fp16_1k_refbatch
 # Issue 37: FP8 base weights (e4m3, per-channel scales, W8A8 forward), each row records base_weights.
 step fp8_tier 600 python3 -m pytest -m gpu tests/test_fp8.py -q -s -rs -p no:cacheprovider
-step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8,trl --completion 4096 --steps 3 --timeout 480
-step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 20480 --steps 1 --timeout 700
-step fp8_gen4k 1500 $bench --rows gen_hf_fp8w,gen_hf,gen_vllm --completion 4096 --timeout 480
-step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds 0 1 2 --timing-steps 0 --set base_weights=fp8 \
-  --runs-dir "$out/fp8_learning_runs" --out "$out/results/learning_${card}_fp8"
-step bf16_learning 3000 python3 -m grpo_kit bench learning --seeds 0 1 2 --timing-steps 0 \
-  --runs-dir "$out/bf16_learning_runs" --out "$out/results/learning_${card}_bf16"
+step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 4096 --steps 3 --timeout 480
+step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700
+step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
+  --variant fp8:base_weights=fp8 --variant bf16: --runs-dir "$out/learning_runs" --out "$out/results/learning_${card}_fp8"
+step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 480
+step fp8_gen4k 1500 $bench --rows gen_vllm_fp8w,gen_vllm,gen_hf_fp8w --completion 4096 --timeout 480
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -28,10 +28,12 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
   head), fixed length through ``generation_kwargs={"min_tokens": C}``. ``--trl-vllm-memory`` sets that share:
   0.3 of an 80 GiB card leaves its engine at most 8.8 GiB of KV cache beside the 15 GiB of weights, under the 20.5 GiB
   that 8 x (512 + 20,480) bf16 tokens need, so vLLM would decode the 8 in turns; 0.3 of an H200 holds them.
-* ``grpo_kit_fp8w``: the kit's trainer with FP8 base weights (``base_weights=fp8``: e4m3, per-channel scales,
-  quantised on the GPU layer by layer, W8A8 forward), LoRA through ``fp8_lora_config``; it generates with HF
-  ``generate`` until the FP8 engine sharing (``grpo_kit.generation.shared_weights``) is wired into the generator,
-  so its ``training_s`` compares with the 16-bit rows' and its generation with ``gen_hf``'s.
+* ``grpo_kit_fp8w``: ``grpo_kit_fp8`` with FP8 base weights (``base_weights=fp8``: e4m3, per-channel scales,
+  W8A8 forward), LoRA through ``fp8_lora_config``: vLLM's FP8 engine starts on placeholder weights, the training
+  model is built on its codes and scales (one FP8 copy, ``grpo_kit.generation.shared_weights``), the kit's codes
+  are written into them, and the adapter runs in vLLM's LoRA kernels (a merge would round FP8 weights again).
+* ``grpo_kit_fp8w_hf``: FP8 base weights generating with HF ``generate`` (no vLLM), the fallback where the weights
+  cannot be shared.
 * ``gen_vllm`` / ``gen_hf`` / ``gen_hf_fp8w``: generation alone, 8 completions of one prompt: vLLM (the kit's
   engine, CUDA graphs) against HF ``generate`` on the same architecture, with 16-bit or FP8 base weights.
 
@@ -68,14 +70,15 @@ from _common import LORA_TARGETS, command_line, hardware, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync, base_weights); FP8 base weights generate with HF
-# generate until the FP8 engine sharing is wired into the generator (config.base_weights' help)
+# row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync, base_weights); grpo_kit_fp8w_hf generates with HF
 KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None, "16bit"), "grpo_kit_bf16": ("auto", True, None, "16bit"),
             "grpo_kit_merge": ("fp8", True, "merge", "16bit"), "grpo_kit_adapter": ("fp8", True, "adapter", "16bit"),
-            "grpo_kit_copy": ("auto", False, None, "16bit"), "grpo_kit_fp8w": ("auto", "auto", None, "fp8")}
+            "grpo_kit_copy": ("auto", False, None, "16bit"), "grpo_kit_fp8w": ("fp8", True, None, "fp8"),
+            "grpo_kit_fp8w_hf": ("auto", "auto", None, "fp8")}
 IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge": "grpo_kit",
-        "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy", "grpo_kit_fp8w": "grpo_kit"}
-GEN_ROWS = {"gen_vllm": "16bit", "gen_hf": "16bit", "gen_hf_fp8w": "fp8"}  # row: base_weights
+        "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy", "grpo_kit_fp8w": "grpo_kit",
+        "grpo_kit_fp8w_hf": "grpo_kit"}
+GEN_ROWS = {"gen_vllm": "16bit", "gen_vllm_fp8w": "fp8", "gen_hf": "16bit", "gen_hf_fp8w": "fp8"}  # row: base_weights
 ROWS = (*KIT_ROWS, "trl", *GEN_ROWS)
 
 
@@ -202,7 +205,7 @@ def kit_row(name: str, a) -> dict:
                         num_generations=GENERATIONS, per_device_train_batch_size=1,
                         gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
                         kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
-                        generation_backend="hf" if base_weights == "fp8" else "vllm",
+                        generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
                         gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
     lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
@@ -353,16 +356,21 @@ def gen_row(name: str, a) -> dict:
     prompt = tok(_prompt_text(tok, PROMPT_TOKENS))["input_ids"][:PROMPT_TOKENS]
     sampling = SamplingConfig(temperature=1.0, max_tokens=C, min_tokens=C)
     warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
-    if name == "gen_vllm":
+    if name.startswith("gen_vllm"):
         from grpo_kit.generation.plan import generation_model_dir
         from grpo_kit.generation.vllm_backend import VLLMGenerator
         from grpo_kit.memory import formulas as F, resolve_arch
+        from grpo_kit.model.loading import model_config
 
         folder, _ = generation_model_dir(a.model, "cuda")
         kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(PROMPT_TOKENS, C, GENERATIONS, 1), 2)
+        fp8 = GEN_ROWS[name] == "fp8"  # the engine on the training model's FP8 codes, the adapter path's engine
         eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
                             max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
-                            gpu_memory_utilization=0.5)
+                            gpu_memory_utilization=0.5, base_weights=GEN_ROWS[name], share_weights=fp8,
+                            lora_sync="adapter" if fp8 else "merge")
+        if fp8:
+            eng.training_model(model_config(a.model), torch.bfloat16)
     else:  # gen_hf_fp8w: the FP8 layers quantised on the GPU layer by layer, W8A8 through torch._scaled_mm
         model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
         eng = HFGenerator(model.eval(), tok)

@@ -405,10 +405,34 @@ def test_fp8_base_weights_validate_on_gpus_with_fp8(monkeypatch, name, cap):
     GRPOKitConfig(base_weights="fp8", device="cuda").validate()
 
 
+def test_fp8_base_weights_plan_vllm_on_their_shared_codes_with_the_adapter_in_lora_kernels(monkeypatch, tmp_path):
+    """On an FP8 GPU the plan starts vLLM's FP8 engine on shared weights (the one FP8 copy) with the adapter in its
+    LoRA kernels (null vllm_lora_sync resolves to 'adapter'); without sharing it generates with HF."""
+    import torch
+
+    import grpo_kit.generation.plan as P
+    from grpo_kit.model.loading import model_config
+
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (79 * 2**30, 80 * 2**30))
+    monkeypatch.setattr("grpo_kit.generation.vllm_available", lambda: True)
+    monkeypatch.setenv("GRPO_KIT_CACHE", str(tmp_path))
+    cfg = GRPOKitConfig(model="llama-3.1-8b", base_weights="fp8", max_completion_length=1024).validate()
+    assert P.lora_sync_mode(cfg) == "adapter"
+    plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+    assert plan.backend == "vllm" and plan.share_weights
+    assert plan.vllm_kwargs["base_weights"] == "fp8" and plan.vllm_kwargs["lora_sync"] == "adapter"
+    copy = GRPOKitConfig(model="llama-3.1-8b", base_weights="fp8", vllm_share_weights=False,
+                         max_completion_length=1024).validate()
+    plan = P.plan_generation(copy, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+    assert plan.backend == "hf" and "only on shared weights" in plan.reason
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["use_lora=false", "beta=0"], r"base_weights='fp8' needs use_lora=True: the FP8 base weights are frozen"),
     (["load_in_4bit=true"], r"base_weights='fp8' and load_in_4bit=True .* choose one"),
-    (["generation_backend=vllm"], r"base_weights='fp8' generates with HF generate"),
+    (["vllm_lora_sync=merge"], r"base_weights='fp8' with vllm_lora_sync='merge': a merge into the FP8 weights"),
+    (["generation_backend=vllm", "vllm_share_weights=false"], r"needs vllm_share_weights 'auto' or true"),
     (["base_weights=fp16"], r"base_weights='fp16' is not allowed; choose one of \['16bit', 'fp8'\]"),
 ])
 def test_fp8_base_weights_refuse_what_they_cannot_do(monkeypatch, overrides, match):

@@ -508,6 +508,67 @@ def test_the_training_models_fp8_layers_are_views_of_the_engines_and_fill_them(n
         engine_codes[q.out_features:].data_ptr()
 
 
+def test_a_shared_fp8_model_is_filled_from_the_checkpoint_stream(tmp_path):
+    """fill_shared_fp8 writes a checkpoint into an engine that started on placeholder weights: the FP8 layers
+    quantised from their 16-bit weights, the rest (embeddings, norms, head) copied; the shared model then computes
+    exactly what the kit's FP8 model of that checkpoint computes. A tensor the checkpoint lacks is named."""
+    from grpo_kit.generation.shared_weights import build_shared_model, fill_shared_fp8
+    from grpo_kit.model.loading import checkpoint_tensors
+
+    dense = build_random_model("tiny-llama", dtype=torch.float32, seed=3)
+    dense.save_pretrained(tmp_path)
+    engine = _fake_engine(build_random_model("tiny-llama", dtype=torch.float32, seed=4))  # other placeholder values
+    model = build_shared_model(engine, dense.config, torch.float32, fp8=True)
+    done = fill_shared_fp8(model, checkpoint_tensors(tmp_path, "cpu"))
+    assert done == {"fp8_layers": 14, "copied": len(list(model.parameters())) - 28}
+    ref = copy.deepcopy(dense)
+    quantize_model_fp8(ref)
+    ids = _ids()
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+    tensors = checkpoint_tensors(tmp_path, "cpu")
+    del tensors["model.norm.weight"]
+    with pytest.raises(ValueError, match="the checkpoint has no tensor 'model.norm.weight'"):
+        fill_shared_fp8(build_shared_model(engine, dense.config, torch.float32, fp8=True), tensors)
+
+
+def test_a_random_shared_fp8_model_is_filled_like_transformers_initialises_it():
+    """A random-weight architecture (no checkpoint): the FP8 layers from normal(0, initializer_range), seeded, so two
+    fills with one seed give the same codes and another seed others; the rest is left as the engine holds it."""
+    from grpo_kit.generation.shared_weights import build_shared_model, fill_shared_fp8
+
+    dense = build_random_model("tiny-llama", dtype=torch.float32)
+    engine = _fake_engine(dense)
+    model = build_shared_model(engine, dense.config, torch.float32, fp8=True)
+    norm = model.model.norm.weight.clone()
+    assert fill_shared_fp8(model, None, seed=1) == {"fp8_layers": 14, "copied": 0}
+    q = model.model.layers[0].self_attn.q_proj
+    first = q.weight.clone().view(torch.uint8)
+    std = q.dequantized_weight(torch.float32).std().item()
+    assert abs(std - dense.config.initializer_range) < 0.1 * dense.config.initializer_range
+    fill_shared_fp8(model, None, seed=1)
+    assert torch.equal(q.weight.view(torch.uint8), first)
+    fill_shared_fp8(model, None, seed=2)
+    assert not torch.equal(q.weight.view(torch.uint8), first)
+    assert torch.equal(model.model.norm.weight, norm)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(device="cpu"), "on CUDA only"),
+    (dict(share_weights=False), "needs share_weights=True"),
+    (dict(lora_sync="merge"), "needs lora_sync='adapter'"),
+    (dict(fp8_block=64), r"fp8_block=64: None \(per channel\) or 128"),
+    (dict(base_weights="fp16"), r"base_weights='fp16' is not allowed: one of 16bit, fp8"),
+])
+def test_the_fp8_engine_refuses_what_it_cannot_share_before_it_starts(kwargs, match):
+    from grpo_kit.generation.vllm_backend import _check_fp8_options
+
+    args = dict(device="cuda", base_weights="fp8", fp8_block=None, share_weights=True, lora_sync="adapter")
+    _check_fp8_options(**args | {"base_weights": "16bit", "share_weights": False})  # 16-bit: nothing to check
+    _check_fp8_options(**args)
+    with pytest.raises(ValueError, match=match):
+        _check_fp8_options(**args | kwargs)
+
+
 def test_an_fp8_engine_layout_the_kit_cannot_view_is_refused_before_anything_changes():
     from grpo_kit.generation.shared_weights import UnshareableError, build_shared_model
 

@@ -401,14 +401,15 @@ class GRPOKitConfig:
                                         "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
                                         "memory each step, and the engine releases only its KV cache while "
                                         "training runs (standby). true, false (a separate engine copy, weights "
-                                        "synced each step) or `auto` (shared on CUDA with LoRA and 16-bit engine "
+                                        "synced each step) or `auto` (shared on CUDA with LoRA and 16-bit or FP8 base "
                                         "weights; a layout vLLM cannot share falls back to a copy with a warning).")
     base_weights: str = _f("16bit", f"How the frozen base linear weights are held, one of {BASE_WEIGHTS}: `16bit` in "
                            "the training dtype; `fp8`: FP8 e4m3 with per-output-channel scales, quantised layer by "
                            "layer on the GPU (grpo_kit.model.fp8), the forward as a W8A8 matmul, LoRA on top in the "
                            "training dtype. `fp8` needs use_lora, a CUDA GPU with FP8 tensor cores (compute "
-                           "capability 8.9 or newer: L4, RTX 40/50, H100, H200, B200) and load_in_4bit off; it "
-                           "generates with HF generate for now (the vLLM FP8 engine sharing is not wired yet).")
+                           "capability 8.9 or newer: L4, RTX 40/50, H100, H200, B200) and load_in_4bit off. With vLLM the "
+                           "engine serves these same codes and scales (one FP8 copy, shared weights) and runs the "
+                           "adapter in its LoRA kernels; without shared weights it generates with HF generate.")
     load_in_4bit: bool = _f(False, "QLoRA: the training model's base linear weights in 4 bit (bitsandbytes NF4, "
                             "double quantisation; matmuls in the training dtype), LoRA on top, except the layers "
                             "in load_in_4bit_skip_modules. Needs use_lora, a CUDA GPU and bitsandbytes; generates "
@@ -690,7 +691,7 @@ def _4bit_problems(cfg: GRPOKitConfig) -> list[str]:
 
 
 def _fp8_problems(cfg: GRPOKitConfig) -> list[str]:
-    """What base_weights='fp8' needs: LoRA, no 4-bit, HF generation, and a device with FP8 tensor cores (where the
+    """What base_weights='fp8' needs: LoRA, no 4-bit, vLLM on shared weights with the adapter unmerged, and a device with FP8 tensor cores (where the
     run will train, known before any model loads: grpo_kit.model.fp8.fp8_support names it)."""
     if cfg.base_weights != "fp8":
         return []
@@ -702,9 +703,13 @@ def _fp8_problems(cfg: GRPOKitConfig) -> list[str]:
     if cfg.load_in_4bit:
         errors.append("base_weights='fp8' and load_in_4bit=True are two formats for the same base weights; choose "
                       "one (FP8 on GPUs with FP8 tensor cores, 4 bit elsewhere)")
-    if cfg.generation_backend == "vllm":
-        errors.append("base_weights='fp8' generates with HF generate for now (vLLM's FP8 engine does not share the "
-                      "training model's FP8 weights yet); set generation_backend='hf' or 'auto'")
+    if cfg.vllm_lora_sync == "merge":
+        errors.append("base_weights='fp8' with vllm_lora_sync='merge': a merge into the FP8 weights would round them "
+                      "again, so their exact bits could not be restored; leave vllm_lora_sync null (the adapter runs "
+                      "in vLLM's LoRA kernels) or use base_weights='16bit'")
+    if cfg.generation_backend == "vllm" and cfg.vllm_share_weights is False:
+        errors.append("base_weights='fp8' with generation_backend='vllm' needs vllm_share_weights 'auto' or true: "
+                      "vLLM serves the training model's own FP8 codes, there is no separate FP8 copy to sync")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.device in DEVICES and (why := fp8_support(device)) is not None:
         errors.append(f"base_weights='fp8': {why}")

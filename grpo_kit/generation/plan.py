@@ -113,8 +113,9 @@ def _share_decision(cfg, device: str) -> tuple[bool, str]:
 def lora_sync_mode(cfg) -> str:
     """``vllm_lora_sync`` resolved: null is ``merge`` (dense decoding; with shared weights the adapter is merged
     into them for each generation and their exact bits restored after). Chosen by measurement: dense decoding
-    of the merged weights outran the adapter in vLLM's LoRA kernels (bench rl_step)."""
-    return cfg.vllm_lora_sync or "merge"
+    of the merged weights outran the adapter in vLLM's LoRA kernels (bench rl_step). With FP8 base weights null is
+    ``adapter``: a merge would round the FP8 codes again (the config refuses ``merge`` with them)."""
+    return cfg.vllm_lora_sync or ("adapter" if cfg.base_weights == "fp8" else "merge")
 
 
 def lora_dual_stream(cfg, *, device: str) -> bool:
@@ -195,8 +196,8 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
         return hf("", False)
     if cfg.load_in_4bit:  # config refuses 'vllm' with it
         return hf("load_in_4bit: vLLM cannot take a 4-bit training model's weights yet", False)
-    if cfg.base_weights == "fp8":  # config refuses 'vllm' with it
-        return hf("base_weights='fp8': vLLM's FP8 engine does not share the training model's FP8 weights yet", False)
+    if cfg.base_weights == "fp8" and device != "cuda":  # the config refuses FP8 off CUDA; kept for direct callers
+        return hf("base_weights='fp8': vLLM's FP8 engine shares the training model's weights on CUDA only", False)
     if requested == "auto" and not vllm_available():
         return hf(f"vLLM is not installed ({vllm_install_advice(device == 'cuda')})", device == "cuda")
     model_dir, dummy = generation_model_dir(cfg.model, device, dtype if device == "cuda" else None)
@@ -209,12 +210,14 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
         return hf(f"{num_processes} processes (colocated vLLM runs with one process here; set "
                   "generation_backend='vllm' to force it)", True)
     share, why = _share_decision(cfg, device)
+    if cfg.base_weights == "fp8" and not share:  # the engine's FP8 codes are the only copy
+        return hf(f"base_weights='fp8' generates with vLLM only on shared weights ({why})", False)
     gen_rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     kwargs = dict(max_model_len=context, seed=cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype,
                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, share_weights=share,
                   dummy_weights=dummy, lora_sync=lora_sync_mode(cfg),
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512,
-                  lora_dual_stream=lora_dual_stream(cfg, device=device))
+                  lora_dual_stream=lora_dual_stream(cfg, device=device), base_weights=cfg.base_weights)
     if cfg.vllm_lora_dual_stream and not kwargs["lora_dual_stream"]:  # asked for, and nothing to run it on
         raise ValueError("vllm_lora_dual_stream=True needs vLLM running the adapter in its LoRA kernels on CUDA, but "
                          + ("this run is not on CUDA" if device != "cuda" else
@@ -324,6 +327,13 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
         try:
             model = gen.training_model(AutoConfig.from_pretrained(str(plan.model_dir)), dtype)
         except UnshareableError as e:
+            if gen.base_weights == "fp8":  # its placeholder weights cannot serve as a separate copy
+                gen.close()
+                warnings.warn(f"vLLM cannot share this model's FP8 weights ({e}); generating with HF generate",
+                              RuntimeWarning, stacklevel=2)
+                model = load_model()
+                gen = make_generator("hf", model=model, tokenizer=tokenizer)
+                return gen, model, {**info, "backend": "hf", "reason": str(e), **gen.options()}
             warnings.warn(f"vLLM cannot share this model's weights ({e}); keeping a separate engine copy, synced "
                           "each step", RuntimeWarning, stacklevel=2)
             gen.share_weights = False

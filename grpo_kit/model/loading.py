@@ -497,7 +497,7 @@ def _checkpoint_dir(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
 
 
-def _checkpoint_tensors(src: Path, device) -> dict:
+def checkpoint_tensors(src: Path, device) -> dict:
     """``{tensor name: reader}`` over the safetensors files of ``src``; ``reader()`` reads that one tensor onto
     ``device`` (nothing is read before it is asked for)."""
     from safetensors import safe_open  # lazy: only a streamed FP8 load reads the files itself
@@ -532,7 +532,7 @@ def _fp8_streamed(src: Path, dtype: torch.dtype | None, device, skip_modules, bl
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = meta_model(config, dtype=dtype, real_buffers=True)
-    tensors = _checkpoint_tensors(src, device)
+    tensors = checkpoint_tensors(src, device)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
 
     def read(module, pname, p) -> torch.Tensor:
