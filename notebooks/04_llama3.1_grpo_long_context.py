@@ -76,6 +76,8 @@ num_eval_samples = 50
 lora_rank = 16
 four_bit = False  # QLoRA: NF4 base weights in training (a 15 GiB T4); generation then uses HF generate
 fp8_kv_cache = True  # vLLM's KV cache in FP8 (16-bit weights, shared with training)
+# FP8 base weights (GPUs with FP8 tensor cores: L4, RTX 40/50, H100, H200): one FP8 copy, read by vLLM and training
+fp8_weights = False
 # how the adapter reaches vLLM: "" the kit's default, "merge": merged into the shared weights for each generation,
 # exact bits restored after (dense decoding; the faster on an H200); "adapter": run in vLLM's LoRA kernels
 vllm_lora_sync = ""
@@ -113,11 +115,11 @@ if preset == "free_t4":  # the calculator picks the context: the whole step, HF 
                                                              t4["budget_gib"])
     print(f"preset free_t4: context {context_length:,} tokens, 4-bit, fp16, HF generation; the calculator's "
           f"step: {t4['estimate_gib']:.2f} of {t4['budget_gib']} GiB")
-extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit,
+extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit, fp8_weights=fp8_weights,
               fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
               fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard,
               save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset, verbose=verbose)
-types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_kv_cache=bool, gpu_gib=float,
+types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_weights=bool, fp8_kv_cache=bool, gpu_gib=float,
              fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
              save_merged_weights=bool, hub_repo=str, preset=str, verbose=bool)
 check_model_name(calculator_model)
@@ -146,6 +148,8 @@ if chosen == "full" and four_bit:  # checked by validate_params below: no bitsan
     settings.update(load_in_4bit=True, generation_backend="hf")  # vLLM cannot take 4-bit training weights yet
 elif chosen == "full" and generation_backend != "hf":
     settings.update(kv_cache_dtype="fp8" if fp8_kv_cache else "auto", vllm_lora_sync=vllm_lora_sync or None)
+if chosen == "full" and fp8_weights:  # a GPU without FP8 tensor cores is refused below, naming it
+    settings.update(base_weights="fp8")
 cfg = validate_params(settings)
 print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
       f"steps={cfg.max_steps}  G={cfg.num_generations}")
@@ -163,7 +167,7 @@ from grpo_kit.memory import compare
 pd.set_option("display.width", 160)
 opts = dict(num_generations=num_generations, prompt_length=max_prompt_length,
             completion_length=context_length - max_prompt_length, lora_rank=lora_rank,
-            quantization="4bit" if four_bit else None,  # 4-bit runs generate with HF: its KV cache, 16-bit
+            quantization="4bit" if four_bit else "fp8" if fp8_weights else None,  # 4-bit: HF generate, 16-bit KV
             vllm=not four_bit, kv_cache_dtype="fp8" if fp8_kv_cache and not four_bit else None)
 table = compare(calculator_model, methods=("trl", "grpo_kit"), unit="GiB", micro_batch_size=1, **opts)
 print(table.round(2).to_string())

@@ -434,6 +434,8 @@ def test_fp8_base_weights_plan_vllm_on_their_shared_codes_with_the_adapter_in_lo
     (["vllm_lora_sync=merge"], r"base_weights='fp8' with vllm_lora_sync='merge': a merge into the FP8 weights"),
     (["generation_backend=vllm", "vllm_share_weights=false"], r"needs vllm_share_weights 'auto' or true"),
     (["base_weights=fp16"], r"base_weights='fp16' is not allowed; choose one of \['16bit', 'fp8'\]"),
+    (["fp8_block=64"], r"fp8_block=64 is not allowed; choose one of \[128\] or null"),
+    (["base_weights=16bit", "fp8_block=128"], r"fp8_block=128 applies to base_weights='fp8' only"),
 ])
 def test_fp8_base_weights_refuse_what_they_cannot_do(monkeypatch, overrides, match):
     _gpu(monkeypatch, "NVIDIA H100 80GB HBM3")

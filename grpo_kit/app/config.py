@@ -31,7 +31,7 @@ from grpo_kit.loss.objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, Obje
 from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
-from grpo_kit.model.fp8 import BASE_WEIGHTS, fp8_support
+from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.tasks.data import LEVELS, TASKS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
@@ -158,7 +158,7 @@ CHOICES = {
     "scale_rewards": SCALE_REWARDS, "reward_errors": REWARD_ERRORS, "generation_backend": GENERATION_BACKENDS,
     "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
     "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
-    "base_weights": BASE_WEIGHTS,
+    "base_weights": BASE_WEIGHTS, "fp8_block": (FP8_BLOCK,),
 }
 
 
@@ -410,6 +410,10 @@ class GRPOKitConfig:
                            "capability 8.9 or newer: L4, RTX 40/50, H100, H200, B200) and load_in_4bit off. With vLLM the "
                            "engine serves these same codes and scales (one FP8 copy, shared weights) and runs the "
                            "adapter in its LoRA kernels; without shared weights it generates with HF generate.")
+    fp8_block: int | None = _f(None, "FP8 base weights' scales: null, one per output channel (vLLM's compressed-tensors "
+                                "W8A8 layout), or 128 (FP8_BLOCK): one per 128 x 128 tile (vLLM's block-FP8 layout, "
+                                "which needs every fused shard to start on a 128-row boundary; a model whose shards do "
+                                "not generates with HF generate). Applies with base_weights: fp8.")
     load_in_4bit: bool = _f(False, "QLoRA: the training model's base linear weights in 4 bit (bitsandbytes NF4, "
                             "double quantisation; matmuls in the training dtype), LoRA on top, except the layers "
                             "in load_in_4bit_skip_modules. Needs use_lora, a CUDA GPU and bitsandbytes; generates "
@@ -694,7 +698,8 @@ def _fp8_problems(cfg: GRPOKitConfig) -> list[str]:
     """What base_weights='fp8' needs: LoRA, no 4-bit, vLLM on shared weights with the adapter unmerged, and a device with FP8 tensor cores (where the
     run will train, known before any model loads: grpo_kit.model.fp8.fp8_support names it)."""
     if cfg.base_weights != "fp8":
-        return []
+        return [f"fp8_block={cfg.fp8_block} applies to base_weights='fp8' only (base_weights={cfg.base_weights!r}); "
+                "leave it null"] if cfg.fp8_block is not None else []
     errors = []
     if not cfg.use_lora:
         errors.append("base_weights='fp8' needs use_lora=True: the FP8 base weights are frozen (no gradient reaches "
