@@ -398,9 +398,13 @@ def test_scaled_mm_matches_the_twin(dtype, n, k, m):
     y = M.w8a8_scaled_mm(x, codes, scale, bias)
     ref = w8a8_reference(x, codes, scale, bias)
     assert y.dtype == dtype and y.shape == (m, n)
-    # same products of e4m3 numbers, fp32 sums in another order, one rounding to dtype each
+    # same products of e4m3 numbers, fp32 sums in another order; the kernel may round the product to dtype before
+    # adding the bias (two roundings, the twin one): so a rounding of the product's size as well as the result's.
+    # One rounding only (|err| <= 2 ulp |ref|) failed on an H100 in bf16 at k = 4096, where |bias| ~ |product|.
     ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    assert ((y.float() - ref.float()).abs() <= 2 * ulp * ref.float().abs() + 1e-3 * ref.float().abs().max()).all()
+    product = (ref.float() - bias.float()).abs()
+    bound = 2 * ulp * (ref.float().abs() + product) + 1e-3 * ref.float().abs().max()
+    assert ((y.float() - ref.float()).abs() <= bound).all()
 
 
 @pytest.mark.gpu
@@ -567,6 +571,22 @@ def test_the_fp8_engine_refuses_what_it_cannot_share_before_it_starts(kwargs, ma
     _check_fp8_options(**args)
     with pytest.raises(ValueError, match=match):
         _check_fp8_options(**args | kwargs)
+
+
+def test_an_fp8_lora_model_matches_the_checkpoint_its_engine_started_from():
+    """sync_weights checks the training model against the engine's checkpoint: an FP8 model's weights are the
+    checkpoint's names and shapes once the kit's own scales are left out (the check failed on them on the GPU)."""
+    from grpo_kit.generation.sync import check_compatible, weight_manifest
+    from grpo_kit.generation.vllm_backend import checkpoint_weights
+
+    dense = build_random_model("tiny-llama")
+    checkpoint = weight_manifest(dense)
+    model = copy.deepcopy(dense)
+    quantize_model_fp8(model)
+    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+    check_compatible(checkpoint_weights(pm), checkpoint, tied_head=dense.config.tie_word_embeddings)
+    with pytest.raises(ValueError, match="weight_scale"):
+        check_compatible(weight_manifest(pm), checkpoint, tied_head=dense.config.tie_word_embeddings)
 
 
 def test_an_fp8_engine_layout_the_kit_cannot_view_is_refused_before_anything_changes():

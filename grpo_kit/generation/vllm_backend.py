@@ -356,6 +356,12 @@ def _dual_stream_layers(worker) -> int:
     return sum(bool(getattr(m, "_enable_aux_cuda_stream", False)) for m in worker.model_runner.get_model().modules())
 
 
+def checkpoint_weights(model) -> dict[str, tuple[int, ...]]:
+    """``{checkpoint name: shape}`` of ``model``'s weights that a checkpoint holds: the FP8 layers' scales
+    (``weight_scale``) are the kit's own, made by its quantiser, and are left out."""
+    return {k: v for k, v in weight_manifest(model).items() if not k.endswith(".weight_scale")}
+
+
 def _engine_model(worker):
     return worker.model_runner.get_model()
 
@@ -648,7 +654,7 @@ class VLLMGenerator:
         if self.share_weights and not is_peft_model(model):
             raise ValueError("an engine with share_weights=True syncs LoRA adapters only (its base weights are the "
                              "training model's); full fine-tuning needs share_weights=False")
-        check_compatible(weight_manifest(model), self._checkpoint, tied_head=self._tied)
+        check_compatible(checkpoint_weights(model), self._checkpoint, tied_head=self._tied)
         if self.share_weights and self.lora_sync == "merge":
             return self._sync_merge(model)
         if self.lora_sync == "adapter" and is_peft_model(model) and not self._lora_enabled:

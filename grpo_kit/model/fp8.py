@@ -159,7 +159,8 @@ def w8a8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     """:func:`w8a8_reference` on FP8 tensor cores (CUDA, compute capability >= 8.9): ``torch._scaled_mm`` with
     row-wise scales, fp32 accumulation, output in x's dtype. x (M, K) bf16/fp16/fp32, ``codes``
     float8_e4m3fn (N, K), ``scale`` float32 (N, 1) (per channel only), bias (N,) or None -> (M, N). Inner and
-    output dims that are not multiples of 16 are zero-padded for the call (real models' are)."""
+    output dims that are not multiples of 16 are zero-padded for the call (real models' are). The bias is added
+    after the product is rounded to x's dtype (the twin rounds once, after it)."""
     n, k = codes.shape
     kp, np_ = -(-k // _SCALED_MM_ALIGN) * _SCALED_MM_ALIGN, -(-n // _SCALED_MM_ALIGN) * _SCALED_MM_ALIGN
     qx, sx = quantize_rows(_pad_to(x, x.shape[0], kp))
