@@ -31,6 +31,7 @@ from grpo_kit.app.evaluation import evaluate_accuracy, evaluate_with_tools
 from grpo_kit.app.preflight import advice
 from grpo_kit.app.resume_policy import restore_run_files, resume_config
 from grpo_kit.app.run_folder import claim_run_folder
+from grpo_kit.app.tool_warmup import tool_warmup
 from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
@@ -394,6 +395,8 @@ def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dic
         run.evals["before"] = _evaluate(run, model, tokenizer, "before")
     samples_path, recorder = _run_files(run, resume)
     trainer = _make_trainer(run, model, tokenizer, generator, plan, reward_funcs, recorder, callbacks, samples_path)
+    if cfg.tool_warmup_steps and "warmup" not in run.evals:  # a resumed adapter holds it already
+        _warm_up(run, trainer, tokenizer)
     shared = bool(getattr(generator, "share_weights", False))
     try:
         train_seconds = _fit(run, trainer, tokenizer, generator, generation_info, shared)
@@ -476,8 +479,24 @@ def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
         extra += (f"; tool used in {result['tool_use_share']:.0%} of answers, {result['tool_calls']} calls, "
                   f"{result['tool_failures']} failed")
     if run.is_main:
-        print(f"held-out accuracy {when} training: {result['accuracy']:.3f}{extra}", flush=True)
+        label = f"{when} training" if when in ("before", "after") else when
+        print(f"held-out accuracy {label}: {result['accuracy']:.3f}{extra}", flush=True)
     return result
+
+
+def _warm_up(run: _Run, trainer, tokenizer) -> None:
+    """The supervised tool warm-up (``tool_warmup_steps``) on the trainer's adapter, its line, and the held-out
+    accuracy after it (``run.evals["warmup"]`` and ``["after_warmup"]``)."""
+    cfg = run.cfg
+    info = tool_warmup(trainer.model, tokenizer, run.train_ex, tools=get_tools(cfg.tools),
+                       system_prompt=run.system_prompt, steps=cfg.tool_warmup_steps,
+                       learning_rate=cfg.tool_warmup_learning_rate, seed=cfg.seed)
+    if run.is_main:
+        print(f"tool warm-up: {info['steps']} steps on {info['transcripts']} worked calculator transcripts, loss "
+              f"{info['loss_first']} -> {info['loss_last']} ({info['seconds']} s)", flush=True)
+    run.evals["warmup"] = info
+    if run.heldout and run.is_main:
+        run.evals["after_warmup"] = _evaluate(run, trainer.model, tokenizer, "after the tool warm-up")
 
 
 def _run_files(run: _Run, resume: bool):
