@@ -199,11 +199,12 @@ def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
     import dataclasses
     import math
 
-    from grpo_kit.app.config import NUMERIC_RANGES, OBJECTIVE_FIELDS
+    from grpo_kit.app.config import CHOICES, NUMERIC_RANGES, OBJECTIVE_FIELDS
 
     numeric = {f.name for f in dataclasses.fields(GRPOKitConfig) if str(f.type).split(" ")[0] in ("int", "float")}
-    # the objective's options are checked by ObjectiveSpec, which owns them
-    assert numeric == set(NUMERIC_RANGES) | (numeric & set(OBJECTIVE_FIELDS))
+    # the objective's options are checked by ObjectiveSpec, which owns them; a number from a fixed set (fp8_block)
+    # by CHOICES
+    assert numeric == set(NUMERIC_RANGES) | (numeric & set(OBJECTIVE_FIELDS)) | (numeric & set(CHOICES))
     for f in dataclasses.fields(GRPOKitConfig):
         if f.name not in numeric:
             continue
@@ -417,14 +418,14 @@ def test_fp8_base_weights_plan_vllm_on_their_shared_codes_with_the_adapter_in_lo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (79 * 2**30, 80 * 2**30))
     monkeypatch.setattr("grpo_kit.generation.vllm_available", lambda: True)
     monkeypatch.setenv("GRPO_KIT_CACHE", str(tmp_path))
-    cfg = GRPOKitConfig(model="llama-3.1-8b", base_weights="fp8", max_completion_length=1024).validate()
+    cfg = GRPOKitConfig(model="tiny-llama", base_weights="fp8", max_completion_length=64).validate()
     assert P.lora_sync_mode(cfg) == "adapter"
-    plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+    plan = P.plan_generation(cfg, model_config=model_config("tiny-llama"), device="cuda", dtype=torch.bfloat16)
     assert plan.backend == "vllm" and plan.share_weights
     assert plan.vllm_kwargs["base_weights"] == "fp8" and plan.vllm_kwargs["lora_sync"] == "adapter"
-    copy = GRPOKitConfig(model="llama-3.1-8b", base_weights="fp8", vllm_share_weights=False,
-                         max_completion_length=1024).validate()
-    plan = P.plan_generation(copy, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+    copy = GRPOKitConfig(model="tiny-llama", base_weights="fp8", vllm_share_weights=False,
+                         max_completion_length=64).validate()
+    plan = P.plan_generation(copy, model_config=model_config("tiny-llama"), device="cuda", dtype=torch.bfloat16)
     assert plan.backend == "hf" and "only on shared weights" in plan.reason
 
 
