@@ -33,7 +33,7 @@ from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
-from grpo_kit.tasks.data import LEVELS, TASKS
+from grpo_kit.tasks.data import ARITHMETIC_TASKS, LEVELS, TASKS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
 from grpo_kit.tasks.tools import (READY_TOOLS, TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, get_tools, resolve_environment,
                                   tool_spec)
@@ -645,9 +645,9 @@ def _list_problems(cfg: GRPOKitConfig) -> list[str] | None:
     if cfg.tool_warmup_steps and "calculator" not in cfg.tools:
         errors.append(f"tool_warmup_steps={cfg.tool_warmup_steps} writes calculator transcripts, but tools="
                       f"{cfg.tools!r} has no 'calculator'; add it or set tool_warmup_steps=0")
-    if cfg.tool_warmup_steps and cfg.task not in ("arithmetic", "multiplication"):
+    if cfg.tool_warmup_steps and cfg.task not in ARITHMETIC_TASKS:
         errors.append(f"tool_warmup_steps={cfg.tool_warmup_steps} needs questions holding one arithmetic expression "
-                      f"(task arithmetic or multiplication), but task={cfg.task!r}")
+                      f"(task {' or '.join(ARITHMETIC_TASKS)}), but task={cfg.task!r}")
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
         errors.append(f"reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has "
                       f"{len(cfg.reward_funcs)}")
@@ -709,8 +709,9 @@ def _4bit_problems(cfg: GRPOKitConfig) -> list[str]:
 
 
 def _fp8_problems(cfg: GRPOKitConfig) -> list[str]:
-    """What base_weights='fp8' needs: LoRA, no 4-bit, vLLM on shared weights with the adapter unmerged, and a device with FP8 tensor cores (where the
-    run will train, known before any model loads: grpo_kit.model.fp8.fp8_support names it)."""
+    """What base_weights='fp8' needs: LoRA, no 4-bit, vLLM on shared weights with the adapter unmerged, and a
+    device with FP8 tensor cores (where the run will train, known before any model loads:
+    grpo_kit.model.fp8.fp8_support names it)."""
     if cfg.base_weights != "fp8":
         return [f"fp8_block={cfg.fp8_block} applies to base_weights='fp8' only (base_weights={cfg.base_weights!r}); "
                 "leave it null"] if cfg.fp8_block is not None else []

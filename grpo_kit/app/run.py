@@ -451,7 +451,8 @@ def _load(run: _Run):
     quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
                  auto_allowance=cfg.load_in_4bit_auto_allowance, nf4_matmul=cfg.load_in_4bit_matmul,
                  calibration=calibration_batches(tokenizer, run.train_ex, run.system_prompt)) if cfg.load_in_4bit else {}
-    quant = dict(base_weights="fp8", fp8_block=cfg.fp8_block) if cfg.base_weights == "fp8" else quant  # the config refuses both together
+    # the config refuses 4 bit and FP8 together
+    quant = dict(base_weights="fp8", fp8_block=cfg.fp8_block) if cfg.base_weights == "fp8" else quant
     generator, model, info = start_generation(
         plan, tokenizer=tokenizer, dtype=dtype,
         load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed, **quant)[0])

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from grpo_kit.tasks.data import ARITHMETIC_TASKS
 from grpo_kit.tasks.tools import ToolError, calculator
 
 IGNORE = -100  # label of a token outside the assistant's turns (cross_entropy's ignore_index)
@@ -91,8 +92,8 @@ def tool_warmup(model, tokenizer, examples: list[dict], *, tools: list, system_p
             if (t := tool_transcript(ex, system_prompt)) is not None]
     if not rows:
         raise ValueError("tool_warmup_steps: no training question holds an arithmetic expression the calculator "
-                         "evaluates to its answer (the warm-up writes calculator transcripts: task arithmetic or "
-                         "multiplication)")
+                         "evaluates to its answer (the warm-up writes calculator transcripts: task "
+                         f"{' or '.join(ARITHMETIC_TASKS)})")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=learning_rate)
     device = next(model.parameters()).device

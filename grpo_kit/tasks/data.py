@@ -30,12 +30,16 @@ TOOL_SYSTEM_PROMPT = ("Use the calculator tool for arithmetic, then give the fin
                       "Tool: 408\nAssistant: Answer: 408")
 
 
+# Tasks whose questions are one bare arithmetic expression: answer-only prompts, and the tool warm-up's transcripts.
+ARITHMETIC_TASKS = ("arithmetic", "multiplication")
+
+
 def default_system_prompt(task: str, tools: bool = False) -> str:
     """The kit's system prompt for a task: with tools, how to call one (a worked example); else answer-only for
     arithmetic and multiplication, brief reasoning otherwise."""
     if tools:
         return TOOL_SYSTEM_PROMPT
-    return ARITHMETIC_SYSTEM_PROMPT if task in ("arithmetic", "multiplication") else DEFAULT_SYSTEM_PROMPT
+    return ARITHMETIC_SYSTEM_PROMPT if task in ARITHMETIC_TASKS else DEFAULT_SYSTEM_PROMPT
 HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
 
 LEVELS = {
