@@ -423,6 +423,42 @@ def test_fp8_layer_on_the_gpu_takes_scaled_mm_and_its_gradient(dtype, monkeypatc
     assert torch.allclose(x.grad.view(21, 80).float(), want.float(), rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_fp8 is not None, reason=_no_fp8 or "")
+def test_the_fp8_row_kernels_give_their_twins_bits_on_the_gpu():
+    from grpo_kit.kernels import fp8_rows as K
+
+    assert K.kernels_match("cuda:0") and K.use_triton(torch.zeros(1, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4608, 14336, device="cuda", generator=g).to(torch.bfloat16)
+    a, b = K.quantize_rows_triton(x), K.quantize_rows_reference(x)
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+    codes, scale = K.quantize_rows_reference(torch.randn(14336, 4096, device="cuda", generator=g))
+    assert torch.equal(K.dequantize_channels_triton(codes, scale, torch.bfloat16),
+                       K.dequantize_channels_reference(codes, scale, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_fp8 is not None, reason=_no_fp8 or "")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,k,m", [(37, 53, 5), (4096, 4096, 33), (14336, 4096, 7), (4096, 14336, 300)])
+def test_the_fp8_input_gradient_on_tensor_cores_matches_its_twin(dtype, n, k, m):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    codes, scale = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    gy = torch.randn(m, n, device="cuda", generator=g).to(dtype)
+    assert M._scaled_mm_ok(gy.device, dtype), "torch._scaled_mm failed its probe"
+    got, ref = M.grad_input_scaled_mm(gy, codes, scale), M.grad_input_reference(gy, codes, scale)
+    assert got.dtype == dtype and got.shape == (m, k)
+    # the same e4m3 operands (the kernel quantises to the twin's bits), fp32 sums in another order, one rounding
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert ((got.float() - ref.float()).abs() <= 2 * ulp * ref.float().abs() + 1e-3 * ref.float().abs().max()).all()
+    layer = FP8Linear.from_weight(torch.randn(n, k, device="cuda", generator=g).to(dtype) * 0.02)
+    layer.grad_input = "fp8"
+    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True)
+    layer(x).backward(gy)
+    assert torch.equal(x.grad, M.grad_input_scaled_mm(gy, layer.weight, layer.weight_scale))
+
+
 # ---- One FP8 copy: the training model's FP8 layers as views of a vLLM-layout engine (generation/shared_weights) ----
 
 def _fake_engine(dense, block=None, per_tensor=False):

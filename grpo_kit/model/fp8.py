@@ -40,18 +40,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_kit.kernels import fp8_rows
+from grpo_kit.kernels.fp8_rows import FP8_DTYPE, FP8_MAX, safe_scale, to_fp8
 from grpo_kit.model.quantize import quantizable_linears
 
 __all__ = ["BASE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "FP8_ACTIVATIONS",
-           "fp8_support", "quantize_fp8", "dequantize_fp8", "quantize_rows", "w8a8_reference", "w8a8_scaled_mm",
-           "fp8_matmul", "FP8Linear", "quantize_model_fp8", "fp8_report", "fp8_lora_config"]
+           "FP8_GRAD_INPUT", "fp8_support", "quantize_fp8", "dequantize_fp8", "quantize_rows", "w8a8_reference",
+           "w8a8_scaled_mm", "fp8_matmul", "grad_input_reference", "grad_input_scaled_mm", "FP8Linear",
+           "quantize_model_fp8", "fp8_report", "fp8_lora_config"]
 
 BASE_WEIGHTS = ("16bit", "fp8")  # how the frozen base linear weights are held (16bit: in the training dtype)
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 FP8_BLOCK = 128  # the optional block scales' tile side
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (L4, RTX 40) and newer: Hopper (H100, H200), Blackwell (B200, RTX 50)
 FP8_ACTIVATIONS = ("fp8", "16bit")  # W8A8 (the default) or W8A16: how FP8Linear multiplies its input
+# How FP8Linear's backward forms dx = dy W: W dequantised to dy's dtype (the default), or an FP8 GEMM of dy
+# quantised per row against the codes (per-channel weights on FP8 tensor cores; elsewhere its twin)
+FP8_GRAD_INPUT = ("dequant", "fp8")
 _NO_FP8_GPUS = "T4, V100, A100"
 _SCALED_MM_ALIGN = 16  # torch._scaled_mm needs the inner and output dims to be multiples of 16
 
@@ -77,16 +81,6 @@ def fp8_support(device) -> str | None:
             f"has none (nor do the {_NO_FP8_GPUS}): use 16-bit base weights ({dense}) or load_in_4bit")
 
 
-def _safe_scale(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scales ``amax / FP8_MAX``; 1 where ``amax`` is 0 (the codes are 0 whatever the scale)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-
-
-def _to_fp8(t: torch.Tensor) -> torch.Tensor:
-    # the cast alone would give NaN above 448 (e4m3fn has no infinity); rounding can lift 447.9 to 448 only
-    return t.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
 def _tiles(t: torch.Tensor, block: int) -> torch.Tensor:
     """(out, in) -> (ceil(out / block), block, ceil(in / block), block), zero-padded at the far edges."""
     o, i = t.shape
@@ -98,13 +92,12 @@ def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> tuple[torch.
     """``(codes, scale)`` of ``weight`` (out, in; any float dtype): codes float8_e4m3fn (out, in) on the weight's
     device; scale float32 (out, 1), or (ceil(out / block), ceil(in / block)) with ``block``. Computed in fp32
     (one transient fp32 copy of the weight)."""
+    if block is None:  # a weight's output channels are its rows: the row quantiser's arithmetic
+        return fp8_rows.quantize_rows(weight.detach())
     w = weight.detach().float()
-    if block is None:
-        scale = _safe_scale(w.abs().amax(dim=1, keepdim=True))
-        return _to_fp8(w / scale), scale
     tiles = _tiles(w, block)
-    scale = _safe_scale(tiles.abs().amax(dim=(1, 3)))
-    codes = _to_fp8(tiles / scale[:, None, :, None]).view(tiles.shape[0] * block, -1)
+    scale = safe_scale(tiles.abs().amax(dim=(1, 3)))
+    codes = to_fp8(tiles / scale[:, None, :, None]).view(tiles.shape[0] * block, -1)
     return codes[: w.shape[0], : w.shape[1]].contiguous(), scale
 
 
@@ -116,19 +109,18 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     if tuple(scale.shape) != expected:  # a layout mix-up would broadcast silently
         raise ValueError(f"scale {tuple(scale.shape)} does not fit codes {tuple(codes.shape)} with block={block}")
     if block is None:
-        w = codes.float() * scale
-    else:
-        tiles = _tiles(codes.float(), block) * scale[:, None, :, None]
-        w = tiles.view(tiles.shape[0] * block, -1)[: codes.shape[0], : codes.shape[1]]
+        return fp8_rows.dequantize_channels(codes, scale, dtype)
+    tiles = _tiles(codes.float(), block) * scale[:, None, :, None]
+    w = tiles.view(tiles.shape[0] * block, -1)[: codes.shape[0], : codes.shape[1]]
     return w if dtype == torch.float32 else w.to(dtype)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale)`` of activations x (M, K; any float dtype): codes float8_e4m3fn (M, K), scale float32
-    (M, 1) = max_k |x[m, k]| / ``FP8_MAX`` (1 for a zero row). The activations' side of W8A8."""
-    xf = x.float()
-    scale = _safe_scale(xf.abs().amax(dim=1, keepdim=True))
-    return _to_fp8(xf / scale), scale
+    (M, 1) = max_k |x[m, k]| / ``FP8_MAX`` (1 for a zero row). The activations' side of W8A8; ``col_scale``
+    float32 (1, K): x's columns multiplied by it first (the FP8 backward). One Triton launch on CUDA
+    (:mod:`grpo_kit.kernels.fp8_rows`, the same bits), torch elsewhere."""
+    return fp8_rows.quantize_rows(x, col_scale)
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -205,9 +197,41 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
     return w8a8_reference(x, codes, scale, bias, block)
 
 
+def grad_input_reference(gy: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``dx = dy W`` from FP8 per-channel weights as an FP8 product, in plain torch: W = codes * scale, so
+    dy W = (dy * scale^T) codes; ``dy * scale^T`` is quantised per row (:func:`quantize_rows` with the scales
+    as column factors), both operands dequantised to fp32, multiplied in fp32, rounded once to dy's dtype.
+    gy (M, N) float, ``codes`` float8_e4m3fn (N, K), ``scale`` float32 (N, 1) -> (M, K)."""
+    with torch.autocast(gy.device.type, enabled=False):
+        q, s = fp8_rows.quantize_rows_reference(gy, scale.reshape(1, -1))
+        return ((q.float() * s) @ codes.float()).to(gy.dtype)
+
+
+def grad_input_scaled_mm(gy: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`grad_input_reference` on FP8 tensor cores: ``torch._scaled_mm`` of the quantised gradient (row
+    scales) against the codes, which it needs column-major (one transposed copy of the codes, 1 byte per weight,
+    instead of the dequantised 16-bit weight). Dims that are not multiples of 16 are zero-padded for the call."""
+    n, k = codes.shape
+    np_, kp = -(-n // _SCALED_MM_ALIGN) * _SCALED_MM_ALIGN, -(-k // _SCALED_MM_ALIGN) * _SCALED_MM_ALIGN
+    q, s = quantize_rows(_pad_to(gy, gy.shape[0], np_), _pad_to(scale.reshape(1, n), 1, np_, value=1.0))
+    w = _pad_to(codes, np_, kp).t().contiguous().t()  # (N, K) column-major
+    ones = torch.ones(1, kp, dtype=torch.float32, device=gy.device)
+    return torch._scaled_mm(q, w, scale_a=s, scale_b=ones, out_dtype=gy.dtype)[:, :k]
+
+
+def _grad_input(gy: torch.Tensor, m) -> torch.Tensor:
+    """``dy W`` for :class:`FP8Linear` ``m`` as its ``grad_input`` says (module docstring); block scales and
+    ``"dequant"``: W dequantised to dy's dtype."""
+    if m.grad_input == "fp8" and m.block is None:
+        if gy.is_cuda and _scaled_mm_ok(gy.device, gy.dtype):
+            return grad_input_scaled_mm(gy, m.weight, m.weight_scale)
+        return grad_input_reference(gy, m.weight, m.weight_scale)
+    return gy @ dequantize_fp8(m.weight, m.weight_scale, gy.dtype, m.block)
+
+
 class _FP8Matmul(torch.autograd.Function):
-    """``x W^T + b`` through :func:`fp8_matmul`; backward ``dx = dy W`` (W dequantised to dy's dtype) and the
-    bias gradient if asked; no weight gradient. Saves no tensor: the module gives the weight back in backward.
+    """``x W^T + b`` through :func:`fp8_matmul`; backward ``dx = dy W`` (:func:`_grad_input`) and the bias
+    gradient if asked; no weight gradient. Saves no tensor: the module gives the weight back in backward.
     x (M, K) in the compute dtype, bias (N,) or None -> (M, N)."""
 
     @staticmethod
@@ -221,7 +245,7 @@ class _FP8Matmul(torch.autograd.Function):
         gx = gb = None
         m = ctx.module
         if ctx.needs_input_grad[0]:  # under autocast gy may come back in another dtype than x
-            gx = gy @ dequantize_fp8(m.weight, m.weight_scale, gy.dtype, m.block)
+            gx = _grad_input(gy, m)
         if ctx.needs_input_grad[1]:
             gb = gy.sum(0, dtype=ctx.bias_dtype)
         return gx, gb, None
@@ -233,16 +257,19 @@ class FP8Linear(nn.Module):
     ``weight`` float8_e4m3fn (out, in) and ``weight_scale`` float32 ((out, 1), or block scales) are frozen
     parameters; ``bias`` (out,) in ``compute_dtype`` or None. ``compute_dtype``: the dtype the layer computes and
     returns in (its input is cast to it, the output back to the input's dtype), and the dtype PEFT gives a LoRA
-    adapter on top. ``activations``: ``FP8_ACTIVATIONS``. ``model.to(dtype)`` (and ``.half()``, ...) moves
+    adapter on top. ``activations``: ``FP8_ACTIVATIONS``; ``grad_input``: ``FP8_GRAD_INPUT`` (how the backward
+    forms the input gradient; ``"fp8"`` applies to per-channel scales, blocks dequantise). ``model.to(dtype)`` (and ``.half()``, ...) moves
     the codes and scales to the device only; the bias and ``compute_dtype`` take the new dtype."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, compute_dtype: torch.dtype,
-                 block: int | None = None, activations: str = "fp8", device=None):
+                 block: int | None = None, activations: str = "fp8", grad_input: str = "dequant", device=None):
         super().__init__()
         if activations not in FP8_ACTIVATIONS:
             raise ValueError(f"activations {activations!r} is not allowed: one of {', '.join(FP8_ACTIVATIONS)}")
+        if grad_input not in FP8_GRAD_INPUT:
+            raise ValueError(f"grad_input {grad_input!r} is not allowed: one of {', '.join(FP8_GRAD_INPUT)}")
         self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.compute_dtype, self.activations = compute_dtype, activations
+        self.compute_dtype, self.activations, self.grad_input = compute_dtype, activations, grad_input
         sshape = (out_features, 1) if block is None else (-(-out_features // block), -(-in_features // block))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
@@ -295,7 +322,7 @@ class FP8Linear(nn.Module):
         scales = "per channel" if self.block is None else f"{self.block}x{self.block} blocks"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fp8 e4m3 ({scales}), compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, "
-                f"activations={self.activations}")
+                f"activations={self.activations}, grad_input={self.grad_input}")
 
 
 def quantize_model_fp8(model: nn.Module, *, compute_dtype: torch.dtype | None = None, device=None,
