@@ -17,7 +17,7 @@
 #  (after 4) the main job on the embedded model and the 8B's 20K step with the merge as the default (both run on an
 #  H100 in session 32), then the 20K rows of the peers (rl20k_peers: bf16 KV, separate copy, TRL colocate; run on an
 #  H100 in session 33) and the whole GPU tier (gpu_tier).
-#  Issue 37, FP8 base weights (only those: STEPS="fp8_tier fp8_rl4k fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k"): the
+#  Issue 37, FP8 base weights (only those: STEPS="fp8_train fp8_tier fp8_rl4k fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k"): the
 #  FP8 GPU tier (torch._scaled_mm against its twin, vLLM serving the training model's FP8 tensors with equal
 #  data_ptrs and its greedy log-probs against the trainer's: the mismatch |dlogp|, printed); the 4K step with FP8
 #  weights beside the kit's bf16-weight row and TRL colocate in the same run; the 20K step's memory (target <= 22
@@ -119,6 +119,9 @@ step qlora_1k_refbatch 500 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --
   --tag ${card}_llama8b_4bit_fp16_1k_refbatch
 step fp16_1k_refbatch 300 $ratio --dtype fp16 --ref-micro-batch 8 --tag ${card}_llama8b_fp16_1k_refbatch
 # Issue 37: FP8 base weights (e4m3, per-channel scales, W8A8 forward), each row records base_weights.
+# Where the FP8 training pass spends its time (decoder layers of the 8B, bf16 against FP8 with the torch twins, the
+# kernels, and the FP8 backward), no vLLM needed.
+step fp8_train 300 python3 -m grpo_kit bench fp8_train --tag $card --out-dir "$out/results"
 step fp8_tier 600 python3 -m pytest -m gpu tests/test_fp8.py -q -s -rs -p no:cacheprovider
 step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 4096 --steps 3 --timeout 480
 step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700

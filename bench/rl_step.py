@@ -252,7 +252,10 @@ def kit_row(name: str, a) -> dict:
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
-               completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size)
+               completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
+               # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
+               sampling=[{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("sampling/")}
+                         for h in trainer.state.log_history if any(k.startswith("sampling/") for k in h)])
     gen.close()
     return out
 

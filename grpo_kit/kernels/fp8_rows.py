@@ -32,11 +32,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _BLOCK_K = 1024  # row elements per step of the quantiser's loops
 _DEQ_BLOCK = (32, 256)  # weights per dequantisation program: rows x columns
+LAUNCH_OPTIONS: dict = {}  # Triton compile options for both launches
 
 
 def safe_scale(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scales ``amax / FP8_MAX``; 1 where ``amax`` is 0 (the codes are 0 whatever the scale)."""
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    """fp32 scales ``amax / FP8_MAX`` (IEEE division); 1 where ``amax`` is 0 (the codes are 0 whatever the
+    scale)."""
+    # divided by a tensor: by a Python number, CUDA torch multiplies by the rounded reciprocal instead (a last-bit
+    # difference from the CPU and from the kernels, seen on an H100 and an H200)
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def to_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -142,7 +146,8 @@ def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None
     if m:
         with _on(x.device):
             _kernels()[0][(m,)](x, cols, codes, scale, k, x.stride(0), HAS_COLS=col_scale is not None,
-                                BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(max(k, 16))), num_warps=4)
+                                BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(max(k, 16))), num_warps=4,
+                                **LAUNCH_OPTIONS)
     return codes, scale
 
 
@@ -159,7 +164,7 @@ def dequantize_channels_triton(codes: torch.Tensor, scale: torch.Tensor,
         with _on(codes.device):
             _kernels()[1][(triton.cdiv(n, bn), triton.cdiv(k, bk))](
                 codes, scale.reshape(n).contiguous(), out, n, k, codes.stride(0), HALF=_HALF[dtype],
-                BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+                BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **LAUNCH_OPTIONS)
     return out
 
 
