@@ -92,6 +92,9 @@ def test_lora_dual_stream_applies_only_to_the_adapter_in_vllm_on_cuda():
             GRPOKitConfig(vllm_lora_dual_stream=bad).validate()
     with pytest.raises(ConfigError, match="vllm_lora_dual_stream=True only apply to vLLM generation"):
         GRPOKitConfig(vllm_lora_dual_stream=True, generation_backend="hf").validate()
+    # HF generation samples from the training model itself: no engine correction to choose
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='token_mask' only apply to vLLM generation"):
+        GRPOKitConfig(vllm_importance_sampling_mode="token_mask", generation_backend="hf").validate()
 
 
 def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch, tmp_path):
@@ -121,6 +124,18 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
         plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
         assert plan.backend == "vllm" and plan.share_weights
         assert plan.vllm_kwargs["lora_sync"] == want and plan.vllm_kwargs["lora_dual_stream"] is stream
+    # a 20K context: the engine's batch budget stays CUDA_BATCHED_TOKENS (chunked prefill, asked for), the workspace
+    # the calculator prices is that budget's, and it is smaller than the context's would be
+    cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=20480).validate()
+    plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
+    assert plan.vllm_kwargs["llm_kwargs"] == {"max_num_batched_tokens": P.CUDA_BATCHED_TOKENS,
+                                              "enable_chunked_prefill": True}
+    assert plan.vllm_kwargs["max_model_len"] == cfg.max_prompt_length + 20480 > P.CUDA_BATCHED_TOKENS
+    priced = {n: P.memory_plan(cfg, model_config("llama-3.1-8b"), share_weights=True, free_bytes=139 * 2**30,
+                               total_bytes=140 * 2**30, batched_tokens=n)["calculator_phases_gib"]["generation"]
+              for n in (P.CUDA_BATCHED_TOKENS, cfg.max_prompt_length + 20480)}
+    assert plan.memory["calculator_phases_gib"]["generation"] == priced[P.CUDA_BATCHED_TOKENS]
+    assert priced[cfg.max_prompt_length + 20480] - priced[P.CUDA_BATCHED_TOKENS] > 1.5  # GiB of workspace saved
     # an explicit dual stream with nothing to run it on is refused, not dropped
     copy = GRPOKitConfig(model="llama-3.1-8b", vllm_share_weights=False, vllm_lora_dual_stream=True,
                          max_completion_length=1024).validate()
@@ -335,11 +350,11 @@ def test_trl_named_fields_have_trl_defaults_unless_listed_and_reach_grpo_config(
             assert getattr(cfg, name) == default, name
     assert set(KIT_DEFAULTS_OVER_TRL) <= set(trl)
     cfg.apply_overrides(["loss_type=sapo", "sapo_temperature_neg=1.2", "importance_sampling_level=sequence",
-                         "delta=1.5", "top_entropy_quantile=0.5", "max_steps=7"])
+                         "delta=1.5", "top_entropy_quantile=0.5", "max_steps=7", "vllm_importance_sampling_mode=token_mask"])
     args = grpo_args(cfg.validate(), "cpu", torch.float32)
     assert (args.loss_type, args.sapo_temperature_neg, args.importance_sampling_level, args.delta,
-            args.top_entropy_quantile, args.max_steps, args.use_bias_correction_kl) == \
-        ("sapo", 1.2, "sequence", 1.5, 0.5, 7, False)
+            args.top_entropy_quantile, args.max_steps, args.use_bias_correction_kl, args.vllm_importance_sampling_mode) \
+        == ("sapo", 1.2, "sequence", 1.5, 0.5, 7, False, "token_mask")
     assert all(name in trl for name in KIT_ONLY_TRL_NAMES)
 
 

@@ -6,6 +6,7 @@ subprocess and reads everything it printed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -158,10 +159,15 @@ _WARNING_LINE = re.compile(r"warning|note:", re.IGNORECASE)
 @needs_vllm
 def test_default_run_console(repo_root, tmp_path):
     """2 steps of the embedded model with vLLM on the CPU (small eval): the plan, the held-out accuracy, the step
-    lines and the closing table; no vLLM INFO line, no 'Failed to load weights', no warning printed twice."""
+    lines and the closing table; no vLLM INFO line, no 'Failed to load weights', no warning printed twice. The same
+    run checks what the default generation_backend=auto recorded (vLLM, its options in summary.json), with the FP8
+    KV cache where this CPU's vLLM has one (its documented warning once); bad vLLM options are
+    tests/test_generation.py's."""
+    fp8 = vllm_backend.cpu_has_fp8_kv()
     cmd = [sys.executable, "-m", "grpo_kit", "train", "--set", "max_steps=2", "--set", "num_eval_samples=2",
            "--set", "max_completion_length=8", "--set", "num_generations=2", "--set", "per_device_train_batch_size=2",
-           "--set", "num_train_samples=8", "--set", "save_steps=0", "--output-dir", str(tmp_path / "run")]
+           "--set", "num_train_samples=8", "--set", "save_steps=0", "--output-dir", str(tmp_path / "run"),
+           *(["--set", "kv_cache_dtype=fp8"] if fp8 else [])]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}  # the default, not this shell's
     r = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=900, env=env)
     out = r.stdout + r.stderr
@@ -178,3 +184,8 @@ def test_default_run_console(repo_root, tmp_path):
     assert re.search(r"step 1/2 \|", out) and re.search(r"step 2/2 \|", out)
     for row in ("run folder:", "held-out accuracy:", "steps: 2 (", "peak memory:", "files:"):
         assert row in r.stdout, r.stdout[-3000:]
+    gen = json.loads((tmp_path / "run" / "summary.json").read_text())["generation"]
+    assert gen["requested"] == "auto" and gen["backend"] == "vllm" and gen["device"] == "cpu"
+    assert gen["weight_syncs"] == 2 and gen["share_weights"] is False
+    assert gen["kv_cache_dtype"] == ("fp8" if fp8 else "auto")
+    assert out.count("kv_cache_dtype='fp8' on vLLM's CPU backend") == (1 if fp8 else 0)  # the documented warning

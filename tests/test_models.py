@@ -7,16 +7,20 @@ def test_embedded_roundtrip_gives_same_logits(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("GRPO_KIT_CACHE", str(tmp_path))
+    # an incomplete folder (tokenizer files only, as a tokenizer-only cache leaves) is moved aside, then exported
+    # (one export: each reads the whole GGUF)
+    stale = tmp_path / models.EMBEDDED_NAME
+    stale.mkdir()
+    (stale / "tokenizer_config.json").write_text("{}")
     path = models.embedded_model_dir()
-    assert path.parent == tmp_path
+    assert path == stale and path.parent == tmp_path
     assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
-    assert (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    assert (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").read_text() != "{}"
+    kept = list(tmp_path.glob(f"{path.name}.incomplete-*"))
+    assert kept and (kept[0] / "tokenizer_config.json").read_text() == "{}", "the incomplete folder is kept aside"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert models.embedded_model_dir() == path  # second call uses the cache
-
-    # an incomplete folder (tokenizer files only, as a tokenizer-only cache leaves) is moved aside and re-exported
-    (path / "model.safetensors").rename(tmp_path / "weights.bak")
-    assert models.embedded_model_dir() == path and (path / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.glob(f"{path.name}.incomplete-*")], "the incomplete folder must be kept aside"
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
 
     gguf = models._gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -66,7 +66,18 @@ def _train(args) -> int:
     # train() prints the plan, the step lines and the closing table
     train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)),
           verbose=verbose)
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Under torchrun / ``accelerate launch``: leave the process group before the interpreter exits. Left to the
+    interpreter's teardown, gloo's threads can abort a rank that finished ("terminate called without an active
+    exception", seen once in the CPU DDP test), and the launcher then stops the other ranks."""
+    import torch.distributed as dist  # lazy: torch is imported by then; only a distributed run has a group
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _bench(args) -> int:

@@ -27,7 +27,8 @@ from grpo_kit.app.run_folder import unsafe_run_folder
 from grpo_kit.generation.base import GENERATION_BACKENDS
 from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.loss.advantage import SCALE_REWARDS
-from grpo_kit.loss.objective import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ObjectiveSpec
+from grpo_kit.loss.objective import (ENGINE_IS_DEFAULT, ENGINE_IS_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES,
+                                     ObjectiveSpec)
 from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
@@ -50,7 +51,8 @@ TRACKERS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wa
             "trackio": (("trackio",), "trackio")}
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
-                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None))
+                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None),
+                     ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
 NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
@@ -159,7 +161,7 @@ CHOICES = {
     "scale_rewards": SCALE_REWARDS, "reward_errors": REWARD_ERRORS, "generation_backend": GENERATION_BACKENDS,
     "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
     "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
-    "base_weights": BASE_WEIGHTS, "fp8_block": (FP8_BLOCK,),
+    "base_weights": BASE_WEIGHTS, "fp8_block": (FP8_BLOCK,), "vllm_importance_sampling_mode": ENGINE_IS_MODES,
 }
 
 
@@ -405,6 +407,14 @@ class GRPOKitConfig:
                                     "separate engine copy: `merge` loads the merged weights into the copy, "
                                     "`adapter` runs the adapter in the copy's LoRA kernels. null: `merge`, so vLLM "
                                     "decodes dense (grpo_kit.generation.plan.lora_sync_mode).")
+    vllm_importance_sampling_mode: str = _f(ENGINE_IS_DEFAULT, f"vLLM generation: how the loss corrects for the gap "
+                                            "between the engine's log-probs of the sampled tokens and the trainer's "
+                                            f"(TRL's field), one of {ENGINE_IS_MODES}. `token_*` weights each token by "
+                                            "its own ratio exp(trainer - engine), `sequence_*` each sequence by the "
+                                            "product of its tokens' ratios; `*_truncate` clips the ratio to TRL's "
+                                            "bounds (at most 3), `*_mask` sets it to 0 outside them. A per-token gap "
+                                            "of one sign compounds over a sequence's length in the sequence modes "
+                                            "(docs/generation.md).")
     vllm_share_weights: bool | str = _f("auto", "One copy of the weights on CUDA: the training model's frozen base "
                                         "weights are views of the vLLM engine's tensors, LoRA reaches vLLM in "
                                         "memory each step, and the engine releases only its KV cache while "

@@ -33,8 +33,11 @@ from grpo_kit.memory.formulas import kv_cache_bytes, vllm_kv_tokens
 from grpo_kit.model.loading import (BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir_as,
                                     load_tokenizer, model_config)
 
-# vLLM's ``max_num_batched_tokens`` on CUDA: prompts are short next to completions, and a smaller
-# profile run leaves more of the card to training.
+# vLLM's ``max_num_batched_tokens`` on CUDA, whatever the context: prompts are short next to completions, decoding
+# takes one token per sequence, and a longer prompt is prefilled in chunks of this size (chunked prefill, asked for
+# explicitly so that vLLM never raises the budget to the context on its own). The engine's profile run, and so its
+# workspace, scales with it: at 8 x (512 + 20,480) the context's 20,992 tokens would hold about 2 GiB more of an
+# 8B's activations than these 4,096.
 CUDA_BATCHED_TOKENS = 4096
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 # vllm_lora_dual_stream=null on CUDA with the adapter in vLLM: vLLM's LoRA kernels on a second stream beside the
@@ -230,9 +233,9 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
     if device != "cuda":
         _size_cpu_engine(plan, cfg, model_config)
         return plan
-    batched = max(CUDA_BATCHED_TOKENS, context)  # what the engine gets is what the calculator prices
+    batched = max(CUDA_BATCHED_TOKENS, gen_rows)  # what the engine gets is what the calculator prices (vLLM: >= seqs)
     kwargs.update(dtype=str(dtype).removeprefix("torch."), max_num_seqs=gen_rows,
-                  llm_kwargs={"max_num_batched_tokens": batched})
+                  llm_kwargs={"max_num_batched_tokens": batched, "enable_chunked_prefill": True})
     free, total = torch.cuda.mem_get_info()
     try:
         mem = memory_plan(cfg, model_config, share_weights=share, free_bytes=free, total_bytes=total,

@@ -45,6 +45,7 @@ from grpo_kit.loss.registry import LossMetrics, PolicyInputs, get_loss_type, reg
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPOConfig.importance_sampling_level
 # GRPOConfig.vllm_importance_sampling_mode: the engine's importance-sampling correction
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ENGINE_IS_DEFAULT = "sequence_mask"  # TRL 1.16's default mode
 # TRL 1.16's names of the engine correction's metrics (:func:`engine_importance_metrics`)
 ENGINE_IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                      "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
