@@ -20,10 +20,12 @@ weights go through ``torch._scaled_mm`` (row-wise scales); :func:`w8a8_reference
 the definition (both operands dequantised to fp32 and multiplied in fp32), used everywhere else (the CPU, block
 scales, a GPU where ``_scaled_mm`` fails its probe). ``activations="16bit"`` multiplies the activations unquantised
 with the dequantised weight instead (W8A16). The backward gives the input gradient only, ``dx = dy W`` with W
-dequantised to dy's dtype; the base weight gets no gradient (it is frozen) and the forward saves no tensor for
-the backward (no activation: there is no weight gradient to compute from it). So the FP8 path needs no layer
-weight cache (``grpo_kit.model.nf4_matmul.layer_weight_cache``): the forward reads the FP8 codes directly, and
-each backward dequantises one weight once.
+dequantised to dy's dtype (``grad_input="fp8"``: an FP8 GEMM instead, off by default; ``bench fp8_train``
+compares the two); the base weight gets no gradient (it is frozen) and the forward saves no tensor for the
+backward (no activation: there is no weight gradient to compute from it). So the FP8 path needs no layer weight
+cache (``grpo_kit.model.nf4_matmul.layer_weight_cache``): the forward reads the FP8 codes directly, and each
+backward dequantises one weight once. On CUDA the activation quantiser and the per-channel dequantisation are
+Triton kernels with these functions' bits (:mod:`grpo_kit.kernels.fp8_rows`).
 
 :func:`quantize_model_fp8` replaces a model's ``nn.Linear`` layers (not ``lm_head``, never the embeddings: the
 rule of :func:`grpo_kit.model.quantize.quantizable_linears`) by :class:`FP8Linear`, one layer at a time.
@@ -91,7 +93,7 @@ def _tiles(t: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale)`` of ``weight`` (out, in; any float dtype): codes float8_e4m3fn (out, in) on the weight's
     device; scale float32 (out, 1), or (ceil(out / block), ceil(in / block)) with ``block``. Computed in fp32
-    (one transient fp32 copy of the weight)."""
+    (in torch: one transient fp32 copy of the weight; per channel on CUDA: the row kernel, none)."""
     if block is None:  # a weight's output channels are its rows: the row quantiser's arithmetic
         return fp8_rows.quantize_rows(weight.detach())
     w = weight.detach().float()
