@@ -25,7 +25,7 @@
 #  bf16 (held-out after within 0.05 of the bf16 runs' mean). FP8-weight rows generate with vLLM's FP8 engine on the
 #  training model's own codes (one copy); SEEDS="0" runs the learning step on one seed. In this order: the tier,
 #  the 4K rows, the 20K memory row, the main job with FP8 and bf16 weights side by side (the checkpoint written
-#  into the FP8 engine end to end), then TRL's 4K row and generation alone. Run on an H100 on 2026-12-06 (session 37):
+#  into the FP8 engine end to end), then TRL's 4K row and generation alone. Run on an H100 on 2026-12-06:
 #  fp8_train, fp8_tier, fp8_rl4k, fp8_rl20k (before the engine's batch budget stayed at 4,096 tokens); still owed:
 #  STEPS="fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k" (fp8_rl20k again: the smaller budget's memory).
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
