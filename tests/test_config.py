@@ -95,6 +95,11 @@ def test_lora_dual_stream_applies_only_to_the_adapter_in_vllm_on_cuda():
     # HF generation samples from the training model itself: no engine correction to choose
     with pytest.raises(ConfigError, match="vllm_importance_sampling_mode='token_mask' only apply to vLLM generation"):
         GRPOKitConfig(vllm_importance_sampling_mode="token_mask", generation_backend="hf").validate()
+    # VESPO takes per-token ratios: with vLLM it needs a token mode, said before anything starts (the trainer
+    # would refuse it only once the engine runs)
+    with pytest.raises(ConfigError, match="loss_type='vespo' with vLLM generation .* set it to 'token_truncate'"):
+        GRPOKitConfig(loss_type="vespo", generation_backend="vllm").validate()
+    GRPOKitConfig(loss_type="vespo", generation_backend="vllm", vllm_importance_sampling_mode="token_mask").validate()
 
 
 def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch, tmp_path):

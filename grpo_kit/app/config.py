@@ -684,6 +684,11 @@ def _generation_problems(cfg: GRPOKitConfig) -> list[str]:
     if cfg.vllm_lora_sync == "merge" and cfg.vllm_lora_dual_stream:
         errors.append("vllm_lora_dual_stream=True needs the adapter in vLLM's LoRA kernels, but vllm_lora_sync="
                       "'merge' generates with merged weights and no LoRA kernels; drop one of the two")
+    if cfg.loss_type == "vespo" and cfg.generation_backend == "vllm" and \
+            not cfg.vllm_importance_sampling_mode.startswith("token"):
+        errors.append(f"loss_type='vespo' with vLLM generation weights each token by its own importance ratio, but "
+                      f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r} forms one per sequence; "
+                      "set it to 'token_truncate' or 'token_mask'")
     vllm_only = cfg.vllm_options_set()
     if (cfg.generation_backend == "vllm" or (vllm_only and cfg.generation_backend != "hf")) and \
             cfg.trainer != "grpo_kit":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -33,14 +34,17 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _BLOCK_K = 1024  # row elements per step of the quantiser's loops
 _DEQ_BLOCK = (32, 256)  # weights per dequantisation program: rows x columns
 LAUNCH_OPTIONS: dict = {}  # Triton compile options for both launches
+# Rows whose maximum is below this get scale 1: their scale amax / 448 would be an fp32 subnormal, which the GPU's
+# Triton arithmetic flushes to zero (the codes of such a row round to zero either way)
+MIN_AMAX = FP8_MAX * torch.finfo(torch.float32).tiny
 
 
 def safe_scale(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scales ``amax / FP8_MAX`` (IEEE division); 1 where ``amax`` is 0 (the codes are 0 whatever the
-    scale)."""
+    """fp32 scales ``amax / FP8_MAX`` (IEEE division); 1 where ``amax`` is 0 or below ``MIN_AMAX`` (the codes are
+    0 whatever the scale) or NaN (a row holding a NaN keeps it: its codes are NaN there)."""
     # divided by a tensor: by a Python number, CUDA torch multiplies by the rounded reciprocal instead (a last-bit
     # difference from the CPU and from the kernels, seen on an H100 and an H200)
-    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    return torch.where(amax >= MIN_AMAX, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def to_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -82,27 +86,33 @@ def _round_e4m3(q):
     return tl.where(a < 0.015625, sub, normal)  # e4m3's subnormals lie below 2^-6
 
 
-def _quantize_rows_kernel(X, COLS, Q, S, K, stride_x, HAS_COLS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(X, COLS, Q, S, K, stride_x, MIN_AMAX, HAS_COLS: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per row: its maximum in a first sweep, its codes in a second
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = X + row * stride_x, Q + row * K
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    nan = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
         if HAS_COLS:
             v = v * tl.load(COLS + k, mask=k < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v))
+        nan = nan | (v != v).to(tl.int32)  # the GPU's maximum skips NaN: counted apart, as the twin's NaN maximum
     m = tl.max(amax, axis=0)
-    scale = tl.where(m > 0, tl.math.div_rn(m, 448.0), 1.0)
+    scale = tl.where(m >= MIN_AMAX, tl.math.div_rn(m, 448.0), 1.0)
+    scale = tl.where(tl.max(nan, axis=0) > 0, 1.0, scale)
     tl.store(S + row, scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
         if HAS_COLS:
             v = v * tl.load(COLS + k, mask=k < K, other=0.0)
-        q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
-        tl.store(q_row + k, q.to(tl.float8e4nv), mask=k < K)  # exact: q is an e4m3 value already
+        q = tl.math.div_rn(v, scale)
+        r = _round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))  # exact below: r is an e4m3 value already
+        code = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # NaN stays NaN (0x7F), written as bits: the GPU's clamp would make it a number, the interpreter's cast 384
+        tl.store(q_row + k, tl.where(q != q, 0x7F, code).to(tl.uint8), mask=k < K)
 
 
 def _dequantize_channels_kernel(Q, S, OUT, N, K, stride_q, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -110,13 +120,16 @@ def _dequantize_channels_kernel(Q, S, OUT, N, K, stride_q, HALF: tl.constexpr, B
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows[:, None] < N) & (cols[None, :] < K)
-    q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    bits = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=m, other=0)  # the codes as uint8
+    q = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    q = tl.where((bits & 0x7F) == 0x7F, float("nan"), q)  # NaN codes, decoded by hand (the interpreter gives 384)
     w = q * tl.load(S + rows, mask=rows < N, other=1.0)[:, None]
     if HALF == 1:
         w = w.to(tl.float16, fp_downcast_rounding="rtne")
-    elif HALF == 2:  # rounded in the bits first (the interpreter's cast truncates), then cast exactly
+    elif HALF == 2:  # rounded in the bits first (the interpreter's cast truncates), then cast exactly; NaN kept
         b = w.to(tl.int32, bitcast=True)
-        w = ((b + 0x7FFF + ((b >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+        w = tl.where(w != w, w, r).to(tl.bfloat16)
     tl.store(OUT + rows[:, None] * K + cols[None, :], w, mask=m)
 
 
@@ -145,7 +158,7 @@ def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None
     cols = x if col_scale is None else col_scale.reshape(k).float().contiguous()
     if m:
         with _on(x.device):
-            _kernels()[0][(m,)](x, cols, codes, scale, k, x.stride(0), HAS_COLS=col_scale is not None,
+            _kernels()[0][(m,)](x, cols, codes.view(torch.uint8), scale, k, x.stride(0), MIN_AMAX, HAS_COLS=col_scale is not None,
                                 BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(max(k, 16))), num_warps=4,
                                 **LAUNCH_OPTIONS)
     return codes, scale
@@ -163,7 +176,7 @@ def dequantize_channels_triton(codes: torch.Tensor, scale: torch.Tensor,
     if out.numel():
         with _on(codes.device):
             _kernels()[1][(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-                codes, scale.reshape(n).contiguous(), out, n, k, codes.stride(0), HALF=_HALF[dtype],
+                codes.view(torch.uint8), scale.reshape(n).contiguous(), out, n, k, codes.stride(0), HALF=_HALF[dtype],
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **LAUNCH_OPTIONS)
     return out
 
@@ -175,17 +188,35 @@ def kernels_match(device: str) -> bool:
     g = torch.Generator(device="cpu").manual_seed(7)
     x = torch.randn(37, 1500, generator=g) * torch.logspace(-6, 4, 37)[:, None]
     x[3] = 0
+    x[5, 7], x[6, 9], x[7, 11] = float("nan"), float("inf"), -float("inf")  # kept as the twin keeps them
+    x[8] *= 1e-37  # a maximum below MIN_AMAX
     cols = torch.rand(1, 1500, generator=g) * 3
     codes, scale = quantize_rows_reference(torch.randn(45, 333, generator=g) * 100)
-    ok = True
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        xd = x.clamp(-6e4, 6e4).to(device=device, dtype=dtype)
-        for c in (None, cols.to(device)):
-            got, want = quantize_rows_triton(xd, c), quantize_rows_reference(xd, c)
-            ok &= torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-        cd, sd = codes.to(device), scale.to(device)
-        ok &= torch.equal(dequantize_channels_triton(cd, sd, dtype), dequantize_channels_reference(cd, sd, dtype))
+    codes[2, 3] = float("nan")
+    try:
+        ok = True
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            xd = x.to(dtype).to(device)
+            for c in (None, cols.to(device)):
+                got, want = quantize_rows_triton(xd, c), quantize_rows_reference(xd, c)
+                ok &= same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+            cd, sd = codes.to(device), scale.to(device)
+            ok &= same_bits(dequantize_channels_triton(cd, sd, dtype), dequantize_channels_reference(cd, sd, dtype))
+    except Exception as e:  # e.g. a GPU without FP8 (Triton compiles e4m3 from compute capability 8.9 on)
+        warnings.warn(f"the FP8 row kernels could not run on {device} ({type(e).__name__}); their torch twins "
+                      "serve there", stacklevel=3)
+        return False
     return bool(ok)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same values to the bit, NaN where the other has NaN (whatever its sign and payload:
+    the GPU and the CPU write different NaNs)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = a.float().isnan(), b.float().isnan()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(ints)[~nan_a], b.view(ints)[~nan_b])
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -202,5 +233,5 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 
 def dequantize_channels(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-channel FP8 weights back to ``dtype``: the kernel where :func:`use_triton`, else the twin."""
-    fn = dequantize_channels_triton if use_triton(codes) else dequantize_channels_reference
+    fn = dequantize_channels_triton if dtype in _HALF and use_triton(codes) else dequantize_channels_reference
     return fn(codes, scale, dtype)
