@@ -15,8 +15,9 @@ Why kernels: in eager torch the row quantiser is six launches over fp32 copies o
 cast: about 30 bytes of traffic per element of a bf16 x); the kernel reads x twice (once for the maximum, once for
 the codes, the second mostly from L2) and writes one byte per element. The dequantisation is three launches with an
 fp32 (N, K) in between; the kernel reads one byte and writes two. Divisions are IEEE (``div_rn``: Triton's ``/``
-on fp32 is an approximation) so the kernels match the twins to the bit; ``tests/test_fp8_rows.py`` checks that in
-Triton's CPU interpreter, and :func:`kernels_match` on the GPU before real tensors use them.
+on fp32 is an approximation) so the kernels match the twins to the bit, NaN and infinities included (a NaN stays
+NaN, so the trainer's NaN guard still sees it); ``tests/test_fp8_rows.py`` checks that in Triton's CPU interpreter,
+and :func:`kernels_match` on the GPU before real tensors use them.
 """
 
 from __future__ import annotations
