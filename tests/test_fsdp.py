@@ -77,8 +77,8 @@ def _launch(repo_root, cwd, config, args, log):
     # the reward (_fsdp_worker:length_reward) from tests/, the kit from this checkout (also where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "tests"), str(repo_root)])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "grpo_kit",
-           "train", *args]
+           str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "_cli_worker",
+           "train", *args]  # the real CLI, without the interpreter's teardown (tests/_cli_worker.py)
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     proc.log = Path(log)
