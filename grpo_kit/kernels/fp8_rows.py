@@ -22,13 +22,12 @@ and :func:`kernels_match` on the GPU before real tensors use them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 
 import torch
 
-from grpo_kit.kernels._triton import HAS_TRITON, interpreter_active, tl, triton
+from grpo_kit.kernels._triton import HAS_TRITON, OUT_DTYPE_CODE, interpreter_active, launch_device, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -134,17 +133,9 @@ def _dequantize_channels_kernel(Q, S, OUT, N, K, stride_q, HALF: tl.constexpr, B
     tl.store(OUT + rows[:, None] * K + cols[None, :], w, mask=m)
 
 
-_HALF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the dequantisation's output dtype code
-
-
 @functools.lru_cache(maxsize=None)
 def _kernels():
     return triton.jit(_quantize_rows_kernel), triton.jit(_dequantize_channels_kernel)
-
-
-def _on(device: torch.device):
-    # Triton launches on the current CUDA device
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None
@@ -158,8 +149,9 @@ def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     cols = x if col_scale is None else col_scale.reshape(k).float().contiguous()
     if m:
-        with _on(x.device):
-            _kernels()[0][(m,)](x, cols, codes.view(torch.uint8), scale, k, x.stride(0), MIN_AMAX, HAS_COLS=col_scale is not None,
+        with launch_device(x.device):
+            _kernels()[0][(m,)](x, cols, codes.view(torch.uint8), scale, k, x.stride(0), MIN_AMAX,
+                                HAS_COLS=col_scale is not None,
                                 BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(max(k, 16))), num_warps=4,
                                 **LAUNCH_OPTIONS)
     return codes, scale
@@ -175,9 +167,10 @@ def dequantize_channels_triton(codes: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(n, k, dtype=dtype, device=codes.device)
     bn, bk = _DEQ_BLOCK
     if out.numel():
-        with _on(codes.device):
+        with launch_device(codes.device):
             _kernels()[1][(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-                codes.view(torch.uint8), scale.reshape(n).contiguous(), out, n, k, codes.stride(0), HALF=_HALF[dtype],
+                codes.view(torch.uint8), scale.reshape(n).contiguous(), out, n, k, codes.stride(0),
+                HALF=OUT_DTYPE_CODE[dtype],
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **LAUNCH_OPTIONS)
     return out
 
@@ -234,5 +227,5 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 
 def dequantize_channels(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-channel FP8 weights back to ``dtype``: the kernel where :func:`use_triton`, else the twin."""
-    fn = dequantize_channels_triton if dtype in _HALF and use_triton(codes) else dequantize_channels_reference
+    fn = dequantize_channels_triton if dtype in OUT_DTYPE_CODE and use_triton(codes) else dequantize_channels_reference
     return fn(codes, scale, dtype)

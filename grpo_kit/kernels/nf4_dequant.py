@@ -26,12 +26,12 @@ kernel slower than bitsandbytes'.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
-from grpo_kit.kernels._triton import HAS_TRITON, interpreter_active, tl, triton  # noqa: F401
+from grpo_kit.kernels._triton import (HAS_TRITON, OUT_DTYPE_CODE, interpreter_active,  # noqa: F401
+                                     launch_device, tl, triton)
 
 # The format this kernel decodes, written by grpo_kit.model.quantize: bitsandbytes NF4 with double quantisation
 # (what QLoRA and Unsloth load): 4 bits per weight, one 8-bit absmax per NF4_BLOCK weights, one fp32 absmax per
@@ -97,7 +97,6 @@ def _nf4_dequant_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, NBYTES, QB
     tl.store(OUT + j, word, mask=m)
 
 
-_HALF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's output dtype code
 _WORD = {torch.float32: torch.int64, torch.float16: torch.int32, torch.bfloat16: torch.int32}
 
 
@@ -111,7 +110,7 @@ def compile_signature(dtype: str, nbytes_multiple_of_16: bool = True) -> tuple[d
     sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",
            "OUT": f"*i{_WORD[out].itemsize * 8}", "NBYTES": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr",
            "HALF": "constexpr", "BLOCK": "constexpr"}
-    const = {"QBLOCK": NF4_BLOCK, "QBLOCK2": NF4_NESTED_BLOCK, "HALF": _HALF[out], "BLOCK": _BLOCK}
+    const = {"QBLOCK": NF4_BLOCK, "QBLOCK2": NF4_NESTED_BLOCK, "HALF": OUT_DTYPE_CODE[out], "BLOCK": _BLOCK}
     # as Triton specialises a launch: every pointer 16-byte aligned (torch's allocations are), and the byte count
     aligned = [i for i, (name, kind) in enumerate(sig.items())
                if kind.startswith("*") or (name == "NBYTES" and nbytes_multiple_of_16)]
@@ -144,10 +143,11 @@ def dequantize_triton(packed: torch.Tensor, quant_state, dtype: torch.dtype | No
     s2 = quant_state.state2
     offset = torch.as_tensor(quant_state.offset, dtype=torch.float32, device=dev).reshape(1)
     block = max(_BLOCK, quant_state.blocksize)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # Triton launches on the current one
+    with launch_device(dev):
         _kernel()[(triton.cdiv(2 * nbytes, block),)](
             packed, quant_state.absmax, s2.code.to(dev), s2.absmax, offset, quant_state.code.to(dev), words, nbytes,
-            QBLOCK=quant_state.blocksize, QBLOCK2=s2.blocksize, HALF=_HALF[dtype], BLOCK=block, **LAUNCH_OPTIONS)
+            QBLOCK=quant_state.blocksize, QBLOCK2=s2.blocksize, HALF=OUT_DTYPE_CODE[dtype], BLOCK=block,
+            **LAUNCH_OPTIONS)
     return words.view(dtype)[:n].view(quant_state.shape)
 
 
