@@ -27,8 +27,8 @@ from grpo_kit.app.run_folder import unsafe_run_folder
 from grpo_kit.generation.base import GENERATION_BACKENDS
 from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.loss.advantage import SCALE_REWARDS
-from grpo_kit.loss.objective import (ENGINE_IS_DEFAULT, ENGINE_IS_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES,
-                                     ObjectiveSpec)
+from grpo_kit.loss.objective import (ENGINE_IS_DEFAULT, ENGINE_IS_MODES, ENGINE_IS_TOKEN_MODES,
+                                     IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ObjectiveSpec)
 from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
@@ -685,10 +685,10 @@ def _generation_problems(cfg: GRPOKitConfig) -> list[str]:
         errors.append("vllm_lora_dual_stream=True needs the adapter in vLLM's LoRA kernels, but vllm_lora_sync="
                       "'merge' generates with merged weights and no LoRA kernels; drop one of the two")
     if cfg.loss_type == "vespo" and cfg.generation_backend == "vllm" and \
-            not cfg.vllm_importance_sampling_mode.startswith("token"):
+            cfg.vllm_importance_sampling_mode not in ENGINE_IS_TOKEN_MODES:
         errors.append(f"loss_type='vespo' with vLLM generation weights each token by its own importance ratio, but "
                       f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r} forms one per sequence; "
-                      "set it to 'token_truncate' or 'token_mask'")
+                      f"set it to {' or '.join(map(repr, ENGINE_IS_TOKEN_MODES))}")
     vllm_only = cfg.vllm_options_set()
     if (cfg.generation_backend == "vllm" or (vllm_only and cfg.generation_backend != "hf")) and \
             cfg.trainer != "grpo_kit":

@@ -46,6 +46,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # GRPOConfig.importance_samp
 # GRPOConfig.vllm_importance_sampling_mode: the engine's importance-sampling correction
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ENGINE_IS_DEFAULT = "sequence_mask"  # TRL 1.16's default mode
+ENGINE_IS_TOKEN_MODES = ENGINE_IS_MODES[:2]  # one ratio per token (what VESPO's own weighting needs)
 # TRL 1.16's names of the engine correction's metrics (:func:`engine_importance_metrics`)
 ENGINE_IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                      "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",

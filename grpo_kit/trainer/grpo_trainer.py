@@ -52,7 +52,7 @@ from grpo_kit.trainer.guards import with_reliability
 from grpo_kit.trainer.sharding import check_sharding, full_head
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.memory.estimate import scoring_batch_for_config
-from grpo_kit.loss.objective import ENGINE_IS_METRICS, nanmax, nanmin
+from grpo_kit.loss.objective import ENGINE_IS_METRICS, ENGINE_IS_TOKEN_MODES, nanmax, nanmin
 from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
 from grpo_kit.tasks.tools import get_tools, resolve_environment
@@ -160,9 +160,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         """TRL refuses VESPO with a sequence-level engine ratio, but only when ``use_vllm`` is set at its
         construction; the kit's generation mixin sets it afterwards, so the same check runs here."""
         if (self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
-                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+                and self.vllm_importance_sampling_mode not in ENGINE_IS_TOKEN_MODES):
             raise ValueError("loss_type='vespo' with the importance-sampling correction needs "
-                             "vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                             f"vllm_importance_sampling_mode {' or '.join(map(repr, ENGINE_IS_TOKEN_MODES))}, got "
                              f"{self.vllm_importance_sampling_mode!r}")
 
     # -- hidden states ------------------------------------------------------------------
