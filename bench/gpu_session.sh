@@ -24,10 +24,12 @@
 #  GiB); generation alone at 8 x 4,096 with FP8 and 16-bit weights; learning over 3 seeds with FP8 weights against
 #  bf16 (held-out after within 0.05 of the bf16 runs' mean). FP8-weight rows generate with vLLM's FP8 engine on the
 #  training model's own codes (one copy); SEEDS="0" runs the learning step on one seed. In this order: the tier,
-#  the 4K rows, the 20K memory row, the main job with FP8 and bf16 weights side by side (the checkpoint written
-#  into the FP8 engine end to end), then TRL's 4K row and generation alone. Run on an H100 on 2026-12-06:
+#  the 4K rows, the 20K memory row, generation alone, the main job with FP8 and bf16 weights side by side (the
+#  checkpoint written into the FP8 engine end to end), then TRL's 4K row. Run on an H100 on 2026-12-06:
 #  fp8_train, fp8_tier, fp8_rl4k, fp8_rl20k (before the engine's batch budget stayed at 4,096 tokens); still owed:
 #  STEPS="fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k" (fp8_rl20k again: the smaller budget's memory).
+#  fp8_kernels: the tier without vLLM (the row kernels' NaN handling changed after the first runs).
+#  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_hf_fp8w" adds HF generate with FP8 weights to fp8_gen4k.
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Bringing results home: append each OUT_DIR/results/data/<benchmark>.jsonl to bench/results/data/ (cat >>, never
@@ -121,14 +123,15 @@ step qlora_1k_refbatch 500 $ratio --dtype fp16 --load-in-4bit --budget-gib 15 --
   --tag ${card}_llama8b_4bit_fp16_1k_refbatch
 step fp16_1k_refbatch 300 $ratio --dtype fp16 --ref-micro-batch 8 --tag ${card}_llama8b_fp16_1k_refbatch
 # Issue 37: FP8 base weights (e4m3, per-channel scales, W8A8 forward), each row records base_weights.
+step fp8_tier 600 python3 -m pytest -m gpu tests/test_fp8.py -q -s -rs -p no:cacheprovider
+step fp8_kernels 300 python3 -m pytest -m gpu tests/test_fp8.py -k "not vllm" -q -rs -p no:cacheprovider
 # Where the FP8 training pass spends its time (decoder layers of the 8B, bf16 against FP8 with the torch twins, the
 # kernels, and the FP8 backward), no vLLM needed.
 step fp8_train 300 python3 -m grpo_kit bench fp8_train --tag $card --out-dir "$out/results"
-step fp8_tier 600 python3 -m pytest -m gpu tests/test_fp8.py -q -s -rs -p no:cacheprovider
 step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 4096 --steps 3 --timeout 480
 step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700
+step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completion 4096 --timeout 480
 step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
   --variant fp8:base_weights=fp8 --variant bf16: --runs-dir "$out/learning_runs" --out "$out/results/learning_${card}_fp8"
 step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 480
-step fp8_gen4k 1500 $bench --rows gen_vllm_fp8w,gen_vllm,gen_hf_fp8w --completion 4096 --timeout 480
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"
