@@ -29,6 +29,7 @@
 #  fp8_train, fp8_tier, fp8_rl4k, fp8_rl20k (before the engine's batch budget stayed at 4,096 tokens); still owed:
 #  STEPS="fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k" (fp8_rl20k again: the smaller budget's memory).
 #  fp8_kernels: the tier without vLLM (the row kernels' NaN handling changed after the first runs).
+#  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
 #  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_hf_fp8w" adds HF generate with FP8 weights to fp8_gen4k.
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
 # results back often: a machine can stop answering mid-pass.
@@ -133,5 +134,11 @@ step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --t
 step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completion 4096 --timeout 480
 step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
   --variant fp8:base_weights=fp8 --variant bf16: --runs-dir "$out/learning_runs" --out "$out/results/learning_${card}_fp8"
+# The 4K step's training pass alone (reference pass, policy forward and backward with offload, optimiser), FP8
+# against bf16 weights, each with a kernel profile: where the FP8 step's training loses its 1.2 s to bf16's.
+parts4k="python3 bench/step.py --model llama-3.1-8b --seq-len 4608:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
+  --lora-r 16 --repeat 3 --kernel-profile --out-dir $out/results"
+step fp8_parts4k 300 $parts4k --base-weights fp8 --tag ${card}_llama8b_fp8_4k_parts
+step bf16_parts4k 300 $parts4k --tag ${card}_llama8b_bf16_4k_parts
 step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 480
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -87,23 +87,27 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # ------------------------------------------------------------------------------------------------
 # model, modes, one step
 # ------------------------------------------------------------------------------------------------
-def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False):
+def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False,
+          base_weights="16bit"):
     """PEFT model with LoRA on every linear layer, and the GPU bytes of its base weights. ``dtype``: None
     (bf16 on CUDA, fp32 on CPU) or a torch dtype. ``load_in_4bit``: the kit's QLoRA load
     (``grpo_kit.model.loading.load_model``: each linear layer created on ``device`` and quantised to NF4 there
-    at once, lm_head 16-bit), so the GPU never holds the 16-bit model."""
+    at once, lm_head 16-bit), so the GPU never holds the 16-bit model. ``base_weights="fp8"``: the kit's FP8
+    load (e4m3 per-channel codes quantised on ``device`` layer by layer, W8A8 forward), LoRA on top as the
+    trainer puts it."""
     import peft
 
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if load_in_4bit:
+    if load_in_4bit or base_weights != "16bit":
         from grpo_kit.model.loading import load_model
 
         if layers is not None:
-            raise ValueError("layers= is not supported with load_in_4bit")
-        model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=True)
+            raise ValueError("layers= is not supported with load_in_4bit or FP8 base weights")
+        model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=load_in_4bit,
+                              base_weights=base_weights)
         model.config.use_cache = False
-        q = model.grpo_kit_quantization
-        progress(f"{name}: {q['load']}: {q.get('build_s', q.get('build_16bit_s'))} s"
+        q = getattr(model, "grpo_kit_quantization", None) or {"load": base_weights, "build_s": None}
+        progress(f"{name}: {q.get('load', base_weights)}: {q.get('build_s', q.get('build_16bit_s'))} s"
                  + (f" + NF4 onto {device} {q['quantize_s']} s" if "quantize_s" in q else ""))
     else:
         cfg = model_config(name)
@@ -111,13 +115,19 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
             cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": layers})
         cfg.use_cache = False
         model = build_random_model(cfg, dtype=dtype, device=device, seed=seed)
-    # NF4 parameters report their packed bytes; what the GPU holds (absmax constants too) is the allocator's count
-    weights = (torch.cuda.memory_allocated(device) if load_in_4bit and device.type == "cuda"
+    # NF4 parameters report their packed bytes and FP8 codes are buffers; what the GPU holds (absmax constants and
+    # scales too) is the allocator's count
+    quantized = load_in_4bit or base_weights != "16bit"
+    weights = (torch.cuda.memory_allocated(device) if quantized and device.type == "cuda"
                else sum(p.numel() * p.element_size() for p in model.parameters()))
     torch.manual_seed(seed + 1)
     # random_lora: lora_B not zero, so the correctness check sees non-zero lora_A gradients too
     conf = peft.LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
                            init_lora_weights=not random_lora)
+    if base_weights == "fp8":
+        from grpo_kit.model.fp8 import fp8_lora_config
+
+        conf = fp8_lora_config(conf)
     model = peft.get_peft_model(model, conf)
     return model, weights
 
@@ -464,7 +474,7 @@ def run_plan(configs, args, dev, sink):
             cleanup(dev)
             t0 = time.perf_counter()
             m, w = build(name, dev, args.lora_r, dtype=DTYPES[args.dtype] if dev.type == "cuda" else None,
-                         load_in_4bit=args.load_in_4bit)
+                         load_in_4bit=args.load_in_4bit, base_weights=args.base_weights)
             models[name] = m
             sink["weights_gib"][name] = w / GiB
             built = sink.setdefault("build_s", {})[name] = time.perf_counter() - t0
@@ -478,7 +488,7 @@ def run_plan(configs, args, dev, sink):
             if impl is not None:  # the same model in the same process: only how its 4-bit layers multiply differs
                 nf4_matmul.use_nf4_matmul(models[name], impl)
             r = run_row(models[name], row, args, dev, cfg["gens"], cfg["seq_len"], budget_gib=budget_gib)
-            r["load_in_4bit"], r["nf4_matmul"] = args.load_in_4bit, impl
+            r["load_in_4bit"], r["nf4_matmul"], r["base_weights"] = args.load_in_4bit, impl, args.base_weights
             r["tag"] = cfg.get("tag", "")
             r["weights_gib"] = sink["weights_gib"][name]
             r["budget_name"] = budget
@@ -544,13 +554,16 @@ def write_report(data, out_dir, tag, record=True):
     appended to ``out_dir``'s data file (``data/step.jsonl``). Returns the summary's text."""
     data["derived"] = derive(data)
     jpath = data.path if isinstance(data, Sink) else None
+    fp8 = data.get("args", {}).get("base_weights") == "fp8"
     hw = data["hardware"]
     L = [f"# Whole GRPO step benchmark ({hw.get('gpu', 'cpu')})", "",
          f"Command: `{data['command']}`  ", f"Date: {hw['date']}; torch {hw['torch']}, triton {hw.get('triton')}, "
          f"transformers {hw.get('transformers')}, peft {hw.get('peft')}; GPU {hw.get('gpu')} "
          f"({fmt(hw.get('gpu_total_gib'))} GiB); host RAM {fmt(hw.get('host_ram_gib'))} GiB.", "",
          f"Random {data['results'][0].get('dtype', 'bf16') if data['results'] else 'bf16'} weights"
-         f"{' (linear layers NF4)' if data.get('args', {}).get('load_in_4bit') else ''}, LoRA on all linear layers "
+         f"{' (linear layers NF4)' if data.get('args', {}).get('load_in_4bit') else ''}"
+         f"{' (linear layers FP8 e4m3, per-channel scales)' if fp8 else ''}"
+         ", LoRA on all linear layers "
          "(fp32 adapter), AdamW; one step = reference log-probs (adapter off, no grad) + policy forward/backward "
          "over all generations in micro-batches + optimiser step. Peaks are `torch.cuda.max_memory_allocated` / "
          "`max_memory_reserved` over the measured step; time: "
@@ -666,6 +679,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
                    "(fp16: with a GradScaler, as on a T4)")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
+    p.add_argument("--base-weights", choices=("16bit", "fp8"), default="16bit", help="fp8: the base linear weights as "
+                   "FP8 e4m3 codes with per-channel scales (grpo_kit.model.fp8; CUDA with compute capability >= 8.9)")
     p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit (ignored without): how the 4-bit layers "
                    "multiply, a comma list run one after the other on the same model (kit, bitsandbytes: "
                    "grpo_kit.model.nf4_matmul)")
@@ -720,7 +735,8 @@ def main(argv=None):
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sink = Sink(Path(tempfile.gettempdir()) / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                hardware=hw, args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit}, results=[],
+                hardware=hw, args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit,
+                                                  "base_weights": args.base_weights}, results=[],
                 weights_gib={})
     if args.plan:
         configs = PLANS[args.plan]
