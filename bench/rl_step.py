@@ -36,6 +36,8 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
   cannot be shared.
 * ``gen_vllm`` / ``gen_hf`` / ``gen_hf_fp8w``: generation alone, 8 completions of one prompt: vLLM (the kit's
   engine, CUDA graphs) against HF ``generate`` on the same architecture, with 16-bit or FP8 base weights.
+  ``gen_vllm_fp8w`` generates with an r=16 adapter in vLLM's LoRA kernels, as the FP8 step does (an adapter cannot
+  be merged into FP8 codes); ``gen_vllm`` with none, as the 16-bit step's merged adapter leaves it.
 
 Every row records ``base_weights`` (``bf16`` or ``fp8``).
 
@@ -69,6 +71,7 @@ from pathlib import Path
 from _common import LORA_TARGETS, command_line, hardware, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
+LORA_RANK, LORA_ALPHA = 16, 32  # every row's adapter
 
 # row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync, base_weights); grpo_kit_fp8w_hf generates with HF
 KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None, "16bit"), "grpo_kit_bf16": ("auto", True, None, "16bit"),
@@ -203,7 +206,8 @@ def kit_row(name: str, a) -> dict:
     C = a.completion
     cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=PROMPT_TOKENS, max_completion_length=C,
                         num_generations=GENERATIONS, per_device_train_batch_size=1,
-                        gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=16, lora_alpha=32,
+                        gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=LORA_RANK,
+                        lora_alpha=LORA_ALPHA,
                         kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
                         generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
                         gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
@@ -235,7 +239,7 @@ def kit_row(name: str, a) -> dict:
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
                            peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
-                               LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS)),
+                               LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
     trainer.train()
@@ -335,7 +339,7 @@ def trl_row(a) -> dict:
     ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
     times = StepTimes(totals)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[times.callback], peft_config=LoraConfig(r=16, lora_alpha=32,
+                          callbacks=[times.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
                                                                              target_modules=LORA_TARGETS))
     setup_s = time.perf_counter() - t0
     trainer.train()
@@ -360,7 +364,7 @@ def gen_row(name: str, a) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_tokens=C, min_tokens=C)
     warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
     if name.startswith("gen_vllm"):
-        from grpo_kit.generation.plan import generation_model_dir
+        from grpo_kit.generation.plan import LORA_DUAL_STREAM_DEFAULT, generation_model_dir
         from grpo_kit.generation.vllm_backend import VLLMGenerator
         from grpo_kit.memory import formulas as F, resolve_arch
         from grpo_kit.model.loading import model_config
@@ -371,9 +375,16 @@ def gen_row(name: str, a) -> dict:
         eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
                             max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
                             gpu_memory_utilization=0.5, base_weights=GEN_ROWS[name], share_weights=fp8,
-                            lora_sync="adapter" if fp8 else "merge")
-        if fp8:
-            eng.training_model(model_config(a.model), torch.bfloat16)
+                            lora_sync="adapter" if fp8 else "merge", max_lora_rank=LORA_RANK,
+                            lora_dual_stream=fp8 and {"on": True, "off": False,
+                                                      "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
+        if fp8:  # an adapter in place, so generation runs through vLLM's LoRA kernels as in the step
+            from peft import LoraConfig, get_peft_model
+
+            from grpo_kit.model.fp8 import fp8_lora_config
+
+            lora = fp8_lora_config(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS))
+            eng.sync_weights(get_peft_model(eng.training_model(model_config(a.model), torch.bfloat16), lora))
     else:  # gen_hf_fp8w: the FP8 layers quantised on the GPU layer by layer, W8A8 through torch._scaled_mm
         model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
         eng = HFGenerator(model.eval(), tok)
