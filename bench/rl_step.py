@@ -48,7 +48,9 @@ Memory, ``peak_gib``: device memory in use (``cudaMemGetInfo``), sampled every 5
 before the engine starts to the end of the last step, minus what was in use before (the CUDA
 context): everything vLLM's pool and PyTorch hold, whichever allocator. Beside it
 ``torch_max_reserved_gib`` (PyTorch's ``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool
-at the end). Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
+at the end). Kit rows also split the peak by phase, ``phase_peaks_gib``: ``setup`` (model load, engine start),
+``generation`` (inside the generator's ``generate``: wake, generation, standby), ``training`` (the rest of the
+steps). Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
 first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
@@ -93,7 +95,8 @@ GENERATIONS = 8
 
 
 class DeviceMemory:
-    """Peak of the device memory in use, sampled by a thread, over a baseline taken at start."""
+    """Peak of the device memory in use, sampled by a thread, over a baseline taken at start; also per phase:
+    ``label`` names what runs now (``phase`` sets it around a call), and each label keeps its own peak."""
 
     def __init__(self, interval_s: float = 0.005):
         import torch
@@ -102,6 +105,7 @@ class DeviceMemory:
         free, self.total = torch.cuda.mem_get_info()
         self.base = self.total - free
         self.peak = self.base
+        self.label, self.peaks = "setup", {}
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._t.start()
@@ -111,14 +115,30 @@ class DeviceMemory:
 
         while not self._stop.is_set():
             free, _ = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, self.total - free)
+            used, label = self.total - free, self.label
+            self.peak = max(self.peak, used)
+            self.peaks[label] = max(self.peaks.get(label, used), used)
             time.sleep(interval_s)
+
+    def phase(self, label: str, fn):
+        """``fn`` with ``label`` as the running phase during each call (the previous one restored after)."""
+        def wrapper(*args, **kwargs):
+            before, self.label = self.label, label
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.label = before
+        return wrapper
 
     def stop(self) -> float:
         """GiB over the baseline."""
         self._stop.set()
         self._t.join()
         return (self.peak - self.base) / 2**30
+
+    def phase_peaks(self) -> dict[str, float]:
+        """``{label: GiB over the baseline}``, each label's own peak."""
+        return {k: round((v - self.base) / 2**30, 3) for k, v in self.peaks.items()}
 
 
 def _prompt_text(tok, n: int) -> str:
@@ -236,12 +256,14 @@ def kit_row(name: str, a) -> dict:
         ReversibleLoraMerge.merge = _timed_into(totals, ReversibleLoraMerge.merge)
         ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
     times = StepTimes(totals)
+    gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
                            peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
                                LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
+    mem.label = "training"
     trainer.train()
     peak = mem.stop()
     steps = times.steps
@@ -254,7 +276,8 @@ def kit_row(name: str, a) -> dict:
                lora_dual_stream=getattr(gen, "lora_dual_stream", None), lora_sync=getattr(gen, "lora_sync", None),
                last_merge=getattr(gen, "last_merge", None),
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
-               steps=steps, peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+               steps=steps, peak_gib=peak, phase_peaks_gib=mem.phase_peaks(),
+               torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
                # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
