@@ -129,6 +129,12 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
         plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
         assert plan.backend == "vllm" and plan.share_weights
         assert plan.vllm_kwargs["lora_sync"] == want and plan.vllm_kwargs["lora_dual_stream"] is stream
+        assert plan.vllm_kwargs["enforce_eager"] is None  # the generator's default: CUDA graphs on CUDA
+    eager = GRPOKitConfig(model="llama-3.1-8b", vllm_enforce_eager=True, max_completion_length=1024).validate()
+    assert P.plan_generation(eager, model_config=model_config("llama-3.1-8b"), device="cuda",
+                             dtype=torch.bfloat16).vllm_kwargs["enforce_eager"] is True
+    with pytest.raises(ConfigError, match="vllm_enforce_eager=True.*only apply to vLLM generation"):
+        GRPOKitConfig(vllm_enforce_eager=True, generation_backend="hf").validate()
     # a 20K context: the engine's batch budget stays CUDA_BATCHED_TOKENS (chunked prefill, asked for), the workspace
     # the calculator prices is that budget's, and it is smaller than the context's would be
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=20480).validate()

@@ -51,7 +51,7 @@ TRACKERS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wa
             "trackio": (("trackio",), "trackio")}
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
-                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None),
+                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None), ("vllm_enforce_eager", None),
                      ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
@@ -399,6 +399,10 @@ class GRPOKitConfig:
                                            "kernels on a second CUDA stream beside each base matmul "
                                            "(VLLM_LORA_ENABLE_DUAL_STREAM) instead of after it. null: the kit's "
                                            "default (grpo_kit.generation.plan.LORA_DUAL_STREAM_DEFAULT).")
+    vllm_enforce_eager: bool | None = _f(None, "vLLM without CUDA graphs and torch.compile (vLLM's enforce_eager): "
+                                        "the engine starts in seconds instead of compiling and capturing graphs, and "
+                                        "decodes slower; also a way to tell a compiled kernel's numerics from the "
+                                        "eager ones. null: eager on the CPU, CUDA graphs on CUDA.")
     vllm_lora_sync: str | None = _f(None, f"How the LoRA adapter reaches vLLM each step, one of {LORA_SYNC_MODES} or "
                                     "null. With shared weights: `adapter` hands the adapter over in memory and vLLM "
                                     "runs it in its LoRA kernels on every token; `merge` merges it into the shared "
