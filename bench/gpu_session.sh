@@ -29,6 +29,9 @@
 #  fp8_train, fp8_tier, fp8_rl4k, fp8_rl20k (before the engine's batch budget stayed at 4,096 tokens); still owed:
 #  STEPS="fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k" (fp8_rl20k again: the smaller budget's memory).
 #  fp8_kernels: the tier without vLLM (the row kernels' NaN handling changed after the first runs).
+#  Run on an H100 at d7e3183: fp8_kernels, fp8_rl20k, fp8_gen4k, fp8_learning (SEEDS=0), fp8_parts4k, bf16_parts4k;
+#  still owed: STEPS="fp8_gap fp8_rl4k_trl fp8_learning" (fp8_gap first: the FP8 learning run lost to bf16's with
+#  a rollout-trainer gap 2.4x bf16's; then seeds 1 2 of fp8_learning) and fp8_rl20k again (phase_peaks_gib).
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
 #  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_hf_fp8w" adds HF generate with FP8 weights to fp8_gen4k.
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
@@ -132,6 +135,13 @@ step fp8_train 300 python3 -m grpo_kit bench fp8_train --tag $card --out-dir "$o
 step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 4096 --steps 3 --timeout 480
 step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700
 step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completion 4096 --timeout 480
+# The FP8 rollout-trainer gap on real weights (0.105 per token against bf16's 0.043 in the learning runs of
+# d7e3183), separated: FP8 as the kit runs it, without the LoRA kernels' second stream, without CUDA graphs, and
+# bf16 with the adapter in vLLM's LoRA kernels beside bf16 merged. 8 steps each, no evaluation.
+step fp8_gap 1200 python3 -m grpo_kit bench engine_gap --steps 8 --out-dir "$out/results" --runs-dir "$out/gap_runs" \
+  --variant fp8:base_weights=fp8 --variant fp8_one_stream:base_weights=fp8,vllm_lora_dual_stream=false \
+  --variant fp8_eager:base_weights=fp8,vllm_enforce_eager=true --variant bf16_adapter:vllm_lora_sync=adapter \
+  --variant bf16:
 step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
   --variant fp8:base_weights=fp8 --variant bf16: --runs-dir "$out/learning_runs" --out "$out/results/learning_${card}_fp8"
 # The 4K step's training pass alone (reference pass, policy forward and backward with offload, optimiser), FP8

@@ -31,3 +31,17 @@ def test_gain_row_mean_spread_and_tool_share():
     assert g["mean_tool_use_share_after"] == pytest.approx(0.75)
     flat = gain_row("no_tool", [{"accuracy_before": 0.2, "accuracy_after": 0.2}])
     assert flat["mean_gain"] == 0 and flat["learns"] is False and "mean_tool_use_share_after" not in flat
+
+
+def test_engine_gap_figures_from_metrics_rows():
+    from engine_gap import GAP, GAP_MAX, RATIO_MEAN, RATIO_MIN, gap_figures
+
+    def row(gap, top, lo, mean):
+        return {GAP: str(gap), GAP_MAX: str(top), RATIO_MIN: str(lo), RATIO_MEAN: str(mean), "step": "1"}
+
+    rows = [row(0.12, 1.3, 0.0, 0.65), {"step": "2", GAP: ""}, row(0.10, 2.0, 0.2, 0.8), row(0.04, 0.5, 0.0, 1.1)]
+    f = gap_figures(rows)
+    assert f["steps_with_gap"] == 3 and f["gap_step1"] == 0.12 and f["gap_median"] == 0.10
+    assert f["gap_max_token"] == 2.0 and f["ratio_mean_median"] == 0.8 and f["steps_with_a_dropped_sequence"] == 2
+    with pytest.raises(ValueError, match="did not generate with vLLM"):
+        gap_figures([{"step": "1"}])
