@@ -125,6 +125,8 @@ def make_row(benchmark: str, r: dict, meta: dict) -> dict:
     args = meta.get("args") if isinstance(meta.get("args"), dict) else {}
     if r.get("load_in_4bit") or args.get("load_in_4bit"):
         dtype = f"nf4/{dtype}" if dtype and not str(dtype).startswith("nf4") else (dtype or "nf4")
+    if args.get("base_weights") == "fp8":  # bench/step.py --base-weights fp8: its own key beside the 16-bit rows
+        dtype = f"fp8/{dtype}" if dtype and not str(dtype).startswith("fp8") else (dtype or "fp8")
     name = next((r[k] for k in ROW_NAME_KEYS if r.get(k) not in (None, "")), "")
     date = r.get("date") or meta.get("date") or (hw.get("date") if isinstance(hw, dict) else None) or ""
     figures = {k: v for k, v in r.items() if k not in _IDENTITY and k not in SHAPE_KEYS and _scalar(v)}

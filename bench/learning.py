@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     }
     first = Path(seeds[0]["run_dir"]) if seeds else None
     lines = [
-        "# Learning on the embedded model (CPU)", "",
+        f"# Learning on the embedded model ({result['hardware'].get('gpu') or 'CPU'})", "",
         f"- command: `{result['command']}`", f"- date: {result['date']}", f"- hardware: {hardware_line(result['hardware'])}",
         f"- each run: `python -m grpo_kit train {'--config ' + args.config + ' ' if args.config else ''}"
         f"{' '.join('--set ' + x for x in args.sets)} [variant's sets] --set seed=S` "
