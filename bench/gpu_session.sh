@@ -33,7 +33,8 @@
 #  still owed: STEPS="fp8_gap fp8_rl4k_trl fp8_learning" (fp8_gap first: the FP8 learning run lost to bf16's with
 #  a rollout-trainer gap 2.4x bf16's; then seeds 1 2 of fp8_learning) and fp8_rl20k again (phase_peaks_gib).
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
-#  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_hf_fp8w" adds HF generate with FP8 weights to fp8_gen4k.
+#  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense" adds the FP8 engine without LoRA kernels to fp8_gen4k
+#  (what the adapter costs it), gen_hf_fp8w HF generate with FP8 weights.
 # (Measured: bench/results/rl_step.md, gpu_tests.md, qlora_memory.md, loss.md.) Copy
 # results back often: a machine can stop answering mid-pass.
 # Bringing results home: append each OUT_DIR/results/data/<benchmark>.jsonl to bench/results/data/ (cat >>, never

@@ -37,7 +37,8 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
 * ``gen_vllm`` / ``gen_hf`` / ``gen_hf_fp8w``: generation alone, 8 completions of one prompt: vLLM (the kit's
   engine, CUDA graphs) against HF ``generate`` on the same architecture, with 16-bit or FP8 base weights.
   ``gen_vllm_fp8w`` generates with an r=16 adapter in vLLM's LoRA kernels, as the FP8 step does (an adapter cannot
-  be merged into FP8 codes); ``gen_vllm`` with none, as the 16-bit step's merged adapter leaves it.
+  be merged into FP8 codes); ``gen_vllm`` with none, as the 16-bit step's merged adapter leaves it;
+  ``gen_vllm_fp8w_dense`` the FP8 engine without LoRA (not a training configuration: what the kernels cost).
 
 Every row records ``base_weights`` (``bf16`` or ``fp8``).
 
@@ -83,7 +84,8 @@ KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None, "16bit"), "grpo_kit_bf16": ("aut
 IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge": "grpo_kit",
         "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy", "grpo_kit_fp8w": "grpo_kit",
         "grpo_kit_fp8w_hf": "grpo_kit"}
-GEN_ROWS = {"gen_vllm": "16bit", "gen_vllm_fp8w": "fp8", "gen_hf": "16bit", "gen_hf_fp8w": "fp8"}  # row: base_weights
+GEN_ROWS = {"gen_vllm": "16bit", "gen_vllm_fp8w": "fp8", "gen_vllm_fp8w_dense": "fp8", "gen_hf": "16bit",
+            "gen_hf_fp8w": "fp8"}  # row: base_weights
 ROWS = (*KIT_ROWS, "trl", *GEN_ROWS)
 
 
@@ -394,14 +396,17 @@ def gen_row(name: str, a) -> dict:
 
         folder, _ = generation_model_dir(a.model, "cuda")
         kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(PROMPT_TOKENS, C, GENERATIONS, 1), 2)
-        fp8 = GEN_ROWS[name] == "fp8"  # the engine on the training model's FP8 codes, the adapter path's engine
+        fp8 = GEN_ROWS[name] == "fp8"  # the engine on the training model's FP8 codes
+        lora = fp8 and not name.endswith("_dense")  # the FP8 step's engine: the adapter in vLLM's LoRA kernels
         eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
                             max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
                             gpu_memory_utilization=0.5, base_weights=GEN_ROWS[name], share_weights=fp8,
-                            lora_sync="adapter" if fp8 else "merge", max_lora_rank=LORA_RANK,
-                            lora_dual_stream=fp8 and {"on": True, "off": False,
-                                                      "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
-        if fp8:  # an adapter in place, so generation runs through vLLM's LoRA kernels as in the step
+                            lora_sync="adapter" if lora else "merge", max_lora_rank=LORA_RANK,
+                            lora_dual_stream=lora and {"on": True, "off": False,
+                                                       "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
+        if fp8 and not lora:  # the FP8 codes alone, no LoRA kernels: what the adapter costs the FP8 engine
+            eng.training_model(model_config(a.model), torch.bfloat16)
+        elif fp8:  # an adapter in place, so generation runs through vLLM's LoRA kernels as in the step
             from peft import LoraConfig, get_peft_model
 
             from grpo_kit.model.fp8 import fp8_lora_config
