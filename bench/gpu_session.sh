@@ -30,7 +30,7 @@
 #  STEPS="fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k" (fp8_rl20k again: the smaller budget's memory).
 #  fp8_kernels: the tier without vLLM (the row kernels' NaN handling changed after the first runs).
 #  Run on an H100 at d7e3183: fp8_kernels, fp8_rl20k, fp8_gen4k, fp8_learning (SEEDS=0), fp8_parts4k, bf16_parts4k;
-#  still owed: STEPS="fp8_gap fp8_rl4k_trl fp8_learning" (fp8_gap first: the FP8 learning run lost to bf16's with
+#  still owed: STEPS="fp8_gap fp8_rl4k_trl fp8_learning fp8_learning_tt" (fp8_gap first: the FP8 learning run lost to bf16's with
 #  a rollout-trainer gap 2.4x bf16's; then seeds 1 2 of fp8_learning) and fp8_rl20k again (phase_peaks_gib).
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
 #  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense" adds the FP8 engine without LoRA kernels to fp8_gen4k
@@ -145,6 +145,11 @@ step fp8_gap 1200 python3 -m grpo_kit bench engine_gap --steps 8 --out-dir "$out
   --variant bf16:
 step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
   --variant fp8:base_weights=fp8 --variant bf16: --runs-dir "$out/learning_runs" --out "$out/results/learning_${card}_fp8"
+# FP8 learning under a per-token correction: TRL's sequence_mask dropped a sequence in 22 of 40 FP8 steps (2 in
+# bf16); token_truncate clips each token's ratio instead (lost to sequence_mask on the CPU in bf16, 2026-12-06).
+step fp8_learning_tt 1500 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
+  --variant fp8_tt:base_weights=fp8,vllm_importance_sampling_mode=token_truncate --runs-dir "$out/learning_runs" \
+  --out "$out/results/learning_${card}_fp8_tt"
 # The 4K step's training pass alone (reference pass, policy forward and backward with offload, optimiser), FP8
 # against bf16 weights, each with a kernel profile: where the FP8 step's training loses its 1.2 s to bf16's.
 parts4k="python3 bench/step.py --model llama-3.1-8b --seq-len 4608:8 --prompt-len 512 --rows ours_offload --beta 0.04 \
