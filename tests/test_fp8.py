@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import grpo_kit.model.fp8 as M
-from grpo_kit.model.fp8 import (FP8_BLOCK, FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_fp8, fp8_lora_config,
-                                fp8_support, quantize_fp8, quantize_model_fp8, quantize_rows, w8a8_reference)
+from grpo_kit.model.fp8 import (FP8_BLOCK, FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_fp8, dequantize_groups,
+                                fp8_lora_config, fp8_support, quantize_fp8, quantize_groups, quantize_model_fp8,
+                                quantize_rows, w8a8_reference)
 from grpo_kit.model.loading import build_random_model, load_model
 from grpo_kit.model.quantize import quantizable_linears
 
@@ -116,14 +117,38 @@ def test_w8a8_twin_against_the_dequantised_matmul(block, shape, m, dtype):
     assert y.dtype == dtype and y.shape == (m, shape[0])
     w = dequantize_fp8(codes, scale, block=block).double()
     ref = x.double() @ w.T + bias.double()
-    _, sx = quantize_rows(x)
+    # each activation's own scale: its row's, or with block weights its row and block's (vLLM's grouping)
+    sx = (quantize_rows(x)[1].expand(x.shape) if block is None
+          else quantize_groups(x, block)[1].repeat_interleave(block, dim=1)[:, : x.shape[1]])
     out_round = (2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8) * ref.abs()
-    bound = U * x.double().abs() @ w.abs().T + SUB * sx.double() * w.abs().sum(1) + out_round + 1e-5 * ref.abs().max()
+    bound = U * x.double().abs() @ w.abs().T + SUB * sx.double() @ w.abs().T + out_round + 1e-5 * ref.abs().max()
     assert ((y.double() - ref).abs() <= bound).all()
     rel = (y.double() - ref).norm() / ref.norm()
     assert rel < 0.04 or m == 1  # activation rounding on random data: 2.3 to 2.8 % (one row: too few to average)
     if m > 3:
         assert torch.allclose(y[2].double(), bias.double())  # a zero row gives the bias
+
+
+@pytest.mark.parametrize("group,k", [(128, 300), (16, 53), (4, 8)], ids=str)
+def test_block_activations_are_quantised_per_row_and_group(group, k):
+    """With block weights the activations get one scale per row and ``block`` columns (vLLM's block FP8 method):
+    each group is the row quantiser's on that slice, a short last group included, a zero group scale 1."""
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[1, :group] = 0
+    x[2, -1] = 300.0  # an outlier in the last group
+    codes, scale = quantize_groups(x, group)
+    assert codes.dtype == FP8_DTYPE and codes.shape == x.shape and scale.shape == (5, -(-k // group))
+    for g in range(scale.shape[1]):
+        part = x[:, g * group:(g + 1) * group]
+        qc, qs = quantize_rows(part)
+        assert torch.equal(codes[:, g * group:(g + 1) * group].view(torch.uint8), qc.view(torch.uint8))
+        assert torch.equal(scale[:, g:g + 1], qs)
+    assert scale[1, 0] == 1.0
+    back = dequantize_groups(codes, scale, group)
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    assert ((back - x.float()).abs() <= U * x.float().abs() + SUB * scale.repeat_interleave(group, 1)[:, :k]).all()
+    if k > group:  # the outlier sets its own group's scale only
+        assert scale[2, :-1].max() < scale[2, -1] == 300.0 / FP8_MAX
 
 
 def test_w8a8_twin_is_the_fp8_product_rescaled():

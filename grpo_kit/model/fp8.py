@@ -14,8 +14,9 @@ rounded to the nearest e4m3 value (ties to even): relative error at most 2^-4 (t
 Memory: 1 byte per weight plus 4 bytes per scale (per channel, 4 bytes per row of ``in`` weights).
 
 The matmul (:class:`FP8Linear`), forward ``y = x W^T + b`` as W8A8: each row of x (the tokens) is quantised to
-e4m3 on the fly with its own scale (max |x_row| / 448), the products are accumulated in fp32 and rescaled by both
-scales. On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9, ``FP8_MIN_CAPABILITY``) per-channel
+e4m3 on the fly with its own scale (max |x_row| / 448), with block weights each ``block`` columns of a row with
+their own (vLLM's block FP8 method quantises activations in those groups), the products are accumulated in fp32
+and rescaled by both scales. On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9, ``FP8_MIN_CAPABILITY``) per-channel
 weights go through ``torch._scaled_mm`` (row-wise scales); :func:`w8a8_reference` is its plain-torch twin and
 the definition (both operands dequantised to fp32 and multiplied in fp32), used everywhere else (the CPU, block
 scales, a GPU where ``_scaled_mm`` fails its probe). ``activations="16bit"`` multiplies the activations unquantised
@@ -47,7 +48,8 @@ from grpo_kit.kernels.fp8_rows import FP8_DTYPE, FP8_MAX, safe_scale, to_fp8
 from grpo_kit.model.quantize import quantizable_linears
 
 __all__ = ["BASE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "FP8_ACTIVATIONS",
-           "FP8_GRAD_INPUT", "fp8_support", "quantize_fp8", "dequantize_fp8", "quantize_rows", "w8a8_reference",
+           "FP8_GRAD_INPUT", "fp8_support", "quantize_fp8", "dequantize_fp8", "quantize_rows", "quantize_groups",
+           "dequantize_groups", "w8a8_reference",
            "w8a8_scaled_mm", "fp8_matmul", "grad_input_reference", "grad_input_scaled_mm", "FP8Linear",
            "quantize_model_fp8", "fp8_report", "fp8_lora_config"]
 
@@ -125,14 +127,37 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     return fp8_rows.quantize_rows(x, col_scale)
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of activations x (M, K) quantised per ``group`` consecutive columns of each row: codes
+    float8_e4m3fn (M, K), scale float32 (M, ceil(K / group)), each group's max |x| / ``FP8_MAX`` (1 for a zero
+    group; the last group may be shorter). The activations' side of W8A8 with block weights, as vLLM's block FP8
+    method quantises them (per token and group)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    codes, scale = quantize_rows(F.pad(x, (0, groups * group - k)).reshape(m * groups, group))
+    return codes.view(m, groups * group)[:, :k], scale.view(m, groups)
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """:func:`quantize_groups`' inverse in fp32: codes (M, K), scale (M, ceil(K / group)) -> (M, K) float32."""
+    m, k = codes.shape
+    full = F.pad(codes.float(), (0, scale.shape[1] * group - k)).view(m, scale.shape[1], group)
+    return (full * scale[:, :, None]).view(m, -1)[:, :k]
+
+
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                    block: int | None = None) -> torch.Tensor:
-    """The W8A8 forward in plain torch (any device): x (M, K) quantised per row (:func:`quantize_rows`), both
-    operands dequantised to fp32, multiplied in fp32, bias added in fp32, rounded once to x's dtype -> (M, N).
-    ``codes`` float8_e4m3fn (N, K), ``scale`` per channel or per ``block``, ``bias`` (N,) or None."""
+    """The W8A8 forward in plain torch (any device): x (M, K) quantised per row (:func:`quantize_rows`), or per
+    row and ``block`` columns with block scales (:func:`quantize_groups`), both operands dequantised to fp32,
+    multiplied in fp32, bias added in fp32, rounded once to x's dtype -> (M, N). ``codes`` float8_e4m3fn (N, K),
+    ``scale`` per channel or per ``block``, ``bias`` (N,) or None."""
     with torch.autocast(x.device.type, enabled=False):  # fp32 means fp32, also inside an autocast region
-        qx, sx = quantize_rows(x)
-        y = (qx.float() * sx) @ dequantize_fp8(codes, scale, block=block).T
+        if block is None:
+            qx, sx = quantize_rows(x)
+            xd = qx.float() * sx
+        else:
+            xd = dequantize_groups(*quantize_groups(x, block), block)
+        y = xd @ dequantize_fp8(codes, scale, block=block).T
         if bias is not None:
             y = y + bias.float()
     return y.to(x.dtype)
