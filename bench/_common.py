@@ -123,10 +123,11 @@ def make_row(benchmark: str, r: dict, meta: dict) -> dict:
     hw = meta.get("hardware") or {}
     dtype = r.get("dtype") or meta.get("dtype") or ""
     args = meta.get("args") if isinstance(meta.get("args"), dict) else {}
-    if r.get("load_in_4bit") or args.get("load_in_4bit"):
-        dtype = f"nf4/{dtype}" if dtype and not str(dtype).startswith("nf4") else (dtype or "nf4")
-    if args.get("base_weights") == "fp8":  # bench/step.py --base-weights fp8: its own key beside the 16-bit rows
-        dtype = f"fp8/{dtype}" if dtype and not str(dtype).startswith("fp8") else (dtype or "fp8")
+    # quantised base weights (bench/step.py --load-in-4bit, --base-weights fp8): their own key beside 16-bit rows
+    for tag, on in (("nf4", r.get("load_in_4bit") or args.get("load_in_4bit")),
+                    ("fp8", args.get("base_weights") == "fp8")):
+        if on:
+            dtype = f"{tag}/{dtype}" if dtype and not str(dtype).startswith(tag) else (dtype or tag)
     name = next((r[k] for k in ROW_NAME_KEYS if r.get(k) not in (None, "")), "")
     date = r.get("date") or meta.get("date") or (hw.get("date") if isinstance(hw, dict) else None) or ""
     figures = {k: v for k, v in r.items() if k not in _IDENTITY and k not in SHAPE_KEYS and _scalar(v)}

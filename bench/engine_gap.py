@@ -27,9 +27,10 @@ from pathlib import Path
 from _common import hardware, hardware_line, record_report
 from learning import parse_variant, run_job
 
+from grpo_kit.loss.objective import ENGINE_IS_METRICS
+
 ROOT = Path(__file__).resolve().parent.parent
-GAP, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"
-RATIO_MIN, RATIO_MEAN = "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean"
+GAP, GAP_MAX, RATIO_MIN, RATIO_MEAN, _ = ENGINE_IS_METRICS  # TRL's metric names, as the kit logs them
 
 
 def gap_figures(rows: list[dict]) -> dict:

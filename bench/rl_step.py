@@ -411,8 +411,8 @@ def gen_row(name: str, a) -> dict:
 
             from grpo_kit.model.fp8 import fp8_lora_config
 
-            lora = fp8_lora_config(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS))
-            eng.sync_weights(get_peft_model(eng.training_model(model_config(a.model), torch.bfloat16), lora))
+            conf = fp8_lora_config(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS))
+            eng.sync_weights(get_peft_model(eng.training_model(model_config(a.model), torch.bfloat16), conf))
     else:  # gen_hf_fp8w: the FP8 layers quantised on the GPU layer by layer, W8A8 through torch._scaled_mm
         model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
         eng = HFGenerator(model.eval(), tok)

@@ -71,6 +71,7 @@ from grpo_kit.model.offload import (  # noqa: E402
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps  # noqa: E402
 from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
 from grpo_kit.model import nf4_matmul  # noqa: E402
+from grpo_kit.model.fp8 import BASE_WEIGHTS, fp8_lora_config  # noqa: E402
 from grpo_kit.memory import Profiler, phase  # noqa: E402
 from grpo_kit.model.loading import build_random_model, model_config  # noqa: E402
 
@@ -106,8 +107,8 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
         model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=load_in_4bit,
                               base_weights=base_weights)
         model.config.use_cache = False
-        q = getattr(model, "grpo_kit_quantization", None) or {"load": base_weights, "build_s": None}
-        progress(f"{name}: {q.get('load', base_weights)}: {q.get('build_s', q.get('build_16bit_s'))} s"
+        q = model.grpo_kit_quantization
+        progress(f"{name}: {q['load']}: {q.get('build_s', q.get('build_16bit_s'))} s"
                  + (f" + NF4 onto {device} {q['quantize_s']} s" if "quantize_s" in q else ""))
     else:
         cfg = model_config(name)
@@ -115,18 +116,15 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
             cfg = type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": layers})
         cfg.use_cache = False
         model = build_random_model(cfg, dtype=dtype, device=device, seed=seed)
-    # NF4 parameters report their packed bytes and FP8 codes are buffers; what the GPU holds (absmax constants and
-    # scales too) is the allocator's count
-    quantized = load_in_4bit or base_weights != "16bit"
-    weights = (torch.cuda.memory_allocated(device) if quantized and device.type == "cuda"
+    # NF4 parameters report their packed bytes; what the GPU holds (absmax constants too) is the allocator's count
+    # (FP8 codes and scales are parameters of their true size)
+    weights = (torch.cuda.memory_allocated(device) if load_in_4bit and device.type == "cuda"
                else sum(p.numel() * p.element_size() for p in model.parameters()))
     torch.manual_seed(seed + 1)
     # random_lora: lora_B not zero, so the correctness check sees non-zero lora_A gradients too
     conf = peft.LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
                            init_lora_weights=not random_lora)
     if base_weights == "fp8":
-        from grpo_kit.model.fp8 import fp8_lora_config
-
         conf = fp8_lora_config(conf)
     model = peft.get_peft_model(model, conf)
     return model, weights
@@ -679,7 +677,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
                    "(fp16: with a GradScaler, as on a T4)")
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
-    p.add_argument("--base-weights", choices=("16bit", "fp8"), default="16bit", help="fp8: the base linear weights as "
+    p.add_argument("--base-weights", choices=BASE_WEIGHTS, default="16bit", help="fp8: the base linear weights as "
                    "FP8 e4m3 codes with per-channel scales (grpo_kit.model.fp8; CUDA with compute capability >= 8.9)")
     p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit (ignored without): how the 4-bit layers "
                    "multiply, a comma list run one after the other on the same model (kit, bitsandbytes: "
@@ -736,7 +734,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     sink = Sink(Path(tempfile.gettempdir()) / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 hardware=hw, args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit,
-                                                  "base_weights": args.base_weights}, results=[],
+                                   "base_weights": args.base_weights}, results=[],
                 weights_gib={})
     if args.plan:
         configs = PLANS[args.plan]
