@@ -75,6 +75,7 @@ def main(argv=None) -> int:
                        command=s["command"], wall_s=s["wall_seconds"], backend=gen.get("backend"),
                        base_weights=gen.get("base_weights"), lora_sync=(gen.get("lora_sync") or "").split(" ")[0],
                        lora_dual_stream=gen.get("lora_dual_stream"), enforce_eager=gen.get("enforce_eager"),
+                       emulate_precision_casts=gen.get("emulate_precision_casts"),
                        kv_cache_dtype=gen.get("kv_cache_dtype"), **gap_figures(read_metrics(out)))
             rows.append(row)
             print(f"{name} seed {seed}: gap median {row['gap_median']:.4f} (step 1 {row['gap_step1']:.4f}, largest "
@@ -85,10 +86,10 @@ def main(argv=None) -> int:
               "hardware": hardware(), "rows": rows}
     lines = [f"# The rollout-trainer gap ({result['hardware'].get('gpu') or 'CPU'})", "",
              f"- command: `{result['command']}`", f"- hardware: {hardware_line(result['hardware'])}", "",
-             "| variant | seed | base weights | LoRA sync | dual stream | eager | gap median | gap step 1 | largest "
-             "token | ratio mean | steps dropping a sequence |", "|---|---|---|---|---|---|---|---|---|---|---|",
+             "| variant | seed | base weights | LoRA sync | dual stream | eager | eager casts | gap median | gap step 1 | largest "
+             "token | ratio mean | steps dropping a sequence |", "|---|---|---|---|---|---|---|---|---|---|---|---|",
              *[f"| {r['row']} | {r['seed']} | {r['base_weights']} | {r['lora_sync']} | {r['lora_dual_stream']} | "
-               f"{r['enforce_eager']} | {r['gap_median']:.4f} | {r['gap_step1']:.4f} | {r['gap_max_token']:.3f} | "
+               f"{r['enforce_eager']} | {r['emulate_precision_casts']} | {r['gap_median']:.4f} | {r['gap_step1']:.4f} | {r['gap_max_token']:.3f} | "
                f"{r['ratio_mean_median']:.3f} | {r['steps_with_a_dropped_sequence']}/{r['steps_with_gap']} |"
                for r in rows]]
     record_report("engine_gap", result, lines, args.out_dir)

@@ -118,10 +118,10 @@ def config_line(run_dir: Path) -> str:
 
 def run_seeds(runs: Path, variants, seeds, sets, config=None) -> list[dict]:
     """One run of the job per (variant, seed), in its own folder; each summary gains ``row`` (the variant),
-    ``seed`` and ``signal_steps``."""
+    ``seed`` and ``signal_steps``. Seed by seed, the variants side by side: a pass cut short still has pairs."""
     rows = []
-    for name, variant_sets in variants:
-        for seed in seeds:
+    for seed in seeds:
+        for name, variant_sets in variants:
             folder = runs / (f"seed{seed}" if len(variants) == 1 else f"{name}_seed{seed}")
             s = run_job(folder, [*sets, *variant_sets, f"seed={seed}"], config)
             s.update(row=name, seed=seed, signal_steps=signal_steps(Path(s["run_dir"])))

@@ -135,6 +135,11 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
                              dtype=torch.bfloat16).vllm_kwargs["enforce_eager"] is True
     with pytest.raises(ConfigError, match="vllm_enforce_eager=True.*only apply to vLLM generation"):
         GRPOKitConfig(vllm_enforce_eager=True, generation_backend="hf").validate()
+    casts = GRPOKitConfig(model="llama-3.1-8b", vllm_emulate_precision_casts=True, max_completion_length=1024).validate()
+    assert P.plan_generation(casts, model_config=model_config("llama-3.1-8b"), device="cuda",
+                             dtype=torch.bfloat16).vllm_kwargs["emulate_precision_casts"] is True
+    with pytest.raises(ConfigError, match="vllm_emulate_precision_casts=True.*only apply to vLLM generation"):
+        GRPOKitConfig(vllm_emulate_precision_casts=True, generation_backend="hf").validate()
     # a 20K context: the engine's batch budget stays CUDA_BATCHED_TOKENS (chunked prefill, asked for), the workspace
     # the calculator prices is that budget's, and it is smaller than the context's would be
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=20480).validate()

@@ -528,6 +528,23 @@ def test_cpu_engine_plan_from_the_calculator():
     assert "kv_cache_memory_bytes" not in share.vllm_kwargs and share.memory["kv_cache_gib"] is None
 
 
+def test_engine_kwargs_ask_inductor_for_eager_casts_only_when_compiled():
+    """``emulate_precision_casts`` reaches vLLM as Inductor's option of that name, and only for a compiled engine
+    (with enforce_eager nothing is compiled); off, vLLM gets no compilation_config from the kit."""
+    from grpo_kit.generation.vllm_backend import VLLMGenerator
+
+    def kwargs(**state):
+        gen = object.__new__(VLLMGenerator)
+        gen.__dict__.update(model_dir="m", seed=0, gpu_memory_utilization=0.2, max_model_len=256, kv_cache_dtype="auto",
+                            max_num_seqs=8, kv_cache_memory_bytes=None, dummy_weights=False, base_weights="16bit",
+                            fp8_block=None, sleep_mode=False, lora_sync="merge", **state)
+        return gen._engine_kwargs("bfloat16", 16)
+
+    on = kwargs(enforce_eager=False, emulate_precision_casts=True)
+    assert on["compilation_config"] == {"inductor_compile_config": {"emulate_precision_casts": True}}
+    assert "compilation_config" not in kwargs(enforce_eager=False, emulate_precision_casts=False)
+
+
 @needs_vllm
 def test_bad_vllm_options_stop_the_default_train_with_one_line(repo_root, tmp_path):
     """`python -m grpo_kit train` with vLLM options it cannot honour stops with one line (exit 2): the FP8 KV cache

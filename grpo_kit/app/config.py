@@ -52,7 +52,7 @@ TRACKERS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wa
 # Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
 VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
                      ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None), ("vllm_enforce_eager", None),
-                     ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT))
+                     ("vllm_emulate_precision_casts", False), ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
 NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
@@ -403,6 +403,12 @@ class GRPOKitConfig:
                                         "the engine starts in seconds instead of compiling and capturing graphs, and "
                                         "decodes slower; also a way to tell a compiled kernel's numerics from the "
                                         "eager ones. null: eager on the CPU, CUDA graphs on CUDA.")
+    vllm_emulate_precision_casts: bool = _f(False, "vLLM compiled (not enforce_eager): have torch.compile round each "
+                                            "intermediate to the model's dtype where eager PyTorch does (Inductor's "
+                                            "emulate_precision_casts). Off, a fused kernel keeps fp32 values the "
+                                            "trainer rounds to bf16 first, such as a norm's output before FP8 "
+                                            "activation quantisation: the engine's log-probs drift further from the "
+                                            "trainer's. No effect with enforce_eager or on the CPU.")
     vllm_lora_sync: str | None = _f(None, f"How the LoRA adapter reaches vLLM each step, one of {LORA_SYNC_MODES} or "
                                     "null. With shared weights: `adapter` hands the adapter over in memory and vLLM "
                                     "runs it in its LoRA kernels on every token; `merge` merges it into the shared "

@@ -221,7 +221,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
                   dummy_weights=dummy, lora_sync=lora_sync_mode(cfg),
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.lora_rank) if cfg.lora_rank <= 512 else 512,
                   lora_dual_stream=lora_dual_stream(cfg, device=device), base_weights=cfg.base_weights,
-                  enforce_eager=cfg.vllm_enforce_eager,
+                  enforce_eager=cfg.vllm_enforce_eager, emulate_precision_casts=cfg.vllm_emulate_precision_casts,
                   fp8_block=cfg.fp8_block)
     if cfg.vllm_lora_dual_stream and not kwargs["lora_dual_stream"]:  # asked for, and nothing to run it on
         raise ValueError("vllm_lora_dual_stream=True needs vLLM running the adapter in its LoRA kernels on CUDA, but "

@@ -391,7 +391,9 @@ class VLLMGenerator:
     training model or the first sync brings the weights that count. ``kv_cache_dtype``: ``"auto"``
     or ``"fp8"`` (FP8 KV cache where the platform supports it). ``enforce_eager``: None: True on
     the CPU (no torch.compile warm-up, most of a CPU engine's start), False on CUDA
-    (torch.compile + CUDA graphs). ``max_num_seqs``: sequences per engine step (on CUDA also the
+    (torch.compile + CUDA graphs). ``emulate_precision_casts`` (compiled engines): Inductor rounds each
+    intermediate to the model's dtype as eager PyTorch does, instead of keeping fused fp32 values the trainer
+    rounds. ``max_num_seqs``: sequences per engine step (on CUDA also the
     largest CUDA-graph batch, so keep it to what one generation call sends). The engine takes no 4-bit
     weights: 4-bit training models generate with HF generate. ``lora_dual_stream`` (CUDA,
     ``lora_sync="adapter"``): vLLM's LoRA kernels on a second CUDA stream beside each base matmul
@@ -406,7 +408,8 @@ class VLLMGenerator:
                  max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
                  share_weights: bool = False, dummy_weights: bool = False, lora_dual_stream: bool = False,
-                 base_weights: str = "16bit", fp8_block: int | None = None, llm_kwargs: dict | None = None):
+                 base_weights: str = "16bit", fp8_block: int | None = None, emulate_precision_casts: bool = False,
+                 llm_kwargs: dict | None = None):
         vllm = import_vllm()
         _engine_in_this_process()
         self.model_dir = Path(model_dir)
@@ -423,6 +426,7 @@ class VLLMGenerator:
         self.sleep_mode = _sleep_mode(enable_sleep_mode, self.device)
         self.share_weights, self.dummy_weights = bool(share_weights), bool(dummy_weights)
         self.enforce_eager = (self.device == "cpu") if enforce_eager is None else bool(enforce_eager)
+        self.emulate_precision_casts = bool(emulate_precision_casts) and not self.enforce_eager
         self.lora_sync, self.max_model_len, self.max_num_seqs = lora_sync, max_model_len, max_num_seqs
         self.kv_cache_dtype, self.seed = kv_cache_dtype, seed
         self._checkpoint = config_manifest(self.model_dir) if dummy_weights else checkpoint_manifest(self.model_dir)
@@ -448,6 +452,8 @@ class VLLMGenerator:
                       use_tqdm_on_load=logging.getLogger(VLLM_LOGGER).isEnabledFor(logging.INFO))
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.emulate_precision_casts:
+            kwargs["compilation_config"] = {"inductor_compile_config": {"emulate_precision_casts": True}}
         if self.dummy_weights or self.base_weights == "fp8":  # FP8: the codes come from training_model()
             kwargs["load_format"] = "dummy"
         if self.base_weights == "fp8":
@@ -820,7 +826,7 @@ class VLLMGenerator:
                else "level 2 (weights and KV cache dropped)" if self._discard_on_sleep
                else "level 1 (weights to host RAM)",
                "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager,
-               "lora_dual_stream": self.lora_dual_stream, "seed": self.seed,
+               "emulate_precision_casts": self.emulate_precision_casts, "lora_dual_stream": self.lora_dual_stream, "seed": self.seed,
                "startup_s": round(self.startup_s, 2), "base_weights": self.base_weights}
         if self.base_weights == "fp8":
             out.update(fp8_block=self.fp8_block, fp8_fill_s=None if self.fp8_fill_s is None else round(self.fp8_fill_s, 2))
