@@ -45,3 +45,26 @@ def test_engine_gap_figures_from_metrics_rows():
     assert f["gap_max_token"] == 2.0 and f["ratio_mean_median"] == 0.8 and f["steps_with_a_dropped_sequence"] == 2
     with pytest.raises(ValueError, match="did not generate with vLLM"):
         gap_figures([{"step": "1"}])
+
+
+def test_fp8_amplification_scores_completion_tokens_and_sees_only_real_differences():
+    """bench/fp8_amplification's pieces on a tiny random Llama: one log-prob per completion token, exactly no gap
+    when the same attention scores twice, a gap under W8A8 between eager and sdpa attention."""
+    import copy
+
+    import torch
+    from fp8_amplification import gap_stats, token_logps
+
+    from grpo_kit.model.fp8 import quantize_model_fp8
+    from grpo_kit.model.loading import build_random_model
+
+    model = build_random_model("tiny-llama", dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, model.config.vocab_size, (n,), generator=g), start) for n, start in ((20, 7), (13, 5))]
+    a = token_logps(model, seqs, "eager", 0.7)
+    assert a.shape == (20 - 7 + 13 - 5,) and bool((a <= 0).all())
+    assert gap_stats(a, token_logps(model, seqs, "eager", 0.7))["max"] == 0.0
+    w8a8 = copy.deepcopy(model)
+    quantize_model_fp8(w8a8, activations="fp8")
+    s = gap_stats(token_logps(w8a8, seqs, "eager", 0.7), token_logps(w8a8, seqs, "sdpa", 0.7))
+    assert s["tokens"] == a.numel() and s["max"] > 0 and s["mean"] <= s["max"]
