@@ -30,9 +30,10 @@
 #  STEPS="fp8_rl20k fp8_learning fp8_rl4k_trl fp8_gen4k" (fp8_rl20k again: the smaller budget's memory).
 #  fp8_kernels: the tier without vLLM (the row kernels' NaN handling changed after the first runs).
 #  Run on an H100 at d7e3183: fp8_kernels, fp8_rl20k, fp8_gen4k, fp8_learning (SEEDS=0), fp8_parts4k, bf16_parts4k;
-#  still owed: STEPS="fp8_gap fp8_learning fp8_learning_tt bf16_casts_gap" SEEDS="1 2" (the FP8 learning run lost
-#  to bf16's with a rollout-trainer gap 2.4x bf16's: the gap first, then the learning seeds with the FP8 variant
-#  the gap chose, then token_truncate), fp8_rl4k_trl and fp8_rl20k again (phase_peaks_gib).
+#  Run on an H100 at a59f55f: fp8_gap, fp8_learning (seeds 1 2, in two passes), fp8_learning_tt (seeds 0 1).
+#  Still owed: STEPS="fp8_rl20k fp8_gen4k fp8_rl4k_trl fp8_learning_tt bf16_casts_gap" TT_SEEDS=2
+#  GEN_ROWS=gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense (the 20K row's peak by phase, what the LoRA kernels cost the
+#  FP8 engine, TRL's 4K row beside the kit's, the third token_truncate seed, the casts with bf16).
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
 #  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense" adds the FP8 engine without LoRA kernels to fp8_gen4k
 #  (what the adapter costs it), gen_hf_fp8w HF generate with FP8 weights.
@@ -140,26 +141,17 @@ step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completi
 # The FP8 rollout-trainer gap on real weights (0.105 per token against bf16's 0.043 in the learning runs of
 # d7e3183), separated: FP8 as the kit runs it, with Inductor rounding its fused intermediates to bf16 as eager
 # PyTorch does (vllm_emulate_precision_casts: a fused norm otherwise hands the FP8 activation quantisation fp32
-# values the trainer rounds first), and without CUDA graphs or compilation. 8 steps each, no evaluation.
+# values the trainer rounds first), and without CUDA graphs or compilation. 8 steps each, no evaluation. At a59f55f
+# on an H100: 0.118, 0.122 and 0.125 per token (the W8A8 activations make the gap: bench fp8_amplification).
 # GAP_VARIANTS="..." other --variant arguments (e.g. fp8_one_stream:base_weights=fp8,vllm_lora_dual_stream=false).
 gap_variants=${GAP_VARIANTS:-"fp8:base_weights=fp8 fp8_casts:base_weights=fp8,vllm_emulate_precision_casts=true \
 fp8_eager:base_weights=fp8,vllm_enforce_eager=true"}
 step fp8_gap 1200 python3 -m grpo_kit bench engine_gap --steps 8 --out-dir "$out/results" --runs-dir "$out/gap_runs" \
   $(for v in $gap_variants; do printf -- '--variant %s ' "$v"; done)
-# The learning runs' FP8 variant, chosen by the gap just measured: with the casts if they cut the gap's median by a
-# fifth or more (then all three seeds, a configuration not run before), else as the kit runs it (seeds 1 2 beside
-# seed 0 of d7e3183). FP8_LEARNING="NAME:KEY=VALUE,..." chooses it instead.
-fp8_pick=$(python3 -c "
-import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from engine_gap import gap_figures, read_metrics
-g = {n: gap_figures(read_metrics(Path('$out/gap_runs') / f'{n}_seed0'))['gap_median'] for n in ('fp8', 'fp8_casts')}
-print('casts' if g['fp8_casts'] <= 0.8 * g['fp8'] else 'plain', g)" 2>> "$out/progress.txt")
-echo "$(date -u +%T) fp8 pick: ${fp8_pick:-none}" >> "$out/progress.txt"
-if [[ "$fp8_pick" == casts* ]]; then
-  fp8_learning=${FP8_LEARNING:-fp8_casts:base_weights=fp8,vllm_emulate_precision_casts=true}; learn_seeds="0 1 2"
-else
-  fp8_learning=${FP8_LEARNING:-fp8:base_weights=fp8}; learn_seeds=${SEEDS:-0 1 2}
-fi
-step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds $learn_seeds --timing-steps 0 \
+# The learning runs' FP8 variant (FP8_LEARNING="NAME:KEY=VALUE,..." another; the casts did not narrow the gap at
+# a59f55f, so the kit's own FP8 runs).
+fp8_learning=${FP8_LEARNING:-fp8:base_weights=fp8}
+step fp8_learning 3000 python3 -m grpo_kit bench learning --seeds ${SEEDS:-0 1 2} --timing-steps 0 \
   --variant "$fp8_learning" --variant bf16: --runs-dir "$out/learning_runs" --out "$out/results/learning_${card}_fp8"
 # FP8 learning under a per-token correction: TRL's sequence_mask dropped a sequence in 22 of 40 FP8 steps (2 in
 # bf16); token_truncate clips each token's ratio instead (lost to sequence_mask on the CPU in bf16, 2026-12-06).
