@@ -77,6 +77,7 @@ lora_rank = 16
 four_bit = False  # QLoRA: NF4 base weights in training (a 15 GiB T4); generation then uses HF generate
 fp8_kv_cache = True  # vLLM's KV cache in FP8 (16-bit weights, shared with training)
 # FP8 base weights (GPUs with FP8 tensor cores: L4, RTX 40/50, H100, H200): one FP8 copy, read by vLLM and training
+# (its FP8 activations widen the engine-trainer log-prob gap: docs/quantization.md; prefer 16 bit for accuracy)
 fp8_weights = False
 # how the adapter reaches vLLM: "" the kit's default, "merge": merged into the shared weights for each generation,
 # exact bits restored after (dense decoding; the faster on an H200); "adapter": run in vLLM's LoRA kernels
