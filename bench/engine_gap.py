@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             s = run_job(out, [*args.sets, *sets, f"max_steps={args.steps}", "num_eval_samples=0", f"seed={seed}"],
                         args.config)
             gen = s.get("generation", {})
-            row = dict(row=name, seed=seed, model=s.get("model", ""), shape=f"steps={args.steps} seed={seed}",
+            row = dict(row=name, steps=args.steps, seed=seed, model=s.get("model", ""),
                        command=s["command"], wall_s=s["wall_seconds"], backend=gen.get("backend"),
                        base_weights=gen.get("base_weights"), lora_sync=(gen.get("lora_sync") or "").split(" ")[0],
                        lora_dual_stream=gen.get("lora_dual_stream"), enforce_eager=gen.get("enforce_eager"),
