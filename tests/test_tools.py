@@ -337,6 +337,7 @@ class ScriptedModel(torch.nn.Module):
         self.sampled = kw["do_sample"]
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
         self.calls.append(len(rows))
+        self.prompts = getattr(self, "prompts", None) or [self.tok.decode(r) for r in rows]  # the first call's
         new, _ = _script(self.tok, rows)
         width = max(map(len, new))
         return torch.cat([input_ids, torch.tensor([c + [pad_token_id] * (width - len(c)) for c in new])], dim=1)
@@ -371,6 +372,49 @@ def test_tool_evaluation_is_the_training_rollout(tiny, tmp_path):
     assert short["tool_calls"] == 1 and [m["role"] for m in short["samples"][0]["messages"]] == ["assistant"]
     assert short["accuracy"] == 0.0
 
+
+
+class _Seen:
+    """An environment that records each reset's row and each call, and hands the model a note to read."""
+    log: list = []
+
+    def reset(self, **row):
+        self.row = row
+        _Seen.log.append(("reset", row["answer"]))
+        return " (an environment note)"
+
+    def calculator(self, expression: str) -> str:
+        """Count and evaluate.
+
+        Args:
+            expression: An arithmetic expression.
+        """
+        _Seen.log.append(("call", self.row["answer"], expression))
+        return calculator(expression)
+
+
+def test_tool_evaluation_runs_an_environment_as_training_does(tiny):
+    """With an environment factory and no tools, the held-out rollouts are training's: one instance per example,
+    reset with the example's row, its text appended to the user message, its methods the tools (each call served
+    by that example's own instance); the counts and the accuracy as with the same function as a plain tool."""
+    from grpo_kit.app.evaluation import evaluate_with_tools
+
+    _, tok = tiny
+    examples = [{"question": r["prompt"][1]["content"], "answer": r["answer"]} for r in _batch()]
+    fake = ScriptedModel(tok)
+    _Seen.log = []
+    result = evaluate_with_tools(fake, tok, examples, [], environment=_Seen, system_prompt="Use the calculator.",
+                                 max_new_tokens=160)
+    assert [e for e in _Seen.log if e[0] == "reset"] == [("reset", "5"), ("reset", "5"), ("reset", "16"),
+                                                         ("reset", "16")]
+    # rows 0 and 3 call the calculator (row 3 twice); row 2 names a tool the environment lacks
+    assert [e[1:] for e in _Seen.log if e[0] == "call"] == [("5", "2 + 3"), ("16", "2 + 3"), ("16", "4 * 4")]
+    assert result["tool_calls"] == 4 and result["tool_failures"] == 1 and result["accuracy"] == 1 / 4
+    first = tok.decode(tok.apply_chat_template(
+        [{"role": "system", "content": "Use the calculator."},
+         {"role": "user", "content": examples[0]["question"] + " (an environment note)"}],
+        tools=[_Seen().calculator], add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert fake.prompts[0] == first
 
 
 def test_prompt_length_check_counts_the_tool_schema(tiny):

@@ -1,5 +1,6 @@
-"""Held-out accuracy: greedy (or sampled) answers to problems, checked by the verifier; with tools, greedy
-multi-turn answers through the same tool loop and template as training (:func:`evaluate_with_tools`)."""
+"""Held-out accuracy: greedy (or sampled) answers to problems, checked by the verifier; with tools or an
+environment, greedy multi-turn answers through the same tool loop and template as training
+(:func:`evaluate_with_tools`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_kit.tasks.chat_template import tool_suffix_ids
-from grpo_kit.tasks.data import make_prompt
+from grpo_kit.tasks.data import make_prompt, prompt_row
 from grpo_kit.tasks.rewards import answer_matches, final_answer_text
-from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, checked_tool
+from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, checked_tool, environment_tools
 
 
 @torch.no_grad()
@@ -123,7 +124,7 @@ def _call_tools(calls: list[dict], tools: dict) -> tuple[list[dict], int]:
 
 
 @torch.no_grad()
-def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, system_prompt: str = "",
+def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, environment=None, system_prompt: str = "",
                         max_new_tokens: int = 32, max_tool_calling_iterations: int | None = None,
                         tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
                         tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, batch_size: int = 50,
@@ -133,18 +134,24 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     The rollout is training's: the prompt rendered with the tools' schema, each call parsed by TRL's
     ``parse_response``, run under :func:`~grpo_kit.tasks.tools.checked_tool` (``tool_time_limit_s``,
     ``tool_output_tokens``), its result appended as TRL's tool loop appends it; ``max_new_tokens`` bounds all turns
-    together, tool results included (TRL's ``max_completion_length``). The answer is the last assistant message
-    (:func:`~grpo_kit.tasks.rewards.final_answer_text`). Returns ``accuracy``, ``tool_use_share`` (answers that
-    called a tool), ``tool_calls``, ``tool_failures``, ``tool_failure_rate`` (per call, as TRL's
-    ``tools/failure_frequency``), ``n``, ``by_level`` when examples carry a level, per example ``correct`` and
-    ``calls`` (lists) and the first few ``samples`` (messages, and the completion's text with the tool results as
-    the model read them). ``temperature`` > 0 samples every turn instead (the pre-flight's rollouts).
+    together, tool results included (TRL's ``max_completion_length``). ``environment``: an environment factory
+    (TRL's ``environment_factory``, one callable) or None; as in training each example gets its own instance,
+    reset with the example's training row (:func:`~grpo_kit.tasks.data.prompt_row`), a text ``reset`` returns
+    appended to the user message, and the instance's public methods offered beside ``tools``. The answer is the
+    last assistant message (:func:`~grpo_kit.tasks.rewards.final_answer_text`). Returns ``accuracy``,
+    ``tool_use_share`` (answers that called a tool), ``tool_calls``, ``tool_failures``, ``tool_failure_rate`` (per
+    call, as TRL's ``tools/failure_frequency``), ``n``, ``by_level`` when examples carry a level, per example
+    ``correct`` and ``calls`` (lists) and the first few ``samples`` (messages, and the completion's text with the
+    tool results as the model read them). ``temperature`` > 0 samples every turn instead (the pre-flight's
+    rollouts).
     """
     from trl.chat_template_utils import parse_response  # lazy: imports TRL (the parser training reads calls with)
 
-    checked = [checked_tool(t, time_limit_s=tool_time_limit_s, tokenizer=tokenizer,
-                            max_output_tokens=tool_output_tokens) for t in tools]
-    by_name = {t.__name__: t for t in checked}
+    def check(tool):
+        return checked_tool(tool, time_limit_s=tool_time_limit_s, tokenizer=tokenizer,
+                            max_output_tokens=tool_output_tokens)
+
+    checked = [check(t) for t in tools]
     was_training = model.training
     model.eval()
     rollouts = []
@@ -152,8 +159,9 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     try:
         for start in range(0, len(examples), batch_size):
             batch = examples[start:start + batch_size]
-            rollouts += _tool_rollouts(model, tokenizer, batch, checked, by_name, parse_response, system_prompt,
-                                       max_new_tokens, max_tool_calling_iterations, temperature)
+            setups = [_rollout_setup(e, system_prompt, checked, environment, check) for e in batch]
+            rollouts += _tool_rollouts(model, tokenizer, setups, parse_response, max_new_tokens,
+                                       max_tool_calling_iterations, temperature)
             bar.update(len(batch))
     finally:
         bar.close()
@@ -161,24 +169,41 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     return _tool_eval_result(examples, rollouts, tokenizer)
 
 
-def _tool_rollouts(model, tokenizer, batch, tools, by_name, parse, system_prompt, budget, max_iterations,
-                   temperature=0.0):
-    """Each example's rollout (TRL 1.16's ``_tool_call_loop`` with greedy turns): its messages, completion ids,
-    tool calls and failures."""
-    prompts = [tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tools=tools or None,
-                                             add_generation_prompt=True, tokenize=True, return_dict=False)
-               for e in batch]
+def _rollout_setup(example: dict, system_prompt: str, tools: list, environment, check) -> tuple[list[dict], list]:
+    """``(messages, tools)`` one example's rollout starts from: its prompt and the checked tools; with an
+    ``environment`` factory a fresh instance reset with the example's row (TRL's rule: a text it returns is
+    appended to the last message), its methods after ``tools``."""
+    messages = make_prompt(example["question"], system_prompt)
+    if environment is None:
+        return messages, tools
+    instance = environment()
+    observation = instance.reset(**prompt_row(example, system_prompt))
+    if observation is not None:
+        if not isinstance(observation, str):
+            raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__}; the held-out "
+                             "evaluation takes text (str) or None")
+        messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
+    return messages, tools + [check(m) for m in environment_tools(instance)]
+
+
+def _tool_rollouts(model, tokenizer, setups, parse, budget, max_iterations, temperature=0.0):
+    """Each example's rollout (TRL 1.16's ``_tool_call_loop`` with greedy turns) from its ``(messages, tools)``
+    setup: its messages, completion ids, tool calls and failures."""
+    tools = [t for _, t in setups]
+    by_name = [{t.__name__: t for t in ts} for ts in tools]
+    prompts = [tokenizer.apply_chat_template(m, tools=ts or None, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False) for m, ts in setups]
     completion_ids = _greedy_turn(model, tokenizer, prompts, [budget] * len(prompts), temperature)
-    messages = [[parse(tokenizer, ids, prefix=p, tools=tools)] for p, ids in zip(prompts, completion_ids)]
-    calls = [0] * len(batch)
-    failures = [0] * len(batch)
+    messages = [[parse(tokenizer, ids, prefix=p, tools=ts)] for p, ids, ts in zip(prompts, completion_ids, tools)]
+    calls = [0] * len(setups)
+    failures = [0] * len(setups)
     max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or float("inf")
     active = [i for i, m in enumerate(messages) if m[-1].get("tool_calls")]
     iteration = 0
     while active and iteration < (max_iterations if max_iterations is not None else float("inf")):
         seqs, kept = [], []
         for i in active:
-            results, failed = _call_tools(messages[i][-1]["tool_calls"], by_name)
+            results, failed = _call_tools(messages[i][-1]["tool_calls"], by_name[i])
             calls[i] += len(messages[i][-1]["tool_calls"])
             failures[i] += failed
             seq = prompts[i] + completion_ids[i] + tool_suffix_ids(tokenizer, results)
@@ -195,7 +220,7 @@ def _tool_rollouts(model, tokenizer, batch, tools, by_name, parse, system_prompt
         for i, seq, turn in zip(kept, seqs, turns):
             completion_ids[i] = seq[len(prompts[i]):] + turn
             if turn:
-                messages[i].append(parse(tokenizer, turn, prefix=seq, tools=tools))
+                messages[i].append(parse(tokenizer, turn, prefix=seq, tools=tools[i]))
                 if messages[i][-1].get("tool_calls"):
                     active.append(i)
         iteration += 1

@@ -41,7 +41,7 @@ from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
-from grpo_kit.tasks.tools import get_tools
+from grpo_kit.tasks.tools import get_tools, resolve_environment
 from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
                                           find_resume_checkpoint, read_run_state, resume_hint)
 from grpo_kit.trainer.sharding import check_launch_env, save_whole
@@ -462,12 +462,14 @@ def _load(run: _Run):
 
 
 def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
-    """Greedy held-out accuracy ``before`` or ``after`` training, printed; with tools, multi-turn through training's
-    tool loop, with the share of answers that called a tool and the tool failures."""
+    """Greedy held-out accuracy ``before`` or ``after`` training, printed; with tools or an environment, multi-turn
+    through training's tool loop, with the share of answers that called a tool and the tool failures."""
     cfg = run.cfg
     progress = f"held-out {when}" if run.progress and run.is_main else None
-    if cfg.tools:
-        result = evaluate_with_tools(model, tokenizer, run.heldout, get_tools(cfg.tools),
+    multi_turn = bool(cfg.tools or cfg.environment)
+    if multi_turn:
+        environment = resolve_environment(cfg.environment) if cfg.environment is not None else None
+        result = evaluate_with_tools(model, tokenizer, run.heldout, get_tools(cfg.tools), environment=environment,
                                      system_prompt=run.system_prompt, max_new_tokens=cfg.max_completion_length,
                                      max_tool_calling_iterations=cfg.max_tool_calling_iterations,
                                      tool_time_limit_s=cfg.tool_time_limit_s or None,
@@ -476,7 +478,7 @@ def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
         result = evaluate_accuracy(model, tokenizer, run.heldout, system_prompt=run.system_prompt,
                                    max_new_tokens=cfg.max_completion_length, progress=progress)
     extra = f" (n={len(run.heldout)}, greedy)" if when == "before" else ""
-    if cfg.tools:
+    if multi_turn:
         extra += (f"; tool used in {result['tool_use_share']:.0%} of answers, {result['tool_calls']} calls, "
                   f"{result['tool_failures']} failed")
     if run.is_main:

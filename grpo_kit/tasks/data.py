@@ -249,14 +249,18 @@ def make_prompt(question: str, system_prompt: str = "") -> list[dict]:
             {"role": "user", "content": question}]
 
 
+def prompt_row(example: dict, system_prompt: str = "") -> dict:
+    """One training row: ``prompt`` (messages) and ``answer``; what TRL hands an environment's ``reset(**row)``."""
+    return {"prompt": make_prompt(example["question"], system_prompt), "answer": example["answer"]}
+
+
 def to_prompt_dataset(examples: list[dict], system_prompt: str = ""):
-    """A ``datasets.Dataset`` with ``prompt`` (messages) and ``answer`` columns, as TRL expects."""
+    """A ``datasets.Dataset`` of :func:`prompt_row` rows, as TRL expects."""
     from datasets import Dataset  # lazy: datasets imports pyarrow and pandas (seconds)
 
     if not examples:
         raise ValueError("the dataset is empty: no examples to train on")
-    return Dataset.from_list([{"prompt": make_prompt(e["question"], system_prompt), "answer": e["answer"]}
-                              for e in examples])
+    return Dataset.from_list([prompt_row(e, system_prompt) for e in examples])
 
 
 def build_datasets(cfg) -> tuple[list[dict], list[dict]]:

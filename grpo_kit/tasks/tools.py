@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import inspect
 import logging
 import operator
 
@@ -139,6 +140,16 @@ def resolve_environment(spec):
     if not callable(obj):
         raise ValueError(f"environment {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+ENVIRONMENT_HOOKS = ("reset", "get_reward")  # an environment's methods TRL calls itself, never offered as tools
+
+
+def environment_tools(instance) -> list:
+    """The tools one environment instance offers, as TRL 1.16 takes them: the bound public methods its class
+    defines (by name, as ``inspect.getmembers`` lists them), but :data:`ENVIRONMENT_HOOKS`."""
+    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in ENVIRONMENT_HOOKS and not name.startswith("_")]
 
 
 def truncate_tokens(text: str, tokenizer, max_tokens: int | None) -> str:
