@@ -418,7 +418,8 @@ def test_tool_evaluation_runs_an_environment_as_training_does(tiny):
 
 
 def test_prompt_length_check_counts_the_tool_schema(tiny):
-    """With tools the rendered prompt carries their JSON schema: the check counts it, as TRL renders the prompt."""
+    """With tools (or an environment's methods) the rendered prompt carries their JSON schema: the check counts it,
+    as TRL renders the prompt."""
     from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.app.run import check_prompt_lengths, prompt_ids
 
@@ -435,6 +436,11 @@ def test_prompt_length_check_counts_the_tool_schema(tiny):
     assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == len(rendered)
     cfg.tools = []
     assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == plain
+    cfg.environment, cfg.max_prompt_length = _Seen, 10 ** 4  # an environment's methods are tools in the prompt too
+    with_env = tok.apply_chat_template(make_prompt(examples[0]["question"], "Use the calculator."),
+                                       tools=[_Seen().calculator], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+    assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == len(with_env) > plain + 50
 
 
 @pytest.mark.parametrize("method,vllm", [("grpo_kit", True), ("grpo_kit", False), ("trl", True)])

@@ -41,7 +41,7 @@ from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
-from grpo_kit.tasks.tools import get_tools, resolve_environment
+from grpo_kit.tasks.tools import environment_tools, get_tools, resolve_environment
 from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
                                           find_resume_checkpoint, read_run_state, resume_hint)
 from grpo_kit.trainer.sharding import check_launch_env, save_whole
@@ -178,10 +178,13 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, tools: list | None 
 
 
 def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
-    """Longest rendered prompt in tokens (the config's tools' schema included); one over ``max_prompt_length`` is an
-    error, not a silent cut."""
+    """Longest rendered prompt in tokens (the schema of the config's tools and of its environment's methods, from
+    one instance, included; not what an environment's ``reset`` adds); one over ``max_prompt_length`` is an error,
+    not a silent cut."""
     longest, worst = 0, None
-    tools = get_tools(cfg.tools) if cfg.tools else None
+    tools = (get_tools(cfg.tools) if cfg.tools else []) + \
+        (environment_tools(resolve_environment(cfg.environment)()) if cfg.environment is not None else [])
+    tools = tools or None
     for e in examples:
         n = len(prompt_ids(tokenizer, e["question"], system_prompt, tools))
         if n > longest:
