@@ -37,6 +37,24 @@ def test_embedded_roundtrip_gives_same_logits(tmp_path, monkeypatch):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_a_tiny_model_takes_the_tokenizer_without_exporting_the_embedded_weights(tmp_path, monkeypatch):
+    """On a fresh cache a tiny model's tokenizer is the embedded one, cached alone (no weights' export); it renders
+    and tokenizes as the full export's does, and the second call reads the cache."""
+    monkeypatch.setenv("GRPO_KIT_CACHE", str(tmp_path))
+    tok = models.load_tokenizer("tiny-llama")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{models.EMBEDDED_NAME}-tokenizer"]
+    gguf = models._gguf_path()
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
+    assert tok("Answer: 408")["input_ids"] == ref("Answer: 408")["input_ids"]
+    stamp = (tmp_path / f"{models.EMBEDDED_NAME}-tokenizer" / "tokenizer_config.json").stat().st_mtime_ns
+    models.load_tokenizer("tiny-qwen2")
+    assert (tmp_path / f"{models.EMBEDDED_NAME}-tokenizer" / "tokenizer_config.json").stat().st_mtime_ns == stamp
+
+
 @pytest.mark.parametrize("name,model_type", [("tiny-llama", "llama"), ("tiny-qwen2", "qwen2")])
 def test_tiny_models_are_the_real_architectures(name, model_type):
     model, tok = models.load_model(name)

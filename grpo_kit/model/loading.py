@@ -299,12 +299,30 @@ def embedded_model_dir_as(dtype: torch.dtype) -> Path:
 
 
 def _embedded_tokenizer_dir() -> Path:
-    """The cached folder when its tokenizer files are there (the export writes them with the
-    weights, atomically); otherwise export first. Tiny models need only the tokenizer."""
-    target = cache_dir() / EMBEDDED_NAME
-    if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
-        return target
-    return embedded_model_dir()
+    """A cached folder with the embedded tokenizer: the model's export where it exists, else the tokenizer alone
+    beside it (read from the GGUF in seconds; the weights' export dequantises the whole model), written through a
+    temporary folder renamed into place. Tiny and config-only models need only the tokenizer."""
+    for target in (cache_dir() / EMBEDDED_NAME, cache_dir() / f"{EMBEDDED_NAME}-tokenizer"):
+        if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
+            return target
+    from transformers import AutoTokenizer  # lazy: slow to import
+
+    gguf = _gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tok.save_pretrained(tmp)
+        if (target / "tokenizer_config.json").is_file():  # a concurrent export won; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            if target.exists():  # an incomplete folder: moved aside, not deleted
+                os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def load_tokenizer(name: str = EMBEDDED_NAME):
