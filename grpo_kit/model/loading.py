@@ -248,21 +248,32 @@ def embedded_model_dir() -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF export mismatch: missing={missing} unexpected={unexpected}")
     plain.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         plain.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if (target / _WEIGHTS).is_file():  # a concurrent export won; keep theirs
+
+    _publish(target, write, lambda t: (t / _WEIGHTS).is_file())
+    return target
+
+
+def _publish(target: Path, write, complete) -> None:
+    """Write the cache folder ``target`` through a temporary folder renamed into place, so an interrupted write
+    never leaves half a folder: ``write(tmp)`` fills it. Where ``complete(target)`` holds by then (a concurrent
+    writer won) theirs is kept; an incomplete folder there is moved aside (``.incomplete-<time>``), not deleted."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(tmp)
+        if complete(target):
             shutil.rmtree(tmp)
         else:
-            if target.exists():  # an incomplete folder (e.g. tokenizer files only): moved aside, not deleted
+            if target.exists():
                 os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
             os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
 
 
 def embedded_model_dir_as(dtype: torch.dtype) -> Path:
@@ -276,8 +287,8 @@ def embedded_model_dir_as(dtype: torch.dtype) -> Path:
     target = source.with_name(f"{EMBEDDED_NAME}-{str(dtype).removeprefix('torch.')}")
     if (target / "config.json").is_file():  # written last: a complete folder
         return target
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(source / _WEIGHTS).items()}
         save_file(tensors, tmp / _WEIGHTS, metadata={"format": "pt"})
         for f in source.iterdir():  # tokenizer and generation config as they are
@@ -286,15 +297,8 @@ def embedded_model_dir_as(dtype: torch.dtype) -> Path:
         config = json.loads((source / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if (target / "config.json").is_file():  # a concurrent export won; keep theirs
-            shutil.rmtree(tmp)
-        else:
-            if target.exists():  # an incomplete folder: moved aside, not deleted
-                os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _publish(target, write, lambda t: (t / "config.json").is_file())
     return target
 
 
@@ -309,19 +313,7 @@ def _embedded_tokenizer_dir() -> Path:
 
     gguf = _gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        tok.save_pretrained(tmp)
-        if (target / "tokenizer_config.json").is_file():  # a concurrent export won; keep theirs
-            shutil.rmtree(tmp)
-        else:
-            if target.exists():  # an incomplete folder: moved aside, not deleted
-                os.replace(target, target.with_name(f"{target.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _publish(target, tok.save_pretrained, lambda t: (t / "tokenizer_config.json").is_file())
     return target
 
 
