@@ -51,6 +51,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def table_line(r: dict) -> str:
+    return (f"| {r['row']} | {r['seed']} | {r['base_weights']} | {r['lora_sync']} | {r['lora_dual_stream']} | "
+            f"{r['enforce_eager']} | {r['emulate_precision_casts']} | {r['gap_median']:.4f} | {r['gap_step1']:.4f} | "
+            f"{r['gap_max_token']:.3f} | {r['ratio_mean_median']:.3f} | "
+            f"{r['steps_with_a_dropped_sequence']}/{r['steps_with_gap']} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", dest="variants", action="append", type=parse_variant, required=True,
@@ -86,12 +93,9 @@ def main(argv=None) -> int:
               "hardware": hardware(), "rows": rows}
     lines = [f"# The rollout-trainer gap ({result['hardware'].get('gpu') or 'CPU'})", "",
              f"- command: `{result['command']}`", f"- hardware: {hardware_line(result['hardware'])}", "",
-             "| variant | seed | base weights | LoRA sync | dual stream | eager | eager casts | gap median | gap step 1 | largest "
-             "token | ratio mean | steps dropping a sequence |", "|---|---|---|---|---|---|---|---|---|---|---|---|",
-             *[f"| {r['row']} | {r['seed']} | {r['base_weights']} | {r['lora_sync']} | {r['lora_dual_stream']} | "
-               f"{r['enforce_eager']} | {r['emulate_precision_casts']} | {r['gap_median']:.4f} | {r['gap_step1']:.4f} | {r['gap_max_token']:.3f} | "
-               f"{r['ratio_mean_median']:.3f} | {r['steps_with_a_dropped_sequence']}/{r['steps_with_gap']} |"
-               for r in rows]]
+             "| variant | seed | base weights | LoRA sync | dual stream | eager | eager casts | gap median "
+             "| gap step 1 | largest token | ratio mean | steps dropping a sequence |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|", *map(table_line, rows)]
     record_report("engine_gap", result, lines, args.out_dir)
     return 0
 

@@ -24,6 +24,7 @@ import torch
 from _common import hardware, hardware_line, record_report
 
 from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.kernels.grpo_epilogue import lse_logp_torch
 from grpo_kit.model.fp8 import quantize_model_fp8
 from grpo_kit.model.loading import load_model
 from grpo_kit.tasks.data import default_system_prompt, generate_tasks, make_prompt
@@ -32,13 +33,14 @@ ATTENTION = ("eager", "sdpa")  # two implementations of the same attention, diff
 FORMS = {"bf16": None, "fp8_w8a8": "fp8", "fp8_w8a16": "16bit"}  # weight form -> FP8Linear activations
 
 
-def sample(model, tok, questions: list[str], completions: int, tokens: int, temperature: float, seed: int):
+def sample(model, tok, questions: list[str], system_prompt: str, completions: int, tokens: int, temperature: float,
+           seed: int):
     """``[(ids (T,) int64, prompt_len)]``: ``completions`` sampled continuations of each question's chat prompt."""
     torch.manual_seed(seed)
     out = []
     for q in questions:
-        ids = tok.apply_chat_template(make_prompt(q, default_system_prompt("arithmetic")), add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(make_prompt(q, system_prompt), add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
         with torch.no_grad():
             gen = model.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=tokens,
                                  num_return_sequences=completions, pad_token_id=tok.eos_token_id)
@@ -53,14 +55,14 @@ def _end(g: torch.Tensor, start: int, eos: int) -> int:
 
 
 def token_logps(model, seqs, attention: str, temperature: float) -> torch.Tensor:
-    """Float32 (N,): each completion token's log-prob under ``model`` with ``attention``, as the trainer scores
-    a sampled token (logits / temperature), all sequences concatenated."""
+    """Float32 (N,): each completion token's log-prob under ``model`` with ``attention``, as the kit's loss scores
+    a sampled token (:func:`~grpo_kit.kernels.grpo_epilogue.lse_logp_torch` at ``temperature``), all sequences
+    concatenated."""
     model.set_attn_implementation(attention)
     out = []
     with torch.no_grad():
         for ids, start in seqs:
-            logits = model(ids[None]).logits[0, start - 1:-1].float() / temperature
-            out.append(torch.log_softmax(logits, -1).gather(-1, ids[start:, None])[:, 0])
+            out.append(lse_logp_torch(model(ids[None]).logits[0, start - 1:-1], ids[start:], 1.0 / temperature)[0])
     return torch.cat(out)
 
 
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
     model, tok = load_model(cfg.model, dtype=torch.bfloat16, device=args.device)
     model.eval()
     questions = [t["question"] for t in generate_tasks(cfg.task, args.prompts, levels=cfg.levels, seed=args.seed)]
-    seqs = sample(model, tok, questions, args.completions, args.tokens, cfg.temperature, args.seed)
+    system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)  # the main job's, as its run builds it
+    seqs = sample(model, tok, questions, system_prompt, args.completions, args.tokens, cfg.temperature, args.seed)
     scored, rows = {}, []
     for form, activations in FORMS.items():
         m = model
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
     for r in rows[:len(FORMS)]:
         r["mean_over_bf16"] = r["mean"] / base
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python -m grpo_kit bench fp8_amplification " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m grpo_kit bench fp8_amplification "
+              + " ".join(sys.argv[1:] if argv is None else argv),
               "hardware": hardware(args.device), "model": cfg.model, "temperature": cfg.temperature,
               "sequences": len(seqs), "rows": rows}
     lines = [f"# FP8 activations amplify an upstream bf16 difference ({result['hardware'].get('gpu') or 'CPU'})", "",

@@ -331,13 +331,13 @@ class ScriptedModel(torch.nn.Module):
     def __init__(self, tok):
         super().__init__()
         self.tok, self.weight, self.calls = tok, torch.nn.Parameter(torch.zeros(1)), []
-        self.generation_config = None
+        self.generation_config, self.prompts = None, []  # prompts: the first call's, as the model read them
 
     def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **kw):
         self.sampled = kw["do_sample"]
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
         self.calls.append(len(rows))
-        self.prompts = getattr(self, "prompts", None) or [self.tok.decode(r) for r in rows]  # the first call's
+        self.prompts = self.prompts or [self.tok.decode(r) for r in rows]
         new, _ = _script(self.tok, rows)
         width = max(map(len, new))
         return torch.cat([input_ids, torch.tensor([c + [pad_token_id] * (width - len(c)) for c in new])], dim=1)

@@ -124,8 +124,9 @@ def _call_tools(calls: list[dict], tools: dict) -> tuple[list[dict], int]:
 
 
 @torch.no_grad()
-def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, environment=None, system_prompt: str = "",
-                        max_new_tokens: int = 32, max_tool_calling_iterations: int | None = None,
+def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, environment=None,
+                        system_prompt: str = "", max_new_tokens: int = 32,
+                        max_tool_calling_iterations: int | None = None,
                         tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
                         tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, batch_size: int = 50,
                         progress: str | None = None, temperature: float = 0.0) -> dict:

@@ -826,7 +826,8 @@ class VLLMGenerator:
                else "level 2 (weights and KV cache dropped)" if self._discard_on_sleep
                else "level 1 (weights to host RAM)",
                "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager,
-               "emulate_precision_casts": self.emulate_precision_casts, "lora_dual_stream": self.lora_dual_stream, "seed": self.seed,
+               "emulate_precision_casts": self.emulate_precision_casts, "lora_dual_stream": self.lora_dual_stream,
+               "seed": self.seed,
                "startup_s": round(self.startup_s, 2), "base_weights": self.base_weights}
         if self.base_weights == "fp8":
             out.update(fp8_block=self.fp8_block, fp8_fill_s=None if self.fp8_fill_s is None else round(self.fp8_fill_s, 2))
