@@ -38,7 +38,8 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
   engine, CUDA graphs) against HF ``generate`` on the same architecture, with 16-bit or FP8 base weights.
   ``gen_vllm_fp8w`` generates with an r=16 adapter in vLLM's LoRA kernels, as the FP8 step does (an adapter cannot
   be merged into FP8 codes); ``gen_vllm`` with none, as the 16-bit step's merged adapter leaves it;
-  ``gen_vllm_fp8w_dense`` the FP8 engine without LoRA (not a training configuration: what the kernels cost).
+  ``gen_vllm_fp8w_dense`` the same FP8 engine with no adapter loaded (not a training configuration: what the
+  LoRA kernels cost).
 
 Every row records ``base_weights`` (``bf16`` or ``fp8``).
 
@@ -50,8 +51,11 @@ before the engine starts to the end of the last step, minus what was in use befo
 context): everything vLLM's pool and PyTorch hold, whichever allocator. Beside it
 ``torch_max_reserved_gib`` (PyTorch's ``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool
 at the end). Kit rows also split the peak by phase, ``phase_peaks_gib``: ``setup`` (model load, engine start),
-``generation`` (inside the generator's ``generate``: wake, generation, standby), ``training`` (the rest of the
-steps). Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
+``generation`` (inside the generator's ``generate``: wake and generation; standby follows it), ``scoring`` (the
+no-grad log-prob passes: the reference, and the old policy where TRL runs it), ``training`` (the rest of the steps:
+rewards, the loss's forward and backward passes, the optimiser). ``--scoring-batch N`` sets the kit rows'
+``scoring_batch_size`` (default ``auto``, as ``grpo_kit train`` resolves it).
+Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
 first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
@@ -237,6 +241,8 @@ def kit_row(name: str, a) -> dict:
     lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
     if lora_sync == "adapter":  # the option applies to vLLM's LoRA kernels only
         cfg.vllm_lora_dual_stream = {"on": True, "off": False, "auto": None}[a.lora_dual_stream]
+    if a.scoring_batch != "auto":
+        cfg.scoring_batch_size = int(a.scoring_batch)
     cfg.validate()
     mem = DeviceMemory()
     tok = load_tokenizer(a.model)
@@ -265,6 +271,8 @@ def kit_row(name: str, a) -> dict:
                                LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
+    # the no-grad log-prob passes (reference; old policy where TRL runs it) apart from the loss's passes
+    trainer._get_per_token_logps_and_entropies = mem.phase("scoring", trainer._get_per_token_logps_and_entropies)
     mem.label = "training"
     trainer.train()
     peak = mem.stop()
@@ -377,6 +385,18 @@ def trl_row(a) -> dict:
                 vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
 
 
+def gen_engine_options(name: str, dual_stream: bool) -> tuple[dict, bool]:
+    """The ``VLLMGenerator`` options of generation row ``name`` (a ``gen_vllm*`` row) and whether it loads an
+    adapter. The FP8 rows start the engine an FP8 training step starts (shared codes, ``lora_sync="adapter"``:
+    vLLM's LoRA support on); ``gen_vllm_fp8w_dense`` then loads no adapter, so vLLM runs the CUDA graphs it
+    captured without LoRA ops (``cudagraph_specialize_lora``, on by default). ``gen_vllm``: the 16-bit engine as
+    the merged step leaves it, no LoRA support."""
+    fp8 = GEN_ROWS[name] == "fp8"  # the engine on the training model's FP8 codes
+    adapter = fp8 and not name.endswith("_dense")
+    return dict(base_weights=GEN_ROWS[name], share_weights=fp8, lora_sync="adapter" if fp8 else "merge",
+                lora_dual_stream=adapter and dual_stream), adapter
+
+
 def gen_row(name: str, a) -> dict:
     import torch
 
@@ -396,15 +416,13 @@ def gen_row(name: str, a) -> dict:
 
         folder, _ = generation_model_dir(a.model, "cuda")
         kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(PROMPT_TOKENS, C, GENERATIONS, 1), 2)
-        fp8 = GEN_ROWS[name] == "fp8"  # the engine on the training model's FP8 codes
-        lora = fp8 and not name.endswith("_dense")  # the FP8 step's engine: the adapter in vLLM's LoRA kernels
+        opts, adapter = gen_engine_options(name, {"on": True, "off": False,
+                                                  "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
         eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
                             max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
-                            gpu_memory_utilization=0.5, base_weights=GEN_ROWS[name], share_weights=fp8,
-                            lora_sync="adapter" if lora else "merge", max_lora_rank=LORA_RANK,
-                            lora_dual_stream=lora and {"on": True, "off": False,
-                                                       "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
-        if fp8 and not lora:  # the FP8 codes alone, no LoRA kernels: what the adapter costs the FP8 engine
+                            gpu_memory_utilization=0.5, max_lora_rank=LORA_RANK, **opts)
+        fp8 = opts["base_weights"] == "fp8"
+        if fp8 and not adapter:  # the FP8 codes, no adapter loaded: what the LoRA kernels cost the FP8 engine
             eng.training_model(model_config(a.model), torch.bfloat16)
         elif fp8:  # an adapter in place, so generation runs through vLLM's LoRA kernels as in the step
             from peft import LoraConfig, get_peft_model
@@ -498,10 +516,15 @@ def main(argv=None) -> int:
     p.add_argument("--trl-vllm-memory", type=float, default=0.3,
                    help="trl row: GRPOConfig.vllm_gpu_memory_utilization (TRL's default 0.3), the share of the card "
                         "its colocated engine takes")
+    p.add_argument("--scoring-batch", default="auto",
+                   help="kit rows: scoring_batch_size (sequences per no-grad reference forward); auto: as "
+                        "`grpo_kit train` resolves it from the memory plan")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.scoring_batch != "auto" and not (a.scoring_batch.isdigit() and int(a.scoring_batch) >= 1):
+        p.error(f"--scoring-batch {a.scoring_batch!r}: a whole number >= 1, or auto")
     if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
         p.error(f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
                 "sized for the row's completion length)")
@@ -519,7 +542,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as run_dir:
                 child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
                          "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
-                         "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory)]
+                         "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory),
+                         "--scoring-batch", a.scoring_batch]
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)

@@ -1,0 +1,24 @@
+"""bench/rl_step.py's pieces that need no GPU: the generation rows' engine options pass the generator's checks."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from rl_step import GEN_ROWS, gen_engine_options  # noqa: E402
+
+from grpo_kit.generation.vllm_backend import _check_fp8_options  # noqa: E402
+
+
+@pytest.mark.parametrize("name", [n for n in GEN_ROWS if n.startswith("gen_vllm")])
+@pytest.mark.parametrize("dual_stream", [True, False])
+def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
+    opts, adapter = gen_engine_options(name, dual_stream)
+    # the check VLLMGenerator runs before it starts an engine (CUDA: the rows run there)
+    _check_fp8_options("cuda", base_weights=opts["base_weights"], fp8_block=None,
+                       share_weights=opts["share_weights"], lora_sync=opts["lora_sync"])
+    assert adapter == (name == "gen_vllm_fp8w")  # only the FP8 step's engine runs an adapter
+    assert opts["lora_dual_stream"] == (adapter and dual_stream)  # a second stream only where LoRA kernels run
+    assert (opts["base_weights"] == "fp8") == opts["share_weights"]  # FP8 engines serve the training model's codes
