@@ -141,9 +141,9 @@ step fp8_train 300 python3 -m grpo_kit bench fp8_train --tag $card --out-dir "$o
 step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 4096 --steps 3 --timeout 480
 step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700
 # The 20K row with a smaller reference-pass batch (SCORING_BATCH, default 2; auto chose 8 at 98d9b84, whose training
-# phase peaked 5 GiB over the calculator's scoring phase).
+# phase peaked 5 GiB over the calculator's scoring phase), and what PyTorch had allocated at the peak, by line.
 step fp8_rl20k_sb 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
-  --scoring-batch ${SCORING_BATCH:-2}
+  --scoring-batch ${SCORING_BATCH:-2} --memory-history 2000000
 step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completion 4096 --timeout 480
 # The FP8 rollout-trainer gap on real weights (0.105 per token against bf16's 0.043 in the learning runs of
 # d7e3183), separated: FP8 as the kit runs it, with Inductor rounding its fused intermediates to bf16 as eager

@@ -54,7 +54,9 @@ at the end). Kit rows also split the peak by phase, ``phase_peaks_gib``: ``setup
 ``generation`` (inside the generator's ``generate``: wake and generation; standby follows it), ``scoring`` (the
 no-grad log-prob passes: the reference, and the old policy where TRL runs it), ``training`` (the rest of the steps:
 rewards, the loss's forward and backward passes, the optimiser). ``--scoring-batch N`` sets the kit rows'
-``scoring_batch_size`` (default ``auto``, as ``grpo_kit train`` resolves it).
+``scoring_batch_size`` (default ``auto``, as ``grpo_kit train`` resolves it). ``--memory-history N``: kit rows also
+keep ``peak_allocations``, PyTorch's allocations alive at the largest moment of the steps (the engine's weights and
+KV cache, allocated before, not among them), grouped by the line that made them.
 Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
@@ -274,8 +276,16 @@ def kit_row(name: str, a) -> dict:
     # the no-grad log-prob passes (reference; old policy where TRL runs it) apart from the loss's passes
     trainer._get_per_token_logps_and_entropies = mem.phase("scoring", trainer._get_per_token_logps_and_entropies)
     mem.label = "training"
+    if a.memory_history:  # PyTorch's allocator history, Python frames only (C++ stacks would slow every allocation)
+        torch.cuda.memory._record_memory_history(max_entries=a.memory_history, stacks="python")
     trainer.train()
     peak = mem.stop()
+    peak_allocations = None
+    if a.memory_history:
+        from grpo_kit.memory import live_at_peak
+
+        peak_allocations = live_at_peak(torch.cuda.memory._snapshot(), device=torch.cuda.current_device(), top=25)
+        torch.cuda.memory._record_memory_history(enabled=None)
     steps = times.steps
     try:  # an extra measurement: its failure must not lose the row's step measurements
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
@@ -290,6 +300,7 @@ def kit_row(name: str, a) -> dict:
                torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
+               peak_allocations=peak_allocations,
                # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
                sampling=[{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("sampling/")}
                          for h in trainer.state.log_history if any(k.startswith("sampling/") for k in h)])
@@ -519,6 +530,10 @@ def main(argv=None) -> int:
     p.add_argument("--scoring-batch", default="auto",
                    help="kit rows: scoring_batch_size (sequences per no-grad reference forward); auto: as "
                         "`grpo_kit train` resolves it from the memory plan")
+    p.add_argument("--memory-history", type=int, default=0, metavar="N",
+                   help="kit rows: record PyTorch's allocator history over the steps (at most N events) and keep "
+                        "what was allocated at its largest moment, by the line that allocated it "
+                        "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -543,7 +558,7 @@ def main(argv=None) -> int:
                 child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
                          "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
                          "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory),
-                         "--scoring-batch", a.scoring_batch]
+                         "--scoring-batch", a.scoring_batch, "--memory-history", str(a.memory_history)]
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from rl_step import GEN_ROWS, gen_engine_options  # noqa: E402
+from rl_step import GEN_ROWS, gen_engine_options, main  # noqa: E402
 
 from grpo_kit.generation.vllm_backend import _check_fp8_options  # noqa: E402
 
@@ -22,3 +22,12 @@ def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
     assert adapter == (name == "gen_vllm_fp8w")  # only the FP8 step's engine runs an adapter
     assert opts["lora_dual_stream"] == (adapter and dual_stream)  # a second stream only where LoRA kernels run
     assert (opts["base_weights"] == "fp8") == opts["share_weights"]  # FP8 engines serve the training model's codes
+
+
+@pytest.mark.parametrize("argv, needle", [(["--scoring-batch", "0"], "--scoring-batch '0'"),
+                                          (["--scoring-batch", "two"], "a whole number >= 1, or auto"),
+                                          (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64")])
+def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err

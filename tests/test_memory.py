@@ -410,6 +410,42 @@ def test_phase_is_a_noop_without_a_profiler_and_bad_profiler_args():
                 pass
 
 
+def test_live_at_peak_replays_the_history_and_groups_by_line():
+    from grpo_kit.memory import live_at_peak
+
+    def frames(*where):  # innermost first, as torch records them
+        return [{"filename": f, "line": ln, "name": fn} for f, ln, fn in where]
+
+    torch_frame = ("/usr/lib/python3/site-packages/torch/nn/functional.py", 10, "linear")
+    mlp = frames(torch_frame, ("/repo/grpo_kit/model/fp8.py", 210, "w8a8_scaled_mm"))
+    attn = frames(("/usr/lib/python3/site-packages/transformers/integrations/sdpa_attention.py", 96, "sdpa"))
+    mib = 2**20
+    events = [
+        {"action": "free_completed", "addr": 999, "size": 64 * mib},  # allocated before recording: ignored
+        {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": mlp},
+        {"action": "alloc", "addr": 2, "size": 50 * mib, "frames": mlp},
+        {"action": "alloc", "addr": 3, "size": 300 * mib, "frames": attn},
+        {"action": "free_requested", "addr": 3, "size": 300 * mib},  # completion follows: not yet freed
+        {"action": "free_completed", "addr": 3, "size": 300 * mib},
+        {"action": "alloc", "addr": 3, "size": 200 * mib, "frames": attn},  # an address reused
+        {"action": "free_completed", "addr": 1, "size": 100 * mib},
+        {"action": "segment_alloc", "addr": 7, "size": 900 * mib},  # segments are not blocks
+    ]
+    got = live_at_peak({"device_traces": [events]})
+    assert got["peak_gib"] == pytest.approx(450 / 1024, abs=1e-4) and got["event"] == 3 and got["events"] == 9
+    assert got["allocations"] == [
+        {"where": "transformers/integrations/sdpa_attention.py:96 (sdpa)", "blocks": 1, "gib": round(300 / 1024, 4)},
+        {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)}]
+    # without completions the requests free; the peak still at event 3, and with no free after the last alloc
+    # of a history the blocks live at its end are the peak's
+    requested = [e for e in events if e["action"] != "free_completed"]
+    assert live_at_peak({"device_traces": [requested]})["peak_gib"] == pytest.approx(450 / 1024, abs=1e-4)
+    grow = live_at_peak({"device_traces": [events[1:3]]}, top=1)
+    assert grow["event"] == 1 and grow["allocations"] == [
+        {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)}]
+    assert live_at_peak({}) == {"peak_gib": 0, "event": 0, "events": 0, "allocations": []}
+
+
 def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
     """bench/memory_validation.py end to end on a hand-written results file (numbers are inputs,
     not results): estimates, errors and the verdict come out as computed."""

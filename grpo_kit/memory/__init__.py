@@ -4,7 +4,8 @@
 * :func:`estimate` / :func:`compare` / :func:`published_table` (``estimate.py``; every byte count
   in ``formulas.py`` with its derivation);
 * :func:`profile` / :class:`Profiler` / :func:`phase` (``profiler.py``): measured peak memory per
-  phase (CUDA allocator statistics and snapshot; CPU resident set size);
+  phase (CUDA allocator statistics and snapshot; CPU resident set size); :func:`live_at_peak`: what a
+  snapshot's history had allocated at its largest moment, by the line that allocated it;
 * :func:`plot_components` / :func:`plot_vs_context` (``plot.py``, matplotlib, Agg-safe; imported
   on first use);
 * :func:`cli_main` (``cli.py``): ``python -m grpo_kit vram ...``.
@@ -13,7 +14,7 @@
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.memory.estimate import (METHODS, compare, estimate, estimate_for_config, published_table, resolve_arch,
                                       scoring_batch_for_config, total_gpu_bytes)
-from grpo_kit.memory.profiler import Profiler, ProfileResult, phase, profile
+from grpo_kit.memory.profiler import Profiler, ProfileResult, live_at_peak, phase, profile
 
 
 def plot_components(*args, **kwargs):
@@ -31,4 +32,4 @@ def plot_vs_context(*args, **kwargs):
 
 
 __all__ = ["METHODS", "estimate", "estimate_for_config", "scoring_batch_for_config", "compare", "published_table", "resolve_arch", "total_gpu_bytes", "Profiler",
-           "ProfileResult", "phase", "profile", "cli_main", "plot_components", "plot_vs_context"]
+           "ProfileResult", "live_at_peak", "phase", "profile", "cli_main", "plot_components", "plot_vs_context"]

@@ -15,7 +15,8 @@ CUDA: each phase resets the peak statistics at its start and reads
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` at its end; enclosing phases keep
 their own running maximum, so nesting is exact. ``snapshot=True`` also records the allocator
 history (``torch.cuda.memory._record_memory_history``) and keeps ``torch.cuda.memory._snapshot()``
-(open it at https://pytorch.org/memory_viz).
+(open it at https://pytorch.org/memory_viz); :func:`live_at_peak` reads from it what was allocated at the largest
+moment of the history, grouped by the line that allocated it.
 
 CPU: a daemon thread samples the process RSS (psutil) every ``interval`` seconds; a phase's peak
 is the largest sample (or boundary reading) inside it. Short spikes between samples can be missed;
@@ -204,6 +205,64 @@ class Profiler:
                 seconds=ph.end_s - ph.start_s))
         return pd.DataFrame(rows, columns=["phase", "depth", "device", "start_GiB", "end_GiB", "peak_GiB",
                                            "peak_over_start_GiB", "peak_reserved_GiB", "seconds"])
+
+
+# frames inside these (path fragments) are the allocator's machinery, not the code that asked for the memory
+_MACHINERY = ("/torch/", "<frozen ", "<string>")
+
+
+def _where(frames: list[dict]) -> str:
+    """``file:line (function)`` of the innermost frame outside torch itself, the path from its package on."""
+    for f in frames:
+        name = f.get("filename", "")
+        if name and not any(m in name for m in _MACHINERY):
+            short = name.split("site-packages/")[-1]
+            for root in ("/grpo_kit/", "/bench/", "/tests/"):
+                if root in short:
+                    short = root.lstrip("/") + short.split(root, 1)[1]
+                    break
+            return f"{short}:{f.get('line', '?')} ({f.get('name', '?')})"
+    return "(no Python frame outside torch)"
+
+
+def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
+    """What the allocator had handed out at the largest moment of a recorded history (``snapshot``: the dict of
+    ``torch.cuda.memory._snapshot()`` after ``_record_memory_history``, as :class:`Profiler` keeps it with
+    ``snapshot=True``).
+
+    Replays ``device_traces[device]``: ``alloc`` adds a block, its free removes it (``free_completed``, or
+    ``free_requested`` in a history without completions); frees of blocks allocated before the recording began are
+    ignored, so the figures count the recorded allocations only. Returns ``{"peak_gib": live GiB at the peak,
+    "event": its index in the trace, "events": the trace's length, "allocations": [{"where", "blocks", "gib"}, ...]}``,
+    the live blocks at the peak grouped by :func:`_where` (the innermost frame outside torch), largest first, at most
+    ``top`` groups; an empty history gives ``peak_gib`` 0 and no allocations."""
+    traces = snapshot.get("device_traces") or []
+    events = traces[device] if device < len(traces) else []
+    free_action = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
+    live: dict[int, dict] = {}
+    size = peak = peak_at = 0
+    peak_blocks: list[dict] = []
+    for i, e in enumerate(events):
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = e
+            size += e["size"]
+            if size > peak:  # the grouping is made once, at the end: keep the peak's blocks, not a copy per event
+                peak, peak_at, peak_blocks = size, i, None
+        elif action == free_action and e.get("addr") in live:
+            if peak_blocks is None:  # the first free after a new peak: the peak's blocks are those live now
+                peak_blocks = list(live.values())
+            size -= live.pop(e["addr"])["size"]
+    if peak_blocks is None:
+        peak_blocks = list(live.values())
+    groups: dict[str, list] = {}
+    for blk in peak_blocks:
+        g = groups.setdefault(_where(blk.get("frames") or []), [0, 0])
+        g[0] += 1
+        g[1] += blk["size"]
+    rows = sorted(({"where": k, "blocks": n, "gib": round(b / GiB, 4)} for k, (n, b) in groups.items()),
+                  key=lambda r: -r["gib"])
+    return {"peak_gib": round(peak / GiB, 4), "event": peak_at, "events": len(events), "allocations": rows[:top]}
 
 
 @contextlib.contextmanager
