@@ -539,8 +539,6 @@ def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
 def _no_grad_mlp_peak_per_token(dtype, dropout, adapters, h=128, inter=2048, tokens=2048):
     """Peak bytes of live tensors during one no-grad LlamaMLP forward under PEFT LoRA (fp32 adapters on all three
     projections), from the profiler's memory timeline, per token; the input and the weights excluded."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -562,16 +560,27 @@ def _no_grad_mlp_peak_per_token(dtype, dropout, adapters, h=128, inter=2048, tok
             prm.data = prm.data.float()  # the kit's adapters: fp32 beside 16-bit base weights
     m.train()
     x = torch.randn(1, tokens, h, dtype=dtype)
-    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                       with_stack=True) as prof:
+
+    def run():
         with torch.no_grad(), (contextlib.nullcontext() if adapters else m.disable_adapter()):
             y = m(x)
             del y
+    return _live_peak(run) / tokens
+
+
+def _live_peak(fn) -> int:
+    """Peak bytes of the tensors created while ``fn()`` runs on the CPU, from the profiler's memory timeline."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                       with_stack=True) as prof:
+        fn()
     live = peak = 0
     for _, action, _, nbytes in sorted((e for e in prof._memory_profile().timeline if e[0] >= 0), key=lambda e: e[0]):
         live += nbytes if action.name == "CREATE" else -nbytes if action.name == "DESTROY" else 0
         peak = max(peak, live)
-    return peak / tokens
+    return peak
 
 
 @pytest.mark.parametrize("dtype,b", [(torch.bfloat16, 2), (torch.float32, 4)])
@@ -588,6 +597,34 @@ def test_no_grad_mlp_moment_with_and_without_adapters(dtype, b, dropout):
         # attention's at this width)
         formula = F.scoring_forward_peak(a, 1, 1, b, None, 0, adapters) - 3 * b * a.hidden
         assert measured == pytest.approx(formula, rel=0.03), (adapters, measured / inter)
+
+
+def test_the_chunked_reference_forward_stays_within_its_formula():
+    """The whole no-grad reference forward as the trainer runs it, 8 sequences at once: the kit's chunked decoder
+    layers (offloaded checkpointing on), no mask (pads rolled away), grouped-query attention in SDPA, the logits of
+    one position. Its live tensors on the CPU peak under the calculator's scoring-pass figure and within 15% of it
+    (the figure also counts a transient the CPU's kernels may not make: attention's contiguous output copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo_kit.memory.estimate import arch_from_config
+    from grpo_kit.model.offload import enable_offloaded_checkpointing
+
+    B, T, chunk = 8, 1024, 1024  # 8 slices of 128 tokens per sequence, as the 8B's 4,096-token slices cut 20K
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1792, num_attention_heads=8, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=1000)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = enable_offloaded_checkpointing(LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), offload=False,
+                                       chunk_tokens=chunk)
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+
+    def run():
+        with torch.no_grad():
+            m(input_ids=ids, logits_to_keep=1, use_cache=False)
+
+    run()  # warm-up: one-off allocations are not the pass's
+    formula = F.scoring_forward_peak(arch_from_config(cfg), B, T, 2, chunk, 0)
+    assert 0.85 * formula <= _live_peak(run) <= formula
 
 
 def test_the_old_policy_pass_prices_the_adapters():
