@@ -33,7 +33,7 @@
 #  Run on an H100 at a59f55f: fp8_gap, fp8_learning (seeds 1 2, in two passes), fp8_learning_tt (seeds 0 1).
 #  Run on an H100 at 98d9b84: fp8_rl20k (peak by phase: training 23.05, setup 20.28, generation 19.55 GiB), fp8_gen4k
 #  (its gen_vllm_fp8w_dense row failed on a bench bug, fixed since), fp8_learning (SEEDS=3), fp8_learning_tt (TT_SEEDS=2).
-#  Still owed: STEPS="fp8_rl20k_sb fp8_rl20k fp8_gen4k fp8_rl4k_trl bf16_casts_gap"
+#  Still owed: STEPS="mem_tool fp8_rl20k_sb fp8_gen4k fp8_rl4k_trl bf16_casts_gap"
 #  GEN_ROWS=gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense (whether the 20K row's training-phase peak is the reference
 #  pass: scoring batch 2 against auto's 8, with the scoring phase apart; what the LoRA kernels cost the FP8 engine;
 #  TRL's 4K row beside the kit's; the casts with bf16).
@@ -140,6 +140,8 @@ step fp8_kernels 300 python3 -m pytest -m gpu tests/test_fp8.py -k "not vllm" -q
 step fp8_train 300 python3 -m grpo_kit bench fp8_train --tag $card --out-dir "$out/results"
 step fp8_rl4k 1500 $bench --rows grpo_kit_fp8w,grpo_kit_fp8 --completion 4096 --steps 3 --timeout 480
 step fp8_rl20k 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700
+# grpo_kit.memory.live_at_peak on this torch's allocator history (seconds), before the row that uses it.
+step mem_tool 300 python3 -m pytest -m gpu tests/test_gpu_core.py -k live_at_peak -q -rs -p no:cacheprovider
 # The 20K row with a smaller reference-pass batch (SCORING_BATCH, default 2; auto chose 8 at 98d9b84, whose training
 # phase peaked 5 GiB over the calculator's scoring phase), and what PyTorch had allocated at the peak, by line.
 step fp8_rl20k_sb 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \

@@ -316,3 +316,28 @@ def test_kit_4bit_matmul_step_on_cuda_matches_bitsandbytes():
     assert abs(lk - lb) <= 1e-3 * abs(lb)
     for n in gk:
         assert (gk[n] - gb[n]).abs().max() <= 2e-2 * gb[n].abs().max(), n
+
+
+def _allocate_the_peak():
+    big = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # 64 MiB, the history's largest moment
+    small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+    del big, small
+
+
+def test_live_at_peak_reads_a_real_allocator_history():
+    """``grpo_kit.memory.live_at_peak`` on the snapshot format this torch writes: the 64 MiB block live at the peak,
+    named by the test's own line (the CPU suite checks the replay on a hand-written history)."""
+    from grpo_kit.memory import live_at_peak
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=10_000, stacks="python")
+    try:
+        _allocate_the_peak()
+        torch.cuda.synchronize()
+        got = live_at_peak(torch.cuda.memory._snapshot(), device=torch.cuda.current_device())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    assert got["peak_gib"] >= (64 + 1) / 1024
+    top = got["allocations"][0]
+    assert top["where"].startswith("tests/test_gpu_core.py:") and "_allocate_the_peak" in top["where"], top
+    assert top["gib"] >= (64 + 1) / 1024 and top["blocks"] == 2
