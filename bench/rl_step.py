@@ -540,6 +540,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.scoring_batch != "auto" and not (a.scoring_batch.isdigit() and int(a.scoring_batch) >= 1):
         p.error(f"--scoring-batch {a.scoring_batch!r}: a whole number >= 1, or auto")
+    if a.memory_history < 0:
+        p.error(f"--memory-history {a.memory_history}: a number of events >= 1, or 0 (off)")
     if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
         p.error(f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
                 "sized for the row's completion length)")
