@@ -31,8 +31,9 @@
 #  fp8_kernels: the tier without vLLM (the row kernels' NaN handling changed after the first runs).
 #  Run on an H100 at d7e3183: fp8_kernels, fp8_rl20k, fp8_gen4k, fp8_learning (SEEDS=0), fp8_parts4k, bf16_parts4k;
 #  Run on an H100 at a59f55f: fp8_gap, fp8_learning (seeds 1 2, in two passes), fp8_learning_tt (seeds 0 1).
-#  Run on an H100 at 98d9b84: fp8_rl20k (peak by phase: training 23.05, setup 20.28, generation 19.55 GiB), fp8_gen4k
-#  (its gen_vllm_fp8w_dense row failed on a bench bug, fixed since), fp8_learning (SEEDS=3), fp8_learning_tt (TT_SEEDS=2).
+#  Run on an H100 at 98d9b84: fp8_rl20k (peak by phase: training 23.05, setup 20.28, generation 19.55 GiB),
+#  fp8_gen4k (its gen_vllm_fp8w_dense row failed on a bench bug, fixed since), fp8_learning (SEEDS=3),
+#  fp8_learning_tt (TT_SEEDS=2).
 #  Still owed: STEPS="mem_tool fp8_rl20k_sb fp8_gen4k fp8_rl4k_trl bf16_casts_gap"
 #  GEN_ROWS=gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense (whether the 20K row's training-phase peak is the reference
 #  pass: scoring batch 2 against auto's 8, with the scoring phase apart; what the LoRA kernels cost the FP8 engine;

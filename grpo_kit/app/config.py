@@ -437,10 +437,10 @@ class GRPOKitConfig:
                            "training dtype. `fp8` needs use_lora, a CUDA GPU with FP8 tensor cores (compute "
                            "capability 8.9 or newer: L4, RTX 40/50, H100, H200, B200) and load_in_4bit off. With vLLM the "
                            "engine serves these same codes and scales (one FP8 copy, shared weights) and runs the "
-                           "adapter in its LoRA kernels; without shared weights it generates with HF generate. Rounding "
-                           "activations to FP8 carries the engine's and the trainer's small kernel differences to FP8's "
-                           "scale, a wider log-prob gap between them (docs/quantization.md): prefer 16bit where "
-                           "accuracy matters and memory allows.")
+                           "adapter in its LoRA kernels; without shared weights it generates with HF generate. "
+                           "Rounding activations to FP8 carries the engine's and the trainer's small kernel "
+                           "differences to FP8's scale, a wider log-prob gap between them (docs/quantization.md): "
+                           "prefer 16bit where accuracy matters and memory allows.")
     fp8_block: int | None = _f(None, "FP8 base weights' scales: null, one per output channel (vLLM's compressed-tensors "
                                 "W8A8 layout), or 128 (FP8_BLOCK): one per 128 x 128 tile (vLLM's block-FP8 layout, "
                                 "which needs every fused shard to start on a 128-row boundary; a model whose shards do "

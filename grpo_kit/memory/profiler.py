@@ -241,7 +241,7 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
     free_action = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
     live: dict[int, dict] = {}
     size = peak = peak_at = 0
-    peak_blocks: list[dict] = []
+    peak_blocks: list[dict] | None = []  # None: a new peak whose blocks are still the live ones
     for i, e in enumerate(events):
         action = e.get("action")
         if action == "alloc":
