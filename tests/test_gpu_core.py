@@ -340,4 +340,8 @@ def test_live_at_peak_reads_a_real_allocator_history():
     assert got["peak_gib"] >= (64 + 1) / 1024
     top = got["allocations"][0]
     assert top["where"].startswith("tests/test_gpu_core.py:") and "_allocate_the_peak" in top["where"], top
-    assert top["gib"] >= (64 + 1) / 1024 and top["blocks"] == 2
+    # grouped by line: the 64 MiB block first, the 1 MiB block allocated on the next line as its own group
+    assert top["gib"] == 64 / 1024 and top["blocks"] == 1, got["allocations"]
+    line = int(top["where"].split(":")[1].split()[0])
+    assert {"where": top["where"].replace(f":{line}", f":{line + 1}"), "blocks": 1, "gib": round(1 / 1024, 4)} in \
+        got["allocations"], got["allocations"]
