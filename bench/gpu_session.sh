@@ -34,10 +34,11 @@
 #  Run on an H100 at 98d9b84: fp8_rl20k (peak by phase: training 23.05, setup 20.28, generation 19.55 GiB),
 #  fp8_gen4k (its gen_vllm_fp8w_dense row failed on a bench bug, fixed since), fp8_learning (SEEDS=3),
 #  fp8_learning_tt (TT_SEEDS=2).
-#  Still owed: STEPS="mem_tool fp8_rl20k_sb fp8_gen4k fp8_rl4k_trl bf16_casts_gap"
-#  GEN_ROWS=gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense (whether the 20K row's training-phase peak is the reference
-#  pass: scoring batch 2 against auto's 8, with the scoring phase apart; what the LoRA kernels cost the FP8 engine;
-#  TRL's 4K row beside the kit's; the casts with bf16).
+#  Run on an H100 at 23e185a: mem_tool (its test fixed and rerun), fp8_rl20k_sb (20.28 GiB at scoring batch 2),
+#  fp8_gen4k with the dense row, bf16_casts_gap, fp8_rl4k_trl (and the kit's FP8 4K row by hand beside it).
+#  Still owed: STEPS="fp8_rl20k_hist fp8_rl4k_all" (the 20K row as auto now scores it beside a vLLM engine, with
+#  PyTorch's allocations at the scoring pass's peak; the 4K rows of the kit with FP8 and bf16 weights and TRL's in
+#  one run).
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
 #  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense" adds the FP8 engine without LoRA kernels to fp8_gen4k
 #  (what the adapter costs it), gen_hf_fp8w HF generate with FP8 weights.
@@ -147,6 +148,10 @@ step mem_tool 300 python3 -m pytest -m gpu tests/test_gpu_core.py -k live_at_pea
 # phase peaked 5 GiB over the calculator's scoring phase), and what PyTorch had allocated at the peak, by line.
 step fp8_rl20k_sb 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
   --scoring-batch ${SCORING_BATCH:-2} --memory-history 2000000
+# The 20K row with scoring_batch_size auto (beside a vLLM engine it now stays within the training phases' price:
+# 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.
+step fp8_rl20k_hist 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
+  --memory-history 2000000 --memory-history-at scoring
 step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completion 4096 --timeout 480
 # The FP8 rollout-trainer gap on real weights (0.105 per token against bf16's 0.043 in the learning runs of
 # d7e3183), separated: FP8 as the kit runs it, with Inductor rounding its fused intermediates to bf16 as eager
@@ -178,4 +183,6 @@ parts4k="python3 bench/step.py --model llama-3.1-8b --seq-len 4608:8 --prompt-le
 step fp8_parts4k 300 $parts4k --base-weights fp8 --tag ${card}_llama8b_fp8_4k_parts
 step bf16_parts4k 300 $parts4k --tag ${card}_llama8b_bf16_4k_parts
 step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 480
+# The issue's 4K comparison in one run: the kit with FP8 weights, with bf16 weights, and TRL colocate.
+step fp8_rl4k_all 2000 $bench --rows grpo_kit_fp8w,grpo_kit_fp8,trl --completion 4096 --steps 3 --timeout 480
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

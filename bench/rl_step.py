@@ -51,12 +51,16 @@ before the engine starts to the end of the last step, minus what was in use befo
 context): everything vLLM's pool and PyTorch hold, whichever allocator. Beside it
 ``torch_max_reserved_gib`` (PyTorch's ``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool
 at the end). Kit rows also split the peak by phase, ``phase_peaks_gib``: ``setup`` (model load, engine start),
-``generation`` (inside the generator's ``generate``: wake and generation; standby follows it), ``scoring`` (the
-no-grad log-prob passes: the reference, and the old policy where TRL runs it), ``training`` (the rest of the steps:
-rewards, the loss's forward and backward passes, the optimiser). ``--scoring-batch N`` sets the kit rows'
-``scoring_batch_size`` (default ``auto``, as ``grpo_kit train`` resolves it). ``--memory-history N``: kit rows also
-keep ``peak_allocations``, PyTorch's allocations alive at the largest moment of the steps (the engine's weights and
-KV cache, allocated before, not among them), grouped by the line that made them.
+``generation`` (inside the generator's ``generate`` and ``sleep``: wake, generation, standby releasing the KV
+cache), ``scoring`` (the no-grad log-prob passes: the reference, and the old policy where TRL runs it),
+``training`` (the rest of the steps: rewards, the loss's forward and backward passes, the optimiser); beside it
+``phase_torch_gib``, PyTorch's allocated and reserved bytes at their largest in each phase, sampled with it
+(reserved over allocated is the allocator's cache; device use over reserved is memory outside PyTorch's
+allocator). ``--scoring-batch N`` sets the kit rows' ``scoring_batch_size`` (default ``auto``, as ``grpo_kit
+train`` resolves it). ``--memory-history N``: kit rows also keep ``peak_allocations``, the blocks PyTorch's
+allocator had handed out at the largest moment of the recorded window (``grpo_kit.memory.live_at_peak``), grouped
+by the line that made them; ``--memory-history-at scoring`` (or ``generation``) reads the history as the first
+call of that phase ends, so the window holds that phase's peak, ``end`` (the default) after the last step.
 Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
@@ -114,6 +118,8 @@ class DeviceMemory:
         self.base = self.total - free
         self.peak = self.base
         self.label, self.peaks = "setup", {}
+        self.torch_peaks: dict[str, list[int]] = {}  # label -> [allocated, reserved] peaks (PyTorch's allocator)
+        self.on_exit: dict[str, object] = {}  # label -> a callable run once, as the first call of that phase ends
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._t.start()
@@ -126,6 +132,9 @@ class DeviceMemory:
             used, label = self.total - free, self.label
             self.peak = max(self.peak, used)
             self.peaks[label] = max(self.peaks.get(label, used), used)
+            got = self.torch_peaks.setdefault(label, [0, 0])
+            got[0] = max(got[0], torch.cuda.memory_allocated())
+            got[1] = max(got[1], torch.cuda.memory_reserved())
             time.sleep(interval_s)
 
     def phase(self, label: str, fn):
@@ -136,6 +145,8 @@ class DeviceMemory:
                 return fn(*args, **kwargs)
             finally:
                 self.label = before
+                if label in self.on_exit:
+                    self.on_exit.pop(label)()
         return wrapper
 
     def stop(self) -> float:
@@ -147,6 +158,12 @@ class DeviceMemory:
     def phase_peaks(self) -> dict[str, float]:
         """``{label: GiB over the baseline}``, each label's own peak."""
         return {k: round((v - self.base) / 2**30, 3) for k, v in self.peaks.items()}
+
+    def phase_torch_peaks(self) -> dict[str, dict[str, float]]:
+        """``{label: {"allocated": GiB, "reserved": GiB}}``: PyTorch's allocator per phase, sampled with the
+        device's use (whole figures, no baseline: an engine's pool counts as PyTorch sees it)."""
+        return {k: {"allocated": round(a / 2**30, 3), "reserved": round(r / 2**30, 3)}
+                for k, (a, r) in self.torch_peaks.items()}
 
 
 def _prompt_text(tok, n: int) -> str:
@@ -267,6 +284,7 @@ def kit_row(name: str, a) -> dict:
         ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
     times = StepTimes(totals)
     gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
+    gen.sleep = mem.phase("generation", gen.sleep)  # until standby has released the KV cache, it is generation's
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
                            peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
@@ -276,16 +294,24 @@ def kit_row(name: str, a) -> dict:
     # the no-grad log-prob passes (reference; old policy where TRL runs it) apart from the loss's passes
     trainer._get_per_token_logps_and_entropies = mem.phase("scoring", trainer._get_per_token_logps_and_entropies)
     mem.label = "training"
-    if a.memory_history:  # PyTorch's allocator history, Python frames only (C++ stacks would slow every allocation)
-        torch.cuda.memory._record_memory_history(max_entries=a.memory_history, stacks="python")
-    trainer.train()
-    peak = mem.stop()
     peak_allocations = None
-    if a.memory_history:
+
+    def read_history():
+        nonlocal peak_allocations
         from grpo_kit.memory import live_at_peak
 
-        peak_allocations = live_at_peak(torch.cuda.memory._snapshot(), device=torch.cuda.current_device(), top=25)
+        peak_allocations = dict(live_at_peak(torch.cuda.memory._snapshot(), device=torch.cuda.current_device(),
+                                             top=25), at=a.memory_history_at)
         torch.cuda.memory._record_memory_history(enabled=None)
+
+    if a.memory_history:  # PyTorch's allocator history, Python frames only (C++ stacks would slow every allocation)
+        torch.cuda.memory._record_memory_history(max_entries=a.memory_history, stacks="python")
+        if a.memory_history_at != "end":
+            mem.on_exit[a.memory_history_at] = read_history
+    trainer.train()
+    peak = mem.stop()
+    if a.memory_history and peak_allocations is None:  # at the end, or the phase never ran
+        read_history()
     steps = times.steps
     try:  # an extra measurement: its failure must not lose the row's step measurements
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
@@ -296,7 +322,7 @@ def kit_row(name: str, a) -> dict:
                lora_dual_stream=getattr(gen, "lora_dual_stream", None), lora_sync=getattr(gen, "lora_sync", None),
                last_merge=getattr(gen, "last_merge", None),
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
-               steps=steps, peak_gib=peak, phase_peaks_gib=mem.phase_peaks(),
+               steps=steps, peak_gib=peak, phase_peaks_gib=mem.phase_peaks(), phase_torch_gib=mem.phase_torch_peaks(),
                torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
@@ -534,6 +560,9 @@ def main(argv=None) -> int:
                    help="kit rows: record PyTorch's allocator history over the steps (at most N events) and keep "
                         "what was allocated at its largest moment, by the line that allocated it "
                         "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off")
+    p.add_argument("--memory-history-at", default="end", choices=("end", "scoring", "generation"),
+                   help="kit rows with --memory-history: read the history at the end of the steps, or as the "
+                        "first call of that phase ends (its peak inside the ring buffer's window)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -560,7 +589,8 @@ def main(argv=None) -> int:
                 child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
                          "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
                          "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory),
-                         "--scoring-batch", a.scoring_batch, "--memory-history", str(a.memory_history)]
+                         "--scoring-batch", a.scoring_batch, "--memory-history", str(a.memory_history),
+                         "--memory-history-at", a.memory_history_at]
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)

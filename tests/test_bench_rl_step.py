@@ -1,4 +1,5 @@
-"""bench/rl_step.py's pieces that need no GPU: the generation rows' engine options pass the generator's checks."""
+"""bench/rl_step.py's pieces that need no GPU: the generation rows' engine options pass the generator's checks, bad
+arguments stop it before any row, and its memory phases label their calls."""
 
 import sys
 from pathlib import Path
@@ -27,8 +28,30 @@ def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
 @pytest.mark.parametrize("argv, needle", [(["--scoring-batch", "0"], "--scoring-batch '0'"),
                                           (["--scoring-batch", "two"], "a whole number >= 1, or auto"),
                                           (["--memory-history", "-1"], "or 0 (off)"),
+                                          (["--memory-history-at", "loss"], "invalid choice: 'loss'"),
                                           (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64")])
 def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_phase_labels_its_calls_and_runs_its_exit_hook_once():
+    """``DeviceMemory.phase``: the label while the call runs (the previous one back after, an exception too), and
+    the hook that reads the allocator history after the phase's first call only (the sampling thread, CUDA-only,
+    is not started here)."""
+    from rl_step import DeviceMemory
+
+    mem = DeviceMemory.__new__(DeviceMemory)
+    mem.label, seen, hooked = "training", [], []
+    mem.on_exit = {"scoring": lambda: hooked.append(mem.label)}
+    scoring = mem.phase("scoring", lambda x: seen.append((x, mem.label)) or x)
+    assert scoring(1) == 1 and scoring(2) == 2
+    assert seen == [(1, "scoring"), (2, "scoring")] and hooked == ["training"] and mem.label == "training"
+
+    def boom():
+        raise RuntimeError("engine")
+
+    with pytest.raises(RuntimeError, match="engine"):
+        mem.phase("generation", boom)()
+    assert mem.label == "training"

@@ -193,8 +193,12 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     # scoring_batch_size 'auto' resolved under this plan's pricing (vLLM's generation phase); a set number is kept
     from grpo_kit.memory import estimate_for_config
 
-    priced = estimate_for_config(cfg, mc, vllm=True, standby=True, method="grpo_kit", vllm_batched_tokens=4096)
-    assert shared["scoring_batch_size"] == priced.attrs["scoring_batch"] and 1 < shared["scoring_batch_size"] <= 8
+    for c in (cfg, GRPOKitConfig(**{**cfg.to_dict(), "max_completion_length": 4096})):
+        priced = estimate_for_config(c, mc, vllm=True, standby=True, method="grpo_kit", vllm_batched_tokens=4096)
+        got = memory_plan(c, mc, share_weights=True, free_bytes=139 * gib, total_bytes=140 * gib)
+        assert got["scoring_batch_size"] == priced.attrs["scoring_batch"]
+    # at 2K no scoring pass of 2 sequences stays within the backward's price; at 4K one of several does
+    assert shared["scoring_batch_size"] is None and 1 < got["scoring_batch_size"] < 8
     assert memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "scoring_batch_size": 3}), mc, share_weights=True,
                        free_bytes=139 * gib, total_bytes=140 * gib)["scoring_batch_size"] == 3
     with pytest.raises(ValueError, match=r"cannot fit beside training on this GPU.*15\.0 of 15\.0 GiB is free.*"

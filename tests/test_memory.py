@@ -443,7 +443,41 @@ def test_live_at_peak_replays_the_history_and_groups_by_line():
     grow = live_at_peak({"device_traces": [events[1:3]]}, top=1)
     assert grow["event"] == 1 and grow["allocations"] == [
         {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)}]
-    assert live_at_peak({}) == {"peak_gib": 0, "event": 0, "events": 0, "allocations": []}
+    assert live_at_peak({}) == {"peak_gib": 0, "event": 0, "events": 0, "absolute": False, "allocations": []}
+
+
+def test_live_at_peak_with_segments_counts_what_was_live_before_the_recording():
+    """With the snapshot's ``segments`` (the blocks live when it was taken) the replay runs backwards, so blocks
+    allocated before the recording (a ring buffer's lost start) count at the peak, their free included."""
+    from grpo_kit.memory import live_at_peak
+
+    mib = 2**20
+    mlp = [{"filename": "/repo/grpo_kit/model/offload.py", "line": 333, "name": "_out_chunk"}]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": mlp},
+        {"action": "free_completed", "addr": 900, "size": 400 * mib},  # allocated before the recording
+        {"action": "alloc", "addr": 2, "size": 50 * mib, "frames": mlp},
+        {"action": "free_completed", "addr": 1, "size": 100 * mib},
+    ]
+    segments = [  # at the snapshot: block 2 and a 1 GiB block from before the recording; another device's block
+        {"device": 0, "blocks": [{"address": 2, "size": 50 * mib, "state": "active_allocated", "frames": mlp},
+                                 {"address": 800, "size": 1024 * mib, "state": "active_allocated", "frames": []},
+                                 {"address": 3, "size": 8 * mib, "state": "inactive", "frames": []}]},
+        {"device": 1, "blocks": [{"address": 5, "size": 4096 * mib, "state": "active_allocated", "frames": []}]},
+    ]
+    got = live_at_peak({"device_traces": [events], "segments": segments})
+    # after the first alloc: 1024 + 400 (not yet freed) + 100
+    assert got["absolute"] is True and got["event"] == 0 and got["peak_gib"] == pytest.approx(1524 / 1024, abs=1e-4)
+    assert got["allocations"] == [
+        {"where": "(no frames: allocated before the recording)", "blocks": 2, "gib": round(1424 / 1024, 4)},
+        {"where": "grpo_kit/model/offload.py:333 (_out_chunk)", "blocks": 1, "gib": round(100 / 1024, 4)}]
+    forward = live_at_peak({"device_traces": [events]})  # the recorded allocations only: 150 MiB after event 2
+    assert forward["absolute"] is False and forward["peak_gib"] == pytest.approx(150 / 1024, abs=1e-4)
+    # a peak before the first event: the 400 MiB freed first, nothing bigger allocated after
+    early = live_at_peak({"device_traces": [events[1:2]], "segments": segments[:1]})
+    assert early["event"] == -1 and early["peak_gib"] == pytest.approx((1024 + 50 + 400) / 1024, abs=1e-4)
+    # equal peaks: the earliest; no events at all: the blocks live at the snapshot
+    assert live_at_peak({"segments": segments[:1]})["peak_gib"] == pytest.approx(1074 / 1024, abs=1e-4)
 
 
 def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
@@ -485,28 +519,41 @@ def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
     assert "2/3 steps within" in text and "target NOT met" in text  # 9.9 GiB is far off the estimate
 
 
-@pytest.mark.parametrize("model,completion,quant,gen,dtype", [
-    ("llama-3.1-8b", 1024, "4bit", True, "fp16"), ("llama-3.1-8b", 1024, "4bit", False, "fp16"),
-    ("llama-3.1-8b", 20480, "4bit", True, "fp16"), ("llama-3.1-8b", 4096, None, False, "bf16"),
-    ("qwen2.5-1.5b", 1024, None, True, "bf16"), ("qwen2.5-1.5b", 30000, None, False, "bf16")])
-def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion, quant, gen, dtype):
+@pytest.mark.parametrize("model,completion,quant,gen,dtype,vllm", [
+    ("llama-3.1-8b", 1024, "4bit", True, "fp16", False), ("llama-3.1-8b", 1024, "4bit", False, "fp16", False),
+    ("llama-3.1-8b", 20480, "4bit", True, "fp16", False), ("llama-3.1-8b", 4096, None, False, "bf16", False),
+    ("qwen2.5-1.5b", 1024, None, True, "bf16", False), ("qwen2.5-1.5b", 30000, None, False, "bf16", False),
+    ("llama-3.1-8b", 20480, "fp8", True, "bf16", True), ("llama-3.1-8b", 4096, "fp8", True, "bf16", True),
+    ("llama-3.1-8b", 20480, None, True, "bf16", True)])
+def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion, quant, gen, dtype, vllm):
     """``scoring_batch='auto'``: of every scoring batch from the micro-batch up to one generation batch, the
-    largest whose ``scoring`` phase stays within the step's other phases (a scan, against the bisection); the
-    table is the estimate at that batch, so the peak is the one without a scoring batch."""
+    largest whose ``scoring`` phase stays within the step's other phases (a scan, against the bisection), with
+    vLLM the training phases only (its KV cache is in the engine's pool); the table is the estimate at that
+    batch, so the peak is the one without a scoring batch."""
     kw = dict(num_generations=8, prompt_length=512, completion_length=completion, dtype=dtype, lora_rank=16,
-              quantization=quant, micro_batch_size=1, generation_batch=16, vllm=False, include_generation=gen)
+              quantization=quant, micro_batch_size=1, generation_batch=16, vllm=vllm, include_generation=gen)
+    if vllm:
+        kw.update(standby=True, kv_cache_dtype="fp8")
+
+    def bound(ph):
+        return max(v for k, v in ph.items() if k not in ("scoring", "generation" if vllm else ""))
+
     auto = estimate(model, scoring_batch="auto", **kw)
     fits = [s for s in range(2, 17) if (ph := estimate(model, scoring_batch=s, **kw).attrs["phase_bytes"])["scoring"]
-            <= max(v for k, v in ph.items() if k != "scoring")]
+            <= bound(ph)]
     want = max(fits) if fits else None
     assert auto.attrs["scoring_batch"] == want and auto.attrs["scoring_batch_auto"] is True
     plain = estimate(model, **kw)
     assert total_gpu_bytes(auto) == pytest.approx(total_gpu_bytes(plain), rel=1e-12)  # the peak is untouched
     if want is not None:
         assert auto.attrs["phase_bytes"] == estimate(model, scoring_batch=want, **kw).attrs["phase_bytes"]
-    if want is not None and want < 16:  # one more sequence would have raised the peak
+    if want is not None and want < 16:  # one more sequence would have raised the bound
         ph = estimate(model, scoring_batch=want + 1, **kw).attrs["phase_bytes"]
-        assert ph["scoring"] > max(v for k, v in ph.items() if k != "scoring")
+        assert ph["scoring"] > bound(ph)
+    if vllm:  # the cases measured on the GPU: a scoring phase under the generation phase, above the training side's
+        assert want is not None and 1 < want < 16
+        ph = estimate(model, scoring_batch=want + 1, **kw).attrs["phase_bytes"]
+        assert ph["scoring"] <= ph["generation"], "the case does not tell the two bounds apart"
 
 
 def test_auto_scoring_batch_outside_the_kit_and_at_a_full_micro_batch():
@@ -759,12 +806,12 @@ PINNED = {
         "KV cache (generation)": 4378853376, "vLLM workspace (generation)": 515629056,
         "total GPU (peak)": 27972509696, "total CPU": 9361686528,
     }),
-    "qwen_kit_4bit_standby_auto": ('generation', 8, {
+    "qwen_kit_4bit_standby_auto": ('generation', 7, {
         "model weights": 1142926720, "inference copy (vLLM)": 0, "LoRA + optimiser states": 221577216,
         "gradients": 73859072, "saved activations (GPU)": 26738688, "saved activations (CPU)": 721944576,
         "recompute peak of one layer": 1030660096, "dequantised 4-bit weights of one layer": 93585408,
         "logits for the loss": 233373696, "final norm + hidden states (loss)": 105416704,
-        "scoring pass (no grad)": 1141440512, "KV cache (generation)": 950534144,
+        "scoring pass (no grad)": 1101332480, "KV cache (generation)": 950534144,
         "vLLM workspace (generation)": 303898624, "total GPU (peak)": 2618936704, "total CPU": 721944576,
     }),
     "qwen_trl_fp32_hf": ('loss', None, {

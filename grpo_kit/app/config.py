@@ -475,7 +475,9 @@ class GRPOKitConfig:
                                               "dequantisations) for the activations of that many sequences, which "
                                               "the VRAM calculator prices as its own phase. `auto`: the largest, up "
                                               "to one generation batch, that does not raise the calculator's peak "
-                                              "of the step (the run folder's summary.json records it); null: "
+                                              "of the step (with vLLM, of its training phases: the engine's KV "
+                                              "cache is memory the scoring pass cannot use; the run folder's "
+                                              "summary.json records the choice); null: "
                                               "per_device_train_batch_size, as TRL. Safe to change on resume.")
 
     # ---------------------------------------------------------------------------------

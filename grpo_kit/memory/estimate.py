@@ -46,6 +46,7 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 
 METHODS = ("trl", "unsloth", "grpo_kit")
 AUTO = "auto"  # scoring_batch / scoring_batch_size: chosen by the calculator (auto_scoring_batch)
+SCORING_BOUND_PHASES = ("loss", "backward")  # what an auto scoring batch stays within beside a vLLM engine
 QUANTIZATIONS = (None, "4bit", "fp8")  # the base weights: 16-bit, NF4 (load_in_4bit), FP8 (base_weights)
 
 # Unsloth's published table (blog "Long-context GRPO", PUBLISHED_SOURCE below): Llama 3.1 8B, 20K context,
@@ -580,7 +581,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
             at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
             ``scoring`` phase (priced sliced, as with LoRA dropout off). ``"auto"``: the largest that does not
-            raise the step's peak (:func:`auto_scoring_batch`); None for the other methods, which score by micro-batch.
+            raise the step's peak (with ``vllm``, that of the training phases: :func:`auto_scoring_batch`); None for the other methods, which score by micro-batch.
         lora_dropout: LoRA dropout above 0 (needs ``lora_rank``): every adapted linear saves its own dropped input
             and a mask (:func:`formulas.layer_saved_terms`), and grpo_kit's checkpointing runs such layers whole,
             in the recompute and in no-grad passes (their random masks cannot be split into slices).
@@ -614,17 +615,22 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
 def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
     """:func:`estimate` (same arguments, ``scoring_batch`` aside) with the largest ``scoring_batch`` whose
     ``scoring`` phase stays within the largest of the step's other phases: fuller no-grad forwards (with 4-bit
-    weights, fewer dequantisations) at no cost to the peak. The scoring phase grows with the batch, so a
-    bisection between one micro-batch and one generation batch finds it. Where none fits, or the method is not
-    ``grpo_kit`` (TRL and Unsloth score by micro-batch), the estimate without one (``scoring_batch=None``).
-    ``df.attrs["scoring_batch"]`` holds the choice and ``df.attrs["scoring_batch_auto"]`` is True."""
+    weights, fewer dequantisations) at no cost to the peak. With ``vllm`` the generation phase does not count
+    (:data:`SCORING_BOUND_PHASES`): its KV cache lives in the engine's own memory pool, which PyTorch's allocator
+    cannot reuse for the scoring pass (released in standby, kept otherwise), so a scoring pass priced just under
+    that phase raised the step's peak on the GPU; HF ``generate``'s KV cache is freed into the allocator that
+    scoring then draws from. The scoring phase grows with the batch, so a bisection between one micro-batch and
+    one generation batch finds it. Where none fits, or the method is not ``grpo_kit`` (TRL and Unsloth score by
+    micro-batch), the estimate without one (``scoring_batch=None``). ``df.attrs["scoring_batch"]`` holds the
+    choice and ``df.attrs["scoring_batch_auto"]`` is True."""
     base = estimate(model, **kwargs, scoring_batch=None)
     best, low, high = base, base.attrs["micro_batch_size"] + 1, base.attrs["generation_batch"]
     while kwargs.get("method", "grpo_kit") == "grpo_kit" and low <= high:
         mid = (low + high) // 2
         df = estimate(model, **kwargs, scoring_batch=mid)
         phases = df.attrs["phase_bytes"]
-        if phases["scoring"] <= max(v for k, v in phases.items() if k != "scoring"):
+        if phases["scoring"] <= max(v for k, v in phases.items()
+                                    if k != "scoring" and (k in SCORING_BOUND_PHASES or not base.attrs["vllm"])):
             best, low = df, mid + 1
         else:
             high = mid - 1

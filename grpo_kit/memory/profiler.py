@@ -213,6 +213,8 @@ _MACHINERY = ("/torch/", "<frozen ", "<string>")
 
 def _where(frames: list[dict]) -> str:
     """``file:line (function)`` of the innermost frame outside torch itself, the path from its package on."""
+    if not frames:  # a block the history did not see allocated (before the recording began)
+        return "(no frames: allocated before the recording)"
     for f in frames:
         name = f.get("filename", "")
         if name and not any(m in name for m in _MACHINERY):
@@ -225,20 +227,56 @@ def _where(frames: list[dict]) -> str:
     return "(no Python frame outside torch)"
 
 
+def _live_at_end(snapshot: dict, device: int, free_action: str) -> dict[int, dict] | None:
+    """``{address: block}`` of the blocks allocated when ``snapshot`` was taken (its ``segments``; a free still
+    waiting on its stream counts as live where the history records completions), or None without segments."""
+    if "segments" not in snapshot:
+        return None
+    states = ("active_allocated", "active_awaiting_free") if free_action == "free_completed" else ("active_allocated",)
+    return {b["address"]: {"size": b["size"], "frames": b.get("frames") or []}
+            for seg in snapshot["segments"] if seg.get("device", 0) == device
+            for b in seg.get("blocks", []) if b.get("state") in states}
+
+
 def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
     """What the allocator had handed out at the largest moment of a recorded history (``snapshot``: the dict of
     ``torch.cuda.memory._snapshot()`` after ``_record_memory_history``, as :class:`Profiler` keeps it with
     ``snapshot=True``).
 
-    Replays ``device_traces[device]``: ``alloc`` adds a block, its free removes it (``free_completed``, or
-    ``free_requested`` in a history without completions); frees of blocks allocated before the recording began are
-    ignored, so the figures count the recorded allocations only. Returns ``{"peak_gib": live GiB at the peak,
-    "event": its index in the trace, "events": the trace's length, "allocations": [{"where", "blocks", "gib"}, ...]}``,
-    the live blocks at the peak grouped by :func:`_where` (the innermost frame outside torch), largest first, at most
-    ``top`` groups; an empty history gives ``peak_gib`` 0 and no allocations."""
+    Replays ``device_traces[device]``, ``alloc`` adding a block and its free removing it (``free_completed``, or
+    ``free_requested`` in a history without completions). With the snapshot's ``segments`` (what torch writes) the
+    replay runs backwards from the blocks live when the snapshot was taken, so the figures are absolute: blocks
+    allocated before the recording began (or before a full ring buffer's first kept event) count too, under
+    ``"(no frames: allocated before the recording)"``, and so do blocks of private memory pools, as the allocator
+    sees them (an engine's pool that is unmapped in standby still counts). Without segments (a hand-made history)
+    only the recorded allocations count: frees of earlier blocks are ignored.
+
+    Returns ``{"peak_gib": live GiB at the peak, "event": the index of the event after which it was reached (-1:
+    before the first), "events": the trace's length, "absolute": whether segments were read, "allocations":
+    [{"where", "blocks", "gib"}, ...]}``, the live blocks at the peak grouped by :func:`_where` (the innermost frame
+    outside torch), largest first, at most ``top`` groups. An empty history without segments gives ``peak_gib`` 0
+    and no allocations."""
     traces = snapshot.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
     free_action = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
+    end = _live_at_end(snapshot, device, free_action)
+    blocks = _peak_blocks_backward(events, free_action, end) if end is not None else _peak_blocks_forward(events,
+                                                                                                           free_action)
+    peak_at, peak_blocks = blocks
+    groups: dict[str, list] = {}
+    for blk in peak_blocks:
+        g = groups.setdefault(_where(blk.get("frames") or []), [0, 0])
+        g[0] += 1
+        g[1] += blk["size"]
+    rows = sorted(({"where": k, "blocks": n, "gib": round(b / GiB, 4)} for k, (n, b) in groups.items()),
+                  key=lambda r: -r["gib"])
+    peak = sum(b["size"] for b in peak_blocks)
+    return {"peak_gib": round(peak / GiB, 4), "event": peak_at, "events": len(events), "absolute": end is not None,
+            "allocations": rows[:top]}
+
+
+def _peak_blocks_forward(events: list[dict], free_action: str) -> tuple[int, list[dict]]:
+    """(event index, live blocks) at the largest total of the recorded allocations, replayed forwards."""
     live: dict[int, dict] = {}
     size = peak = peak_at = 0
     peak_blocks: list[dict] | None = []  # None: a new peak whose blocks are still the live ones
@@ -253,16 +291,41 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
             if peak_blocks is None:  # the first free after a new peak: the peak's blocks are those live now
                 peak_blocks = list(live.values())
             size -= live.pop(e["addr"])["size"]
-    if peak_blocks is None:
-        peak_blocks = list(live.values())
-    groups: dict[str, list] = {}
-    for blk in peak_blocks:
-        g = groups.setdefault(_where(blk.get("frames") or []), [0, 0])
-        g[0] += 1
-        g[1] += blk["size"]
-    rows = sorted(({"where": k, "blocks": n, "gib": round(b / GiB, 4)} for k, (n, b) in groups.items()),
-                  key=lambda r: -r["gib"])
-    return {"peak_gib": round(peak / GiB, 4), "event": peak_at, "events": len(events), "allocations": rows[:top]}
+    return peak_at, list(live.values()) if peak_blocks is None else peak_blocks
+
+
+def _peak_blocks_backward(events: list[dict], free_action: str, end: dict[int, dict]) -> tuple[int, list[dict]]:
+    """(event index, live blocks) at the largest total, replayed backwards from ``end``, the blocks live after
+    the last event: undoing an ``alloc`` removes its block, undoing a free puts it back (with the frames of its
+    ``alloc`` where the history has it). The earliest of equal peaks."""
+    made_by: dict[int, dict] = {}  # free event index -> the alloc event of its block, where recorded
+    open_allocs: dict[int, dict] = {}
+    for i, e in enumerate(events):
+        if e.get("action") == "alloc":
+            open_allocs[e["addr"]] = e
+        elif e.get("action") == free_action:
+            made_by[i] = open_allocs.pop(e.get("addr"), None)
+
+    def undo(live, i):  # live: the blocks after event i -> those before it; the size change
+        e, action = events[i], events[i].get("action")
+        if action == "alloc":
+            return -live.pop(e["addr"], {"size": 0})["size"] if live is not None else -e["size"]
+        if action == free_action:
+            if live is not None:
+                live[e["addr"]] = {"size": e["size"], "frames": (made_by[i] or {}).get("frames") or []}
+            return e["size"]
+        return 0
+
+    size = sum(b["size"] for b in end.values())
+    peak, peak_at = size, len(events) - 1
+    for i in range(len(events) - 1, -1, -1):
+        size += undo(None, i)  # now the size before event i, i.e. after event i - 1
+        if size >= peak:
+            peak, peak_at = size, i - 1
+    live = dict(end)
+    for i in range(len(events) - 1, peak_at, -1):
+        undo(live, i)
+    return peak_at, list(live.values())
 
 
 @contextlib.contextmanager
