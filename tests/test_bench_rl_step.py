@@ -52,6 +52,7 @@ def test_a_phase_labels_its_calls_and_runs_its_exit_hook_once():
     def boom():
         raise RuntimeError("engine")
 
+    mem.on_exit["generation"] = lambda: hooked.append("read")
     with pytest.raises(RuntimeError, match="engine"):
         mem.phase("generation", boom)()
-    assert mem.label == "training"
+    assert mem.label == "training" and hooked == ["training"]  # a call that raised runs no hook

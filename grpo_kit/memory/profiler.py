@@ -211,10 +211,11 @@ class Profiler:
 _MACHINERY = ("/torch/", "<frozen ", "<string>")
 
 
-def _where(frames: list[dict]) -> str:
-    """``file:line (function)`` of the innermost frame outside torch itself, the path from its package on."""
-    if not frames:  # a block the history did not see allocated (before the recording began)
-        return "(no frames: allocated before the recording)"
+def _where(frames: list[dict] | None) -> str:
+    """``file:line (function)`` of the innermost frame outside torch itself, the path from its package on (None:
+    a block the history never saw allocated)."""
+    if frames is None:  # a block the history did not see allocated (before the recording began)
+        return "(allocated before the recording)"
     for f in frames:
         name = f.get("filename", "")
         if name and not any(m in name for m in _MACHINERY):
@@ -227,14 +228,17 @@ def _where(frames: list[dict]) -> str:
     return "(no Python frame outside torch)"
 
 
+# a block freed but waiting on another stream: torch writes the first, its type hints name the second
+_PENDING_FREE = ("active_pending_free", "active_awaiting_free")
+
+
 def _live_at_end(snapshot: dict, device: int, free_action: str) -> dict[int, dict] | None:
-    """``{address: block}`` of the blocks allocated when ``snapshot`` was taken (its ``segments``; a free still
+    """``{address: {"size"}}`` of the blocks allocated when ``snapshot`` was taken (its ``segments``; a free still
     waiting on its stream counts as live where the history records completions), or None without segments."""
     if "segments" not in snapshot:
         return None
-    states = ("active_allocated", "active_awaiting_free") if free_action == "free_completed" else ("active_allocated",)
-    return {b["address"]: {"size": b["size"], "frames": b.get("frames") or []}
-            for seg in snapshot["segments"] if seg.get("device", 0) == device
+    states = ("active_allocated", *_PENDING_FREE) if free_action == "free_completed" else ("active_allocated",)
+    return {b["address"]: {"size": b["size"]} for seg in snapshot["segments"] if seg.get("device", 0) == device
             for b in seg.get("blocks", []) if b.get("state") in states}
 
 
@@ -247,12 +251,12 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
     ``free_requested`` in a history without completions). With the snapshot's ``segments`` (what torch writes) the
     replay runs backwards from the blocks live when the snapshot was taken, so the figures are absolute: blocks
     allocated before the recording began (or before a full ring buffer's first kept event) count too, under
-    ``"(no frames: allocated before the recording)"``, and so do blocks of private memory pools, as the allocator
+    ``"(allocated before the recording)"``, and so do blocks of private memory pools, as the allocator
     sees them (an engine's pool that is unmapped in standby still counts). Without segments (a hand-made history)
     only the recorded allocations count: frees of earlier blocks are ignored.
 
-    Returns ``{"peak_gib": live GiB at the peak, "event": the index of the event after which it was reached (-1:
-    before the first), "events": the trace's length, "absolute": whether segments were read, "allocations":
+    Returns ``{"peak_gib": live GiB at the peak, "event": the index of the event after which it was reached (-1,
+    in the backward replay: before the first; 0 for an empty forward one), "events": the trace's length, "absolute": whether segments were read, "allocations":
     [{"where", "blocks", "gib"}, ...]}``, the live blocks at the peak grouped by :func:`_where` (the innermost frame
     outside torch), largest first, at most ``top`` groups. An empty history without segments gives ``peak_gib`` 0
     and no allocations."""
@@ -265,7 +269,7 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
     peak_at, peak_blocks = blocks
     groups: dict[str, list] = {}
     for blk in peak_blocks:
-        g = groups.setdefault(_where(blk.get("frames") or []), [0, 0])
+        g = groups.setdefault(_where(blk.get("frames", [])), [0, 0])  # None: made before the recording
         g[0] += 1
         g[1] += blk["size"]
     rows = sorted(({"where": k, "blocks": n, "gib": round(b / GiB, 4)} for k, (n, b) in groups.items()),
@@ -296,33 +300,39 @@ def _peak_blocks_forward(events: list[dict], free_action: str) -> tuple[int, lis
 
 def _peak_blocks_backward(events: list[dict], free_action: str, end: dict[int, dict]) -> tuple[int, list[dict]]:
     """(event index, live blocks) at the largest total, replayed backwards from ``end``, the blocks live after
-    the last event: undoing an ``alloc`` removes its block, undoing a free puts it back (with the frames of its
-    ``alloc`` where the history has it). The earliest of equal peaks."""
-    made_by: dict[int, dict] = {}  # free event index -> the alloc event of its block, where recorded
+    the last event: undoing an ``alloc`` removes its block, undoing a free puts it back. A block carries the frames
+    of the ``alloc`` that made it where the history has one, else ``frames`` None (made before the recording).
+    The earliest of equal peaks."""
+    made_by: dict[int, dict | None] = {}  # free event index -> the alloc event of its block, where recorded
     open_allocs: dict[int, dict] = {}
     for i, e in enumerate(events):
         if e.get("action") == "alloc":
             open_allocs[e["addr"]] = e
         elif e.get("action") == free_action:
             made_by[i] = open_allocs.pop(e.get("addr"), None)
+    # the blocks live at the end: those still open were allocated inside the window
+    at_end = {a: {"size": b["size"], "frames": (open_allocs[a].get("frames") or []) if a in open_allocs else None}
+              for a, b in end.items()}
 
-    def undo(live, i):  # live: the blocks after event i -> those before it; the size change
+    def undo(live: dict, i: int) -> int:
+        """``live``: the blocks after event i, made those before it; returns the change in bytes."""
         e, action = events[i], events[i].get("action")
         if action == "alloc":
-            return -live.pop(e["addr"], {"size": 0})["size"] if live is not None else -e["size"]
+            return -live.pop(e["addr"], {"size": 0})["size"]
         if action == free_action:
-            if live is not None:
-                live[e["addr"]] = {"size": e["size"], "frames": (made_by[i] or {}).get("frames") or []}
+            alloc = made_by[i]
+            live[e["addr"]] = {"size": e["size"], "frames": None if alloc is None else alloc.get("frames") or []}
             return e["size"]
         return 0
 
-    size = sum(b["size"] for b in end.values())
+    live = dict(at_end)
+    size = sum(b["size"] for b in live.values())
     peak, peak_at = size, len(events) - 1
     for i in range(len(events) - 1, -1, -1):
-        size += undo(None, i)  # now the size before event i, i.e. after event i - 1
+        size += undo(live, i)  # now the size before event i, i.e. after event i - 1
         if size >= peak:
             peak, peak_at = size, i - 1
-    live = dict(end)
+    live = dict(at_end)  # again to the peak, now keeping the blocks
     for i in range(len(events) - 1, peak_at, -1):
         undo(live, i)
     return peak_at, list(live.values())
