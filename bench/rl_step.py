@@ -563,8 +563,8 @@ def main(argv=None) -> int:
                         "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off")
     p.add_argument("--memory-history-at", default="end", choices=("end", "scoring", "generation"),
                    help="kit rows with --memory-history: read the history at the end of the steps, or as the "
-                        "first call of that phase ends (its peak inside the ring buffer's window; generation: the first "
-                        "generate call, before standby; reading it adds seconds to that step's time)")
+                        "first call of that phase ends (its peak inside the ring buffer's window; generation: the "
+                        "first generate call, before standby; reading it adds seconds to that step's time)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)

@@ -581,7 +581,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
             at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
             ``scoring`` phase (priced sliced, as with LoRA dropout off). ``"auto"``: the largest that does not
-            raise the step's peak (with ``vllm``, that of the training phases: :func:`auto_scoring_batch`); None for the other methods, which score by micro-batch.
+            raise the step's peak (with ``vllm``, that of the training phases: :func:`auto_scoring_batch`); None
+            for the other methods, which score by micro-batch.
         lora_dropout: LoRA dropout above 0 (needs ``lora_rank``): every adapted linear saves its own dropped input
             and a mask (:func:`formulas.layer_saved_terms`), and grpo_kit's checkpointing runs such layers whole,
             in the recompute and in no-grad passes (their random masks cannot be split into slices).
