@@ -258,8 +258,8 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
     Returns ``{"peak_gib": live GiB at the peak, "event": the index of the event after which it was reached (-1,
     in the backward replay: before the first; 0 for an empty forward one), "events": the trace's length,
     "absolute": whether segments were read, "allocations": [{"where", "blocks", "gib"}, ...]}``, the live blocks at
-    the peak grouped by :func:`_where` (the innermost frame outside torch), largest first, at most ``top`` groups. An empty history without segments gives ``peak_gib`` 0
-    and no allocations."""
+    the peak grouped by :func:`_where` (the innermost frame outside torch), largest first, at most ``top`` groups.
+    An empty history without segments gives ``peak_gib`` 0 and no allocations."""
     traces = snapshot.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
     free_action = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
