@@ -625,13 +625,13 @@ def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
     micro-batch), the estimate without one (``scoring_batch=None``). ``df.attrs["scoring_batch"]`` holds the
     choice and ``df.attrs["scoring_batch_auto"]`` is True."""
     base = estimate(model, **kwargs, scoring_batch=None)
+    bound = [k for k in base.attrs["phase_bytes"] if k in SCORING_BOUND_PHASES or not base.attrs["vllm"]]
     best, low, high = base, base.attrs["micro_batch_size"] + 1, base.attrs["generation_batch"]
     while kwargs.get("method", "grpo_kit") == "grpo_kit" and low <= high:
         mid = (low + high) // 2
         df = estimate(model, **kwargs, scoring_batch=mid)
         phases = df.attrs["phase_bytes"]
-        if phases["scoring"] <= max(v for k, v in phases.items()
-                                    if k != "scoring" and (k in SCORING_BOUND_PHASES or not base.attrs["vllm"])):
+        if phases["scoring"] <= max(phases[k] for k in bound):
             best, low = df, mid + 1
         else:
             high = mid - 1

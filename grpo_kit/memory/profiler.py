@@ -264,9 +264,10 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
     events = traces[device] if device < len(traces) else []
     free_action = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
     end = _live_at_end(snapshot, device, free_action)
-    blocks = _peak_blocks_backward(events, free_action, end) if end is not None else _peak_blocks_forward(events,
-                                                                                                           free_action)
-    peak_at, peak_blocks = blocks
+    if end is None:
+        peak_at, peak_blocks = _peak_blocks_forward(events, free_action)
+    else:
+        peak_at, peak_blocks = _peak_blocks_backward(events, free_action, end)
     groups: dict[str, list] = {}
     for blk in peak_blocks:
         g = groups.setdefault(_where(blk.get("frames", [])), [0, 0])  # None: made before the recording

@@ -18,8 +18,8 @@ e4m3 on the fly with its own scale (max |x_row| / 448), with block weights each 
 their own (vLLM's block FP8 method quantises activations in those groups), the products are accumulated in fp32
 and rescaled by both scales. On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9,
 ``FP8_MIN_CAPABILITY``) per-channel weights go through ``torch._scaled_mm`` (row-wise scales);
-:func:`w8a8_reference` is its plain-torch twin and the definition (both operands dequantised to fp32 and multiplied in fp32), used everywhere else (the CPU, block
-scales, a GPU where ``_scaled_mm`` fails its probe). ``activations="16bit"`` multiplies the activations unquantised
+:func:`w8a8_reference` is its plain-torch twin and the definition (both operands dequantised to fp32 and
+multiplied in fp32), used everywhere else (the CPU, block scales, a GPU where ``_scaled_mm`` fails its probe). ``activations="16bit"`` multiplies the activations unquantised
 with the dequantised weight instead (W8A16). The backward gives the input gradient only, ``dx = dy W`` with W
 dequantised to dy's dtype (``grad_input="fp8"``: an FP8 GEMM instead, off by default; ``bench fp8_train``
 compares the two); the base weight gets no gradient (it is frozen) and the forward saves no tensor for the
