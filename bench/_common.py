@@ -225,28 +225,46 @@ def command_line(name: str, argv=None) -> str:
     return f"python -m grpo_kit bench {name} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
+class KernelProfile:
+    """torch.profiler (CPU and CUDA activities) between ``start()`` and ``stop()``: where the GPU time and the host
+    time go. ``stop()`` returns the wall time, the totals, the top ``top`` ops by self CUDA time and by self CPU
+    time, and for each ``match`` entry (``{key: substring}``) the self CUDA ms of the ops whose name holds it."""
+
+    def __init__(self, dev, top: int = 25, match: dict | None = None):
+        self.dev, self.top, self.match = dev, top, match or {}
+        self._prof = self._t0 = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        sync(self.dev)
+        self._t0 = time.perf_counter()
+        cuda = torch.device(self.dev).type == "cuda"
+        self._prof = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+        self._prof.__enter__()
+
+    def stop(self) -> dict:
+        sync(self.dev)
+        self._prof.__exit__(None, None, None)
+        wall = time.perf_counter() - self._t0
+        events = self._prof.key_averages()
+
+        def rows(key):
+            ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:self.top]
+            return [{"name": e.key[:120], "calls": e.count, "self_cuda_ms": e.self_device_time_total / 1e3,
+                     "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ranked]
+
+        out = {"wall_s_profiled": wall, "cuda_total_ms": sum(e.self_device_time_total for e in events) / 1e3,
+               "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3}
+        for key, part in self.match.items():
+            out[key] = sum(e.self_device_time_total for e in events if part in e.key.lower()) / 1e3
+        return {**out, "top_cuda": rows("self_device_time_total"), "top_cpu": rows("self_cpu_time_total")}
+
+
 def kernel_profile(fn, dev, top: int = 25, match: dict | None = None) -> dict:
-    """``fn()`` once more under torch.profiler (CPU and CUDA activities): where the GPU time and the host time go.
-    Returns the wall time, the totals, the top ``top`` ops by self CUDA time and by self CPU time, and for each
-    ``match`` entry (``{key: substring}``) the self CUDA ms of the ops whose name holds the substring."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sync(dev)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(dev)
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
-
-    def rows(key):
-        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
-        return [{"name": e.key[:120], "calls": e.count, "self_cuda_ms": e.self_device_time_total / 1e3,
-                 "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ranked]
-
-    out = {"wall_s_profiled": wall, "cuda_total_ms": sum(e.self_device_time_total for e in events) / 1e3,
-           "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3}
-    for key, part in (match or {}).items():
-        out[key] = sum(e.self_device_time_total for e in events if part in e.key.lower()) / 1e3
-    return {**out, "top_cuda": rows("self_device_time_total"), "top_cpu": rows("self_cpu_time_total")}
+    """``fn()`` once more under :class:`KernelProfile`; its summary."""
+    prof = KernelProfile(dev, top, match)
+    prof.start()
+    fn()
+    return prof.stop()
 

@@ -65,7 +65,9 @@ Times per optimiser step: ``generation_s`` (generate, with wake and standby/slee
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
 first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
-it, every step in the JSON. ``--gen-tokens N``: the kit rows then also time generation alone in the same
+it, every step in the JSON. ``--profile-training``: kit and TRL rows run one more optimiser step whose loss passes
+(micro-batches 2..8 and the optimiser) run under torch.profiler, ``training_profile`` (top ops by GPU and by host
+time; the step's own times beside them, in no median). ``--gen-tokens N``: the kit rows then also time generation alone in the same
 process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/results/data/rl_step.jsonl`` (page ``rl_step.md``).
 """
 
@@ -81,7 +83,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import LORA_TARGETS, command_line, hardware, record_report
+from _common import LORA_TARGETS, KernelProfile, command_line, hardware, record_report
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA_RANK, LORA_ALPHA = 16, 32  # every row's adapter
@@ -221,6 +223,35 @@ class StepTimes:
         self.callback = CB()
 
 
+class TrainingProfile:
+    """The loss's passes of optimiser step ``step`` (1-based) under torch.profiler: from the end of its first
+    micro-batch (which runs generation and the reference pass) to the end of the step (the other micro-batches'
+    forward and backward passes, the optimiser). ``result``: :class:`KernelProfile`'s summary with
+    ``micro_batches`` (how many it covered), None until the step has ended."""
+
+    def __init__(self, step: int, top: int = 30, dev: str = "cuda"):
+        from transformers import TrainerCallback
+
+        self.step, self.result, self._prof, self._subs, outer = step, None, None, 0, self
+
+        class CB(TrainerCallback):
+            def on_substep_end(self, args, state, control, **kw):
+                if state.global_step + 1 != outer.step or outer.result is not None:
+                    return
+                if outer._prof is None:
+                    outer._prof = KernelProfile(dev, top=top)
+                    outer._prof.start()
+                else:
+                    outer._subs += 1
+
+            def on_step_end(self, args, state, control, **kw):
+                if outer._prof is not None and outer.result is None:
+                    outer.result = dict(outer._prof.stop(), micro_batches=outer._subs + 1)
+                    outer._prof = None
+
+        self.callback = CB()
+
+
 def _cumem_gib() -> float | None:
     try:
         from vllm.device_allocator.cumem import CuMemAllocator
@@ -256,7 +287,8 @@ def kit_row(name: str, a) -> dict:
                         lora_alpha=LORA_ALPHA,
                         kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
                         generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
-                        gradient_checkpointing=True, max_steps=a.steps, dtype="bf16", device="cuda", temperature=1.0,
+                        gradient_checkpointing=True, max_steps=a.steps + bool(a.profile_training), dtype="bf16",
+                        device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
     lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
     if lora_sync == "adapter":  # the option applies to vLLM's LoRA kernels only
@@ -275,7 +307,7 @@ def kit_row(name: str, a) -> dict:
     setup_s = time.perf_counter() - t0
     from datasets import Dataset
 
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 2))})
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
     gen.sync_weights = _timed_into(totals, gen.sync_weights)
     if lora_sync == "merge":  # the merge and restore inside each generate call are the row's weight sync
@@ -283,11 +315,11 @@ def kit_row(name: str, a) -> dict:
 
         ReversibleLoraMerge.merge = _timed_into(totals, ReversibleLoraMerge.merge)
         ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
-    times = StepTimes(totals)
+    times, profile = StepTimes(totals), TrainingProfile(a.steps + 1)
     gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
     gen.sleep = mem.phase("generation", gen.sleep)  # until standby has released the KV cache, it is generation's
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
-                           train_dataset=ds, callbacks=[times.callback], generator=gen,
+                           train_dataset=ds, callbacks=[times.callback, profile.callback], generator=gen,
                            peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
                                LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
@@ -313,7 +345,7 @@ def kit_row(name: str, a) -> dict:
     peak = mem.stop()
     if a.memory_history and peak_allocations is None:  # at the end, or the phase never ran
         read_history()
-    steps = times.steps
+    steps, profiled = _profiled_step(times.steps, profile, a)
     try:  # an extra measurement: its failure must not lose the row's step measurements
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
     except Exception as e:
@@ -327,12 +359,22 @@ def kit_row(name: str, a) -> dict:
                torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
-               peak_allocations=peak_allocations,
+               peak_allocations=peak_allocations, training_profile=profiled,
                # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
                sampling=[{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("sampling/")}
                          for h in trainer.state.log_history if any(k.startswith("sampling/") for k in h)])
     gen.close()
     return out
+
+
+def _profiled_step(steps: list[dict], profile: TrainingProfile, a) -> tuple[list[dict], dict | None]:
+    """The timed steps, and the profiled extra one (``--profile-training``) apart from them: its phase times
+    beside the profiler's summary (the profiler slows the step: it joins no median)."""
+    if not a.profile_training:
+        return steps, None
+    extra = steps[a.steps:]
+    return steps[:a.steps], dict(profile.result or {"error": "the profiled step did not end"},
+                                 step=extra[0] if extra else None)
 
 
 def _timed_generate(eng, prompt, sampling) -> dict:
@@ -400,24 +442,25 @@ def trl_row(a) -> dict:
     model = build_random_model(a.model, dtype=torch.bfloat16, device="cuda")
     model.name_or_path = str(folder)  # TRL's colocated engine starts from here
     model.config._name_or_path = str(folder)
-    args = GRPOConfig(output_dir=a.run_dir, max_steps=a.steps, per_device_train_batch_size=1,
+    args = GRPOConfig(output_dir=a.run_dir, max_steps=a.steps + bool(a.profile_training), per_device_train_batch_size=1,
                       gradient_accumulation_steps=GENERATIONS, num_generations=GENERATIONS, max_completion_length=C,
                       beta=0.04, bf16=True, gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
                       vllm_enable_sleep_mode=True, vllm_max_model_length=PROMPT_TOKENS + C,
                       generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
                       warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
                       seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 1))})
-    times = StepTimes(totals)
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 2))})
+    times, profile = StepTimes(totals), TrainingProfile(a.steps + 1)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[times.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
+                          callbacks=[times.callback, profile.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
                                                                              target_modules=LORA_TARGETS))
     setup_s = time.perf_counter() - t0
     trainer.train()
     peak = mem.stop()
+    steps, profiled = _profiled_step(times.steps, profile, a)
     # TRL syncs inside generation (after its level-2 sleep the weights must be pushed again)
     return dict(impl="trl", weights_shared=False, base_weights="bf16", kv_cache_dtype="bf16", setup_s=setup_s,
-                steps=times.steps,
+                steps=steps, training_profile=profiled,
                 peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                 vllm_pool_gib=_cumem_gib(), completion_tokens=GENERATIONS * C,
                 vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
@@ -561,6 +604,10 @@ def main(argv=None) -> int:
                    help="kit rows: record PyTorch's allocator history over the steps (at most N events) and keep "
                         "what was allocated at its largest moment, by the line that allocated it "
                         "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off")
+    p.add_argument("--profile-training", action="store_true",
+                   help="kit and TRL rows: one more optimiser step, its loss passes (micro-batches 2..8 and the "
+                        "optimiser) under torch.profiler; top ops by GPU and host time in training_profile, the "
+                        "step kept out of the medians")
     p.add_argument("--memory-history-at", default="end", choices=("end", "scoring", "generation"),
                    help="kit rows with --memory-history: read the history at the end of the steps, or as the "
                         "first call of that phase ends (its peak inside the ring buffer's window; generation: the "
@@ -592,7 +639,7 @@ def main(argv=None) -> int:
                          "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
                          "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory),
                          "--scoring-batch", a.scoring_batch, "--memory-history", str(a.memory_history),
-                         "--memory-history-at", a.memory_history_at]
+                         "--memory-history-at", a.memory_history_at] + ["--profile-training"] * a.profile_training
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
