@@ -148,10 +148,6 @@ step mem_tool 300 python3 -m pytest -m gpu tests/test_gpu_core.py -k live_at_pea
 # phase peaked 5 GiB over the calculator's scoring phase), and what PyTorch had allocated at the peak, by line.
 step fp8_rl20k_sb 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
   --scoring-batch ${SCORING_BATCH:-2} --memory-history 2000000
-# The 20K row with scoring_batch_size auto (beside a vLLM engine it now stays within the training phases' price:
-# 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.
-step fp8_rl20k_hist 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
-  --memory-history 2000000 --memory-history-at scoring
 step fp8_gen4k 1500 $bench --rows ${GEN_ROWS:-gen_vllm_fp8w,gen_vllm} --completion 4096 --timeout 480
 # The FP8 rollout-trainer gap on real weights (0.105 per token against bf16's 0.043 in the learning runs of
 # d7e3183), separated: FP8 as the kit runs it, with Inductor rounding its fused intermediates to bf16 as eager
@@ -187,4 +183,8 @@ step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 48
 # loss passes of a fourth step under torch.profiler (where the FP8 row's training time over bf16's goes).
 step fp8_rl4k_all 2000 $bench --rows grpo_kit_fp8w,grpo_kit_fp8,trl --completion 4096 --steps 3 --timeout 520 \
   --profile-training
+# The 20K row with scoring_batch_size auto (beside a vLLM engine it now stays within the training phases' price:
+# 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.
+step fp8_rl20k_hist 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
+  --memory-history 2000000 --memory-history-at scoring
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"
