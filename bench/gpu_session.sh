@@ -181,7 +181,7 @@ step bf16_parts4k 300 $parts4k --tag ${card}_llama8b_bf16_4k_parts
 step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 480
 # The issue's 4K comparison in one run: the kit with FP8 weights, with bf16 weights, and TRL colocate; each row's
 # loss passes of a fourth step under torch.profiler (where the FP8 row's training time over bf16's goes).
-step fp8_rl4k_all 2000 $bench --rows grpo_kit_fp8w,grpo_kit_fp8,trl --completion 4096 --steps 3 --timeout 520 \
+step fp8_rl4k_all 2000 $bench --rows ${RL4K_ROWS:-grpo_kit_fp8w,grpo_kit_fp8,trl} --completion 4096 --steps 3 --timeout 520 \
   --profile-training
 # The 20K row with scoring_batch_size auto (beside a vLLM engine it now stays within the training phases' price:
 # 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.

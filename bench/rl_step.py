@@ -54,8 +54,8 @@ at the end). Kit rows also split the peak by phase, ``phase_peaks_gib``: ``setup
 ``generation`` (inside the generator's ``generate`` and ``sleep``: wake, generation, standby releasing the KV
 cache), ``scoring`` (the no-grad log-prob passes: the reference, and the old policy where TRL runs it),
 ``training`` (the rest of the steps: rewards, the loss's forward and backward passes, the optimiser); beside it
-``phase_torch_gib``, PyTorch's allocated and reserved bytes at their largest in each phase, sampled with it
-(reserved over allocated is the allocator's cache; device use over reserved is memory outside PyTorch's
+``phase_torch_gib``, PyTorch's allocated and reserved bytes at their largest in each phase, its allocator's own
+peak counters read at each change of phase (reserved over allocated is the allocator's cache; device use over reserved is memory outside PyTorch's
 allocator). ``--scoring-batch N`` sets the kit rows' ``scoring_batch_size`` (default ``auto``, as ``grpo_kit
 train`` resolves it). ``--memory-history N``: kit rows also keep ``peak_allocations``, the blocks PyTorch's
 allocator had handed out at the largest moment of the recorded window (``grpo_kit.memory.live_at_peak``), grouped
@@ -110,7 +110,12 @@ GENERATIONS = 8
 
 class DeviceMemory:
     """Peak of the device memory in use, sampled by a thread, over a baseline taken at start; also per phase:
-    ``label`` names what runs now (``phase`` sets it around a call), and each label keeps its own peak."""
+    ``label`` names what runs now (``phase`` sets it around a call), and each label keeps its own peak.
+
+    PyTorch's own peaks per phase (``torch_peaks``) are its allocator's peak counters, read and reset at each change
+    of phase on the calling thread. The sampling thread must not ask the allocator: vLLM's pool allocates through
+    Python callbacks while holding the allocator's lock, so a thread holding the GIL and waiting for that lock
+    deadlocks the engine's start (seen on an H100 at 1755d89)."""
 
     def __init__(self, interval_s: float = 0.005):
         import torch
@@ -122,6 +127,7 @@ class DeviceMemory:
         self.label, self.peaks = "setup", {}
         self.torch_peaks: dict[str, list[int]] = {}  # label -> [allocated, reserved] peaks (PyTorch's allocator)
         self.on_exit: dict[str, object] = {}  # label -> a callable run once, as the first call of that phase ends
+        torch.cuda.reset_peak_memory_stats()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._t.start()
@@ -134,19 +140,27 @@ class DeviceMemory:
             used, label = self.total - free, self.label
             self.peak = max(self.peak, used)
             self.peaks[label] = max(self.peaks.get(label, used), used)
-            got = self.torch_peaks.setdefault(label, [0, 0])
-            got[0] = max(got[0], torch.cuda.memory_allocated())
-            got[1] = max(got[1], torch.cuda.memory_reserved())
             time.sleep(interval_s)
+
+    def switch(self, label: str) -> None:
+        """Fold PyTorch's peaks since the last change into the running phase's, then run ``label``."""
+        import torch
+
+        got = self.torch_peaks.setdefault(self.label, [0, 0])
+        got[0] = max(got[0], torch.cuda.max_memory_allocated())
+        got[1] = max(got[1], torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+        self.label = label
 
     def phase(self, label: str, fn):
         """``fn`` with ``label`` as the running phase during each call (the previous one restored after)."""
         def wrapper(*args, **kwargs):
-            before, self.label = self.label, label
+            before = self.label
+            self.switch(label)
             try:
                 out = fn(*args, **kwargs)
             finally:
-                self.label = before
+                self.switch(before)
             if label in self.on_exit:  # after a call that returned: a failing hook must not hide the call's error
                 self.on_exit.pop(label)()
             return out
@@ -156,15 +170,20 @@ class DeviceMemory:
         """GiB over the baseline."""
         self._stop.set()
         self._t.join()
+        self.switch(self.label)
         return (self.peak - self.base) / 2**30
+
+    def torch_max_reserved(self) -> float:
+        """GiB PyTorch's allocator reserved at its largest over every phase (its peak counter is reset per phase)."""
+        return max((r for _, r in self.torch_peaks.values()), default=0) / 2**30
 
     def phase_peaks(self) -> dict[str, float]:
         """``{label: GiB over the baseline}``, each label's own peak."""
         return {k: round((v - self.base) / 2**30, 3) for k, v in self.peaks.items()}
 
     def phase_torch_peaks(self) -> dict[str, dict[str, float]]:
-        """``{label: {"allocated": GiB, "reserved": GiB}}``: PyTorch's allocator per phase, sampled with the
-        device's use (whole figures, no baseline: an engine's pool counts as PyTorch sees it)."""
+        """``{label: {"allocated": GiB, "reserved": GiB}}``: PyTorch's allocator's peaks per phase (whole
+        figures, no baseline: an engine's pool counts as PyTorch sees it)."""
         return {k: {"allocated": round(a / 2**30, 3), "reserved": round(r / 2**30, 3)}
                 for k, (a, r) in self.torch_peaks.items()}
 
@@ -326,7 +345,7 @@ def kit_row(name: str, a) -> dict:
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
     # the no-grad log-prob passes (reference; old policy where TRL runs it) apart from the loss's passes
     trainer._get_per_token_logps_and_entropies = mem.phase("scoring", trainer._get_per_token_logps_and_entropies)
-    mem.label = "training"
+    mem.switch("training")
     peak_allocations = None
 
     def read_history():
@@ -356,7 +375,7 @@ def kit_row(name: str, a) -> dict:
                last_merge=getattr(gen, "last_merge", None),
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, phase_peaks_gib=mem.phase_peaks(), phase_torch_gib=mem.phase_torch_peaks(),
-               torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+               torch_max_reserved_gib=mem.torch_max_reserved(),
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
                peak_allocations=peak_allocations, training_profile=profiled,
@@ -461,7 +480,7 @@ def trl_row(a) -> dict:
     # TRL syncs inside generation (after its level-2 sleep the weights must be pushed again)
     return dict(impl="trl", weights_shared=False, base_weights="bf16", kv_cache_dtype="bf16", setup_s=setup_s,
                 steps=steps, training_profile=profiled,
-                peak_gib=peak, torch_max_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                peak_gib=peak, torch_max_reserved_gib=mem.torch_max_reserved(),
                 vllm_pool_gib=_cumem_gib(), completion_tokens=GENERATIONS * C,
                 vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
 

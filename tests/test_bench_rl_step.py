@@ -36,14 +36,19 @@ def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_a_phase_labels_its_calls_and_runs_its_exit_hook_once():
+def test_a_phase_labels_its_calls_and_runs_its_exit_hook_once(monkeypatch):
     """``DeviceMemory.phase``: the label while the call runs (the previous one back after, an exception too), and
     the hook that reads the allocator history after the phase's first call only (the sampling thread, CUDA-only,
-    is not started here)."""
+    is not started here; PyTorch's peak counters are stubbed)."""
+    import torch
+
     from rl_step import DeviceMemory
 
+    for fn in ("max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, fn, lambda: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     mem = DeviceMemory.__new__(DeviceMemory)
-    mem.label, seen, hooked = "training", [], []
+    mem.label, mem.torch_peaks, seen, hooked = "training", {}, [], []
     mem.on_exit = {"scoring": lambda: hooked.append(mem.label)}
     scoring = mem.phase("scoring", lambda x: seen.append((x, mem.label)) or x)
     assert scoring(1) == 1 and scoring(2) == 2
@@ -86,3 +91,35 @@ def test_the_training_profile_covers_the_loss_passes_of_the_extra_step_only():
     kept, extra = _profiled_step(steps, prof, argparse.Namespace(profile_training=True, steps=2))
     assert kept == steps[:2] and extra["step"] == {"step_s": 9.0} and extra["micro_batches"] == 7
     assert _profiled_step(steps, prof, argparse.Namespace(profile_training=False, steps=3)) == (steps, None)
+
+
+def test_pytorchs_peaks_are_folded_into_the_phase_that_made_them(monkeypatch):
+    """PyTorch's peak counters are read and reset on each change of phase (never from the sampling thread, which
+    deadlocked vLLM's pool allocator): each phase keeps the largest peak of its own stretches, the whole row's
+    reserved peak is the largest of them."""
+    import torch
+
+    from rl_step import DeviceMemory
+
+    counters = {"allocated": 0, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: counters["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: counters.update(allocated=0, reserved=0))
+
+    def use(allocated, reserved):
+        counters.update(allocated=max(counters["allocated"], allocated), reserved=max(counters["reserved"], reserved))
+
+    mem = DeviceMemory.__new__(DeviceMemory)
+    mem.label, mem.torch_peaks, mem.on_exit = "setup", {}, {}
+    use(2 * 2**30, 3 * 2**30)  # setup
+    mem.switch("training")
+    use(2**30, 2**30)
+    scoring = mem.phase("scoring", lambda: use(5 * 2**30, 6 * 2**30))
+    scoring()
+    use(2**30, 4 * 2**30)  # training again, after the scoring pass
+    scoring()
+    mem.switch("training")  # what stop() does at the end
+    assert mem.phase_torch_peaks() == {"setup": {"allocated": 2.0, "reserved": 3.0},
+                                       "training": {"allocated": 1.0, "reserved": 4.0},
+                                       "scoring": {"allocated": 5.0, "reserved": 6.0}}
+    assert mem.torch_max_reserved() == 6.0
