@@ -65,7 +65,9 @@ Times per optimiser step: ``generation_s`` (generate, with wake and standby/slee
 ``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
 old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
 first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
-it, every step in the JSON. ``--profile-training``: kit and TRL rows run one more optimiser step whose loss passes
+it, every step in the JSON, each with ``passes``: the host's view of its loss passes (from the end of the first
+micro-batch to the step's end: wall and CPU seconds of the main thread and of the others, garbage collections;
+:class:`PassWindow`). ``--profile-training``: kit and TRL rows run one more optimiser step whose loss passes
 (micro-batches 2..8 and the optimiser) run under torch.profiler, ``training_profile`` (top ops by GPU and by host
 time; the step's own times beside them, in no median). ``--gen-tokens N``: the kit rows then also time generation alone in the same
 process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/results/data/rl_step.jsonl`` (page ``rl_step.md``).
@@ -218,23 +220,86 @@ def _reward(prompts, completions, **kw):
     return [(sum(map(ord, c if isinstance(c, str) else str(c))) % 7) / 6.0 for c in completions]
 
 
+def thread_cpu_s() -> dict[int, tuple[str, float]]:
+    """``{thread id: (name, CPU seconds so far)}`` of this process's threads (Linux ``/proc``; empty elsewhere)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime (fields 14, 15)
+    return out
+
+
+class PassWindow:
+    """Where the time of the loss's passes goes on the host, from the end of a step's first micro-batch (after
+    generation and the reference pass) to the step's end: wall seconds, the main thread's CPU seconds, the other
+    threads' (and the three busiest by name), and Python's garbage collections (seconds, and how many were full).
+    A main thread busy for most of the wall time means the passes wait on the host; another thread's CPU time,
+    or a full collection, is a stall the GPU work does not explain."""
+
+    def __init__(self):
+        import gc
+
+        self._t0 = self._cpu0 = None
+        self._gc = {"s": 0.0, "full": 0}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_t = time.perf_counter()
+        elif self._t0 is not None:
+            self._gc["s"] += time.perf_counter() - self._gc_t
+            self._gc["full"] += info["generation"] == 2
+
+    def begin(self) -> None:
+        if self._t0 is None:
+            self._gc = {"s": 0.0, "full": 0}
+            self._cpu0, self._t0 = thread_cpu_s(), time.perf_counter()
+
+    def end(self) -> dict | None:
+        """The window's figures (None if it never began), and a new window."""
+        if self._t0 is None:
+            return None
+        wall, cpu1, main = time.perf_counter() - self._t0, thread_cpu_s(), threading.get_native_id()
+        used = {tid: (name, t - self._cpu0.get(tid, (name, 0.0))[1]) for tid, (name, t) in cpu1.items()}
+        others = sorted(((t, name) for tid, (name, t) in used.items() if tid != main), reverse=True)
+        self._t0 = None
+        return {"wall_s": round(wall, 3), "main_cpu_s": round(used.get(main, ("", 0.0))[1], 3),
+                "other_cpu_s": round(sum(t for t, _ in others), 3),
+                "busiest_others": [[name, round(t, 3)] for t, name in others[:3]],
+                "gc_s": round(self._gc["s"], 3), "gc_full": self._gc["full"]}
+
+
 class StepTimes:
-    """Per optimiser step: seconds in the wrapped phases (bench/trainer_gpu.time_phases) and the step."""
+    """Per optimiser step: seconds in the wrapped phases (bench/trainer_gpu.time_phases) and the step, and the
+    host's view of its loss passes (``passes``: :class:`PassWindow`)."""
 
     def __init__(self, totals):
         from transformers import TrainerCallback
 
-        self.totals, self.steps, outer = totals, [], self
+        self.totals, self.steps, self.window, outer = totals, [], PassWindow(), self
 
         class CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
                 outer._t0 = time.perf_counter()
 
+            def on_substep_end(self, args, state, control, **kw):
+                outer.window.begin()  # the first micro-batch's end; later ones leave it running
+
             def on_step_end(self, args, state, control, **kw):
                 import torch
 
                 torch.cuda.synchronize()
-                outer.steps.append(dict(outer.totals, step_s=time.perf_counter() - outer._t0))
+                step_s, passes = time.perf_counter() - outer._t0, outer.window.end()
+                outer.steps.append(dict(outer.totals, step_s=step_s, passes=passes))
                 print("STEP " + json.dumps(outer.steps[-1]), flush=True)  # kept by the parent if the row times out
                 for k in outer.totals:
                     outer.totals[k] = 0.0

@@ -123,3 +123,44 @@ def test_pytorchs_peaks_are_folded_into_the_phase_that_made_them(monkeypatch):
                                        "training": {"allocated": 1.0, "reserved": 4.0},
                                        "scoring": {"allocated": 5.0, "reserved": 6.0}}
     assert mem.torch_max_reserved() == 6.0
+
+
+def test_the_pass_window_tells_the_main_threads_cpu_from_another_threads_and_counts_full_collections():
+    """``PassWindow`` over a stretch where the main thread spins, another thread spins, and one full
+    collection runs: each thread's CPU seconds land on its side, the collection is counted, and a window that never
+    began gives None."""
+    import gc
+    import threading
+    import time
+
+    from rl_step import PassWindow, thread_cpu_s
+
+    if not thread_cpu_s():
+        pytest.skip("no /proc/self/task here")
+
+    spun, release = threading.Event(), threading.Event()
+
+    def busy_other():  # spins, then stays alive until the window has closed (a thread that ends takes its counts)
+        end = time.thread_time() + 0.4
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()
+
+    w = PassWindow()
+    assert w.end() is None
+    w.begin()
+    t = threading.Thread(target=busy_other)
+    t.start()
+    spun.wait()
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+    gc.collect()
+    got = w.end()
+    release.set()
+    t.join()
+    assert got["main_cpu_s"] >= 0.25 and got["other_cpu_s"] >= 0.35
+    assert got["busiest_others"][0][1] >= 0.35 and got["gc_full"] >= 1 and got["gc_s"] > 0  # (OS thread names)
+    assert got["wall_s"] >= got["main_cpu_s"] - 0.05
+    assert w.end() is None  # the window closed
