@@ -282,6 +282,43 @@ def test_environment_factory_on_the_kit_generator(tiny, tmp_path):
                              environment_factory=_NoReset, generator=gen)
 
 
+class _LongReset(_Counter):
+    def reset(self, **kwargs):
+        self.n = 0
+        return " Here is a long briefing." * 40  # appended to the first turn's user message by TRL
+
+
+def test_a_prompt_the_environments_reset_makes_too_long_stops_the_run_after_saving(tiny, tmp_path):
+    """The run-start check cannot see what ``reset`` adds; the first turn can: a prompt over max_prompt_length
+    stops with the length and the limit named, after the state is saved, and before the engine is asked. The same
+    environment fits a larger limit, and the tool loop's later turns (the conversation so far) are not held to it."""
+    model, tok = tiny
+    args = _args(tmp_path, "grpo", num_generations=2, max_completion_length=160)
+
+    def trainer(env, limit):
+        gen = ScriptedGenerator(tok)
+        t = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
+                                 train_dataset=_dataset(), processing_class=tok, peft_config=_lora(),
+                                 environment_factory=env, generator=gen, importance_sampling_correction=False,
+                                 max_prompt_length=limit)
+        t.model.train()
+        return t, gen
+
+    t, gen = trainer(_Counter, None)  # the first turn's prompts without the briefing: their length
+    seen = []
+    gen.generate = lambda prompts, *a, generate=gen.generate, **k: seen.append(prompts) or generate(prompts, *a, **k)
+    t._generate_and_score_completions(_batch())
+    short = max(len(ids) for ids in seen[0])
+    t, gen = trainer(_LongReset, short + 20)
+    with pytest.raises(ValueError, match=r"tokens with what the environment's reset\(\) added, over "
+                                         rf"max_prompt_length={short + 20} .* Training state saved to"):
+        t._generate_and_score_completions(_batch())
+    assert gen.calls == [] and (tmp_path / "out" / "crash-step-0").is_dir()
+    t, gen = trainer(_LongReset, short + 400)  # the briefing fits; the second turn (tool results) runs longer
+    t._generate_and_score_completions(_batch())
+    assert gen.calls == [4, 3]
+
+
 def test_rollout_func_generates_through_the_kit_engine(tiny, tmp_path):
     model, tok = tiny
     gen = ScriptedGenerator(tok)

@@ -179,8 +179,9 @@ def prompt_ids(tokenizer, question: str, system_prompt: str, tools: list | None 
 
 def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
     """Longest rendered prompt in tokens (the schema of the config's tools and of its environment's methods, from
-    one instance, included; not what an environment's ``reset`` adds); one over ``max_prompt_length`` is an error,
-    not a silent cut."""
+    one instance, included); one over ``max_prompt_length`` is an error, not a silent cut. What an environment's
+    ``reset`` adds is known only at generation, where the trainer checks it
+    (:class:`grpo_kit.trainer.generation_hook.KitGenerationMixin`)."""
     longest, worst = 0, None
     tools = (get_tools(cfg.tools) if cfg.tools else []) + \
         (environment_tools(resolve_environment(cfg.environment)()) if cfg.environment is not None else [])

@@ -37,6 +37,12 @@ own vLLM sync is skipped (there is none).
 
 A generator failure (:class:`GenerationEngineError`) saves the model and trainer state to
 ``<output_dir>/crash-step-<N>`` before the error propagates.
+
+``max_prompt_length``: the first turn's prompts (as TRL tokenized them, an environment's ``reset`` text
+included, which no check before the run can see) longer than this stop the run with a ``ValueError`` naming the
+length, after the same save: the engine's context and the memory plan are sized for it, and a longer prompt would
+silently shorten the completions (vLLM) or outgrow the plan (HF ``generate``). Later turns of a tool loop carry
+the conversation so far and are not held to it.
 """
 
 from __future__ import annotations
@@ -53,15 +59,17 @@ from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, checked_
 class KitGenerationMixin:
     """Mixin for TRL's ``GRPOTrainer``; extra keyword arguments ``generator`` (a
     :class:`grpo_kit.generation.Generator`; None keeps TRL's own generation) and
-    ``importance_sampling_correction`` (None: ``args.vllm_importance_sampling_correction``), and how each tool
+    ``importance_sampling_correction`` (None: ``args.vllm_importance_sampling_correction``), how each tool
     call is checked: ``tool_time_limit_s`` (wall seconds; None: no limit) and ``tool_output_tokens`` (tokens of a
-    text result kept; None: all)."""
+    text result kept; None: all), and ``max_prompt_length`` (tokens of a first-turn prompt; None: unchecked)."""
 
     def __init__(self, *args, generator=None, importance_sampling_correction: bool | None = None,
                  tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
-                 tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, **kwargs):
+                 tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, max_prompt_length: int | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.tool_time_limit_s, self.tool_output_tokens = tool_time_limit_s, tool_output_tokens
+        self.kit_max_prompt_length, self._kit_first_turn = max_prompt_length, False
         self.kit_generator = generator
         self._kit_synced_step = None
         self.kit_sync_log: list[dict] = []
@@ -99,6 +107,9 @@ class KitGenerationMixin:
                              + ". Pass generator=None to use TRL's own generation.")
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._kit_first_turn:
+            self._kit_first_turn = False
+            self._check_prompt_lengths(prompt_ids)
         if self.kit_generator is None:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
@@ -135,12 +146,27 @@ class KitGenerationMixin:
         step) when a generator is set, else TRL's own generation."""
         return self._generate_single_turn([list(p) for p in prompt_ids], None, {}, 1)
 
+    def _check_prompt_lengths(self, prompt_ids) -> None:
+        """ValueError (after saving the state) if a first-turn prompt is over ``max_prompt_length`` tokens."""
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if self.kit_max_prompt_length is None or longest <= self.kit_max_prompt_length:
+            return
+        what = "with what the environment's reset() added" if getattr(self, "environments", None) else "as generated"
+        path = self._kit_save_after_crash()
+        raise ValueError(f"a prompt is {longest} tokens {what}, over max_prompt_length={self.kit_max_prompt_length} "
+                         "(the engine's context and the memory plan are sized for it): raise max_prompt_length or "
+                         f"shorten the prompt. Training state saved to {path}")
+
     def _generate(self, prompts):
         if self.kit_generator is not None and self.rollout_func is not None:
             # TRL syncs its own vLLM before a rollout_func whenever use_vllm is set (here: only for its IS
             # correction); the kit's engine syncs in kit_generate instead
             self._last_loaded_step = self.state.global_step
-        return super()._generate(prompts)
+        self._kit_first_turn = True  # the next _generate_single_turn gets this batch's prompts
+        try:
+            return super()._generate(prompts)
+        finally:
+            self._kit_first_turn = False
 
     def _tool_call_loop(self, *args, **kwargs):
         # TRL rebuilds the per-rollout tool tables every batch (environment methods are per instance): wrap them here

@@ -342,4 +342,5 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
                else scoring_batch_for_config(cfg, model.config))
     return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
                reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2],
-               tool_time_limit_s=cfg.tool_time_limit_s or None, tool_output_tokens=cfg.tool_output_tokens)
+               tool_time_limit_s=cfg.tool_time_limit_s or None, tool_output_tokens=cfg.tool_output_tokens,
+               max_prompt_length=cfg.max_prompt_length)
