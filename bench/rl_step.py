@@ -46,31 +46,31 @@ Every row records ``base_weights`` (``bf16`` or ``fp8``).
 Random weights: the engines start with vLLM's random init (``load_format="dummy"``); the shared model
 uses those tensors, the copy row and TRL push the training model's weights at each sync as always.
 
-Memory, ``peak_gib``: device memory in use (``cudaMemGetInfo``), sampled every 5 ms by a thread from
-before the engine starts to the end of the last step, minus what was in use before (the CUDA
-context): everything vLLM's pool and PyTorch hold, whichever allocator. Beside it
-``torch_max_reserved_gib`` (PyTorch's ``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool
-at the end). Kit rows also split the peak by phase, ``phase_peaks_gib``: ``setup`` (model load, engine start),
-``generation`` (inside the generator's ``generate`` and ``sleep``: wake, generation, standby releasing the KV
-cache), ``scoring`` (the no-grad log-prob passes: the reference, and the old policy where TRL runs it),
-``training`` (the rest of the steps: rewards, the loss's forward and backward passes, the optimiser); beside it
-``phase_torch_gib``, PyTorch's allocated and reserved bytes at their largest in each phase, its allocator's own
-peak counters read at each change of phase (reserved over allocated is the allocator's cache; device use over reserved is memory outside PyTorch's
-allocator). ``--scoring-batch N`` sets the kit rows' ``scoring_batch_size`` (default ``auto``, as ``grpo_kit
-train`` resolves it). ``--memory-history N``: kit rows also keep ``peak_allocations``, the blocks PyTorch's
-allocator had handed out at the largest moment of the recorded window (``grpo_kit.memory.live_at_peak``), grouped
-by the line that made them; ``--memory-history-at scoring`` (or ``generation``) reads the history as the first
-call of that phase ends, so the window holds that phase's peak, ``end`` (the default) after the last step.
-Times per optimiser step: ``generation_s`` (generate, with wake and standby/sleep),
-``sync_s`` (weights or adapter to the engine), ``training_s`` (everything else: rewards, reference and
-old log-probs, 8 forward/backward passes, the optimiser), ``step_s``: the median over the steps after the
-first (which carries one-off warm-ups: kernel autotuning, first pinning of host buffers), the first beside
-it, every step in the JSON, each with ``passes``: the host's view of its loss passes (from the end of the first
-micro-batch to the step's end: wall and CPU seconds of the main thread and of the others, garbage collections;
-:class:`PassWindow`). ``--profile-training``: kit and TRL rows run one more optimiser step whose loss passes
-(micro-batches 2..8 and the optimiser) run under torch.profiler, ``training_profile`` (top ops by GPU and by host
-time; the step's own times beside them, in no median). ``--gen-tokens N``: the kit rows then also time generation alone in the same
-process (vLLM with and without the adapter, HF ``generate``). Results: ``bench/results/data/rl_step.jsonl`` (page ``rl_step.md``).
+Memory, ``peak_gib``: device memory in use (``cudaMemGetInfo``), sampled every 5 ms (``--sample-ms``) by a thread
+from before the engine starts to the end of the last step, minus what was in use before (the CUDA context):
+everything vLLM's pool and PyTorch hold, whichever allocator. Beside it ``torch_max_reserved_gib`` (PyTorch's
+``max_memory_reserved``) and ``vllm_pool_gib`` (vLLM's CuMem pool at the end). Kit rows also split the peak by
+phase, ``phase_peaks_gib``: ``setup`` (model load, engine start), ``generation`` (inside the generator's
+``generate`` and ``sleep``: wake, generation, standby releasing the KV cache), ``scoring`` (the no-grad log-prob
+passes: the reference, and the old policy where TRL runs it), ``training`` (the rest of the steps: rewards, the
+loss's forward and backward passes, the optimiser); beside it ``phase_torch_gib``, PyTorch's allocated and reserved
+bytes at their largest in each phase, its allocator's own peak counters read at each change of phase (reserved over
+allocated is the allocator's cache; device use over reserved is memory outside PyTorch's allocator).
+``--scoring-batch N`` sets the kit rows' ``scoring_batch_size`` (default ``auto``, as ``grpo_kit train`` resolves
+it). ``--memory-history N``: kit rows also keep ``peak_allocations``, the blocks PyTorch's allocator had handed out
+at the largest moment of the recorded window (``grpo_kit.memory.live_at_peak``), grouped by the line that made them;
+``--memory-history-at scoring`` (or ``generation``) reads the history as the first call of that phase ends, so the
+window holds that phase's peak, ``end`` (the default) after the last step. Times per optimiser step:
+``generation_s`` (generate, with wake and standby/sleep), ``sync_s`` (weights or adapter to the engine),
+``training_s`` (everything else: rewards, reference and old log-probs, 8 forward/backward passes, the optimiser),
+``step_s``: the median over the steps after the first (which carries one-off warm-ups: kernel autotuning, first
+pinning of host buffers), the first beside it, every step in the JSON, each with ``passes``: the host's view of its
+loss passes (from the end of the first micro-batch to the step's end: wall and CPU seconds of the main thread and of
+the others, garbage collections; :class:`PassWindow`). ``--profile-training``: kit and TRL rows run one more
+optimiser step whose loss passes (micro-batches 2..8 and the optimiser) run under torch.profiler,
+``training_profile`` (top ops by GPU and by host time; the step's own times beside them, in no median).
+``--gen-tokens N``: the kit rows then also time generation alone in the same process (vLLM with and without the
+adapter, HF ``generate``). Results: ``bench/results/data/rl_step.jsonl`` (page ``rl_step.md``).
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def kit_row(name: str, a) -> dict:
     if a.scoring_batch != "auto":
         cfg.scoring_batch_size = int(a.scoring_batch)
     cfg.validate()
-    mem = DeviceMemory()
+    mem = DeviceMemory(a.sample_ms / 1e3)
     tok = load_tokenizer(a.model)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
@@ -519,7 +519,7 @@ def trl_row(a) -> dict:
     vg.LLM = lambda *args, **kw: start_llm(*args, **{**kw, "load_format": "dummy"})  # TRL pushes the weights itself
     totals = time_phases((GRPOTrainer,))
     vg.VLLMGeneration.sync_weights = _timed_into(totals, vg.VLLMGeneration.sync_weights)
-    mem = DeviceMemory()
+    mem = DeviceMemory(a.sample_ms / 1e3)
     tok = load_tokenizer(a.model)
     tok.padding_side = "left"
     t0 = time.perf_counter()
@@ -688,6 +688,9 @@ def main(argv=None) -> int:
                    help="kit rows: record PyTorch's allocator history over the steps (at most N events) and keep "
                         "what was allocated at its largest moment, by the line that allocated it "
                         "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off")
+    p.add_argument("--sample-ms", type=float, default=5.0,
+                   help="milliseconds between the device-memory samples (cudaMemGetInfo from a second thread); "
+                        "larger: fewer driver calls beside the step's own")
     p.add_argument("--profile-training", action="store_true",
                    help="kit and TRL rows: one more optimiser step, its loss passes (micro-batches 2..8 and the "
                         "optimiser) under torch.profiler; top ops by GPU and host time in training_profile, the "
@@ -702,6 +705,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.scoring_batch != "auto" and not (a.scoring_batch.isdigit() and int(a.scoring_batch) >= 1):
         p.error(f"--scoring-batch {a.scoring_batch!r}: a whole number >= 1, or auto")
+    if not a.sample_ms > 0:
+        p.error(f"--sample-ms {a.sample_ms}: a number of milliseconds > 0")
     if a.memory_history < 0:
         p.error(f"--memory-history {a.memory_history}: a number of events >= 1, or 0 (off)")
     if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
@@ -723,7 +728,8 @@ def main(argv=None) -> int:
                          "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
                          "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory),
                          "--scoring-batch", a.scoring_batch, "--memory-history", str(a.memory_history),
-                         "--memory-history-at", a.memory_history_at] + ["--profile-training"] * a.profile_training
+                         "--memory-history-at", a.memory_history_at, "--sample-ms", str(a.sample_ms)] + \
+                    ["--profile-training"] * a.profile_training
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)

@@ -28,6 +28,7 @@ def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
 @pytest.mark.parametrize("argv, needle", [(["--scoring-batch", "0"], "--scoring-batch '0'"),
                                           (["--scoring-batch", "two"], "a whole number >= 1, or auto"),
                                           (["--memory-history", "-1"], "or 0 (off)"),
+                                          (["--sample-ms", "0"], "--sample-ms 0.0: a number of milliseconds > 0"),
                                           (["--memory-history-at", "loss"], "invalid choice: 'loss'"),
                                           (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64")])
 def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
