@@ -38,7 +38,7 @@
 #  fp8_gen4k with the dense row, bf16_casts_gap, fp8_rl4k_trl (and the kit's FP8 4K row by hand beside it).
 #  Run on an H100 at 08f3c8e: mem_tool (live_at_peak's final form passed), fp8_rl4k_all with RL4K_ROWS=grpo_kit_fp8w
 #  only (the device time ran out before the bf16 row; a first launch hung at the engine's start, fixed in 08f3c8e).
-#  Still owed: STEPS="fp8_rl4k_all fp8_rl20k_hist" (the 4K rows of the kit with FP8 and bf16 weights and TRL's in
+#  Still owed: STEPS="fp8_rl4k_all fp8_rl4k_sample fp8_rl20k_hist" (the 4K rows of the kit with FP8 and bf16 weights and TRL's in
 #  one run, each step's `passes` telling host stalls from GPU work; the 20K row as auto now scores it beside a vLLM
 #  engine, with PyTorch's allocations at the scoring pass's peak).
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
@@ -185,6 +185,9 @@ step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 48
 # loss passes of a fourth step under torch.profiler (where the FP8 row's training time over bf16's goes).
 step fp8_rl4k_all 2000 $bench --rows ${RL4K_ROWS:-grpo_kit_fp8w,grpo_kit_fp8,trl} --completion 4096 --steps 3 --timeout 520 \
   --profile-training
+# The FP8 4K row with the device-memory samples 20x rarer: whether their cudaMemGetInfo calls beside the step's own
+# driver calls make the FP8 passes' intermittent seconds (6.98 s and 9.89 s for the same work at 08f3c8e).
+step fp8_rl4k_sample 900 $bench --rows grpo_kit_fp8w --completion 4096 --steps 3 --timeout 520 --sample-ms 100
 # The 20K row with scoring_batch_size auto (beside a vLLM engine it now stays within the training phases' price:
 # 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.
 step fp8_rl20k_hist 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
