@@ -151,7 +151,8 @@ class KitGenerationMixin:
         longest = max((len(p) for p in prompt_ids), default=0)
         if self.kit_max_prompt_length is None or longest <= self.kit_max_prompt_length:
             return
-        what = "with what the environment's reset() added" if getattr(self, "environments", None) else "as generated"
+        what = ("with what the environment's reset() added" if getattr(self, "environments", None)
+                else "as rendered for generation")
         path = self._kit_save_after_crash()
         raise ValueError(f"a prompt is {longest} tokens {what}, over max_prompt_length={self.kit_max_prompt_length} "
                          "(the engine's context and the memory plan are sized for it): raise max_prompt_length or "
