@@ -137,12 +137,18 @@ class DeviceMemory:
     def _run(self, interval_s):
         import torch
 
+        self.thread_id = threading.get_native_id()  # PassWindow names this thread's CPU time
         while not self._stop.is_set():
             free, _ = torch.cuda.mem_get_info()
             used, label = self.total - free, self.label
             self.peak = max(self.peak, used)
             self.peaks[label] = max(self.peaks.get(label, used), used)
             time.sleep(interval_s)
+
+    def labels(self) -> dict[int, str]:
+        """``{native thread id: "memory sampler"}`` for :class:`PassWindow` (empty until the thread has started)."""
+        tid = getattr(self, "thread_id", None)
+        return {} if tid is None else {tid: "memory sampler"}
 
     def switch(self, label: str) -> None:
         """Fold PyTorch's peaks since the last change into the running phase's, then run ``label``."""
@@ -241,14 +247,15 @@ def thread_cpu_s() -> dict[int, tuple[str, float]]:
 class PassWindow:
     """Where the time of the loss's passes goes on the host, from the end of a step's first micro-batch (after
     generation and the reference pass) to the step's end: wall seconds, the main thread's CPU seconds, the other
-    threads' (and the three busiest by name), and Python's garbage collections (seconds, and how many were full).
-    A main thread busy for most of the wall time means the passes wait on the host; another thread's CPU time,
-    or a full collection, is a stall the GPU work does not explain."""
+    threads' (and the three busiest, by their OS name or by ``labels``: {native thread id: label}), and Python's
+    garbage collections (seconds, and how many were full). A main thread busy for most of the wall time means the
+    passes wait on the host; another thread's CPU time, or a full collection, is a stall the GPU work does not
+    explain."""
 
-    def __init__(self):
+    def __init__(self, labels: dict[int, str] | None = None):
         import gc
 
-        self._t0 = self._cpu0 = None
+        self.labels, self._t0, self._cpu0 = {} if labels is None else labels, None, None
         self._gc = {"s": 0.0, "full": 0}
         gc.callbacks.append(self._on_gc)
 
@@ -269,7 +276,8 @@ class PassWindow:
         if self._t0 is None:
             return None
         wall, cpu1, main = time.perf_counter() - self._t0, thread_cpu_s(), threading.get_native_id()
-        used = {tid: (name, t - self._cpu0.get(tid, (name, 0.0))[1]) for tid, (name, t) in cpu1.items()}
+        used = {tid: (self.labels.get(tid, name), t - self._cpu0.get(tid, (name, 0.0))[1])
+                for tid, (name, t) in cpu1.items()}
         others = sorted(((t, name) for tid, (name, t) in used.items() if tid != main), reverse=True)
         self._t0 = None
         return {"wall_s": round(wall, 3), "main_cpu_s": round(used.get(main, ("", 0.0))[1], 3),
@@ -280,12 +288,12 @@ class PassWindow:
 
 class StepTimes:
     """Per optimiser step: seconds in the wrapped phases (bench/trainer_gpu.time_phases) and the step, and the
-    host's view of its loss passes (``passes``: :class:`PassWindow`)."""
+    host's view of its loss passes (``passes``: :class:`PassWindow`, with ``labels`` for known threads)."""
 
-    def __init__(self, totals):
+    def __init__(self, totals, labels: dict[int, str] | None = None):
         from transformers import TrainerCallback
 
-        self.totals, self.steps, self.window, outer = totals, [], PassWindow(), self
+        self.totals, self.steps, self.window, outer = totals, [], PassWindow(labels), self
 
         class CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
@@ -399,7 +407,7 @@ def kit_row(name: str, a) -> dict:
 
         ReversibleLoraMerge.merge = _timed_into(totals, ReversibleLoraMerge.merge)
         ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
-    times, profile = StepTimes(totals), TrainingProfile(a.steps + 1)
+    times, profile = StepTimes(totals, mem.labels()), TrainingProfile(a.steps + 1)
     gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
     gen.sleep = mem.phase("generation", gen.sleep)  # until standby has released the KV cache, it is generation's
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
@@ -534,7 +542,7 @@ def trl_row(a) -> dict:
                       warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
                       seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
     ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 2))})
-    times, profile = StepTimes(totals), TrainingProfile(a.steps + 1)
+    times, profile = StepTimes(totals, mem.labels()), TrainingProfile(a.steps + 1)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
                           callbacks=[times.callback, profile.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
                                                                              target_modules=LORA_TARGETS))
