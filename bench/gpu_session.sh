@@ -181,10 +181,11 @@ parts4k="python3 bench/step.py --model llama-3.1-8b --seq-len 4608:8 --prompt-le
 step fp8_parts4k 300 $parts4k --base-weights fp8 --tag ${card}_llama8b_fp8_4k_parts
 step bf16_parts4k 300 $parts4k --tag ${card}_llama8b_bf16_4k_parts
 step fp8_rl4k_trl 900 $bench --rows trl --completion 4096 --steps 3 --timeout 480
-# The issue's 4K comparison in one run: the kit with FP8 weights, with bf16 weights, and TRL colocate; each row's
-# loss passes of a fourth step under torch.profiler (where the FP8 row's training time over bf16's goes).
+# The issue's 4K comparison in one run: the kit with FP8 weights, with bf16 weights, and TRL colocate; each step's
+# passes seen from the host (`passes`). About 16 min on an H100 (the FP8 row took 431 s with a profiled fourth step,
+# 08f3c8e; TRL's 202 s, 23e185a). PROFILE=--profile-training adds that step to each row (about a minute each).
 step fp8_rl4k_all 2000 $bench --rows ${RL4K_ROWS:-grpo_kit_fp8w,grpo_kit_fp8,trl} --completion 4096 --steps 3 --timeout 520 \
-  --profile-training
+  ${PROFILE:-}
 # The FP8 4K row with the device-memory samples 20x rarer: whether their cudaMemGetInfo calls beside the step's own
 # driver calls make the FP8 passes' intermittent seconds (6.98 s and 9.89 s for the same work at 08f3c8e).
 step fp8_rl4k_sample 900 $bench --rows grpo_kit_fp8w --completion 4096 --steps 3 --timeout 520 --sample-ms 100
