@@ -85,7 +85,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import LORA_TARGETS, KernelProfile, command_line, hardware, record_report
+from _common import LORA_TARGETS, KernelProfile, command_line, hardware, record_report, sync
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA_RANK, LORA_ALPHA = 16, 32  # every row's adapter
@@ -250,12 +250,12 @@ class PassWindow:
     threads' (and the three busiest, by their OS name or by ``labels``: {native thread id: label}), and Python's
     garbage collections (seconds, and how many were full). A main thread busy for most of the wall time means the
     passes wait on the host; another thread's CPU time, or a full collection, is a stall the GPU work does not
-    explain."""
+    explain. ``micro_batches``: how many the window covered (the first one ends as it opens)."""
 
     def __init__(self, labels: dict[int, str] | None = None):
         import gc
 
-        self.labels, self._t0, self._cpu0 = {} if labels is None else labels, None, None
+        self.labels, self._t0, self._cpu0, self._subs = {} if labels is None else labels, None, None, 0
         self._gc = {"s": 0.0, "full": 0}
         gc.callbacks.append(self._on_gc)
 
@@ -266,10 +266,14 @@ class PassWindow:
             self._gc["s"] += time.perf_counter() - self._gc_t
             self._gc["full"] += info["generation"] == 2
 
-    def begin(self) -> None:
-        if self._t0 is None:
-            self._gc = {"s": 0.0, "full": 0}
-            self._cpu0, self._t0 = thread_cpu_s(), time.perf_counter()
+    def begin(self) -> bool:
+        """At each micro-batch's end but the step's last: opens the window at the first (True), counts the rest."""
+        if self._t0 is not None:
+            self._subs += 1
+            return False
+        self._gc, self._subs = {"s": 0.0, "full": 0}, 0
+        self._cpu0, self._t0 = thread_cpu_s(), time.perf_counter()
+        return True
 
     def end(self) -> dict | None:
         """The window's figures (None if it never began), and a new window."""
@@ -283,65 +287,48 @@ class PassWindow:
         return {"wall_s": round(wall, 3), "main_cpu_s": round(used.get(main, ("", 0.0))[1], 3),
                 "other_cpu_s": round(sum(t for t, _ in others), 3),
                 "busiest_others": [[name, round(t, 3)] for t, name in others[:3]],
-                "gc_s": round(self._gc["s"], 3), "gc_full": self._gc["full"]}
+                "gc_s": round(self._gc["s"], 3), "gc_full": self._gc["full"], "micro_batches": self._subs + 1}
 
 
 class StepTimes:
     """Per optimiser step: seconds in the wrapped phases (bench/trainer_gpu.time_phases) and the step, and the
-    host's view of its loss passes (``passes``: :class:`PassWindow`, with ``labels`` for known threads)."""
+    host's view of its loss passes (``passes``: :class:`PassWindow`, with ``labels`` for known threads).
+    ``profile_step`` (1-based): that step's pass window also runs under torch.profiler; ``profile`` is then
+    :class:`KernelProfile`'s summary with the window's ``micro_batches``."""
 
-    def __init__(self, totals, labels: dict[int, str] | None = None):
+    def __init__(self, totals, labels: dict[int, str] | None = None, profile_step: int | None = None,
+                 dev: str = "cuda"):
         from transformers import TrainerCallback
 
         self.totals, self.steps, self.window, outer = totals, [], PassWindow(labels), self
+        self.profile_step, self.profile, self._prof = profile_step, None, None
 
         class CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
                 outer._t0 = time.perf_counter()
 
             def on_substep_end(self, args, state, control, **kw):
-                outer.window.begin()  # the first micro-batch's end; later ones leave it running
+                if outer.window.begin() and state.global_step + 1 == outer.profile_step:
+                    outer._prof = KernelProfile(dev, top=30)
+                    outer._prof.start()
 
             def on_step_end(self, args, state, control, **kw):
-                import torch
-
-                torch.cuda.synchronize()
+                sync(dev)
                 step_s, passes = time.perf_counter() - outer._t0, outer.window.end()
                 outer.steps.append(dict(outer.totals, step_s=step_s, passes=passes))
                 print("STEP " + json.dumps(outer.steps[-1]), flush=True)  # kept by the parent if the row times out
                 for k in outer.totals:
                     outer.totals[k] = 0.0
-
-        self.callback = CB()
-
-
-class TrainingProfile:
-    """The loss's passes of optimiser step ``step`` (1-based) under torch.profiler: from the end of its first
-    micro-batch (which runs generation and the reference pass) to the end of the step (the other micro-batches'
-    forward and backward passes, the optimiser). ``result``: :class:`KernelProfile`'s summary with
-    ``micro_batches`` (how many it covered), None until the step has ended."""
-
-    def __init__(self, step: int, top: int = 30, dev: str = "cuda"):
-        from transformers import TrainerCallback
-
-        self.step, self.result, self._prof, self._subs, outer = step, None, None, 0, self
-
-        class CB(TrainerCallback):
-            def on_substep_end(self, args, state, control, **kw):
-                if state.global_step + 1 != outer.step or outer.result is not None:
-                    return
-                if outer._prof is None:
-                    outer._prof = KernelProfile(dev, top=top)
-                    outer._prof.start()
-                else:
-                    outer._subs += 1
-
-            def on_step_end(self, args, state, control, **kw):
-                if outer._prof is not None and outer.result is None:
-                    outer.result = dict(outer._prof.stop(), micro_batches=outer._subs + 1)
+                if outer._prof is not None:  # after the step's times: the profiler's own summary takes seconds
+                    outer.profile = dict(outer._prof.stop(), micro_batches=passes["micro_batches"])
                     outer._prof = None
 
         self.callback = CB()
+
+
+def _steps_run(a) -> int:
+    """Optimiser steps a row runs: the timed ones, and one more under the profiler with ``--profile-training``."""
+    return a.steps + bool(a.profile_training)
 
 
 def _cumem_gib() -> float | None:
@@ -379,7 +366,7 @@ def kit_row(name: str, a) -> dict:
                         lora_alpha=LORA_ALPHA,
                         kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
                         generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
-                        gradient_checkpointing=True, max_steps=a.steps + bool(a.profile_training), dtype="bf16",
+                        gradient_checkpointing=True, max_steps=_steps_run(a), dtype="bf16",
                         device="cuda", temperature=1.0,
                         save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
     lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
@@ -399,7 +386,7 @@ def kit_row(name: str, a) -> dict:
     setup_s = time.perf_counter() - t0
     from datasets import Dataset
 
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 2))})
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (_steps_run(a) + 1))})
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
     gen.sync_weights = _timed_into(totals, gen.sync_weights)
     if lora_sync == "merge":  # the merge and restore inside each generate call are the row's weight sync
@@ -407,11 +394,11 @@ def kit_row(name: str, a) -> dict:
 
         ReversibleLoraMerge.merge = _timed_into(totals, ReversibleLoraMerge.merge)
         ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
-    times, profile = StepTimes(totals, mem.labels()), TrainingProfile(a.steps + 1)
+    times = StepTimes(totals, mem.labels(), profile_step=_steps_run(a) if a.profile_training else None)
     gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
     gen.sleep = mem.phase("generation", gen.sleep)  # until standby has released the KV cache, it is generation's
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
-                           train_dataset=ds, callbacks=[times.callback, profile.callback], generator=gen,
+                           train_dataset=ds, callbacks=[times.callback], generator=gen,
                            peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
                                LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
@@ -437,7 +424,7 @@ def kit_row(name: str, a) -> dict:
     peak = mem.stop()
     if a.memory_history and peak_allocations is None:  # at the end, or the phase never ran
         read_history()
-    steps, profiled = _profiled_step(times.steps, profile, a)
+    steps, profiled = _profiled_step(times.steps, times, a)
     try:  # an extra measurement: its failure must not lose the row's step measurements
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
     except Exception as e:
@@ -459,13 +446,13 @@ def kit_row(name: str, a) -> dict:
     return out
 
 
-def _profiled_step(steps: list[dict], profile: TrainingProfile, a) -> tuple[list[dict], dict | None]:
+def _profiled_step(steps: list[dict], times: StepTimes, a) -> tuple[list[dict], dict | None]:
     """The timed steps, and the profiled extra one (``--profile-training``) apart from them: its phase times
     beside the profiler's summary (the profiler slows the step: it joins no median)."""
     if not a.profile_training:
         return steps, None
     extra = steps[a.steps:]
-    return steps[:a.steps], dict(profile.result or {"error": "the profiled step did not end"},
+    return steps[:a.steps], dict(times.profile or {"error": "the profiled step did not end"},
                                  step=extra[0] if extra else None)
 
 
@@ -534,22 +521,22 @@ def trl_row(a) -> dict:
     model = build_random_model(a.model, dtype=torch.bfloat16, device="cuda")
     model.name_or_path = str(folder)  # TRL's colocated engine starts from here
     model.config._name_or_path = str(folder)
-    args = GRPOConfig(output_dir=a.run_dir, max_steps=a.steps + bool(a.profile_training), per_device_train_batch_size=1,
+    args = GRPOConfig(output_dir=a.run_dir, max_steps=_steps_run(a), per_device_train_batch_size=1,
                       gradient_accumulation_steps=GENERATIONS, num_generations=GENERATIONS, max_completion_length=C,
                       beta=0.04, bf16=True, gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
                       vllm_enable_sleep_mode=True, vllm_max_model_length=PROMPT_TOKENS + C,
                       generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
                       warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
                       seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (a.steps + 2))})
-    times, profile = StepTimes(totals, mem.labels()), TrainingProfile(a.steps + 1)
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (_steps_run(a) + 1))})
+    times = StepTimes(totals, mem.labels(), profile_step=_steps_run(a) if a.profile_training else None)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[times.callback, profile.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
+                          callbacks=[times.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
                                                                              target_modules=LORA_TARGETS))
     setup_s = time.perf_counter() - t0
     trainer.train()
     peak = mem.stop()
-    steps, profiled = _profiled_step(times.steps, profile, a)
+    steps, profiled = _profiled_step(times.steps, times, a)
     # TRL syncs inside generation (after its level-2 sleep the weights must be pushed again)
     return dict(impl="trl", weights_shared=False, base_weights="bf16", kv_cache_dtype="bf16", setup_s=setup_s,
                 steps=steps, training_profile=profiled,

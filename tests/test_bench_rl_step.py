@@ -65,33 +65,36 @@ def test_a_phase_labels_its_calls_and_runs_its_exit_hook_once(monkeypatch):
 
 
 def test_the_training_profile_covers_the_loss_passes_of_the_extra_step_only():
-    """``TrainingProfile`` as the trainer calls its callback (8 micro-batches per optimiser step: a sub-step end
-    after each but the last, then the step end): the profile holds step 2's micro-batches 2..8 and nothing of
-    step 1 or of step 2's first micro-batch; ``_profiled_step`` keeps that step out of the timed ones."""
+    """``StepTimes`` with ``profile_step=2`` as the trainer calls its callback (8 micro-batches per optimiser step:
+    a sub-step end after each but the last, then the step end): the profile holds step 2's micro-batches 2..8 and
+    nothing of step 1 or of step 2's first micro-batch, and each step's pass window counts the same 7;
+    ``_profiled_step`` keeps that step out of the timed ones."""
     import argparse
     import types
 
     import torch
 
-    from rl_step import TrainingProfile, _profiled_step
+    from rl_step import StepTimes, _profiled_step
 
-    prof = TrainingProfile(2, dev="cpu")
-    cb, state = prof.callback, types.SimpleNamespace(global_step=0)
+    times = StepTimes({}, profile_step=2, dev="cpu")
+    cb, state = times.callback, types.SimpleNamespace(global_step=0)
     x = torch.ones(64, 64)
     for step, first_op, rest_op in ((1, torch.mm, torch.mm), (2, torch.sub, torch.add)):
+        cb.on_step_begin(None, state, None)
         for micro in range(8):
             (first_op if micro == 0 else rest_op)(x, x)
             if micro < 7:
                 cb.on_substep_end(None, state, None)
         state.global_step = step
         cb.on_step_end(None, state, None)
-    names = {r["name"] for r in prof.result["top_cpu"]}
-    assert prof.result["micro_batches"] == 7 and "aten::add" in names
+    names = {r["name"] for r in times.profile["top_cpu"]}
+    assert times.profile["micro_batches"] == 7 and "aten::add" in names
     assert not names & {"aten::mm", "aten::sub"}
+    assert [s["passes"]["micro_batches"] for s in times.steps] == [7, 7]
     steps = [{"step_s": 1.0}, {"step_s": 2.0}, {"step_s": 9.0}]
-    kept, extra = _profiled_step(steps, prof, argparse.Namespace(profile_training=True, steps=2))
+    kept, extra = _profiled_step(steps, times, argparse.Namespace(profile_training=True, steps=2))
     assert kept == steps[:2] and extra["step"] == {"step_s": 9.0} and extra["micro_batches"] == 7
-    assert _profiled_step(steps, prof, argparse.Namespace(profile_training=False, steps=3)) == (steps, None)
+    assert _profiled_step(steps, times, argparse.Namespace(profile_training=False, steps=3)) == (steps, None)
 
 
 def test_pytorchs_peaks_are_folded_into_the_phase_that_made_them(monkeypatch):
