@@ -13,20 +13,20 @@ rounded to the nearest e4m3 value (ties to even): relative error at most 2^-4 (t
 |W / scale| is a normal e4m3 number (>= 2^-6), absolute error at most 2^-10 x scale below that (subnormals).
 Memory: 1 byte per weight plus 4 bytes per scale (per channel, 4 bytes per row of ``in`` weights).
 
-The matmul (:class:`FP8Linear`), forward ``y = x W^T + b`` as W8A8: each row of x (the tokens) is quantised to
-e4m3 on the fly with its own scale (max |x_row| / 448), with block weights each ``block`` columns of a row with
-their own (vLLM's block FP8 method quantises activations in those groups), the products are accumulated in fp32
-and rescaled by both scales. On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9,
-``FP8_MIN_CAPABILITY``) per-channel weights go through ``torch._scaled_mm`` (row-wise scales);
-:func:`w8a8_reference` is its plain-torch twin and the definition (both operands dequantised to fp32 and
-multiplied in fp32), used everywhere else (the CPU, block scales, a GPU where ``_scaled_mm`` fails its probe). ``activations="16bit"`` multiplies the activations unquantised
-with the dequantised weight instead (W8A16). The backward gives the input gradient only, ``dx = dy W`` with W
-dequantised to dy's dtype (``grad_input="fp8"``: an FP8 GEMM instead, off by default; ``bench fp8_train``
-compares the two); the base weight gets no gradient (it is frozen) and the forward saves no tensor for the
-backward (no activation: there is no weight gradient to compute from it). So the FP8 path needs no layer weight
-cache (``grpo_kit.model.nf4_matmul.layer_weight_cache``): the forward reads the FP8 codes directly, and each
-backward dequantises one weight once. On CUDA the activation quantiser and the per-channel dequantisation are
-Triton kernels with these functions' bits (:mod:`grpo_kit.kernels.fp8_rows`).
+The matmul (:class:`FP8Linear`), forward ``y = x W^T + b`` as W8A8: each row of x (the tokens) is quantised to e4m3
+on the fly with its own scale (max |x_row| / 448), with block weights each ``block`` columns of a row with their own
+(vLLM's block FP8 method quantises activations in those groups), the products are accumulated in fp32 and rescaled
+by both scales. On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9, ``FP8_MIN_CAPABILITY``) per-channel
+weights go through ``torch._scaled_mm`` (row-wise scales); :func:`w8a8_reference` is its plain-torch twin and the
+definition (both operands dequantised to fp32 and multiplied in fp32), used everywhere else (the CPU, block scales,
+a GPU where ``_scaled_mm`` fails its probe). ``activations="16bit"`` multiplies the activations unquantised with the
+dequantised weight instead (W8A16). The backward gives the input gradient only, ``dx = dy W`` with W dequantised to
+dy's dtype (``grad_input="fp8"``: an FP8 GEMM instead, off by default; ``bench fp8_train`` compares the two); the
+base weight gets no gradient (it is frozen) and the forward saves no tensor for the backward (no activation: there
+is no weight gradient to compute from it). So the FP8 path needs no layer weight cache
+(``grpo_kit.model.nf4_matmul.layer_weight_cache``): the forward reads the FP8 codes directly, and each backward
+dequantises one weight once. On CUDA the activation quantiser and the per-channel dequantisation are Triton kernels
+with these functions' bits (:mod:`grpo_kit.kernels.fp8_rows`).
 
 :func:`quantize_model_fp8` replaces a model's ``nn.Linear`` layers (not ``lm_head``, never the embeddings: the
 rule of :func:`grpo_kit.model.quantize.quantizable_linears`) by :class:`FP8Linear`, one layer at a time.
