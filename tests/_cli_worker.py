@@ -4,7 +4,7 @@ process ends with ``os._exit`` once the CLI has returned and its output is flush
 Why: on the CPU, torch's process group can abort a rank in the interpreter's teardown after a run that finished
 ("terminate called without an active exception"), also after ``destroy_process_group``; the launcher then reports
 the rank as failed and stops the others although every file was written. Seen twice in the local suite on
-2026-12-06 (once in the CLI, once in ``_fsdp_worker``). The tests check what the runs wrote, not the teardown.
+2026-12-06 (once in the CLI, once in ``_parallel_worker``). The tests check what the runs wrote, not the teardown.
 """
 
 import os

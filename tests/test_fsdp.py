@@ -31,7 +31,7 @@ def _run(cmd, cwd):
 def test_sharded_head_matches_unsharded(repo_root, tmp_path):
     out = tmp_path / "head.pt"
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-          "--rdzv-endpoint", "localhost:0", str(repo_root / "tests" / "_fsdp_worker.py"), "head", str(out)], tmp_path)
+          "--rdzv-endpoint", "localhost:0", str(repo_root / "tests" / "_parallel_worker.py"), "head", str(out)], tmp_path)
     for rank in (0, 1):
         r = torch.load(f"{out}.rank{rank}")
         assert r["sharded"] and r["local_rows"] == 25  # each rank held half of the 50 vocabulary rows
@@ -40,32 +40,38 @@ def test_sharded_head_matches_unsharded(repo_root, tmp_path):
         assert r["grad_weight"].abs().max() > 0 and r["grad_bias"].abs().max() > 0
 
 
-def _update(repo_root, tmp_path, nproc, total_micro, loss_type):
+def _update(repo_root, tmp_path, nproc, total_micro):
     out = tmp_path / f"update_{nproc}.pt"
     # FSDP2 from the shipped CPU config; the reference is one plain process
     launcher = (["--config_file", str(repo_root / "configs" / "accelerate" / "cpu_fsdp2.yaml")] if nproc > 1
                 else ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])
     _run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port", "0",
-          str(repo_root / "tests" / "_fsdp_worker.py"), "update", str(out), str(total_micro), loss_type], tmp_path)
+          str(repo_root / "tests" / "_parallel_worker.py"), "update", str(out), str(total_micro), ",".join(LOSS_TYPES),
+          "none"], tmp_path)  # FSDP checkpoints the layers
     return torch.load(out)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_fsdp2_two_processes_match_one_process_with_double_accumulation(repo_root, tmp_path, loss_type):
-    one = _update(repo_root, tmp_path, 1, 4, loss_type)
-    two = _update(repo_root, tmp_path, 2, 4, loss_type)
+LOSS_TYPES = ["grpo", "dapo"]  # two normalisations of the token sum: each must be split across ranks the same way
+
+
+def test_fsdp2_two_processes_match_one_process_with_double_accumulation(repo_root, tmp_path):
+    one = _update(repo_root, tmp_path, 1, 4)
+    two = _update(repo_root, tmp_path, 2, 4)
     assert (one["world"], one["gas"], two["world"], two["gas"]) == (1, 4, 2, 2)
     assert two["distributed_type"] == "DistributedType.FSDP" and two["sharded"]  # not DDP in disguise
-    assert one["update"].keys() == two["update"].keys()
-    for name, u1 in one["update"].items():
-        torch.testing.assert_close(two["update"][name], u1, rtol=1e-4, atol=1e-7, msg=name)
-        assert u1.abs().max() > 0, name  # every trainable tensor moved
+    assert list(one["updates"]) == list(two["updates"]) == LOSS_TYPES
+    for loss_type in LOSS_TYPES:
+        u_one, u_two = one["updates"][loss_type], two["updates"][loss_type]
+        assert u_one.keys() == u_two.keys()
+        for name, u1 in u_one.items():
+            torch.testing.assert_close(u_two[name], u1, rtol=1e-4, atol=1e-7, msg=f"{loss_type}: {name}")
+            assert u1.abs().max() > 0, name  # every trainable tensor moved
 
 
 # `python -m grpo_kit train` under a 2-process accelerate config: 3 steps, a checkpoint at step 2 (and the final one), the
 # held-out evaluation before and after (every process takes part in the sharded model's forwards).
 TRAIN = ["--set", "device=cpu", "--set", "model=tiny-llama", "--set", "max_steps=3", "--set", "save_steps=2",
-         "--set", "num_eval_samples=4", "--set", "reward_funcs=[_fsdp_worker:length_reward]"]
+         "--set", "num_eval_samples=4", "--set", "reward_funcs=[_parallel_worker:length_reward]"]
 # metrics.csv columns that are a function of the math only (step_time_s and peak_memory_gib are measurements)
 EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "learning_rate", "grad_norm",
                  "clip_ratio", "frac_reward_zero_std"]
@@ -74,7 +80,7 @@ EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_
 def _launch(repo_root, cwd, config, args, log):
     """``accelerate launch --config_file configs/accelerate/CONFIG.yaml -m grpo_kit train ARGS``, output to the file
     ``log``."""
-    # the reward (_fsdp_worker:length_reward) from tests/, the kit from this checkout (also where it is not installed)
+    # the reward (_parallel_worker:length_reward) from tests/, the kit from this checkout (also where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "tests"), str(repo_root)])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "_cli_worker",

@@ -1,12 +1,15 @@
-"""Worker for tests/test_fsdp.py (2 CPU processes, gloo).
+"""Worker for tests/test_fsdp.py and tests/test_distributed.py (2 CPU processes, gloo).
 
 ``head OUT``: started by torchrun. A trained output head (with a bias) sharded over the ranks with torch's
 ``fully_shard``; each rank's loss and scoring log-probs through :func:`grpo_kit.trainer.sharding.full_head`, and
 the gradients, against the unsharded head in the same process (its gradient: the ranks' mean, as FSDP averages).
 
-``update OUT TOTAL_MICRO LOSS_TYPE``: started by ``accelerate launch`` (an FSDP2 config, or one process). One
-optimiser step of EfficientGRPOTrainer's loss with LoRA over a fixed list of micro-batches split round-robin
-across processes, as tests/_ddp_worker.py does under DDP; saves the trainable parameters' update (gathered).
+``update OUT TOTAL_MICRO LOSS_TYPES CHECKPOINTING``: started by ``accelerate launch`` (an FSDP2 config, DDP, or
+one process; tests/test_fsdp.py and tests/test_distributed.py). For each loss type (comma-separated), one optimiser
+step of EfficientGRPOTrainer's loss with LoRA over a fixed list of micro-batches split round-robin across
+processes; saves the trainable parameters' updates (gathered). W processes x accumulation k must give 1 process x
+accumulation W*k's update. CHECKPOINTING: ``hf`` (the model's own, as a DDP run has it) or ``none`` (FSDP2
+checkpoints the layers itself). The loss types share one launch: starting the processes is most of the time.
 """
 
 import sys
@@ -90,7 +93,15 @@ def head_main(out_path):
     dist.destroy_process_group()
 
 
-def update_main(out_path: str, total_micro: int, loss_type: str):
+def update_main(out_path: str, total_micro: int, loss_types: list[str], checkpointing: str):
+    updates, facts = {}, {}
+    for loss_type in loss_types:
+        facts, updates[loss_type] = _one_update(out_path, total_micro, loss_type, checkpointing == "hf")
+    if facts.pop("main"):
+        torch.save({**facts, "updates": updates}, out_path)
+
+
+def _one_update(out_path: str, total_micro: int, loss_type: str, hf_checkpointing: bool):
     from peft import LoraConfig  # lazy: this mode only
     from trl import GRPOConfig  # lazy: this mode only
 
@@ -101,13 +112,13 @@ def update_main(out_path: str, total_micro: int, loss_type: str):
     torch.manual_seed(0)
     model, tok = load_model("tiny-llama")
     tok.padding_side = "left"
-    probe = GRPOConfig(output_dir="/tmp/fsdp-probe", use_cpu=True, report_to="none")
+    probe = GRPOConfig(output_dir="/tmp/update-probe", use_cpu=True, report_to="none")
     world = probe.world_size
     gas = total_micro // world
     args = GRPOConfig(output_dir=str(Path(out_path).parent / "out"), use_cpu=True, report_to="none", bf16=False,
                       per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=gas,
                       max_completion_length=6, beta=0.04, loss_type=loss_type, use_bias_correction_kl=False,
-                      save_strategy="no", gradient_checkpointing=False)  # FSDP checkpoints the layers
+                      save_strategy="no", gradient_checkpointing=hf_checkpointing)
     trainer = EfficientGRPOTrainer(model=model, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
                                    args=args, train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 4)),
                                    processing_class=tok,
@@ -124,10 +135,9 @@ def update_main(out_path: str, total_micro: int, loss_type: str):
     _run_window(trainer, acc, wrapped, gen, total_micro, world, gas)
     opt.step()
     update = {_name(n): _whole(p) - before[_name(n)] for n, p in trainer.model.named_parameters() if p.requires_grad}
-    if acc.is_main_process:
-        torch.save({"world": world, "gas": gas, "distributed_type": str(acc.distributed_type),
-                    "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters()),
-                    "update": update}, out_path)
+    facts = {"world": world, "gas": gas, "distributed_type": str(acc.distributed_type), "main": acc.is_main_process,
+             "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())}
+    return facts, update
 
 
 def _name(n):
@@ -169,5 +179,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "head":
         head_main(sys.argv[2])
     else:
-        update_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        update_main(sys.argv[2], int(sys.argv[3]), sys.argv[4].split(","), sys.argv[5])
     exit_now(0)
