@@ -38,9 +38,9 @@
 #  fp8_gen4k with the dense row, bf16_casts_gap, fp8_rl4k_trl (and the kit's FP8 4K row by hand beside it).
 #  Run on an H100 at 08f3c8e: mem_tool (live_at_peak's final form passed), fp8_rl4k_all with RL4K_ROWS=grpo_kit_fp8w
 #  only (the device time ran out before the bf16 row; a first launch hung at the engine's start, fixed in 08f3c8e).
-#  Still owed: STEPS="fp8_rl4k_all fp8_rl4k_sample fp8_rl20k_hist" (the 4K rows of the kit with FP8 and bf16 weights and TRL's in
-#  one run, each step's `passes` telling host stalls from GPU work; the 20K row as auto now scores it beside a vLLM
-#  engine, with PyTorch's allocations at the scoring pass's peak).
+#  Run on an H100 at 65144da: fp8_rl4k_all (the 4K rows of the kit with FP8 and bf16 weights and TRL's in one run,
+#  each step's `passes`), fp8_rl4k_sample, fp8_rl20k_hist (the 20K row with scoring_batch_size auto, the allocator's
+#  history at the scoring pass's peak). Nothing of issue 37 is owed.
 #  fp8_parts4k, bf16_parts4k: the 4K training pass alone under the profiler (bench/step.py --base-weights fp8).
 #  GEN_ROWS="gen_vllm_fp8w,gen_vllm,gen_vllm_fp8w_dense" adds the FP8 engine without LoRA kernels to fp8_gen4k
 #  (what the adapter costs it), gen_hf_fp8w HF generate with FP8 weights.
