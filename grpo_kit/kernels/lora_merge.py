@@ -185,11 +185,15 @@ def triton_usable(weight: torch.Tensor) -> bool:
             and (weight.is_cuda or interpreter_active()))
 
 
+def _tile() -> tuple[int, int, int]:
+    return _INTERP_TILE if interpreter_active() else _TILE
+
+
 def run_triton(mode: int, weight, b, a):
     """One pass of the kernel over ``weight``; returns (miss as int8 (out, in) or None, checksum (0-dim int64 on the
     weight's device) or None). Nothing here waits for the GPU."""
     m, n = weight.shape
-    bm, bn, warps = _INTERP_TILE if interpreter_active() else _TILE
+    bm, bn, warps = _tile()
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     miss = torch.empty(weight.shape if mode == SCAN else (1,), dtype=torch.int8, device=weight.device)
     sums = torch.empty(grid[0] * grid[1] if mode != MERGE else 1, dtype=torch.int64, device=weight.device)
@@ -202,11 +206,14 @@ def run_triton(mode: int, weight, b, a):
 def kernel_round_trips(device: str, dtype: torch.dtype, k: int) -> bool:
     """Whether the kernel's scan, merge and restore give every bit of a probe weight back on ``device`` for
     ``dtype`` and folded rank ``k``: the compiled binary the real weights will run (one per (dtype, K)) checked
-    once before it touches them; where it does not round-trip the merge uses the torch passes."""
+    once before it touches them; where it does not round-trip the merge uses the torch passes. The probe spans
+    4 x 8 tiles of the pass's tile size, the last ones masked (200 x 1000 on the GPU)."""
+    bm, bn, _ = _tile()
+    m, n = 3 * bm + 8, 8 * bn - 24  # edge tiles in both dims (the interpreter's tiles are small: a small probe)
     g = torch.Generator(device="cpu").manual_seed(1234)
-    w = (torch.randn(200, 1000, generator=g) * 0.02).to(device=device, dtype=dtype)
-    b = (torch.randn(200, k, generator=g) * 0.05).to(device)
-    a = (torch.randn(k, 1000, generator=g) * 0.05).to(device)
+    w = (torch.randn(m, n, generator=g) * 0.02).to(device=device, dtype=dtype)
+    b = (torch.randn(m, k, generator=g) * 0.05).to(device)
+    a = (torch.randn(k, n, generator=g) * 0.05).to(device)
     original = w.clone()
     miss, bits = run_triton(SCAN, w, b, a)
     keep = miss.view(-1).nonzero().squeeze(1)
