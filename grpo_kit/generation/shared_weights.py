@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from grpo_kit.model.fp8 import FP8_BLOCK, FP8_DTYPE, FP8Linear, quantize_fp8
-from grpo_kit.model.loading import meta_model
+from grpo_kit.model.loading import meta_model, normal_init
 from grpo_kit.model.quantize import quantizable_linears
 
 
@@ -259,13 +259,11 @@ def fill_shared_fp8(model, tensors: dict | None, *, seed: int = 0) -> dict:
     them, seeded, the rest as the engine's dummy initialisation left it. Returns ``{"fp8_layers", "copied"}``."""
     device = next(model.parameters()).device
     if tensors is None:
-        std = float(getattr(model.config, "initializer_range", 0.02))
-        gen = torch.Generator(device=device).manual_seed(seed)
+        normal = normal_init(model.config, device, seed)
 
         def random(name: str) -> torch.Tensor:
             layer = model.get_submodule(name)
-            return torch.empty(layer.out_features, layer.in_features, dtype=layer.compute_dtype,
-                               device=device).normal_(0.0, std, generator=gen)
+            return normal((layer.out_features, layer.in_features), layer.compute_dtype)
 
         return {"fp8_layers": fill_fp8(model, random), "copied": 0}
 

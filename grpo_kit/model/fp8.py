@@ -285,8 +285,9 @@ class FP8Linear(nn.Module):
     parameters; ``bias`` (out,) in ``compute_dtype`` or None. ``compute_dtype``: the dtype the layer computes and
     returns in (its input is cast to it, the output back to the input's dtype), and the dtype PEFT gives a LoRA
     adapter on top. ``activations``: ``FP8_ACTIVATIONS``; ``grad_input``: ``FP8_GRAD_INPUT`` (how the backward
-    forms the input gradient; ``"fp8"`` applies to per-channel scales, blocks dequantise). ``model.to(dtype)`` (and ``.half()``, ...) moves
-    the codes and scales to the device only; the bias and ``compute_dtype`` take the new dtype."""
+    forms the input gradient; ``"fp8"`` applies to per-channel scales, blocks dequantise). ``model.to(dtype)``
+    (and ``.half()``, ...) moves the codes and scales to the device only; the bias and ``compute_dtype`` take the
+    new dtype."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, compute_dtype: torch.dtype,
                  block: int | None = None, activations: str = "fp8", grad_input: str = "dequant", device=None):

@@ -438,6 +438,15 @@ def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules)
     return model
 
 
+def normal_init(config, device, seed: int):
+    """transformers' initialisation of these architectures' linear and embedding weights, seeded on ``device``: a
+    function ``(shape, dtype) -> tensor`` drawing normal(0, ``initializer_range``) from one generator, call after
+    call."""
+    std = float(getattr(config, "initializer_range", 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+
+
 def _random_layerwise(name: str, dtype: torch.dtype, device, seed: int, quantize) -> tuple[torch.nn.Module, dict]:
     """A built-in architecture with random weights and quantised linear layers, built on ``device`` without the
     16-bit model existing anywhere: parameters start on the meta device; ``quantize(model, materialize)`` (returns
@@ -449,15 +458,14 @@ def _random_layerwise(name: str, dtype: torch.dtype, device, seed: int, quantize
     config = model_config(name)
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     model = meta_model(config, dtype=dtype, real_buffers=True)
-    std = config.initializer_range
-    gen = torch.Generator(device=device).manual_seed(seed)
+    normal = normal_init(config, device, seed)
 
     def init(module, pname, p) -> torch.Tensor:
         if pname == "bias":
             return torch.zeros(p.shape, dtype=dtype, device=device)
         if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # RMSNorm / LayerNorm scales
             return torch.ones(p.shape, dtype=dtype, device=device)
-        t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        t = normal(p.shape, dtype)
         if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
             t[module.padding_idx] = 0
         return t
