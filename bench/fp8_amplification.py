@@ -6,10 +6,12 @@ rounding boundary, and W8A8 rounds every linear layer's input to FP8.
 
 The embedded model (bf16) samples completions of the main job's prompts; their per-token log-probs (at the job's
 temperature) are then computed twice with two attention implementations, ``eager`` and ``sdpa`` (the same math,
-bf16-level differences, as between vLLM's kernels and the trainer's), under three forms of the weights: bf16,
-FP8 with FP8 activations (W8A8: the kit's training forward and vLLM's FP8 engine) and FP8 with 16-bit activations
-(W8A16). The gap under each form is the same perturbation seen through that form. Each FP8 form against bf16
-is also given (what the quantisation itself moves). Runs on the CPU (the FP8 matmuls' torch twins) or a GPU.
+bf16-level differences, as between vLLM's kernels and the trainer's), under four forms of the weights: bf16,
+FP8 with FP8 activations (W8A8: the kit's training forward and vLLM's FP8 engine), FP8 with 16-bit activations
+(W8A16), both with one scale per output channel (the default), and W8A8 with 128 x 128 weight tiles and
+activations quantised per 128 columns (``fp8_block: 128``, as vLLM's block FP8 method runs). The gap under each
+form is the same perturbation seen through that form. Each FP8 form against bf16 is also given (what the
+quantisation itself moves: how faithful each scale granularity is). Runs on the CPU (the FP8 matmuls' torch twins) or a GPU.
 Writes ``bench/results/data/fp8_amplification.jsonl`` (page ``fp8_amplification.md``).
 """
 
@@ -25,12 +27,13 @@ from _common import hardware, hardware_line, record_report
 
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.kernels.grpo_epilogue import lse_logp_torch
-from grpo_kit.model.fp8 import quantize_model_fp8
+from grpo_kit.model.fp8 import FP8_BLOCK, quantize_model_fp8
 from grpo_kit.model.loading import load_model
 from grpo_kit.tasks.data import default_system_prompt, generate_tasks, make_prompt
 
 ATTENTION = ("eager", "sdpa")  # two implementations of the same attention, different rounding
-FORMS = {"bf16": None, "fp8_w8a8": "fp8", "fp8_w8a16": "16bit"}  # weight form -> FP8Linear activations
+# weight form -> (FP8Linear activations, fp8 block) or None for the 16-bit weights
+FORMS = {"bf16": None, "fp8_w8a8": ("fp8", None), "fp8_w8a16": ("16bit", None), "fp8_block_w8a8": ("fp8", FP8_BLOCK)}
 
 
 def sample(model, tok, questions: list[str], system_prompt: str, completions: int, tokens: int, temperature: float,
@@ -94,11 +97,11 @@ def main(argv=None) -> int:
     system_prompt = cfg.system_prompt or default_system_prompt(cfg.task)  # the main job's, as its run builds it
     seqs = sample(model, tok, questions, system_prompt, args.completions, args.tokens, cfg.temperature, args.seed)
     scored, rows = {}, []
-    for form, activations in FORMS.items():
+    for form, fp8 in FORMS.items():
         m = model
-        if activations is not None:
+        if fp8 is not None:
             m = copy.deepcopy(model)
-            quantize_model_fp8(m, activations=activations)
+            quantize_model_fp8(m, activations=fp8[0], block=fp8[1])
         scored[form] = {att: token_logps(m, seqs, att, cfg.temperature) for att in ATTENTION}
         rows.append({"row": form, "compared": " vs ".join(ATTENTION), **gap_stats(*scored[form].values())})
     for form in FORMS:
