@@ -11,7 +11,8 @@ FP8 with FP8 activations (W8A8: the kit's training forward and vLLM's FP8 engine
 (W8A16), both with one scale per output channel (the default), and W8A8 with 128 x 128 weight tiles and
 activations quantised per 128 columns (``fp8_block: 128``, as vLLM's block FP8 method runs). The gap under each
 form is the same perturbation seen through that form. Each FP8 form against bf16 is also given (what the
-quantisation itself moves: how faithful each scale granularity is). Runs on the CPU (the FP8 matmuls' torch twins) or a GPU.
+quantisation itself moves: how faithful each scale granularity is). Runs on the CPU (the FP8 matmuls' torch
+twins) or a GPU.
 Writes ``bench/results/data/fp8_amplification.jsonl`` (page ``fp8_amplification.md``).
 """
 
