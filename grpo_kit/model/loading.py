@@ -452,9 +452,10 @@ def _random_layerwise(name: str, dtype: torch.dtype, device, seed: int, quantize
     16-bit model existing anywhere: parameters start on the meta device; ``quantize(model, materialize)`` (returns
     its report) gives each linear layer to quantise its random weight on ``device`` and quantises it there at once
     (peak: one 16-bit layer beside the quantised ones); the rest (embeddings, norms, lm_head, kept layers) is then
-    created in place, tied weights tied again. Returns ``(model, report)``. Initialised as transformers does for these architectures: normal(0, initializer_range) for
-    linear and embedding weights (the padding row zero), ones for norms, zeros for biases. Not built in host
-    RAM first: a large model's single-threaded CPU initialisation would dominate the start."""
+    created in place, tied weights tied again. Returns ``(model, report)``. Initialised as transformers does for
+    these architectures: :func:`normal_init` for linear and embedding weights (the padding row zero), ones for
+    norms, zeros for biases. Not built in host RAM first: a large model's single-threaded CPU initialisation would
+    dominate the start."""
     config = model_config(name)
     config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     model = meta_model(config, dtype=dtype, real_buffers=True)
