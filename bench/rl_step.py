@@ -331,6 +331,16 @@ def _steps_run(a) -> int:
     return a.steps + bool(a.profile_training)
 
 
+def _row_inputs(tok, mem: DeviceMemory, totals, a):
+    """What the kit and TRL rows train on and time with: the dataset (one fixed prompt, enough rows for every step
+    the row runs and one more) and the :class:`StepTimes` (the memory sampler's thread named, the extra step
+    profiled with ``--profile-training``)."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (_steps_run(a) + 1))})
+    return ds, StepTimes(totals, mem.labels(), profile_step=_steps_run(a) if a.profile_training else None)
+
+
 def _cumem_gib() -> float | None:
     try:
         from vllm.device_allocator.cumem import CuMemAllocator
@@ -384,9 +394,6 @@ def kit_row(name: str, a) -> dict:
                                         load_model=lambda: load_model(a.model, dtype=dtype, device="cuda",
                                                                       base_weights=base_weights)[0])
     setup_s = time.perf_counter() - t0
-    from datasets import Dataset
-
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (_steps_run(a) + 1))})
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
     gen.sync_weights = _timed_into(totals, gen.sync_weights)
     if lora_sync == "merge":  # the merge and restore inside each generate call are the row's weight sync
@@ -394,7 +401,7 @@ def kit_row(name: str, a) -> dict:
 
         ReversibleLoraMerge.merge = _timed_into(totals, ReversibleLoraMerge.merge)
         ReversibleLoraMerge.restore = _timed_into(totals, ReversibleLoraMerge.restore)
-    times = StepTimes(totals, mem.labels(), profile_step=_steps_run(a) if a.profile_training else None)
+    ds, times = _row_inputs(tok, mem, totals, a)
     gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
     gen.sleep = mem.phase("generation", gen.sleep)  # until standby has released the KV cache, it is generation's
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
@@ -500,7 +507,6 @@ def generation_alone(gen, model, tok, tokens: int) -> dict:
 def trl_row(a) -> dict:
     import torch
     import trl.generation.vllm_generation as vg
-    from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -528,8 +534,7 @@ def trl_row(a) -> dict:
                       generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
                       warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
                       seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (_steps_run(a) + 1))})
-    times = StepTimes(totals, mem.labels(), profile_step=_steps_run(a) if a.profile_training else None)
+    ds, times = _row_inputs(tok, mem, totals, a)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
                           callbacks=[times.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
                                                                              target_modules=LORA_TARGETS))
