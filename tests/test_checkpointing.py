@@ -1,6 +1,7 @@
 """Offloaded checkpointing: gradients equal to no checkpointing and to HF's standard
 (non-reentrant) checkpointing, on tiny Llama / Qwen2 / Mistral, with and without LoRA,
 over 2 accumulated micro-batches; lifecycle (enable twice, disable, no_grad, eval/train).
+Every other family (whole-layer mode, chunked MLP): tests/test_families.py.
 
 The CPU has no CUDA streams, so the offload copies are exercised with ``_offload_on_cpu``
 (the same pool / prefetch code, CPU -> CPU copies)."""
@@ -24,9 +25,7 @@ peft = pytest.importorskip("peft")
 
 
 def _tiny(name: str, layers: int = 3, dtype=torch.float32):
-    from transformers import MistralConfig
-
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, MistralConfig
 
     from grpo_kit.model.loading import BUILTIN_MODELS, build_random_model
 
@@ -38,7 +37,7 @@ def _tiny(name: str, layers: int = 3, dtype=torch.float32):
         spec = BUILTIN_MODELS[name]
         # vocab 128 keeps the logits small; the layers are what is under test
         kw = dict(spec.config, vocab_size=128, num_hidden_layers=layers)
-        cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.model_type](**kw)
+        cfg = AutoConfig.for_model(spec.model_type, **kw)
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     return build_random_model(cfg, dtype=dtype, seed=0)
@@ -188,7 +187,7 @@ def test_eval_train_switch_and_no_grad_output():
 
 
 def _layers(model):
-    return [m for m in model.modules() if type(m).__name__ in ck.SUPPORTED_LAYERS]
+    return ck.decoder_layers(model)
 
 
 def _offloader(model):
@@ -284,9 +283,16 @@ def test_pageable_fallback_warns():
     disable_offloaded_checkpointing(model)
 
 
-def test_unsupported_architecture_names_supported():
-    with pytest.raises(ValueError, match="LlamaDecoderLayer.*Qwen2DecoderLayer.*MistralDecoderLayer"):
+def test_unmappable_model_names_what_was_not_found():
+    with pytest.raises(ValueError, match="enable_offloaded_checkpointing: Sequential: no decoder body"):
         enable_offloaded_checkpointing(nn.Sequential(nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_the_three_first_families_keep_the_split_layers(name):
+    """Their per-token work stays sliced (the long-context memory figures rest on it): the probe picks ``split``."""
+    model = enable_offloaded_checkpointing(_lora(_tiny(name)), **OURS)
+    assert ck.layer_modes(model) == {"split": 3}
 
 
 @pytest.mark.parametrize("kw", [dict(chunk_tokens=0), dict(min_bytes=-1), dict(offload="yes"), dict(chunk_tokens=2.5)])
@@ -341,4 +347,4 @@ def test_auto_chunk_size():
         cfg.num_hidden_layers = 1
         with torch.device("meta"):
             layer = AutoModelForCausalLM.from_config(cfg).model.layers[0]
-        assert ck._auto_chunk_tokens(layer) == want, name
+        assert ck._auto_chunk_tokens(layer.mlp) == want, name

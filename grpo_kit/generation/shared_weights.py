@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from grpo_kit.model.fp8 import FP8_BLOCK, FP8_DTYPE, FP8Linear, quantize_fp8
-from grpo_kit.model.loading import meta_model, normal_init
+from grpo_kit.model.loading import meta_model, normal_init, set_default_attention
 from grpo_kit.model.quantize import quantizable_linears
 
 
@@ -203,7 +203,7 @@ def build_shared_model(engine_model, config, dtype: torch.dtype, *, fp8: bool = 
     """
     if fp8_block not in (None, FP8_BLOCK):
         raise ValueError(f"fp8_block={fp8_block!r}: None (per channel) or {FP8_BLOCK}")
-    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    set_default_attention(config)
     model = meta_model(config, dtype=dtype, real_buffers=True)  # buffers real (on the CPU), moved below
     fp8_layers = _fp8_meta_layers(model, dtype, fp8_block) if fp8 else {}
     tied = bool(getattr(config, "tie_word_embeddings", False))

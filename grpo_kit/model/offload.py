@@ -1,4 +1,17 @@
-"""Offloaded gradient checkpointing for HF Llama / Qwen2 / Mistral decoder layers.
+"""Offloaded gradient checkpointing for the decoder layers of any transformers causal LM.
+
+The layers are found generically (:func:`grpo_kit.model.anatomy.decoder_layers`) and wrapped as they are: no
+replacement forward per model class. Each layer runs in one of two modes, chosen once by a probe at enable time
+(:func:`_probe`: one forward of a few tokens through the body, each layer's own output held against the mode's):
+
+* ``split``: the layer has the pre-norm layout ``x + o(attn(q, k, v of norm(x))); h + mlp(norm(h))`` (Llama, Qwen2/3,
+  Mistral, Phi-3, ...): the per-token work runs over slices of tokens and only attention sees the whole sequence
+  (below);
+* ``whole``: any other layer (post-norm OLMo, Gemma's four norms, Granite's scaled residuals, NoPE layers, MoE
+  blocks returning router scores, ...): the layer is recomputed as written, so sliding windows, QK-norm, attention
+  sinks and NoPE pass through unchanged; its position-wise MLP (dense or MoE: whichever child the probe finds
+  position-wise and largest) runs over slices of tokens, each slice recomputed in backward, so its (tokens x
+  intermediate) activations are never whole.
 
 What it does, per decoder layer, once :func:`enable_offloaded_checkpointing` is on:
 
@@ -26,11 +39,12 @@ What it does, per decoder layer, once :func:`enable_offloaded_checkpointing` is 
 * on a CPU-only machine nothing is offloaded; the wrapper does plain (chunked) recompute.
 
 The readable reference is HF's own ``model.gradient_checkpointing_enable()``
-(non-reentrant ``torch.utils.checkpoint``); tests hold the gradients equal.
+(non-reentrant ``torch.utils.checkpoint``); tests hold the gradients equal, per family.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import types
@@ -42,10 +56,11 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from grpo_kit.model.anatomy import AnatomyError, decoder_body, decoder_layers, head
 from grpo_kit.model.nf4_matmul import layer_weight_cache
 
 __all__ = [
-    "SUPPORTED_LAYERS",
+    "LAYER_MODES",
     "enable_offloaded_checkpointing",
     "disable_offloaded_checkpointing",
     "keep_hf_checkpointing_off",
@@ -53,16 +68,15 @@ __all__ = [
     "reserve_offload_buffers",
 ]
 
-# Decoder-layer class name -> how its attention passes the sliding window (None: not at all).
-# All three share the layout input_layernorm / self_attn(q,k,v,o_proj) / post_attention_layernorm
-# / mlp(gate, up, down, act_fn).
-SUPPORTED_LAYERS = {
-    "LlamaDecoderLayer": None,
-    "Qwen2DecoderLayer": "module",  # Qwen2Attention passes self.sliding_window
-    "MistralDecoderLayer": "config",  # MistralAttention passes config.sliding_window
-}
+LAYER_MODES = ("split", "whole")  # see the module docstring
+# The split mode's layer and attention children: the pre-norm layout; any other child means another layout.
+_SPLIT_LAYER_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+_SPLIT_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
+_PROBE_TOKENS = 12  # the probe's sequence: a few slices of _PROBE_CHUNK tokens, past a tiny sliding window
+_PROBE_CHUNK = 4
 
 _STATE_ATTR = "_grpo_kit_offload_state"
+_MLP_ATTR = "_grpo_kit_chunked_mlp"
 
 
 # --------------------------------------------------------------------------- host buffers
@@ -289,11 +303,16 @@ def _rotary_fn(layer: nn.Module):
     return fn
 
 
-def _auto_chunk_tokens(layer) -> int:
+def _mlp_width(mlp: nn.Module) -> int:
+    """The widest dimension of a position-wise MLP's weights: its intermediate size (dense), or an expert's fused
+    gate/up width (MoE)."""
+    return max((max(p.shape[-2:]) for p in mlp.parameters() if p.dim() >= 2), default=1)
+
+
+def _auto_chunk_tokens(mlp: nn.Module) -> int:
     """Tokens per slice so one MLP intermediate (tokens x intermediate) is <= 2**26 elements
     (256 MiB in fp32, the dtype peft's default LoRA casts to); a power of two in [1024, 16384]."""
-    inter = getattr(layer.mlp, "intermediate_size", None) or layer.mlp.gate_proj.out_features
-    t = 1 << max(0, (2**26 // max(int(inter), 1)).bit_length() - 1)
+    t = 1 << max(0, (2**26 // max(int(_mlp_width(mlp)), 1)).bit_length() - 1)
     return min(16384, max(1024, t))
 
 
@@ -315,6 +334,8 @@ def _qkv_chunk(layer, x_c, cos_c, sin_c, rotary):
     q = attn.q_proj(n).view(B, t, -1, attn.head_dim)
     k = attn.k_proj(n).view(B, t, -1, attn.head_dim)
     v = attn.v_proj(n).view(B, t, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):  # QK-norm over each head (Qwen3); another placement fails the probe
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rotary(q, k, cos_c, sin_c, unsqueeze_dim=2)  # heads are dim 2 in this layout
     return q, k, v
 
@@ -334,6 +355,14 @@ def _out_chunk(layer, x_c, a_c):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def _sliding_window(attn: nn.Module):
+    """The sliding window an HF attention module passes to the attention function: its own attribute where it
+    has one (Qwen2/3, Gemma 3, gpt-oss: None on global layers), else its config's (Mistral, Phi-3; Llama: None)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None)
+
+
 def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
     """The attention core exactly as the HF attention module calls it. In/out (B, T, heads, d)."""
     attn = layer.self_attn
@@ -343,11 +372,7 @@ def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
         iface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, mod.eager_attention_forward)
     else:  # older transformers: a plain mapping, eager not in it
         iface = mod.eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
-    extra = {}
-    if sliding == "module":
-        extra["sliding_window"] = attn.sliding_window
-    elif sliding == "config":
-        extra["sliding_window"] = getattr(attn.config, "sliding_window", None)
+    extra = {} if sliding is None else {"sliding_window": sliding}
     out, _ = iface(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
                    dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
                    **extra, **kwargs)
@@ -424,7 +449,7 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
 
 
 def _has_active_dropout(layer: nn.Module) -> bool:
-    if layer.training and getattr(layer.self_attn, "attention_dropout", 0.0) > 0:
+    if layer.training and any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0 for m in layer.modules()):
         return True
     return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in layer.modules())
 
@@ -454,7 +479,7 @@ class _OffloadedLayer(torch.autograd.Function):
         job.rec = job.offloader.save(x, job.layer_index, job.is_last)
         job.autocast = _autocast_state(x.device)
         if job.whole:
-            job.rng = _rng_state(x.device)
+            job.rng = _rng_state(x.device) if job.dropout else None
             with layer_weight_cache():  # 4-bit: the kit's matmul, as in the recompute (the same rounding)
                 return job.orig_forward(x, **job.call_kwargs)
         return _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk)
@@ -474,7 +499,7 @@ class _OffloadedLayer(torch.autograd.Function):
         # 4-bit weights: dequantised once for the recompute and its backward (grpo_kit.model.nf4_matmul)
         with _autocast_ctx(x.device, job.autocast), layer_weight_cache():
             if job.whole:
-                with _restored_rng(x.device, job.rng):
+                with _restored_rng(x.device, job.rng) if job.rng is not None else nullcontext():
                     xg = x.detach().requires_grad_(need_gx)
                     with torch.enable_grad():
                         y = job.orig_forward(xg, **job.call_kwargs)
@@ -490,7 +515,7 @@ class _Job:
     """Everything one layer call needs again in backward (tensors shared across layers)."""
 
     __slots__ = ("layer", "offloader", "layer_index", "is_last", "orig_forward", "call_kwargs", "cos_sin",
-                 "mask", "attn_kwargs", "sliding", "whole", "rec", "rng", "autocast", "chunk")
+                 "mask", "attn_kwargs", "sliding", "whole", "dropout", "rec", "rng", "autocast", "chunk")
 
 
 def _autocast_state(device):
@@ -530,67 +555,238 @@ class _restored_rng:
         return False
 
 
+# --------------------------------------------------------------------------- the chunked MLP of whole layers
+
+
+class _ChunkedMLP(torch.autograd.Function):
+    """A position-wise MLP over slices of tokens: forward without grad (only its input is saved), backward
+    recomputing each slice with grad. x (B, T, H) -> (B, T, H), or that and the MLP's other per-token outputs
+    (router scores, no gradient) where it returns a tuple; tokens are sliced over the flattened (B * T) order, so
+    an MoE block's per-token router outputs come in the order of the whole call."""
+
+    @staticmethod
+    def forward(ctx, mlp, chunk, anchor, x):
+        ctx.mlp, ctx.chunk = mlp, chunk
+        ctx.save_for_backward(x)
+        out = _mlp_slices(mlp, x, chunk)
+        if isinstance(out, tuple):
+            ctx.mark_non_differentiable(*(t for t in out[1:] if isinstance(t, torch.Tensor)))
+        return out
+
+    @staticmethod
+    def backward(ctx, gy, *_):
+        (x,) = ctx.saved_tensors
+        mlp, chunk = ctx.mlp, ctx.chunk
+        need_gx = ctx.needs_input_grad[3]
+        flat, gflat = x.reshape(1, -1, x.shape[-1]), gy.reshape(1, -1, gy.shape[-1])
+        gx = torch.empty_like(flat) if need_gx else None
+        for s in _slices(flat.shape[1], 1, chunk):
+            xs = flat[:, s].detach().requires_grad_(need_gx)
+            with torch.enable_grad():
+                ys = _mlp_out(mlp(xs))
+            if ys.requires_grad:
+                torch.autograd.backward(ys, gflat[:, s])
+            if need_gx:
+                gx[:, s] = xs.grad if xs.grad is not None else 0
+        return None, None, None, (gx.view_as(x) if need_gx else None)
+
+
+def _mlp_out(out):
+    """The hidden-state output of an MLP call: the tensor, or the first element where it returns a tuple (gpt-oss
+    returns its router scores beside it)."""
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _mlp_slices(mlp, x, chunk):
+    """``mlp`` over slices of x's flattened tokens, no grad; the output in the call's form (tensor or tuple)."""
+    flat = x.reshape(1, -1, x.shape[-1])
+    outs = [mlp(flat[:, s]) for s in _slices(flat.shape[1], 1, chunk)]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, 1).view(*x.shape[:-1], -1)
+    first = torch.cat([o[0] for o in outs], 1).view(*x.shape[:-1], -1)
+    return (first, *(torch.cat(parts, 0) if isinstance(parts[0], torch.Tensor) else parts[0]
+                     for parts in zip(*(o[1:] for o in outs))))
+
+
+def _chunked_mlp_forward(mlp, *args, **kwargs):
+    """Replacement ``forward`` of a whole-mode layer's position-wise MLP: slices of tokens when the call has more
+    than one slice of them, the original forward otherwise (decoding, short sequences)."""
+    st = mlp.__dict__[_MLP_ATTR]
+    x = args[0] if args else kwargs.get("hidden_states")
+    if (len(args) != 1 or kwargs or not isinstance(x, torch.Tensor) or x.dim() != 3
+            or x.shape[0] * x.shape[1] <= st["chunk"]() or (mlp.training and st["dropout"])):
+        return st["orig_forward"](*args, **kwargs)
+    chunk = st["chunk"]()
+    trainable = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in mlp.parameters()))
+    if not trainable:
+        return _mlp_slices(st["orig_forward"], x, chunk)
+    return _ChunkedMLP.apply(st["orig_forward"], chunk, _GradAnchor.get(), x)
+
+
 # --------------------------------------------------------------------------- the wrapped forward
 
 
-def _wrapped_forward(layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                     use_cache=False, position_embeddings=None, **kwargs):
-    """Replacement ``forward`` of a supported decoder layer (same call signature as HF's)."""
+def _call_args(sig: inspect.Signature, args, kwargs) -> tuple[torch.Tensor, dict]:
+    """``(hidden_states, every other argument by name)`` of a decoder-layer call, ``**kwargs`` flattened."""
+    bound = sig.bind(*args, **kwargs)
+    named = dict(bound.arguments)
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(name, {}))
+    first = next(iter(sig.parameters))
+    return named.pop(first), named
+
+
+def _wrapped_forward(layer, *args, **kwargs):
+    """Replacement ``forward`` of a decoder layer (the layer's own call signature)."""
     st = layer.__dict__[_STATE_ATTR]
     off: _Offloader = st["offloader"]
+    hidden_states, call_kwargs = _call_args(st["signature"], args, kwargs)
+    split = st["mode"] == "split"
     chunk = off.chunk_tokens or st["auto_chunk"]
-    call_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-                       use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-    if position_embeddings is None:
+    cos_sin = call_kwargs.get("position_embeddings")
+    if split and cos_sin is None:
         return st["orig_forward"](hidden_states, **call_kwargs)
     trainable = torch.is_grad_enabled() and (
         hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    cached = call_kwargs.get("past_key_values") is not None
+    dropout = _has_active_dropout(layer)
+    attn_kwargs = {k: v for k, v in call_kwargs.items() if k not in ("attention_mask", "position_embeddings")}
     if not trainable:
-        if past_key_values is not None or _has_active_dropout(layer):
-            return st["orig_forward"](hidden_states, **call_kwargs)  # generation with a cache
-        cos, sin = position_embeddings
-        return _chunked_forward(layer, hidden_states, cos, sin, attention_mask,
-                                dict(position_ids=position_ids, use_cache=use_cache, **kwargs),
+        if cached or dropout or not split:  # generation with a cache; or the layer as written
+            return st["orig_forward"](hidden_states, **call_kwargs)
+        return _chunked_forward(layer, hidden_states, *cos_sin, call_kwargs.get("attention_mask"), attn_kwargs,
                                 st["sliding"], chunk)
-    for k, v in list(call_kwargs.items()) + [("cos", position_embeddings[0]), ("sin", position_embeddings[1])]:
+    for k, v in list(call_kwargs.items()) + list(zip(("cos", "sin"), cos_sin or ())):
         if isinstance(v, torch.Tensor) and v.requires_grad:
             raise ValueError(f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
                              "only hidden_states may (its gradient is the only one passed back).")
     # As HF's checkpointing does in training: the recompute must not write a cache twice.
-    call_kwargs["past_key_values"], call_kwargs["use_cache"] = None, False
+    for k, v in (("past_key_values", None), ("use_cache", False)):
+        if k in call_kwargs:
+            call_kwargs[k] = attn_kwargs[k] = v
     job = _Job()
     job.layer, job.offloader = layer, off
     job.layer_index, job.is_last = st["index"], st["is_last"]
     job.orig_forward, job.call_kwargs = st["orig_forward"], call_kwargs
-    job.cos_sin, job.mask = position_embeddings, attention_mask
-    job.attn_kwargs = dict(position_ids=position_ids, use_cache=False, **kwargs)
-    job.sliding, job.whole, job.chunk = st["sliding"], _has_active_dropout(layer), chunk
+    job.cos_sin, job.mask = cos_sin, call_kwargs.get("attention_mask")
+    job.attn_kwargs = attn_kwargs
+    job.sliding, job.whole, job.dropout, job.chunk = st["sliding"], not split or dropout, dropout, chunk
     anchor = _GradAnchor.get()
     return _OffloadedLayer.apply(job, anchor, hidden_states)
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def _split_layout(layer: nn.Module) -> bool:
+    """Whether the layer has the children the split mode reads (the probe then holds its output to the layer's)."""
+    attn = getattr(layer, "self_attn", None)
+    return (attn is not None and {n for n, _ in layer.named_children()} <= _SPLIT_LAYER_CHILDREN
+            and _SPLIT_LAYER_CHILDREN - {"mlp"} <= {n for n, _ in layer.named_children()}
+            and hasattr(layer, "mlp") and {n for n, _ in attn.named_children()} <= _SPLIT_ATTN_CHILDREN
+            and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"))
+            and (hasattr(attn, "q_norm") == hasattr(attn, "k_norm"))
+            and getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None) is not None)
+
+
+def _close(a, b) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+        return False
+    tol = 1e-4 if b.dtype in (torch.float32, torch.float64) else 3e-2
+    return bool(((a.float() - b.float()).abs().max() <= tol * b.float().abs().max().clamp_min(1e-6)).item())
+
+
+@torch.no_grad()
+def _probe(model: nn.Module, layers: list[nn.Module]) -> list[dict]:
+    """One forward of ``_PROBE_TOKENS`` tokens through the decoder body, each layer and its children as written,
+    their inputs and outputs recorded; then, per layer, ``mode`` (``split`` where :func:`_chunked_forward` over
+    ``_PROBE_CHUNK``-token slices gives the layer's own output) and, for whole-mode layers, ``mlp``: the name of
+    the largest child that is position-wise (called with one (B, T, H) tensor; over two slices it gives its
+    own output), or None. Also the hidden size and dtype of the layer inputs."""
+    body = decoder_body(model)
+    calls: dict[int, tuple] = {}
+    hooks = []
+
+    def record(module, args, kwargs, out):
+        calls.setdefault(id(module), (args, kwargs, out))
+
+    for layer in layers:
+        hooks.append(layer.register_forward_hook(record, with_kwargs=True))
+        for _, child in layer.named_children():
+            hooks.append(child.register_forward_hook(record, with_kwargs=True))
+    vocab = head(model).weight.shape[0]
+    device = next(layer.parameters()).device
+    ids = torch.arange(1, _PROBE_TOKENS + 1, device=device).remainder(vocab).unsqueeze(0)
+    modes = [m.training for m in model.modules()]
+    model.eval()  # dropout off: the probe compares layouts, not random masks
+    try:
+        with layer_weight_cache():
+            body(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
+    out = []
+    for layer in layers:
+        if id(layer) not in calls:
+            raise AnatomyError(f"{type(layer).__name__}: the probe's forward did not reach this layer")
+        args, kwargs, y = calls[id(layer)]
+        if not isinstance(y, torch.Tensor):
+            raise AnatomyError(f"{type(layer).__name__} returns {type(y).__name__}, not a tensor: offloaded "
+                               "checkpointing passes one tensor between layers")
+        x, named = _call_args(inspect.signature(layer.forward), args, kwargs)
+        info = dict(mode="whole", mlp=None, hidden=x.shape[-1], dtype=x.dtype)
+        if _split_layout(layer) and named.get("position_embeddings") is not None:
+            attn_kwargs = {k: v for k, v in named.items() if k not in ("attention_mask", "position_embeddings")}
+            try:
+                mine = _chunked_forward(layer, x, *named["position_embeddings"], named.get("attention_mask"),
+                                        attn_kwargs, _sliding_window(layer.self_attn), _PROBE_CHUNK)
+            except Exception:  # noqa: BLE001 - any failure means: not this layout
+                mine = None
+            if _close(mine, y):
+                info["mode"] = "split"
+        if info["mode"] == "whole":
+            info["mlp"] = _position_wise_child(layer, calls, x)
+        out.append(info)
+    return out
+
+
+def _position_wise_child(layer: nn.Module, calls: dict, x: torch.Tensor) -> str | None:
+    """The name of the layer's largest position-wise child, or None."""
+    best, best_n = None, 2 * x.shape[-1]  # larger than any norm's weights
+    for name, child in layer.named_children():
+        rec = calls.get(id(child))
+        if rec is None:
+            continue
+        args, kwargs, y = rec
+        n = sum(p.numel() for p in child.parameters())
+        if n <= best_n or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            continue
+        if args[0].shape != x.shape or _mlp_out(y).shape != x.shape:
+            continue
+        try:
+            sliced = _mlp_slices(child, args[0], max(1, args[0].shape[1] // 2))
+        except Exception:  # noqa: BLE001 - any failure means: not position-wise as called
+            continue
+        same = isinstance(y, torch.Tensor) == isinstance(sliced, torch.Tensor) and _close(_mlp_out(sliced), _mlp_out(y))
+        if same:
+            best, best_n = name, n
+    return best
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    layers = [m for m in model.modules() if type(m).__name__ in SUPPORTED_LAYERS]
-    if not layers:
-        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Layer", "Block"))})
-        raise ValueError(
-            f"enable_offloaded_checkpointing: no supported decoder layer in {type(model).__name__} "
-            f"(found: {', '.join(found) or 'none'}). Supported: {', '.join(SUPPORTED_LAYERS)} "
-            "(HF Llama, Qwen2 and Mistral families, also under a PEFT wrapper).")
-    return layers
-
-
 def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pin_memory: bool = True,
                                    min_bytes: int = 2 * 2**20, prefetch: bool = True, chunk_tokens: int | None = None,
                                    _offload_on_cpu: bool = False) -> nn.Module:
-    """Turn on offloaded checkpointing for every supported decoder layer of ``model``.
+    """Turn on offloaded checkpointing for every decoder layer of ``model``.
 
     Args:
-        model: an HF ``*ForCausalLM`` / ``*Model`` of the Llama, Qwen2 or Mistral family, or a
-            PEFT model wrapping one.
+        model: a transformers ``*ForCausalLM`` of any family whose decoder layers pass one hidden-state tensor on
+            (:func:`grpo_kit.model.anatomy.decoder_layers`), or a PEFT model wrapping one.
         offload: copy each layer input (B, T, H) to host RAM during forward (False: keep it on
             the GPU, still recompute and chunk).
         pin_memory: page-lock the host buffers (fast async copies); falls back to pageable
@@ -604,9 +800,11 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
         _offload_on_cpu: testing only: "offload" CPU tensors too (into the host buffer pool), so
             the pool and prefetch logic run on machines without CUDA.
 
-    Calling it again updates the options (no double wrapping). HF's own gradient checkpointing
-    flag is switched off on the wrapped layers (it would recompute twice) and restored by
-    :func:`disable_offloaded_checkpointing`. Returns ``model``.
+    Each layer's mode (``split`` or ``whole``, the module docstring) is chosen by a probe, one forward of a few
+    tokens (:func:`_probe`); ``layer_modes(model)`` reports them. Calling it again updates the options (no double
+    wrapping). HF's own gradient checkpointing flag is switched off on the wrapped layers (it would recompute
+    twice) and restored by :func:`disable_offloaded_checkpointing`. Returns ``model``. A model whose layers cannot
+    be wrapped raises :class:`grpo_kit.model.anatomy.AnatomyError` naming what was not found.
     """
     for name, val in (("offload", offload), ("pin_memory", pin_memory), ("prefetch", prefetch)):
         if not isinstance(val, bool):
@@ -616,7 +814,10 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be None or an int >= 1, got {chunk_tokens!r}")
-    layers = _decoder_layers(model)
+    try:
+        layers = decoder_layers(model)
+    except AnatomyError as e:
+        raise AnatomyError(f"enable_offloaded_checkpointing: {e}") from None
     opts = dict(offload=offload, pin_memory=pin_memory, min_bytes=min_bytes, prefetch=prefetch,
                 chunk_tokens=chunk_tokens, offload_cpu=_offload_on_cpu)
     existing = [l.__dict__[_STATE_ATTR]["offloader"] for l in layers if _STATE_ATTR in l.__dict__]
@@ -625,21 +826,53 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
         offloader.configure(**opts)
     else:
         offloader = _Offloader(**opts)
+    new = [l for l in layers if _STATE_ATTR not in l.__dict__]
+    probed = dict(zip(map(id, new), _probe(model, new))) if new else {}
     for i, layer in enumerate(layers):
         if _STATE_ATTR in layer.__dict__:
             layer.__dict__[_STATE_ATTR].update(offloader=offloader, index=i, is_last=i == len(layers) - 1)
             continue
+        info = probed[id(layer)]
         had_instance_forward = "forward" in layer.__dict__
-        layer.__dict__[_STATE_ATTR] = dict(
-            offloader=offloader, index=i, is_last=i == len(layers) - 1,
+        mlp = getattr(layer, "mlp", None) if info["mode"] == "split" else (
+            getattr(layer, info["mlp"]) if info["mlp"] else None)
+        state = dict(
+            offloader=offloader, index=i, is_last=i == len(layers) - 1, mode=info["mode"],
+            hidden=info["hidden"], dtype=info["dtype"], signature=inspect.signature(layer.forward),
             orig_forward=layer.forward, instance_forward=layer.__dict__.get("forward") if had_instance_forward else None,
-            had_instance_forward=had_instance_forward, sliding=SUPPORTED_LAYERS[type(layer).__name__],
-            auto_chunk=_auto_chunk_tokens(layer),
-            hf_gc=getattr(layer, "gradient_checkpointing", None))
+            had_instance_forward=had_instance_forward,
+            sliding=_sliding_window(layer.self_attn) if info["mode"] == "split" else None,
+            auto_chunk=_auto_chunk_tokens(mlp) if mlp is not None else 16384,
+            hf_gc=getattr(layer, "gradient_checkpointing", None), mlp=info["mlp"])
+        layer.__dict__[_STATE_ATTR] = state
+        if info["mlp"] is not None:
+            _wrap_mlp(mlp, state, offloader)
         if getattr(layer, "gradient_checkpointing", False):
             layer.gradient_checkpointing = False
         layer.forward = types.MethodType(_wrapped_forward, layer)
     return model
+
+
+def _wrap_mlp(mlp: nn.Module, layer_state: dict, offloader: _Offloader) -> None:
+    """Run ``mlp`` (a whole-mode layer's position-wise child) over slices of tokens (:func:`_chunked_mlp_forward`)."""
+    had = "forward" in mlp.__dict__
+    mlp.__dict__[_MLP_ATTR] = dict(
+        orig_forward=mlp.forward, had_instance_forward=had, instance_forward=mlp.__dict__.get("forward"),
+        chunk=lambda: offloader.chunk_tokens or layer_state["auto_chunk"],
+        dropout=any(isinstance(m, nn.Dropout) and m.p > 0 for m in mlp.modules()))
+    mlp.forward = types.MethodType(_chunked_mlp_forward, mlp)
+
+
+def layer_modes(model: nn.Module) -> dict[str, int]:
+    """``{mode: number of layers}`` of an enabled model, a whole-mode layer counted as ``whole+mlp`` where its
+    MLP runs in slices."""
+    counts: dict[str, int] = {}
+    for layer in model.modules():
+        st = layer.__dict__.get(_STATE_ATTR)
+        if st is not None:
+            key = st["mode"] + ("+mlp" if st["mode"] == "whole" and st["mlp"] else "")
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
@@ -653,13 +886,20 @@ def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
             continue
         offloaders.add(id(st["offloader"]))
         st["offloader"].pool.clear()
-        if st["had_instance_forward"]:
-            layer.forward = st["instance_forward"]
-        else:
-            del layer.forward
+        if st["mlp"] is not None:
+            _restore_forward(getattr(layer, st["mlp"]), getattr(layer, st["mlp"]).__dict__.pop(_MLP_ATTR))
+        _restore_forward(layer, st)
         if st["hf_gc"] is not None:
             layer.gradient_checkpointing = st["hf_gc"]
     return model
+
+
+def _restore_forward(module: nn.Module, st: dict) -> None:
+    """The module's forward as it was before wrapping: its instance attribute, or the class method."""
+    if st["had_instance_forward"]:
+        module.forward = st["instance_forward"]
+    else:
+        del module.forward
 
 
 def keep_hf_checkpointing_off(model: nn.Module) -> int:
@@ -706,8 +946,8 @@ def reserve_offload_buffers(model: nn.Module, batch_size: int, seq_len: int) -> 
     on_cuda = param.is_cuda
     if not off.offload or not (on_cuda or off.offload_cpu):
         return 0
-    hidden = layers[0].input_layernorm.weight.shape[0]
-    dtype = layers[0].input_layernorm.weight.dtype
+    st = layers[0].__dict__[_STATE_ATTR]
+    hidden, dtype = st["hidden"], st["dtype"]
     nbytes = batch_size * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
     if nbytes < off.min_bytes:
         return 0
