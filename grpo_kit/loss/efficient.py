@@ -25,6 +25,12 @@ the same sum (:func:`grpo_kit.loss.reference.objective_loss`) over the log-probs
   reference-model and old-policy passes.
 
 ``hidden[:, t]`` predicts ``completion_ids[:, t]`` (shift already applied by the caller).
+
+Logit forms other than ``h @ W^T + b`` (``logit_scale``, ``logit_softcap``): the logits are ``z * scale``, then
+``softcap * tanh(z * scale / softcap)`` where a soft-cap is set, before the temperature, as the model's own forward
+forms them (Granite's ``1 / logits_scaling``, Gemma's ``final_logit_softcapping``). A scale alone folds into the
+temperature; a soft-cap multiplies the chunk's logit gradient by its derivative ``scale * (1 - tanh^2)``, kept per
+chunk beside the logits.
 """
 
 from __future__ import annotations
@@ -44,12 +50,16 @@ from grpo_kit.loss.reference import engine_metrics, objective_loss
 _CHUNK_BUDGET_BYTES = 256 * 2**20
 
 
-def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0):
-    """Rows per chunk so that one logits chunk (plus epilogue temporaries) and the per-token fp32/int64
-    vectors (~48 bytes a token: weights, advantages, old/ref/log-probs, ids) fit in ~0.25 GiB."""
-    per_row = vocab * torch.empty((), dtype=dtype).element_size()
+def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0, softcap=False):
+    """Rows per chunk so that one logits chunk (plus epilogue temporaries, and a soft-cap's derivative and fp32
+    tanh) and the per-token fp32/int64 vectors (~48 bytes a token: weights, advantages, old/ref/log-probs, ids)
+    fit in ~0.25 GiB."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_row = vocab * elt
     if backend == "torch":
         per_row += vocab * 4 * 3  # fp32 copies made by the torch epilogue
+    if softcap:
+        per_row += vocab * (elt + 4)
     budget = max(_CHUNK_BUDGET_BYTES - 48 * n_tokens, _CHUNK_BUDGET_BYTES // 4)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -87,9 +97,14 @@ def _check_head(hidden, lm_head_weight, lm_head_bias, ids, ids_name):
     return B, T, H, V
 
 
-def _check_temperature_chunk(temperature, chunk_size):
+def _check_temperature_chunk(temperature, chunk_size, logit_scale=1.0, logit_softcap=None):
     if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not isinstance(logit_scale, numbers.Real) or not math.isfinite(logit_scale) or logit_scale == 0:
+        raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale!r}")
+    if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real) or not math.isfinite(logit_softcap)
+                                      or logit_softcap <= 0):
+        raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
     if chunk_size is not None and (not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
@@ -108,6 +123,13 @@ def _row_gather(hidden, rows, s, e):
 def _logits(h_c, weight, bias):
     """(n, V) logits chunk in the input dtype (fp32 accumulation inside the matmul)."""
     return torch.mm(h_c, weight.t()) if bias is None else torch.addmm(bias, h_c, weight.t())
+
+
+def _softcapped(z, scale, cap):
+    """``(cap * tanh(z * scale / cap), its derivative w.r.t. z)``, both in z's dtype (tanh in fp32)."""
+    t = torch.tanh(z.float().mul_(scale / cap))
+    d = (1.0 - t * t).mul_(scale).to(z.dtype)
+    return t.mul_(cap).to(z.dtype), d
 
 
 def _chunk_coefficient(spec, logp, w, adv, old, ref, isw):
@@ -132,16 +154,22 @@ class _ChunkedHead:
     buffers the chunks write: hidden (B*T, H) in the input dtype, head weight (V, H) and bias (V,) in fp32.
 
     hidden (B, T, H); weight (V, H); bias (V,) or None; ids (B*T,) int64; active (B*T,) bool (padding rows are
-    skipped entirely); needs: whether hidden, weight, bias get a gradient.
+    skipped entirely); needs: whether hidden, weight, bias get a gradient; scale, softcap: the logit form (module
+    docstring).
     """
 
-    def __init__(self, hidden, weight, bias, ids, active, *, chunk_rows, temperature, backend, needs):
+    def __init__(self, hidden, weight, bias, ids, active, *, chunk_rows, temperature, backend, needs, scale=1.0,
+                 softcap=None):
         B, T, H = hidden.shape
         self.hidden, self.weight, self.bias, self.n_total = hidden, weight, bias, B * T
         self.n_rows = int(active.sum())
         self.rows = None if self.n_rows == self.n_total else active.nonzero().squeeze(1)
         self.ids = self.select(ids)
-        self.chunk_rows, self.inv_temp, self.backend = int(chunk_rows), 1.0 / temperature, backend
+        self.chunk_rows, self.backend = int(chunk_rows), backend
+        # a scale alone folds into the temperature; under a soft-cap it goes inside the tanh
+        self.scale, self.softcap = float(scale), softcap
+        self.inv_temp = (1.0 if softcap is not None else self.scale) / temperature
+        self._dcap = None  # the current chunk's soft-cap derivative
         need_hidden, need_weight, need_bias = needs
         dev = hidden.device
         self.grad_hidden = self.grad_weight = self.grad_bias = None
@@ -172,9 +200,12 @@ class _ChunkedHead:
             yield start, min(start + self.chunk_rows, self.n_rows)
 
     def logits(self, start, end):
-        """(rows of hidden, their logits chunk)."""
+        """(rows of hidden, their logits chunk); a soft-cap applied, its derivative kept for :meth:`accumulate`."""
         h = _row_gather(self.hidden, self.rows, start, end)
-        return h, _logits(h, self.weight, self.bias)
+        z = _logits(h, self.weight, self.bias)
+        if self.softcap is not None:
+            z, self._dcap = _softcapped(z, self.scale, self.softcap)
+        return h, z
 
     def log_probs(self, logits, start, end, with_entropy):
         """(logp, logsumexp, entropy or None) of the chunk's tokens, (rows,) fp32."""
@@ -184,6 +215,8 @@ class _ChunkedHead:
         """Add the chunk's gradient for per-token coefficients ``coef`` (rows,): the epilogue turns the logits
         into dL/dz = coef * (softmax - onehot) / temperature in place, then the head's GEMMs."""
         dz = _epi.softmax_grad_(logits, self.ids[start:end], lse, coef, self.inv_temp, self.backend)
+        if self._dcap is not None:  # through the soft-cap: d z' / d z
+            dz.mul_(self._dcap)
         if into_hidden:
             if self.rows is None:
                 torch.mm(dz, self.weight, out=self.grad_hidden[start:end])
@@ -346,6 +379,8 @@ def efficient_grpo_loss(
     entropy_mask_fn=None,
     sampling_logps=None,
     engine_correction=None,
+    logit_scale=1.0,
+    logit_softcap=None,
     **options,
 ):
     """GRPO loss from final hidden states without materialising (B, T, V) logits.
@@ -358,7 +393,8 @@ def efficient_grpo_loss(
     ``importance_sampling_ratio``). ``entropy_mask_fn``, ``sampling_logps``, ``engine_correction`` and
     ``options``: as in :func:`grpo_kit.loss.reference.grpo_loss_reference`; the entropy of the same chunk pass
     feeds the entropy mask. ``chunk_size``: token rows per logits chunk (None: from free memory, ~0.25 GiB of
-    logits). ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'.
+    logits). ``epilogue``: 'auto' (Triton on CUDA), 'triton' or 'torch'. ``logit_scale``, ``logit_softcap``: the
+    model's logit form (module docstring; :func:`grpo_kit.model.anatomy.logit_form` reads it from a config).
 
     Returns (loss: 0-d fp32, metrics: dict of detached 0-d fp32 tensors, same keys as
     :func:`grpo_kit.loss.reference.grpo_loss_reference` plus ``entropy`` when ``compute_entropy``). Gradients
@@ -366,14 +402,15 @@ def efficient_grpo_loss(
     gradient allows one backward per call.
     """
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
-    _check_temperature_chunk(temperature, chunk_size)
+    _check_temperature_chunk(temperature, chunk_size, logit_scale, logit_softcap)
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, completion_ids, "completion_ids")
     adv, isw, engine = check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps,
                                     importance_weights, max_completion_length, num_items_in_batch, engine_correction,
                                     sampling_logps)
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
-        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T)
+        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T,
+                                      softcap=logit_softcap is not None)
     batch = _Batch(spec, completion_mask.float(),
                    token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch),
                    adv.detach().float(), _fp32(old_logps), None if spec.beta == 0 else _fp32(ref_logps), _fp32(isw),
@@ -383,7 +420,7 @@ def efficient_grpo_loss(
              grad_on and lm_head_bias is not None and lm_head_bias.requires_grad)
     head = _ChunkedHead(hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(B * T).long(),
                         batch.weights.reshape(B * T) != 0, chunk_rows=chunk_size, temperature=float(temperature),
-                        backend=backend, needs=needs)
+                        backend=backend, needs=needs, scale=logit_scale, softcap=logit_softcap)
     with torch.no_grad():
         loss, logp, entropy, parts, scale = _loss_and_gradients(batch, head, bool(compute_entropy))
     if any(needs):
@@ -422,24 +459,29 @@ def _loss_and_gradients(batch, head, compute_entropy):
     return loss, logp, entropy, parts, scale
 
 
-def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto"):
+def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto",
+                    logit_scale=1.0, logit_softcap=None):
     """Chunked log p(ids[:, t] | hidden[:, t]) without grad, for reference / old-policy passes.
 
-    hidden: (B, T, H); lm_head_weight: (V, H) same dtype; ids: (B, T) int in [0, V).
+    hidden: (B, T, H); lm_head_weight: (V, H) same dtype; ids: (B, T) int in [0, V); ``logit_scale``,
+    ``logit_softcap``: the model's logit form, as in :func:`efficient_grpo_loss`.
     Returns (B, T) fp32. Only one (chunk_size, V) logits chunk exists at a time.
     """
-    _check_temperature_chunk(temperature, chunk_size)
+    _check_temperature_chunk(temperature, chunk_size, logit_scale, logit_softcap)
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, ids, "ids")
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
-        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend)
+        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, softcap=logit_softcap is not None)
     N = B * T
     ids_n = ids.reshape(N).long()
+    inv_temp = (1.0 if logit_softcap is not None else float(logit_scale)) / temperature
     out = torch.empty(N, dtype=torch.float32, device=hidden.device)
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
         z = _logits(_row_gather(hidden, None, s, e), lm_head_weight, lm_head_bias)
-        out[s:e] = _epi.lse_logp(z, ids_n[s:e], 1.0 / temperature, False, backend)[0]
+        if logit_softcap is not None:
+            z = _softcapped(z, float(logit_scale), float(logit_softcap))[0]
+        out[s:e] = _epi.lse_logp(z, ids_n[s:e], inv_temp, False, backend)[0]
     if not bool(torch.isfinite(out).all()):
         raise ValueError("per_token_logps: non-finite log-probs; hidden or lm_head_weight (or bias) hold NaN/inf")
     return out.view(B, T)

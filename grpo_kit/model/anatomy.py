@@ -150,12 +150,12 @@ def check_logit_form(model: nn.Module, form: LogitForm, *, tokens: int = 6) -> f
     device = out.weight.device
     ids = torch.arange(1, tokens + 1, device=device).remainder(out.weight.shape[0]).unsqueeze(0)
     box = []
-    handle = body.register_forward_hook(lambda _m, _i, o: box.append(_last_hidden(o)))
+    handle = body.register_forward_hook(lambda _m, _i, o: box.append(o))
     try:
         logits = lm(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
     finally:
         handle.remove()
-    h = box[-1][:, -1].to(out.weight.dtype)
+    h = last_hidden(box[-1])[:, -1].to(out.weight.dtype)
     z = h @ out.weight.t() if getattr(out, "bias", None) is None else torch.addmm(out.bias, h, out.weight.t())
     ours = form.apply(z).float()
     spread = float(logits.std().clamp_min(1e-6))
@@ -168,7 +168,7 @@ def check_logit_form(model: nn.Module, form: LogitForm, *, tokens: int = 6) -> f
     return gap
 
 
-def _last_hidden(output):
+def last_hidden(output):
     """The body's output hidden states: ``last_hidden_state`` of a model output, or its first element."""
     if isinstance(output, torch.Tensor):
         return output
@@ -207,6 +207,16 @@ def router_aux_coef(config) -> float:
     if not hasattr(cfg, "output_router_logits"):
         return 0.0
     return float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def router_balance_loss(router_logits, config, attention_mask=None) -> torch.Tensor:
+    """The MoE load-balancing loss (Switch Transformer's, as transformers' MoE models and TRL 1.16 compute it) of
+    the routers' logits of one forward (a tuple, one (tokens, experts) tensor per layer), over the tokens that
+    ``attention_mask`` (B, T) keeps, in the order the forward saw them."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # lazy: slow to import
+
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return load_balancing_loss_func(router_logits, num_experts(config), cfg.num_experts_per_tok, attention_mask)
 
 
 def num_experts(config) -> int:

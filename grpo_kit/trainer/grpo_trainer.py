@@ -32,19 +32,26 @@ On a GPU, offloaded gradient checkpointing (:mod:`grpo_kit.model.offload`) is tu
 by default. ``tests/test_trainer.py`` fails loudly when the pinned TRL changes a method
 signature or attribute this class relies on.
 
-Hidden states are captured with a forward hook on the body's final norm while the model
-is called through its own (possibly DDP-wrapped) forward with ``logits_to_keep=1``, so
-distributed gradient hooks still fire and the full-vocabulary head runs on one position.
+Hidden states are captured with a forward hook on the decoder body (its ``last_hidden_state``, the final norm
+applied) while the model is called through its own (possibly DDP-wrapped) forward with ``logits_to_keep=1``, so
+distributed gradient hooks still fire and the full-vocabulary head runs on one position. The head and how the
+model forms its logits (a scale, a soft-cap) are found from the model (:mod:`grpo_kit.model.anatomy`), held
+against its own logits once at construction, and applied inside the chunked loss: any supported family, no code
+per model class. An MoE model's router load-balancing loss is added as TRL adds it (``router_aux_loss_coef``), but
+under offloaded checkpointing, where it is off with a warning (:data:`AUX_LOSS_OFF_REASON`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 from trl import GRPOTrainer
 
+from grpo_kit.model.anatomy import (causal_lm, check_logit_form, decoder_body, decoder_layers, last_hidden,
+                                    logit_form, router_balance_loss)
 from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
 from grpo_kit.model.offload import enable_offloaded_checkpointing, keep_hf_checkpointing_off
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
@@ -72,20 +79,9 @@ OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_k
 # TRL's metric names the kit logs for every loss type; each type's own (clip ratios, ...) come from the registry
 # (grpo_kit.loss.registry.LossMetrics). Min/max ones are reduced over processes by min/max, the others averaged.
 LOGGED_METRICS = ("kl", "entropy", *ENGINE_IS_METRICS)
-
-
-def _final_norm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(final norm of the decoder body, the ``*ForCausalLM``), under DDP and PEFT wrappers."""
-    m = model
-    while hasattr(m, "module") and isinstance(m.module, torch.nn.Module):  # DDP / accelerate wrappers
-        m = m.module
-    if hasattr(m, "get_base_model"):  # PEFT
-        m = m.get_base_model()
-    norm = getattr(getattr(m, "model", None), "norm", None)
-    if not isinstance(norm, torch.nn.Module) or not hasattr(m, "get_output_embeddings"):
-        raise ValueError(f"{type(m).__name__} has no final norm at .model.norm; supported: Llama, Qwen2, Mistral "
-                         "families (HF transformers layout)")
-    return norm, m
+AUX_LOSS_OFF_REASON = ("the MoE router's load-balancing loss is off under offloaded checkpointing: each layer runs "
+                       "without grad in the forward and is recomputed in backward, so the routers' logits the loss "
+                       "reads carry no gradient; set gradient_checkpointing: false to train with it, as TRL does")
 
 
 def _checked(funcs, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None):
@@ -141,12 +137,18 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         self._check_vespo_importance_sampling()
         self.loss_chunk_size = loss_chunk_size
         self.scoring_batch_size = scoring_batch_size
-        _final_norm(self.model)  # an unsupported layout stops here, not at the first step
+        # an unmappable layout, or logits formed some way the loss does not know, stop here, not at the first step
+        decoder_layers(self.model)
+        self.logit_form = logit_form(causal_lm(self.model).config)
+        check_logit_form(self.model, self.logit_form)
         on_cuda = next(self.model.parameters()).is_cuda
         if offload_checkpointing is None:
             offload_checkpointing = on_cuda and bool(self.args.gradient_checkpointing)
         if offload_checkpointing:
             enable_offloaded_checkpointing(self.model, offload=on_cuda)
+            if self.aux_loss_enabled:
+                warnings.warn(AUX_LOSS_OFF_REASON, stacklevel=2)
+                self.aux_loss_enabled = False
         self._offloaded_checkpointing = bool(offload_checkpointing)
 
     @staticmethod
@@ -166,10 +168,11 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
                              f"{self.vllm_importance_sampling_mode!r}")
 
     # -- hidden states ------------------------------------------------------------------
-    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        """Final-norm hidden states (B, logits_to_keep, H) whose row t predicts completion token t, of ``model``:
-        the policy, or TRL's separate reference model (full fine-tuning with beta > 0)."""
-        norm, causal_lm = _final_norm(model)
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep, aux=False):
+        """``(hidden, aux)``: final hidden states (B, logits_to_keep, H) whose row t predicts completion token t, of
+        ``model`` (the policy, or TRL's separate reference model with full fine-tuning and beta > 0), and with
+        ``aux`` the MoE router load-balancing loss of the same forward (else None)."""
+        body = decoder_body(model)
         if self._offloaded_checkpointing:
             # Trainer.train() and TRL's generation switch HF's per-layer checkpointing back on; on top of the
             # kit's own recompute, a reentrant one would run every layer's forward once more per micro-batch
@@ -177,41 +180,52 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask.
         # Flash attention unpads a 2-D mask itself (no T x T tensor), and without one would attend over the pads.
         lead = None  # each row's leading pads, where the rows were rolled
-        if getattr(causal_lm.config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
+        tokens = attention_mask  # which positions the router loss counts, in the layout the model sees
+        if getattr(causal_lm(model).config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
             rolled = roll_left_pads(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
             if rolled is not None:
                 input_ids, lead, moved = rolled
+                if moved:
+                    pos = torch.arange(input_ids.size(1), device=input_ids.device)
+                    tokens = attention_mask.gather(1, (pos[None] + lead[:, None]) % input_ids.size(1))
                 attention_mask, lead = None, lead if moved else None
-        with _capture_output(norm) as box, self.accelerator.autocast():
-            model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
-        hidden = box[-1]
+        extra = {"output_router_logits": True} if aux else {}
+        with _capture_output(body) as box, self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False, **extra)
+        hidden = last_hidden(box[-1])
+        aux_loss = router_balance_loss(out.router_logits, causal_lm(model).config, tokens) if aux else None
         if lead is not None:
-            return completion_rows(hidden, lead, logits_to_keep)
-        return hidden[:, -logits_to_keep - 1:-1, :]
+            return completion_rows(hidden, lead, logits_to_keep), aux_loss
+        return hidden[:, -logits_to_keep - 1:-1, :], aux_loss
 
     def _head(self, model=None):
         """(weight, bias) of the output head of ``model`` (default: the policy), gathered where FSDP2 shards it."""
-        return full_head(_final_norm(self.model if model is None else model)[1])
+        return full_head(causal_lm(self.model if model is None else model))
+
+    def _logit_kwargs(self) -> dict:
+        return dict(logit_scale=self.logit_form.scale, logit_softcap=self.logit_form.softcap)
 
     # -- override 1: log-probs without logits ----------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        if any(v is not None for v in multimodal.values()) or compute_aux_loss:
-            raise ValueError("EfficientGRPOTrainer supports text-only dense models (no images, no MoE aux loss)")
+        if any(v is not None for v in multimodal.values()):
+            raise ValueError("EfficientGRPOTrainer supports text-only models (no images)")
         # Only TRL's no-grad scoring passes come here (the loss is _compute_loss's): TRL chunks them by
         # per_device_train_batch_size; scoring_batch_size, where set, by that many sequences instead.
         batch_size = self.scoring_batch_size or batch_size or input_ids.size(0)
         weight, bias = self._head(model)
-        out = []
+        out, aux = [], []
         for start in range(0, input_ids.size(0), batch_size):
             sl = slice(start, start + batch_size)
             with torch.no_grad():
-                hidden = self._completion_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep)
+                hidden, aux_loss = self._completion_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                           aux=compute_aux_loss)
                 out.append(per_token_logps(hidden.to(weight.dtype), weight, input_ids[sl, -logits_to_keep:],
                                            temperature=self.temperature, chunk_size=self.loss_chunk_size,
-                                           lm_head_bias=bias))
+                                           lm_head_bias=bias, **self._logit_kwargs()))
+                aux.append(aux_loss)
         # Entropy needs the full distribution per token: the loss pass reports it instead.
-        return torch.cat(out, 0), None, None
+        return torch.cat(out, 0), None, torch.stack(aux).mean() if compute_aux_loss else None
 
     # -- override 2: the loss ------------------------------------------------------------
     def _compute_loss(self, model, inputs):
@@ -222,7 +236,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
-        hidden = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep)
+        hidden, aux_loss = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep,
+                                                   aux=self.aux_loss_enabled)
         weight, bias = self._head(model)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -242,9 +257,12 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             # TRL's own mask: its quantile is taken over every process's tokens
             entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
             sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
-            **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
+            **self._logit_kwargs(), **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
         if not normaliser.global_count:
             loss = loss / accum
+        if aux_loss is not None:  # as TRL 1.16 adds it: scaled for gradient accumulation like the policy loss
+            loss = loss + self.router_aux_loss_coef * aux_loss / (accum if mode == "train" else 1.0)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
         self._log_loss_metrics(mode, metrics)
         return loss
 
