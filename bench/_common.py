@@ -23,6 +23,24 @@ import torch
 # The benchmarks' LoRA: every linear layer of a decoder layer (what the issues' setups ask; also the kit's default).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
+
+def lora_targets_of(model: str) -> list[str]:
+    """The LoRA targets a run of built-in ``model`` takes by default (``lora_target_modules: auto``): every
+    projection of its decoder layers (Llama's 7; attention only for an MoE)."""
+    from grpo_kit.model.anatomy import inspect_config
+    from grpo_kit.model.loading import model_config
+
+    return list(inspect_config(model_config(model)).lora_targets)
+
+
+def family_of_model(model: str) -> str:
+    """The family name of built-in ``model`` (the rows' ``family``)."""
+    from grpo_kit.model.families import family_of
+    from grpo_kit.model.loading import model_config
+
+    fam = family_of(getattr(model_config(model), "model_type", None))
+    return fam.name if fam else ""
+
 # Distributions a result records the version of, where installed.
 VERSIONED = ("transformers", "peft", "trl", "vllm", "triton", "bitsandbytes", "accelerate")
 

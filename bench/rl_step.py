@@ -85,7 +85,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import LORA_TARGETS, KernelProfile, command_line, hardware, record_report, sync
+from _common import KernelProfile, command_line, family_of_model, hardware, lora_targets_of, record_report, sync
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA_RANK, LORA_ALPHA = 16, 32  # every row's adapter
@@ -407,7 +407,7 @@ def kit_row(name: str, a) -> dict:
     trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
                            train_dataset=ds, callbacks=[times.callback], generator=gen,
                            peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
-                               LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS)),
+                               LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model))),
                            memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
     # the no-grad log-prob passes (reference; old policy where TRL runs it) apart from the loss's passes
@@ -537,7 +537,7 @@ def trl_row(a) -> dict:
     ds, times = _row_inputs(tok, mem, totals, a)
     trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
                           callbacks=[times.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
-                                                                             target_modules=LORA_TARGETS))
+                                                                             target_modules=lora_targets_of(a.model)))
     setup_s = time.perf_counter() - t0
     trainer.train()
     peak = mem.stop()
@@ -594,7 +594,7 @@ def gen_row(name: str, a) -> dict:
 
             from grpo_kit.model.fp8 import fp8_lora_config
 
-            conf = fp8_lora_config(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS))
+            conf = fp8_lora_config(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model)))
             eng.sync_weights(get_peft_model(eng.training_model(model_config(a.model), torch.bfloat16), conf))
     else:  # gen_hf_fp8w: the FP8 layers quantised on the GPU layer by layer, W8A8 through torch._scaled_mm
         model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
@@ -739,7 +739,7 @@ def main(argv=None) -> int:
                         "timeout", -1
                 wall = time.perf_counter() - t0
             line = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
-            base = dict(row=name, model=model, completion_len=a.completion, prompt_len=PROMPT_TOKENS,
+            base = dict(row=name, model=model, family=family_of_model(model), completion_len=a.completion, prompt_len=PROMPT_TOKENS,
                         generations=GENERATIONS, wall_s=wall, command=cmd)
             impl = "trl" if name == "trl" else IMPL.get(name, name)
             if rc != 0 or not line:

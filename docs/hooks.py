@@ -24,6 +24,7 @@ DOCS = "docs"
 MOUNTS = {"notebooks": (".ipynb",), "bench/results": (".md", ".png", ".json", ".csv", ".txt", ".yaml", ".jsonl")}
 SINGLE = ("CHANGELOG.md",)  # repository files the site carries as pages
 CONFIG_MARKER = "<!-- config-reference -->"
+SUPPORTED_MARKER = "<!-- supported-models -->"  # grpo_kit.app.models.SUPPORTED_MARKER
 # the package's layers, lowest first (grpo_kit/__init__.py); each gets an API page of its modules
 LAYERS = ("kernels", "loss", "model", "tasks", "memory", "generation", "trainer", "app", "notebook")
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
@@ -109,4 +110,8 @@ def on_page_markdown(markdown, page, config, files):
     on_disk = Path(page.file.abs_src_path).resolve().relative_to(REPO).as_posix()
     if CONFIG_MARKER in markdown:
         markdown = markdown.replace(CONFIG_MARKER, config_reference())
+    if SUPPORTED_MARKER in markdown:
+        from grpo_kit.app.models import supported_models_page  # lazy: only the build needs the kit (and torch)
+
+        markdown = markdown.replace(SUPPORTED_MARKER, supported_models_page())
     return _rewrite_links(markdown, src_uri, on_disk)

@@ -175,9 +175,59 @@ def merge() -> dict:
     return out
 
 
+def family(name: str) -> dict:
+    """One copy for a family's built-in (random weights, vLLM's dummy init): the training model built on the
+    engine's tensors, every parameter a view of the engine's storage, and vLLM's greedy log-probs against the
+    training model's own (teacher-forced on vLLM's tokens), base and with a random adapter merged for generation."""
+    import torch
+
+    from grpo_kit.generation import SamplingConfig
+    from grpo_kit.generation.plan import generation_model_dir
+    from grpo_kit.generation.shared_weights import UnshareableError
+    from grpo_kit.generation.vllm_backend import VLLMGenerator
+    from grpo_kit.model.anatomy import lora_targets
+    from grpo_kit.model.loading import load_tokenizer, model_config
+
+    folder, dummy = generation_model_dir(name, "cuda")
+    tok = load_tokenizer(name)
+    start = time.perf_counter()
+    gen = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
+                        dummy_weights=dummy, lora_sync="merge", max_num_seqs=8, kv_cache_memory_bytes=2**30,
+                        gpu_memory_utilization=0.3, enforce_eager=True)
+    out = {"model": name, "engine_start_s": round(time.perf_counter() - start, 1),
+           "architecture": gen.architecture}
+    try:
+        model = gen.training_model(model_config(name), torch.bfloat16).eval()
+    except UnshareableError as e:
+        gen.close()
+        return dict(out, shared=False, unshareable=str(e)[:300])
+    greedy = SamplingConfig(temperature=0.0, max_tokens=16)
+    base = gen.generate(_prompts(tok), 1, greedy)
+    out.update(shared=True, shared_report=gen.shared_report, base_logprob_mean_abs_diff=mean_logprob_diffs(
+        base, model, greedy))
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=lora_targets(model))).eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
+    gen.sync_weights(pm)
+    lora = gen.generate(_prompts(tok), 1, greedy)
+    out.update(lora_logprob_mean_abs_diff=mean_logprob_diffs(lora, pm, greedy),
+               differs_from_base=lora.completion_ids != base.completion_ids)
+    gen.close()
+    return out
+
+
 if __name__ == "__main__":
     import os
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if sys.argv[1] == "family":
+        result = family(sys.argv[2])
+        print("RESULT " + json.dumps(result), flush=True)
+        sys.exit(0)
     result = {"fp8": fp8, "copy": copy, "merge": merge}[sys.argv[1]]()
     print("RESULT " + json.dumps(result), flush=True)

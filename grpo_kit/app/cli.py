@@ -132,7 +132,12 @@ def doctor_report() -> list[tuple[str, str]]:
 
 
 def _doctor(args) -> int:
-    rows = doctor_report()
+    if args.model:
+        from grpo_kit.app.models import doctor_model  # lazy: builds a meta model
+
+        rows = doctor_model(args.model, trust_remote_code=args.trust_remote_code)
+    else:
+        rows = doctor_report()
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -169,7 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--prompts", type=int, default=8, help="training prompts to sample (default 8)")
     f.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend (default hf)")
     f.set_defaults(func=_preflight)
-    d = sub.add_parser("doctor", help="what is installed and which features will be used")
+    d = sub.add_parser("doctor", help="what is installed and which features will be used; --model: what the kit "
+                       "does with one model")
+    d.add_argument("--model", help="a built-in name, a model folder with a config.json, or a cached hub id: its "
+                   "family, layers, logit form, LoRA targets and vLLM route, or why it is refused (no weights load)")
+    d.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint's own configuration code run")
     d.set_defaults(func=_doctor)
     return p
 

@@ -367,13 +367,17 @@ class GRPOKitConfig:
     use_lora: bool = _f(True, "Train a LoRA adapter (the reference model is then the base with it disabled). "
                         "false: full fine-tuning; with beta > 0 TRL loads a reference copy from the model's "
                         "checkpoint folder, so a random built-in then needs beta=0.")
+    trust_remote_code: bool = _f(False, "Let a checkpoint's own modelling code run (its config.json's `auto_map`). "
+                                 "Off: such a checkpoint is refused before it loads.")
     lora_rank: int = _f(16, "LoRA rank r.")
     lora_alpha: int = _f(32, "LoRA alpha.")
     lora_dropout: float = _f(0.0, "LoRA dropout. Above 0 the kit's checkpointing recomputes each layer whole "
                              "(the random masks cannot be split into token slices) and each adapter saves its own "
                              "dropped input and mask; the VRAM calculator prices both.")
-    lora_target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                                   "Module names that get LoRA adapters.")
+    lora_target_modules: list | str = _f("auto", "Module names that get LoRA adapters, or `auto`: every linear "
+                                         "projection of the model's decoder layers (attention, MLP, linear "
+                                         "attention; routers and the head excluded), found from the model; MoE "
+                                         "experts are fused parameters and not among them.")
     # --- memory / generation -----------------------------------------------------------
     generation_backend: str = _f("auto", f"Generation backend of the grpo_kit trainer, one of {GENERATION_BACKENDS}: "
                                  "`vllm` runs vLLM in the training process (weights synced every optimiser step; "
@@ -599,7 +603,7 @@ class GRPOKitConfig:
 
 
 OBJECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOKitConfig) if f.metadata.get("objective"))
-LIST_FIELDS = ("levels", "reward_funcs", "reward_weights", "lora_target_modules", "tools")
+LIST_FIELDS = ("levels", "reward_funcs", "reward_weights", "tools")
 
 
 def _run_problems(cfg: GRPOKitConfig, kind: str | None, bad: set[str]) -> list[str]:
@@ -646,9 +650,11 @@ def _list_problems(cfg: GRPOKitConfig) -> list[str] | None:
     if _not_lists(cfg):
         return None
     errors = []
-    if not (cfg.lora_target_modules and all(isinstance(m, str) and m.strip() for m in cfg.lora_target_modules)):
-        errors.append(f"lora_target_modules={cfg.lora_target_modules!r}: each must be a non-empty module name (a "
-                      "string), at least one")
+    targets = cfg.lora_target_modules
+    if targets != "auto" and not (isinstance(targets, list) and _plain_list_problem("lora_target_modules", targets)
+                                  is None and targets and all(isinstance(m, str) and m.strip() for m in targets)):
+        errors.append(f"lora_target_modules={short(targets)}: 'auto' or a list of module names (non-empty strings), "
+                      "at least one")
     bad_weights = [w for w in cfg.reward_weights
                    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)]
     if bad_weights:

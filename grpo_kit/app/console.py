@@ -211,6 +211,14 @@ def plan_lines(cfg, *, device: str, dtype, info: dict) -> list[str]:
     if info.get("weights"):
         generation += f", weights {info['weights']}"
     lines.append(generation)
+    if info.get("model"):
+        m = info["model"]
+        text = f"  model: {m['family']}, {m['layers']} layers, logits {m['logits']}"
+        if m.get("lora_targets"):
+            text += f"; LoRA on {', '.join(m['lora_targets'])}"
+        lines.append(text)
+        if m.get("experts"):
+            lines.append(f"  experts: {m['experts']}; router load-balancing loss {m['router_aux_loss']}")
     if info.get("memory_plan"):
         lines.append(f"  memory: {_memory_text(info['memory_plan'])}")
     lines.append(f"  {console_line()}")

@@ -36,6 +36,9 @@ from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.model.fp8 import fp8_lora_config
+from grpo_kit.model.anatomy import inspect_config, lora_targets, router_aux_coef
+from grpo_kit.model.families import check_supported, family_of
+from grpo_kit.model.offload import AUX_LOSS_OFF_REASON
 from grpo_kit.model.loading import BUILTIN_MODELS, load_model, load_tokenizer, meta_model, model_config
 from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
@@ -202,13 +205,18 @@ def calibration_batches(tokenizer, examples: list[dict], system_prompt: str, n: 
     return [torch.tensor([prompt_ids(tokenizer, e["question"], system_prompt)]) for e in examples[:n]]
 
 
-def check_lora_targets(model, targets: list[str]) -> None:
+def resolve_lora_targets(targets, model) -> tuple[str, ...]:
+    """The LoRA target names of a run: ``auto``, every projection of ``model``'s decoder layers
+    (:func:`grpo_kit.model.anatomy.lora_targets`; a meta-device model is enough); a list, checked to exist."""
+    if targets == "auto":
+        return tuple(lora_targets(model))
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ValueError(f"lora_target_modules {missing} do not exist in {type(model).__name__}; "
                          f"its linear layers are: {linear}")
+    return tuple(targets)
 
 
 def _release(generator, *, standby: bool) -> None:
@@ -319,6 +327,7 @@ class _Run:
     history: list = dataclasses.field(default_factory=list)
     signals: SignalStop | None = None  # SIGTERM/SIGINT while the run lasts
     started: bool = False  # training began (a failure before it removes what the run wrote)
+    lora_targets: tuple = ()  # the adapters' module names, resolved from the model before it loads
 
 
 # What a run writes into its folder before training starts (removed again when it fails before then).
@@ -338,8 +347,16 @@ def check_task_size(cfg: GRPOKitConfig) -> None:
 def check_before_load(cfg: GRPOKitConfig, device: str, train_ex: list, heldout: list, num_processes: int = 1) -> None:
     """What the model's config, the data and the machine allow, checked before any model loads (ConfigError):
     lora_rank within the hidden size, prompt and completion within the context, a step's prompts within the
-    data, the held-out set as large as asked, and the step within memory as the VRAM calculator prices it."""
-    config = model_config(cfg.model)
+    data, the held-out set as large as asked, and the step within memory as the VRAM calculator prices it. The kit's
+    trainer first: a model family it has not proven, or a layout it cannot map (decoder layers, head, logit form),
+    is refused here, from the config alone."""
+    config = model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if cfg.trainer == "grpo_kit":
+        try:
+            check_supported(config, cfg.model, trust_remote_code=cfg.trust_remote_code)
+            inspect_config(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     errors = []
     hidden = getattr(config, "hidden_size", None)
     if cfg.use_lora and hidden and cfg.lora_rank > hidden:
@@ -441,15 +458,15 @@ def _load(run: _Run):
     any model loads, so that a bad option or a plan that cannot fit stops the run early; what was used goes to
     summary.json. With shared weights the engine starts first and the training model is built on its tensors."""
     cfg, dtype = run.cfg, run.dtype
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if cfg.tools or cfg.environment:
         if cfg.model in BUILTIN_MODELS:  # SmolLM2's ChatML vocabulary: the kit's tool-calling template
             use_tool_template(tokenizer)
         check_tool_template(tokenizer, cfg.model)  # one message naming what it lacks, before any model loads
     check_prompt_lengths(tokenizer, run.train_ex + run.heldout, cfg, run.system_prompt)
-    config = model_config(cfg.model)
+    config = model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if cfg.use_lora:
-        check_lora_targets(meta_model(config), cfg.lora_target_modules)
+        run.lora_targets = resolve_lora_targets(cfg.lora_target_modules, meta_model(config))
     plan = plan_generation(cfg, model_config=config, device=run.device, dtype=dtype,
                            num_processes=PartialState().num_processes)
     quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
@@ -459,10 +476,29 @@ def _load(run: _Run):
     quant = dict(base_weights="fp8", fp8_block=cfg.fp8_block) if cfg.base_weights == "fp8" else quant
     generator, model, info = start_generation(
         plan, tokenizer=tokenizer, dtype=dtype,
-        load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed, **quant)[0])
+        load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed,
+                                      trust_remote_code=cfg.trust_remote_code, **quant)[0])
+    info["model"] = model_plan(cfg, config, run.device, run.lora_targets)
     if run.is_main:
         print("\n".join(plan_lines(cfg, device=run.device, dtype=dtype, info=info)), flush=True)
     return tokenizer, model, generator, plan, info
+
+
+def model_plan(cfg: GRPOKitConfig, config, device: str, targets: tuple) -> dict:
+    """What the kit found in the model and how it trains it: family, layers, logit form, LoRA targets, and for a
+    mixture of experts, its experts (frozen) and the router's load-balancing loss (summary.json, the plan line)."""
+    found = inspect_config(config)
+    family = family_of(getattr(config, "model_type", None))
+    out = {"family": family.name if family else getattr(config, "model_type", "?"), "layers": found.layers,
+           "logits": found.logit_form.describe(), "lora_targets": list(targets)}
+    if found.experts:
+        coef = router_aux_coef(config)
+        offloaded = cfg.trainer == "grpo_kit" and device == "cuda" and cfg.checkpointing_on(device)
+        out["experts"] = (f"{found.experts} per layer, frozen: fused parameters, not LoRA targets (the pinned vLLM "
+                          "loads no adapter on them)")
+        out["router_aux_loss"] = ("none in the config" if not coef else f"off: {AUX_LOSS_OFF_REASON}" if offloaded
+                                  else f"x{coef:g}, added to the loss as TRL adds it")
+    return out
 
 
 def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
@@ -529,7 +565,7 @@ def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, re
     cfg = run.cfg
     metrics = MetricsCallback(cfg, run.run_dir, run.device, run.history)
     peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                             target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM") if cfg.use_lora else None
+                             target_modules=list(run.lora_targets), task_type="CAUSAL_LM") if cfg.use_lora else None
     if cfg.base_weights == "fp8":  # PEFT's LoRA layer for the FP8 base layers (use_lora: the config checked)
         peft_config = fp8_lora_config(peft_config)
     trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,

@@ -30,7 +30,7 @@ from grpo_kit.generation.vllm_backend import (UnsupportedArchitectureError, fp32
                                               vllm_install_advice)
 from grpo_kit.memory import estimate_for_config, resolve_arch, scoring_batch_for_config
 from grpo_kit.memory.formulas import kv_cache_bytes, vllm_kv_tokens
-from grpo_kit.model.loading import (BUILTIN_MODELS, cache_dir, check_model_name, embedded_model_dir_as,
+from grpo_kit.model.loading import (cache_dir, causal_lm_class, check_model_name, embedded_model_dir_as,
                                     load_tokenizer, model_config)
 
 # vLLM's ``max_num_batched_tokens`` on CUDA, whatever the context: prompts are short next to completions, decoding
@@ -45,7 +45,6 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank value
 LORA_DUAL_STREAM_DEFAULT = True
 CPU_BLOCK_TOKENS = 128  # vLLM's CPU backend's KV cache block, its default (formulas.VLLM_BLOCK_TOKENS is CUDA's)
 HEADROOM_BYTES = 1 << 30  # kept free beside the calculator's peak (CUDA context, fragmentation)
-ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @dataclass
@@ -89,7 +88,7 @@ def generation_model_dir(name: str, device: str, dtype: torch.dtype | None = Non
         target = cache_dir() / "config-only" / name
         if not (target / "config.json").is_file():
             config = model_config(name)
-            config.architectures = [ARCH_CLASSES[BUILTIN_MODELS[name].model_type]]
+            config.architectures = [causal_lm_class(config).__name__]
             target.mkdir(parents=True, exist_ok=True)
             load_tokenizer(name).save_pretrained(target)
             config.to_json_file(str(target / "config.json"))  # last: its presence marks a complete folder

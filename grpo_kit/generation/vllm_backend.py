@@ -31,6 +31,7 @@ adapter offloads its weights to host RAM (level 1). On the CPU both are no-ops r
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -55,6 +56,7 @@ from grpo_kit.generation.standby import kv_bytes_in_worker, resume_in_worker, st
 from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_manifest, config_manifest,
                                       is_peft_model, iter_vllm_weights, unwrap, weight_manifest)
 from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
+from grpo_kit.model.loading import causal_lm_class
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK
 from grpo_kit.model.loading import checkpoint_tensors
 
@@ -146,6 +148,34 @@ def check_vllm_architecture(model_dir: str | Path) -> str:
     raise UnsupportedArchitectureError(
         f"vLLM {_vllm_version()} cannot load architecture {archs or '(none in config.json)'} from {model_dir}; "
         "use generation_backend='hf'")
+
+
+@contextlib.contextmanager
+def _engine_class_copies(model_dir: Path):
+    """While an engine starts, the transformers modelling module of ``model_dir``'s architecture names copies
+    (subclasses) of its model classes in place of the classes themselves. vLLM's Transformers modelling backend
+    (how vLLM 0.32 runs SmolLM3 and OLMo 2/3) decorates the decoder class it builds from for torch.compile, on the
+    class object (a new ``__init__``, ``__call__`` and base class): a training model built from that class after the
+    engine started then calls vLLM's ``__init__``, which needs vLLM's config, and fails. With the copies, vLLM
+    decorates a class of its own and the classes the training model is built from stay as transformers wrote
+    them; the module's names point to them again once the engine has started."""
+    from transformers import AutoConfig, PreTrainedModel  # lazy: transformers is slow to import
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        module = sys.modules[causal_lm_class(config).__module__]
+    except (OSError, ValueError, KeyError):  # not a transformers layout: nothing of it to protect
+        yield
+        return
+    originals = {name: obj for name, obj in vars(module).items()
+                 if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__}
+    for name, cls in originals.items():
+        setattr(module, name, type(name, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}))
+    try:
+        yield
+    finally:
+        for name, cls in originals.items():
+            setattr(module, name, cls)
 
 
 def _vllm_version() -> str:
@@ -468,7 +498,8 @@ class VLLMGenerator:
         """Start the engine (``self.llm``); the errors say what failed and what to do."""
         start = time.perf_counter()
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _engine_class_copies(self.model_dir):
+                self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types here; say what failed and what to do
             if "memory utilization" in str(e):  # vLLM's own view of free memory (per NUMA node on the CPU)
                 raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} cannot fit: {e}") from e

@@ -27,6 +27,9 @@ _TOK = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 # A miniature decoder: 2 layers, GQA 4:2 heads of 16.
 _TINY = dict(_TOK, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+# The newer families' miniatures: heads of 32, the smallest vLLM's CPU attention runs, so that their folders run
+# with vLLM's CPU engine too.
+_TINY32 = dict(_TINY, head_dim=32)
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
@@ -63,6 +66,7 @@ class Family:
     sizes: dict = field(default_factory=dict)
     moe: bool = False
     note: str = ""
+    tiny_by_type: dict = field(default_factory=dict)  # model_type -> what its miniature adds to ``tiny``
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -112,7 +116,7 @@ FAMILIES: tuple[Family, ...] = (
                                 bos_token_id=1, eos_token_id=2, sliding_window=None, rope_parameters=_rope(1e6)),
                            "mistralai/Mistral-7B-Instruct-v0.3 config.json")}),
     Family("qwen3", "Qwen3", ("qwen3",),
-           dict(_TINY, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=_rope(1e6)),
+           dict(_TINY32, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=_rope(1e6)),
            {f"qwen3-{size}": (dict(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
                                    num_attention_heads=a, num_key_value_heads=8, head_dim=128,
                                    max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=tied,
@@ -123,7 +127,7 @@ FAMILIES: tuple[Family, ...] = (
                                            ("14b", 5120, 17408, 40, 40, False), ("32b", 5120, 25600, 64, 64, False))},
            note="QK-norm (per-head RMSNorm on q and k)"),
     Family("gemma3", "Gemma 3 (text)", ("gemma3_text",),
-           dict(_TINY, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=16,
+           dict(_TINY32, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=32,
                 layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0,
                 rope_parameters={"full_attention": _rope(1e6), "sliding_attention": _rope(1e4)}),
            {f"gemma-3-{size}": (dict(vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
@@ -139,7 +143,7 @@ FAMILIES: tuple[Family, ...] = (
            note="four norms per layer, QK-norm, 5 sliding-window layers to 1 global, scaled embeddings, a 262K "
                 "vocabulary; the tiny one has a final logit soft-cap (as Gemma 2 has) so that the tests exercise it"),
     Family("smollm3", "SmolLM3", ("smollm3",),
-           dict(_TINY, rms_norm_eps=1e-6, tie_word_embeddings=True, no_rope_layer_interval=2,
+           dict(_TINY32, rms_norm_eps=1e-6, tie_word_embeddings=True, no_rope_layer_interval=2,
                 rope_parameters=_rope(5e6)),
            {"smollm3-3b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536,
@@ -148,7 +152,7 @@ FAMILIES: tuple[Family, ...] = (
                                 rope_parameters=_rope(5e6)), "HuggingFaceTB/SmolLM3-3B config.json")},
            note="NoPE layers (every fourth layer without rotary embeddings)"),
     Family("phi3", "Phi-4-mini (Phi-3 layout)", ("phi3",),
-           dict(_TINY, rms_norm_eps=1e-5, tie_word_embeddings=True,
+           dict(_TINY32, rms_norm_eps=1e-5, tie_word_embeddings=True,
                 rope_parameters=_rope(1e4, partial_rotary_factor=0.75)),
            {"phi-4-mini": (dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                                 num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
@@ -158,16 +162,17 @@ FAMILIES: tuple[Family, ...] = (
                            "microsoft/Phi-4-mini-instruct config.json (rope scaling left out)")},
            note="fused qkv_proj and gate_up_proj, partial rotary embeddings"),
     Family("olmo", "OLMo 2 / OLMo 3", ("olmo2", "olmo3"),
-           dict(_TINY, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_rope(5e5), sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"]),
+           dict(_TINY32, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=_rope(5e5)),
            {"olmo-2-7b": (dict(vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                                rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100257,
                                eos_token_id=100257, pad_token_id=100277, rope_parameters=_rope(5e5)),
                           "allenai/OLMo-2-1124-7B-Instruct config.json")},
-           note="post-norm layers (norms after attention and MLP), QK-norm over the whole projection"),
+           note="post-norm layers (norms after attention and MLP), QK-norm over the whole projection; OLMo 3 "
+                "adds sliding-window layers",
+           tiny_by_type={"olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])}),
     Family("granite", "Granite (dense)", ("granite",),
-           dict(_TINY, rms_norm_eps=1e-5, tie_word_embeddings=True, logits_scaling=8.0, embedding_multiplier=12.0,
+           dict(_TINY32, rms_norm_eps=1e-5, tie_word_embeddings=True, logits_scaling=8.0, embedding_multiplier=12.0,
                 residual_multiplier=0.22, attention_multiplier=0.0625, rope_parameters=_rope(1e7)),
            {"granite-3.3-8b": (dict(vocab_size=49159, hidden_size=4096, intermediate_size=12800, num_hidden_layers=40,
                                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -177,7 +182,7 @@ FAMILIES: tuple[Family, ...] = (
                                     rope_parameters=_rope(1e7)), "ibm-granite/granite-3.3-8b-instruct config.json")},
            note="logits divided by logits_scaling, scaled embeddings, residuals and attention"),
     Family("qwen3_moe", "Qwen3-MoE", ("qwen3_moe",),
-           dict(_TINY, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+           dict(_TINY32, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
                 rope_parameters=_rope(1e6)),
            {"qwen3-30b-a3b": (dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
@@ -189,7 +194,7 @@ FAMILIES: tuple[Family, ...] = (
                               "Qwen/Qwen3-30B-A3B config.json")},
            moe=True, note="128 experts, 8 active, QK-norm"),
     Family("gpt_oss", "gpt-oss", ("gpt_oss",),
-           dict(_TINY, intermediate_size=64, rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=4,
+           dict(_TINY32, intermediate_size=64, rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=4,
                 num_experts_per_tok=2, sliding_window=8, router_aux_loss_coef=0.9,
                 layer_types=["sliding_attention", "full_attention"], rope_parameters=_rope(1.5e5)),
            {"gpt-oss-20b": (dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
@@ -233,7 +238,8 @@ def _builtins() -> dict[str, ModelSpec]:
     for fam in FAMILIES:
         tiny = {k: v for k, v in fam.tiny.items() if v is not None}
         for name, model_type in tiny_names(fam).items():
-            out[name] = ModelSpec("tiny", model_type, tiny, f"{fam.name} layout, miniature")
+            out[name] = ModelSpec("tiny", model_type, {**tiny, **fam.tiny_by_type.get(model_type, {})},
+                                  f"{fam.name} layout, miniature")
     for fam in FAMILIES:
         for name, (numbers, source) in fam.sizes.items():
             out[name] = ModelSpec("config-only", fam.model_types[0], numbers, source)
@@ -247,3 +253,33 @@ SUPPORTED_MODEL_TYPES: dict[str, Family] = {t: fam for fam in FAMILIES for t in 
 def family_of(model_type: str) -> Family | None:
     """The family covering transformers ``model_type``, or None."""
     return SUPPORTED_MODEL_TYPES.get(model_type)
+
+
+# Families transformers runs but the kit refuses, with the reason: what per-layer recompute or the pinned engines
+# cannot do with them.
+REFUSED: dict[str, str] = {
+    "gemma4_text": "its layers share keys and values across layers (shared_kv_states), which a per-layer recompute "
+                   "cannot pass gradients through",
+    "gemma4": "its layers share keys and values across layers (shared_kv_states), which a per-layer recompute cannot "
+              "pass gradients through",
+}
+
+
+def check_supported(config, name: str, *, trust_remote_code: bool = False) -> Family:
+    """The family of a model ``config`` (a transformers config), or ``ValueError`` in one line naming the family,
+    why, and what works instead; before any weight loads. A config that names its own modelling code
+    (``auto_map``) needs ``trust_remote_code``."""
+    model_type = getattr(config, "model_type", None)
+    arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+    if getattr(config, "auto_map", None) and not trust_remote_code:
+        raise ValueError(f"model={name!r} ships its own modelling code (auto_map in its config.json: "
+                         f"{sorted(config.auto_map)}); the kit runs it only with trust_remote_code: true")
+    if model_type in REFUSED:
+        raise ValueError(f"model={name!r} ({model_type}, {arch}) is not supported by the kit's trainer: "
+                         f"{REFUSED[model_type]}; trainer: trl trains it with TRL's own loss")
+    family = family_of(model_type)
+    if family is None:
+        raise ValueError(f"model={name!r}: model_type {model_type!r} ({arch}) is not among the families the kit has "
+                         f"proven against TRL ({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); trainer: trl trains "
+                         "it with TRL's own loss")
+    return family

@@ -96,17 +96,18 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def model_config(name: str):
-    """The transformers config of a built-in architecture (or a local/hub config)."""
+def model_config(name: str, *, trust_remote_code: bool = False):
+    """The transformers config of a built-in architecture (or a local/hub config); ``trust_remote_code``: a
+    checkpoint's own configuration class may run (its ``auto_map``)."""
     from transformers import AutoConfig  # lazy: transformers is slow to import
 
     if name in BUILTIN_MODELS:
         spec = BUILTIN_MODELS[name]
         return AutoConfig.for_model(spec.model_type, **spec.config)
     if os.path.isfile(name) and name.endswith(".json"):
-        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)))
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(name)), trust_remote_code=trust_remote_code)
     check_model_name(name)
-    return AutoConfig.from_pretrained(name)
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
 def causal_lm_class(config):
@@ -265,13 +266,13 @@ def _embedded_tokenizer_dir() -> Path:
     return target
 
 
-def load_tokenizer(name: str = EMBEDDED_NAME):
+def load_tokenizer(name: str = EMBEDDED_NAME, *, trust_remote_code: bool = False):
     """Tokenizer with chat template; tiny and config-only models share the embedded one."""
     from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     kind = check_model_name(name)
     src = _embedded_tokenizer_dir() if kind in ("embedded", "tiny", "config-only") else name
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -279,8 +280,10 @@ def load_tokenizer(name: str = EMBEDDED_NAME):
 
 def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0,
                load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1,
-               nf4_matmul: str = "kit", base_weights: str = "16bit", fp8_block: int | None = None):
-    """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id.
+               nf4_matmul: str = "kit", base_weights: str = "16bit", fp8_block: int | None = None,
+               trust_remote_code: bool = False):
+    """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id (``trust_remote_code``: a
+    checkpoint's own modelling code may run).
 
     ``dtype`` defaults to fp32 on CPU (the embedded model is dequantised to fp32) and
     to the checkpoint's own dtype elsewhere. ``config-only`` names return random
@@ -320,16 +323,18 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
             raise ValueError(why)
         skip = ("lm_head",) if skip_modules == "auto" else skip_modules  # no calibration for FP8
         return _load_fp8(name, dtype, device, seed, skip, fp8_block), load_tokenizer(name)
-    model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance)
+    model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance,
+                        trust_remote_code)
     if load_in_4bit:
         from grpo_kit.model.nf4_matmul import use_nf4_matmul  # Triton and bitsandbytes: only for a 4-bit model
 
         use_nf4_matmul(model, nf4_matmul)
         model.grpo_kit_quantization["nf4_matmul"] = nf4_matmul
-    return model, load_tokenizer(name)
+    return model, load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
-def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance):
+def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance,
+                trust_remote_code=False):
     """:func:`load_model`'s model."""
     from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
@@ -349,7 +354,8 @@ def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibrati
     else:
         src = embedded_model_dir() if kind == "embedded" else name
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded"
-                                                                           else "auto")).to(target)
+                                                                           else "auto"),
+                                                     trust_remote_code=trust_remote_code).to(target)
     if load_in_4bit:
         built = time.perf_counter()
         _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)

@@ -60,6 +60,7 @@ from grpo_kit.model.anatomy import AnatomyError, decoder_body, decoder_layers, h
 from grpo_kit.model.nf4_matmul import layer_weight_cache
 
 __all__ = [
+    "AUX_LOSS_OFF_REASON",
     "LAYER_MODES",
     "enable_offloaded_checkpointing",
     "disable_offloaded_checkpointing",
@@ -75,6 +76,10 @@ _SPLIT_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_nor
 _PROBE_TOKENS = 12  # the probe's sequence: a few slices of _PROBE_CHUNK tokens, past a tiny sliding window
 _PROBE_CHUNK = 4
 
+# Why an MoE model trains without its router's load-balancing loss here (the trainer turns it off, the plan says so).
+AUX_LOSS_OFF_REASON = ("the MoE router's load-balancing loss is off under offloaded checkpointing: each layer runs "
+                       "without grad in the forward and is recomputed in backward, so the routers' logits the loss "
+                       "reads carry no gradient; set gradient_checkpointing: false to train with it, as TRL does")
 _STATE_ATTR = "_grpo_kit_offload_state"
 _MLP_ATTR = "_grpo_kit_chunked_mlp"
 

@@ -53,7 +53,7 @@ from trl import GRPOTrainer
 from grpo_kit.model.anatomy import (causal_lm, check_logit_form, decoder_body, decoder_layers, last_hidden,
                                     logit_form, router_balance_loss)
 from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
-from grpo_kit.model.offload import enable_offloaded_checkpointing, keep_hf_checkpointing_off
+from grpo_kit.model.offload import AUX_LOSS_OFF_REASON, enable_offloaded_checkpointing, keep_hf_checkpointing_off
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
 from grpo_kit.trainer.sharding import check_sharding, full_head
@@ -79,9 +79,6 @@ OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_k
 # TRL's metric names the kit logs for every loss type; each type's own (clip ratios, ...) come from the registry
 # (grpo_kit.loss.registry.LossMetrics). Min/max ones are reduced over processes by min/max, the others averaged.
 LOGGED_METRICS = ("kl", "entropy", *ENGINE_IS_METRICS)
-AUX_LOSS_OFF_REASON = ("the MoE router's load-balancing loss is off under offloaded checkpointing: each layer runs "
-                       "without grad in the forward and is recomputed in backward, so the routers' logits the loss "
-                       "reads carry no gradient; set gradient_checkpointing: false to train with it, as TRL does")
 
 
 def _checked(funcs, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None):
