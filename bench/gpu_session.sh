@@ -193,4 +193,13 @@ step fp8_rl4k_sample 900 $bench --rows grpo_kit_fp8w --completion 4096 --steps 3
 # 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.
 step fp8_rl20k_hist 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
   --memory-history 2000000 --memory-history-at scoring
+# Issue 51, the families: the GPU tier's one copy per family (4 dense families and gpt-oss, whose experts keep a
+# separate copy); Qwen3-8B's whole step at 8 x (512 + 20,480) (target <= 30 GiB); the 4K rows of Qwen3-8B against
+# TRL colocate; Llama-3.1-8B's 4K kit row again (no regression); Gemma-3-4B's 4K rows against TRL.
+step fam_tier 900 python3 -m pytest -m gpu tests/test_gpu_vllm.py -q -s -rs -p no:cacheprovider \
+  -k "${FAM_TESTS:-per_family and (qwen3 or gemma3 or smollm3 or olmo2) or moe_families and gpt}"
+step qwen3_rl20k 900 $bench --rows grpo_kit_fp8 --models qwen3-8b --completion 20480 --steps 1 --timeout 880
+step qwen3_rl4k 900 $bench --rows grpo_kit_fp8,trl --models qwen3-8b --completion 4096 --steps 2 --timeout 420
+step llama_rl4k 500 $bench --rows grpo_kit_fp8 --completion 4096 --steps 2 --timeout 420
+step gemma3_rl4k 900 $bench --rows grpo_kit_fp8,trl --models gemma-3-4b --completion 4096 --steps 2 --timeout 420
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -30,6 +30,8 @@ _TINY = dict(_TOK, hidden_size=64, intermediate_size=160, num_hidden_layers=2, n
 # The newer families' miniatures: heads of 32, the smallest vLLM's CPU attention runs, so that their folders run
 # with vLLM's CPU engine too.
 _TINY32 = dict(_TINY, head_dim=32)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
@@ -196,16 +198,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "gpt-oss", ("gpt_oss",),
            dict(_TINY32, intermediate_size=64, rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=4,
                 num_experts_per_tok=2, sliding_window=8, router_aux_loss_coef=0.9,
-                layer_types=["sliding_attention", "full_attention"], rope_parameters=_rope(1.5e5)),
+                layer_types=["sliding_attention", "full_attention"], rope_parameters=_GPT_OSS_ROPE),
            {"gpt-oss-20b": (dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
                                  num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
                                  num_experts_per_tok=4, sliding_window=128, router_aux_loss_coef=0.9,
                                  max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                  bos_token_id=199998, eos_token_id=200002, pad_token_id=199999,
                                  layer_types=["sliding_attention", "full_attention"] * 12,
-                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                                  "original_max_position_embeddings": 4096}),
+                                 rope_parameters=_GPT_OSS_ROPE),
                             "openai/gpt-oss-20b config.json (bf16 experts in place of MXFP4)")},
            moe=True, note="32 experts, 4 active, attention sinks, alternating sliding-window and global layers"),
 )
