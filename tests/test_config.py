@@ -217,7 +217,7 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     ("max_grad_norm=-1", r"max_grad_norm=-1.0 must be at least 0 and finite \(0: no clipping\)"),
     ("max_grad_norm=.nan", "max_grad_norm=nan must be at least 0"),
     ("weight_decay=-5", "weight_decay=-5.0 must be at least 0"),
-    ("lora_target_modules=[1, 2]", r"lora_target_modules=\[1, 2\]: each must be a non-empty module name"),
+    ("lora_target_modules=[1, 2]", r"lora_target_modules=\[1, 2\]: .auto. or a list of module names"),
     ("reward_weights=[.nan, 1]", r"reward_weights=\[nan, 1\]: each must be a finite number, not nan"),
     ("reward_weights=[high, 1]", "reward_weights=.*each must be a finite number, not 'high'"),
     ("lr_scheduler_type=cosinus", r"lr_scheduler_type='cosinus' is not allowed; choose one of \['linear'"),

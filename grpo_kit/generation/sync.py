@@ -97,6 +97,29 @@ def iter_vllm_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple
             yield ck, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
 
 
+def _base_model(model):
+    """The transformers model under a PEFT wrapper (its conversion mapping is the class's)."""
+    model = unwrap(model)
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def checkpoint_layout(model, weights: dict) -> dict:
+    """``weights`` (``{checkpoint name: tensor}`` as :func:`iter_vllm_weights` names them) in the layout the
+    model's checkpoints are saved in: transformers 5 fuses some weights when it loads (an MoE layer's experts into
+    ``experts.gate_up_proj`` / ``experts.down_proj``) and splits them again when it saves; an engine loaded the
+    saved form. Meta tensors give the names and shapes alone."""
+    from transformers.core_model_loading import revert_weight_conversion  # lazy: transformers is slow to import
+
+    return revert_weight_conversion(_base_model(model), dict(weights))
+
+
+def checkpoint_layout_manifest(model) -> dict[str, tuple[int, ...]]:
+    """:func:`weight_manifest` in the saved layout (:func:`checkpoint_layout`), from meta tensors."""
+    shapes = weight_manifest(model)
+    metas = {k: torch.empty(v, device="meta") for k, v in shapes.items()}
+    return {k: tuple(t.shape) for k, t in checkpoint_layout(model, metas).items()}
+
+
 def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` from the safetensors headers of a HF folder (sharded or not); reads no tensor data."""
     model_dir = Path(model_dir)

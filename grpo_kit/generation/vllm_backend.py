@@ -53,7 +53,8 @@ from grpo_kit.generation.reversible_merge import RestoreError, ReversibleLoraMer
 from grpo_kit.generation.shared_weights import (build_shared_model, fill_shared_fp8, inside_storage, shared_storage,
                                                storage_spans, vllm_fp8_quantization)
 from grpo_kit.generation.standby import kv_bytes_in_worker, resume_in_worker, standby_in_worker
-from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_manifest, config_manifest,
+from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_layout, checkpoint_layout_manifest,
+                                      checkpoint_manifest, config_manifest,
                                       is_peft_model, iter_vllm_weights, unwrap, weight_manifest)
 from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
 from grpo_kit.model.loading import causal_lm_class
@@ -691,7 +692,7 @@ class VLLMGenerator:
         if self.share_weights and not is_peft_model(model):
             raise ValueError("an engine with share_weights=True syncs LoRA adapters only (its base weights are the "
                              "training model's); full fine-tuning needs share_weights=False")
-        check_compatible(checkpoint_weights(model), self._checkpoint, tied_head=self._tied)
+        saved_layout = self._check_names(model)
         if self.share_weights and self.lora_sync == "merge":
             return self._sync_merge(model)
         if self.lora_sync == "adapter" and is_peft_model(model) and not self._lora_enabled:
@@ -707,7 +708,10 @@ class VLLMGenerator:
                 if self._lora_request is not None:  # merged weights replace the adapter
                     self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
                     self._lora_request = None
-                self.llm.collective_rpc(_reload_in_worker, args=(iter_vllm_weights(model, dtype=self.dtype),))
+                weights = iter_vllm_weights(model, dtype=self.dtype)
+                if saved_layout:  # the whole set at once: the layout's reversal joins several weights into one
+                    weights = iter(checkpoint_layout(model, dict(weights)).items())
+                self.llm.collective_rpc(_reload_in_worker, args=(weights,))
                 self._weights_discarded = False
                 info = {"mode": "lora_merge" if is_peft_model(model) else "full"}
             self.llm.reset_prefix_cache()  # cached KV belongs to the old weights (scheduler metadata only)
@@ -718,6 +722,21 @@ class VLLMGenerator:
         self.syncs += 1
         info["seconds"] = time.perf_counter() - start
         return info
+
+    def _check_names(self, model) -> bool:
+        """ValueError (before the engine is touched) unless ``model``'s weights are the engine's checkpoint's;
+        True where they are once put back in the layout transformers saves (fused MoE experts split again:
+        :func:`grpo_kit.generation.sync.checkpoint_layout`), which the sync then sends."""
+        try:
+            check_compatible(checkpoint_weights(model), self._checkpoint, tied_head=self._tied)
+            return False
+        except ValueError as first:
+            try:
+                saved = {k: v for k, v in checkpoint_layout_manifest(model).items() if not k.endswith(".weight_scale")}
+                check_compatible(saved, self._checkpoint, tied_head=self._tied)
+            except Exception:  # noqa: BLE001 - the first mismatch is the one to report
+                raise first from None
+            return True
 
     def _sync_merge(self, model) -> dict:
         """Shared weights, ``lora_sync="merge"``: nothing moves now; each :meth:`generate` merges ``model``'s

@@ -154,7 +154,8 @@ FAMILIES: tuple[Family, ...] = (
                                 rope_parameters=_rope(5e6)), "HuggingFaceTB/SmolLM3-3B config.json")},
            note="NoPE layers (every fourth layer without rotary embeddings)"),
     Family("phi3", "Phi-4-mini (Phi-3 layout)", ("phi3",),
-           dict(_TINY32, rms_norm_eps=1e-5, tie_word_embeddings=True,
+           # heads of 64: vLLM's CPU rotary kernel needs the rotated part (0.75 of a head) a multiple of 16
+           dict(_TINY32, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
                 rope_parameters=_rope(1e4, partial_rotary_factor=0.75)),
            {"phi-4-mini": (dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                                 num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
