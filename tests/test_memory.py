@@ -129,13 +129,11 @@ def test_layer_saved_bytes_with_lora_dropout_match_autograd(name, dtype, b):
 
 @pytest.mark.parametrize("inter", [160, 1536, 8960, 14336, 18944, 100_000])
 def test_auto_chunk_tokens_matches_checkpointing(inter):
-    from types import SimpleNamespace
-
     from grpo_kit.model.offload import _auto_chunk_tokens
 
-    layer = SimpleNamespace(mlp=SimpleNamespace(intermediate_size=inter))
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, inter, device="meta"), torch.nn.Linear(inter, 64, device="meta"))
     a = F.Arch("x", "llama", 1000, 64, inter, 2, 4, 2, 16, False)
-    assert F.auto_chunk_tokens(a) == _auto_chunk_tokens(layer)
+    assert F.auto_chunk_tokens(a) == _auto_chunk_tokens(mlp)
 
 
 def test_config_json_path_and_config_object_match_the_builtin(tmp_path):

@@ -410,7 +410,7 @@ def test_scoring_batch_size_sets_the_no_grad_forwards(tmp_path):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding in one row
     sizes, hidden = [], trainer._completion_hidden
-    trainer._completion_hidden = lambda m, i, a, k: sizes.append(i.size(0)) or hidden(m, i, a, k)
+    trainer._completion_hidden = lambda m, i, a, k, aux=False: sizes.append(i.size(0)) or hidden(m, i, a, k, aux)
     with torch.no_grad():
         batched = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8, batch_size=1)[0]
         chunked_sizes, sizes[:] = list(sizes), []

@@ -24,6 +24,9 @@ activations and CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import json
 import math
 import numbers
@@ -39,7 +42,8 @@ from grpo_kit.loss.efficient import _auto_chunk_rows
 
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, GiB, Arch
-from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, model_config
+from grpo_kit.model.anatomy import num_experts
+from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, meta_model, model_config
 
 # The training dtypes (formulas.DTYPE_BYTES) as torch names them, for the loss's own chunk rule
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -66,15 +70,24 @@ PUBLISHED_SETUP = dict(model="llama-3.1-8b", num_generations=8, context=20480)
 
 
 def arch_from_config(cfg, name: str = "") -> Arch:
-    """:class:`Arch` from a transformers config object (Llama / Qwen2 / Mistral style)."""
+    """:class:`Arch` from a transformers config object of a decoder family (its text config for a multimodal
+    one); a mixture of experts is priced with all its experts' weights and its active experts' activations."""
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in need if getattr(cfg, k, None) is None]
     if missing:
         raise ValueError(f"model config {name or type(cfg).__name__} lacks {missing}; "
-                         "the calculator handles Llama / Qwen2 / Mistral-style decoder configs")
+                         "the calculator handles decoder configs with these numbers")
     heads = cfg.num_attention_heads
     model_type = getattr(cfg, "model_type", "") or ""
-    return Arch(
+    experts = num_experts(cfg)
+    moe = {}
+    if experts:
+        width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        active = int(cfg.num_experts_per_tok)
+        moe = dict(experts=experts, active_experts=active, expert_intermediate=width, intermediate=active * width,
+                   expert_bias=model_type == "gpt_oss")
+    arch = Arch(
         name=name or getattr(cfg, "name_or_path", "") or model_type,
         model_type=model_type,
         vocab=cfg.vocab_size, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
@@ -86,6 +99,25 @@ def arch_from_config(cfg, name: str = "") -> Arch:
         o_bias=model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False)),
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
     )
+    arch = dataclasses.replace(arch, **moe) if moe else arch
+    return dataclasses.replace(arch, extra_params=_unnamed_params(cfg, F.param_counts(arch)["total"]))
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_params(config_json: str) -> int | None:
+    try:
+        return sum(p.numel() for p in meta_model(AutoConfig.for_model(**json.loads(config_json))).parameters())
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: the formulas' count stands
+        return None
+
+
+def _unnamed_params(cfg, named: int) -> int:
+    """Parameters of ``cfg``'s model that the formulas do not name (QK-norms, a family's further norms, attention
+    sinks): its meta-device build's count less ``named``; 0 where it cannot be built or counts fewer."""
+    if not hasattr(cfg, "to_json_string"):
+        return 0
+    total = _meta_params(cfg.to_json_string(use_diff=False))
+    return max(0, total - named) if total is not None else 0
 
 
 def _is_hub_id(name: str) -> bool:

@@ -49,6 +49,16 @@ class Arch:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    # A mixture of experts: ``experts`` per layer, ``active_experts`` per token, each of width
+    # ``expert_intermediate``; ``intermediate`` is then the per-token MLP width the activations take,
+    # active_experts x expert_intermediate. The experts are fused parameters: no LoRA, never quantised.
+    experts: int = 0
+    active_experts: int = 0
+    expert_intermediate: int = 0
+    expert_bias: bool = False
+    # Parameters the formulas do not name (a family's further norms, QK-norms, attention sinks), counted once from
+    # the model's meta-device build (grpo_kit.memory.estimate.arch_from_config); 16-bit, with the embedding.
+    extra_params: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -59,10 +69,21 @@ class Arch:
         return self.kv_heads * self.head_dim
 
     def layer_linears(self) -> list[tuple[str, int, int]]:
-        """(name, in_features, out_features) of the 7 linear layers of one decoder layer."""
+        """(name, in_features, out_features) of the linear layers of one decoder layer: the 7 projections, or
+        attention's 4 where the MLP is experts (fused parameters, not linear layers)."""
         h, q, kv, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
-                ("gate_proj", h, I), ("up_proj", h, I), ("down_proj", I, h)]
+        attention = [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h)]
+        if self.experts:
+            return attention
+        return attention + [("gate_proj", h, I), ("up_proj", h, I), ("down_proj", I, h)]
+
+    def expert_params(self) -> int:
+        """Parameters of one layer's experts and router: E x (3 h I_e) (+ biases), router h x E."""
+        if not self.experts:
+            return 0
+        h, ie = self.hidden, self.expert_intermediate
+        bias = (2 * ie + h) if self.expert_bias else 0
+        return self.experts * (3 * h * ie + bias) + self.experts * h
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -70,7 +91,8 @@ class Arch:
 
 def param_counts(a: Arch) -> dict[str, int]:
     """Parameter counts: ``layer_linear`` (the 7 projections of all layers, the part 4-bit
-    quantisation applies to), ``other`` (embedding, untied head, norms, biases), ``total``.
+    quantisation applies to), ``experts`` (an MoE's experts and routers, kept 16-bit), ``other`` (embedding,
+    untied head, norms, biases), ``total``.
 
     Per layer: q h*q, k and v h*kv each, o q*h, gate and up h*I each, down I*h; biases where the
     architecture has them (Qwen2: q, k, v); two RMSNorm weights of h. Plus the embedding V*h,
@@ -82,10 +104,12 @@ def param_counts(a: Arch) -> dict[str, int]:
         bias += a.q_dim + 2 * a.kv_dim
     if a.o_bias:
         bias += a.hidden
-    if a.mlp_bias:
+    if a.mlp_bias and not a.experts:
         bias += 2 * a.intermediate + a.hidden
-    other = a.vocab * a.hidden * (1 if a.tied else 2) + a.layers * (2 * a.hidden + bias) + a.hidden
-    return {"layer_linear": lin, "other": other, "total": lin + other}
+    experts = a.layers * a.expert_params()
+    other = (a.vocab * a.hidden * (1 if a.tied else 2) + a.layers * (2 * a.hidden + bias) + a.hidden + experts
+             + a.extra_params)
+    return {"layer_linear": lin, "experts": experts, "other": other, "total": lin + other}
 
 
 def fp8_scale_count(a: Arch) -> int:

@@ -113,7 +113,7 @@ def model_config(name: str, *, trust_remote_code: bool = False):
 def causal_lm_class(config):
     """The transformers ``*ForCausalLM`` class of ``config``'s model_type (not instantiated)."""
     import transformers  # lazy: transformers is slow to import
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: as above
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
     if name is None:
