@@ -270,8 +270,11 @@ def check_supported(config, name: str, *, trust_remote_code: bool = False) -> Fa
     """The family of a model ``config`` (a transformers config), or ``ValueError`` in one line naming the family,
     why, and what works instead; before any weight loads. A config that names its own modelling code
     (``auto_map``) needs ``trust_remote_code``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: slow to import
+
     model_type = getattr(config, "model_type", None)
-    arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+    arch = (", ".join(getattr(config, "architectures", None) or [])
+            or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "no causal-LM class in transformers"))
     if getattr(config, "auto_map", None) and not trust_remote_code:
         raise ValueError(f"model={name!r} ships its own modelling code (auto_map in its config.json: "
                          f"{sorted(config.auto_map)}); the kit runs it only with trust_remote_code: true")
