@@ -52,7 +52,7 @@ elif importlib.util.find_spec("grpo_kit") is None:
                               "checkout (it installs the kit), or `pip install -e .` there")
 
 # %% tags=["parameters"]
-model = "Qwen/Qwen2.5-1.5B-Instruct"
+model = "Qwen/Qwen2.5-1.5B-Instruct"  # @param ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B", "google/gemma-3-1b-it"] {allow-input: true}
 task = "gsm8k"
 dataset_path = ""  # empty: the hub dataset openai/gsm8k
 max_steps = 100
@@ -115,16 +115,28 @@ dtype = resolve_dtype(cfg, device)  # bf16 where supported; fp16 + GradScaler on
 print("device:", device, " dtype:", dtype)
 
 # %% [markdown]
-# ## Does it fit? The calculator against this GPU
-# The calculator's estimate for the config as it will train (`grpo_kit.memory.fit.require_fit`, the
-# Qwen2.5-1.5B architecture) against the detected GPU's memory (15 GiB, a T4, without one): the full setup
-# stops here with the numbers and what to change when it would not fit, before any model loads.
+# ## Which model fits a free T4?
+# `model` takes Qwen2.5, Qwen3 or Gemma 3 (any [supported family](../docs/models.md) works, a hub id or a folder).
+# The calculator's verdict for each on a free Colab T4 (15 GiB, fp16), with the full setup's settings:
 
 # %%
 from grpo_kit.memory.fit import config_fit, require_fit
+from grpo_kit.notebook.helpers import NOTEBOOK_MODELS
 
+full_cfg = validate_params(full)
+for hub_id, built_in in NOTEBOOK_MODELS.items():
+    verdict, _ = config_fit(full_cfg, calculator_model=built_in, gpu_gib=15.0, detect=False)
+    print(f"{hub_id:28s} {verdict.text()}")
+
+# %% [markdown]
+# ## Does it fit? The calculator against this GPU
+# The calculator's estimate for the config as it will train (`grpo_kit.memory.fit.require_fit`, the chosen
+# model's architecture) against the detected GPU's memory (15 GiB, a T4, without one): the full setup
+# stops here with the numbers and what to change when it would not fit, before any model loads.
+
+# %%
 if chosen == "full":
-    require_fit(cfg, calculator_model="qwen2.5-1.5b", gpu_gib=15.0)
+    require_fit(cfg, calculator_model=NOTEBOOK_MODELS.get(cfg.model, cfg.model), gpu_gib=15.0)
 else:
     verdict, source = config_fit(cfg, gpu_gib=15.0)
     print(f"fallback, {source}: {verdict.text()}")

@@ -195,14 +195,15 @@ def free_t4_preset(model="llama-3.1-8b", *, num_generations: int = 8, prompt_len
                 budget_gib=FREE_T4_GIB, estimate_gib=peak, base_weights=base_weights_for("T4")["base_weights"])
 
 
-def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> tuple[FitVerdict, str]:
-    """The kit's step for a ``GRPOKitConfig`` against a GPU: the detected one, else ``gpu_gib``. Returns the
+def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None,
+               detect: bool = True) -> tuple[FitVerdict, str]:
+    """The kit's step for a ``GRPOKitConfig`` against a GPU: the detected one (``detect``), else ``gpu_gib``. Returns the
     verdict and where the GPU size came from. ``calculator_model``: the built-in architecture to price
     (default ``cfg.model``, e.g. for a hub id without a local config). ``generation_backend: auto`` is priced as
     HF generation, whose KV cache (every sequence padded to the full context, in the model's dtype) is the larger;
     which backend ``auto`` becomes is known only when the run starts (its memory plan then prices vLLM's). ValueError
     when neither a GPU nor ``gpu_gib`` is there."""
-    detected = detected_gpu_gib()
+    detected = detected_gpu_gib() if detect else None
     if detected is None and gpu_gib is None:
         raise ValueError("config_fit: no CUDA GPU detected; pass gpu_gib= (the card's memory in GiB)")
     budget, source = detected if detected else (gpu_gib, "gpu_gib parameter")

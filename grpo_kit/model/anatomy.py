@@ -200,6 +200,17 @@ def lora_targets(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+# Layer types whose outputs depend on the positions' order only through attention (a mask moved with the pads).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def attention_only(config) -> bool:
+    """Whether every layer is attention (``layer_types``; none listed: all are). A hybrid's linear-attention or
+    state-space layers run a recurrence in chunks of positions, so moving a row's pads changes their sums' order."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return all(t in ATTENTION_LAYER_TYPES for t in (getattr(cfg, "layer_types", None) or ()))
+
+
 def router_aux_coef(config) -> float:
     """The coefficient of the MoE load-balancing loss that TRL 1.16 adds to the GRPO loss: the config's
     ``router_aux_loss_coef`` where it returns router logits (``output_router_logits`` present), else 0."""

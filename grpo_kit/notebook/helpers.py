@@ -128,6 +128,9 @@ def show_figure(fig, dpi: int = 100) -> None:
 
 
 # Where an installed package keeps the checkout's data folders (pyproject.toml's package-dir maps them).
+# Notebook 03's model choices (hub ids) and the built-in architecture the calculator prices for each.
+NOTEBOOK_MODELS = {"Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b", "Qwen/Qwen3-1.7B": "qwen3-1.7b",
+                   "google/gemma-3-1b-it": "gemma-3-1b"}
 RESULTS_DIR = "bench/results"  # the committed benchmark results, relative to the checkout
 _PACKAGED_DIRS = {"data": "_data", RESULTS_DIR: "_results"}
 

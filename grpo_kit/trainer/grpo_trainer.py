@@ -50,8 +50,8 @@ import warnings
 import torch
 from trl import GRPOTrainer
 
-from grpo_kit.model.anatomy import (causal_lm, check_logit_form, decoder_body, decoder_layers, last_hidden,
-                                    logit_form, router_balance_loss)
+from grpo_kit.model.anatomy import (attention_only, causal_lm, check_logit_form, decoder_body, decoder_layers,
+                                    last_hidden, logit_form, router_balance_loss)
 from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
 from grpo_kit.model.offload import AUX_LOSS_OFF_REASON, enable_offloaded_checkpointing, keep_hf_checkpointing_off
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
@@ -176,9 +176,11 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             keep_hf_checkpointing_off(self.model)
         # Padding as TRL lays it out: pads rolled to the end of each row, so attention needs no (B, 1, T, T) mask.
         # Flash attention unpads a 2-D mask itself (no T x T tensor), and without one would attend over the pads.
+        # A hybrid with linear-attention layers keeps TRL's layout: its chunked recurrence would sum in another order.
         lead = None  # each row's leading pads, where the rows were rolled
         tokens = attention_mask  # which positions the router loss counts, in the layout the model sees
-        if getattr(causal_lm(model).config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION:
+        config = causal_lm(model).config
+        if getattr(config, "_attn_implementation", None) in MASK_BUILDING_ATTENTION and attention_only(config):
             rolled = roll_left_pads(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
             if rolled is not None:
                 input_ids, lead, moved = rolled
