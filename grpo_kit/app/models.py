@@ -13,7 +13,8 @@ import importlib.util
 import torch
 
 from grpo_kit.model.anatomy import inspect_config
-from grpo_kit.model.families import FAMILIES, REFUSED, EXPERT_LORA, Family, check_supported, tiny_names
+from grpo_kit.model.families import (EXPERT_LORA, FAMILIES, GPU_ONE_COPY_RUN, REFUSED, Family, check_supported,
+                                     tiny_names)
 from grpo_kit.model.loading import build_random_model, causal_lm_class, model_config
 from grpo_kit.model.offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing, layer_modes
 
@@ -62,7 +63,8 @@ def family_row(fam: Family) -> dict:
     arch = causal_lm_class(config).__name__
     route = vllm_route(arch)
     if route in ("native", "transformers backend"):
-        vllm = (f"{route}; one copy of the weights on CUDA" if not found.experts else
+        run = "run on a GPU" if fam.key in GPU_ONE_COPY_RUN else "not yet run on a GPU"
+        vllm = (f"{route}; one copy of the weights on CUDA ({run})" if not found.experts else
                 f"{route}; a separate engine copy on CUDA (the engine's fused expert tensors are not mapped to "
                 "transformers')")
     else:
