@@ -25,7 +25,6 @@ activations and CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import json
 import math
@@ -103,12 +102,17 @@ def arch_from_config(cfg, name: str = "") -> Arch:
     return dataclasses.replace(arch, extra_params=_unnamed_params(cfg, F.param_counts(arch)["total"]))
 
 
-@functools.lru_cache(maxsize=64)
-def _meta_params(config_json: str) -> int | None:
-    try:
-        return sum(p.numel() for p in meta_model(AutoConfig.for_model(**json.loads(config_json))).parameters())
-    except Exception:  # noqa: BLE001 - a config transformers cannot build: the formulas' count stands
-        return None
+_META_PARAMS: dict[str, int | None] = {}  # a config's JSON text -> its meta-device build's parameter count
+
+
+def _meta_params(cfg) -> int | None:
+    key = cfg.to_json_string(use_diff=False)
+    if key not in _META_PARAMS:
+        try:
+            _META_PARAMS[key] = sum(p.numel() for p in meta_model(cfg).parameters())
+        except Exception:  # noqa: BLE001 - a config transformers cannot build: the formulas' count stands
+            _META_PARAMS[key] = None
+    return _META_PARAMS[key]
 
 
 def _unnamed_params(cfg, named: int) -> int:
@@ -116,7 +120,7 @@ def _unnamed_params(cfg, named: int) -> int:
     sinks): its meta-device build's count less ``named``; 0 where it cannot be built or counts fewer."""
     if not hasattr(cfg, "to_json_string"):
         return 0
-    total = _meta_params(cfg.to_json_string(use_diff=False))
+    total = _meta_params(cfg)
     return max(0, total - named) if total is not None else 0
 
 
