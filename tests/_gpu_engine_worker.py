@@ -178,7 +178,7 @@ def merge() -> dict:
 def family(name: str) -> dict:
     """One copy for a family's built-in (random weights, vLLM's dummy init): the training model built on the
     engine's tensors, every parameter a view of the engine's storage, and vLLM's greedy log-probs against the
-    training model's own (teacher-forced on vLLM's tokens), base and with a random adapter merged for generation."""
+    training model's own (teacher-forced on vLLM's tokens), base and with a random adapter in vLLM's LoRA kernels."""
     import torch
 
     from grpo_kit.generation import SamplingConfig
@@ -191,9 +191,11 @@ def family(name: str) -> dict:
     folder, dummy = generation_model_dir(name, "cuda")
     tok = load_tokenizer(name)
     start = time.perf_counter()
+    # the adapter in vLLM's LoRA kernels: on vLLM's random (dummy) weights every element would change in a merge,
+    # which the reversible merge refuses (it keeps at most a quarter of a weight to restore; seen on an H100)
     gen = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
-                        dummy_weights=dummy, lora_sync="merge", max_num_seqs=8, kv_cache_memory_bytes=2**30,
-                        gpu_memory_utilization=0.3, enforce_eager=True)
+                        dummy_weights=dummy, lora_sync="adapter", max_lora_rank=16, max_num_seqs=8,
+                        kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.3, enforce_eager=True)
     out = {"model": name, "engine_start_s": round(time.perf_counter() - start, 1),
            "architecture": gen.architecture}
     try:
@@ -207,7 +209,7 @@ def family(name: str) -> dict:
         base, model, greedy))
     from peft import LoraConfig, get_peft_model
 
-    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=lora_targets(model))).eval()
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model))).eval()
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for n, p in pm.named_parameters():
