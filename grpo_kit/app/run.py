@@ -37,6 +37,7 @@ from grpo_kit.memory import estimate_for_config, total_gpu_bytes
 from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.model.fp8 import fp8_lora_config
 from grpo_kit.model.loading import BUILTIN_MODELS, load_model, load_tokenizer, meta_model, model_config
+from grpo_kit.readers.bounded import read_json
 from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
@@ -428,7 +429,7 @@ def _find_resume_point(run: _Run) -> dict | None:
         print(f"the run in {run.run_dir} is already finished ({run.ckpt.name}, max_steps={run.cfg.max_steps}, "
               f"summary.json written); nothing to do. To train longer: train --resume {run.run_dir} --set "
               "max_steps=N", flush=True)
-        return {**json.loads((run.run_dir / "summary.json").read_text()), "already_finished": True}
+        return {**read_json(run.run_dir / "summary.json"), "already_finished": True}
     print(f"resuming from {run.ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no more "
                                          "training)" if run.finishing else ""), flush=True)
     return None

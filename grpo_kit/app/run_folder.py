@@ -22,10 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+from grpo_kit.readers.bounded import read_json
+
 # What a run writes into its folder (grpo_kit.app.run, grpo_kit.trainer.checkpoints); any one of them means "holds a run".
 RUN_FILES = ("config.yaml", "metrics.csv", "samples.jsonl", "summary.json", "eval.json", "rewards.png",
              "checkpoints", "adapter", "model")
 LOCK_FILE = ".grpo_kit.lock"
+MAX_LOCK_BYTES = 1 << 16  # its content is a PID, a host name and a time
 # Folders that are never a run folder, nor is anything inside them: the system's own (/lib* as well).
 SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/proc", "/sbin", "/sys", "/usr")
 # Folders that are never a run folder themselves (a run would write beside everything in them, and --overwrite
@@ -77,7 +80,7 @@ def read_lock(run_dir: str | os.PathLike) -> dict | None:
     """The lock's content (``pid``, ``host``, ``started``), ``{}`` when unreadable, None when there is none."""
     path = Path(run_dir) / LOCK_FILE
     try:
-        info = json.loads(path.read_bytes().decode("utf-8"))
+        info = read_json(path, max_bytes=MAX_LOCK_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, ValueError):

@@ -97,6 +97,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_kit.readers.bounded import parse_json
 from grpo_kit.tasks.sandbox_cgroup import make_run_cgroup, remove_run_cgroup
 from grpo_kit.tasks.sandbox_cleanup import remove_tree
 
@@ -196,7 +197,7 @@ def _reports(fh, secret: str) -> dict:
     out = {}
     for line in _read(fh, 1 << 16).splitlines():
         try:
-            key, value, tag = json.loads(line)
+            key, value, tag = parse_json(line, "a report line")
         except (ValueError, TypeError):
             continue
         if tag == secret and (key == "status" or key not in out):
@@ -306,10 +307,11 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
         inp.write(stdin.encode("utf-8", "surrogatepass"))
         payload.write(json.dumps({"code": code, "tests": tests, "secret": secret, "program": _PROGRAM})
                       .encode("utf-8", "surrogatepass"))
+        payload_bytes = payload.tell()
         for fh in (inp, payload):
             fh.flush()
             fh.seek(0)
-        cfg = _child_config(lim, uid, scratch, cgroup, payload, report)
+        cfg = {**_child_config(lim, uid, scratch, cgroup, payload, report), "payload_bytes": payload_bytes}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8"}

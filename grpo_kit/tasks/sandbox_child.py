@@ -11,9 +11,15 @@ reports the verdict and the program's exit status to the parent on its own descr
 See :mod:`grpo_kit.tasks.sandbox` for what this guarantees.
 """
 import builtins, ctypes, fcntl, json, os, resource, signal, sys, traceback
-cfg = json.loads(sys.argv[1])
+def _parse(data, limit):
+    """JSON of at most ``limit`` bytes (this script runs without the package's bounded readers); a bomb of nesting
+    raises RecursionError, which every caller treats as a broken channel."""
+    if len(data) > limit:
+        raise ValueError(f"{len(data)} bytes of JSON; at most {limit}")
+    return json.loads(data)
+cfg = _parse(sys.argv[1], 1 << 20)
 with os.fdopen(cfg["payload_fd"], "rb") as _fh:  # code, tests, the program's bootstrap and the secret; never a path
-    _payload = json.loads(_fh.read().decode("utf-8", "surrogatepass"))
+    _payload = _parse(_fh.read().decode("utf-8", "surrogatepass"), cfg["payload_bytes"])
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0, kept across fork (an exec resets it: the program's own is dumpable)
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -179,7 +185,7 @@ def _make_rpc(req, resp, limit, gone):
             line = resp.readline(limit + 1)
             if not line.endswith(b"\n"):
                 raise ValueError("no answer")
-            out = json.loads(line)
+            out = _parse(line, limit)
             if type(out) is dict and "v" in out:
                 return _dec(out["v"], rpc)
             name, text = out["e"]
@@ -197,7 +203,7 @@ def _run_tests(tests, req, resp):
     rpc = _make_rpc(req, resp, cfg["fsize"], gone)
     try:
         line = resp.readline(cfg["fsize"] + 1)
-        names = json.loads(line)["g"] if line.endswith(b"\n") else None
+        names = _parse(line, cfg["fsize"])["g"] if line.endswith(b"\n") else None
         scope = {str(k): _dec(v, rpc) for k, v in names.items()}
     except Exception:  # the program ended (or broke the protocol) before its names came: nothing to test
         return False, False
@@ -232,7 +238,7 @@ def _judge():
             os.close(fd)
     resp = os.fdopen(resp_r, "rb")
     try:
-        seccomp = json.loads(resp.readline(256)).get("seccomp") is True
+        seccomp = _parse(resp.readline(256), 256).get("seccomp") is True
     except Exception:
         seccomp = False
     net = (("namespace", _ns and cfg["netns"]), ("seccomp", seccomp), ("audit", True))

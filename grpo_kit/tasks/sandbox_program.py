@@ -8,7 +8,12 @@ installs the kernel's seccomp filter (which no Python code can lift) and an audi
 runs the program, and in tests mode then answers the judge's calls into the program's objects with plain data.
 """
 import builtins, json, os, sys, signal
-cfg = json.loads(sys.argv[1])
+def _parse(data, limit):
+    """JSON of at most ``limit`` bytes (this script runs without the package's bounded readers)."""
+    if len(data) > limit:
+        raise ValueError(f"{len(data)} bytes of JSON; at most {limit}")
+    return json.loads(data)
+cfg = _parse(sys.argv[1], 1 << 16)
 with os.fdopen(3, "rb") as _fh:
     _code = _fh.read().decode("utf-8", "surrogatepass")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over-long output: write() fails instead of a kill
@@ -124,7 +129,7 @@ def _make_encoder(type=type, len=len, isinstance=isinstance, id=id, repr=repr, f
             return {dec(k): dec(e) for k, e in v}
         return bytes.fromhex(v) if tag == "B" else complex(dec(v[0]), dec(v[1])) if tag == "C" else float(v)
     return enc, dec
-def _serve(g, enc, dec, dumps=json.dumps, loads=json.loads, getattr=getattr, len=len, str=str, type=type,
+def _serve(g, enc, dec, dumps=json.dumps, loads=_parse, getattr=getattr, len=len, str=str, type=type,
            BaseException=BaseException):
     """Answer the judge: ``{"op": "call"|"getattr"|"getitem"|"len", "h": n, "a": [...]}`` -> ``{"v": value}`` or
     ``{"e": [builtin exception name, message]}``, one JSON line each; EOF ends the program."""
@@ -133,7 +138,7 @@ def _serve(g, enc, dec, dumps=json.dumps, loads=json.loads, getattr=getattr, len
         resp.write(dumps({"g": {k: enc(v) for k, v in g.items() if not k.startswith("__")}}).encode() + b"\n")
         resp.flush()
         for line in req:
-            msg = loads(line)
+            msg = loads(line, len(line))  # the judge's own requests
             try:
                 obj, args = dec({"H": msg["h"]}), dec(msg["a"])
                 op = msg["op"]

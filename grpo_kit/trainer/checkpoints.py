@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from grpo_kit.readers.bounded import read_json
+
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
@@ -222,7 +224,7 @@ def load_state(folder: str | os.PathLike, name: str, device: str | torch.device 
     folder = Path(folder)
     device = torch.device(device)  # accelerate's CPU device under several processes is cpu:0, which safetensors refuses
     tensors = load_file(str(folder / f"{name}.safetensors"), device="cpu" if device.type == "cpu" else str(device))
-    return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
+    return _decode(read_json(folder / f"{name}.json"), tensors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,7 +293,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> str | None:
     files parse; else the problem. Never raises: a checkpoint unreadable for any reason is just not usable."""
     folder = Path(folder)
     try:
-        manifest = json.loads((folder / MANIFEST).read_bytes().decode("utf-8"))
+        manifest = read_json(folder / MANIFEST)
     except FileNotFoundError:
         return "no manifest.json"
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -312,7 +314,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> str | None:
                 return f"{rel} does not match its SHA-256 in the manifest"
         for name in (KIT_STATE, TRAINER_STATE):
             if (folder / name).is_file():
-                json.loads((folder / name).read_bytes().decode("utf-8"))
+                read_json(folder / name)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
         return f"cannot be read ({type(e).__name__}: {e})"
     return None
@@ -595,7 +597,7 @@ class ResumableTrainerMixin:
                 raise CheckpointError(f"{folder}: weights that do not fit the model: {result.unexpected_keys[:5]}")
         else:
             load_model(model, str(folder / "weights.safetensors"))
-        kit = json.loads((folder / KIT_STATE).read_text())
+        kit = read_json(folder / KIT_STATE)
         self._kit_resume_state = kit
         self._step = kit["trl_step"]
         buffer = _own_file(folder, "trl_buffer", self.args.process_index)
@@ -643,4 +645,4 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> Path:
 
 
 def read_run_state(ckpt: str | os.PathLike) -> dict:
-    return json.loads((Path(ckpt) / KIT_STATE).read_text()).get("run") or {}
+    return read_json(Path(ckpt) / KIT_STATE).get("run") or {}
