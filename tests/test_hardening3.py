@@ -125,3 +125,107 @@ def test_the_bounded_json_reader_refuses_size_and_depth_in_one_line(tmp_path):
     with pytest.raises(InputError, match="big.json: more than 1000 bytes of JSON"):
         read_json(tmp_path / "big.json", max_bytes=1000)
     assert read_json(tmp_path / "big.json") == "x" * 2000
+
+
+# --- item 6: run folders ------------------------------------------------------------------------------------
+_OVERWRITER = """
+import os, sys, time
+import grpo_kit.app.run_folder as rf
+aside = rf._aside_name
+def slow(run_dir):  # widen the window between looking at the folder and moving it aside
+    time.sleep(0.6)
+    return aside(run_dir)
+rf._aside_name = slow
+while time.time() < float(sys.argv[2]):
+    time.sleep(0.002)
+try:
+    lock = rf.claim_run_folder(sys.argv[1], overwrite=True)
+except rf.RunFolderError as e:
+    print("refused", flush=True)
+    sys.exit(0)
+time.sleep(1.5)  # the other claim, if it went through, has moved things by now
+mine = os.fstat(lock._fd)
+try:
+    still = os.path.samestat(mine, os.stat(os.path.join(sys.argv[1], rf.LOCK_FILE)))
+except FileNotFoundError:
+    still = False
+print("held" if still else "moved while held", flush=True)
+lock.release()
+"""
+
+
+def test_two_overwrite_claims_of_one_folder_never_move_a_live_run(tmp_path):
+    from grpo_kit.app.run_folder import LOCK_FILE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("max_steps: 2\n")  # an old run, to be moved aside
+    start = time.time() + 3
+    procs = [subprocess.Popen([sys.executable, "-c", _OVERWRITER, str(run), str(start + 0.15 * i)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert sorted(o.strip() for o, _ in outs) in (["held", "refused"], ["held", "held"]), outs
+    assert "moved while held" not in "".join(o for o, _ in outs), outs
+    asides = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run.replaced-"))
+    assert asides and (tmp_path / asides[0] / "config.yaml").is_file()  # the old run, whole
+    assert not any((tmp_path / a / LOCK_FILE).exists() for a in asides)  # nothing left locked there
+
+
+def _fake_python(root: Path, marker: str) -> Path:
+    root.mkdir(parents=True)
+    if marker == "conda":
+        (root / "conda-meta").mkdir()
+        (root / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    elif marker == "venv":
+        (root / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    else:  # a package folder
+        (root / "numpy-2.0.dist-info").mkdir()
+    return root
+
+
+def test_system_and_package_folders_are_refused_by_rule(tmp_path):
+    import site
+
+    from grpo_kit.app.run_folder import unsafe_run_folder
+
+    bad = [_fake_python(tmp_path / "conda", "conda"), tmp_path / "conda" / "lib" / "x",
+           _fake_python(tmp_path / "venv", "venv"), tmp_path / "venv" / "runs" / "a",
+           _fake_python(tmp_path / "site-packages", "packages"), tmp_path / "site-packages" / "new",
+           Path(sys.prefix), Path(site.getsitepackages()[0]), Path(site.getsitepackages()[0]) / "mine"]
+    bad += [Path(p) for p in ("/var/lib", "/var/log", "/opt/conda", "/lost+found", "/var/cache", "/usr/local")
+            if os.path.isdir(p)]
+    (tmp_path / "project" / "data").mkdir(parents=True)  # an existing folder that keeps other folders, no run
+    bad.append(tmp_path / "project")
+    for path in bad:
+        assert unsafe_run_folder(path), path
+        with pytest.raises(ConfigError, match="output_dir="):
+            GRPOKitConfig(output_dir=str(path)).validate()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a folder of one's own, with a note")
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "old" / "config.yaml").write_text("max_steps: 2\n")
+    for ok in (tmp_path / "new", tmp_path / "mine", tmp_path / "old", tmp_path / "project" / "run1"):
+        assert unsafe_run_folder(ok) is None, ok
+
+
+def test_resume_keeps_a_complete_checkpoint_it_did_not_write(tmp_path):
+    from grpo_kit.trainer.checkpoints import find_resume_checkpoint, list_checkpoints, write_checkpoint
+
+    run = tmp_path / "run"
+    write_checkpoint(run, 2, lambda d: (d / "a.json").write_text('{"step": 2}'))
+    root = run / "checkpoints"
+    # another process was killed while saving step 2 again: between moving the complete one aside and renaming
+    # its new one in
+    os.rename(root / "checkpoint-2", root / ".old-checkpoint-2-99999")
+    (root / ".tmp-checkpoint-2-99999").mkdir()
+    ckpt = find_resume_checkpoint(run)
+    assert ckpt == root / "checkpoint-2" and (ckpt / "a.json").read_text() == '{"step": 2}'
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-2"]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2"]
+    # an .old- copy of a step whose checkpoint is there (the rename went through) is the stale one
+    write_checkpoint(run, 3, lambda d: (d / "a.json").write_text('{"step": 3}'))
+    write_checkpoint(tmp_path / "other", 3, lambda d: (d / "a.json").write_text('{"old": 3}'))
+    os.rename(tmp_path / "other" / "checkpoints" / "checkpoint-3", root / ".old-checkpoint-3-99999")
+    assert find_resume_checkpoint(run) == root / "checkpoint-3"
+    assert (root / "checkpoint-3" / "a.json").read_text() == '{"step": 3}'
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2", "checkpoint-3"]

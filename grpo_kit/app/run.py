@@ -269,6 +269,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     run_dir = Path(cfg.output_dir)
     with SignalStop() as signals:
         lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if state.is_main_process else None
+        signals.run_dir = run_dir  # a second signal names the checkpoint to resume from
         if lock is None:  # other processes: the main one owns the folder
             run_dir.mkdir(parents=True, exist_ok=True)
         run = _Run(cfg, run_dir, device, state.is_main_process, progress, train_ex, heldout, signals=signals)
@@ -516,6 +517,7 @@ def _run_files(run: _Run, resume: bool):
                                         samples_path) if run.is_main else []
     else:
         samples_path.write_text("")
+    os.chmod(samples_path, 0o600)  # the questions with their answers: for the run's user alone
     recorder = SampleRecorder(samples_path)
     recorder.step = int(run.resumed.get("recorder_step") or 0)
     return samples_path, recorder

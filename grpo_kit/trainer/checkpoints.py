@@ -96,7 +96,8 @@ class SignalStop:
     While ``training``: the first signal is recorded (``signum``) and the trainer (``ResumableTrainerMixin``) saves a
     checkpoint at the end of the next logged step and stops with :class:`Interrupted`. Otherwise (loading, the
     final evaluation) the first signal raises :class:`Interrupted` at once. A second signal gets the previous
-    handler at once: SIGTERM ends the process, SIGINT raises ``KeyboardInterrupt``."""
+    handler at once (SIGTERM ends the process, SIGINT raises ``KeyboardInterrupt``), after a line naming the last
+    complete checkpoint of ``run_dir`` to resume from."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -104,6 +105,7 @@ class SignalStop:
         self.signum: int | None = None
         self.training = False
         self.hint = "before training ran a step; nothing to resume: start the run again"  # for a stop outside it
+        self.run_dir: Path | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "SignalStop":
@@ -122,7 +124,11 @@ class SignalStop:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signum is not None:  # the second: at once
+        if self.signum is not None:  # the second: at once, naming what is left to resume from
+            saved = list_checkpoints(self.run_dir) if self.run_dir is not None else []
+            left = (f"resume from {saved[-1]}: {resume_hint(self.run_dir)}" if saved else
+                    "no checkpoint is complete yet: start the run again")
+            print(f"[grpo_kit] {name} again: stopping at once, without saving; {left}", file=sys.stderr, flush=True)
             self._restore()
             signal.raise_signal(signum)
             return
@@ -332,11 +338,22 @@ def last_checkpoint(run_dir: str | os.PathLike, *, log=None) -> Path | None:
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete ``.tmp-*`` folders left by a writer that was killed before its rename."""
+    """Delete ``.tmp-*`` folders left by a writer that was killed before its rename, and ``.old-*`` ones whose
+    step is there again. A complete ``.old-checkpoint-<step>-<pid>`` without its ``checkpoint-<step>`` (a writer
+    killed between moving it aside and renaming its new copy in) is renamed back: it may be the last complete
+    checkpoint of the run, whoever wrote it."""
     root = checkpoints_dir(run_dir)
     removed = []
     if root.is_dir():
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
+            if p.name.startswith(".old-"):
+                final = root / p.name.removeprefix(".old-").rsplit("-", 1)[0]
+                if _step_of(final) is not None and not final.exists() and verify_checkpoint(p) is None:
+                    os.rename(p, final)
+                    fsync_dir(root)
+                    print(f"[grpo_kit] restored {final} from {p.name} (a save of that step was cut short)",
+                          file=sys.stderr, flush=True)
+                    continue
             if p.name.startswith(".tmp-") or p.name.startswith(".old-"):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
