@@ -37,6 +37,7 @@ from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.readers.bounded import InputError, parse_json
 from grpo_kit.tasks.data import ARITHMETIC_TASKS, LEVELS, TASKS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
+from grpo_kit.tasks.sandbox import FILESYSTEMS
 from grpo_kit.tasks.tools import (READY_TOOLS, TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, get_tools, resolve_environment,
                                   tool_spec)
 
@@ -163,6 +164,7 @@ CHOICES = {
     "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
     "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "base_weights": BASE_WEIGHTS, "fp8_block": (FP8_BLOCK,), "vllm_importance_sampling_mode": ENGINE_IS_MODES,
+    "sandbox_filesystem": FILESYSTEMS,
 }
 
 
@@ -339,6 +341,11 @@ class GRPOKitConfig:
                                     "(0: no limit); a call that runs longer is stopped and its samples re-run one "
                                     "by one within one more such budget; a sample that runs out of it scores 0.0 "
                                     "with a warning naming the function and the sample.")
+    sandbox_filesystem: str = _f("minimal", "What model code run by the code verifier and the python tool sees of "
+                                 "the host's files: `minimal` (the interpreter, its standard library and packages "
+                                 "read-only, a private /tmp; code execution is refused where no mount namespace can "
+                                 "be built) or `host` (weaker: the host's file system, as far as the run's uid may "
+                                 "read it; the plan line names it). See docs/reliability.md.")
     tools: list = _f([], f"Tools the model may call in its rollout (TRL's multi-turn tool loop): ready tools from "
                      f"{list(READY_TOOLS)}, `module:function` strings (a typed function with a Google-style "
                      "docstring) or, from Python, callables. Needs a chat template that carries tool calls (the "

@@ -42,6 +42,7 @@ from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
+from grpo_kit.tasks.sandbox import set_default_filesystem
 from grpo_kit.tasks.tools import environment_tools, get_tools, resolve_environment
 from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
                                           find_resume_checkpoint, read_run_state, resume_hint)
@@ -258,6 +259,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     """
     quiet_console(verbose)  # before TRL's and vLLM's imports, whose warnings and log it sets
     cfg.validate()
+    set_default_filesystem(cfg.sandbox_filesystem)  # what model code run by the rewards and tools sees
     check_launch_env()  # a sharding mode without a passing test stops here, before any data or model loads
     device = resolve_device(cfg)
     check_task_size(cfg)  # before the data: drawing more distinct problems than a task has would never end
