@@ -198,8 +198,10 @@ SPECIAL = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__
            "__mod__", "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__and__", "__rand__",
            "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__")
 _NONE = object()  # no plain value
-# Modules whose import does something (opens a browser, a window, prints): never imported by the judge.
-_NO_IMPORT = {"antigravity", "this", "turtle", "turtledemo", "tkinter", "idlelib", "webbrowser"}
+# Packages whose import does something (opens a browser or a window, runs tests or an installer): never imported by
+# the judge, nor is any __main__ module.
+_NO_IMPORT = {"antigravity", "this", "turtle", "turtledemo", "tkinter", "idlelib", "webbrowser", "test", "ensurepip",
+              "venv", "pip", "lib2to3"}
 def _judge_error(message):
     _judged.append(message)
     raise JudgeError(message)
@@ -287,7 +289,7 @@ def _wanted(module, attribute=None):
     """The judge's own module (or its attribute) of that name, or _NONE where it cannot be imported here (or is
     not one whose attributes the judge takes, :data:`_VALUE_MODULES`)."""
     if type(module) is not str or module.split(".")[0] in _NO_IMPORT or not all(
-            part.isidentifier() for part in module.split(".")):
+            part.isidentifier() and part != "__main__" for part in module.split(".")):
         return _NONE
     if attribute is not None and (type(attribute) is not str or module not in _VALUE_MODULES):
         return _NONE
@@ -393,10 +395,11 @@ def _make_rpc(req, resp, limit, gone):
         raise cls(str(text))
     return rpc
 def _scope(tests, names, rpc):
-    """The tests' globals: the program's top-level names, except that the builtins are the judge's whatever the
-    program defines, and a name the tests use as ``name.attribute`` is the judge's module of that name when it
-    has every attribute they read (or, for a program's module or module attribute, the judge's own of that
-    name). None, or the program's value, otherwise."""
+    """The tests' globals: the program's top-level names (its values, or handles to its objects), except that the
+    builtins are the judge's whatever the program defines; a name the tests read as ``name.attribute`` is the
+    judge's module of that name when it has every attribute they read, or else, when the program's value is a
+    module, the judge's module of the program's module's name; and a value module's attribute the program holds
+    (``Fraction``) is the judge's own."""
     tree = ast.parse(tests)
     loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     read = collections.defaultdict(set)
@@ -408,10 +411,12 @@ def _scope(tests, names, rpc):
         if not str(name).isidentifier() or hasattr(builtins, name):
             continue  # the tests' builtins are the judge's: a program's `abs` never answers for `abs`
         value = _dec(raw, rpc)
-        if type(value) is Remote and name in loaded and "M" in raw:  # the program's module (or its attribute)
-            value = _wanted(raw["M"], raw.get("a"))
-            if value is _NONE:
-                value = _Unavailable(name, raw["M"])
+        if type(value) is Remote and "M" in raw and (name in read if "a" not in raw else name in loaded):
+            own = _wanted(raw["M"], raw.get("a"))  # a module the tests read from, or a value module's attribute
+            if own is not _NONE:
+                value = own
+            elif "a" not in raw:
+                value = _Unavailable(name, raw["M"])  # else: not a value module's, the program's own object
         scope[name] = value
     for name, attributes in read.items():
         if name not in names or hasattr(builtins, name):
