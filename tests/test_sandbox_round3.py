@@ -193,6 +193,25 @@ def test_values_compare_as_in_plain_python():
     assert not wrong, wrong
 
 
+NUMPY = [
+    ("import numpy as np\ndef f(n):\n    return np.arange(n)\ndef g():\n    return np.float64(1.5)\n"
+     "def h():\n    return np.array([[1.5, 2], [3, 4]], dtype=np.float32)\n",
+     "import numpy as np\nassert np.allclose(f(3), [0, 1, 2])\nassert (f(3) == np.array([0, 1, 2])).all()\n"
+     "assert g() == 1.5 and f(3).shape == (3,)\nassert h().dtype == np.float32 and h()[1, 0] == 3", True),
+    ("import numpy as np\ndef f(n):\n    return np.arange(n) + 1\n",
+     "import numpy as np\nassert np.allclose(f(3), [0, 1, 2])", False),
+]
+
+
+def test_numpy_numbers_and_arrays_compare_as_in_plain_python():
+    lim = _limits(drop_privileges=False)  # this interpreter, whose packages the sandbox shows
+    if not run_python("import numpy", limits=lim).ok:
+        pytest.skip("numpy is not importable in the sandbox's interpreter here")
+    assert all(_plain_python(p, t) == expected for p, t, expected in NUMPY)
+    scores, results = _scores([p for p, _, _ in NUMPY], [t for _, t, _ in NUMPY], lim)
+    assert scores == [1.0, 0.0], [(r.reason, r.stderr[-300:]) for r in results]
+
+
 def test_what_cannot_be_compared_is_a_judge_error_not_a_silent_0(caplog):
     money = ("class Money:\n    def __init__(self, v):\n        self.v = v\n"
              "    def __eq__(self, o):\n        return self.v == o\n    __hash__ = None\n"

@@ -20,7 +20,8 @@ what they read (a program's ``math`` module, or module attribute of a value modu
 ``next()``, ``bool()``, ``hash()`` or ``str()`` of a program object is asked of the program over the pipe, and
 what comes back is a value (exact types, parsed as untrusted JSON: ``None``, ``bool``, ``int`` of any size,
 ``float``, ``str``, ``bytes``, ``complex``, ``Fraction``, ``Decimal``, ``range``, ``Counter``, ``OrderedDict``,
-``deque`` and lists, tuples, sets, dicts of them) or a handle to the program's object; an exception comes back as
+``deque``, numpy numbers and arrays of numbers, and lists, tuples, sets, dicts of them) or a handle to the
+program's object; an exception comes back as
 its nearest builtin class and message. Two program objects compare (and compute) by the program's own operators,
 run in the program. A program object and a plain value compare as the plain type it subclasses where its type
 keeps that type's method (a namedtuple, an ``IntEnum``), not at all where its type lacks the method (as in

@@ -366,7 +366,19 @@ def _dec(x, rpc):
         return decimal.Decimal(v)
     if tag == "R" and type(v) is list and len(v) == 3:
         return range(*map(_int, v))
+    if tag == "ND" and type(v) is list and len(v) == 3 and type(v[0]) is str and type(v[1]) is list \
+            and all(type(n) is int and n >= 0 for n in v[1]):
+        return _ndarray(v[0], v[1], _dec(v[2], rpc))
     raise ValueError("not a value")
+def _ndarray(dtype, shape, values):
+    """A numpy array of numbers from the program, built with the judge's own numpy."""
+    np = _wanted("numpy")
+    if np is _NONE:
+        _judge_error("the program returned a numpy array, and the judge cannot import numpy")
+    kind = np.dtype(dtype)
+    if kind.kind not in "biufc":
+        raise ValueError("not an array of numbers")
+    return np.array(values, dtype=kind).reshape(shape)
 def _make_rpc(req, resp, limit, gone):
     def rpc(op, h, args, kwargs=None):
         msg = {"op": op, "h": h, "a": _enc(list(args)), "k": _enc(dict(kwargs or {}))}
@@ -385,6 +397,8 @@ def _make_rpc(req, resp, limit, gone):
                 name, text = out["e"]
                 cls = getattr(builtins, str(name), None)
                 big = None
+        except JudgeError:
+            raise
         except Exception as e:  # a broken pipe, a bad line, a bomb of nesting (RecursionError): no verdict
             gone.append(e)
             raise ProgramGone(f"the program stopped answering: {type(e).__name__}") from None

@@ -97,7 +97,8 @@ _resp.flush()
 # Values cross to the judge as JSON with exact types (a subclass of int is not an int). Plain data and the standard
 # library's exact numbers and containers go by value: {"I": hex} (an int past 64 bits), {"f": repr} (inf, nan),
 # {"C": [re, im]}, {"B"|"Y": hex} (bytes, bytearray), {"L"|"T"|"S"|"F": [...]}, {"D"|"Ctr"|"OD": [[k, v], ...]},
-# {"Q": [n, d]} (Fraction), {"Dec": text} (Decimal), {"R": [start, stop, step]}, {"DQ": [maxlen, [...]]} (deque).
+# {"Q": [n, d]} (Fraction), {"Dec": text} (Decimal), {"R": [start, stop, step]}, {"DQ": [maxlen, [...]]} (deque),
+# {"ND": [dtype, shape, nested list]} (a numpy array of numbers; a numpy number goes as the Python number).
 # Anything else stays here and the judge gets a handle: {"H": n, "ops": the special methods of cfg["special"] its
 # type defines (beyond object's, or beyond those of the plain type it subclasses), "as": its value as that plain
 # type, "M": module (and "a": its attribute) when it is a module or a module's attribute}. The judge decides what
@@ -159,10 +160,21 @@ def _make_encoder(special, type=type, len=len, isinstance=isinstance, id=id, rep
             return {"R": [enc(x.start), enc(x.stop), enc(x.step)]}
         if t is deque and len(x) <= max_entries:
             return {"DQ": [x.maxlen, [enc(v, depth + 1) for v in x]]}
+        np = sys.modules.get("numpy")  # looked up now: the program imports it, or not
+        if np is not None and getattr(t, "__module__", None) == "numpy" and getattr(x, "dtype", None) is not None \
+                and getattr(x.dtype, "kind", None) in ("b", "i", "u", "f", "c"):
+            if t is np.ndarray and x.size <= max_entries:
+                return {"ND": [x.dtype.str, list(x.shape), enc(x.tolist(), depth + 1)]}
+            if isinstance(x, np.generic):
+                return enc(x.item(), depth)
         return handle(x, depth)
+    return enc, _make_decoder(handles)
+def _make_decoder(handles, isinstance=isinstance, dict=dict):
+    """The judge's arguments: plain values, or handles to this program's objects (``handles``)."""
+    import collections, decimal, fractions  # lazy: only the tests mode takes arguments
+    Fraction, Decimal, deque = fractions.Fraction, decimal.Decimal, collections.deque
     makers = {"L": list, "T": tuple, "S": set, "F": frozenset}
     def dec(x):
-        """The judge's arguments: plain values, or handles to this program's objects."""
         if isinstance(x, list):
             return [dec(v) for v in x]
         if not isinstance(x, dict):
@@ -181,7 +193,7 @@ def _make_encoder(special, type=type, len=len, isinstance=isinstance, id=id, rep
                   "C": lambda: complex(dec(v[0]), dec(v[1])), "Q": lambda: Fraction(dec(v[0]), dec(v[1])),
                   "Dec": lambda: Decimal(v), "R": lambda: range(*dec(v)), "f": lambda: float(v)}
         return simple[tag]()
-    return enc, dec
+    return dec
 def _serve(g, enc, dec, limit, dumps=json.dumps, loads=_parse, getattr=getattr, len=len, str=str, type=type,
            BaseException=BaseException):
     """Answer the judge: ``{"op": name, "h": n, "a": [...], "k": {...}}`` -> ``{"v": value}`` or
