@@ -262,13 +262,13 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_continues(tmp_path, repo_
     assert [line.split(",")[0] for line in metrics.read_text().splitlines()[1:]] == ["1", "2", "3", "4"]
 
 
-def test_a_second_signal_exits_at_once(tmp_path, repo_root):
+def test_a_second_signal_exits_at_once_and_names_the_checkpoint_to_resume_from(tmp_path, repo_root):
     run = tmp_path / "run"
     log = tmp_path / "b.log"
-    with open(log, "w") as fh:  # the save of checkpoint-1 pauses (120 s): the first SIGTERM waits for it
+    with open(log, "w") as fh:  # the save of checkpoint-2 pauses (120 s): the first SIGTERM waits for it
         proc = subprocess.Popen([sys.executable, str(WORKER), "train", *_sets(TINY), "--output-dir", str(run)],
                                 cwd=repo_root, stdout=fh, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRPO_KIT_TEST_PAUSE_AT_SAVE": "1"})
+                                env={**os.environ, "GRPO_KIT_TEST_PAUSE_AT_SAVE": "2"})
     paused = run / "checkpoints" / "SAVE_PAUSED"
     t0 = time.time()
     while not paused.is_file():
@@ -281,6 +281,10 @@ def test_a_second_signal_exits_at_once(tmp_path, repo_root):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=10)
     assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+    out = log.read_text()
+    ckpt = run / "checkpoints" / "checkpoint-1"
+    assert f"resume from {ckpt}" in out and f"--resume {run}" in out, out[-3000:]  # the complete one, named
+    assert verify_checkpoint(ckpt) is None
 
 
 def test_notebook_interrupt_saves_and_names_resume(tmp_path):

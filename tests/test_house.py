@@ -99,3 +99,63 @@ def test_the_diary_check_can_fail(tmp_path):
     pkg.mkdir()
     (pkg / "a.py").write_text('"""Measured 0.3 s (bench/results/step.md) on 2026-12-05."""\nSRC_SOURCE = "blog (2025-02-20)"\n')
     assert diary_lines(pkg) == ['grpo_kit/a.py:1 """Measured 0.3 s (bench/results/step.md) on 2026-12-05."""']
+
+
+# Every YAML or JSON parse of the package goes through a bounded reader (a size limit, a depth limit, one clear
+# error); these are they. The sandbox's two scripts run without the package, each with a bounded parse of its own.
+BOUNDED_READERS = {"grpo_kit/readers/bounded.py": None,  # the whole module
+                   "grpo_kit/app/config.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, within limits
+                   "grpo_kit/tasks/sandbox_child.py": {"_parse"}, "grpo_kit/tasks/sandbox_program.py": {"_parse"}}
+_PARSERS = {"json": {"load", "loads", "JSONDecoder", "scanner"},
+            "yaml": {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all",
+                     "unsafe_load_all", "compose", "compose_all", "parse", "scan", "Loader", "SafeLoader",
+                     "FullLoader", "UnsafeLoader", "BaseLoader", "CLoader", "CSafeLoader"}}
+
+
+def unbounded_parses(pkg: Path) -> list[str]:
+    """Uses of a YAML or JSON parser (``yaml.*load*``, ``json.load(s)``, their loaders and decoders, however
+    imported) outside the bounded readers (the module, or the functions and classes named for it)."""
+    out = []
+    for p in sorted(pkg.rglob("*.py")):
+        rel = str(p.relative_to(pkg.parent))
+        allowed = BOUNDED_READERS.get(rel, set())
+        if allowed is None:
+            continue
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        aliases = {}  # local name -> (module, attribute or None)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update({a.asname or a.name: (a.name, None) for a in node.names if a.name in _PARSERS})
+            elif isinstance(node, ast.ImportFrom) and node.module in _PARSERS:
+                aliases.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+        owner = {}
+        for f in ast.walk(tree):  # breadth first: the outermost function or class names each node
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for node in ast.walk(f):
+                    owner.setdefault(id(node), f.name)
+        for node in ast.walk(tree):
+            target = None
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                module, attr = aliases[node.value.id]
+                target = (module, node.attr) if attr is None else None
+            elif isinstance(node, ast.Name) and node.id in aliases and aliases[node.id][1] is not None:
+                target = aliases[node.id]
+            if target and target[1] in _PARSERS[target[0]] and owner.get(id(node)) not in allowed:
+                out.append(f"{rel}:{node.lineno} {target[0]}.{target[1]}")
+    return out
+
+
+def test_every_yaml_and_json_parse_goes_through_a_bounded_reader():
+    found = unbounded_parses(PKG)
+    assert not found, "YAML/JSON parsed outside the bounded readers (grpo_kit.readers.bounded): " + "; ".join(found)
+
+
+def test_the_parse_check_can_fail(tmp_path):
+    pkg = tmp_path / "grpo_kit"
+    (pkg / "tasks").mkdir(parents=True)
+    (pkg / "a.py").write_text("import json, yaml as y\nfrom json import loads as L\n"
+                              "def f(t):\n    return json.loads(t), y.safe_load(t), L(t), json.dumps(t)\n")
+    (pkg / "tasks" / "sandbox_child.py").write_text("import json\ndef _parse(t):\n    return json.loads(t)\n"
+                                                    "def other(t):\n    return json.loads(t)\n")
+    assert unbounded_parses(pkg) == ["grpo_kit/a.py:4 json.loads", "grpo_kit/a.py:4 yaml.safe_load",
+                                     "grpo_kit/a.py:4 json.loads", "grpo_kit/tasks/sandbox_child.py:5 json.loads"]

@@ -10,7 +10,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "grpo_kit"
 # Lowest first. Folders on one rank may not import each other.
-LAYERS = (("kernels",), ("loss",), ("model", "tasks"), ("memory",), ("generation",), ("trainer",), ("app",),
+LAYERS = (("kernels", "readers"), ("loss",), ("model", "tasks"), ("memory",), ("generation",), ("trainer",), ("app",),
           ("notebook",))
 CORE = ("kernels", "loss", "model", "tasks", "memory")  # imports no TRL
 # The package's face: grpo_kit/__init__.py (lazy public names) and __main__.py may reach any layer.

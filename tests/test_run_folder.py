@@ -28,7 +28,7 @@ def _tree(path):
 
 
 def test_new_run_into_a_run_folder_is_refused_and_overwrite_moves_it_aside(tmp_path, capsys, monkeypatch):
-    from grpo_kit.model import loading as models
+    from grpo_kit.app import run as run_mod
     from grpo_kit.app.cli import main
 
     run = _old_run(tmp_path)
@@ -36,7 +36,8 @@ def test_new_run_into_a_run_folder_is_refused_and_overwrite_moves_it_aside(tmp_p
     with pytest.raises(RunFolderError, match=r"already holds a run \(config.yaml, metrics.csv, checkpoints\).*"
                                              r"--resume.*--overwrite"):
         claim_run_folder(run)
-    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("a model was loaded"))
+    # the name train() calls (patching grpo_kit.model.loading's would reach run.py only on its first import)
+    monkeypatch.setattr(run_mod, "load_tokenizer", lambda *a, **k: pytest.fail("a model was loaded"))
     args = [x for k, v in TINY.items() for x in ("--set", f"{k}={v}")]
     assert main(["train", *args, "--output-dir", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the kit's notes on third-party warnings, if any
@@ -91,6 +92,7 @@ def test_resume_of_a_finished_run_or_one_stopped_in_its_final_evaluation(tmp_pat
     train(GRPOKitConfig(**TINY, output_dir=str(run)), progress=False)
     assert [p.name for p in list_checkpoints(run)] == ["checkpoint-2"]
     metrics, samples = (run / "metrics.csv").read_text(), (run / "samples.jsonl").read_text()
+    assert run.stat().st_mode & 0o777 == 0o700 and (run / "samples.jsonl").stat().st_mode & 0o777 == 0o600
     assert len(metrics.splitlines()) == 3
     # A kill during the final evaluation: checkpoint-2 (step 2 = max_steps) is complete, summary.json not written.
     (run / "summary.json").unlink()

@@ -185,7 +185,7 @@ def test_nothing_the_program_started_outlives_the_call(tmp_path, how):
     code = (f"import os, time\nif {fork} == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
             f"    open({str(flag)!r}, 'w').write('escaped')\n    os._exit(0)\nprint('parent exits')")
     r = run_python(code, limits=_limits(timeout_s=5.0, memory_mb=256, allow_subprocess=(how == "os"),
-                                        isolation="builtin"))  # bubblewrap's private /tmp would hide the flag
+                                        isolation="builtin", filesystem="host"))  # a private root would hide the flag
     assert r.stdout == "parent exits\n", r
     time.sleep(2.5)
     assert not flag.exists(), "a setsid() daemon outlived the sandboxed call"

@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
-from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.config import GRPOKitConfig, load_yaml
 from grpo_kit.app.console import quiet_console, warn_once_per_message
 from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES, resume_config
 from grpo_kit.memory.cli import cli_main
@@ -53,7 +52,7 @@ def _train(args) -> int:
     if getattr(args, "resume", None):  # the run folder's saved config; only safe overrides
         values = GRPOKitConfig.from_yaml(args.config).to_dict() if args.config else None
         if values is not None:  # only the keys the file sets
-            values = {k: values[k] for k in (yaml.safe_load(Path(args.config).read_text()) or {})}
+            values = {k: values[k] for k in (load_yaml(Path(args.config).read_text(), args.config) or {})}
         extra = [f"output_dir={args.output_dir}"] if args.output_dir else []
         cfg = resume_config(args.resume, [*(args.set or []), *extra], config_values=values)
     else:

@@ -34,8 +34,10 @@ from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
+from grpo_kit.readers.bounded import InputError, parse_json
 from grpo_kit.tasks.data import ARITHMETIC_TASKS, LEVELS, TASKS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
+from grpo_kit.tasks.sandbox import FILESYSTEMS
 from grpo_kit.tasks.tools import (READY_TOOLS, TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, get_tools, resolve_environment,
                                   tool_spec)
 
@@ -162,6 +164,7 @@ CHOICES = {
     "lr_scheduler_type": LR_SCHEDULER_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "vllm_lora_sync": LORA_SYNC_MODES,
     "load_in_4bit_matmul": NF4_MATMULS, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "base_weights": BASE_WEIGHTS, "fp8_block": (FP8_BLOCK,), "vllm_importance_sampling_mode": ENGINE_IS_MODES,
+    "sandbox_filesystem": FILESYSTEMS,
 }
 
 
@@ -338,6 +341,11 @@ class GRPOKitConfig:
                                     "(0: no limit); a call that runs longer is stopped and its samples re-run one "
                                     "by one within one more such budget; a sample that runs out of it scores 0.0 "
                                     "with a warning naming the function and the sample.")
+    sandbox_filesystem: str = _f("minimal", "What model code run by the code verifier and the python tool sees of "
+                                 "the host's files: `minimal` (the interpreter, its standard library and packages "
+                                 "read-only, a private /tmp; code execution is refused where no mount namespace can "
+                                 "be built) or `host` (weaker: the host's file system, as far as the run's uid may "
+                                 "read it; the plan line names it). See docs/reliability.md.")
     tools: list = _f([], f"Tools the model may call in its rollout (TRL's multi-turn tool loop): ready tools from "
                      f"{list(READY_TOOLS)}, `module:function` strings (a typed function with a Google-style "
                      "docstring) or, from Python, callables. Needs a chat template that carries tool calls (the "
@@ -784,24 +792,26 @@ def _tracker_problems(cfg: GRPOKitConfig) -> list[str]:
         return []
     names = [value] if isinstance(value, str) else value
     if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
-        return [f"report_to={value!r} is not allowed: 'none', 'all', or tracker names from {list(TRACKERS)} (a list "
-                "or a comma-separated string)"]
+        return [f"report_to={short(value)} is not allowed: 'none', 'all', or tracker names from {list(TRACKERS)} "
+                "(a list or a comma-separated string)"]
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
-        return [f"report_to={value!r}: {unknown[0]!r} is not a tracker the kit passes on; choose from "
+        return [f"report_to={short(value)}: {short(unknown[0])} is not a tracker the kit passes on; choose from "
                 f"{list(TRACKERS)} (several as a list), or 'none' or 'all' alone"]
-    return [f"report_to={value!r}: {n} is not installed; install it with `python -m pip install {TRACKERS[n][1]}`, "
-            f"or drop it from report_to" for n in names if not tracker_installed(n)]
+    return [f"report_to={short(value)}: {n} is not installed; install it with `python -m pip install "
+            f"{TRACKERS[n][1]}`, or drop it from report_to" for n in names if not tracker_installed(n)]
 
 
 def _report_to(key: str, value):
     """report_to from YAML, ``--set`` or a notebook: null, 'none', 'all', a name, a comma string or a list; a
     list of names, or 'none' / 'all' alone (names are checked by validate())."""
     if isinstance(value, str) and value.strip().startswith("["):  # a YAML/JSON list given as text
+        if len(value) > MAX_YAML_BYTES:
+            raise ConfigError(f"{key}: the value is {len(value)} characters; at most {MAX_YAML_BYTES}")
         try:
-            value = yaml.safe_load(value)
+            value = load_yaml(value, f"{key}=...")  # within the config's limits, wherever the text came from
         except yaml.YAMLError:
-            raise ConfigError(f"{key}={value!r} is not a valid list") from None
+            raise ConfigError(f"{key}={short(value)} is not a valid list") from None
     if value is None:
         return "none"
     if isinstance(value, str):
@@ -986,9 +996,9 @@ def _coerce(key: str, value, annotation):
     if typ is list:
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except RecursionError:
-                raise ConfigError(f"{key}: the value is nested too deeply to be a list of values") from None
+                value = parse_json(value, f"{key}=...", max_bytes=MAX_YAML_BYTES)
+            except InputError as e:
+                raise ConfigError(f"{e}; expected a list of values") from None
             except json.JSONDecodeError:
                 value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):

@@ -221,6 +221,9 @@ def plan_lines(cfg, *, device: str, dtype, info: dict) -> list[str]:
             lines.append(f"  experts: {m['experts']}; router load-balancing loss {m['router_aux_loss']}")
     if info.get("memory_plan"):
         lines.append(f"  memory: {_memory_text(info['memory_plan'])}")
+    if cfg.sandbox_filesystem == "host":
+        lines.append("  sandbox: sandbox_filesystem=host, the weaker mode: model code sees the host's file system "
+                     "(run folders, data files, the home folder, as far as its uid may read them)")
     lines.append(f"  {console_line()}")
     return lines
 

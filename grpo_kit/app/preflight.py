@@ -20,6 +20,7 @@ from grpo_kit.model.devices import resolve_device, resolve_dtype
 from grpo_kit.model.loading import load_model, load_tokenizer
 from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
 from grpo_kit.tasks.rewards import checked_reward_func, get_reward_funcs
+from grpo_kit.tasks.sandbox import set_default_filesystem
 
 # Above this share of no-signal groups the report gives advice ("most groups carry no signal").
 NO_SIGNAL_ADVICE_SHARE = 0.5
@@ -105,6 +106,7 @@ def preflight(cfg, *, num_prompts: int = 8, backend: str = "hf") -> PreflightRep
     if not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts!r} must be an integer >= 1")
     cfg.validate()
+    set_default_filesystem(cfg.sandbox_filesystem)  # what model code run by the rewards sees
     train_ex, _ = build_datasets(cfg)
     examples = train_ex[:num_prompts]
     funcs = [checked_reward_func(f) for f in get_reward_funcs(cfg.reward_funcs)]

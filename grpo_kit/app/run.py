@@ -40,10 +40,12 @@ from grpo_kit.model.anatomy import inspect_config, lora_targets, router_aux_coef
 from grpo_kit.model.families import check_supported, family_of
 from grpo_kit.model.offload import AUX_LOSS_OFF_REASON
 from grpo_kit.model.loading import BUILTIN_MODELS, load_model, load_tokenizer, meta_model, model_config
+from grpo_kit.readers.bounded import read_json
 from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
                                  to_prompt_dataset)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
+from grpo_kit.tasks.sandbox import set_default_filesystem
 from grpo_kit.tasks.tools import environment_tools, get_tools, resolve_environment
 from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
                                           find_resume_checkpoint, read_run_state, resume_hint)
@@ -265,6 +267,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     """
     quiet_console(verbose)  # before TRL's and vLLM's imports, whose warnings and log it sets
     cfg.validate()
+    set_default_filesystem(cfg.sandbox_filesystem)  # what model code run by the rewards and tools sees
     check_launch_env()  # a sharding mode without a passing test stops here, before any data or model loads
     device = resolve_device(cfg)
     check_task_size(cfg)  # before the data: drawing more distinct problems than a task has would never end
@@ -276,6 +279,7 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     run_dir = Path(cfg.output_dir)
     with SignalStop() as signals:
         lock = claim_run_folder(run_dir, resume=resume, overwrite=overwrite) if state.is_main_process else None
+        signals.run_dir = run_dir  # a second signal names the checkpoint to resume from
         if lock is None:  # other processes: the main one owns the folder
             run_dir.mkdir(parents=True, exist_ok=True)
         run = _Run(cfg, run_dir, device, state.is_main_process, progress, train_ex, heldout, signals=signals)
@@ -445,7 +449,7 @@ def _find_resume_point(run: _Run) -> dict | None:
         print(f"the run in {run.run_dir} is already finished ({run.ckpt.name}, max_steps={run.cfg.max_steps}, "
               f"summary.json written); nothing to do. To train longer: train --resume {run.run_dir} --set "
               "max_steps=N", flush=True)
-        return {**json.loads((run.run_dir / "summary.json").read_text()), "already_finished": True}
+        return {**read_json(run.run_dir / "summary.json"), "already_finished": True}
     print(f"resuming from {run.ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no more "
                                          "training)" if run.finishing else ""), flush=True)
     return None
@@ -551,6 +555,7 @@ def _run_files(run: _Run, resume: bool):
                                         samples_path) if run.is_main else []
     else:
         samples_path.write_text("")
+    os.chmod(samples_path, 0o600)  # the questions with their answers: for the run's user alone
     recorder = SampleRecorder(samples_path)
     recorder.step = int(run.resumed.get("recorder_step") or 0)
     return samples_path, recorder

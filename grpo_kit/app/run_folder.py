@@ -1,9 +1,19 @@
 """Who may write a run folder: a run is never silently trained over, and one process writes at a time.
 
-* :func:`claim_run_folder` is called before a run writes anything. A new run into a folder that already
-  holds one (any of :data:`RUN_FILES`) stops with a :class:`RunFolderError` pointing to ``--resume`` and
-  ``--overwrite``; with ``overwrite=True`` the old run is *renamed* aside to ``<name>.replaced-<UTC time>``
-  next to it (never deleted) and the new run starts in a fresh, empty folder.
+* :func:`claim_run_folder` is called before a run writes anything. It takes the folder's lock first, so every
+  decision below is made by the one process that holds it. A new run into a folder that already holds one (any
+  of :data:`RUN_FILES`) stops with a :class:`RunFolderError` pointing to ``--resume`` and ``--overwrite``; with
+  ``overwrite=True`` the old run is *renamed* aside to ``<name>.replaced-<UTC time>`` next to it (never deleted),
+  by the process holding its lock, and the new run starts in a fresh, empty folder that the claim locks in turn.
+* Run folders are made ``0700``: what a run writes (its samples hold the questions and their answers) is for
+  its user alone.
+* :func:`unsafe_run_folder` refuses, by rule: the root and the folders directly in it, the top of any file
+  system, the operating system's read-only trees (:data:`SYSTEM_TREES`, the Filesystem Hierarchy Standard's),
+  the home folder and the checkout (and folders holding them), anything inside a Python installation or a
+  package folder (recognised by what it holds: ``pyvenv.cfg``, ``conda-meta``, ``lib/python3.*``,
+  ``*.dist-info``, or this interpreter's own prefixes and package folders), and an existing folder that keeps
+  other folders but holds no run (a system's state, logs, caches, a project: run files would land among them
+  and ``--overwrite`` would move all of it aside).
 * The lock file ``RUN_DIR/.grpo_kit.lock`` (JSON: owner PID, host, start time) is created exclusively and
   held for the run's lifetime. A second writer is refused with the owner's PID and start time; a lock
   whose owner is gone (same host, no such process) is taken over, with a message.
@@ -17,31 +27,64 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import site
 import socket
 import sys
+import sysconfig
 import time
 from pathlib import Path
+
+from grpo_kit.readers.bounded import read_json
 
 # What a run writes into its folder (grpo_kit.app.run, grpo_kit.trainer.checkpoints); any one of them means "holds a run".
 RUN_FILES = ("config.yaml", "metrics.csv", "samples.jsonl", "summary.json", "eval.json", "rewards.png",
              "checkpoints", "adapter", "model")
 LOCK_FILE = ".grpo_kit.lock"
-# Folders that are never a run folder, nor is anything inside them: the system's own (/lib* as well).
+MAX_LOCK_BYTES = 1 << 16  # its content is a PID, a host name and a time
+# The operating system's read-only trees (the Filesystem Hierarchy Standard's; /lib* as well): never a run folder,
+# nor is anything inside them.
 SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/proc", "/sbin", "/sys", "/usr")
-# Folders that are never a run folder themselves (a run would write beside everything in them, and --overwrite
-# would move them aside), though a folder inside them may be.
-SYSTEM_FOLDERS = ("/", "/home", "/media", "/mnt", "/opt", "/root", "/run", "/srv", "/tmp", "/var")
+# What a Python installation or environment holds at its top, and what a package folder holds.
+PYTHON_MARKERS = ("pyvenv.cfg", "conda-meta", "lib/python3.*")
+PACKAGE_MARKERS = ("*.dist-info", "*.egg-info")
 # The folder that holds the grpo_kit package: the checkout (or site-packages).
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _interpreter_trees() -> set[Path]:
+    """This interpreter's prefixes, standard library and package folders (a venv's, conda's, the system's)."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    try:
+        paths.update(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site module has none
+        pass
+    return {Path(q).resolve() for q in paths if q and len(Path(q).resolve().parts) > 1}
+
+
+def _software_tree(p: Path) -> str | None:
+    """What installed software ``p`` is (or is inside): a Python installation or environment, or a package
+    folder, recognised by what it holds; None when it is no such place."""
+    trees = _interpreter_trees()
+    for q in (p, *p.parents):
+        if q in trees:
+            return f"this Python's installation ({q})"
+        if len(q.parts) > 1 and q.is_dir():
+            if any(next(q.glob(m), None) is not None for m in PYTHON_MARKERS):
+                return f"a Python installation or environment ({q})"
+            if any(next(q.glob(m), None) is not None for m in PACKAGE_MARKERS):
+                return f"a package folder ({q})"
+    return None
+
+
 def unsafe_run_folder(path: str | os.PathLike) -> str | None:
-    """Why ``path`` must not be a run folder (the root, a system folder, the home folder, the checkout, or a
-    folder that holds one of those), or None. Symlinks are followed."""
+    """Why ``path`` must not be a run folder (see the module docstring for the rules), or None. Symlinks are
+    followed."""
     p = Path(os.path.expanduser(str(path))).resolve()
     top = Path(*p.parts[:2]) if len(p.parts) > 1 else p
-    if str(p) in SYSTEM_FOLDERS or str(top) in SYSTEM_TREES or top.name.startswith("lib"):
-        return f"{p} is a system folder" if str(p) != "/" else "it is the root folder"
+    if len(p.parts) <= 2:
+        return "it is the root folder" if p == top else f"{p} is a folder directly in the root folder (the system's)"
+    if str(top) in SYSTEM_TREES or top.name.startswith("lib"):
+        return f"{p} is in the operating system's tree {top}"
     for name, special in (("the home folder", Path.home().resolve()), ("the grpo_kit checkout", PACKAGE_ROOT)):
         if p == special:
             return f"{p} is {name}"
@@ -49,6 +92,16 @@ def unsafe_run_folder(path: str | os.PathLike) -> str | None:
             return f"{p} holds {name} ({special})"
     if PACKAGE_ROOT / "grpo_kit" in (p, *p.parents):
         return f"{p} is inside the grpo_kit package"
+    if (software := _software_tree(p)) is not None:
+        return f"{p} is {'' if software.endswith(f'({p})') else 'inside '}{software}"
+    if p.is_dir():
+        if os.path.ismount(p):
+            return f"{p} is the top of a file system"
+        kept = sorted(e.name for e in os.scandir(p) if e.is_dir(follow_symlinks=False))
+        if kept and not holds_run(p):
+            return (f"{p} already keeps other folders ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
+                    "and holds no run: the run's files would land among them, and --overwrite would move them all "
+                    "aside; use a new folder inside it")
     return None
 
 
@@ -77,7 +130,7 @@ def read_lock(run_dir: str | os.PathLike) -> dict | None:
     """The lock's content (``pid``, ``host``, ``started``), ``{}`` when unreadable, None when there is none."""
     path = Path(run_dir) / LOCK_FILE
     try:
-        info = json.loads(path.read_bytes().decode("utf-8"))
+        info = read_json(path, max_bytes=MAX_LOCK_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -184,6 +237,11 @@ class RunLock:
             os.close(self._fd)
         self._fd, self.held = None, False
 
+    def moved_to(self, folder: Path) -> None:
+        """The locked folder was renamed to ``folder`` (by this holder): its lock file goes with it, and
+        :meth:`release` removes it there."""
+        self.run_dir, self.path = Path(folder), Path(folder) / LOCK_FILE
+
     def abandon(self) -> None:
         """:meth:`release`, then remove the folders the claim made when nothing else is in them (a run that
         failed before training leaves nothing behind)."""
@@ -207,33 +265,56 @@ def _aside_name(run_dir: Path) -> Path:
 def claim_run_folder(run_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False) -> RunLock:
     """Make ``run_dir`` this process's run folder and lock it; returns the held :class:`RunLock`.
 
-    New run (``resume=False``): a folder holding a run is refused, or with ``overwrite`` renamed aside
-    (the new name is printed). ``resume=True``: the run already there is continued, so it must not be
-    ``overwrite``. Either way another live writer is refused first, before anything moves.
+    The lock is taken first, so another live writer is refused before anything moves, and what is decided next
+    is decided by its holder alone. New run (``resume=False``): a folder holding a run is refused, or with
+    ``overwrite`` renamed aside under its lock (the new name is printed) and a fresh folder claimed in its place.
+    ``resume=True``: the run already there is continued, so it must not be ``overwrite``.
     """
     run_dir = Path(run_dir)
     if (why := unsafe_run_folder(run_dir)) is not None:
         raise RunFolderError(f"output_dir={str(run_dir)!r} cannot be a run folder: {why}")
     if resume and overwrite:
         raise RunFolderError("--resume continues the run in its folder and --overwrite moves it aside: choose one")
-    if run_dir.is_dir():
-        owner = _live_owner(run_dir)
-        if owner is not None:
-            raise RunFolderError(_held_message(run_dir, owner))
-        found = holds_run(run_dir)
-        if found and not resume:
-            if not overwrite:
-                raise RunFolderError(
-                    f"run folder {str(run_dir)!r} already holds a run ({', '.join(found)}); nothing was changed. "
-                    f"Continue it with `train --resume {run_dir}` (notebooks: grpo_kit.app.run.resume), or start "
-                    f"over with --overwrite (train(..., overwrite=True)), which moves the old run aside, or pick "
-                    "another output_dir")
-            aside = _aside_name(run_dir)
-            os.rename(run_dir, aside)
-            print(f"[grpo_kit] moved the run that was in {run_dir} to {aside} (--overwrite)", file=sys.stderr,
-                  flush=True)
+    lock = _locked_folder(run_dir)
+    found = holds_run(run_dir)
+    if not found or resume:
+        return lock
+    if not overwrite:
+        lock.abandon()
+        raise RunFolderError(
+            f"run folder {str(run_dir)!r} already holds a run ({', '.join(found)}); nothing was changed. "
+            f"Continue it with `train --resume {run_dir}` (notebooks: grpo_kit.app.run.resume), or start "
+            f"over with --overwrite (train(..., overwrite=True)), which moves the old run aside, or pick "
+            "another output_dir")
+    try:
+        aside = _aside_name(run_dir)
+        os.rename(run_dir, aside)  # only the lock's holder moves it: a second claim was refused by the lock
+        lock.moved_to(aside)
+        print(f"[grpo_kit] moved the run that was in {run_dir} to {aside} (--overwrite)", file=sys.stderr,
+              flush=True)
+        fresh = _locked_folder(run_dir)  # another claim may have made the new folder first: then it is theirs
+    finally:
+        lock.release()
+    fresh.created = [*lock.created, *fresh.created]
+    return fresh
+
+
+def _locked_folder(run_dir: Path) -> RunLock:
+    """``run_dir`` made (0700, with its missing parents) and locked; the folders made are the lock's ``created``."""
     created = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()][::-1]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir).acquire()
+    for folder in created:
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another claim
+            pass
+    if run_dir.is_dir() and run_dir.stat().st_uid == os.geteuid():
+        os.chmod(run_dir, 0o700)  # a run's samples hold the questions and their answers
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except BaseException:
+        lock.created = created
+        lock.abandon()
+        raise
     lock.created = created
     return lock

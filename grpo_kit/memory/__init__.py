@@ -1,5 +1,5 @@
 """VRAM calculator and profiler: ``estimate()`` before a run, ``profile()`` during it (layer: memory; may import
-``kernels``, ``loss``, ``model`` and ``tasks``; no TRL).
+``kernels``, ``readers``, ``loss``, ``model`` and ``tasks``; no TRL).
 
 * :func:`estimate` / :func:`compare` / :func:`published_table` (``estimate.py``; every byte count
   in ``formulas.py`` with its derivation);

@@ -25,8 +25,6 @@ activations and CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
-
-import json
 import math
 import numbers
 import os
@@ -43,6 +41,7 @@ from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, GiB, Arch
 from grpo_kit.model.anatomy import num_experts
 from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, meta_model, model_config
+from grpo_kit.readers.bounded import read_json
 
 # The training dtypes (formulas.DTYPE_BYTES) as torch names them, for the loss's own chunk rule
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -142,8 +141,7 @@ def resolve_arch(model) -> Arch:
             return arch_from_config(model_config(model), model)
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         if path.endswith(".json") and os.path.isfile(path):
-            with open(path) as fh:
-                data = json.load(fh)
+            data = read_json(path)
             if "model_type" not in data:
                 raise ValueError(f"model={model!r}: {path} has no 'model_type'")
             cfg = AutoConfig.for_model(**data)

@@ -1,4 +1,5 @@
-"""The policy model and what makes it cheap (layer: model; may import ``kernels`` and ``loss``; no TRL).
+"""The policy model and what makes it cheap (layer: model; may import ``kernels``, ``readers`` and
+``loss``; no TRL).
 
 Loading (the embedded SmolLM2, tiny random and config-only architectures), 4-bit base weights and their matmul,
 the pad-free causal layout, activation offload (each layer's input parked in host RAM until backward), and where

@@ -35,6 +35,7 @@ from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support, quantize_mo
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.model.quantize import (auto_skip_modules, is_quantized, nf4_load_config, quantizable_linears,
                                      quantization_report, quantize_model)
+from grpo_kit.readers.bounded import parse_json, read_json
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHTS = "model.safetensors"  # the exported folders' one weights file
@@ -82,7 +83,7 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
             n = int.from_bytes(head, "little")
             if n > min(size - 8, 100 * 2**20):
                 return f"its header claims {n} bytes but the file has {size} (truncated or not safetensors)"
-            header = json.loads(fh.read(n).decode("utf-8"))
+            header = parse_json(fh.read(n).decode("utf-8"), str(path), max_bytes=n)
     except OSError as e:
         return f"cannot be read ({e.strerror})"
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -243,7 +244,7 @@ def embedded_model_dir_as(dtype: torch.dtype) -> Path:
         for f in source.iterdir():  # tokenizer and generation config as they are
             if f.is_file() and f.name not in (_WEIGHTS, "config.json"):
                 shutil.copy2(f, tmp / f.name)
-        config = json.loads((source / "config.json").read_text())
+        config = read_json(source / "config.json")
         config["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
 

@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import html
-import json
 import os
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from grpo_kit.app.console import reward_name
+from grpo_kit.readers.bounded import parse_json
 
 MODES = ("auto", "widgets", "static")
 # TRL 1.16 log keys -> dashboard column names
@@ -83,8 +83,8 @@ def read_samples(path: str | os.PathLike, n: int = 6) -> list[dict]:
     rows = []
     for line in p.read_text(encoding="utf-8").splitlines()[-n:]:
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            rows.append(parse_json(line, str(p)))
+        except ValueError:  # a partly written line, or one beyond the reader's limits
             continue
     return rows
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import json
 import socket
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.generation import vllm_install_advice
 from grpo_kit.model.devices import unusable_gpu
 from grpo_kit.loss.objective import k3_kl
+from grpo_kit.readers.bounded import parse_json, read_json
 
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
 
@@ -155,7 +155,7 @@ def run_report(summary: dict) -> str:
     """Text summary of a finished run (``grpo_kit.app.run.train``'s return): accuracy, time, saved files."""
 
     run_dir = Path(summary["run_dir"])
-    evals = json.loads((run_dir / "eval.json").read_text())
+    evals = read_json(run_dir / "eval.json")
     lines = [f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)"
              for when in ("before", "after") if when in evals]
     lines.append(f"{summary['steps']} steps in {summary['train_seconds']} s, "
@@ -193,7 +193,7 @@ def bench_rows(benchmark: str):
         return None
     rows = []
     for line in path.read_text().splitlines():
-        r = json.loads(line) if line.strip() else {"superseded": True}
+        r = parse_json(line, str(path)) if line.strip() else {"superseded": True}
         if r.get("superseded"):
             continue
         shape = {k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())}

@@ -1,5 +1,5 @@
-"""What the model is asked and how its answers are judged (layer: tasks; may import ``kernels`` and ``loss``; no
-TRL).
+"""What the model is asked and how its answers are judged (layer: tasks; may import ``kernels``, ``readers``
+and ``loss``; no TRL).
 
 Verifiable tasks and GSM8K, reward functions and answer parsing, the code verifier and its sandbox, time limits.
 """

@@ -82,9 +82,11 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
 
     * ``tests``: Python code (a string, or a list of strings) run after the program against its top-level
       names, e.g. ``assert add(2, 3) == 5``; the tests run in the judge, a process that runs no model code,
-      and call into the program with plain data only; 1.0 only when the judge ran the last test to its end
-      (exiting early, ``atexit`` tricks, a faked exit status or report do not count, and an object of the
-      program's own never equals a number, string or container of them);
+      with the judge's builtins and modules whatever the program defines, and call into the program with
+      values only, compared as in plain Python (integers of any size, fractions, decimals, generators, the
+      program's objects with each other by its own ``__eq__``); 1.0 only when the judge ran the last test to
+      its end (exiting early, ``atexit`` tricks, a faked exit status or report do not count, and an object of
+      the program's own never equals a plain value by its own say-so: that is a ``judge error``, logged);
     * ``expected_output``: 1.0 when the program exits 0 and its stdout, stripped, equals it (``stdin``
       column optional, fed to the program);
     * ``answer``: 1.0 when the program exits 0 and its final-answer line, the last non-empty line of

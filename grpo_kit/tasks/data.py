@@ -15,7 +15,12 @@ import json
 import random
 from pathlib import Path
 
+from grpo_kit.readers.bounded import parse_json, read_lines
 from grpo_kit.tasks.answers import single_number
+
+# A GSM8K row is a question and a worked answer, a few KiB; the whole of GSM8K is a few MiB.
+MAX_DATA_LINE_BYTES = 1 << 20
+MAX_DATA_FILE_BYTES = 1 << 30
 
 # Short on purpose: on a 2-core CPU every prompt token is paid for in every generation.
 DEFAULT_SYSTEM_PROMPT = "Solve the problem. Think briefly, then end with the line: Answer: <number>"
@@ -190,36 +195,34 @@ def parse_gsm8k_answer(answer: str) -> str:
 def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
     """Read GSM8K-format jsonl (``question``, ``answer`` ending in ``#### N``).
 
-    A missing file or a malformed line raises ``ValueError`` naming the file and line.
+    Read a line at a time: a missing file, a malformed line, a line over ``MAX_DATA_LINE_BYTES`` or a file over
+    ``MAX_DATA_FILE_BYTES`` raises ``ValueError`` naming the file and line (an over-long line is never read whole).
     """
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"GSM8K file {str(path)!r} does not exist")
     out = []
-    with p.open("rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise ValueError(f"{p}:{lineno}: JSON nested too deeply to be a GSM8K row") from None
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
-                    or not isinstance(row.get("answer"), str):
-                raise ValueError(f"{p}:{lineno}: expected an object with string fields 'question' and 'answer'")
-            try:
-                number = parse_gsm8k_answer(row["answer"])
-            except ValueError as e:
-                raise ValueError(f"{p}:{lineno}: {e}") from None
-            out.append({"question": row["question"], "answer": number, "solution": row["answer"]})
-            if limit is not None and len(out) >= limit:
-                break
+    for lineno, raw in read_lines(p, max_line_bytes=MAX_DATA_LINE_BYTES, max_total_bytes=MAX_DATA_FILE_BYTES):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+        if not line.strip():
+            continue
+        try:
+            row = parse_json(line, f"{p}:{lineno}", max_bytes=MAX_DATA_LINE_BYTES)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
+                or not isinstance(row.get("answer"), str):
+            raise ValueError(f"{p}:{lineno}: expected an object with string fields 'question' and 'answer'")
+        try:
+            number = parse_gsm8k_answer(row["answer"])
+        except ValueError as e:
+            raise ValueError(f"{p}:{lineno}: {e}") from None
+        out.append({"question": row["question"], "answer": number, "solution": row["answer"]})
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"GSM8K file {str(path)!r} has no examples")
     return out

@@ -13,12 +13,21 @@ it forks and *execs* a fresh interpreter for the program (``sandbox_program.py``
 memory, functions, flags or descriptors, only stdin/stdout/stderr, the program text and, in ``tests`` mode, a pipe
 to the judge. The judge is non-dumpable and, with namespaces, PID 1 of the run's PID namespace (no signal from
 inside reaches it) behind a ``/proc`` that shows that namespace only. In ``tests`` mode the tests run **in the
-judge**, against the program's top-level names: a call, an attribute, an item or ``len()`` of a program object is
-asked of the program over the pipe, and what comes back is plain data (``None``, ``bool``, ``int``, ``float``,
-``str``, ``bytes``, ``complex`` and lists, tuples, sets, dicts of them, exact types, parsed as untrusted JSON) or an
-opaque handle that equals only itself; an exception comes back as its nearest builtin class and message. The
-program can only choose those values; it cannot reach the assertions, their ``==``, the judge's builtins or the
-report. The judge reports "tests completed" (after the last test ran to its end, and only if the program answered
+judge**, in a scope of the program's top-level names in which the **builtins are the judge's** whatever the
+program defines, and a name the tests use as ``name.attribute`` is the judge's module of that name when it has
+what they read (a program's ``math`` module, or module attribute of a value module such as
+``fractions.Fraction``, is the judge's own too). A call, an attribute, an item, ``len()``, ``iter()``,
+``next()``, ``bool()``, ``hash()`` or ``str()`` of a program object is asked of the program over the pipe, and
+what comes back is a value (exact types, parsed as untrusted JSON: ``None``, ``bool``, ``int`` of any size,
+``float``, ``str``, ``bytes``, ``complex``, ``Fraction``, ``Decimal``, ``range``, ``Counter``, ``OrderedDict``,
+``deque``, numpy numbers and arrays of numbers, and lists, tuples, sets, dicts of them) or a handle to the
+program's object; an exception comes back as
+its nearest builtin class and message. Two program objects compare (and compute) by the program's own operators,
+run in the program. A program object and a plain value compare as the plain type it subclasses where its type
+keeps that type's method (a namedtuple, an ``IntEnum``), not at all where its type lacks the method (as in
+Python); where its type has a method of its own, plain Python would let the program decide, so the judge reports
+a **judge error** (the reason ``judge error: ...``, never a silent 0). The program can only choose values; it
+cannot reach the assertions, their ``==`` with the tests' values, the judge's builtins or the report. The judge reports "tests completed" (after the last test ran to its end, and only if the program answered
 every call) and the program's exit status on a descriptor only it holds, tagged with a per-run secret that never
 enters the program's process; the parent reads nothing else. So ``tests_completed`` rests on: the tests' own code,
 the values the program's functions return, and the kernel's process isolation (a separate address space, exec,
@@ -27,10 +36,20 @@ status (read by the judge with ``waitpid``), nothing else.
 
 What each run gets:
 
+* **a minimal file system** (``filesystem="minimal"``, the default): the run's own root, holding the system's
+  programs and shared libraries (:data:`SYSTEM_PATHS`) and the interpreter's own files (its executable, standard
+  library, packages and shared library; :func:`exposed_paths`) **read-only**, a private ``/tmp`` (below), a
+  ``/dev`` of ``null``, ``zero``, ``full``, ``random``, ``urandom`` and a ``/proc`` of the run; nothing else of
+  the host: no run folder, data file, home folder or checkout (``pivot_root`` in the run's mount namespace, the
+  host's root detached). Where no mount namespace can be made (no root, no unprivileged user namespaces, no
+  bubblewrap), code execution is **refused** with the reason (one warning per process), unless the weaker
+  ``filesystem="host"`` is chosen (:func:`set_default_filesystem`; the app's ``sandbox_filesystem``, which the
+  run's plan line names): the host's file system, as far as the run's uid may read it;
+  ``SandboxResult.extra["filesystem"]`` says which applied;
 * **bubblewrap** where it is installed and works (``isolation="auto"``, the default; ``"bwrap"`` requires it,
-  ``"builtin"`` never uses it): the run starts inside ``bwrap`` with every namespace new, the host file system
-  **read-only**, a private ``/tmp``, ``/dev`` and ``/proc``, the home folder hidden (unless the interpreter lives
-  there) and the scratch folder the one writable place; the measures below apply inside it as well.
+  ``"builtin"`` never uses it): the run starts inside ``bwrap`` with every namespace new, on the same minimal root
+  (or, with ``filesystem="host"``, the host read-only with the home folder hidden), a private ``/tmp``, ``/dev``
+  and ``/proc``, the scratch folder the one writable place; the measures below apply inside it as well.
   ``SandboxResult.isolation`` says ``"bwrap"`` or ``"builtin"`` (Debian: ``apt-get install bubblewrap``);
 * a fresh ``python -I`` (isolated mode) in its own session, with a **minimal environment** (``PATH``, ``LANG``,
   ``HOME`` and ``TMPDIR`` = the scratch folder, one thread for BLAS/OpenMP) and the scratch folder (0700) as its
@@ -49,12 +68,18 @@ What each run gets:
   a cgroup per run (:mod:`grpo_kit.tasks.sandbox_cgroup`: ``memory.max`` = ``memory_mb``, no swap, ``pids.max``
   = ``max_processes``; ``extra["cgroup"]``). Otherwise ``RLIMIT_NPROC`` = ``max_processes`` (exact for a run's own
   uid and in a new user namespace) and ``RLIMIT_AS`` per process = ``memory_mb`` (one process: no forks without
-  ``allow_subprocess``) or ``memory_mb / max_processes`` (with it), so the sum stays under the run's limit.
-  Always: CPU time (``RLIMIT_CPU``, ``SIGXCPU``), largest file written (``RLIMIT_FSIZE``, stdout/stderr included),
-  no core dumps, and the parent's wall-clock timeout;
+  ``allow_subprocess``) or ``memory_mb / max_processes`` (with it), so the sum stays under the run's limit; the
+  memory the address space does not count is refused by the seccomp filter (below) or bounded: the run holds at
+  most ``memory_mb`` plus :func:`memory_allowance_mb` (its tmpfs ``/tmp`` and the buffers of ``MAX_OPEN_FILES``
+  descriptors per process). Always: CPU time (``RLIMIT_CPU``, ``SIGXCPU``), largest file written
+  (``RLIMIT_FSIZE``, stdout/stderr included), open descriptors (``RLIMIT_NOFILE``), no core dumps, and the
+  parent's wall-clock timeout;
 * a **seccomp filter** (x86_64 and aarch64), which no code in the process can lift: no ``AF_UNIX`` socket (the
   host's path-named sockets; ``socketpair()`` still works), no socket at all without a network namespace, no
-  ``io_uring``, ``ptrace`` or ``process_vm_*``, no foreign-ABI calls, ``no_new_privs``; without
+  ``io_uring``, ``ptrace`` or ``process_vm_*``, no foreign-ABI calls, ``no_new_privs``; no memory outside the
+  address space (``memfd_create``, SysV shared memory, message queues and semaphores, POSIX message queues,
+  ``bpf``, ``perf_event_open``, ``userfaultfd``, keys); no new namespace, mount or root (``unshare``, ``setns``,
+  a ``clone`` with a ``CLONE_NEW*`` flag, ``mount`` and the new mount API, ``pivot_root``, ``chroot``); without
   ``allow_subprocess`` no new process (``fork``, ``vfork``, ``exec*``, a ``clone`` that is not a thread).
   ``SandboxResult.network`` says what applied: ``"namespace+seccomp+audit"`` on a usual Linux;
 * a Python **audit hook** (PEP 578) that words these refusals (``PermissionError: network access is disabled``,
@@ -68,14 +93,17 @@ What each run gets:
   iteratively (any depth, unreadable entries, mount points detached); a failure is logged and counted.
 
 What is **not** guaranteed: this is a guard against accidents and reward hacking in model output, not a security
-boundary against code written to escape the kernel. Without namespaces (no root and no unprivileged user
-namespaces): a ``setsid()`` grandchild escapes the process-group kill, files outside the scratch folder are
-writable as far as "other" permissions allow (``/tmp`` included, and what is written there outlives the call),
-and, when the program also runs under the trainer's own uid (no root, or ``allow_root=True``), it can signal the
-trainer and read its memory through ``/proc``, so neither the verdict nor the limits hold against it. As root
-without an own uid (``allow_root=True``) ``RLIMIT_NPROC`` does not apply. Without the seccomp filter (another
-architecture) the process block is the audit hook only. Run training inside a container or VM if you execute
-hostile code.
+boundary against code written to escape the kernel. Names the tests take from the program other than builtins,
+modules and value-module attributes are the program's (tests should import the helpers they use). In the weaker
+``filesystem="host"`` mode the host's files are readable as far as the run's uid may read them. Without
+namespaces (only with ``filesystem="host"``: no root and no unprivileged user namespaces): a ``setsid()``
+grandchild escapes the process-group kill, files outside the scratch folder are writable as far as "other"
+permissions allow (``/tmp`` included, and what is written there outlives the call), and, when the program also
+runs under the trainer's own uid (no root, or ``allow_root=True``), it can signal the trainer and read its memory
+through ``/proc``, so neither the verdict nor the limits hold against it. As root without an own uid
+(``allow_root=True``) ``RLIMIT_NPROC`` does not apply. Without the seccomp filter (another architecture) the
+process block is the audit hook only, and memory outside the address space is not refused. Run training inside a
+container or VM if you execute hostile code.
 """
 
 from __future__ import annotations
@@ -97,6 +125,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_kit.readers.bounded import parse_json
 from grpo_kit.tasks.sandbox_cgroup import make_run_cgroup, remove_run_cgroup
 from grpo_kit.tasks.sandbox_cleanup import remove_tree
 
@@ -124,6 +153,10 @@ class SandboxLimits:
     isolation: str = "auto"  # "bwrap": bubblewrap around the run (required); "builtin": never; "auto": where it works
     max_processes: int = 8  # processes and threads of the run as a whole (cgroup pids.max, else RLIMIT_NPROC)
     disk_mb: int = 64  # all the run may write: its private /tmp (scratch, /dev/shm, /var/tmp inside) is this big
+    # "minimal": a root of the interpreter, its libraries and packages (read-only) and a private /tmp; refused where
+    # it cannot be built. "host": the host's file system, as far as the run's uid may read it (weaker). None: the
+    # process's setting (set_default_filesystem; the app's sandbox_filesystem), "minimal" unless changed.
+    filesystem: str | None = None
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -140,6 +173,9 @@ class SandboxLimits:
             raise ValueError(f"disk_mb={self.disk_mb!r} must be an int from 1 to 1048576 (MiB)")
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation={self.isolation!r} is not allowed; choose one of {list(ISOLATIONS)}")
+        if self.filesystem is not None and self.filesystem not in FILESYSTEMS:
+            raise ValueError(f"filesystem={self.filesystem!r} is not allowed; choose one of {list(FILESYSTEMS)} "
+                             "or None (the process's setting)")
 
 
 @dataclass
@@ -196,7 +232,7 @@ def _reports(fh, secret: str) -> dict:
     out = {}
     for line in _read(fh, 1 << 16).splitlines():
         try:
-            key, value, tag = json.loads(line)
+            key, value, tag = parse_json(line, "a report line")
         except (ValueError, TypeError):
             continue
         if tag == secret and (key == "status" or key not in out):
@@ -252,20 +288,62 @@ def _run_checked(code: str, stdin: str, lim: SandboxLimits, tests: str | None) -
         return _refuse_as_root()
     uid = _take_id() if drop else None
     try:
-        bwrap = _bwrap(lim, uid)
+        bwrap = _bwrap(lim, uid, python)
         if lim.isolation == "bwrap" and bwrap is None:
             return SandboxResult(ok=False, reason="refused: isolation='bwrap' but bubblewrap (bwrap) is not installed "
                                  "or cannot create namespaces here (Debian: apt-get install bubblewrap)",
                                  returncode=None)
+        fs = lim.filesystem or _DEFAULT_FILESYSTEM[0]
+        if fs == "minimal" and _MINIMAL_OK.get(bwrap is not None) is False:
+            return _refuse_filesystem(_MINIMAL_WHY.get(bwrap is not None, "it failed before"))
         cgroup = make_run_cgroup(lim)
         scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_")
         try:
-            return _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup)
+            result = _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup)
         finally:
             _clean_up(scratch, cgroup)
+        if fs == "minimal" and result.extra.get("filesystem") == "minimal":
+            _MINIMAL_OK[bwrap is not None] = True
+        elif fs == "minimal" and result.reason.startswith("refused: "):  # the judge could not build it: from now
+            _MINIMAL_OK[bwrap is not None] = False  # on refused before anything starts
+            _MINIMAL_WHY[bwrap is not None] = result.reason.removeprefix("refused: ")
+            return _refuse_filesystem(_MINIMAL_WHY[bwrap is not None])
+        return result
     finally:
         if uid is not None:
             _give_id(uid)
+
+
+# The file systems a run can see (SandboxLimits.filesystem); the process's setting for limits that name none.
+FILESYSTEMS = ("minimal", "host")
+_DEFAULT_FILESYSTEM = ["minimal"]
+_MINIMAL_OK: dict[bool, bool] = {}  # with bubblewrap or not: whether the minimal file system was built
+_MINIMAL_WHY: dict[bool, str] = {}
+_FS_WARNED = False
+
+
+def set_default_filesystem(filesystem: str) -> None:
+    """The file system of runs whose limits name none (``SandboxLimits.filesystem=None``): the app sets it from
+    its ``sandbox_filesystem``; ``"host"`` is the weaker mode (the run's plan line names it)."""
+    if filesystem not in FILESYSTEMS:
+        raise ValueError(f"filesystem={filesystem!r} is not allowed; choose one of {list(FILESYSTEMS)}")
+    _DEFAULT_FILESYSTEM[0] = filesystem
+
+
+def default_filesystem() -> str:
+    """The file system of runs whose limits name none."""
+    return _DEFAULT_FILESYSTEM[0]
+
+
+def _refuse_filesystem(why: str) -> SandboxResult:
+    global _FS_WARNED
+    reason = (f"refused: {why}; without the minimal file system the program could read the host's files (run "
+              "folders, data files, the home folder). Set SandboxLimits(filesystem='host') (train: "
+              "sandbox_filesystem: host) to run it with the host's file system visible")
+    if not _FS_WARNED:
+        logger.warning("grpo_kit.tasks.sandbox %s", reason)
+        _FS_WARNED = True
+    return SandboxResult(ok=False, reason=reason, returncode=None, extra={"filesystem": None})
 
 
 def _clean_up(scratch: str, cgroup: str | None) -> None:
@@ -280,16 +358,37 @@ def _clean_up(scratch: str, cgroup: str | None) -> None:
         logger.warning("grpo_kit.tasks.sandbox: %d entries of a run were left behind", failed)
 
 
-def _child_config(lim: SandboxLimits, uid: int | None, scratch: str, cgroup: str | None, payload, report) -> dict:
+def _child_config(lim: SandboxLimits, uid: int | None, scratch: str, cgroup: str | None, payload, report,
+                  python: str, bwrap: str | None) -> dict:
     """What the harness (sandbox_child.py) needs: limits per process, sized so that the run as a whole stays
-    within ``memory_mb`` and ``max_processes`` (a cgroup, where there is one, holds the sum by itself)."""
+    within ``memory_mb`` and ``max_processes`` (a cgroup, where there is one, holds the sum by itself), and the
+    file system to build (the host paths it shows; bubblewrap, where it runs, has built it already)."""
     mem = None if lim.memory_mb is None else lim.memory_mb * 2**20
     if mem is not None and lim.allow_subprocess and cgroup is None:
         mem = max(mem // lim.max_processes, 32 * 2**20)  # RLIMIT_AS is per process: the sum stays under the limit
+    fs = lim.filesystem or _DEFAULT_FILESYSTEM[0]
+    paths, links = exposed_paths(python) if fs == "minimal" and bwrap is None else ([], [])
     return dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))), mem=mem, nproc=lim.max_processes,
                 fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
                 uid=uid, payload_fd=payload.fileno(), report_fd=report.fileno(), scratch=scratch,
-                disk_mb=lim.disk_mb, cgroup=cgroup)
+                disk_mb=lim.disk_mb, cgroup=cgroup, nofile=MAX_OPEN_FILES, max_value=MAX_VALUE_BYTES,
+                filesystem=fs, root_ready=fs == "minimal" and bwrap is not None, paths=paths, links=links)
+
+
+# Descriptors per process of the program: pipes and socket pairs hold kernel memory outside its address space,
+# about a MiB each at most (a pipe grown to pipe-max-size; a socket's buffers are smaller), so this bounds it.
+MAX_OPEN_FILES = 64
+# The largest value (as JSON) the program may hand the judge in one answer; past it, the judge's error.
+MAX_VALUE_BYTES = 16 << 20
+
+
+def memory_allowance_mb(lim: SandboxLimits) -> int:
+    """MiB a run may hold beyond ``memory_mb`` without a cgroup v2 to count it: its private /tmp (``disk_mb``,
+    a tmpfs, so memory) and the kernel buffers of its descriptors (``MAX_OPEN_FILES`` per process, about a MiB
+    each). memfd, SysV and POSIX shared memory and queues, BPF maps, perf buffers and new namespaces (a user
+    namespace's own tmpfs) are refused by the seccomp filter; every other page is in the address space limit."""
+    processes = lim.max_processes if lim.allow_subprocess else 1
+    return lim.disk_mb + MAX_OPEN_FILES * processes
 
 
 def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> SandboxResult:
@@ -306,17 +405,19 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
         inp.write(stdin.encode("utf-8", "surrogatepass"))
         payload.write(json.dumps({"code": code, "tests": tests, "secret": secret, "program": _PROGRAM})
                       .encode("utf-8", "surrogatepass"))
+        payload_bytes = payload.tell()
         for fh in (inp, payload):
             fh.flush()
             fh.seek(0)
-        cfg = _child_config(lim, uid, scratch, cgroup, payload, report)
+        cfg = {**_child_config(lim, uid, scratch, cgroup, payload, report, python, bwrap),
+               "payload_bytes": payload_bytes}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONIOENCODING": "utf-8"}
         argv = [python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
         as_user = {}
         if bwrap:  # bubblewrap starts as the run's uid (dropped by Popen, in C), so the bootstrap has none to drop
-            argv = _bwrap_argv(bwrap, scratch) + argv
+            argv = _bwrap_argv(bwrap, scratch, python, cfg["filesystem"]) + argv
             if uid is not None:
                 argv[-1] = json.dumps({**cfg, "uid": None})
                 as_user = dict(user=uid, group=uid, extra_groups=[])
@@ -329,16 +430,23 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
             timed_out = True
         _kill_all(proc, report, secret)
         got = _reports(report, secret)
+        if isinstance(got.get("refused"), str):  # the judge ran nothing: the file system asked for is impossible
+            return SandboxResult(ok=False, reason=f"refused: {got['refused'][:500]}", returncode=None,
+                                 duration_s=time.perf_counter() - t0, extra={"filesystem": None})
         rc = proc.returncode
         if isinstance(got.get("status"), int):  # the judge's report: the program's own status
             rc = os.waitstatus_to_exitcode(got["status"])
         stdout, stderr = _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes)
         reason = _reason(rc, stderr, timed_out, lim.timeout_s)
+        if isinstance(got.get("judge_error"), str) and not timed_out:
+            reason = f"judge error: {got['judge_error']}"
         return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout,
                              stderr=stderr, duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
                              tests_completed=got.get("tests_completed") is True,
                              isolation="bwrap" if bwrap else "builtin",
-                             extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None})
+                             extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None,
+                                    "filesystem": got.get("filesystem") if got.get("filesystem") in FILESYSTEMS
+                                    else None})
     except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
         return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
                              duration_s=time.perf_counter() - t0)
@@ -386,13 +494,66 @@ def _unprivileged_can_run(python: str) -> bool:
 
 ISOLATIONS = ("auto", "bwrap", "builtin")
 _BWRAP_OK: dict[bool, bool] = {}
+# What of the host the program sees in the minimal file system, read-only, where it exists: the system's programs
+# and shared libraries, what the dynamic loader and the C library read, the time zones. The interpreter's own files
+# (its executable, standard library, packages and shared library) are added by exposed_paths.
+SYSTEM_PATHS = ("/usr/bin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/local/bin",
+                "/usr/local/lib", "/usr/share/zoneinfo", "/bin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd",
+                "/etc/group", "/etc/nsswitch.conf")
+_EXPOSED: dict[str, tuple[list[str], list[list[str]]]] = {}
+_INTERPRETER_PATHS = ("import json, sys, sysconfig; print(json.dumps([sys.executable, "
+                      "sysconfig.get_config_var('LIBDIR'), *sys.path]))")
 
 
-def _bwrap_argv(bwrap: str, scratch: str) -> list[str]:
-    """bubblewrap: every namespace new, the host read-only, a private /tmp, /dev and /proc, the home folder
-    hidden (unless this interpreter lives there), the scratch folder the one writable place."""
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
-            "--proc", "/proc", "--tmpfs", "/tmp"]
+def exposed_paths(python: str) -> tuple[list[str], list[list[str]]]:
+    """(host paths, [symlink, target] pairs) the minimal file system shows for runs of ``python``: SYSTEM_PATHS
+    and the interpreter's own files, each resolved (the symlinks on the way recreated), none inside another.
+    Probed once per interpreter; nothing of the home folder, the checkout or the run folders unless the
+    interpreter lives there, and then only its own files."""
+    if python not in _EXPOSED:
+        try:
+            out = subprocess.run([python, "-I", "-c", _INTERPRETER_PATHS], capture_output=True, timeout=30, cwd="/",
+                                 env={"PATH": "/usr/bin:/bin"}).stdout
+            own = [p for p in parse_json(out, f"{python}'s paths") if isinstance(p, str)]
+        except (OSError, ValueError, subprocess.SubprocessError):  # its own files then come from SYSTEM_PATHS only
+            own = [python]
+        links: dict[str, str] = {}
+        wanted = [p for p in (*SYSTEM_PATHS, python, *own) if os.path.isabs(p) and os.path.lexists(p)]
+        for p in wanted:
+            _record_links(p, links, 0)
+        real = sorted({os.path.realpath(p) for p in wanted if os.path.exists(p)})
+        paths = [p for p in real if not any(p.startswith(q + os.sep) for q in real if q != "/")]
+        links_out = [[k, v] for k, v in sorted(links.items()) if not any(k.startswith(q + os.sep) for q in paths)]
+        _EXPOSED[python] = (paths, links_out)
+    return _EXPOSED[python]
+
+
+def _record_links(path: str, links: dict, depth: int) -> None:
+    """Each symlink on the way to ``path`` (and on the way to where it leads) into ``links``."""
+    cur = "/"
+    for part in Path(path).parts[1:]:
+        nxt = os.path.join(cur, part)
+        if os.path.islink(nxt) and nxt not in links and depth < 40:
+            links[nxt] = os.readlink(nxt)
+            _record_links(os.path.normpath(os.path.join(os.path.dirname(nxt), links[nxt])), links, depth + 1)
+        cur = os.path.realpath(nxt)
+
+
+def _bwrap_argv(bwrap: str, scratch: str, python: str, filesystem: str) -> list[str]:
+    """bubblewrap: every namespace new, a private /tmp, /dev and /proc, the scratch folder the one writable place;
+    ``filesystem="minimal"``: on a new root of exposed_paths (read-only) and nothing else, ``"host"``: the host
+    read-only with the home folder hidden (unless this interpreter lives there)."""
+    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+    if filesystem == "minimal":
+        paths, links = exposed_paths(python)
+        for p in paths:
+            argv += ["--ro-bind", p, p]
+        for link, target in links:
+            argv += ["--symlink", target, link]
+        argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--remount-ro", "/"]
+        return argv + ["--bind", scratch, scratch, "--chdir", scratch, "--"]
+    argv += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     home = os.path.realpath(os.path.expanduser("~"))
     keep = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))]
     if home not in ("/", "") and os.path.isdir(home) and not any(k == home or k.startswith(home + os.sep)
@@ -401,7 +562,7 @@ def _bwrap_argv(bwrap: str, scratch: str) -> list[str]:
     return argv + ["--bind", scratch, scratch, "--chdir", scratch, "--"]
 
 
-def _bwrap(lim: SandboxLimits, uid: int | None) -> str | None:
+def _bwrap(lim: SandboxLimits, uid: int | None, python: str) -> str | None:
     """The bwrap to wrap the run in, or None (isolation='builtin', not installed, or it fails here; probed once)."""
     path = shutil.which("bwrap") if lim.isolation != "builtin" else None
     if path is None:
@@ -412,8 +573,8 @@ def _bwrap(lim: SandboxLimits, uid: int | None) -> str | None:
         scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_probe_")
         try:
             os.chmod(scratch, 0o777)
-            _BWRAP_OK[key] = subprocess.run(_bwrap_argv(path, scratch) + ["true"], capture_output=True, timeout=30,
-                                            **as_user).returncode == 0
+            _BWRAP_OK[key] = subprocess.run(_bwrap_argv(path, scratch, python, "minimal") + [python, "-I", "-c", ""],
+                                            capture_output=True, timeout=30, **as_user).returncode == 0
         except (OSError, subprocess.SubprocessError):
             _BWRAP_OK[key] = False
         finally:

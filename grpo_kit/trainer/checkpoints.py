@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from grpo_kit.readers.bounded import read_json
+
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
@@ -94,7 +96,8 @@ class SignalStop:
     While ``training``: the first signal is recorded (``signum``) and the trainer (``ResumableTrainerMixin``) saves a
     checkpoint at the end of the next logged step and stops with :class:`Interrupted`. Otherwise (loading, the
     final evaluation) the first signal raises :class:`Interrupted` at once. A second signal gets the previous
-    handler at once: SIGTERM ends the process, SIGINT raises ``KeyboardInterrupt``."""
+    handler at once (SIGTERM ends the process, SIGINT raises ``KeyboardInterrupt``), after a line naming the last
+    complete checkpoint of ``run_dir`` to resume from."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -102,6 +105,7 @@ class SignalStop:
         self.signum: int | None = None
         self.training = False
         self.hint = "before training ran a step; nothing to resume: start the run again"  # for a stop outside it
+        self.run_dir: Path | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "SignalStop":
@@ -120,7 +124,11 @@ class SignalStop:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signum is not None:  # the second: at once
+        if self.signum is not None:  # the second: at once, naming what is left to resume from
+            saved = list_checkpoints(self.run_dir) if self.run_dir is not None else []
+            left = (f"resume from {saved[-1]}: {resume_hint(self.run_dir)}" if saved else
+                    "no checkpoint is complete yet: start the run again")
+            print(f"[grpo_kit] {name} again: stopping at once, without saving; {left}", file=sys.stderr, flush=True)
             self._restore()
             signal.raise_signal(signum)
             return
@@ -222,7 +230,7 @@ def load_state(folder: str | os.PathLike, name: str, device: str | torch.device 
     folder = Path(folder)
     device = torch.device(device)  # accelerate's CPU device under several processes is cpu:0, which safetensors refuses
     tensors = load_file(str(folder / f"{name}.safetensors"), device="cpu" if device.type == "cpu" else str(device))
-    return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
+    return _decode(read_json(folder / f"{name}.json"), tensors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,7 +299,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> str | None:
     files parse; else the problem. Never raises: a checkpoint unreadable for any reason is just not usable."""
     folder = Path(folder)
     try:
-        manifest = json.loads((folder / MANIFEST).read_bytes().decode("utf-8"))
+        manifest = read_json(folder / MANIFEST)
     except FileNotFoundError:
         return "no manifest.json"
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -312,7 +320,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> str | None:
                 return f"{rel} does not match its SHA-256 in the manifest"
         for name in (KIT_STATE, TRAINER_STATE):
             if (folder / name).is_file():
-                json.loads((folder / name).read_bytes().decode("utf-8"))
+                read_json(folder / name)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
         return f"cannot be read ({type(e).__name__}: {e})"
     return None
@@ -330,11 +338,22 @@ def last_checkpoint(run_dir: str | os.PathLike, *, log=None) -> Path | None:
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete ``.tmp-*`` folders left by a writer that was killed before its rename."""
+    """Delete ``.tmp-*`` folders left by a writer that was killed before its rename, and ``.old-*`` ones whose
+    step is there again. A complete ``.old-checkpoint-<step>-<pid>`` without its ``checkpoint-<step>`` (a writer
+    killed between moving it aside and renaming its new copy in) is renamed back: it may be the last complete
+    checkpoint of the run, whoever wrote it."""
     root = checkpoints_dir(run_dir)
     removed = []
     if root.is_dir():
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
+            if p.name.startswith(".old-"):
+                final = root / p.name.removeprefix(".old-").rsplit("-", 1)[0]
+                if _step_of(final) is not None and not final.exists() and verify_checkpoint(p) is None:
+                    os.rename(p, final)
+                    fsync_dir(root)
+                    print(f"[grpo_kit] restored {final} from {p.name} (a save of that step was cut short)",
+                          file=sys.stderr, flush=True)
+                    continue
             if p.name.startswith(".tmp-") or p.name.startswith(".old-"):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
@@ -595,7 +614,7 @@ class ResumableTrainerMixin:
                 raise CheckpointError(f"{folder}: weights that do not fit the model: {result.unexpected_keys[:5]}")
         else:
             load_model(model, str(folder / "weights.safetensors"))
-        kit = json.loads((folder / KIT_STATE).read_text())
+        kit = read_json(folder / KIT_STATE)
         self._kit_resume_state = kit
         self._step = kit["trl_step"]
         buffer = _own_file(folder, "trl_buffer", self.args.process_index)
@@ -643,4 +662,4 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> Path:
 
 
 def read_run_state(ckpt: str | os.PathLike) -> dict:
-    return json.loads((Path(ckpt) / KIT_STATE).read_text()).get("run") or {}
+    return read_json(Path(ckpt) / KIT_STATE).get("run") or {}
