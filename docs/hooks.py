@@ -26,7 +26,7 @@ SINGLE = ("CHANGELOG.md",)  # repository files the site carries as pages
 CONFIG_MARKER = "<!-- config-reference -->"
 SUPPORTED_MARKER = "<!-- supported-models -->"  # grpo_kit.app.models.SUPPORTED_MARKER
 # the package's layers, lowest first (grpo_kit/__init__.py); each gets an API page of its modules
-LAYERS = ("kernels", "loss", "model", "tasks", "memory", "generation", "trainer", "app", "notebook")
+LAYERS = ("kernels", "readers", "loss", "model", "tasks", "memory", "generation", "trainer", "app", "notebook")
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 
 

@@ -3,6 +3,7 @@
 The layers are the folders, lowest first (each ``__init__`` says what it owns and may import):
 
 * ``kernels/``: Triton kernels, each with a plain-torch twin;
+* ``readers/``: untrusted input (JSON documents, JSON-lines files) read within size and depth limits;
 * ``loss/``: the GRPO objective, its registry of variants and the memory-efficient loss;
 * ``model/``: loading, 4-bit base weights, the pad-free layout, activation offload;
 * ``tasks/``: tasks, rewards and verifiers, the sandbox;

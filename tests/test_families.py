@@ -178,7 +178,8 @@ def test_a_logit_transform_the_kit_does_not_know_is_refused(tmp_path):
     with pytest.raises(anatomy.AnatomyError, match="LlamaForCausalLM: its logits are not h @ W"):
         EfficientGRPOTrainer(model=model, reward_funcs=[correctness_reward], args=_args(tmp_path, "grpo"),
                              train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
-                             processing_class=load_tokenizer("tiny-llama"))
+                             processing_class=load_tokenizer("tiny-llama"),
+                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
 
 
 def test_lora_targets_are_the_models_own_projections_routers_excluded():

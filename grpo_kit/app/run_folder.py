@@ -46,7 +46,8 @@ MAX_LOCK_BYTES = 1 << 16  # its content is a PID, a host name and a time
 SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/proc", "/sbin", "/sys", "/usr")
 # What a Python installation or environment holds at its top, and what a package folder holds.
 PYTHON_MARKERS = ("pyvenv.cfg", "conda-meta", "lib/python3.*")
-PACKAGE_MARKERS = ("*.dist-info", "*.egg-info")
+# (not *.egg-info: `pip install -e .` leaves one in a source checkout, where runs/ is the default run folder)
+PACKAGE_MARKERS = ("*.dist-info",)
 # The folder that holds the grpo_kit package: the checkout (or site-packages).
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 

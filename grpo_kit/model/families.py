@@ -211,8 +211,8 @@ FAMILIES: tuple[Family, ...] = (
            moe=True, note="32 experts, 4 active, attention sinks, alternating sliding-window and global layers"),
 )
 
-# Families whose one copy of the weights with vLLM's CUDA engine has run in the GPU tier (tests/test_gpu_vllm.py:
-# equal data_ptrs, the engine's log-probs the training model's); the results under bench/results/gpu_tests/.
+# Families whose one copy of the weights with vLLM's CUDA engine has passed the GPU tier (tests/test_gpu_vllm.py:
+# equal data_ptrs, the engine's log-probs the training model's).
 GPU_ONE_COPY_RUN = ("llama", "qwen2", "mistral")
 
 # MoE experts are fused 3-D parameters in transformers 5 (experts.gate_up_proj, experts.down_proj), not nn.Linear

@@ -723,8 +723,12 @@ def _probe(model: nn.Module, layers: list[nn.Module]) -> list[dict]:
     vocab = head(model).weight.shape[0]
     device = next(layer.parameters()).device
     ids = torch.arange(1, _PROBE_TOKENS + 1, device=device).remainder(vocab).unsqueeze(0)
+    # dropout off (the probe compares layouts, not random masks), on the dropout and attention modules alone: a
+    # whole model in eval mode would let bitsandbytes repack its 4-bit layers for CPU inference at this call
     modes = [m.training for m in model.modules()]
-    model.eval()  # dropout off: the probe compares layouts, not random masks
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0:
+            m.training = False
     try:
         with layer_weight_cache():
             body(input_ids=ids, use_cache=False)
