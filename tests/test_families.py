@@ -24,6 +24,9 @@ from grpo_kit.tasks.rewards import correctness_reward
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
 TINY = [name for fam in FAMILIES for name in tiny_names(fam)]
+# tiny-llama and tiny-qwen2 are held to TRL in tests/test_trainer.py over every objective setting, and the first
+# three families' offloaded gradients in tests/test_checkpointing.py (fp64 and fp32, with and without LoRA)
+NEWER = [n for n in TINY if n not in ("tiny-llama", "tiny-qwen2", "tiny-mistral")]
 
 
 def test_every_family_has_a_tiny_builtin_and_the_table_covers_the_issue():
@@ -50,7 +53,7 @@ def _batch(gen, vocab=1000):
     return inputs
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", [n for n in TINY if n not in ("tiny-llama", "tiny-qwen2")])
 def test_logps_loss_and_lora_grads_equal_stock_trl(name, tmp_path):
     """One pair of trainers per family (their construction is most of the time), both loss types in turn."""
     model = build_random_model(name)
@@ -105,7 +108,7 @@ def test_logps_loss_and_lora_grads_equal_stock_trl(name, tmp_path):
                 stock._metrics["train"]["aux_loss"][-1], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", NEWER)
 def test_offloaded_checkpointing_gradients_equal_the_plain_forward(name):
     torch.manual_seed(0)
     base = build_random_model(name)
