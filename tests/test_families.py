@@ -15,6 +15,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
+from _parity import check_reference_and_fill
+
 from grpo_kit.model import anatomy
 from grpo_kit.model.families import BUILTIN_MODELS, FAMILIES, tiny_names
 from grpo_kit.model.loading import build_random_model, load_tokenizer
@@ -71,21 +73,7 @@ def test_logps_loss_and_lora_grads_equal_stock_trl(name, tmp_path):
             v = torch.randn(p1.shape, generator=gen) * 0.05
             p1.data.copy_(v), p2.data.copy_(v)
     inputs = _batch(gen)
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    C = inputs["completion_ids"].shape[1]
-    cm = inputs["completion_mask"].bool()
-    with torch.no_grad():
-        with stock.model.disable_adapter():
-            ref_stock = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C)[0]
-        with ours.model.disable_adapter():
-            ref_ours = ours._get_per_token_logps_and_entropies(ours.model, ids, am, C)[0]
-    torch.testing.assert_close(ref_ours[cm], ref_stock[cm], rtol=1e-5, atol=1e-5)
-    inputs["ref_per_token_logps"] = ref_stock
-    inputs["old_per_token_logps"] = ref_stock + 0.1 * torch.randn(ref_stock.shape, generator=gen)
-    for t in (stock, ours):
-        t.current_gradient_accumulation_steps = 2
-        t.args.steps_per_generation = 2
+    check_reference_and_fill(stock, ours, inputs, gen)
     assert ours.aux_loss_enabled == stock.aux_loss_enabled == (anatomy.router_aux_coef(model.config) > 0)
     for loss_type in ("grpo", "dapo"):
         for t in (stock, ours):

@@ -28,16 +28,6 @@ def _sets(values: dict) -> list[str]:
     return [x for k, v in values.items() for x in ("--set", f"{k}={v}")]
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model or tokenizer load fails the test: the bad input must be caught first."""
-    def fail(*a, **k):
-        raise AssertionError("a model was loaded: the bad input was not caught first")
-
-    monkeypatch.setattr(run_mod, "load_tokenizer", fail)
-    monkeypatch.setattr(run_mod, "load_model", fail)
-
-
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "Traceback" not in err, err[-2000:]

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kit.app import run as run_mod
 from grpo_kit.app.cli import main
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
 
@@ -19,15 +18,6 @@ DEEP = "[" * 3000 + "]" * 3000
 # Nine levels of nine aliases each: 9**9 values once expanded, a few hundred bytes as text.
 BOMB = "[" + ", ".join([f"&a0 [{', '.join(['1'] * 9)}]"]
                         + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]) + "]"
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    def fail(*a, **k):
-        raise AssertionError("a model was loaded: the bad input was not caught first")
-
-    monkeypatch.setattr(run_mod, "load_tokenizer", fail)
-    monkeypatch.setattr(run_mod, "load_model", fail)
 
 
 def _one_error_line(capsys) -> str:

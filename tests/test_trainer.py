@@ -11,6 +11,7 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from _objective_settings import SETTINGS, loss_kwargs
+from _parity import check_reference_and_fill
 from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.model.loading import load_model
 from grpo_kit.tasks.rewards import completion_text, correctness_reward, format_soft_reward
@@ -99,17 +100,7 @@ def test_loss_and_grads_equal_stock_trl_on_fixed_batch(tiny, tmp_path, setting, 
     trainers = (stock, ours)
     B, C = inputs["completion_ids"].shape
     cm = inputs["completion_mask"].bool()
-    with torch.no_grad():
-        with stock.model.disable_adapter():
-            ref_stock = stock._get_per_token_logps_and_entropies(stock.model, ids, am, C)[0]
-        with ours.model.disable_adapter():
-            ref_ours = ours._get_per_token_logps_and_entropies(ours.model, ids, am, C)[0]
-    torch.testing.assert_close(ref_ours[cm], ref_stock[cm], rtol=1e-5, atol=1e-5)
-    inputs["ref_per_token_logps"] = ref_stock
-    inputs["old_per_token_logps"] = ref_stock + 0.1 * torch.randn(B, C, generator=gen)  # exercise clipping
-    for t in trainers:
-        t.current_gradient_accumulation_steps = 2
-        t.args.steps_per_generation = 2
+    check_reference_and_fill(stock, ours, inputs, gen)
     if is_ratio is not None:
         ratio = torch.exp(0.3 * torch.randn((B, C) if is_ratio == "token" else (B, 1), generator=gen))
         ratio[ratio > 1.5] = 0.0  # TRL's *_mask modes zero out ratios beyond the clip
