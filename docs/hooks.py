@@ -25,6 +25,7 @@ MOUNTS = {"notebooks": (".ipynb",), "bench/results": (".md", ".png", ".json", ".
 SINGLE = ("CHANGELOG.md",)  # repository files the site carries as pages
 CONFIG_MARKER = "<!-- config-reference -->"
 SUPPORTED_MARKER = "<!-- supported-models -->"  # grpo_kit.app.models.SUPPORTED_MARKER
+VERSIONS_MARKER = "<!-- tested-versions -->"
 # the package's layers, lowest first (grpo_kit/__init__.py); each gets an API page of its modules
 LAYERS = ("kernels", "readers", "loss", "model", "tasks", "memory", "generation", "trainer", "app", "notebook")
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
@@ -110,6 +111,13 @@ def on_page_markdown(markdown, page, config, files):
     on_disk = Path(page.file.abs_src_path).resolve().relative_to(REPO).as_posix()
     if CONFIG_MARKER in markdown:
         markdown = markdown.replace(CONFIG_MARKER, config_reference())
+    if VERSIONS_MARKER in markdown:
+        from grpo_kit.generation.versions import TESTED_VERSIONS  # lazy: only the build needs the kit
+
+        rows = ["| package | tested | outside the window |", "|---|---|---|"]
+        rows += [f"| `{p}` | {lo if lo == hi else f'{lo} - {hi}'} | {risk} |" for p, (lo, hi, risk) in
+                 TESTED_VERSIONS.items()]
+        markdown = markdown.replace(VERSIONS_MARKER, "\n".join(rows))
     if SUPPORTED_MARKER in markdown:
         from grpo_kit.app.models import supported_models_page  # lazy: only the build needs the kit (and torch)
 

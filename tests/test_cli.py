@@ -63,6 +63,7 @@ def test_malformed_jsonl_stops_before_model_load(repo_root, tmp_path):
 def test_doctor_and_unknown_bench(repo_root):
     r = run_cli("doctor", cwd=repo_root, timeout=120)
     assert r.returncode == 0 and "torch" in r.stdout and "generation" in r.stdout
+    assert "(tested: 1.16.0)" in r.stdout  # TRL against the kit's window (grpo_kit.generation.versions)
     r = run_cli("bench", "no-such-bench", cwd=repo_root, timeout=60)
     assert r.returncode == 2 and "no benchmark named 'no-such-bench'" in r.stderr
 

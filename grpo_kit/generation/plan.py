@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from grpo_kit.generation import make_generator
 from grpo_kit.generation.base import GenerationEngineError
 from grpo_kit.generation.shared_weights import UnshareableError
+from grpo_kit.generation.versions import check_vllm_version
 from grpo_kit.generation.vllm_backend import (UnsupportedArchitectureError, fp32_checkpoint_dtype, vllm_available,
                                               vllm_install_advice)
 from grpo_kit.memory import estimate_for_config, resolve_arch, scoring_batch_for_config
@@ -202,6 +203,11 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
         return hf("base_weights='fp8': vLLM's FP8 engine shares the training model's weights on CUDA only", False)
     if requested == "auto" and not vllm_available():
         return hf(f"vLLM is not installed ({vllm_install_advice(device == 'cuda')})", device == "cuda")
+    if (outside := check_vllm_version()) is not None:  # before any engine or model loads
+        if requested == "vllm":
+            raise ValueError(f"generation_backend='vllm': {outside}; install a tested vLLM "
+                             f"({vllm_install_advice(device == 'cuda')}) or use generation_backend='hf'")
+        return hf(outside, True)
     model_dir, dummy = generation_model_dir(cfg.model, device, dtype if device == "cuda" else None)
     if model_dir is None:
         if requested == "vllm":

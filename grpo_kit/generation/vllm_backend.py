@@ -51,6 +51,7 @@ from grpo_kit.generation.lora_memory import PATH_PREFIX, adapter_state, stage_in
 from grpo_kit.generation.reversible_merge import RestoreError, ReversibleLoraMerge
 from grpo_kit.generation.shared_weights import (build_shared_model, fill_shared_fp8, inside_storage, shared_storage,
                                                storage_spans, vllm_fp8_quantization)
+from grpo_kit.generation.versions import check_vllm_version
 from grpo_kit.generation.standby import kv_bytes_in_worker, resume_in_worker, standby_in_worker
 from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_layout, checkpoint_layout_manifest,
                                       checkpoint_manifest, config_manifest,
@@ -441,6 +442,8 @@ class VLLMGenerator:
                  share_weights: bool = False, dummy_weights: bool = False, lora_dual_stream: bool = False,
                  base_weights: str = "16bit", fp8_block: int | None = None, emulate_precision_casts: bool = False,
                  llm_kwargs: dict | None = None):
+        if (outside := check_vllm_version()) is not None:  # before the engine reads any of vLLM's internals
+            raise ValueError(outside)
         vllm = import_vllm()
         _engine_in_this_process()
         self.model_dir = Path(model_dir)
