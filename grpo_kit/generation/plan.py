@@ -175,6 +175,15 @@ def memory_plan(cfg, model_config, *, share_weights: bool, free_bytes: float, to
     return plan
 
 
+def _outside_window(requested: str, device: str) -> str | None:
+    """Why the installed vLLM is outside the versions the kit drives, or None; asked for by name, an error."""
+    outside = check_vllm_version()
+    if outside is not None and requested == "vllm":
+        raise ValueError(f"generation_backend='vllm': {outside}; install a tested vLLM "
+                         f"({vllm_install_advice(device == 'cuda')}) or use generation_backend='hf'")
+    return outside
+
+
 def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_processes: int = 1) -> GenerationPlan:
     """Decide the generator for ``cfg`` (see the module docstring); loads no model."""
     requested = cfg.generation_backend
@@ -203,10 +212,7 @@ def plan_generation(cfg, *, model_config, device: str, dtype: torch.dtype, num_p
         return hf("base_weights='fp8': vLLM's FP8 engine shares the training model's weights on CUDA only", False)
     if requested == "auto" and not vllm_available():
         return hf(f"vLLM is not installed ({vllm_install_advice(device == 'cuda')})", device == "cuda")
-    if (outside := check_vllm_version()) is not None:  # before any engine or model loads
-        if requested == "vllm":
-            raise ValueError(f"generation_backend='vllm': {outside}; install a tested vLLM "
-                             f"({vllm_install_advice(device == 'cuda')}) or use generation_backend='hf'")
+    if (outside := _outside_window(requested, device)) is not None:  # before any engine or model loads
         return hf(outside, True)
     model_dir, dummy = generation_model_dir(cfg.model, device, dtype if device == "cuda" else None)
     if model_dir is None:
