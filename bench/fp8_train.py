@@ -29,8 +29,8 @@ import argparse
 import statistics
 
 import torch
-
 from _common import LORA_TARGETS, command_line, hardware, kernel_profile, record_report, rel_err, timed_ms
+
 from grpo_kit.kernels import fp8_rows
 from grpo_kit.model.fp8 import FP8Linear, fp8_lora_config, fp8_support, quantize_model_fp8
 from grpo_kit.model.loading import build_random_model, model_config

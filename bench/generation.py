@@ -37,9 +37,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: engin
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-
-from _common import hardware as _hardware  # noqa: E402
 from _common import LORA_TARGETS, record_report  # noqa: E402
+from _common import hardware as _hardware  # noqa: E402
 
 
 def hardware() -> dict:
@@ -66,10 +65,10 @@ def main(argv=None):
 
     from peft import LoraConfig, get_peft_model
 
-    from grpo_kit.tasks.data import generate_tasks
     from grpo_kit.generation import HFGenerator, SamplingConfig
     from grpo_kit.generation.vllm_backend import VLLMGenerator, import_vllm
     from grpo_kit.model.loading import embedded_model_dir, load_model
+    from grpo_kit.tasks.data import generate_tasks
 
     import_vllm()
     hw = hardware()

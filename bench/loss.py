@@ -37,10 +37,13 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
-
-from _common import rel_err, sync  # noqa: E402
-from _common import record_report  # noqa: E402
+from _common import (  # noqa: E402
+    record_report,  # noqa: E402
+    rel_err,
+    sync,
+)
 from _common import timed_ms as timed  # noqa: E402
+
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps  # noqa: E402
 from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
 
@@ -59,8 +62,8 @@ def load_peers(names):
     peers, reasons = {}, {}
     if "liger" in names:
         try:
-            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
             import liger_kernel
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
             peers["liger"] = (LigerFusedLinearGRPOLoss, getattr(liger_kernel, "__version__", "?"))
         except Exception as e:  # noqa: BLE001 - reported, not hidden
@@ -485,8 +488,9 @@ def main(argv=None):
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)
-                print(f"{hn} T={T} {impl}: {fmt_cell(row) if row['status'] == 'ok' else row['status'] + ' ' + row['reason']}"
-                      f"{'  rel grad vs ours %.1e' % row['rel_grad'] if 'rel_grad' in row else ''}", flush=True)
+                rel = f"  rel grad vs ours {row['rel_grad']:.1e}" if "rel_grad" in row else ""
+                cell = fmt_cell(row) if row["status"] == "ok" else row["status"] + " " + row["reason"]
+                print(f"{hn} T={T} {impl}: {cell}{rel}", flush=True)
             del inp, ref_grad
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

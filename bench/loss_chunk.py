@@ -15,10 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+import torch  # noqa: E402
 from _common import hardware, hardware_line, record_report  # noqa: E402
 from loss import HEADS, bench_one, make_inputs, rel_err  # noqa: E402
-
-import torch  # noqa: E402
 
 
 def main(argv=None) -> int:

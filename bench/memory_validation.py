@@ -216,13 +216,12 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
     import types
 
     import peft
+    import step  # bench/step.py: bench/ is first on the path, as for every bench script
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig
 
     from grpo_kit.model.loading import build_random_model
-
-    import step  # bench/step.py: bench/ is first on the path, as for every bench script
 
     dev = torch.device("cpu")
     out = []

@@ -32,8 +32,8 @@ def per_call_us(name: str, fn, calls: int = 2000, warmup: int = 50) -> None:
 def main() -> None:
     import bitsandbytes as bnb
 
-    from grpo_kit.model import nf4_matmul as NM
     from grpo_kit.kernels import nf4_dequant as K
+    from grpo_kit.model import nf4_matmul as NM
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(bnb.nn.Linear4bit(4096, 4096, bias=False, compute_dtype=torch.float16,

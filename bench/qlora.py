@@ -31,15 +31,15 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import command_line, hardware, record_report
+
 from grpo_kit.app.config import GRPOKitConfig
-from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
 from grpo_kit.app.evaluation import evaluate_accuracy
+from grpo_kit.app.run import calibration_batches
 from grpo_kit.memory.formulas import NF4_BITS_PER_PARAM
 from grpo_kit.model.loading import load_model
 from grpo_kit.model.quantize import auto_skip_modules, quantizable_linears, quantize_model
-from grpo_kit.app.run import calibration_batches
+from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("bf16", "nf4", "fixed", "auto")

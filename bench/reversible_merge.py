@@ -27,8 +27,7 @@ import statistics
 from pathlib import Path
 
 import torch
-
-from _common import LORA_TARGETS, command_line, hardware, hardware_line, kernel_profile, sync, record_report
+from _common import LORA_TARGETS, command_line, hardware, hardware_line, kernel_profile, record_report, sync
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

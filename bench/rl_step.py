@@ -356,17 +356,16 @@ def kit_row(name: str, a) -> dict:
 
     import torch
     from peft import LoraConfig
-
-    from grpo_kit.app.config import GRPOKitConfig
-    from grpo_kit.generation.plan import lora_sync_mode, plan_generation, start_generation
-    from grpo_kit.trainer.generation_hook import KitGenerationMixin
-    from grpo_kit.model.loading import load_model, load_tokenizer, model_config
-    from grpo_kit.app.run import grpo_args
-    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
     from trainer_gpu import time_phases
     from trl import GRPOTrainer
 
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.app.run import grpo_args
+    from grpo_kit.generation.plan import lora_sync_mode, plan_generation, start_generation
     from grpo_kit.model.fp8 import fp8_lora_config
+    from grpo_kit.model.loading import load_model, load_tokenizer, model_config
+    from grpo_kit.trainer.generation_hook import KitGenerationMixin
+    from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
 
     kv, share, lora_sync, base_weights = KIT_ROWS[name]
     C = a.completion
@@ -508,11 +507,11 @@ def trl_row(a) -> dict:
     import torch
     import trl.generation.vllm_generation as vg
     from peft import LoraConfig
+    from trainer_gpu import time_phases
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_kit.generation.plan import generation_model_dir
     from grpo_kit.model.loading import build_random_model, load_tokenizer
-    from trainer_gpu import time_phases
 
     C = a.completion
     folder, _ = generation_model_dir(a.model, "cuda")
@@ -576,7 +575,8 @@ def gen_row(name: str, a) -> dict:
     if name.startswith("gen_vllm"):
         from grpo_kit.generation.plan import LORA_DUAL_STREAM_DEFAULT, generation_model_dir
         from grpo_kit.generation.vllm_backend import VLLMGenerator
-        from grpo_kit.memory import formulas as F, resolve_arch
+        from grpo_kit.memory import formulas as F
+        from grpo_kit.memory import resolve_arch
         from grpo_kit.model.loading import model_config
 
         folder, _ = generation_model_dir(a.model, "cuda")

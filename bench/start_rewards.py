@@ -23,9 +23,9 @@ def main(argv=None) -> int:
     import torch
 
     from grpo_kit.app.config import GRPOKitConfig
-    from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
     from grpo_kit.generation import SamplingConfig, make_generator
     from grpo_kit.model.loading import embedded_model_dir, load_model, load_tokenizer
+    from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
     from grpo_kit.tasks.rewards import correctness_reward, format_soft_reward
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

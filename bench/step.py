@@ -57,23 +57,27 @@ import traceback  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 
 import torch  # noqa: E402
-
+from _common import (  # noqa: E402
+    LORA_TARGETS,
+    kernel_profile,
+    record_report,
+    sync,  # noqa: E402
+)
 from _common import hardware as _hardware  # noqa: E402
-from _common import LORA_TARGETS, kernel_profile, record_report  # noqa: E402
 from _common import rel_err as rel  # noqa: E402
-from _common import sync  # noqa: E402
+
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps  # noqa: E402
+from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
+from grpo_kit.memory import Profiler, phase  # noqa: E402
+from grpo_kit.model import nf4_matmul  # noqa: E402
+from grpo_kit.model.fp8 import BASE_WEIGHTS, fp8_lora_config  # noqa: E402
+from grpo_kit.model.loading import build_random_model, model_config  # noqa: E402
 from grpo_kit.model.offload import (  # noqa: E402
     disable_offloaded_checkpointing,
     enable_offloaded_checkpointing,
     offload_stats,
     reserve_offload_buffers,
 )
-from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps  # noqa: E402
-from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
-from grpo_kit.model import nf4_matmul  # noqa: E402
-from grpo_kit.model.fp8 import BASE_WEIGHTS, fp8_lora_config  # noqa: E402
-from grpo_kit.memory import Profiler, phase  # noqa: E402
-from grpo_kit.model.loading import build_random_model, model_config  # noqa: E402
 
 GiB = 2**30
 ROWS = ("baseline", "ours", "ours_offload")

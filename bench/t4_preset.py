@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import LORA_TARGETS, command_line, hardware, hardware_line, record_report
 
 ROOT = Path(__file__).resolve().parent.parent

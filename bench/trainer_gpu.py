@@ -88,13 +88,12 @@ def one_row(sets: list[str], out_dir: str) -> dict:
     """Child process: one training run with a probe callback; prints a JSON line."""
     import torch
     from transformers import TrainerCallback
-
     from trl import GRPOTrainer
 
-    from grpo_kit.model.offload import offload_stats
     from grpo_kit.app.config import GRPOKitConfig
-    from grpo_kit.trainer.generation_hook import KitGenerationMixin
     from grpo_kit.app.run import train
+    from grpo_kit.model.offload import offload_stats
+    from grpo_kit.trainer.generation_hook import KitGenerationMixin
     from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))

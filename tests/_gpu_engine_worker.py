@@ -120,10 +120,10 @@ def merge() -> dict:
     from transformers import AutoConfig
     from trl import GRPOConfig
 
-    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
     from grpo_kit.generation import SamplingConfig
     from grpo_kit.generation.vllm_backend import VLLMGenerator, _engine_model
     from grpo_kit.model.loading import embedded_model_dir, load_tokenizer
+    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
     from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     tok = load_tokenizer()

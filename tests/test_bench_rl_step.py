@@ -42,7 +42,6 @@ def test_a_phase_labels_its_calls_and_runs_its_exit_hook_once(monkeypatch):
     the hook that reads the allocator history after the phase's first call only (the sampling thread, CUDA-only,
     is not started here; PyTorch's peak counters are stubbed)."""
     import torch
-
     from rl_step import DeviceMemory
 
     for fn in ("max_memory_allocated", "max_memory_reserved"):
@@ -73,7 +72,6 @@ def test_the_training_profile_covers_the_loss_passes_of_the_extra_step_only():
     import types
 
     import torch
-
     from rl_step import StepTimes, _profiled_step
 
     times = StepTimes({}, profile_step=2, dev="cpu")
@@ -102,7 +100,6 @@ def test_pytorchs_peaks_are_folded_into_the_phase_that_made_them(monkeypatch):
     deadlocked vLLM's pool allocator): each phase keeps the largest peak of its own stretches, the whole row's
     reserved peak is the largest of them."""
     import torch
-
     from rl_step import DeviceMemory
 
     counters = {"allocated": 0, "reserved": 0}

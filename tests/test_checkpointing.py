@@ -339,8 +339,9 @@ def test_reserve_buffers_then_no_new_host_memory():
 
 
 def test_auto_chunk_size():
-    from grpo_kit.model.loading import model_config
     from transformers import AutoModelForCausalLM
+
+    from grpo_kit.model.loading import model_config
 
     for name, want in (("llama-3.1-8b", 4096), ("qwen2.5-1.5b", 4096), ("llama-3.2-1b", 8192)):
         cfg = model_config(name)

@@ -11,6 +11,8 @@ import types
 import pytest
 
 from grpo_kit.notebook import colab
+
+
 @pytest.fixture
 def fake_machine(monkeypatch):
     """pip calls recorded (``calls``); installed versions in ``versions``, which a pip call may change

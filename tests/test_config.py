@@ -164,7 +164,8 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
 def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     """The KV cache is what one generation batch needs; the step peak must fit the free memory."""
     from grpo_kit.generation.plan import memory_plan
-    from grpo_kit.memory import formulas as F, resolve_arch
+    from grpo_kit.memory import formulas as F
+    from grpo_kit.memory import resolve_arch
     from grpo_kit.model.loading import model_config
 
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=2048, num_generations=8,
@@ -288,8 +289,8 @@ def _bad_paths(tmp_path):
 
 
 def test_bad_paths_and_values_give_one_error_line_and_exit_code_2(tmp_path, capsys, monkeypatch):
-    from grpo_kit.model import loading as models
     from grpo_kit.app.cli import main
+    from grpo_kit.model import loading as models
 
     def no_model(*a, **k):
         raise AssertionError("a model was loaded: the bad input was not caught first")

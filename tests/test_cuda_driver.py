@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from grpo_kit.model import cuda_driver as C
+
+
 @pytest.fixture
 def fake_smi(tmp_path, monkeypatch):
     """``fake_smi(version, name)``: an ``nvidia-smi`` on PATH answering the driver version and GPU name queries
@@ -168,8 +170,8 @@ def test_install_sh_goes_on_with_vllm_when_the_driver_check_fails(tmp_path, repo
 def test_a_gpu_this_torch_cannot_use_is_named(monkeypatch):
     import torch
 
-    from grpo_kit.model import devices
     from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.model import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from grpo_kit.app.config import ConfigError
-from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
 from grpo_kit.loss.advantage import group_advantages
+from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
 from grpo_kit.notebook.helpers import choose_setup, exact_kl, in_colab, kl_estimates, validate_params
 
 TRL_LOG = {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.002, "completions/mean_length": 7.5,
@@ -128,8 +128,8 @@ def test_choose_setup_falls_back_without_gpu():
 
 def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):
     import grpo_kit.notebook.helpers as nu
-    from grpo_kit.model import cuda_driver
     from grpo_kit.generation import vllm_backend
+    from grpo_kit.model import cuda_driver
 
     # a T4 whose driver is too old for vLLM's CUDA build: no vLLM, so a setup that needs it falls back, saying why
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,10 +12,9 @@ import copy
 
 import pytest
 import torch
+from _parity import check_reference_and_fill
 from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig, GRPOTrainer
-
-from _parity import check_reference_and_fill
 
 from grpo_kit.model import anatomy
 from grpo_kit.model.families import BUILTIN_MODELS, FAMILIES, tiny_names

@@ -16,13 +16,24 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import grpo_kit.model.fp8 as M
-from grpo_kit.model.fp8 import (FP8_BLOCK, FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_fp8, dequantize_groups,
-                                fp8_lora_config, fp8_support, quantize_fp8, quantize_groups, quantize_model_fp8,
-                                quantize_rows, w8a8_reference)
+from grpo_kit.model.fp8 import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8Linear,
+    dequantize_fp8,
+    dequantize_groups,
+    fp8_lora_config,
+    fp8_support,
+    quantize_fp8,
+    quantize_groups,
+    quantize_model_fp8,
+    quantize_rows,
+    w8a8_reference,
+)
 from grpo_kit.model.loading import build_random_model, load_model
 from grpo_kit.model.quantize import quantizable_linears
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_kit.tasks import rewards
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.loss.objective import LOSS_TYPES
 from grpo_kit.loss.reference import grpo_loss_reference
 from grpo_kit.loss.registry import get_loss_type
+from grpo_kit.tasks import rewards
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,15 +17,24 @@ import torch
 from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
-from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
-from grpo_kit.generation import (GenerationEngineError, HFGenerator, SamplingConfig, UnsupportedArchitectureError,
-                                 VLLMNotInstalledError, make_generator, process_logits, sampling_logprobs_reference)
 from grpo_kit.app.config import GRPOKitConfig
-from grpo_kit.trainer.generation_hook import KitGenerationMixin
-from grpo_kit.model.loading import embedded_model_dir, load_model, model_config
-from grpo_kit.tasks.rewards import completion_text
+from grpo_kit.generation import (
+    GenerationEngineError,
+    HFGenerator,
+    SamplingConfig,
+    UnsupportedArchitectureError,
+    VLLMNotInstalledError,
+    make_generator,
+    process_logits,
+    sampling_logprobs_reference,
+)
 from grpo_kit.generation.plan import plan_generation, start_generation
+from grpo_kit.model.loading import embedded_model_dir, load_model, model_config
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
+from grpo_kit.tasks.rewards import completion_text
+from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
+
 
 def _vllm_distribution() -> str | None:
     from importlib.metadata import PackageNotFoundError, version

@@ -285,8 +285,8 @@ def test_kit_4bit_matmul_step_on_cuda_matches_bitsandbytes():
     from peft import LoraConfig, get_peft_model
 
     from grpo_kit.model import nf4_matmul as NM
-    from grpo_kit.model.offload import enable_offloaded_checkpointing
     from grpo_kit.model.loading import load_model
+    from grpo_kit.model.offload import enable_offloaded_checkpointing
 
     model, _ = load_model("llama-3.2-1b", dtype=torch.float16, device="cuda", load_in_4bit=True)
     torch.manual_seed(0)

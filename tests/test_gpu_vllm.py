@@ -157,8 +157,8 @@ def test_two_trainer_steps_on_the_shared_engine(shared, tmp_path):
     from peft import LoraConfig
     from trl import GRPOConfig
 
-    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
     from grpo_kit.generation.vllm_backend import _engine_model
+    from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
     from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     gen, make, tok = shared

@@ -22,15 +22,21 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_kit.app.config import GRPOKitConfig
-from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
-from grpo_kit.trainer.guards import (NonFiniteStop, OutOfMemoryStop, _split_batch, configure_reliability, split_weights,
-                             with_reliability)
-from grpo_kit.loss.reference import grpo_loss_reference
 from grpo_kit.loss.objective import LOSS_TYPES
+from grpo_kit.loss.reference import grpo_loss_reference
 from grpo_kit.model.loading import load_model
-from grpo_kit.trainer.checkpoints import list_checkpoints, verify_checkpoint
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.tasks.rewards import completion_text
+from grpo_kit.trainer.checkpoints import list_checkpoints, verify_checkpoint
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
+from grpo_kit.trainer.guards import (
+    NonFiniteStop,
+    OutOfMemoryStop,
+    _split_batch,
+    configure_reliability,
+    split_weights,
+    with_reliability,
+)
 
 WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
 TRAINERS = {"grpo_kit": EfficientGRPOTrainer, "trl": GRPOTrainer}

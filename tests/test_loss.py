@@ -10,8 +10,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from _objective_settings import SETTINGS, loss_kwargs
+
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
 from grpo_kit.loss.objective import LOSS_TYPES
 from grpo_kit.loss.reference import grpo_loss_reference
@@ -60,7 +60,9 @@ def loss_scale(lp64, old, ref, c, kw, isw=None):
     spec = objective_spec(kw["loss_type"], kw["beta"], kw["epsilon_low"], kw["epsilon_high"], opts)
     m = c["mask"].double()
     lp = lp64.detach()
-    fill = (lambda x: None if x is None else torch.where(c["mask"], x.double(), lp))
+    def fill(x):
+        return None if x is None else torch.where(c["mask"], x.double(), lp)
+
     isw = None if isw is None else torch.where(c["mask"].any(-1, keepdim=True) if isw.shape[-1] == 1 else c["mask"],
                                                isw.double(), 1.0)
     pt, _ = per_token_objective(lp, fill(old), fill(ref), c["adv"].double()[:, None], m, spec, importance_weights=isw)

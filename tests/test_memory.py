@@ -14,10 +14,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_kit.memory import (
-    METHODS, Profiler, compare, estimate, phase, profile, published_table, resolve_arch, total_gpu_bytes,
-)
 from grpo_kit.loss.efficient import _auto_chunk_rows
+from grpo_kit.memory import (
+    METHODS,
+    Profiler,
+    compare,
+    estimate,
+    phase,
+    profile,
+    published_table,
+    resolve_arch,
+    total_gpu_bytes,
+)
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.model.loading import BUILTIN_MODELS, build_random_model, model_config
@@ -599,10 +607,9 @@ def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
 def _no_grad_mlp_peak_per_token(dtype, dropout, adapters, h=128, inter=2048, tokens=2048):
     """Peak bytes of live tensors during one no-grad LlamaMLP forward under PEFT LoRA (fp32 adapters on all three
     projections), from the profiler's memory timeline, per token; the input and the weights excluded."""
+    import peft
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
-
-    import peft
 
     class Wrap(torch.nn.Module):
         def __init__(self):
@@ -926,9 +933,9 @@ def test_fp8_weights_are_priced_in_every_phase_and_the_8x20k_step_within_the_iss
     transient = fp8.set_index("component").loc["FP8 matmul transient (one projection)"]
     assert transient["GB"] > 0 and "FP8 matmul transient (one projection)" not in set(bf16["component"])
     saved = (F.weight_bytes(resolve_arch(LLAMA), 2, None) - F.weight_bytes(resolve_arch(LLAMA), 2, "fp8")) / F.GiB
-    for phase in ("generation", "loss", "backward"):  # the weights are alive in every phase: each is that much lower
-        drop = (fp8.attrs["phase_bytes"][phase] - bf16.attrs["phase_bytes"][phase]) / F.GiB
-        assert drop < -0.9 * saved, phase
+    for name in ("generation", "loss", "backward"):  # the weights are alive in every phase: each is that much lower
+        drop = (fp8.attrs["phase_bytes"][name] - bf16.attrs["phase_bytes"][name]) / F.GiB
+        assert drop < -0.9 * saved, name
     peak = total_gpu_bytes(fp8) / F.GiB
     assert peak <= 22  # the calculator's figure for the issue's target (a measurement must confirm it)
     with pytest.raises(ValueError, match="needs lora_rank: quantised weights are frozen"):

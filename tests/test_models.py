@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from grpo_kit.model import loading as models
+
+
 def test_embedded_roundtrip_gives_same_logits(tmp_path, monkeypatch):
     """GGUF -> cached HF folder -> reload: the same logits as the GGUF-loaded model."""
     from transformers import AutoModelForCausalLM

@@ -10,10 +10,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo_kit.model import nf4_matmul as NM
-from grpo_kit.model.offload import enable_offloaded_checkpointing
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
+from grpo_kit.model import nf4_matmul as NM
 from grpo_kit.model.loading import load_model
+from grpo_kit.model.offload import enable_offloaded_checkpointing
 from grpo_kit.model.quantize import is_quantized
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,

@@ -11,8 +11,15 @@ from peft import LoraConfig, get_peft_model
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
 from grpo_kit.model.loading import build_random_model, load_model
-from grpo_kit.model.quantize import (auto_skip_modules, dequantized_weight, is_quantized, layer_errors, nf4_roundtrip,
-                               quantizable_linears, quantize_model)
+from grpo_kit.model.quantize import (
+    auto_skip_modules,
+    dequantized_weight,
+    is_quantized,
+    layer_errors,
+    nf4_roundtrip,
+    quantizable_linears,
+    quantize_model,
+)
 
 bnb_missing = importlib.util.find_spec("bitsandbytes") is None
 needs_bnb = pytest.mark.skipif(bnb_missing, reason="bitsandbytes is not installed")
@@ -219,8 +226,8 @@ def test_skip_modules_auto_parses_from_yaml_and_cli(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_4bit_on_a_cpu_only_machine_is_refused_in_validation_before_loading(tmp_path, monkeypatch):
-    from grpo_kit.model import loading as models
     from grpo_kit.app import run
+    from grpo_kit.model import loading as models
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = GRPOKitConfig(load_in_4bit=True, output_dir=str(tmp_path / "run"), max_steps=1)
     with pytest.raises(ConfigError, match="load_in_4bit=True needs a CUDA GPU .* device='auto' finds none"):

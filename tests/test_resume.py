@@ -14,9 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_kit.trainer.checkpoints import (CheckpointError, find_resume_checkpoint, last_checkpoint, list_checkpoints,
-                             load_state, save_state, verify_checkpoint, write_checkpoint)
 from grpo_kit.app.resume_policy import resume_config
+from grpo_kit.trainer.checkpoints import (
+    CheckpointError,
+    find_resume_checkpoint,
+    last_checkpoint,
+    list_checkpoints,
+    load_state,
+    save_state,
+    verify_checkpoint,
+    write_checkpoint,
+)
 
 WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
 TINY = ["--set", "model=tiny-llama", "--set", "max_steps=6", "--set", "save_steps=2", "--set", "num_train_samples=16",

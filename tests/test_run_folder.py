@@ -84,9 +84,8 @@ def test_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, capsy
 
 def test_resume_of_a_finished_run_or_one_stopped_in_its_final_evaluation(tmp_path, capsys):
     from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.app.run import resume, train
     from grpo_kit.trainer.checkpoints import list_checkpoints
-    from grpo_kit.app.run import resume
-    from grpo_kit.app.run import train
 
     run = tmp_path / "run"
     train(GRPOKitConfig(**TINY, output_dir=str(run)), progress=False)

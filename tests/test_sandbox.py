@@ -9,6 +9,7 @@ import pytest
 from grpo_kit.tasks.code_reward import extract_code, make_python_code_reward
 from grpo_kit.tasks.sandbox import SandboxLimits, run_many, run_python
 
+
 def _limits(**kw):
     """Limits for these tests: they run as root on CI, where Python under /root cannot run as nobody, so they
     opt in to running the code as root (the refusal itself is tested below)."""

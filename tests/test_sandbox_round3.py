@@ -16,7 +16,7 @@ import pytest
 
 from grpo_kit.tasks import sandbox
 from grpo_kit.tasks.code_reward import make_python_code_reward
-from grpo_kit.tasks.sandbox import SandboxLimits, run_many, run_python
+from grpo_kit.tasks.sandbox import SandboxLimits, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
-from grpo_kit.app.tool_warmup import (IGNORE, encode_transcript, question_expression, tool_transcript,
-                                      tool_warmup)
+from grpo_kit.app.tool_warmup import IGNORE, encode_transcript, question_expression, tool_transcript, tool_warmup
 from grpo_kit.model.loading import build_random_model, load_tokenizer
 from grpo_kit.tasks.chat_template import use_tool_template
 from grpo_kit.tasks.data import default_system_prompt, generate_tasks

@@ -7,19 +7,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _objective_settings import SETTINGS
 from datasets import Dataset
+from test_trainer import _args, _assert_same_lora_grads, _lora, _setting_args
 from trl import GRPOTrainer
 
-from _objective_settings import SETTINGS
 from grpo_kit.generation.base import GenerationResult
 from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.chat_template import check_tool_template, tool_template_problems, use_tool_template
 from grpo_kit.tasks.data import make_prompt
 from grpo_kit.tasks.rewards import correctness_reward, final_answer_text, format_soft_reward, format_strict_reward
-from grpo_kit.tasks.chat_template import check_tool_template, tool_template_problems, use_tool_template
-from grpo_kit.tasks.tools import (TRUNCATION_MARKER, ToolError, calculator, checked_tool, get_tools, python,
-                                  resolve_environment)
+from grpo_kit.tasks.tools import (
+    TRUNCATION_MARKER,
+    ToolError,
+    calculator,
+    checked_tool,
+    get_tools,
+    python,
+    resolve_environment,
+)
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
-from test_trainer import _args, _assert_same_lora_grads, _lora, _setting_args
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
 # The first turn of each row in a group of four: a good call, a plain answer, an unknown tool, two calls at once.

@@ -7,13 +7,13 @@ import re
 import pytest
 import torch
 import trl
+from _objective_settings import SETTINGS, loss_kwargs
+from _parity import check_reference_and_fill
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from _objective_settings import SETTINGS, loss_kwargs
-from _parity import check_reference_and_fill
-from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.model.loading import load_model
+from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.tasks.rewards import completion_text, correctness_reward, format_soft_reward
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
@@ -290,8 +290,7 @@ def test_trl_methods_the_kit_overrides_or_calls_keep_their_signatures(name):
 def test_trl_attributes_and_config_fields_the_kit_reads_exist():
     import transformers
 
-    from grpo_kit.loss.objective import LOSS_TYPES
-    from grpo_kit.loss.objective import ObjectiveSpec
+    from grpo_kit.loss.objective import LOSS_TYPES, ObjectiveSpec
     from grpo_kit.trainer.grpo_trainer import OBJECTIVE_FIELDS
 
     init_src = inspect.getsource(GRPOTrainer.__init__)

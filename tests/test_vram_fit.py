@@ -11,8 +11,15 @@ import pytest
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.memory.cli import build_parser, cli_main
 from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, estimate_for_config, total_gpu_bytes
-from grpo_kit.memory.fit import (FREE_T4_GIB, GIB, PRESET_ROUND, fit_verdict, free_t4_preset, longest_fitting_context,
-                                 verdict_kwargs)
+from grpo_kit.memory.fit import (
+    FREE_T4_GIB,
+    GIB,
+    PRESET_ROUND,
+    fit_verdict,
+    free_t4_preset,
+    longest_fitting_context,
+    verdict_kwargs,
+)
 
 KW = dict(num_generations=8, lora_rank=16, method="grpo_kit")
 

@@ -19,10 +19,10 @@ import torch
 from grpo_kit.app.config import GRPOKitConfig, load_yaml
 from grpo_kit.app.console import quiet_console, warn_once_per_message
 from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES, resume_config
+from grpo_kit.generation.versions import version_rows
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.model import cuda_driver
 from grpo_kit.model.devices import unusable_gpu
-from grpo_kit.generation.versions import version_rows
 from grpo_kit.model.loading import EMBEDDED_NAME, cache_dir
 from grpo_kit.trainer.checkpoints import CheckpointError, Interrupted
 

@@ -27,19 +27,37 @@ from grpo_kit.app.run_folder import unsafe_run_folder
 from grpo_kit.generation.base import GENERATION_BACKENDS
 from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.loss.advantage import SCALE_REWARDS
-from grpo_kit.loss.objective import (ENGINE_IS_DEFAULT, ENGINE_IS_MODES, ENGINE_IS_TOKEN_MODES,
-                                     IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ObjectiveSpec)
+from grpo_kit.loss.objective import (
+    ENGINE_IS_DEFAULT,
+    ENGINE_IS_MODES,
+    ENGINE_IS_TOKEN_MODES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    ObjectiveSpec,
+)
 from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
-from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support
+from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
 from grpo_kit.readers.bounded import InputError, parse_json
 from grpo_kit.tasks.data import ARITHMETIC_TASKS, LEVELS, TASKS
-from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS, REWARD_TIME_LIMIT_S, get_reward_funcs, reward_func_spec
+from grpo_kit.tasks.rewards import (
+    REWARD_ERRORS,
+    REWARD_FUNCTIONS,
+    REWARD_TIME_LIMIT_S,
+    get_reward_funcs,
+    reward_func_spec,
+)
 from grpo_kit.tasks.sandbox import FILESYSTEMS
-from grpo_kit.tasks.tools import (READY_TOOLS, TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, get_tools, resolve_environment,
-                                  tool_spec)
+from grpo_kit.tasks.tools import (
+    READY_TOOLS,
+    TOOL_OUTPUT_TOKENS,
+    TOOL_TIME_LIMIT_S,
+    get_tools,
+    resolve_environment,
+    tool_spec,
+)
 
 REWARD_FUNCS = tuple(REWARD_FUNCTIONS)
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -520,7 +538,7 @@ class GRPOKitConfig:
         return "\n".join(out)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "GRPOKitConfig":
+    def from_dict(cls, values: dict) -> GRPOKitConfig:
         """Build from a mapping; unknown keys and wrong types raise ``ConfigError``."""
         if not isinstance(values, dict):
             raise ConfigError(f"config must be a mapping of field: value, got {type(values).__name__}")
@@ -530,7 +548,7 @@ class GRPOKitConfig:
         return cfg
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> "GRPOKitConfig":
+    def from_yaml(cls, path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> GRPOKitConfig:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -549,7 +567,7 @@ class GRPOKitConfig:
         cfg.apply_overrides(overrides)
         return cfg
 
-    def apply_overrides(self, overrides: typing.Sequence[str]) -> "GRPOKitConfig":
+    def apply_overrides(self, overrides: typing.Sequence[str]) -> GRPOKitConfig:
         """Apply ``key=value`` strings (as given to ``--set``); values are parsed as YAML scalars."""
         for item in overrides:
             if "=" not in item:
@@ -584,7 +602,7 @@ class GRPOKitConfig:
         Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
     # ---------------------------------------------------------------------------------
-    def validate(self) -> "GRPOKitConfig":
+    def validate(self) -> GRPOKitConfig:
         """Check every field; raise one ``ConfigError`` listing all problems. Loads nothing heavy."""
         errors: list[str] = []
         kind = None

@@ -13,8 +13,15 @@ import importlib.util
 import torch
 
 from grpo_kit.model.anatomy import inspect_config
-from grpo_kit.model.families import (EXPERT_LORA, FAMILIES, GPU_ONE_COPY_RUN, REFUSED, Family, check_supported,
-                                     tiny_names)
+from grpo_kit.model.families import (
+    EXPERT_LORA,
+    FAMILIES,
+    GPU_ONE_COPY_RUN,
+    REFUSED,
+    Family,
+    check_supported,
+    tiny_names,
+)
 from grpo_kit.model.loading import build_random_model, causal_lm_class, model_config
 from grpo_kit.model.offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing, layer_modes
 

@@ -34,23 +34,34 @@ from grpo_kit.app.run_folder import claim_run_folder
 from grpo_kit.app.tool_warmup import tool_warmup
 from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
-from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
-from grpo_kit.model.fp8 import fp8_lora_config
 from grpo_kit.model.anatomy import inspect_config, lora_targets, router_aux_coef
+from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.model.families import check_supported, family_of
-from grpo_kit.model.offload import AUX_LOSS_OFF_REASON
+from grpo_kit.model.fp8 import fp8_lora_config
 from grpo_kit.model.loading import BUILTIN_MODELS, load_model, load_tokenizer, meta_model, model_config
+from grpo_kit.model.offload import AUX_LOSS_OFF_REASON
 from grpo_kit.readers.bounded import read_json
 from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
-from grpo_kit.tasks.data import (build_datasets, default_system_prompt, make_prompt, max_distinct_problems,
-                                 to_prompt_dataset)
+from grpo_kit.tasks.data import (
+    build_datasets,
+    default_system_prompt,
+    make_prompt,
+    max_distinct_problems,
+    to_prompt_dataset,
+)
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
 from grpo_kit.tasks.sandbox import set_default_filesystem
 from grpo_kit.tasks.tools import environment_tools, get_tools, resolve_environment
-from grpo_kit.trainer.checkpoints import (DISK_FULL, SignalStop, checkpoint_step, disk_full_error,
-                                          find_resume_checkpoint, read_run_state, resume_hint)
+from grpo_kit.trainer.checkpoints import (
+    DISK_FULL,
+    SignalStop,
+    checkpoint_step,
+    disk_full_error,
+    find_resume_checkpoint,
+    read_run_state,
+    resume_hint,
+)
 from grpo_kit.trainer.sharding import check_launch_env, save_whole
-
 
 METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
                   "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
@@ -564,6 +575,7 @@ def _run_files(run: _Run, resume: bool):
 def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, recorder, callbacks, samples_path):
     """The trainer the config names, with the kit's guards, resumable checkpoints and console line."""
     from peft import LoraConfig  # lazy: peft is slow to import and full fine-tuning does not need it
+
     from grpo_kit.trainer.grpo_trainer import make_trainer  # lazy: imports TRL, after the checks above
     from grpo_kit.trainer.guards import configure_reliability  # lazy: imports TRL
 

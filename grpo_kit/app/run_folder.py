@@ -203,7 +203,7 @@ class RunLock:
         self.created: list[Path] = []
         self._fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         for _ in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

@@ -14,8 +14,9 @@ importance-sampling correction compares against the training model. With
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -75,7 +76,7 @@ class SamplingConfig:
         return self.temperature == 0
 
     @classmethod
-    def from_config(cls, cfg, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> "SamplingConfig":
+    def from_config(cls, cfg, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
         """From a :class:`grpo_kit.app.config.GRPOKitConfig` (its field names follow TRL's)."""
         return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or 0.0,
                    max_tokens=cfg.max_completion_length, seed=seed, stop_token_ids=tuple(stop_token_ids))

@@ -16,8 +16,14 @@ import time
 
 import torch
 
-from grpo_kit.generation.base import (GenerationResult, SamplingConfig, check_context, check_num_generations, cut_at_stop,
-                   encode_prompts)
+from grpo_kit.generation.base import (
+    GenerationResult,
+    SamplingConfig,
+    check_context,
+    check_num_generations,
+    cut_at_stop,
+    encode_prompts,
+)
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -27,12 +27,22 @@ from grpo_kit.generation import make_generator
 from grpo_kit.generation.base import GenerationEngineError
 from grpo_kit.generation.shared_weights import UnshareableError
 from grpo_kit.generation.versions import check_vllm_version
-from grpo_kit.generation.vllm_backend import (UnsupportedArchitectureError, fp32_checkpoint_dtype, vllm_available,
-                                              vllm_install_advice)
+from grpo_kit.generation.vllm_backend import (
+    UnsupportedArchitectureError,
+    fp32_checkpoint_dtype,
+    vllm_available,
+    vllm_install_advice,
+)
 from grpo_kit.memory import estimate_for_config, resolve_arch, scoring_batch_for_config
 from grpo_kit.memory.formulas import kv_cache_bytes, vllm_kv_tokens
-from grpo_kit.model.loading import (cache_dir, causal_lm_class, check_model_name, embedded_model_dir_as,
-                                    load_tokenizer, model_config)
+from grpo_kit.model.loading import (
+    cache_dir,
+    causal_lm_class,
+    check_model_name,
+    embedded_model_dir_as,
+    load_tokenizer,
+    model_config,
+)
 
 # vLLM's ``max_num_batched_tokens`` on CUDA, whatever the context: prompts are short next to completions, decoding
 # takes one token per sequence, and a longer prompt is prefilled in chunks of this size (chunked prefill, asked for

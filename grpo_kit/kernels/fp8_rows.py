@@ -133,7 +133,7 @@ def _dequantize_channels_kernel(Q, S, OUT, N, K, stride_q, HALF: tl.constexpr, B
     tl.store(OUT + rows[:, None] * K + cols[None, :], w, mask=m)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     return triton.jit(_quantize_rows_kernel), triton.jit(_dequantize_channels_kernel)
 
@@ -175,7 +175,7 @@ def dequantize_channels_triton(codes: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernels_match(device: str) -> bool:
     """Whether both compiled kernels give their twins' bits on ``device`` (odd shapes, a zero row, values past
     e4m3's range, every output dtype); checked once, before real tensors use them."""

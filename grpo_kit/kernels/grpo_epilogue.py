@@ -119,7 +119,7 @@ def _prune(configs, named_args, **kwargs):
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK"])]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     """The two kernels, jit-wrapped on first use; returns (lse_kernel, grad_kernel, autotuned).
 

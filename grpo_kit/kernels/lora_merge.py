@@ -170,7 +170,7 @@ def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, PERIOD: tl.c
     tl.store(SUMS + pid_m * tl.num_programs(1) + pid_n, part, mask=MODE != 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel():
     # no specialisation on the values or alignments that differ between passes or weights: one binary per
     # (dtype, K), which is what kernel_round_trips checks
@@ -202,7 +202,7 @@ def run_triton(mode: int, weight, b, a):
     return (miss if mode == SCAN else None), (sums.sum() if mode != MERGE else None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_round_trips(device: str, dtype: torch.dtype, k: int) -> bool:
     """Whether the kernel's scan, merge and restore give every bit of a probe weight back on ``device`` for
     ``dtype`` and folded rank ``k``: the compiled binary the real weights will run (one per (dtype, K)) checked

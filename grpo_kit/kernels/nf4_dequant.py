@@ -30,8 +30,14 @@ import functools
 
 import torch
 
-from grpo_kit.kernels._triton import (HAS_TRITON, OUT_DTYPE_CODE, interpreter_active,  # noqa: F401
-                                     launch_device, tl, triton)
+from grpo_kit.kernels._triton import (  # noqa: F401
+    HAS_TRITON,
+    OUT_DTYPE_CODE,
+    interpreter_active,
+    launch_device,
+    tl,
+    triton,
+)
 
 # The format this kernel decodes, written by grpo_kit.model.quantize: bitsandbytes NF4 with double quantisation
 # (what QLoRA and Unsloth load): 4 bits per weight, one 8-bit absmax per NF4_BLOCK weights, one fp32 absmax per
@@ -117,7 +123,7 @@ def compile_signature(dtype: str, nbytes_multiple_of_16: bool = True) -> tuple[d
     return sig, const, {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel():
     return triton.jit(_nf4_dequant_kernel)
 
@@ -158,7 +164,7 @@ def dequantize_bitsandbytes(packed: torch.Tensor, quant_state) -> torch.Tensor:
     return BF.dequantize_4bit(packed, quant_state)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_matches_bitsandbytes(device: str, dtype: torch.dtype) -> bool:
     """Whether the compiled kernel gives bitsandbytes' bits on a probe weight (odd size: a partial block and a
     half-used last byte) on ``device`` for output ``dtype``; checked once, before real weights use it. Where it

@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 
 from grpo_kit.loss.checks import check_inputs, objective_spec
-from grpo_kit.loss.objective import (engine_importance_metrics, engine_importance_weights, high_entropy_mask,
-                                     objective_metrics, per_token_objective, token_weights)
+from grpo_kit.loss.objective import (
+    engine_importance_metrics,
+    engine_importance_weights,
+    high_entropy_mask,
+    objective_metrics,
+    per_token_objective,
+    token_weights,
+)
 
 
 def fill_padding(logp, active, old, ref, isw):

@@ -21,7 +21,8 @@ only its decorated function (then train with the kit's trainer: TRL's own ``_com
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

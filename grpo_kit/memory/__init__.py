@@ -12,8 +12,16 @@
 """
 
 from grpo_kit.memory.cli import cli_main
-from grpo_kit.memory.estimate import (METHODS, compare, estimate, estimate_for_config, published_table, resolve_arch,
-                                      scoring_batch_for_config, total_gpu_bytes)
+from grpo_kit.memory.estimate import (
+    METHODS,
+    compare,
+    estimate,
+    estimate_for_config,
+    published_table,
+    resolve_arch,
+    scoring_batch_for_config,
+    total_gpu_bytes,
+)
 from grpo_kit.memory.profiler import Profiler, ProfileResult, live_at_peak, phase, profile
 
 

@@ -20,9 +20,17 @@ import sys
 import pandas as pd
 
 from grpo_kit.memory import formulas as F
-from grpo_kit.memory.estimate import (METHODS, PUBLISHED_SETUP, _is_published_setup, config_estimate_kwargs, estimate,
-                                      published_table, resolve_arch)
+from grpo_kit.memory.estimate import (
+    METHODS,
+    PUBLISHED_SETUP,
+    _is_published_setup,
+    config_estimate_kwargs,
+    estimate,
+    published_table,
+    resolve_arch,
+)
 from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict, verdict_kwargs
+
 
 def _positive_int(text: str) -> int:
     try:

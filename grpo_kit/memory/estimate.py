@@ -36,9 +36,8 @@ import torch
 from transformers import AutoConfig
 
 from grpo_kit.loss.efficient import _auto_chunk_rows
-
 from grpo_kit.memory import formulas as F
-from grpo_kit.memory.formulas import GB, GiB, Arch
+from grpo_kit.memory.formulas import GB, Arch, GiB
 from grpo_kit.model.anatomy import num_experts
 from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, meta_model, model_config
 from grpo_kit.readers.bounded import read_json

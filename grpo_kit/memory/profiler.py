@@ -37,7 +37,7 @@ import torch
 
 from grpo_kit.memory.formulas import GiB
 
-_ACTIVE: contextvars.ContextVar["Profiler | None"] = contextvars.ContextVar("grpo_kit_memory_profiler", default=None)
+_ACTIVE: contextvars.ContextVar[Profiler | None] = contextvars.ContextVar("grpo_kit_memory_profiler", default=None)
 
 
 def _rss() -> int:
@@ -59,7 +59,7 @@ class _Phase:
 class _Sampler(threading.Thread):
     """Samples RSS into every open phase's running peak."""
 
-    def __init__(self, prof: "Profiler", interval: float):
+    def __init__(self, prof: Profiler, interval: float):
         super().__init__(daemon=True, name="grpo_kit-rss-sampler")
         self.prof, self.interval = prof, interval
         self.stop_event = threading.Event()

@@ -9,6 +9,8 @@ import warnings
 import torch
 
 from grpo_kit.model import cuda_driver
+
+
 def unusable_gpu() -> str | None:
     """Why torch sees no CUDA device while the NVIDIA driver shows one (a CPU build of torch, or one built for a
     newer CUDA than the driver runs), or None: torch sees one, there is none, or the reason is neither."""

@@ -390,7 +390,7 @@ def fp8_report(model: nn.Module) -> dict:
             "scales": blocks}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lora_class() -> type:
     """PEFT's LoRA ``Linear`` over an :class:`FP8Linear` base (made on first use: peft is slow to import)."""
     from peft.tuners.lora import Linear  # lazy: peft at package import

@@ -33,8 +33,14 @@ from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM
 from grpo_kit.model.families import BUILTIN_MODELS, EMBEDDED_NAME
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support, quantize_model_fp8
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
-from grpo_kit.model.quantize import (auto_skip_modules, is_quantized, nf4_load_config, quantizable_linears,
-                                     quantization_report, quantize_model)
+from grpo_kit.model.quantize import (
+    auto_skip_modules,
+    is_quantized,
+    nf4_load_config,
+    quantizable_linears,
+    quantization_report,
+    quantize_model,
+)
 from grpo_kit.readers.bounded import parse_json, read_json
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

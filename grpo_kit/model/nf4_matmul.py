@@ -165,7 +165,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return y.to(inp_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kit_class(base: type) -> type:
     """``Kit<base>``: bitsandbytes' ``base`` (``Linear4bit`` or a subclass that keeps its forward) with
     :func:`_forward`, made on first use (bitsandbytes is optional) and reachable as

@@ -198,7 +198,7 @@ class _Saved:
     start bringing it back while this layer recomputes.
     """
 
-    def __init__(self, offloader: "_Offloader", x: torch.Tensor, offload: bool):
+    def __init__(self, offloader: _Offloader, x: torch.Tensor, offload: bool):
         self.offloader = offloader
         self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
         self.prev: _Saved | None = None

@@ -17,8 +17,8 @@ import torch
 
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.generation import vllm_install_advice
-from grpo_kit.model.devices import unusable_gpu
 from grpo_kit.loss.objective import k3_kl
+from grpo_kit.model.devices import unusable_gpu
 from grpo_kit.readers.bounded import parse_json, read_json
 
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}

@@ -14,8 +14,8 @@ import math
 import re
 import time
 
-from grpo_kit.tasks.entries import resolve_entries, resolve_entry
 from grpo_kit.tasks.answers import as_number, extract_answer, numbers_equal, single_number, to_float
+from grpo_kit.tasks.entries import resolve_entries, resolve_entry
 from grpo_kit.tasks.time_limit import TimeLimitExceeded, call_with_time_limit
 
 REWARD_ERRORS = ("raise", "zero")  # what checked_reward_func does when a reward function raises

@@ -108,7 +108,7 @@ class SignalStop:
         self.run_dir: Path | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "SignalStop":
+    def __enter__(self) -> SignalStop:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
@@ -404,7 +404,9 @@ RANK_SUFFIX = "_rank"
 
 def _sharding():
     """:mod:`grpo_kit.trainer.sharding`, imported on first use."""
-    from grpo_kit.trainer import sharding  # lazy: imports accelerate (slow); the CLI imports this module for its helpers
+    from grpo_kit.trainer import (
+        sharding,  # lazy: imports accelerate (slow); the CLI imports this module for its helpers
+    )
 
     return sharding
 

@@ -50,19 +50,27 @@ import warnings
 import torch
 from trl import GRPOTrainer
 
-from grpo_kit.model.anatomy import (attention_only, causal_lm, check_logit_form, decoder_body, decoder_layers,
-                                    last_hidden, logit_form, router_balance_loss)
+from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
+from grpo_kit.loss.objective import ENGINE_IS_METRICS, ENGINE_IS_TOKEN_MODES, nanmax, nanmin
+from grpo_kit.loss.registry import get_loss_type
+from grpo_kit.memory.estimate import scoring_batch_for_config
+from grpo_kit.model.anatomy import (
+    attention_only,
+    causal_lm,
+    check_logit_form,
+    decoder_body,
+    decoder_layers,
+    last_hidden,
+    logit_form,
+    router_balance_loss,
+)
 from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
 from grpo_kit.model.offload import AUX_LOSS_OFF_REASON, enable_offloaded_checkpointing, keep_hf_checkpointing_off
+from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
+from grpo_kit.tasks.tools import get_tools, resolve_environment
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
 from grpo_kit.trainer.sharding import check_sharding, full_head
-from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
-from grpo_kit.memory.estimate import scoring_batch_for_config
-from grpo_kit.loss.objective import ENGINE_IS_METRICS, ENGINE_IS_TOKEN_MODES, nanmax, nanmin
-from grpo_kit.loss.registry import get_loss_type
-from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
-from grpo_kit.tasks.tools import get_tools, resolve_environment
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
 UNSUPPORTED = (
