@@ -724,19 +724,44 @@ def main(argv=None) -> int:
             if name not in ROWS:
                 raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
             with tempfile.TemporaryDirectory() as run_dir:
-                child = [sys.executable, __file__, "--one", name, "--model", model, "--run-dir", run_dir,
-                         "--completion", str(a.completion), "--steps", str(a.steps), "--gen-tokens", str(a.gen_tokens),
-                         "--lora-dual-stream", a.lora_dual_stream, "--trl-vllm-memory", str(a.trl_vllm_memory),
-                         "--scoring-batch", a.scoring_batch, "--memory-history", str(a.memory_history),
-                         "--memory-history-at", a.memory_history_at, "--sample-ms", str(a.sample_ms)] + \
-                    ["--profile-training"] * a.profile_training
+                child = [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    name,
+                    "--model",
+                    model,
+                    "--run-dir",
+                    run_dir,
+                    "--completion",
+                    str(a.completion),
+                    "--steps",
+                    str(a.steps),
+                    "--gen-tokens",
+                    str(a.gen_tokens),
+                    "--lora-dual-stream",
+                    a.lora_dual_stream,
+                    "--trl-vllm-memory",
+                    str(a.trl_vllm_memory),
+                    "--scoring-batch",
+                    a.scoring_batch,
+                    "--memory-history",
+                    str(a.memory_history),
+                    "--memory-history-at",
+                    a.memory_history_at,
+                    "--sample-ms",
+                    str(a.sample_ms),
+                ] + ["--profile-training"] * a.profile_training
                 t0 = time.perf_counter()
                 try:
                     r = subprocess.run(child, capture_output=True, text=True, cwd=ROOT, timeout=a.timeout)
                     out, err, rc = r.stdout, r.stderr, r.returncode
                 except subprocess.TimeoutExpired as e:
-                    out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
-                        "timeout", -1
+                    out, err, rc = (
+                        (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""),
+                        "timeout",
+                        -1,
+                    )
                 wall = time.perf_counter() - t0
             line = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
             base = dict(row=name, model=model, family=family_of_model(model), completion_len=a.completion, prompt_len=PROMPT_TOKENS,

@@ -12,8 +12,14 @@ def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model: tiny-qwen2\nmax_steps: 3\nlevels: [1]\n")
     cfg = GRPOKitConfig.from_yaml(p, ["beta=0", "loss_type=dapo", "levels=[1,2,3]", "use_lora=false"])
-    assert (cfg.model, cfg.max_steps, cfg.beta, cfg.loss_type, cfg.levels, cfg.use_lora) == \
-        ("tiny-qwen2", 3, 0.0, "dapo", [1, 2, 3], False)
+    assert (cfg.model, cfg.max_steps, cfg.beta, cfg.loss_type, cfg.levels, cfg.use_lora) == (
+        "tiny-qwen2",
+        3,
+        0.0,
+        "dapo",
+        [1, 2, 3],
+        False,
+    )
     cfg.validate()
     cfg.save(tmp_path / "out.yaml")
     assert GRPOKitConfig.from_yaml(tmp_path / "out.yaml") == cfg
@@ -40,8 +46,13 @@ def test_floats_in_exponent_notation(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("learning_rate: 5e-5\nbeta: 1e-6\nvllm_kv_cache_gib: 2E0\n")
     cfg = GRPOKitConfig.from_yaml(p, ["weight_decay=2e-4", "max_grad_norm=1.5"])
-    assert (cfg.learning_rate, cfg.beta, cfg.vllm_kv_cache_gib, cfg.weight_decay, cfg.max_grad_norm) == \
-        (5e-5, 1e-6, 2.0, 2e-4, 1.5)
+    assert (cfg.learning_rate, cfg.beta, cfg.vllm_kv_cache_gib, cfg.weight_decay, cfg.max_grad_norm) == (
+        5e-5,
+        1e-6,
+        2.0,
+        2e-4,
+        1.5,
+    )
     assert GRPOKitConfig().apply_overrides(["learning_rate=2e-4"]).validate().learning_rate == 2e-4
     with pytest.raises(ConfigError, match="learning_rate='2e-4x' has the wrong type: expected float"):
         GRPOKitConfig().apply_overrides(["learning_rate=2e-4x"])
@@ -364,8 +375,9 @@ def test_trl_named_fields_have_trl_defaults_unless_listed_and_reach_grpo_config(
     trl = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     cfg = GRPOKitConfig()
     for name in {f.name for f in dataclasses.fields(cfg)} & set(trl):
-        default = trl[name].default_factory() if trl[name].default_factory is not dataclasses.MISSING else \
-            trl[name].default
+        default = (
+            trl[name].default_factory() if trl[name].default_factory is not dataclasses.MISSING else trl[name].default
+        )
         if name in KIT_DEFAULTS_OVER_TRL:
             assert getattr(cfg, name) == KIT_DEFAULTS_OVER_TRL[name] != default, name
         else:
@@ -374,9 +386,16 @@ def test_trl_named_fields_have_trl_defaults_unless_listed_and_reach_grpo_config(
     cfg.apply_overrides(["loss_type=sapo", "sapo_temperature_neg=1.2", "importance_sampling_level=sequence",
                          "delta=1.5", "top_entropy_quantile=0.5", "max_steps=7", "vllm_importance_sampling_mode=token_mask"])
     args = grpo_args(cfg.validate(), "cpu", torch.float32)
-    assert (args.loss_type, args.sapo_temperature_neg, args.importance_sampling_level, args.delta,
-            args.top_entropy_quantile, args.max_steps, args.use_bias_correction_kl, args.vllm_importance_sampling_mode) \
-        == ("sapo", 1.2, "sequence", 1.5, 0.5, 7, False, "token_mask")
+    assert (
+        args.loss_type,
+        args.sapo_temperature_neg,
+        args.importance_sampling_level,
+        args.delta,
+        args.top_entropy_quantile,
+        args.max_steps,
+        args.use_bias_correction_kl,
+        args.vllm_importance_sampling_mode,
+    ) == ("sapo", 1.2, "sequence", 1.5, 0.5, 7, False, "token_mask")
     assert all(name in trl for name in KIT_ONLY_TRL_NAMES)
 
 

@@ -580,8 +580,7 @@ def test_the_training_models_fp8_layers_are_views_of_the_engines_and_fill_them(n
     q = ref.model.layers[1].self_attn.q_proj
     engine_codes = qkv.weight if block else qkv.weight.t()
     assert torch.equal(engine_codes[: q.out_features].view(torch.uint8), q.weight.view(torch.uint8))
-    assert model.model.layers[1].self_attn.k_proj.weight.data_ptr() == \
-        engine_codes[q.out_features:].data_ptr()
+    assert model.model.layers[1].self_attn.k_proj.weight.data_ptr() == engine_codes[q.out_features :].data_ptr()
 
 
 def test_a_shared_fp8_model_is_filled_from_the_checkpoint_stream(tmp_path):

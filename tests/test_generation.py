@@ -567,8 +567,9 @@ def test_bad_vllm_options_stop_the_default_train_with_one_line(repo_root, tmp_pa
     if not cpu_has_fp8_kv():  # vLLM's CPU FP8 cache needs AVX-512 or AMX: one clear line
         r = subprocess.run(base + ["--set", "kv_cache_dtype=fp8", "--output-dir", str(tmp_path / "run")],
                            cwd=repo_root, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 2 and "error: kv_cache_dtype='fp8' is not possible on this CPU" in r.stderr, \
-            r.stderr[-3000:]
+        assert r.returncode == 2 and "error: kv_cache_dtype='fp8' is not possible on this CPU" in r.stderr, r.stderr[
+            -3000:
+        ]
     r = subprocess.run(base + ["--set", "vllm_gpu_memory_utilization=0.99", "--output-dir", str(tmp_path / "r2")],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 2 and "error: gpu_memory_utilization=0.99 cannot fit" in r.stderr, r.stderr[-3000:]

@@ -83,8 +83,10 @@ def test_training_weights_are_the_engines_tensors(shared):
         gate_up = base(engine.model.layers[i].mlp.gate_up_proj).weight
         layer = model.model.layers[i]
         assert layer.self_attn.q_proj.weight.data_ptr() == qkv.data_ptr()
-        assert layer.self_attn.v_proj.weight.data_ptr() + layer.self_attn.v_proj.weight.nbytes == \
-            qkv.data_ptr() + qkv.nbytes
+        assert (
+            layer.self_attn.v_proj.weight.data_ptr() + layer.self_attn.v_proj.weight.nbytes
+            == qkv.data_ptr() + qkv.nbytes
+        )
         assert layer.mlp.up_proj.weight.data_ptr() == gate_up.data_ptr() + layer.mlp.gate_proj.weight.nbytes
     assert model.lm_head.weight.data_ptr() == base(engine.model.embed_tokens).weight.data_ptr()  # tied head
     print(json.dumps({"shared_report": report}))

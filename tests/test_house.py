@@ -159,3 +159,30 @@ def test_the_parse_check_can_fail(tmp_path):
                                                     "def other(t):\n    return json.loads(t)\n")
     assert unbounded_parses(pkg) == ["grpo_kit/a.py:4 json.loads", "grpo_kit/a.py:4 yaml.safe_load",
                                      "grpo_kit/a.py:4 json.loads", "grpo_kit/tasks/sandbox_child.py:5 json.loads"]
+
+
+def test_ruff_check_passes():
+    """The tree as ruff lints it (pyproject.toml's ``[tool.ruff]``): a change that breaks a rule fails here."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=PKG.parent, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_no_backslash_continuations():
+    """Lines are joined by brackets, never by a trailing backslash (inside strings, backslashes are text)."""
+    import io
+    import tokenize
+
+    found = []
+    for path in sorted([*PKG.rglob("*.py"), *(PKG.parent / "tests").glob("*.py"), *(PKG.parent / "bench").glob("*.py")]):
+        text = path.read_text()
+        in_string = set()
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.STRING:
+                in_string.update(range(tok.start[0], tok.end[0]))
+        found += [f"{path.relative_to(PKG.parent)}:{n}" for n, line in enumerate(text.splitlines(), 1)
+                  if line.rstrip().endswith("\\") and not line.lstrip().startswith("#") and n not in in_string]
+    assert not found, found

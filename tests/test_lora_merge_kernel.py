@@ -103,5 +103,6 @@ def test_the_compiled_kernel_adds_w_after_the_dot_never_into_its_accumulator():
                                             options={"num_warps": warps}).asm["ttir"]
         dots = re.findall(r"= tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)", ttir)
         assert len(dots) == 1, ttir
-        assert re.search(rf"{re.escape(dots[0])} = arith\.constant dense<0\.0+e\+00> : tensor<{bm}x{bn}xf32>", ttir), \
+        assert re.search(rf"{re.escape(dots[0])} = arith\.constant dense<0\.0+e\+00> : tensor<{bm}x{bn}xf32>", ttir), (
             f"the dot's accumulator {dots[0]} is not zero: W is added inside the dot\n{ttir}"
+        )

@@ -149,12 +149,14 @@ def test_committed_outputs_are_a_real_run(name):
     nb = nbformat.read(NB_DIR / f"{name}.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert sum(len(pictures(c.get("outputs", []))) for c in code) >= 1, f"{name}: no picture in the committed outputs"
-    assert not [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"], \
+    assert not [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"], (
         f"{name}: the committed outputs hold an error"
+    )
     if name in MIN_COMMITTED_STEPS:
         steps = closing_steps(_texts(nb))
-        assert steps >= MIN_COMMITTED_STEPS[name], \
+        assert steps >= MIN_COMMITTED_STEPS[name], (
             f"{name}: the committed run shows {steps} steps, at least {MIN_COMMITTED_STEPS[name]} wanted"
+        )
 
 
 # ------------------------------------------------------------------ execution (slow)

@@ -283,8 +283,9 @@ def test_trl_methods_the_kit_overrides_or_calls_keep_their_signatures(name):
     method = getattr(GRPOTrainer, name, None)
     assert callable(method), f"TRL {trl.__version__}: GRPOTrainer.{name} is gone; the kit overrides or calls it"
     params = list(inspect.signature(method).parameters)
-    assert params == TRL_METHODS[name], f"GRPOTrainer.{name} now takes {params}, the kit was written for " \
-                                        f"{TRL_METHODS[name]}"
+    assert params == TRL_METHODS[name], (
+        f"GRPOTrainer.{name} now takes {params}, the kit was written for {TRL_METHODS[name]}"
+    )
 
 
 def test_trl_attributes_and_config_fields_the_kit_reads_exist():

@@ -54,8 +54,10 @@ def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
     assert 0 < gen["generation_seconds"] <= saved["train_seconds"] and 0 < gen["generation_share_of_training"] < 1
     for key in ("mean_step_time_s", "peak_memory_gib"):
         assert len(repr(saved[key]).split(".")[1]) <= 4, saved[key]
-    assert "- test_training_output:length_bonus\n- grpo_kit.tasks.rewards:format_strict_reward" in \
-        (run / "config.yaml").read_text()
+    assert (
+        "- test_training_output:length_bonus\n- grpo_kit.tasks.rewards:format_strict_reward"
+        in (run / "config.yaml").read_text()
+    )
 
 
 def test_reward_import_errors_are_one_clear_line(repo_root, tmp_path):

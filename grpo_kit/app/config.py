@@ -731,14 +731,18 @@ def _generation_problems(cfg: GRPOKitConfig) -> list[str]:
     if cfg.vllm_lora_sync == "merge" and cfg.vllm_lora_dual_stream:
         errors.append("vllm_lora_dual_stream=True needs the adapter in vLLM's LoRA kernels, but vllm_lora_sync="
                       "'merge' generates with merged weights and no LoRA kernels; drop one of the two")
-    if cfg.loss_type == "vespo" and cfg.generation_backend == "vllm" and \
-            cfg.vllm_importance_sampling_mode not in ENGINE_IS_TOKEN_MODES:
+    if (
+        cfg.loss_type == "vespo"
+        and cfg.generation_backend == "vllm"
+        and cfg.vllm_importance_sampling_mode not in ENGINE_IS_TOKEN_MODES
+    ):
         errors.append(f"loss_type='vespo' with vLLM generation weights each token by its own importance ratio, but "
                       f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r} forms one per sequence; "
                       f"set it to {' or '.join(map(repr, ENGINE_IS_TOKEN_MODES))}")
     vllm_only = cfg.vllm_options_set()
-    if (cfg.generation_backend == "vllm" or (vllm_only and cfg.generation_backend != "hf")) and \
-            cfg.trainer != "grpo_kit":
+    if (
+        cfg.generation_backend == "vllm" or (vllm_only and cfg.generation_backend != "hf")
+    ) and cfg.trainer != "grpo_kit":
         errors.append(f"generation_backend={cfg.generation_backend!r} with {', '.join(vllm_only) or 'vLLM'} needs "
                       "trainer='grpo_kit' (trainer='trl' generates with TRL's own HF path)")
     if vllm_only and cfg.generation_backend == "hf":
@@ -892,8 +896,11 @@ def _expanded_nodes(root) -> int:
     stack, on_path = [(root, False)], set()
     while stack:
         node, children_done = stack.pop()
-        children = [c for item in node.value for c in (item if isinstance(item, tuple) else (item,))] \
-            if isinstance(node.value, list) else []
+        children = (
+            [c for item in node.value for c in (item if isinstance(item, tuple) else (item,))]
+            if isinstance(node.value, list)
+            else []
+        )
         if children_done:
             on_path.discard(id(node))
             counts[id(node)] = min(MAX_YAML_NODES + 1, 1 + sum(counts[id(c)] for c in children))

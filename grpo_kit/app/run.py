@@ -199,8 +199,9 @@ def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, sy
     ``reset`` adds is known only at generation, where the trainer checks it
     (:class:`grpo_kit.trainer.generation_hook.KitGenerationMixin`)."""
     longest, worst = 0, None
-    tools = (get_tools(cfg.tools) if cfg.tools else []) + \
-        (environment_tools(resolve_environment(cfg.environment)()) if cfg.environment is not None else [])
+    tools = (get_tools(cfg.tools) if cfg.tools else []) + (
+        environment_tools(resolve_environment(cfg.environment)()) if cfg.environment is not None else []
+    )
     tools = tools or None
     for e in examples:
         n = len(prompt_ids(tokenizer, e["question"], system_prompt, tools))

@@ -61,8 +61,11 @@ class SamplingConfig:
             bad("min_p", "a number in [0, 1) (0 means off)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
-                not 0 <= self.min_tokens <= self.max_tokens:
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
             bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             bad("seed", "None or an integer >= 0")

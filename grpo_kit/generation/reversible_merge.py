@@ -135,8 +135,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _put_back(weight: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     if positions.numel():
-        weight.view(-1)[positions.to(weight.device, torch.int64, non_blocking=True)] = \
-            values.to(weight.device, non_blocking=True)
+        weight.view(-1)[positions.to(weight.device, torch.int64, non_blocking=True)] = values.to(
+            weight.device, non_blocking=True
+        )
 
 
 def merge_weight(weight: torch.Tensor, factors, name: str = "weight", finite_checked: bool = False) -> MergedWeight:
@@ -211,10 +212,14 @@ def _restore(weight: torch.Tensor, saved: MergedWeight) -> torch.Tensor:
     return difference
 
 
-_CHANGED = "its LoRA factors changed while merged (an optimiser step between merge and restore?); the base weight " \
-           "cannot be given back exactly"
-_DIFFERS = "the restored base weight differs from the original (checksums differ): the LoRA delta was not " \
-           "recomputed identically"
+_CHANGED = (
+    "its LoRA factors changed while merged (an optimiser step between merge and restore?); the base weight "
+    "cannot be given back exactly"
+)
+_DIFFERS = (
+    "the restored base weight differs from the original (checksums differ): the LoRA delta was not "
+    "recomputed identically"
+)
 
 
 def restore_weight(weight: torch.Tensor, saved: MergedWeight, name: str = "weight") -> None:
@@ -248,8 +253,11 @@ def lora_targets(model) -> list[tuple[str, object]]:
             continue
         base = module.get_base_layer()
         adapters = [a for a in module.active_adapters if a in module.lora_A]
-        tied = [n for n in owners.get(base.weight.data_ptr(), []) if not n.startswith(f"{name}.")] \
-            if isinstance(base, torch.nn.Linear) else []
+        tied = (
+            [n for n in owners.get(base.weight.data_ptr(), []) if not n.startswith(f"{name}.")]
+            if isinstance(base, torch.nn.Linear)
+            else []
+        )
         why = ("FP8 base weights: merging into them would round them again, so their exact bits could not be "
                "restored" if isinstance(base, FP8Linear)
                else "its base layer is not nn.Linear" if not isinstance(base, torch.nn.Linear)

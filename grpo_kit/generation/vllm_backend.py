@@ -266,8 +266,11 @@ def _memory_budget(device: str) -> tuple[float, float, str]:
     """(total bytes, available bytes, what) of the memory vLLM's utilisation is a share of."""
     if device == "cpu":
         vm = psutil.virtual_memory()
-        return float(vm.total), float(vm.available), "host RAM (on the CPU backend gpu_memory_utilization is " \
-                                                     "the share of RAM vLLM reserves)"
+        return (
+            float(vm.total),
+            float(vm.available),
+            "host RAM (on the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves)",
+        )
     free, total = torch.cuda.mem_get_info()
     return float(total), float(free), "GPU memory"
 

@@ -213,8 +213,11 @@ def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
             row = parse_json(line, f"{p}:{lineno}", max_bytes=MAX_DATA_LINE_BYTES)
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
-                or not isinstance(row.get("answer"), str):
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not isinstance(row.get("answer"), str)
+        ):
             raise ValueError(f"{p}:{lineno}: expected an object with string fields 'question' and 'answer'")
         try:
             number = parse_gsm8k_answer(row["answer"])

@@ -366,8 +366,8 @@ def _dec(x, rpc):
         return decimal.Decimal(v)
     if tag == "R" and type(v) is list and len(v) == 3:
         return range(*map(_int, v))
-    if tag == "ND" and type(v) is list and len(v) == 3 and type(v[0]) is str and type(v[1]) is list \
-            and all(type(n) is int and n >= 0 for n in v[1]):
+    if (tag == "ND" and type(v) is list and len(v) == 3 and type(v[0]) is str and type(v[1]) is list
+            and all(type(n) is int and n >= 0 for n in v[1])):
         return _ndarray(v[0], v[1], _dec(v[2], rpc))
     raise ValueError("not a value")
 def _ndarray(dtype, shape, values):

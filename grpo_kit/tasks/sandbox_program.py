@@ -161,8 +161,8 @@ def _make_encoder(special, type=type, len=len, isinstance=isinstance, id=id, rep
         if t is deque and len(x) <= max_entries:
             return {"DQ": [x.maxlen, [enc(v, depth + 1) for v in x]]}
         np = sys.modules.get("numpy")  # looked up now: the program imports it, or not
-        if np is not None and getattr(t, "__module__", None) == "numpy" and getattr(x, "dtype", None) is not None \
-                and getattr(x.dtype, "kind", None) in ("b", "i", "u", "f", "c"):
+        if (np is not None and getattr(t, "__module__", None) == "numpy" and getattr(x, "dtype", None) is not None
+                and getattr(x.dtype, "kind", None) in ("b", "i", "u", "f", "c")):
             if t is np.ndarray and x.size <= max_entries:
                 return {"ND": [x.dtype.str, list(x.shape), enc(x.tolist(), depth + 1)]}
             if isinstance(x, np.generic):
