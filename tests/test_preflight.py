@@ -41,3 +41,18 @@ def test_advice_only_when_most_groups_carry_no_signal():
     line = first_step_advice(cfg, {"step": 1, "frac_reward_zero_std": 0.25, "rewards/correctness_reward/mean": 0.4})
     assert line == "pre-flight (step 1): 25% of groups had no reward spread: the start has a learning signal"
     assert "try: " in first_step_advice(cfg, {"step": 1, "frac_reward_zero_std": 1.0})
+
+
+def test_a_reward_that_gives_every_sample_one_value_is_named():
+    """A dead reward (the default run's format_soft paid 0.000 in all 40 steps): the step-1 line and the pre-flight
+    name it; a reward with any spread is not named."""
+    cfg = GRPOKitConfig(reward_funcs=["correctness", "format_soft"], levels=[1])
+    row = {"step": 1, "frac_reward_zero_std": 0.25, "rewards/correctness_reward/mean": 0.4,
+           "rewards/correctness_reward/std": 0.49, "rewards/format_soft_reward/mean": 0.0,
+           "rewards/format_soft_reward/std": 0.0}
+    lines = first_step_advice(cfg, row).splitlines()
+    assert len(lines) == 2 and lines[1].startswith("pre-flight (step 1): format_soft_reward gave 0.000 to every sample")
+    assert "correctness" not in lines[1]
+    r = preflight(GRPOKitConfig(**{**SMALL, "model": "tiny-llama", "max_completion_length": 4}), num_prompts=2)
+    assert r.constant == {"correctness": 0.0, "format_soft": 0.0}  # random weights never answer
+    assert "format_soft gave 0.000 to every sample" in r.text()

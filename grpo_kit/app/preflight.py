@@ -43,6 +43,7 @@ class PreflightReport:
     advice: list = field(default_factory=list)
     seconds: float = 0.0
     samples: list = field(default_factory=list)
+    constant: dict = field(default_factory=dict)  # name -> the one value a reward function gave every sample
 
     def text(self) -> str:
         lines = [f"pre-flight: {self.num_prompts} prompts x {self.num_generations} completions from the untrained "
@@ -52,10 +53,32 @@ class PreflightReport:
         for name, hist in self.histograms.items():
             counts = ", ".join(f"{k}: {v}" for k, v in hist.items())
             lines.append(f"  {name}: mean {self.means[name]:.3f}; histogram {{{counts}}}")
+        lines += [f"  {dead_reward_text(name, value)}" for name, value in self.constant.items()]
         lines += [f"  sample: {s!r}" for s in self.samples[:2]]
         lines += ["advice:"] + [f"  - {a}" for a in self.advice] if self.advice else ["advice: none, the start "
                                                                                         "has signal"]
         return "\n".join(lines)
+
+
+def dead_reward_text(name: str, value: float) -> str:
+    """What a reward function that gave every sample the same ``value`` means for the run."""
+    return (f"{name} gave {value:.3f} to every sample: it adds nothing to any advantage (does the prompt ask for "
+            "what it pays? drop it from reward_funcs, or make it pay for something the model can do)")
+
+
+def constant_rewards(scores: dict) -> dict:
+    """``{name: value}`` of the reward functions whose scores (``{name: [score or None]}``) are one value for
+    every sample.
+
+    >>> constant_rewards({"correctness": [0.0, 1.0], "format_soft": [0.0, 0.0]})
+    {'format_soft': 0.0}
+    """
+    out = {}
+    for name, values in scores.items():
+        distinct = {round(v or 0.0, 12) for v in values}
+        if len(values) > 1 and len(distinct) == 1:
+            out[name] = distinct.pop()
+    return out
 
 
 def histogram(values: list[float], max_distinct: int = 6, bins: int = 5) -> dict:
@@ -136,4 +159,5 @@ def preflight(cfg, *, num_prompts: int = 8, backend: str = "hf") -> PreflightRep
     return PreflightReport(num_prompts=len(examples), num_generations=g, zero_spread_share=zero,
                            truncation_rate=truncated, means=means,
                            histograms={k: histogram([v or 0.0 for v in s]) for k, s in scores.items()},
-                           advice=advice(cfg, zero, truncated, means), seconds=seconds, samples=res.texts[:2])
+                           advice=advice(cfg, zero, truncated, means), seconds=seconds, samples=res.texts[:2],
+                           constant=constant_rewards(scores))

@@ -28,7 +28,7 @@ from transformers.integrations import TensorBoardCallback
 from grpo_kit.app.config import KIT_ONLY_TRL_NAMES, ConfigError, GRPOKitConfig
 from grpo_kit.app.console import closing_lines, plan_lines, quiet_console, quiet_trainer_logs, rounded, step_line
 from grpo_kit.app.evaluation import evaluate_accuracy, evaluate_with_tools
-from grpo_kit.app.preflight import advice
+from grpo_kit.app.preflight import advice, dead_reward_text
 from grpo_kit.app.resume_policy import restore_run_files, resume_config
 from grpo_kit.app.run_folder import claim_run_folder
 from grpo_kit.app.tool_warmup import tool_warmup
@@ -153,14 +153,20 @@ class MetricsCallback(TrainerCallback):
 
 
 def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
-    """One line after the first logged step: its share of no-signal groups and, when most groups had none,
-    the pre-flight advice (grpo_kit.app.preflight.advice)."""
+    """The lines after the first logged step: its share of no-signal groups and, when most groups had none,
+    the pre-flight advice (grpo_kit.app.preflight.advice); then one line per reward function that gave every sample
+    the same value."""
     zero = row.get("frac_reward_zero_std") or 0.0
     means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
     tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
     head = f"pre-flight (step {row.get('step')}): {zero:.0%} of groups had no reward spread"
-    return (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
+    text = (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
             f"{head}: the start has a learning signal")
+    # TRL logs each reward function's std over the step's samples: 0 means one value for all of them
+    dead = [dead_reward_text(k.removeprefix("rewards/").removesuffix("/std"), row.get(k.removesuffix("std") + "mean")
+                             or 0.0)
+            for k, v in row.items() if k.startswith("rewards/") and k.endswith("/std") and v == 0.0]
+    return "\n".join([text, *(f"pre-flight (step {row.get('step')}): {d}" for d in dead)])
 
 
 def plot_rewards(history: list[dict], path: Path) -> None:
