@@ -186,3 +186,14 @@ def test_no_backslash_continuations():
         found += [f"{path.relative_to(PKG.parent)}:{n}" for n, line in enumerate(text.splitlines(), 1)
                   if line.rstrip().endswith("\\") and not line.lstrip().startswith("#") and n not in in_string]
     assert not found, found
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A module's ``_private`` names are its own: what another module needs is public, or stays where it is."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("grpo_kit"):
+                found += [f"{path.relative_to(PKG.parent)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, found

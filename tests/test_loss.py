@@ -656,10 +656,10 @@ def test_padding_may_hold_garbage_and_empty_batch_is_zero():
 @pytest.mark.parametrize("vocab", [128256, 151936])
 def test_auto_chunk_fits_the_quarter_gib_budget(n_tokens, vocab):
     """The chunk plus the per-token vectors stays within 0.25 GiB (the memory target's allowance)."""
-    from grpo_kit.loss.efficient import _auto_chunk_rows
+    from grpo_kit.loss.efficient import auto_chunk_rows
 
-    rows = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "triton", n_tokens)
+    rows = auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "triton", n_tokens)
     assert rows >= 512 and rows % 256 == 0  # whole GEMM tiles (bench/results/loss_chunk.md)
     assert rows * vocab * 2 + 48 * n_tokens <= 2**28
-    rows_t = _auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "torch", n_tokens)
+    rows_t = auto_chunk_rows(vocab, torch.bfloat16, torch.device("cpu"), "torch", n_tokens)
     assert rows_t * vocab * (2 + 12) + 48 * n_tokens <= 2**28

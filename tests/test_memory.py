@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_kit.loss.efficient import _auto_chunk_rows
+from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.memory import (
     METHODS,
     Profiler,
@@ -882,7 +882,7 @@ def test_estimate_keeps_its_pinned_numbers(name):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen2.5-1.5b", "mistral-7b", "smollm2-135m-instruct"])
 def test_loss_chunk_rows_follow_the_loss_rule(model, dtype, epilogue):
-    """The calculator's logits chunks are the loss's (``grpo_kit.loss.efficient._auto_chunk_rows``): the scoring
+    """The calculator's logits chunks are the loss's (``grpo_kit.loss.efficient.auto_chunk_rows``): the scoring
     pass takes per_token_logps' rows, clamped to its token rows; the loss row the same, which is never below what
     efficient_grpo_loss takes for its n_tokens = B*T and covers that chunk plus the loss's 48 B per token of
     per-token vectors within one 256-row tile."""
@@ -896,10 +896,10 @@ def test_loss_chunk_rows_follow_the_loss_rule(model, dtype, epilogue):
         notes = df.set_index("component")["note"]
         loss_rows = int(re.search(r"one chunk of (\d+) token rows", notes["logits for the loss"]).group(1))
         score_rows = int(re.search(r"one logits chunk of (\d+) rows", notes["scoring pass (no grad)"]).group(1))
-        assert score_rows == min(_auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue), G * C)
+        assert score_rows == min(auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue), G * C)
         n = M * C
-        assert loss_rows == min(_auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue), n)
-        taken = min(_auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue, n_tokens=n), n)
+        assert loss_rows == min(auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue), n)
+        taken = min(auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue, n_tokens=n), n)
         assert taken <= loss_rows and taken * per_row + 48 * n <= (loss_rows + 256) * per_row
     # the stale rule priced 832 rows here (64-row multiples); the loss takes whole 256-row tiles
     qwen = estimate("qwen2.5-1.5b", method="grpo_kit", num_generations=8, prompt_length=0, completion_length=4096)

@@ -271,7 +271,7 @@ GRPO_ATTRIBUTES = (
 # transformers.Trainer attributes the kit reads.
 TRAINER_ATTRIBUTES = ("accelerator", "state", "model_wrapped", "callback_handler", "optimizer", "lr_scheduler",
                       "current_gradient_accumulation_steps")
-# GRPOConfig fields the kit reads (trainer.py passes OBJECTIVE_FIELDS to the loss under the same names).
+# GRPOConfig fields the kit reads (the trainer passes grpo_kit.loss.objective.OBJECTIVE_OPTIONS to the loss under the same names).
 GRPO_CONFIG_FIELDS = ("loss_type", "beta", "epsilon", "epsilon_high", "entropy_coef", "use_adaptive_entropy",
                       "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction",
                       "vllm_importance_sampling_mode", "steps_per_generation", "gradient_checkpointing",
@@ -292,7 +292,7 @@ def test_trl_attributes_and_config_fields_the_kit_reads_exist():
     import transformers
 
     from grpo_kit.loss.objective import LOSS_TYPES, ObjectiveSpec
-    from grpo_kit.trainer.grpo_trainer import OBJECTIVE_FIELDS
+    from grpo_kit.loss.objective import OBJECTIVE_OPTIONS as OBJECTIVE_FIELDS
 
     init_src = inspect.getsource(GRPOTrainer.__init__)
     missing = [a for a in GRPO_ATTRIBUTES if f"self.{a} =" not in init_src]

@@ -50,7 +50,7 @@ from grpo_kit.loss.reference import engine_metrics, objective_loss
 _CHUNK_BUDGET_BYTES = 256 * 2**20
 
 
-def _auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0, softcap=False):
+def auto_chunk_rows(vocab, dtype, device, backend, n_tokens=0, softcap=False):
     """Rows per chunk so that one logits chunk (plus epilogue temporaries, and a soft-cap's derivative and fp32
     tanh) and the per-token fp32/int64 vectors (~48 bytes a token: weights, advantages, old/ref/log-probs, ids)
     fit in ~0.25 GiB."""
@@ -409,7 +409,7 @@ def efficient_grpo_loss(
                                     sampling_logps)
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
-        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T,
+        chunk_size = auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T,
                                       softcap=logit_softcap is not None)
     batch = _Batch(spec, completion_mask.float(),
                    token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch),
@@ -471,7 +471,7 @@ def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, ids, "ids")
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
-        chunk_size = _auto_chunk_rows(V, hidden.dtype, hidden.device, backend, softcap=logit_softcap is not None)
+        chunk_size = auto_chunk_rows(V, hidden.dtype, hidden.device, backend, softcap=logit_softcap is not None)
     N = B * T
     ids_n = ids.reshape(N).long()
     inv_temp = (1.0 if logit_softcap is not None else float(logit_scale)) / temperature

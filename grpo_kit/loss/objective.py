@@ -131,6 +131,12 @@ class ObjectiveSpec:
                 and self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None)
 
 
+# The objective's options beside the loss type, beta and the clip range: the losses' keyword arguments, under
+# GRPOConfig's names (the trainer passes each from TRL's config).
+OBJECTIVE_OPTIONS = tuple(f.name for f in dataclasses.fields(ObjectiveSpec)
+                          if f.name not in ("loss_type", "beta", "epsilon_low", "epsilon_high"))
+
+
 def check_normaliser_args(loss_type, max_completion_length, num_items_in_batch):
     """The normaliser inputs a loss type needs (its normaliser's ``needs``): ``max_length`` (dr_grpo)
     max_completion_length; ``token_count`` (dapo, cispo, vespo) num_items_in_batch, a scalar number or

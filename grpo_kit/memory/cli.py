@@ -23,9 +23,9 @@ from grpo_kit.memory import formulas as F
 from grpo_kit.memory.estimate import (
     METHODS,
     PUBLISHED_SETUP,
-    _is_published_setup,
     config_estimate_kwargs,
     estimate,
+    is_published_setup,
     published_table,
     resolve_arch,
 )
@@ -279,7 +279,7 @@ def cli_main(argv: list[str], run_config=None) -> int:
           "(grpo_kit: Unsloth's column, the figure to beat).\n", file=out)
     for df in tables.values():
         _print_one(df, out)
-    if args.published_setting and _is_published_setup(arch, kw["num_generations"], kw["prompt_length"],
+    if args.published_setting and is_published_setup(arch, kw["num_generations"], kw["prompt_length"],
                                                       kw["completion_length"], kw["dtype"]):
         _print_published(arch, out)
     _print_verdicts(arch, args, kw, methods, out)

@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 from transformers import AutoConfig
 
-from grpo_kit.loss.efficient import _auto_chunk_rows
+from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, Arch, GiB
 from grpo_kit.model.anatomy import num_experts
@@ -243,7 +243,7 @@ def _check_options(*, method, lora_rank, chunk_tokens, prefetch, vllm_batched_to
 # ----------------------------------------------------------------------------- the step and its rows
 
 
-def _is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
+def is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
     ref = resolve_arch(PUBLISHED_SETUP["model"])
     same = (a.vocab, a.hidden, a.intermediate, a.layers, a.kv_dim) == (ref.vocab, ref.hidden, ref.intermediate,
                                                                       ref.layers, ref.kv_dim)
@@ -424,10 +424,10 @@ def _recompute_rows(s: _Step) -> list[dict]:
 
 def _kit_logits_chunk(s: _Step, token_rows: int) -> tuple[int, int]:
     """(rows, bytes alive per logit) of one logits chunk of grpo_kit's loss over ``token_rows`` token rows: the
-    loss's own rule (``grpo_kit.loss.efficient._auto_chunk_rows``, where free memory does not cap it) at its full
+    loss's own rule (``grpo_kit.loss.efficient.auto_chunk_rows``, where free memory does not cap it) at its full
     budget, the one ``per_token_logps`` takes. The loss proper sizes its chunk for that budget less 48 B per token of per-token
     vectors (weights, advantages, log-probs, ids), which this chunk stands in for, within one 256-row tile."""
-    rows = _auto_chunk_rows(s.a.vocab, _TORCH_DTYPES[s.dtype], torch.device("cpu"), s.loss_epilogue)
+    rows = auto_chunk_rows(s.a.vocab, _TORCH_DTYPES[s.dtype], torch.device("cpu"), s.loss_epilogue)
     # the torch epilogue makes three fp32 temporaries per logit (its rule counts them); two exist at a time
     per_elt = s.b + 2 * F.FP32 if s.loss_epilogue == "torch" else s.b
     return min(rows, token_rows), per_elt
@@ -517,7 +517,7 @@ _PUBLISHED_NOTES = {
 def _mark_published(s: _Step, rows: list[dict]) -> bool:
     """Fills each row's ``published`` (Unsloth's figure for it, NaN unless the setup is the published one; TRL's
     column for ``trl``, Unsloth's otherwise) and notes how they compare. Returns whether the setup is published."""
-    published = (_is_published_setup(s.a, s.G, s.P, s.C, s.dtype) and not s.loss_fp32
+    published = (is_published_setup(s.a, s.G, s.P, s.C, s.dtype) and not s.loss_fp32
                  and s.offload == (s.method in ("unsloth", "grpo_kit")))
     pub_map = dict(_PUBLISHED_ROWS)
     if s.method in ("unsloth", "grpo_kit"):  # their saved activations sit on the CPU

@@ -51,7 +51,7 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_kit.loss.efficient import efficient_grpo_loss, per_token_logps
-from grpo_kit.loss.objective import ENGINE_IS_METRICS, ENGINE_IS_TOKEN_MODES, nanmax, nanmin
+from grpo_kit.loss.objective import ENGINE_IS_METRICS, ENGINE_IS_TOKEN_MODES, OBJECTIVE_OPTIONS, nanmax, nanmin
 from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.memory.estimate import scoring_batch_for_config
 from grpo_kit.model.anatomy import (
@@ -80,10 +80,6 @@ UNSUPPORTED = (
      "computes"),
     (lambda a: a.use_vllm, "use_vllm", "TRL's own vLLM; use the kit's generation_backend instead"),
 )
-# The GRPOConfig fields of the objective, passed to efficient_grpo_loss under the same names.
-OBJECTIVE_FIELDS = ("delta", "importance_sampling_level", "use_bias_correction_kl", "top_entropy_quantile",
-                    "off_policy_mask_threshold", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 # TRL's metric names the kit logs for every loss type; each type's own (clip ratios, ...) come from the registry
 # (grpo_kit.loss.registry.LossMetrics). Min/max ones are reduced over processes by min/max, the others averaged.
 LOGGED_METRICS = ("kl", "entropy", *ENGINE_IS_METRICS)
@@ -264,7 +260,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             # TRL's own mask: its quantile is taken over every process's tokens
             entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
             sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
-            **self._logit_kwargs(), **{name: getattr(self.args, name) for name in OBJECTIVE_FIELDS})
+            **self._logit_kwargs(), **{name: getattr(self.args, name) for name in OBJECTIVE_OPTIONS})
         if not normaliser.global_count:
             loss = loss / accum
         if aux_loss is not None:  # as TRL 1.16 adds it: scaled for gradient accumulation like the policy loss

@@ -34,7 +34,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from grpo_kit.kernels import grpo_epilogue as _epi
-from grpo_kit.loss.efficient import _auto_chunk_rows
+from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.loss.objective import k3_kl
 from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
@@ -292,7 +292,7 @@ class GuardedTrainerMixin:
             return min(int(self.loss_chunk_size), B * T)
         weight = self._head()[0]
         backend = _epi.resolve_backend("auto", weight.device)
-        return min(_auto_chunk_rows(weight.size(0), weight.dtype, weight.device, backend, n_tokens=B * T), B * T)
+        return min(auto_chunk_rows(weight.size(0), weight.dtype, weight.device, backend, n_tokens=B * T), B * T)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         buffered_before = getattr(self, "_buffered_inputs", None)
