@@ -364,6 +364,7 @@ def kit_row(name: str, a) -> dict:
     from grpo_kit.generation.plan import lora_sync_mode, plan_generation, start_generation
     from grpo_kit.model.fp8 import fp8_lora_config
     from grpo_kit.model.loading import load_model, load_tokenizer, model_config
+    from grpo_kit.trainer.channel import channel as kit_channel
     from grpo_kit.trainer.generation_hook import KitGenerationMixin
     from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
 
@@ -442,7 +443,7 @@ def kit_row(name: str, a) -> dict:
                kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
                steps=steps, peak_gib=peak, phase_peaks_gib=mem.phase_peaks(), phase_torch_gib=mem.phase_torch_peaks(),
                torch_max_reserved_gib=mem.torch_max_reserved(),
-               vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in trainer.kit_sync_log],
+               vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in kit_channel(trainer).sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
                peak_allocations=peak_allocations, training_profile=profiled,
                # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max

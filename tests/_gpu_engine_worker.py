@@ -46,6 +46,12 @@ def mean_logprob_diffs(res, model, sampling):
             for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
 
 
+def _sync_log(trainer) -> list:
+    from grpo_kit.trainer.channel import channel
+
+    return channel(trainer).sync_log
+
+
 def fp8() -> dict:
     import torch
     from transformers import AutoConfig
@@ -168,7 +174,7 @@ def merge() -> dict:
            "last_merge": gen.last_merge, "lora_logprob_mean_abs_diff": lora_diffs, "base_logprob_mean_abs_diff": base_diffs,
            "differs_from_base": res.completion_ids != base.completion_ids,
            "same_bits_after_generate": same_bits_after_generate, "same_after_standby": again.completion_ids == res.completion_ids,
-           "trainer_sync_modes": [e["mode"] for e in trainer.kit_sync_log], "losses": losses,
+           "trainer_sync_modes": [e["mode"] for e in _sync_log(trainer)], "losses": losses,
            "same_bits_after_training": unchanged(), "shared_other_params": gen.shared_report["other_params"],
            "lora_sync": gen.options()["lora_sync"], "timings": res.timings}
     gen.close()

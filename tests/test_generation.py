@@ -32,6 +32,7 @@ from grpo_kit.generation.plan import plan_generation, start_generation
 from grpo_kit.model.loading import embedded_model_dir, load_model, model_config
 from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.tasks.rewards import completion_text
+from grpo_kit.trainer.channel import channel
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer, make_trainer
 
@@ -213,7 +214,7 @@ def test_mixin_hf_two_steps_sync_each_step_and_is_ratio(tiny, tmp_path):
                          processing_class=tok, peft_config=_lora(), generator=gen)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
-    assert [s["step"] for s in trainer.kit_sync_log] == [0, 1] and gen.syncs == 2
+    assert [s["step"] for s in channel(trainer).sync_log] == [0, 1] and gen.syncs == 2
     assert gen.model is not None
     changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(before[n], p)]
     assert changed
@@ -283,7 +284,7 @@ def test_efficient_trainer_hf_generator_two_steps(tiny, tmp_path):
     assert isinstance(trainer, EfficientGRPOTrainer) and trainer.kit_generator is gen
     assert trainer.use_vllm is False  # HF samples from the training model: no IS correction, no extra pass
     trainer.train()
-    assert [s["step"] for s in trainer.kit_sync_log] == [0, 1]
+    assert [s["step"] for s in channel(trainer).sync_log] == [0, 1]
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
@@ -466,7 +467,7 @@ def test_mixin_vllm_two_steps_sync_each_step(engine, embedded, tmp_path):
     trainer = KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path), train_dataset=ds,
                          processing_class=tok, peft_config=_lora(), generator=engine)
     trainer.train()
-    assert [(s["step"], s["mode"]) for s in trainer.kit_sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
+    assert [(s["step"], s["mode"]) for s in channel(trainer).sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
     assert engine.syncs == syncs_before + 2
     logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
     assert len(logs) == 2
@@ -508,7 +509,7 @@ def test_efficient_trainer_vllm_two_steps_applies_is_ratio(engine, embedded, tmp
     trainer.train()
     assert seen and all(seen)
     assert len(passes) == 2  # one reference pass per generation batch, no old-policy pass
-    assert [(s["step"], s["mode"]) for s in trainer.kit_sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
+    assert [(s["step"], s["mode"]) for s in channel(trainer).sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
     logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     engine.sync_weights(model)  # back to the base weights for the other tests

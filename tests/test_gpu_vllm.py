@@ -21,6 +21,8 @@ import pytest
 import torch
 from _gpu_engine_worker import mean_logprob_diffs, random_adapter
 
+from grpo_kit.trainer.channel import channel
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -181,12 +183,12 @@ def test_two_trainer_steps_on_the_shared_engine(shared, tmp_path):
                                    peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
                                    generator=gen)
     trainer.train()
-    assert [e["mode"] for e in trainer.kit_sync_log] == ["lora_adapter", "lora_adapter"]
+    assert [e["mode"] for e in channel(trainer).sync_log] == ["lora_adapter", "lora_adapter"]
     assert gen._sleeping  # standby after the last generation
     assert torch.equal(qkv, before)  # the shared base weights are untouched by training
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
-    print(json.dumps({"sync_s": [e["seconds"] for e in trainer.kit_sync_log], "losses": losses}))
+    print(json.dumps({"sync_s": [e["seconds"] for e in channel(trainer).sync_log], "losses": losses}))
 
 
 def _worker(mode: str, *args: str) -> dict:

@@ -27,6 +27,7 @@ from grpo_kit.loss.reference import grpo_loss_reference
 from grpo_kit.model.loading import load_model
 from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.tasks.rewards import completion_text
+from grpo_kit.trainer.channel import channel
 from grpo_kit.trainer.checkpoints import list_checkpoints, verify_checkpoint
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 from grpo_kit.trainer.guards import (
@@ -116,7 +117,7 @@ def test_nan_step_skipped_logged_and_stop_after_max_bad_steps(tiny, tmp_path, tr
     # Step 2 alone is skipped and training goes on; 4 and 5 in a row reach max_bad_steps=2: stop after 5.
     assert t.watch.changed == {1: True, 2: False, 3: True, 4: False, 5: False}
     assert t.state.global_step == 5
-    assert isinstance(t.stop_error, NonFiniteStop) and "max_bad_steps=2" in str(t.stop_error)
+    assert isinstance(channel(t).stop_error, NonFiniteStop) and "max_bad_steps=2" in str(channel(t).stop_error)
     assert t.guard_counts["bad_steps"] == 3
     events = _events(t)
     assert [e["step"] for e in events] == [2, 4, 5] and [e["consecutive"] for e in events] == [1, 1, 2]
@@ -128,7 +129,7 @@ def test_nan_step_skipped_logged_and_stop_after_max_bad_steps(tiny, tmp_path, tr
     # The state was saved at the stop, as a complete checkpoint.
     (ckpt,) = list_checkpoints(t.args.output_dir)
     assert ckpt.name == "checkpoint-5" and verify_checkpoint(ckpt) is None
-    assert str(ckpt) in str(t.stop_error)
+    assert str(ckpt) in str(channel(t).stop_error)
 
 
 def test_real_value_error_is_not_swallowed(tiny, tmp_path):
@@ -213,7 +214,7 @@ def test_oom_halves_once_and_retries_with_the_same_result(tiny, tmp_path, traine
     oom = _OOMOnce(t, step=1)  # step 2 then runs with the halved setting
     t._compute_loss = oom
     t.train()
-    assert oom.raised == 1 and t.guard_counts["oom_retries"] == 1 and t.stop_error is None
+    assert oom.raised == 1 and t.guard_counts["oom_retries"] == 1 and channel(t).stop_error is None
     (event,) = _events(t)
     assert event["event"] == "oom" and event["setting"] == setting and event["step"] == 1
     assert event["new"] == max(1, event["old"] // 2)
@@ -271,7 +272,7 @@ def test_reliable_trainers_are_composed_at_class_definition(tiny, tmp_path):
     assert isinstance(t, (EfficientGRPOTrainer,)) and issubclass(cls, ResumableTrainerMixin)
     assert cls is with_reliability(EfficientGRPOTrainer) and with_reliability(cls) is cls
     configure_reliability(t, cfg)
-    assert type(t) is cls and t.max_bad_steps == 5 and t.stop_error is None
+    assert type(t) is cls and t.max_bad_steps == 5 and channel(t).stop_error is None
     plain = make_trainer(cfg, **{**kw, "model": copy.deepcopy(model)})
     with pytest.raises(TypeError, match="has no guards: build it from with_reliability"):
         configure_reliability(plain, cfg)

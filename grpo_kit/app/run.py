@@ -52,6 +52,7 @@ from grpo_kit.tasks.data import (
 from grpo_kit.tasks.rewards import completion_text, get_reward_funcs
 from grpo_kit.tasks.sandbox import set_default_filesystem
 from grpo_kit.tasks.tools import environment_tools, get_tools, resolve_environment
+from grpo_kit.trainer.channel import channel
 from grpo_kit.trainer.checkpoints import (
     DISK_FULL,
     SignalStop,
@@ -626,12 +627,13 @@ def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared
     Returns the training seconds; records the engine's weight syncs and generation share in ``generation_info``."""
     t_train = time.perf_counter()
     run.started = True
-    trainer.kit_signals = run.signals  # a SIGTERM/SIGINT now saves at the next step's end and stops
+    kit = channel(trainer)  # what the trainer and the run exchange (grpo_kit.trainer.channel)
+    kit.signals = run.signals  # a SIGTERM/SIGINT now saves at the next step's end and stops
     if run.signals is not None:
         run.signals.training = True
     try:
         if run.finishing:  # at max_steps already: the checkpoint's weights, and no training step
-            trainer._load_from_checkpoint(str(run.ckpt))
+            trainer.load_checkpoint_weights(run.ckpt)
         else:
             trainer.train(resume_from_checkpoint=str(run.ckpt) if run.ckpt is not None else None)
     finally:
@@ -640,7 +642,7 @@ def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared
             run.signals.hint = f"after training; {resume_hint(run.run_dir)}"
 
         if generator is not None:
-            syncs = [e["seconds"] for e in getattr(trainer, "kit_sync_log", []) if "seconds" in e]
+            syncs = [e["seconds"] for e in kit.sync_log if "seconds" in e]
             generation_info.update(weight_syncs=len(syncs), weight_sync_seconds_mean=(
                 round(sum(syncs) / len(syncs), 4) if syncs else None))
             if getattr(generator, "last_merge", None) is not None:  # vllm_lora_sync=merge, shared weights
@@ -655,11 +657,11 @@ def _fit(run: _Run, trainer, tokenizer, generator, generation_info: dict, shared
             tokenizer.save_pretrained(save_dir)
             if run.history:
                 plot_rewards(run.history, run.run_dir / "rewards.png")
-    if getattr(trainer, "stop_error", None) is not None:  # a guard stopped training (state saved)
-        raise trainer.stop_error
+    if kit.stop_error is not None:  # a guard stopped training (state saved)
+        raise kit.stop_error
     train_seconds = time.perf_counter() - t_train
     if generator is not None and train_seconds > 0:  # what the GPU half of a step costs, measured per run
-        gen_s = getattr(trainer, "kit_generation_seconds", 0.0)
+        gen_s = kit.generation_seconds
         generation_info.update(generation_seconds=round(gen_s, 1),
                                generation_share_of_training=round(gen_s / train_seconds, 3))
     return train_seconds

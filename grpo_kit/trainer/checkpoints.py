@@ -41,6 +41,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from grpo_kit.readers.bounded import read_json
+from grpo_kit.trainer.channel import channel
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "checkpoint-"
@@ -478,15 +479,15 @@ class ResumableTrainerMixin:
         self.add_callback(_Snapshots())
 
     def _kit_stop_on_signal(self, args, state, control) -> None:
-        """After a SIGTERM/SIGINT (``kit_signals``, a :class:`SignalStop`): save and stop at the end of the first
-        logged step (a step between two logged ones would lose its metrics row on resume)."""
-        signals = getattr(self, "kit_signals", None)
+        """After a SIGTERM/SIGINT (the channel's ``signals``, a :class:`SignalStop`): save and stop at the end of the
+        first logged step (a step between two logged ones would lose its metrics row on resume)."""
+        signals = channel(self).signals
         if signals is None or signals.signum is None or state.global_step % max(1, args.logging_steps):
             return
         control.should_save = True
         control.should_training_stop = True
         ckpt = checkpoints_dir(args.output_dir) / f"{PREFIX}{state.global_step}"
-        self.stop_error = Interrupted(f"training stopped by {signal.Signals(signals.signum).name} at step "
+        channel(self).stop_error = Interrupted(f"training stopped by {signal.Signals(signals.signum).name} at step "
                                       f"{state.global_step} of {state.max_steps}; state saved in {ckpt}; "
                                       + resume_hint(args.output_dir), signals.signum)
 
@@ -587,6 +588,12 @@ class ResumableTrainerMixin:
             state = {k: v for k, v in unwrapped.state_dict().items() if id(v) not in seen and not seen.add(id(v))}
             weights = sharding.whole_state(state, keep=keep)
         return weights, sharding.whole_state(self.optimizer.state_dict(), keep=keep)
+
+    def load_checkpoint_weights(self, checkpoint) -> None:
+        """The model's weights (adapter or full) from ``checkpoint`` without training: what a run resumed at
+        max_steps needs before its final save and evaluation. transformers' Trainer has no public call for it, so
+        this is its private ``_load_from_checkpoint`` (this class's override below), named here once."""
+        self._load_from_checkpoint(str(checkpoint))
 
     # -- load (called by transformers' Trainer.train(resume_from_checkpoint=...)) ----------------
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

@@ -54,6 +54,7 @@ from trl.extras.profiling import profiling_context
 
 from grpo_kit.generation.base import GenerationEngineError, SamplingConfig
 from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, checked_tool
+from grpo_kit.trainer.channel import channel
 
 
 class KitGenerationMixin:
@@ -72,9 +73,7 @@ class KitGenerationMixin:
         self.kit_max_prompt_length, self._kit_first_turn = max_prompt_length, False
         self.kit_generator = generator
         self._kit_synced_step = None
-        self.kit_sync_log: list[dict] = []
-        # wall seconds in kit generation (weight sync, generate, back to sleep), all calls: the run's generation share
-        self.kit_generation_seconds = 0.0
+        channel(self)  # the sync log and generation seconds (grpo_kit.trainer.channel)
         if generator is None:
             return
         self._check_kit_generation_supported()
@@ -123,7 +122,7 @@ class KitGenerationMixin:
                 with profiling_context(self, "kit.sync_weights"):
                     info = self.kit_generator.sync_weights(self.accelerator.unwrap_model(self.model))
                 self._kit_synced_step = self.state.global_step
-                self.kit_sync_log.append({"step": self.state.global_step, **info})
+                channel(self).sync_log.append({"step": self.state.global_step, **info})
                 self._metrics[mode]["generation/sync_seconds"].append(time.perf_counter() - start)
             with profiling_context(self, f"kit.{self.kit_generator.name}.generate"):
                 result = self.kit_generator.generate([list(p) for p in prompt_ids], num_generations=1,
@@ -136,7 +135,7 @@ class KitGenerationMixin:
             path = self._kit_save_after_crash()
             raise GenerationEngineError(f"{e}\nTraining state saved to {path}") from e
         seconds = time.perf_counter() - t0
-        self.kit_generation_seconds += seconds
+        channel(self).generation_seconds += seconds
         self._metrics[mode]["generation/seconds"].append(seconds)  # per call, sync included (metrics.csv)
         return result.completion_ids, result.logprobs_lists()
 

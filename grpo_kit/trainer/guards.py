@@ -38,6 +38,7 @@ from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.loss.objective import k3_kl
 from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
+from grpo_kit.trainer.channel import channel
 from grpo_kit.trainer.checkpoints import ResumableTrainerMixin
 
 
@@ -104,7 +105,8 @@ class GuardedTrainerMixin:
     ``max_bad_steps`` (consecutive non-finite steps before stopping), ``guard_log_path`` (jsonl;
     default ``output_dir/guard_events.jsonl``), ``oom_advice`` (callable returning a sentence with the
     VRAM estimate), ``guard_config`` (names and values for the messages: a ``GRPOKitConfig`` or None).
-    After ``train()`` returns, ``stop_error`` holds the :class:`TrainingStopped` to raise, if any.
+    After ``train()`` returns, ``channel(trainer).stop_error`` (:mod:`grpo_kit.trainer.channel`) holds the
+    :class:`TrainingStopped` to raise, if any.
     """
 
     max_bad_steps: int = 3
@@ -116,7 +118,7 @@ class GuardedTrainerMixin:
         self._guard_init()
 
     def _guard_init(self):
-        self.stop_error: TrainingStopped | None = None
+        channel(self).stop_error = None
         self.guard_counts = {"bad_steps": 0, "consecutive_bad": 0, "oom_retries": 0}
         self._guard_reports: list[dict] = []  # non-finite micro-batches in the current step
         self._guard_bad_grads: list[str] | None = None
@@ -273,7 +275,7 @@ class GuardedTrainerMixin:
             control.should_save = True
             control.should_training_stop = True
             ckpt = Path(self.args.output_dir) / "checkpoints" / f"checkpoint-{self.state.global_step}"
-            self.stop_error = NonFiniteStop(
+            channel(self).stop_error = NonFiniteStop(
                 f"training stopped at step {self.state.global_step}: {n} steps in a row had a non-finite loss or "
                 f"gradient (max_bad_steps={self.max_bad_steps}); each update was skipped, so the weights are those "
                 f"of the last good step. State saved in {ckpt}; the terms and samples involved are in "
@@ -371,11 +373,11 @@ class GuardedTrainerMixin:
         advice = self.oom_advice() if callable(self.oom_advice) else (
             vram_estimate_text(cfg) if cfg is not None else "no VRAM estimate (no kit config)")
         where = f"state saved in {ckpt}" if ckpt else "the state could not be saved"
-        self.stop_error = OutOfMemoryStop(
+        channel(self).stop_error = OutOfMemoryStop(
             f"CUDA out of memory again at step {self.state.global_step + 1} after the automatic halving; {where}. "
             f"Change one of: {'; '.join(settings)}, then resume. {advice[:1].upper() + advice[1:]}. "
             f"Original error: {str(error).splitlines()[0][:200] if str(error) else type(error).__name__}")
-        raise self.stop_error from error
+        raise channel(self).stop_error from error
 
 
 class _replace_prepare_inputs:
