@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.metrics import first_step_advice
 from grpo_kit.app.preflight import advice, preflight
-from grpo_kit.app.run import first_step_advice
 
 SMALL = dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=8, num_train_samples=8,
              num_eval_samples=0)

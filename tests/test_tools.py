@@ -465,7 +465,8 @@ def test_prompt_length_check_counts_the_tool_schema(tiny):
     """With tools (or an environment's methods) the rendered prompt carries their JSON schema: the check counts it,
     as TRL renders the prompt."""
     from grpo_kit.app.config import GRPOKitConfig
-    from grpo_kit.app.run import check_prompt_lengths, prompt_ids
+    from grpo_kit.app.run import check_prompt_lengths
+    from grpo_kit.tasks.prompts import prompt_ids
 
     _, tok = tiny
     examples = [{"question": "What is 123 * 456?", "answer": "56088"}]

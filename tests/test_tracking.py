@@ -94,7 +94,8 @@ def test_two_step_run_writes_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason="report_to=tensorboard needs it (requirements-test.txt pins it)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from grpo_kit.app.run import KIT_LOGGED_METRICS, train
+    from grpo_kit.app.metrics import KIT_LOGGED_METRICS
+    from grpo_kit.app.run import train
 
     run = tmp_path / "run"
     cfg = GRPOKitConfig(model="tiny-llama", max_steps=2, num_train_samples=16, num_eval_samples=0,

@@ -76,7 +76,7 @@ def test_the_recorded_reward_is_wrapped_once(tmp_path):
     the first function's checked scores through on_rewards instead of wrapping it again."""
     import json
 
-    from grpo_kit.app.run import SampleRecorder
+    from grpo_kit.app.metrics import SampleRecorder
     from grpo_kit.tasks.rewards import correctness_reward, format_soft_reward
     from grpo_kit.trainer.grpo_trainer import _checked
 

@@ -211,6 +211,20 @@ def attention_only(config) -> bool:
     return all(t in ATTENTION_LAYER_TYPES for t in (getattr(cfg, "layer_types", None) or ()))
 
 
+def resolve_lora_targets(targets, model) -> tuple[str, ...]:
+    """A run's LoRA target names: ``"auto"``, every projection of ``model``'s decoder layers (:func:`lora_targets`;
+    a meta-device model is enough); a list, each checked to name a module of ``model``."""
+    if targets == "auto":
+        return tuple(lora_targets(model))
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"lora_target_modules {missing} do not exist in {type(model).__name__}; "
+                         f"its linear layers are: {linear}")
+    return tuple(targets)
+
+
 def router_aux_coef(config) -> float:
     """The coefficient of the MoE load-balancing loss that TRL 1.16 adds to the GRPO loss: the config's
     ``router_aux_loss_coef`` where it returns router logits (``output_router_logits`` present), else 0."""
