@@ -263,12 +263,14 @@ def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dic
         cfg.save(run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
-    tokenizer, model, generator, plan, generation_info = _load(run)
+    loaded = _load(run)
+    tokenizer, model, generator, generation_info = loaded.tokenizer, loaded.model, loaded.generator, loaded.info
     run.evals = dict(run.resumed.get("evals") or {})
     if run.heldout and run.is_main and "before" not in run.evals:
         run.evals["before"] = _evaluate(run, model, tokenizer, "before")
     samples_path, recorder = _run_files(run, resume)
-    trainer = _make_trainer(run, model, tokenizer, generator, plan, reward_funcs, recorder, callbacks, samples_path)
+    trainer = _make_trainer(run, model, tokenizer, generator, loaded.plan, reward_funcs, recorder, callbacks,
+                            samples_path)
     if cfg.tool_warmup_steps and "warmup" not in run.evals:  # a resumed adapter holds it already
         _warm_up(run, trainer, tokenizer)
     shared = bool(getattr(generator, "share_weights", False))
@@ -304,8 +306,20 @@ def _find_resume_point(run: _Run) -> dict | None:
     return None
 
 
-def _load(run: _Run):
-    """Tokenizer, generation plan, engine and training model: (tokenizer, model, generator, plan, info).
+@dataclasses.dataclass
+class _Loaded:
+    """What :func:`_load` brings: the tokenizer, the training model, the generator (None: TRL's own), the
+    generation plan and what was used (``info``, summary.json's ``generation``)."""
+
+    tokenizer: object
+    model: object
+    generator: object
+    plan: object
+    info: dict
+
+
+def _load(run: _Run) -> _Loaded:
+    """Tokenizer, generation plan, engine and training model.
 
     The generation backend (config: generation_backend, kv_cache_dtype, vllm_share_weights, ...) is decided before
     any model loads, so that a bad option or a plan that cannot fit stops the run early; what was used goes to
@@ -334,7 +348,7 @@ def _load(run: _Run):
     info["model"] = model_plan(cfg, config, run.device, run.lora_targets)
     if run.is_main:
         print("\n".join(plan_lines(cfg, device=run.device, dtype=dtype, info=info)), flush=True)
-    return tokenizer, model, generator, plan, info
+    return _Loaded(tokenizer, model, generator, plan, info)
 
 
 def model_plan(cfg: GRPOKitConfig, config, device: str, targets: tuple) -> dict:
