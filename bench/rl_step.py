@@ -550,6 +550,55 @@ def trl_row(a) -> dict:
                 vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
 
 
+# Kernel names by what they do in a decode step (vLLM 0.26 on Hopper): the LoRA kernels are Triton's
+# ``_lora_shrink_kernel`` / ``_lora_expand_kernel``; FP8 GEMMs are CUTLASS ``scaled_mm`` (e4m3) kernels;
+# the activations' per-token FP8 quantisation is its own small kernel before each of them.
+DECODE_KINDS = (("lora", ("lora", "sgmv", "bgmv", "punica")),
+                ("quantise", ("quant",)),  # before fp8_gemm: the quantiser's template names e4m3 too
+                ("fp8_gemm", ("scaled_mm", "e4m3", "fp8", "cutlass_w8a8")),
+                ("attention", ("flash", "fmha", "attn", "paged")),
+                ("gemm", ("gemm", "nvjet", "cublas", "xmma", "cutlass")),
+                ("norm_act", ("norm", "silu", "act_and_mul", "rotary")),
+                ("sampling", ("topk", "top_k", "sampl", "softmax", "argmax", "sort", "exponential")))
+
+
+def decode_kind(kernel: str) -> str:
+    """The kind of a GPU kernel in a decode step, by its name (``DECODE_KINDS``; ``other`` if none)."""
+    low = kernel.lower()
+    return next((kind for kind, keys in DECODE_KINDS if any(k in low for k in keys)), "other")
+
+
+def decode_profile(eng, prompt, tokens: int) -> dict:
+    """Where one decode step's GPU time goes: 8 completions of ``tokens`` tokens (after the 512-token
+    prompt) by ``eng`` under torch.profiler (CUDA activity, kernels inside CUDA graphs included), the kernels'
+    time summed by kind (``decode_kind``) and divided by the decode steps; the 15 largest kernels with their
+    launch counts per step. The prefill's kernels are in the sums (one step in ``tokens``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo_kit.generation import SamplingConfig
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=tokens, min_tokens=tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed = _timed_generate(eng, prompt, sampling)
+    per_kernel: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = per_kernel.setdefault(ev.name, [0.0, 0])
+            t[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            t[1] += 1
+    kinds: dict[str, float] = {}
+    for name, (us, _) in per_kernel.items():
+        kinds[decode_kind(name)] = kinds.get(decode_kind(name), 0.0) + us
+    gpu_us = sum(kinds.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:15]
+    return dict(decode_steps=tokens, wall_ms_per_step=1e3 * timed["generation_s"] / tokens,
+                gpu_ms_per_step=gpu_us / 1e3 / tokens,
+                kinds_ms_per_step={k: round(v / 1e3 / tokens, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                top_kernels=[dict(name=n[:120], kind=decode_kind(n), ms_per_step=round(us / 1e3 / tokens, 4),
+                                  launches_per_step=round(c / tokens, 2)) for n, (us, c) in top])
+
+
 def gen_engine_options(name: str, dual_stream: bool) -> tuple[dict, bool]:
     """The ``VLLMGenerator`` options of generation row ``name`` (a ``gen_vllm*`` row) and whether it loads an
     adapter. The FP8 rows start the engine an FP8 training step starts (shared codes, ``lora_sync="adapter"``:
@@ -601,7 +650,10 @@ def gen_row(name: str, a) -> dict:
         model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
         eng = HFGenerator(model.eval(), tok)
     eng.generate([prompt], GENERATIONS, warm)
-    return dict(impl=name, base_weights=weights_name(GEN_ROWS[name]), **_timed_generate(eng, prompt, sampling))
+    row = dict(impl=name, base_weights=weights_name(GEN_ROWS[name]), **_timed_generate(eng, prompt, sampling))
+    if a.profile_decode:
+        row["decode_profile"] = decode_profile(eng, prompt, a.profile_decode)
+    return row
 
 
 def one(name: str, a) -> dict:
@@ -660,6 +712,15 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
             lines.append(f"| {r['impl']} ({r.get('row')}) | {r.get('kv_cache_dtype')} | {g['vllm_adapter']['completion_tokens']} | "
                          f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
                          f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |")
+    profiled = [r for r in rows if r.get("decode_profile")]
+    if profiled:
+        kinds = [k for k, _ in DECODE_KINDS] + ["other"]
+        lines += ["", "One decode step's GPU time by kind of kernel, ms (`--profile-decode`; batch 8):", "",
+                  "| impl | wall ms/step | GPU ms/step | " + " | ".join(kinds) + " |", "|" + "---|" * (3 + len(kinds))]
+        for r in profiled:
+            d = r["decode_profile"]
+            lines.append(f"| {r['impl']} | {d['wall_ms_per_step']:.2f} | {d['gpu_ms_per_step']:.2f} | "
+                         + " | ".join(f"{d['kinds_ms_per_step'].get(k, 0):.3f}" for k in kinds) + " |")
     lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]
     record_report("rl_step", {"command": cmd, "hardware": hw, "rows": rows}, lines, a.out_dir)
 
@@ -696,6 +757,10 @@ def main(argv=None) -> int:
                    help="kit and TRL rows: one more optimiser step, its loss passes (micro-batches 2..8 and the "
                         "optimiser) under torch.profiler; top ops by GPU and host time in training_profile, the "
                         "step kept out of the medians")
+    p.add_argument("--profile-decode", type=int, default=0, metavar="TOKENS",
+                   help="generation rows: after the timed generation, generate TOKENS more tokens per sequence "
+                        "under torch.profiler and keep where each decode step's GPU time goes (decode_profile: "
+                        "LoRA kernels, FP8 and 16-bit GEMMs, attention, ...); 0: off")
     p.add_argument("--memory-history-at", default="end", choices=("end", "scoring", "generation"),
                    help="kit rows with --memory-history: read the history at the end of the steps, or as the "
                         "first call of that phase ends (its peak inside the ring buffer's window; generation: the "
@@ -752,6 +817,8 @@ def main(argv=None) -> int:
                     a.memory_history_at,
                     "--sample-ms",
                     str(a.sample_ms),
+                    "--profile-decode",
+                    str(a.profile_decode),
                 ] + ["--profile-training"] * a.profile_training
                 t0 = time.perf_counter()
                 try:

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from rl_step import GEN_ROWS, gen_engine_options, main  # noqa: E402
+from rl_step import GEN_ROWS, decode_kind, gen_engine_options, main  # noqa: E402
 
 from grpo_kit.generation.vllm_backend import _check_fp8_options  # noqa: E402
 
@@ -25,10 +25,25 @@ def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
     assert (opts["base_weights"] == "fp8") == opts["share_weights"]  # FP8 engines serve the training model's codes
 
 
+@pytest.mark.parametrize("kernel, kind", [
+    ("_lora_shrink_kernel", "lora"), ("_lora_expand_kernel", "lora"),
+    ("void vllm::dynamic_per_token_scaled_fp8_quant_kernel<c10::Float8_e4m3fn, c10::BFloat16>", "quantise"),
+    ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>>",
+     "fp8_gemm"),
+    ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64>>", "attention"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"), ("triton_red_fused__to_copy_add_mean_mul_rsqrt_0", "other"),
+    ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "norm_act"),
+])
+def test_decode_kernels_are_sorted_by_what_they_do(kernel, kind):
+    # the decode profile's sums: a LoRA launch must never be counted as a GEMM, nor the FP8 quantiser as one
+    assert decode_kind(kernel) == kind
+
+
 @pytest.mark.parametrize("argv, needle", [(["--scoring-batch", "0"], "--scoring-batch '0'"),
                                           (["--scoring-batch", "two"], "a whole number >= 1, or auto"),
                                           (["--memory-history", "-1"], "or 0 (off)"),
                                           (["--sample-ms", "0"], "--sample-ms 0.0: a number of milliseconds > 0"),
+                                          (["--profile-decode", "many"], "invalid int value: 'many'"),
                                           (["--memory-history-at", "loss"], "invalid choice: 'loss'"),
                                           (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64")])
 def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
