@@ -202,9 +202,9 @@ step qwen3_rl20k 900 $bench --rows grpo_kit_fp8 --models qwen3-8b --completion 2
 step qwen3_rl4k 900 $bench --rows grpo_kit_fp8,trl --models qwen3-8b --completion 4096 --steps 2 --timeout 420
 step llama_rl4k 500 $bench --rows grpo_kit_fp8 --completion 4096 --steps 2 --timeout 420
 step gemma3_rl4k 900 $bench --rows grpo_kit_fp8,trl --models gemma-3-4b --completion 4096 --steps 2 --timeout 420
-# Issue 54, FP8 + LoRA decoding: where one decode step's GPU time goes (batch 8, after a 512-token prompt) with the
+# Issue 54, FP8 + LoRA decoding (run on an H100 on 2026-12-07: the dense FP8 and bf16 rows; the adapter row timed out): where one decode step's GPU time goes (batch 8, after a 512-token prompt) with the
 # adapter in vLLM's LoRA kernels on the FP8 codes, the same engine with no adapter, and the 16-bit engine the merged
 # step decodes with; each row's generation alone timed first (8 x 1,024 tokens), then 256 profiled decode steps.
-step decode_prof 560 $bench --rows gen_vllm_fp8w,gen_vllm_fp8w_dense,gen_vllm --completion 1024 --profile-decode 256 \
-  --timeout 180
+step decode_prof 900 $bench --rows gen_vllm_fp8w,gen_vllm_fp8w_dense,gen_vllm --completion 1024 --profile-decode 256 \
+  --timeout 300  # the adapter row: its engine captures CUDA graphs with LoRA (past 190 s on 2026-12-07)
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -554,7 +554,10 @@ def trl_row(a) -> dict:
 # ``_lora_shrink_kernel`` / ``_lora_expand_kernel``; FP8 GEMMs are CUTLASS ``scaled_mm`` (e4m3) kernels;
 # the activations' per-token FP8 quantisation is its own small kernel before each of them.
 DECODE_KINDS = (("lora", ("lora", "sgmv", "bgmv", "punica")),
-                ("quantise", ("quant",)),  # before fp8_gemm: the quantiser's template names e4m3 too
+                ("kv_write", ("reshape_and_cache",)),  # its template names the FP8 KV type even for bf16
+                # before fp8_gemm: the quantiser's template names e4m3, and Inductor names its fused
+                # norm + quantise kernels after the GEMM they feed (..._abs_clamp_cutlass_scaled_mm_div_...)
+                ("quantise", ("quant", "abs_clamp")),
                 ("fp8_gemm", ("scaled_mm", "e4m3", "fp8", "cutlass_w8a8")),
                 ("attention", ("flash", "fmha", "attn", "paged")),
                 ("gemm", ("gemm", "nvjet", "cublas", "xmma", "cutlass")),

@@ -31,6 +31,9 @@ def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
     ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>>",
      "fp8_gemm"),
     ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64>>", "attention"),
+    ("triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_div_fused_add_rms_norm_max_mul_reciprocal_unsqueeze_3",
+     "quantise"),
+    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>", "kv_write"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"), ("triton_red_fused__to_copy_add_mean_mul_rsqrt_0", "other"),
     ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "norm_act"),
 ])
