@@ -193,7 +193,8 @@ step fp8_rl4k_sample 900 $bench --rows grpo_kit_fp8w --completion 4096 --steps 3
 # 2 here), the allocator history read as the first reference pass ends: what was live at its peak, by line.
 step fp8_rl20k_hist 1500 $bench --rows grpo_kit_fp8w --completion 20480 --steps 1 --timeout 700 \
   --memory-history 2000000 --memory-history-at scoring
-# Issue 51, the families: the GPU tier's one copy per family (4 dense families and gpt-oss, whose experts keep a
+# Issue 51, the families (run on an H100 on 2026-12-07: fam_tier, qwen3_rl20k, qwen3_rl4k; still owed: llama_rl4k,
+# gemma3_rl4k): the GPU tier's one copy per family (4 dense families and gpt-oss, whose experts keep a
 # separate copy); Qwen3-8B's whole step at 8 x (512 + 20,480) (target <= 30 GiB); the 4K rows of Qwen3-8B against
 # TRL colocate; Llama-3.1-8B's 4K kit row again (no regression); Gemma-3-4B's 4K rows against TRL.
 step fam_tier 900 python3 -m pytest -m gpu tests/test_gpu_vllm.py -q -s -rs -p no:cacheprovider \
