@@ -43,9 +43,10 @@ def test_known_python_warning_becomes_the_kits_line_once(quiet, capsys):
         console.warn_once_per_message()
         for _ in range(3):
             warnings.warn(text, UserWarning)
-    err = capsys.readouterr().err
-    assert "TRL currently supports" not in err
-    assert err.count("note: TRL says the installed vLLM") == 1 and console.VERBOSE_HINT in err
+    out, err = capsys.readouterr()
+    assert "TRL currently supports" not in err + out
+    # the kit's line on stdout with its other lines: a notebook shows no stderr box for it
+    assert out.count("note: TRL says the installed vLLM") == 1 and console.VERBOSE_HINT in out and not err
 
 
 def _record(logger: logging.Logger, text: str) -> logging.LogRecord:
@@ -72,7 +73,7 @@ def test_known_log_line_becomes_the_kits_line(quiet, capsys):
     known = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED. In order"
     assert not logger.filter(_record(logger, known)) and not logger.filter(_record(logger, known))
     assert logger.filter(_record(logger, "another transformers warning"))  # stays
-    assert capsys.readouterr().err.count("note: transformers sees a torch.distributed group") <= 1
+    assert capsys.readouterr().out.count("note: transformers sees a torch.distributed group") <= 1
 
 
 def test_vllm_log_level_follows_verbose(monkeypatch):
@@ -87,6 +88,31 @@ def test_vllm_log_level_follows_verbose(monkeypatch):
     monkeypatch.setitem(console._STATE, "set_vllm_env", False)
     console.quiet_console(False)
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_native_stderr_lines_dropped_others_kept(capfd):
+    """vLLM's CPU worker prints its memory binding from C++ straight to fd 2 at every engine start, below any
+    logger: held back and dropped there, while another native line, and Python's own stderr, still come out."""
+    with vllm_backend.native_stderr_without(vllm_backend.ENGINE_START_NOISE):
+        os.write(2, b"[W1207 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory allocation\n")
+        os.write(2, b"[W1207] Warning: a real native warning\n")
+    with pytest.raises(RuntimeError), vllm_backend.native_stderr_without(("never",)):
+        os.write(2, b"said before a failure\n")
+        raise RuntimeError("engine start failed")
+    err = capfd.readouterr().err
+    assert "NUMA binding" not in err and "a real native warning" in err and "said before a failure" in err
+    with vllm_backend.native_stderr_without(()):  # verbose: nothing held
+        os.write(2, b"NUMA binding: Using MEMBIND policy\n")
+    assert "NUMA binding" in capfd.readouterr().err
+
+
+def test_transformers_bars_follow_the_console():
+    from transformers.utils import logging as hf_logging
+
+    console.quiet_console(True)
+    assert hf_logging.is_progress_bar_enabled()
+    console.quiet_console(False)
+    assert not hf_logging.is_progress_bar_enabled()  # its "Loading weights" bar is not the kit's line
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -176,6 +202,8 @@ def test_default_run_console(repo_root, tmp_path):
     assert not [ln for ln in lines if _VLLM_LINE.search(ln)], out[-4000:]
     assert "Failed to load weights" not in out and "Attempted to load weight" not in out
     assert "Reloading weights inplace" not in out and "Successfully reset prefix cache" not in out
+    assert "NUMA binding" not in out and "Loading weights" not in out  # vLLM's C++ line, transformers' bar
+    assert "note:" not in r.stderr  # the kit's notes are its lines, on stdout
     repeated = [ln for ln, n in Counter(ln for ln in lines if _WARNING_LINE.search(ln)).items() if n > 1]
     assert not repeated, repeated
     assert "plan: smollm2-135m-instruct on cpu in float32" in r.stdout and "generation: vllm" in r.stdout

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -57,7 +56,7 @@ def _known(source, text: str) -> str | None:
 def _say_once(note: str) -> None:
     if note not in _NOTES_SHOWN:
         _NOTES_SHOWN.add(note)
-        print(f"note: {note} ({VERBOSE_HINT} shows the original)", file=sys.stderr, flush=True)
+        print(f"note: {note} ({VERBOSE_HINT} shows the original)", flush=True)  # the kit's line, as the plan's
 
 
 class _KnownLogLines(logging.Filter):
@@ -102,13 +101,18 @@ def quiet_console(verbose: bool = False) -> None:
     vLLM reads its level when imported). Quiet (default): vLLM's log at errors only, unless ``VLLM_LOGGING_LEVEL``
     is set in the environment (its loading bar goes with it); the :data:`KNOWN_WARNINGS` as the kit's
     line, once; every other warning once. ``verbose``: all of it as the libraries print it (repeats of one
-    Python warning text still once)."""
+    Python warning text still once). transformers' progress bars go with the quiet console. The kit's notes go to
+    stdout with its other lines, so a notebook shows no stderr box for them."""
     _STATE["verbose"] = bool(verbose)
     warn_once_per_message()
     for where, _, _ in KNOWN_WARNINGS:
         logger = logging.getLogger(where) if isinstance(where, str) else None
         if logger is not None and not any(isinstance(f, _KnownLogLines) for f in logger.filters):
             logger.addFilter(_KnownLogLines())
+    from transformers.utils import logging as hf_logging  # lazy: the CLI imports this module for every command
+
+    # transformers' own bars ("Loading weights" per model load); the kit's bars (held-out, training) stay
+    (hf_logging.enable_progress_bar if verbose else hf_logging.disable_progress_bar)()
     if _STATE["set_vllm_env"] or _VLLM_LEVEL_ENV not in os.environ:  # the user's own setting stays
         level = "INFO" if verbose else "ERROR"
         os.environ[_VLLM_LEVEL_ENV] = level

@@ -37,6 +37,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 import time
 import warnings
 import weakref
@@ -229,7 +230,36 @@ def fp32_checkpoint_dtype() -> torch.dtype:
 # (both keep their tensors, as vLLM then does). Any other layer's line is real and stays.
 RELOAD_FALSE_ALARMS = ("RotaryEmbedding", "ParallelLMHead")
 VLLM_LOGGER = "vllm"  # the logger all of vLLM's modules log under
+# What vLLM's C++ side prints straight to the process's stderr while an engine starts, below vLLM's own logger
+# (so its level cannot quiet it): the CPU worker's memory binding, said at every start. Dropped while vLLM logs
+# at errors only (the kit's quiet console); any other line goes through.
+ENGINE_START_NOISE = ("NUMA binding: Using MEMBIND policy",)
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+@contextlib.contextmanager
+def native_stderr_without(drop: tuple[str, ...]):
+    """Inside: what native code writes to file descriptor 2 is held back, then written out without the lines that
+    contain one of ``drop`` (nothing is held where ``drop`` is empty). Python's own ``sys.stderr`` writes are
+    untouched where it is not fd 2 (Jupyter); a failure inside still gets its lines out."""
+    if not drop:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(d in line for d in drop)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 class _ReloadFalseAlarms(logging.Filter):
@@ -525,8 +555,9 @@ class VLLMGenerator:
     def _start(self, vllm, kwargs: dict) -> None:
         """Start the engine (``self.llm``); the errors say what failed and what to do."""
         start = time.perf_counter()
+        quiet = not logging.getLogger(VLLM_LOGGER).isEnabledFor(logging.WARNING)
         try:
-            with _engine_class_copies(self.model_dir):
+            with _engine_class_copies(self.model_dir), native_stderr_without(ENGINE_START_NOISE if quiet else ()):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types here; say what failed and what to do
             if "memory utilization" in str(e):  # vLLM's own view of free memory (per NUMA node on the CPU)
