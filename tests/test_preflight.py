@@ -16,7 +16,7 @@ def test_embedded_model_reports_a_share_in_0_1():
     assert (r.num_prompts, r.num_generations) == (2, 4)
     assert 0.0 <= r.zero_spread_share <= 1.0 and (r.zero_spread_share * 2) % 1 == 0  # whole groups
     assert 0.0 <= r.truncation_rate <= 1.0
-    assert set(r.histograms) == {"correctness", "format_soft"}
+    assert set(r.histograms) == {"correctness"}  # the default reward set (format_soft never fired: issue 56)
     assert all(sum(h.values()) == 8 for h in r.histograms.values())
     assert "groups with no reward spread" in r.text()
 
@@ -53,6 +53,7 @@ def test_a_reward_that_gives_every_sample_one_value_is_named():
     lines = first_step_advice(cfg, row).splitlines()
     assert len(lines) == 2 and lines[1].startswith("pre-flight (step 1): format_soft_reward gave 0.000 to every sample")
     assert "correctness" not in lines[1]
-    r = preflight(GRPOKitConfig(**{**SMALL, "model": "tiny-llama", "max_completion_length": 4}), num_prompts=2)
+    r = preflight(GRPOKitConfig(**{**SMALL, "model": "tiny-llama", "max_completion_length": 4,
+                                   "reward_funcs": ["correctness", "format_soft"]}), num_prompts=2)
     assert r.constant == {"correctness": 0.0, "format_soft": 0.0}  # random weights never answer
     assert "format_soft gave 0.000 to every sample" in r.text()

@@ -348,7 +348,10 @@ class GRPOKitConfig:
     scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
     num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
-    reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions: built-in names from {REWARD_FUNCS}, "
+    # correctness alone by default: the embedded model answers the arithmetic prompt with its number and never
+    # wrote "Answer: <n>" in 40 steps, so format_soft paid 0.000 to every sample (a reward with no spread adds
+    # nothing to any advantage); the pre-flight proposes it where a run starts with no reward at all
+    reward_funcs: list = _f(["correctness"], f"Reward functions: built-in names from {REWARD_FUNCS}, "
                             "`module:function` strings (an importable module, e.g. `my_rewards:length_penalty`) or, "
                             "from Python (notebook, trainer API), callables `fn(prompts, completions, **columns)`.")
     reward_weights: list = _kit("reward_weights", "One weight per reward function (empty: all 1.0).")
