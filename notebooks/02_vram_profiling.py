@@ -57,6 +57,9 @@ measure_lengths = [64, 256]  # completion lengths for the measurement
 dashboard = "auto"  # "auto": widgets when a front end is attached; "static": figures only
 
 # %%
+from grpo_kit.app.console import quiet_console
+
+quiet_console()  # first: what the imports below would warn becomes the kit's one line, or nothing
 from grpo_kit.notebook.dashboard import widget_frontend_available
 from grpo_kit.model.loading import BUILTIN_MODELS
 from grpo_kit.notebook.helpers import validate_params

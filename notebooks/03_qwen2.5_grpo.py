@@ -81,7 +81,7 @@ verbose = False  # True: vLLM's log and third-party warnings as the libraries pr
 preflight_prompts = 4  # prompts the pre-flight check samples (num_generations completions each)
 
 # %%
-from grpo_kit.notebook.helpers import choose_setup, validate_params
+from grpo_kit.notebook.helpers import notebook_setup
 
 common = dict(num_generations=num_generations, per_device_train_batch_size=num_generations,
               max_prompt_length=max_prompt_length, num_train_samples=num_train_samples,
@@ -91,29 +91,17 @@ full = dict(common, model=model, task=task, dataset_path=dataset_path, max_steps
             max_completion_length=max_completion_length, learning_rate=learning_rate,
             generation_backend=generation_backend, reward_funcs=["correctness", "format_soft"])
 # the fallback is `python -m grpo_kit train`'s default run: 2 prompts per step (with 1, the untrained embedded
-# model's sparse rewards left most early steps without signal), the config's learning rate
+# model's sparse rewards left most early steps without signal), the config's learning rate and rewards
 fallback = dict(common, model=fallback_model, task="arithmetic", max_steps=fallback_max_steps,
                 per_device_train_batch_size=2 * num_generations, num_eval_samples=fallback_num_eval_samples,
                 max_completion_length=fallback_max_completion_length, generation_backend=fallback_generation_backend)
-extras = dict(setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo,
-              verbose=verbose)
-validate_params(full, extras, dict(setup=str, dashboard=str, save_merged_weights=bool, hub_repo=str, verbose=bool))  # both now
-validate_params(fallback)
-# vLLM is needed only when asked for by name; with "auto" a GPU without it trains the full setup with HF generate
-chosen, settings = choose_setup(full, fallback, need_packages=("vllm",) if generation_backend == "vllm" else (),
-                                force=setup)
-cfg = validate_params(settings)
-print(f"setup: {chosen}  model={cfg.model}  task={cfg.task}  steps={cfg.max_steps}  "
-      f"G={cfg.num_generations}  completion<={cfg.max_completion_length} tokens")
-
-# %%
-import torch
-
-from grpo_kit.app.run import resolve_device, resolve_dtype
-
-device = resolve_device(cfg)
-dtype = resolve_dtype(cfg, device)  # bf16 where supported; fp16 + GradScaler on a T4; fp32 on the CPU
-print("device:", device, " dtype:", dtype)
+# both checked before anything loads; the full setup where this machine can run it (vLLM needed only when asked
+# for by name), else the fallback; the kit's quiet console from here on
+run = notebook_setup(full, fallback, setup=setup, verbose=verbose,
+                     need_packages=("vllm",) if generation_backend == "vllm" else (),
+                     extras=dict(dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo),
+                     extra_types=dict(dashboard=str, save_merged_weights=bool, hub_repo=str))
+cfg, device, dtype = run.config, run.device, run.dtype  # dtype: bf16 where supported, fp16 on a T4, fp32 on a CPU
 
 # %% [markdown]
 # ## Which model fits a free T4?
@@ -122,9 +110,9 @@ print("device:", device, " dtype:", dtype)
 
 # %%
 from grpo_kit.memory.fit import config_fit, require_fit
-from grpo_kit.notebook.helpers import NOTEBOOK_MODELS
+from grpo_kit.notebook.helpers import NOTEBOOK_MODELS, validate_params
 
-full_cfg = validate_params(full)
+full_cfg = validate_params(full)  # the full setup as configured, whichever runs here
 for hub_id, built_in in NOTEBOOK_MODELS.items():
     verdict, _ = config_fit(full_cfg, calculator_model=built_in, gpu_gib=15.0, detect=False)
     print(f"{hub_id:28s} {verdict.text()}")
@@ -136,7 +124,7 @@ for hub_id, built_in in NOTEBOOK_MODELS.items():
 # stops here with the numbers and what to change when it would not fit, before any model loads.
 
 # %%
-if chosen == "full":
+if run.name == "full":
     require_fit(cfg, calculator_model=NOTEBOOK_MODELS.get(cfg.model, cfg.model), gpu_gib=15.0)
 else:
     verdict, source = config_fit(cfg, gpu_gib=15.0)
@@ -200,7 +188,7 @@ from grpo_kit.tasks.data import build_datasets
 from grpo_kit.app.export import before_after
 
 questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
-for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
+for row in before_after(summary["run_dir"], questions, device=device, dtype=dtype):
     print(f"Q: {row['question']}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
 
 # %% [markdown]
@@ -215,7 +203,7 @@ from grpo_kit.app.export import push_to_hub, save_merged
 import torch
 
 if save_merged_weights:
-    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=resolve_dtype(cfg, device)
+    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=dtype
                          if device == "cuda" else torch.float32, device=device, overwrite=True)
     print("merged weights:", merged)
     if hub_repo:

@@ -76,6 +76,14 @@ def test_known_log_line_becomes_the_kits_line(quiet, capsys):
     assert capsys.readouterr().out.count("note: transformers sees a torch.distributed group") <= 1
 
 
+def test_irrelevant_warning_dropped_without_a_line(quiet, capsys):
+    """bitsandbytes' missing CPU 4-bit kernel (said when peft is imported): the kit runs 4-bit on CUDA only."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert not logger.filter(_record(logger, "Failed to load CPU gemm_4bit_forward from kernels-community: x"))
+    assert logger.filter(_record(logger, "another bitsandbytes warning"))
+    assert capsys.readouterr() == ("", "")
+
+
 def test_vllm_log_level_follows_verbose(monkeypatch):
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     monkeypatch.setitem(console._STATE, "set_vllm_env", False)

@@ -15,7 +15,7 @@ import torch
 from grpo_kit.app.config import ConfigError
 from grpo_kit.loss.advantage import group_advantages
 from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
-from grpo_kit.notebook.helpers import choose_setup, exact_kl, in_colab, kl_estimates, validate_params
+from grpo_kit.notebook.helpers import choose_setup, exact_kl, in_colab, kl_estimates, notebook_setup, validate_params
 
 TRL_LOG = {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.002, "completions/mean_length": 7.5,
            "learning_rate": 1e-4}
@@ -124,6 +124,32 @@ def test_choose_setup_falls_back_without_gpu():
     with pytest.raises(ValueError, match="force='gpu'"):
         choose_setup({}, {}, force="gpu")
     assert in_colab() is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's choice")
+def test_notebook_setup_is_one_call_that_says_what_it_chose(capsys):
+    from transformers.utils import logging as hf_logging
+
+    full = dict(model="Qwen/Qwen2.5-1.5B-Instruct", task="gsm8k", max_steps=100)
+    fallback = dict(model="smollm2-135m-instruct", task="arithmetic", max_steps=40, max_completion_length=24)
+    hf_logging.enable_progress_bar()
+    run = notebook_setup(full, fallback)
+    assert (run.name, run.device, run.dtype, run.config.model) == ("fallback", "cpu", torch.float32,
+                                                                     "smollm2-135m-instruct")
+    assert not hf_logging.is_progress_bar_enabled()  # the quiet console came first
+    line = capsys.readouterr().out.strip()
+    assert line == run.line() and line.startswith("setup: fallback (torch sees no CUDA GPU")
+    assert "smollm2-135m-instruct, task arithmetic, 40 steps of 8 completions up to 24 tokens, on cpu in float32" in line
+    forced = notebook_setup(full, fallback, setup="full", show=False)
+    assert (forced.name, forced.reason, forced.config.task) == ("full", "", "gsm8k")
+    assert capsys.readouterr().out == ""
+    # both settings are checked before either is chosen, and the notebook's own parameters by their types
+    with pytest.raises(ConfigError, match="max_steps"):
+        notebook_setup(full, dict(fallback, max_steps="many"), setup="full")
+    with pytest.raises(ValueError, match="dashboard=3 has the wrong type"):
+        notebook_setup(full, fallback, extras={"dashboard": 3}, extra_types={"dashboard": str})
+    with pytest.raises(ValueError, match="setup='gpu' is not allowed"):
+        notebook_setup(full, fallback, setup="gpu")
 
 
 def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):

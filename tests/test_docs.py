@@ -67,3 +67,9 @@ def test_mkdocs_build_strict(tmp_path):
         assert (site / page / "index.html").is_file(), page
     notebooks = list((site / "notebooks").glob("*/index.html"))  # notebooks/index.html itself is docs/notebooks.md
     assert len(notebooks) == len(list((ROOT / "notebooks").glob("*.ipynb")))
+    # each notebook's page shows every picture its committed run holds (a page of code without its figures is
+    # what a reader would meet if the renderer dropped them)
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        pictures = nb.read_text(encoding="utf-8").count('"image/png"')
+        shown = (site / "notebooks" / nb.stem / "index.html").read_text(encoding="utf-8").count("data:image/png")
+        assert pictures >= 1 and shown >= pictures, f"{nb.stem}: {shown} pictures on its page, {pictures} in its run"

@@ -152,6 +152,10 @@ def test_committed_outputs_are_a_real_run(name):
     assert not [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"], (
         f"{name}: the committed outputs hold an error"
     )
+    # a red box a reader meets: a library's warning or the kit's own line printed to stderr (issue 56)
+    stderr = ["".join(o.get("text", "")).strip()[:120] for c in code for o in c.get("outputs", [])
+              if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    assert not stderr, f"{name}: the committed outputs print to stderr: {stderr}"
     if name in MIN_COMMITTED_STEPS:
         steps = closing_steps(_texts(nb))
         assert steps >= MIN_COMMITTED_STEPS[name], (

@@ -35,8 +35,9 @@ KNOWN_WARNINGS = (
      "one-process group; the run is not distributed"),
     (FutureWarning, "`torch.distributed.reduce_op` is deprecated",
      "vLLM's Triton dispatcher reads a deprecated torch name while it scans the loaded modules; harmless"),
-    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward",
-     "bitsandbytes (which peft imports) has no optional CPU 4-bit kernel here; only 4-bit CPU runs use that path"),
+    # an empty line: dropped without one. bitsandbytes (which peft imports) has no optional CPU 4-bit kernel here;
+    # only 4-bit runs on the CPU would use it, and the kit runs 4-bit on CUDA only
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward", ""),
 )
 
 _STATE = {"verbose": False, "set_vllm_env": False}
@@ -54,7 +55,7 @@ def _known(source, text: str) -> str | None:
 
 
 def _say_once(note: str) -> None:
-    if note not in _NOTES_SHOWN:
+    if note and note not in _NOTES_SHOWN:
         _NOTES_SHOWN.add(note)
         print(f"note: {note} ({VERBOSE_HINT} shows the original)", flush=True)  # the kit's line, as the plan's
 

@@ -11,11 +11,13 @@ import importlib.util
 import io
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.console import quiet_console
 from grpo_kit.generation import vllm_install_advice
 from grpo_kit.loss.objective import k3_kl
 from grpo_kit.model.devices import unusable_gpu
@@ -75,6 +77,56 @@ def choose_setup(full: dict, fallback: dict, *, need_packages: tuple = (), force
             print(f"setup: the offline fallback, since {'; '.join(blockers)}")
         force = "fallback" if blockers else "full"
     return force, dict(full if force == "full" else fallback)
+
+
+@dataclass(frozen=True)
+class NotebookSetup:
+    """What :func:`notebook_setup` chose: ``name`` ``"full"`` or ``"fallback"``, the validated ``config``, the
+    ``device`` (``"cuda"`` / ``"cpu"``) and ``dtype`` it trains in, and ``reason``, why the fallback ("" if none)."""
+
+    name: str
+    config: GRPOKitConfig
+    device: str
+    dtype: torch.dtype
+    reason: str = ""
+
+    def line(self) -> str:
+        """The one line the notebook prints: what runs where, and why the fallback."""
+        c = self.config
+        why = f" ({self.reason})" if self.reason else ""
+        return (f"setup: {self.name}{why}: {c.model}, task {c.task}, {c.max_steps} steps of {c.num_generations} "
+                f"completions up to {c.max_completion_length} tokens, on {self.device} in "
+                f"{str(self.dtype).removeprefix('torch.')}")
+
+
+def notebook_setup(full: dict, fallback: dict | None = None, *, setup: str = "auto", need_packages: tuple = (),
+                   verbose: bool = False, extras: dict | None = None, extra_types: dict | None = None,
+                   show: bool = True) -> NotebookSetup:
+    """A training notebook's setup in one call: the kit's quiet console first (so no third-party warning of the
+    imports that follow reaches the notebook; ``verbose`` brings them back), both settings validated before
+    anything loads (``full`` / ``fallback``: ``GRPOKitConfig`` fields; ``extras`` / ``extra_types``: the
+    notebook's own parameters, see :func:`validate_params`), then the full setup where it can run here (a GPU
+    torch can use, ``need_packages`` importable, the hub reachable) or else the fallback; ``setup`` ``"full"`` /
+    ``"fallback"`` forces one. The device and dtype are the run's (bf16 where the GPU has it, fp16 on a T4, fp32
+    on the CPU). Prints :meth:`NotebookSetup.line` unless ``show`` is False."""
+    from grpo_kit.app.run import resolve_device, resolve_dtype  # imports peft: after the console is quiet
+
+    quiet_console(verbose)
+    validate_params(full, extras, extra_types)
+    if fallback is not None:
+        validate_params(fallback)
+    if setup not in ("auto", "full", "fallback"):
+        raise ValueError(f"setup={setup!r} is not allowed; choose one of ['auto', 'full', 'fallback']")
+    blockers = full_setup_blockers(need_packages) if setup == "auto" and fallback is not None else []
+    name = "fallback" if setup == "fallback" or blockers else "full"
+    if name == "fallback" and fallback is None:
+        raise ValueError("setup='fallback' needs the fallback settings")
+    cfg = validate_params(full if name == "full" else fallback)
+    device = resolve_device(cfg)
+    chosen = NotebookSetup(name, cfg, device, resolve_dtype(cfg, device), "; ".join(blockers))
+    if show:
+        print(chosen.line())
+    return chosen
 
 
 def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
