@@ -58,6 +58,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo_kit.model.anatomy import AnatomyError, decoder_body, decoder_layers, head
 from grpo_kit.model.nf4_matmul import layer_weight_cache
+from grpo_kit.model.prefix import PrefixCache
 
 __all__ = [
     "AUX_LOSS_OFF_REASON",
@@ -520,7 +521,8 @@ class _Job:
     """Everything one layer call needs again in backward (tensors shared across layers)."""
 
     __slots__ = ("layer", "offloader", "layer_index", "is_last", "orig_forward", "call_kwargs", "cos_sin",
-                 "mask", "attn_kwargs", "sliding", "whole", "dropout", "rec", "rng", "autocast", "chunk")
+                 "mask", "attn_kwargs", "sliding", "whole", "dropout", "rec", "rng", "autocast", "chunk",
+                 "prefix_mode", "prefix_len")
 
 
 def _autocast_state(device):
@@ -666,6 +668,9 @@ def _wrapped_forward(layer, *args, **kwargs):
         if isinstance(v, torch.Tensor) and v.requires_grad:
             raise ValueError(f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
                              "only hidden_states may (its gradient is the only one passed back).")
+    cache = call_kwargs.get("past_key_values")
+    if isinstance(cache, PrefixCache):  # prefix sharing: the prompt's keys and values pass explicitly
+        return _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout)
     # As HF's checkpointing does in training: the recompute must not write a cache twice.
     for k, v in (("past_key_values", None), ("use_cache", False)):
         if k in call_kwargs:
@@ -679,6 +684,94 @@ def _wrapped_forward(layer, *args, **kwargs):
     job.sliding, job.whole, job.dropout, job.chunk = st["sliding"], not split or dropout, dropout, chunk
     anchor = _GradAnchor.get()
     return _OffloadedLayer.apply(job, anchor, hidden_states)
+
+
+# --------------------------------------------------------------------------- prefix sharing
+
+
+class _LayerKV(PrefixCache):
+    """One layer's view of a :class:`PrefixCache` for one call of the layer (its forward or its recompute): it
+    records into, or attends to, its own ``keys``/``values`` whatever the layer index, so that the recompute reads
+    the tensors handed to it (leaves that collect the completions' gradient) and never the shared cache."""
+
+    def __init__(self, mode: str, length: int, k=None, v=None):
+        super().__init__()
+        self.mode, self.length = mode, length
+        if k is not None:
+            self.keys[0], self.values[0] = k, v
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(key_states, value_states, 0, *args, **kwargs)
+
+
+class _OffloadedPrefixLayer(torch.autograd.Function):
+    """A decoder layer under offloaded checkpointing in a prefix-shared pass, run whole as written.
+
+    ``record`` (the prompt): x (1, P, H) -> (y, k, v), k and v the layer's keys and values (1, kv_heads, P, d),
+    outputs so that the completions' gradient w.r.t. them reaches this layer's recompute together with y's.
+    ``attend`` (the completions): (x (G, C, H), k, v) -> y, attending to k and v; backward returns their
+    gradients (summed over the G rows by the expand inside :meth:`PrefixCache.update`). Only x is saved (offloaded
+    like any layer input); the recompute calls the layer with a :class:`_LayerKV` of its own, so nothing is
+    appended to the shared cache twice."""
+
+    @staticmethod
+    def forward(ctx, job, anchor, x, k, v):
+        ctx.job = job
+        job.rec = job.offloader.save(x, job.layer_index, job.is_last)
+        job.autocast = _autocast_state(x.device)
+        job.rng = _rng_state(x.device) if job.dropout else None
+        kv = _LayerKV(job.prefix_mode, job.prefix_len, *((k, v) if job.prefix_mode == "attend" else ()))
+        with layer_weight_cache():
+            y = job.orig_forward(x, **job.call_kwargs, past_key_values=kv)
+        if job.prefix_mode == "attend":
+            ctx.save_for_backward(k, v)
+            return y
+        return y, kv.keys[0], kv.values[0]
+
+    @staticmethod
+    def backward(ctx, gy, *gkv):
+        job = ctx.job
+        ctx.job = None
+        rec, job.rec = job.rec, None
+        x = rec.take()
+        if job.offloader.prefetch and rec.prev is not None:
+            rec.prev.bring_back()
+        rec.prev = None
+        need_gx = ctx.needs_input_grad[2]
+        attend = job.prefix_mode == "attend"
+        leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors] if attend else []
+        with _autocast_ctx(x.device, job.autocast), layer_weight_cache(), \
+                (_restored_rng(x.device, job.rng) if job.rng is not None else nullcontext()):
+            xg = x.detach().requires_grad_(need_gx)
+            kv = _LayerKV(job.prefix_mode, job.prefix_len, *leaves)
+            with torch.enable_grad():
+                y = job.orig_forward(xg, **job.call_kwargs, past_key_values=kv)
+            outs = [(y, gy)] if attend else [(y, gy), (kv.keys[0], gkv[0]), (kv.values[0], gkv[1])]
+            outs = [(t, g) for t, g in outs if g is not None and t.requires_grad]
+            if outs:
+                torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+        gx = xg.grad if need_gx else None
+        if attend:
+            return None, None, gx, leaves[0].grad, leaves[1].grad
+        return None, None, gx, None, None
+
+
+def _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout):
+    """A trainable layer's call in a prefix-shared pass (:class:`_OffloadedPrefixLayer`); in ``record`` mode the
+    layer's keys and values go into ``cache`` under this layer's index, as the autograd outputs they are."""
+    job = _Job()
+    job.layer, job.offloader = layer, st["offloader"]
+    job.layer_index, job.is_last = st["index"], st["is_last"]
+    job.orig_forward = st["orig_forward"]
+    job.call_kwargs = {k: v for k, v in call_kwargs.items() if k != "past_key_values"}
+    job.dropout, job.prefix_mode, job.prefix_len = dropout, cache.mode, cache.length
+    anchor = _GradAnchor.get()
+    if cache.mode == "attend":
+        k, v = cache.keys[st["index"]], cache.values[st["index"]]
+        return _OffloadedPrefixLayer.apply(job, anchor, hidden_states, k, v)
+    y, k, v = _OffloadedPrefixLayer.apply(job, anchor, hidden_states, None, None)
+    cache.keys[st["index"]], cache.values[st["index"]] = k, v
+    return y
 
 
 # --------------------------------------------------------------------------- the probe
