@@ -740,8 +740,8 @@ class _OffloadedPrefixLayer(torch.autograd.Function):
         need_gx = ctx.needs_input_grad[2]
         attend = job.prefix_mode == "attend"
         leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors] if attend else []
-        with _autocast_ctx(x.device, job.autocast), layer_weight_cache(), \
-                (_restored_rng(x.device, job.rng) if job.rng is not None else nullcontext()):
+        rng = _restored_rng(x.device, job.rng) if job.rng is not None else nullcontext()
+        with _autocast_ctx(x.device, job.autocast), layer_weight_cache(), rng:
             xg = x.detach().requires_grad_(need_gx)
             kv = _LayerKV(job.prefix_mode, job.prefix_len, *leaves)
             with torch.enable_grad():
