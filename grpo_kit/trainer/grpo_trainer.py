@@ -236,13 +236,12 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
     def _prefix_plan(self, model, input_ids, attention_mask, logits_to_keep, aux):
         """The :class:`grpo_kit.model.prefix.PrefixPlan` of a pass, or None where it does not share: sharing off;
-        an MoE router loss asked for (it counts the prompt's tokens once per row); or, in a training pass, several
-        processes (auto) or HF's own checkpointing, which drops the KV cache (said once)."""
-        if self.prefix_sharing is False or aux:
+        an MoE router loss asked for (it counts the prompt's tokens once per row); several processes (not proven
+        there: ``auto`` is off, ``true`` refused at construction); or, in a training pass, HF's own checkpointing,
+        which drops the KV cache (said once)."""
+        if self.prefix_sharing is False or aux or self.accelerator.num_processes > 1:
             return None
         if torch.is_grad_enabled():
-            if self.accelerator.num_processes > 1:
-                return None
             if self._offloaded_checkpointing:
                 keep_hf_checkpointing_off(self.model)
             if hf_checkpointing_drops_cache(model):
