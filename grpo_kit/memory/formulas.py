@@ -299,6 +299,61 @@ def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, 
     return base + max(loop, attn_bwd)
 
 
+# ----------------------------------------------------------------------------- prefix sharing
+
+
+def shared_prefix_tokens(prompt_tokens: int, completion_tokens: int, rows: int, generations: int) -> int:
+    """Tokens one forward runs over ``rows`` sequences when each group's prompt runs once
+    (``grpo_kit.model.prefix``): ``ceil(rows / generations)`` prompts (a micro-batch of whole groups, or part of
+    one) and every row's completion."""
+    return -(-rows // generations) * prompt_tokens + rows * completion_tokens
+
+
+def prefix_kv_bytes(a: Arch, prompt_tokens: int, b: int) -> int:
+    """The prompts' keys and values of every layer, which the training pass holds from the prompts' forward
+    until each layer's backward (the completions' layers read them, in forward and in their recompute):
+    :func:`kv_cache_bytes` of the prompt tokens in the training dtype."""
+    return kv_cache_bytes(a, prompt_tokens, b)
+
+
+def prefix_attention_bytes(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
+                           with_grad: bool) -> int:
+    """The completions' attention reads its group's prompt keys and values expanded to every row:
+    ``rows x (P + C) x 2 kv x b``; with grad, also their gradient (the same size) before the sum over the rows
+    into the one prompt."""
+    n = rows * (prompt_tokens + completion_tokens) * 2 * a.kv_dim * b
+    return 2 * n if with_grad else n
+
+
+def prefix_layer_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
+                                chunk_tokens: int, extra: int) -> int:
+    """One layer's backward in a prefix-shared pass under ``grpo_kit.model.offload``: the layer is recomputed as
+    written (the cache's keys and values pass through its own attention) with its MLP in slices of
+    ``chunk_tokens``. Per token: gy, gx and ``brought_back`` inputs (b*h each) and the attention part that
+    autograd saves (:func:`layer_saved_bytes_per_token`); then the larger of one MLP slice's loop and the
+    attention backward's q/k/v gradients and workspace. ``extra``: the keys and values beyond the layer's own
+    tokens (the prompt's, expanded, and their gradients: :func:`prefix_attention_bytes`)."""
+    h, q, kv = a.hidden, a.q_dim, a.kv_dim
+    attn, mlp = layer_saved_bytes_per_token(a, b, lora_rank)
+    base = tokens * (b * h * (2 + brought_back) + attn)
+    slice_tok = min(chunk_tokens, tokens)
+    loop = slice_tok * (mlp + mlp_backward_transient_per_token(a, b, lora_rank is not None) + 2 * b * h)
+    attn_bwd = tokens * (b * (q + 2 * kv) + attention_backward_workspace_per_token(a, b))
+    return base + extra + max(loop, attn_bwd)
+
+
+def shared_scoring_peak(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
+                        chunk_tokens: int | None, logits_chunk_bytes: float, adapters: bool = False) -> float:
+    """The no-grad scoring forward of one group with prefix sharing (groups run one after another): the prompt's
+    keys and values of every layer, then the larger of the prompt's forward (one sequence of P tokens) and the
+    ``rows`` completions' forward (C tokens each) with the prompt's keys and values expanded to every row
+    (:func:`scoring_forward_peak` for each, one logits chunk counted once)."""
+    prompt = scoring_forward_peak(a, 1, prompt_tokens, b, chunk_tokens, 0, adapters)
+    completions = (scoring_forward_peak(a, rows, completion_tokens, b, chunk_tokens, 0, adapters)
+                   + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False))
+    return prefix_kv_bytes(a, prompt_tokens, b) + max(prompt, completions) + logits_chunk_bytes
+
+
 # fp32 tensors of the intermediate width alive at once in a no-grad MLP forward through PEFT's LoRA layers (fp32
 # adapters): the adapter's output, that output scaled, and the sum promoted to fp32, at the up projection while the
 # gate's output waits. Measured on the CPU with peft 0.21 (tests/test_memory.py), bf16 and fp32 alike, dropout or not.
