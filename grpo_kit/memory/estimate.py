@@ -20,6 +20,12 @@ allocator fragmentation (reserved minus allocated) are not counted: compare with
 ``scoring`` phase only when it scores more sequences per forward than a micro-batch (``scoring_batch``);
 otherwise it (and TRL's old-policy pass) is smaller than the training step. Not modelled: vLLM's own
 activations and CUDA graphs.
+
+Prefix sharing (``prefix_sharing``, ``grpo_kit`` only: each group's prompt scored once, :mod:`grpo_kit.model.prefix`):
+a training forward runs ``ceil(micro_batch / G)`` prompts and every row's completion (saved activations, final
+norm, recompute), holds those prompts' keys and values of every layer through the loss and backward, and its
+completions' layers read them expanded to each row (with their gradient in backward); the scoring pass runs one
+group at a time. vLLM's KV cache holds each prompt once (its prefix cache) with or without it; so does the price.
 """
 
 from __future__ import annotations
@@ -461,8 +467,8 @@ def _prefix_recompute(s: _Step, extra_in: int) -> tuple[float, str]:
                                                 F.prefix_attention_bytes(a, M, P, C, b, with_grad=True))
     prompts = F.prefix_layer_recompute_peak(a, s.prompts * P, b, s.lora_rank, extra_in, s.chunk_tokens,
                                             F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers)
-    which = "a completions' layer (the prompt's keys and values expanded to its rows, with their gradient)" \
-        if completions >= prompts else "a prompts' layer (with its keys' and values' incoming gradient)"
+    which = ("a completions' layer (the prompt's keys and values expanded to its rows, with their gradient)"
+             if completions >= prompts else "a prompts' layer (with its keys' and values' incoming gradient)")
     return max(completions, prompts), (f"prefix-shared recompute, the larger is {which}: attention whole, the MLP in "
                                        f"{s.chunk_tokens}-token slices" + (", next layer's input prefetched"
                                                                            if extra_in else ""))
@@ -623,8 +629,8 @@ def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
 def estimate(model, *, num_generations: int, prompt_length: int, completion_length: int, dtype: str = "bf16",
              lora_rank: int | None = None, quantization: str | None = None, method: str = "grpo_kit",
              vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
-             chunk_tokens: int | None = None, prefetch: bool = True,
-             include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
+             chunk_tokens: int | None = None, prefetch: bool = True, include_generation: bool = True,
+             offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
              scoring_batch: int | str | None = None, lora_dropout: bool = False,
@@ -652,8 +658,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
         chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
             :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
-        include_generation: False leaves out the KV cache (a training step alone, as the whole-step
-            benchmark measures it).
+        include_generation: False leaves out the KV cache (a training step alone, as the whole-step benchmark).
         offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
             False: every layer input stays on the GPU (e.g. grpo_kit's recompute without offload).
         loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF style; the
@@ -664,8 +669,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             follow the loss's own rule (``grpo_kit.loss.efficient``).
         standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
             (:mod:`grpo_kit.generation.standby`): the KV cache then counts in the generation phase only.
-        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs,
-            :func:`formulas.vllm_kv_tokens`).
+        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs, formulas.vllm_kv_tokens).
         vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
         scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
             reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
@@ -683,11 +687,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             ``tool_result_tokens`` tokens each (as rendered: result, wrapper, next assistant header) follow the
             model's calls, ``completion_length`` counting the model's tokens of all turns. The KV cache holds the
             prompt plus all turns; every forward, the loss's included, runs over the tool tokens (masked, computed).
-        prefix_sharing: ``grpo_kit`` only: each group's prompt is scored once (``grpo_kit.model.prefix``): the
-            training forward runs ``ceil(micro_batch / G)`` prompts and every row's completion (saved activations,
-            final norm, recompute), holds those prompts' keys and values of every layer through the loss and
-            backward, and its completions' layers read them expanded to each row; the scoring pass runs one group
-            at a time. vLLM's KV cache already holds each prompt once (its prefix cache), with or without it.
+        prefix_sharing: ``grpo_kit`` only: each group's prompt scored once (the module docstring).
 
     Phases (the module docstring's peak rule): ``generation``, ``loss``, ``backward``, and ``scoring`` where
     ``scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
