@@ -8,7 +8,8 @@ given replaces one of them. ``--published-setting`` prices the setting of Unslot
     python -m grpo_kit vram --model llama-3.1-8b --context 20480 --gpu-gib 24
     python -m grpo_kit vram --model llama-3.1-8b --context 20480 --generations 8 --published-setting
     python -m grpo_kit vram --model qwen2.5-1.5b --context 1024 --method all --plot vram.png
-    python -m grpo_kit vram --model llama-3.1-8b --context 129024 --prompt-length 126976 --standby --prefix-sharing both
+    python -m grpo_kit vram --model llama-3.1-8b --context 129024 --prompt-length 126976 --generations 8 \\
+        --micro-batch 8 --standby --prefix-sharing both --gpu-gib 80
 """
 
 from __future__ import annotations
