@@ -1,15 +1,20 @@
 """The VRAM calculator with prefix sharing (grpo_kit.memory.estimate, formulas; `vram --prefix-sharing`): the shared
 prompt priced once in each training phase (and, by vLLM's prefix cache, once in generation either way), its keys and
-values held through the loss and backward, and the issue's question answered: does 8 x (126,976 + 2,048) fit an
-80 GB card, with and without sharing."""
+values held through the loss and backward (held to what autograd keeps on the CPU), and the issue's question
+answered: does 8 x (126,976 + 2,048) fit an 80 GB card, with and without sharing."""
 
 import pytest
+import torch
+from peft import LoraConfig, get_peft_model
 
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.cli import cli_main
 from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, resolve_arch
 from grpo_kit.memory.fit import fit_verdict
+from grpo_kit.model.loading import build_random_model
+from grpo_kit.model.offload import enable_offloaded_checkpointing
+from grpo_kit.model.prefix import shared_group_hidden
 
 LLAMA = "llama-3.1-8b"
 LONG = dict(num_generations=8, prompt_length=126_976, completion_length=2_048, lora_rank=16, micro_batch_size=8,
@@ -91,3 +96,25 @@ def test_vram_answers_with_and_without_sharing(capsys):
     with pytest.raises(SystemExit):
         cli_main(argv[:-1] + ["on", "--method", "trl"], run_config=GRPOKitConfig())
     assert "describes the grpo_kit trainer" in capsys.readouterr().err
+
+
+def test_the_training_pass_holds_the_prompts_keys_and_values_as_priced():
+    """Under offloaded checkpointing the completions' layers keep the prompt's keys and values (what autograd saves
+    of shape (1, kv heads, P, head dim)): the calculator's "prompt keys and values" row, byte for byte."""
+    torch.manual_seed(0)
+    model = get_peft_model(build_random_model("tiny-llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    enable_offloaded_checkpointing(model, min_bytes=0, pin_memory=False, _offload_on_cpu=True)
+    model.train()
+    P, G, C = 24, 4, 6
+    held = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == P:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = shared_group_hidden(model, torch.arange(3, 3 + P), torch.randint(3, 900, (G, C)))
+    assert sum(held.values()) == F.prefix_kv_bytes(resolve_arch("tiny-llama"), P, 4)
+    hidden.sum().backward()  # and the graph runs
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
