@@ -150,7 +150,8 @@ def test_the_plan_groups_by_content_and_auto_shares_only_what_pays():
     assert plan.tokens_saved == 2 * P + P
     long = torch.ones(6, P + 1)  # completions longer than the prompt: auto leaves them alone, true shares
     assert not plan_prefix_groups(ids, mask, long, mode="auto").groups
-    assert plan_prefix_groups(ids, mask, long, mode="auto").short == 5
+    unpaid = plan_prefix_groups(ids, mask, long, mode="auto")
+    assert unpaid.short == 6 and unpaid.alone == 0  # a lone row that would not have shared is not said to fall back
     assert len(plan_prefix_groups(ids, mask, long, mode=True).groups) == 2
     assert not plan_prefix_groups(ids, mask, short, mode=False).groups
     small = plan_prefix_groups(ids[:, -16:], mask[:, -16:], short[:, :4], mode="auto")

@@ -178,10 +178,10 @@ def plan_prefix_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comp
     groups, alone, short = [], 0, 0
     for rows in by_prompt.values():
         n_real = int(real[rows[0]])
-        if len(rows) < 2:
+        if mode == "auto" and not _pays(n_real, sum(lengths[r] for r in rows) / len(rows)):
+            short += len(rows)  # a lone row too: it would not have shared, so it is not said to fall back
+        elif len(rows) < 2:
             alone += 1
-        elif mode == "auto" and not _pays(n_real, sum(lengths[r] for r in rows) / len(rows)):
-            short += len(rows)
         else:
             groups.append(SharedGroup(tuple(rows), prompt_ids[rows[0], P - n_real:]))
             continue

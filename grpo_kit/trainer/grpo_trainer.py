@@ -241,7 +241,10 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         which drops the KV cache (said once)."""
         if self.prefix_sharing is False or aux or self.accelerator.num_processes > 1:
             return None
-        if torch.is_grad_enabled():
+        P = input_ids.size(1) - logits_to_keep
+        plan = plan_prefix_groups(input_ids[:, :P], attention_mask[:, :P], attention_mask[:, P:],
+                                  mode=self.prefix_sharing)
+        if plan.groups and torch.is_grad_enabled():
             if self._offloaded_checkpointing:
                 keep_hf_checkpointing_off(self.model)
             if hf_checkpointing_drops_cache(model):
@@ -249,9 +252,6 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
                                "checkpointing drops the KV cache the completions read (the kit's offloaded "
                                "checkpointing keeps it); the reference and old-policy passes still share")
                 return None
-        P = input_ids.size(1) - logits_to_keep
-        plan = plan_prefix_groups(input_ids[:, :P], attention_mask[:, :P], attention_mask[:, P:],
-                                  mode=self.prefix_sharing)
         stats = self.prefix_sharing_stats
         for key, value in (("passes", 1), ("groups", len(plan.groups)), ("shared_rows", plan.shared_rows),
                            ("alone_rows", plan.alone), ("short_rows", plan.short), ("layout_rows", plan.layout),
