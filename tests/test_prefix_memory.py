@@ -33,6 +33,7 @@ def test_a_forward_runs_each_groups_prompt_once():
     assert F.prefix_kv_bytes(a, 1000, 2) == 2 * 32 * 1000 * 1024 * 2  # K and V, 32 layers, 8 KV heads of 128
     assert F.prefix_attention_bytes(a, 8, 1000, 24, 2, with_grad=False) == 8 * 1024 * 2 * 1024 * 2
     assert F.prefix_attention_bytes(a, 8, 1000, 24, 2, with_grad=True) == 2 * 8 * 1024 * 2 * 1024 * 2
+    assert F.prefix_mask_bytes(1000, 24, 2) == 24 * 1024 * 3  # bool, then bf16 additive
 
 
 def test_the_training_phases_price_the_shared_prompt_once():
@@ -71,7 +72,8 @@ def test_the_scoring_pass_runs_one_group_at_a_time():
     assert 0 < logits < 2**30  # the rest is one logits chunk
     assert F.shared_scoring_peak(a, 8, P, C, 2, chunk, 0) == F.kv_cache_bytes(a, P, 2) + max(
         F.scoring_forward_peak(a, 1, P, 2, chunk, 0),
-        F.scoring_forward_peak(a, 8, C, 2, chunk, 0) + F.prefix_attention_bytes(a, 8, P, C, 2, False))
+        F.scoring_forward_peak(a, 8, C, 2, chunk, 0) + F.prefix_attention_bytes(a, 8, P, C, 2, False)
+        + F.prefix_mask_bytes(P, C, 2))
 
 
 def test_short_prompts_gain_nothing_and_auto_is_priced_unshared():
@@ -118,3 +120,23 @@ def test_the_training_pass_holds_the_prompts_keys_and_values_as_priced():
     assert sum(held.values()) == F.prefix_kv_bytes(resolve_arch("tiny-llama"), P, 4)
     hidden.sum().backward()  # and the graph runs
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_the_completions_mask_is_one_c_by_p_plus_c_broadcast_over_rows():
+    """What prefix_mask_bytes prices: transformers hands SDPA one boolean (C, P + C) mask, stride 0 over the rows."""
+    model = build_random_model("tiny-llama")
+    seen, layer = [], model.model.layers[0]
+    forward = layer.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("attention_mask"))
+        return forward(*args, **kwargs)
+
+    layer.forward = spy
+    P, G, C = 37, 4, 6
+    with torch.no_grad():
+        shared_group_hidden(model, torch.arange(3, 3 + P), torch.randint(3, 900, (G, C)))
+    assert seen[0] is None  # the prompt: causal, no mask
+    mask = seen[1]
+    assert mask.shape == (G, 1, C - 1, P + C - 1) and mask.stride(0) == 0 and mask.dtype == torch.bool
+    assert mask.untyped_storage().nbytes() == F.prefix_mask_bytes(P, C - 1, 0)

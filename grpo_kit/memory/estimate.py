@@ -464,7 +464,8 @@ def _prefix_recompute(s: _Step, extra_in: int) -> tuple[float, str]:
     gradient of its keys and values)."""
     a, b, P, C, M = s.a, s.b, s.P, s.C, s.M
     completions = F.prefix_layer_recompute_peak(a, M * C, b, s.lora_rank, extra_in, s.chunk_tokens,
-                                                F.prefix_attention_bytes(a, M, P, C, b, with_grad=True))
+                                                F.prefix_attention_bytes(a, M, P, C, b, with_grad=True)
+                                                + F.prefix_mask_bytes(P, C, b))
     prompts = F.prefix_layer_recompute_peak(a, s.prompts * P, b, s.lora_rank, extra_in, s.chunk_tokens,
                                             F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers)
     which = ("a completions' layer (the prompt's keys and values expanded to its rows, with their gradient)"

@@ -325,6 +325,13 @@ def prefix_attention_bytes(a: Arch, rows: int, prompt_tokens: int, completion_to
     return 2 * n if with_grad else n
 
 
+def prefix_mask_bytes(prompt_tokens: int, completion_tokens: int, b: int) -> int:
+    """The completions' attention mask: their queries sit after the prompt, so SDPA's own causal flag (aligned to
+    the top left) does not fit and transformers passes a boolean (C, P + C) mask, broadcast over rows and heads,
+    which SDPA turns into an additive one in the compute dtype: ``C x (P + C) x (1 + b)``."""
+    return completion_tokens * (prompt_tokens + completion_tokens) * (1 + b)
+
+
 def prefix_layer_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
                                 chunk_tokens: int, extra: int) -> int:
     """One layer's backward in a prefix-shared pass under ``grpo_kit.model.offload``: the layer is recomputed as
@@ -346,11 +353,12 @@ def shared_scoring_peak(a: Arch, rows: int, prompt_tokens: int, completion_token
                         chunk_tokens: int | None, logits_chunk_bytes: float, adapters: bool = False) -> float:
     """The no-grad scoring forward of one group with prefix sharing (groups run one after another): the prompt's
     keys and values of every layer, then the larger of the prompt's forward (one sequence of P tokens) and the
-    ``rows`` completions' forward (C tokens each) with the prompt's keys and values expanded to every row
-    (:func:`scoring_forward_peak` for each, one logits chunk counted once)."""
+    ``rows`` completions' forward (C tokens each) with the prompt's keys and values expanded to every row and
+    their mask (:func:`scoring_forward_peak` for each, one logits chunk counted once)."""
     prompt = scoring_forward_peak(a, 1, prompt_tokens, b, chunk_tokens, 0, adapters)
     completions = (scoring_forward_peak(a, rows, completion_tokens, b, chunk_tokens, 0, adapters)
-                   + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False))
+                   + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False)
+                   + prefix_mask_bytes(prompt_tokens, completion_tokens, b))
     return prefix_kv_bytes(a, prompt_tokens, b) + max(prompt, completions) + logits_chunk_bytes
 
 
