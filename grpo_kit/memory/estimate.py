@@ -459,20 +459,25 @@ def _recompute_rows(s: _Step) -> list[dict]:
 
 
 def _prefix_recompute(s: _Step, extra_in: int) -> tuple[float, str]:
-    """(bytes, note) of one layer's backward with prefix sharing: the larger of a completions' layer (the
-    prompts' keys and values expanded to every row, and their gradient) and a prompts' layer (the incoming
-    gradient of its keys and values)."""
+    """(bytes, note) of one layer's backward with prefix sharing: the layer's own recompute (sliced, or whole
+    under LoRA dropout) over the larger of a completions' layer (plus the prompts' keys and values expanded to
+    every row, their gradient and the completions' mask) and a prompts' layer (plus the incoming gradient of its
+    keys and values)."""
     a, b, P, C, M = s.a, s.b, s.P, s.C, s.M
-    completions = F.prefix_layer_recompute_peak(a, M * C, b, s.lora_rank, extra_in, s.chunk_tokens,
-                                                F.prefix_attention_bytes(a, M, P, C, b, with_grad=True)
-                                                + F.prefix_mask_bytes(P, C, b))
-    prompts = F.prefix_layer_recompute_peak(a, s.prompts * P, b, s.lora_rank, extra_in, s.chunk_tokens,
-                                            F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers)
-    which = ("a completions' layer (the prompt's keys and values expanded to its rows, with their gradient)"
+
+    def layer(tokens):
+        if s.lora_dropout:
+            return F.full_recompute_peak(a, tokens, b, s.lora_rank, extra_in, True)
+        return F.chunked_recompute_peak(a, tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
+
+    completions = (layer(M * C) + F.prefix_attention_bytes(a, M, P, C, b, with_grad=True)
+                   + F.prefix_mask_bytes(P, C, b))
+    prompts = layer(s.prompts * P) + F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers
+    which = ("a completions' layer (the prompt's keys and values expanded to its rows, their gradient, its mask)"
              if completions >= prompts else "a prompts' layer (with its keys' and values' incoming gradient)")
-    return max(completions, prompts), (f"prefix-shared recompute, the larger is {which}: attention whole, the MLP in "
-                                       f"{s.chunk_tokens}-token slices" + (", next layer's input prefetched"
-                                                                           if extra_in else ""))
+    how = "each layer whole (LoRA dropout)" if s.lora_dropout else f"{s.chunk_tokens}-token slices"
+    return max(completions, prompts), (f"prefix-shared recompute, {how}; the larger is {which}"
+                                       + (", next layer's input prefetched" if extra_in else ""))
 
 
 def _kit_logits_chunk(s: _Step, token_rows: int) -> tuple[int, int]:

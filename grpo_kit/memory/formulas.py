@@ -332,23 +332,6 @@ def prefix_mask_bytes(prompt_tokens: int, completion_tokens: int, b: int) -> int
     return completion_tokens * (prompt_tokens + completion_tokens) * (1 + b)
 
 
-def prefix_layer_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
-                                chunk_tokens: int, extra: int) -> int:
-    """One layer's backward in a prefix-shared pass under ``grpo_kit.model.offload``: the layer is recomputed as
-    written (the cache's keys and values pass through its own attention) with its MLP in slices of
-    ``chunk_tokens``. Per token: gy, gx and ``brought_back`` inputs (b*h each) and the attention part that
-    autograd saves (:func:`layer_saved_bytes_per_token`); then the larger of one MLP slice's loop and the
-    attention backward's q/k/v gradients and workspace. ``extra``: the keys and values beyond the layer's own
-    tokens (the prompt's, expanded, and their gradients: :func:`prefix_attention_bytes`)."""
-    h, q, kv = a.hidden, a.q_dim, a.kv_dim
-    attn, mlp = layer_saved_bytes_per_token(a, b, lora_rank)
-    base = tokens * (b * h * (2 + brought_back) + attn)
-    slice_tok = min(chunk_tokens, tokens)
-    loop = slice_tok * (mlp + mlp_backward_transient_per_token(a, b, lora_rank is not None) + 2 * b * h)
-    attn_bwd = tokens * (b * (q + 2 * kv) + attention_backward_workspace_per_token(a, b))
-    return base + extra + max(loop, attn_bwd)
-
-
 def shared_scoring_peak(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
                         chunk_tokens: int | None, logits_chunk_bytes: float, adapters: bool = False) -> float:
     """The no-grad scoring forward of one group with prefix sharing (groups run one after another): the prompt's

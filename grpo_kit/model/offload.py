@@ -386,21 +386,56 @@ def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
     return out.reshape(B, T, -1)
 
 
-def _chunked_forward(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
-    """The decoder layer, per-token work in slices. x (B, T, H) -> (B, T, H), same dtype.
+class _SplitPrefix:
+    """A split layer's attention in a prefix-shared pass (:class:`_OffloadedPrefixLayer`).
+
+    ``record`` (the prompt, batch 1): the forward keeps the layer's keys and values, (1, kv heads, P, d), in
+    ``keys``/``values``; in backward their incoming gradients ``grads`` (the completions', same shapes, or None)
+    join the attention's own. ``attend`` (the completions): ``keys``/``values`` are the prompt's, put before the
+    layer's own keys and values for every row; backward leaves their gradients in ``grads``."""
+
+    def __init__(self, mode: str, keys=None, values=None, grads=(None, None)):
+        self.mode, self.keys, self.values, self.grads = mode, keys, values, grads
+
+    def kv(self, k, v):
+        """The keys and values attention reads, from the layer's own k, v (B, T, kv heads, d)."""
+        if self.mode == "record":
+            self.keys, self.values = k.transpose(1, 2), v.transpose(1, 2)
+            return k, v
+        B = k.shape[0]
+        return (torch.cat([self.keys.expand(B, -1, -1, -1).transpose(1, 2), k], 1),
+                torch.cat([self.values.expand(B, -1, -1, -1).transpose(1, 2), v], 1))
+
+    def leaves(self) -> None:
+        """``attend``, before the recompute: the prompt's keys and values as leaves that collect their gradient."""
+        if self.mode == "attend":
+            self.keys, self.values = (t.detach().requires_grad_() for t in (self.keys, self.values))
+
+    def layer_grads(self, gk, gv):
+        """The gradients of the layer's own k, v (B, T, kv heads, d) after the attention backward: ``record`` adds
+        the completions' (transposed to this layout); ``attend`` keeps the prompt's in ``grads``."""
+        if self.mode == "attend":
+            self.grads = (self.keys.grad, self.values.grad)
+            return gk, gv
+        return tuple(g if extra is None else g + extra.transpose(1, 2) for g, extra in zip((gk, gv), self.grads))
+
+
+def _chunked_forward(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, prefix=None):
+    """The decoder layer, per-token work in slices. x (B, T, H) -> (B, T, H), same dtype. ``prefix``: a
+    :class:`_SplitPrefix` in a prefix-shared pass.
 
     Without grad it saves nothing; transient peak ~ q,k,v + attention output + one slice.
     """
     with layer_weight_cache():  # 4-bit weights: dequantised once for all slices
-        return _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens)
+        return _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, prefix)
 
 
-def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
+def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, prefix=None):
     B, T, _ = x.shape
     rotary = _rotary_fn(layer)
     parts = _slices(T, B, chunk_tokens)
     q, k, v = _qkv(layer, x, cos, sin, rotary, parts)
-    a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
+    a = _attention(layer, q, *((k, v) if prefix is None else prefix.kv(k, v)), attention_mask, kwargs, sliding)
     del q, k, v
     y = torch.empty_like(x)
     for s in parts:
@@ -408,10 +443,11 @@ def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, c
     return y
 
 
-def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, need_gx):
+def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, need_gx, prefix=None):
     """Recompute the layer slice by slice and backpropagate ``gy`` (B, T, H).
 
-    Parameter gradients accumulate into ``.grad``; returns the gradient of ``x`` (or None).
+    Parameter gradients accumulate into ``.grad``; returns the gradient of ``x`` (or None); with ``prefix`` (a
+    :class:`_SplitPrefix`) the prompt's keys and values take part as there said.
     Order: q,k,v without grad -> attention with grad -> per-slice (o_proj + MLP) backward ->
     attention backward -> per-slice (norm + q,k,v) backward.
     """
@@ -421,8 +457,11 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
     with torch.no_grad():
         q, k, v = _qkv(layer, x, cos, sin, rotary, parts)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    attend = prefix is not None and prefix.mode == "attend"
+    if attend:
+        prefix.leaves()
     with torch.enable_grad():
-        a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
+        a = _attention(layer, q, *(prefix.kv(k, v) if attend else (k, v)), attention_mask, kwargs, sliding)
     ga = torch.empty_like(a)
     gx = torch.zeros_like(x) if need_gx else None
     a_d = a.detach()
@@ -439,6 +478,8 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
     torch.autograd.backward(a, ga)
     del a, a_d, ga
     gq, gk, gv = q.grad, k.grad, v.grad
+    if prefix is not None:
+        gk, gv = prefix.layer_grads(gk, gv)
     del q, k, v
     for s in parts:
         x_c = x[:, s].detach().requires_grad_(need_gx)
@@ -705,14 +746,15 @@ class _LayerKV(PrefixCache):
 
 
 class _OffloadedPrefixLayer(torch.autograd.Function):
-    """A decoder layer under offloaded checkpointing in a prefix-shared pass, run whole as written.
+    """A decoder layer under offloaded checkpointing in a prefix-shared pass: a split layer in its slices
+    (:class:`_SplitPrefix`), any other as written.
 
     ``record`` (the prompt): x (1, P, H) -> (y, k, v), k and v the layer's keys and values (1, kv_heads, P, d),
     outputs so that the completions' gradient w.r.t. them reaches this layer's recompute together with y's.
     ``attend`` (the completions): (x (G, C, H), k, v) -> y, attending to k and v; backward returns their
-    gradients (summed over the G rows by the expand inside :meth:`PrefixCache.update`). Only x is saved (offloaded
-    like any layer input); the recompute calls the layer with a :class:`_LayerKV` of its own, so nothing is
-    appended to the shared cache twice."""
+    gradients (summed over the G rows by their expand). Only x is saved (offloaded like any layer input); a recompute
+    reads the keys and values handed to it (a :class:`_LayerKV` of its own where the layer runs as written), so
+    nothing is appended to the shared cache twice."""
 
     @staticmethod
     def forward(ctx, job, anchor, x, k, v):
@@ -720,13 +762,20 @@ class _OffloadedPrefixLayer(torch.autograd.Function):
         job.rec = job.offloader.save(x, job.layer_index, job.is_last)
         job.autocast = _autocast_state(x.device)
         job.rng = _rng_state(x.device) if job.dropout else None
-        kv = _LayerKV(job.prefix_mode, job.prefix_len, *((k, v) if job.prefix_mode == "attend" else ()))
-        with layer_weight_cache():
-            y = job.orig_forward(x, **job.call_kwargs, past_key_values=kv)
-        if job.prefix_mode == "attend":
+        attend = job.prefix_mode == "attend"
+        if job.whole:
+            kv = _LayerKV(job.prefix_mode, job.prefix_len, *((k, v) if attend else ()))
+            with layer_weight_cache():
+                y = job.orig_forward(x, **job.call_kwargs, past_key_values=kv)
+            out_k, out_v = kv.keys[0], kv.values[0]
+        else:
+            prefix = _SplitPrefix(job.prefix_mode, k, v)
+            y = _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk, prefix)
+            out_k, out_v = prefix.keys.contiguous(), prefix.values.contiguous()
+        if attend:
             ctx.save_for_backward(k, v)
             return y
-        return y, kv.keys[0], kv.values[0]
+        return y, out_k, out_v
 
     @staticmethod
     def backward(ctx, gy, *gkv):
@@ -739,6 +788,13 @@ class _OffloadedPrefixLayer(torch.autograd.Function):
         rec.prev = None
         need_gx = ctx.needs_input_grad[2]
         attend = job.prefix_mode == "attend"
+        if not job.whole:
+            prefix = _SplitPrefix(job.prefix_mode, *(ctx.saved_tensors if attend else ()),
+                                  grads=(None, None) if attend else gkv)
+            with _autocast_ctx(x.device, job.autocast), layer_weight_cache():
+                gx = _chunked_backward(job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
+                                       job.chunk, need_gx, prefix)
+            return (None, None, gx, *prefix.grads) if attend else (None, None, gx, None, None)
         leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors] if attend else []
         rng = _restored_rng(x.device, job.rng) if job.rng is not None else nullcontext()
         with _autocast_ctx(x.device, job.autocast), layer_weight_cache(), rng:
@@ -765,6 +821,13 @@ def _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout):
     job.orig_forward = st["orig_forward"]
     job.call_kwargs = {k: v for k, v in call_kwargs.items() if k != "past_key_values"}
     job.dropout, job.prefix_mode, job.prefix_len = dropout, cache.mode, cache.length
+    # a split layer keeps its slices (its attention reads the prompt's keys and values, _SplitPrefix); any other
+    # layer, or one with active dropout, runs as written with a cache of its own (_LayerKV)
+    job.cos_sin, job.mask = call_kwargs.get("position_embeddings"), call_kwargs.get("attention_mask")
+    job.whole = dropout or st["mode"] != "split" or job.cos_sin is None
+    job.attn_kwargs = {k: v for k, v in call_kwargs.items()
+                       if k not in ("attention_mask", "position_embeddings", "past_key_values", "use_cache")}
+    job.sliding, job.chunk = st["sliding"], job.offloader.chunk_tokens or st["auto_chunk"]
     anchor = _GradAnchor.get()
     if cache.mode == "attend":
         k, v = cache.keys[st["index"]], cache.values[st["index"]]
