@@ -14,13 +14,19 @@ import warnings
 
 import pytest
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig
 
 from grpo_kit.model import anatomy
 from grpo_kit.model.loading import build_random_model, load_tokenizer
 from grpo_kit.model.offload import enable_offloaded_checkpointing
-from grpo_kit.model.prefix import AUTO_MIN_PROMPT_TOKENS, PrefixCache, check_prefix_sharing, plan_prefix_groups
+from grpo_kit.model.prefix import (
+    AUTO_MIN_PROMPT_TOKENS,
+    PrefixCache,
+    check_prefix_sharing,
+    plan_prefix_groups,
+    shared_group_hidden,
+)
 from grpo_kit.tasks.data import generate_tasks, to_prompt_dataset
 from grpo_kit.tasks.rewards import correctness_reward
 from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
@@ -194,3 +200,28 @@ def test_hf_checkpointing_in_training_turns_the_policy_pass_unshared(tmp_path):
     with pytest.warns(UserWarning, match="HF's gradient checkpointing drops the KV cache"):
         got = _loss_and_grads(trainer, inputs, True, "grpo", "token")
     _assert_same(got, want, "hf checkpointing")
+
+
+def test_with_lora_dropout_the_offloaded_pass_equals_the_plain_one():
+    """LoRA dropout: an offloaded layer then runs as written, its recompute under the forward's RNG state; the
+    shared pass under offloaded checkpointing equals the plain shared pass drawing the same masks."""
+    base = build_random_model("tiny-qwen3")
+    prompt, completions = torch.arange(3, 23), torch.randint(3, 900, (3, 7), generator=torch.Generator().manual_seed(4))
+
+    def run(offload):
+        torch.manual_seed(5)
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2,
+                                                                init_lora_weights=False,
+                                                                target_modules=anatomy.lora_targets(base)))
+        if offload:
+            enable_offloaded_checkpointing(model, chunk_tokens=16, min_bytes=0, pin_memory=False,
+                                           _offload_on_cpu=True)
+        model.train()
+        torch.manual_seed(6)
+        hidden = shared_group_hidden(model, prompt, completions)
+        (hidden * torch.linspace(-1, 1, hidden.shape[-1])).sum().backward()
+        return hidden.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (h_plain, g_plain), (h_off, g_off) = run(False), run(True)
+    torch.testing.assert_close(h_off, h_plain, rtol=1e-5, atol=1e-6)
+    _assert_same((torch.zeros(()), g_off), (torch.zeros(()), g_plain), "dropout")
