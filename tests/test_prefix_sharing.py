@@ -225,3 +225,48 @@ def test_with_lora_dropout_the_offloaded_pass_equals_the_plain_one():
     (h_plain, g_plain), (h_off, g_off) = run(False), run(True)
     torch.testing.assert_close(h_off, h_plain, rtol=1e-5, atol=1e-6)
     _assert_same((torch.zeros(()), g_off), (torch.zeros(()), g_plain), "dropout")
+
+
+def _unshared_hidden(model, prompt, completions):
+    """The usual way: every row runs the prompt; rows P - 1 .. of the body's output, (G, C, H)."""
+    box = []
+    handle = anatomy.decoder_body(model).register_forward_hook(lambda _m, _i, out: box.append(out))
+    try:
+        model(input_ids=torch.cat([prompt.expand(len(completions), -1), completions], 1), use_cache=False,
+              logits_to_keep=1)
+    finally:
+        handle.remove()
+    return anatomy.last_hidden(box[-1])[:, prompt.numel() - 1:-1]
+
+
+@pytest.mark.parametrize("weights", ["full fine-tuning", "fp8 base weights"])
+def test_it_composes_with_full_fine_tuning_and_fp8_base_weights(weights):
+    """Every weight trains (embeddings included), or LoRA over FP8 base weights (W8A8: each token row quantised on
+    its own, so a prompt row rounds the same once as G times): the shared pass under offloaded checkpointing equals
+    the plain unshared one."""
+    from grpo_kit.model.fp8 import fp8_lora_config, quantize_model_fp8  # this test alone needs the FP8 layers
+
+    base = build_random_model("tiny-llama")
+    targets = anatomy.lora_targets(base)  # read before FP8 replaces the nn.Linear layers
+    if weights == "fp8 base weights":
+        quantize_model_fp8(base)
+    prompt, completions = torch.arange(3, 30), torch.randint(3, 900, (3, 6), generator=torch.Generator().manual_seed(7))
+    weight = torch.randn(3, 6, base.config.hidden_size, generator=torch.Generator().manual_seed(8))
+
+    def grads(shared):
+        model = copy.deepcopy(base)
+        if weights == "fp8 base weights":
+            torch.manual_seed(9)
+            model = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                     target_modules=targets)))
+        if shared:
+            enable_offloaded_checkpointing(model, chunk_tokens=16, min_bytes=0, pin_memory=False,
+                                           _offload_on_cpu=True)
+        model.train()
+        hidden = (shared_group_hidden if shared else _unshared_hidden)(model, prompt, completions)
+        (hidden * weight).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+    want, got = grads(False), grads(True)
+    assert len(want) == (20 if weights == "full fine-tuning" else 2 * 2 * 7)  # every weight but the unused head
+    _assert_same((torch.zeros(()), got), (torch.zeros(()), want), weights)
