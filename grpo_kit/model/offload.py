@@ -1008,11 +1008,9 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
             had_instance_forward=had_instance_forward,
             sliding=_sliding_window(layer.self_attn) if info["mode"] == "split" else None,
             auto_chunk=_auto_chunk_tokens(mlp) if mlp is not None else 16384,
-            # a split layer's MLP is wrapped too: it runs whole (in slices of its own) in prefix-shared passes,
-            # and the wrapper passes the split mode's slices (at most chunk tokens) straight through
-            hf_gc=getattr(layer, "gradient_checkpointing", None), mlp="mlp" if info["mode"] == "split" else info["mlp"])
+            hf_gc=getattr(layer, "gradient_checkpointing", None), mlp=info["mlp"])
         layer.__dict__[_STATE_ATTR] = state
-        if state["mlp"] is not None:
+        if info["mlp"] is not None:
             _wrap_mlp(mlp, state, offloader)
         if getattr(layer, "gradient_checkpointing", False):
             layer.gradient_checkpointing = False
