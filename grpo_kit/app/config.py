@@ -512,6 +512,13 @@ class GRPOKitConfig:
                                               "cache is memory the scoring pass cannot use; the run folder's "
                                               "summary.json records the choice); null: "
                                               "per_device_train_batch_size, as TRL. Safe to change on resume.")
+    prefix_sharing: bool | str = _f("auto", "With the grpo_kit trainer, score each group's shared prompt once: "
+                                    "its forward runs once and the group's completions attend to its keys and "
+                                    "values, in the policy, reference and old-policy passes "
+                                    "(grpo_kit.model.prefix). `auto`: where the prompt is at least 1,024 tokens "
+                                    "and as long as the group's mean completion; true: every group whose prompts "
+                                    "are equal; false: never. Rows whose prompt no other row of their micro-batch "
+                                    "shares are scored as usual (said once in the log).")
 
     # ---------------------------------------------------------------------------------
     def checkpointing_on(self, device: str) -> bool:
@@ -662,6 +669,9 @@ def _run_problems(cfg: GRPOKitConfig, kind: str | None, bad: set[str]) -> list[s
     elif (why := unsafe_run_folder(cfg.output_dir)) is not None:
         errors.append(f"output_dir={cfg.output_dir!r} cannot be a run folder: {why}")
 
+    if cfg.prefix_sharing is True and cfg.trainer != "grpo_kit":
+        errors.append("prefix_sharing=true needs trainer='grpo_kit' (TRL's GRPOTrainer scores every row's prompt); "
+                      "leave it 'auto' or false with trainer='trl'")
     if cfg.scoring_batch_size not in (None, "auto") and cfg.trainer != "grpo_kit":
         errors.append(f"scoring_batch_size={cfg.scoring_batch_size} needs trainer='grpo_kit' (TRL's GRPOTrainer "
                       "scores with per_device_train_batch_size); leave it 'auto' or null with trainer='trl'")

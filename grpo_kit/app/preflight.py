@@ -106,7 +106,7 @@ def advice(cfg, zero_spread_share: float, truncation_rate: float, means: dict | 
     if zero_spread_share <= NO_SIGNAL_ADVICE_SHARE:
         return []
     out = []
-    if cfg.task in ("arithmetic", "word_problems") and sorted(cfg.levels) != [1]:
+    if cfg.task in ("arithmetic", "word_problems", "long_document") and sorted(cfg.levels) != [1]:
         out.append(f"easier problems: --set levels=[1] (now {cfg.levels})")
     if truncation_rate > TRUNCATION_ADVICE_SHARE:
         out.append(f"longer completions: {truncation_rate:.0%} hit max_completion_length={cfg.max_completion_length}"

@@ -8,6 +8,8 @@ given replaces one of them. ``--published-setting`` prices the setting of Unslot
     python -m grpo_kit vram --model llama-3.1-8b --context 20480 --gpu-gib 24
     python -m grpo_kit vram --model llama-3.1-8b --context 20480 --generations 8 --published-setting
     python -m grpo_kit vram --model qwen2.5-1.5b --context 1024 --method all --plot vram.png
+    python -m grpo_kit vram --model llama-3.1-8b --context 129024 --prompt-length 126976 --generations 8 \\
+        --micro-batch 8 --standby --prefix-sharing both --gpu-gib 80
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ def build_parser(run_config=None) -> argparse.ArgumentParser:
                    "releases its KV cache while training runs: the KV cache counts in the generation phase only. "
                    f"Without --standby or --no-vllm: {h['gen']}")
     p.add_argument("--training-only", action="store_true", help="leave out generation (KV cache)")
+    p.add_argument("--prefix-sharing", choices=["on", "off", "both"], default=None,
+                   help="grpo_kit only: each group's prompt scored once in the training passes (grpo_kit.model.prefix; "
+                        "vLLM's prefix cache holds it once in generation either way); `both` prices the step with and "
+                        "without it, side by side (default: the kit's prefix_sharing, `auto` priced as off, its bound)")
     p.add_argument("--gpu-gib", type=_positive_float, default=None, metavar="GIB",
                    help="GPU memory to check the estimate against (default: the detected CUDA GPU's, if any): "
                         "a verdict per method, naming what does not fit, and the longest context that fits")
@@ -147,6 +153,9 @@ def _check_args(parser, args, run_config) -> None:
         parser.error("--quantization 4bit needs LoRA (--lora-rank): 4-bit weights are frozen; only LoRA trains")
     if args.lora_dropout and not lora:
         parser.error("--lora-dropout needs LoRA (--lora-rank): LoRA dropout acts on the adapters")
+    if args.prefix_sharing in ("on", "both") and args.method not in (None, "grpo_kit"):
+        parser.error(f"--prefix-sharing {args.prefix_sharing} describes the grpo_kit trainer; --method "
+                     f"{args.method} scores every row's prompt")
 
 
 def _given(args) -> dict:
@@ -156,6 +165,8 @@ def _given(args) -> dict:
               lora_rank=args.lora_rank, include_generation=False if args.training_only else None)
     if args.no_vllm or args.standby:
         kw.update(vllm=not args.no_vllm, standby=args.standby)
+    if args.prefix_sharing in ("on", "off"):
+        kw["prefix_sharing"] = args.prefix_sharing == "on"
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -189,9 +200,9 @@ def _fmt(v: float, digits: int = 2) -> str:
     return "" if (v is None or (isinstance(v, float) and math.isnan(v))) else f"{v:.{digits}f}"
 
 
-def _print_one(df: pd.DataFrame, out) -> None:
+def _print_one(df: pd.DataFrame, out, label: str | None = None) -> None:
     a = df.attrs
-    print(f"method {a['method']}: peak during the {a['peak_phase']} phase", file=out)
+    print(f"method {label or a['method']}: peak during the {a['peak_phase']} phase", file=out)
     t = pd.DataFrame({
         "component": df["component"], "where": df["where"],
         "GB": df["GB"].map(_fmt), "GiB": df["GiB"].map(_fmt),
@@ -206,8 +217,22 @@ def _print_one(df: pd.DataFrame, out) -> None:
 
 
 def _method_kwargs(kw: dict, method: str) -> dict:
-    """``kw`` for ``method``: TRL and Unsloth score by micro-batch (no ``scoring_batch``)."""
-    return dict(kw, method=method) if method == "grpo_kit" else dict(kw, method=method, scoring_batch=None)
+    """``kw`` for ``method``: TRL and Unsloth score by micro-batch (no ``scoring_batch``) and every row's prompt."""
+    if method == "grpo_kit":
+        return dict(kw, method=method)
+    return dict(kw, method=method, scoring_batch=None, prefix_sharing=False)
+
+
+def _variants(kw: dict, methods: list[str], both: bool) -> dict[str, dict]:
+    """``{label: estimate kwargs}``: one per method, and with ``both`` grpo_kit without and with prefix sharing."""
+    out = {}
+    for m in methods:
+        if m == "grpo_kit" and both:
+            out["grpo_kit"] = dict(_method_kwargs(kw, m), prefix_sharing=False)
+            out["grpo_kit + prefix sharing"] = dict(_method_kwargs(kw, m), prefix_sharing=True)
+        else:
+            out[m + (" + prefix sharing" if m == "grpo_kit" and kw.get("prefix_sharing") else "")] = _method_kwargs(kw, m)
+    return out
 
 
 def _header(args, kw: dict, a: dict) -> str:
@@ -237,18 +262,19 @@ def _print_published(arch, out) -> None:
           "our own derivation for TRL's setup is the 'trl' table above.", file=out)
 
 
-def _print_verdicts(arch, args, kw: dict, methods: list[str], out) -> None:
-    """Per method: does the step fit the GPU, what does not, and the longest context that does."""
+def _print_verdicts(arch, args, kw: dict, variants: dict[str, dict], out) -> None:
+    """Per method (and prefix-sharing setting): does the step fit the GPU, what does not, and the longest context
+    that does."""
     gpu = (args.gpu_gib, "--gpu-gib") if args.gpu_gib else detected_gpu_gib()
     if gpu is None:
         print("No GPU given or detected: pass --gpu-gib N for a verdict (e.g. 15 for a T4, 80 for an H100).",
               file=out)
         return
     print(f"Does it fit in {gpu[0]:.2f} GiB ({gpu[1]})?", file=out)
-    for m in methods:
-        step = verdict_kwargs(_method_kwargs(kw, m))
-        v = fit_verdict(arch, gpu[0], context=args.context, prompt_length=kw["prompt_length"], **step)
-        print(f"  {v.text()}", file=out)
+    for label, variant in variants.items():
+        v = fit_verdict(arch, gpu[0], context=args.context, prompt_length=kw["prompt_length"], **verdict_kwargs(variant))
+        text = v.text()
+        print(f"  {label + text[len(v.method):] if text.startswith(v.method) else text}", file=out)
 
 
 def cli_main(argv: list[str], run_config=None) -> int:
@@ -269,20 +295,21 @@ def cli_main(argv: list[str], run_config=None) -> int:
                      + f") must be shorter than --context ({args.context}); pass a smaller --prompt-length")
     method = args.method or ("all" if args.published_setting else kw["method"])
     methods = list(METHODS) if method == "all" else [method]
+    variants = _variants(kw, methods, args.prefix_sharing == "both")
     try:
-        tables = {m: estimate(arch, **_method_kwargs(kw, m)) for m in methods}
+        tables = {label: estimate(arch, **variant) for label, variant in variants.items()}
     except ValueError as e:
         parser.error(str(e))
     out = sys.stdout
     print(_header(args, kw, next(iter(tables.values())).attrs), file=out)
     print("GB = 1e9 bytes, GiB = 2^30 bytes; 'published' = Unsloth's published figure for the same component "
           "(grpo_kit: Unsloth's column, the figure to beat).\n", file=out)
-    for df in tables.values():
-        _print_one(df, out)
+    for label, df in tables.items():
+        _print_one(df, out, label)
     if args.published_setting and is_published_setup(arch, kw["num_generations"], kw["prompt_length"],
                                                       kw["completion_length"], kw["dtype"]):
         _print_published(arch, out)
-    _print_verdicts(arch, args, kw, methods, out)
+    _print_verdicts(arch, args, kw, variants, out)
     if args.plot:
         from grpo_kit.memory.plot import plot_components  # lazy: matplotlib, for --plot only
 

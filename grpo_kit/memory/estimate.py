@@ -20,6 +20,12 @@ allocator fragmentation (reserved minus allocated) are not counted: compare with
 ``scoring`` phase only when it scores more sequences per forward than a micro-batch (``scoring_batch``);
 otherwise it (and TRL's old-policy pass) is smaller than the training step. Not modelled: vLLM's own
 activations and CUDA graphs.
+
+Prefix sharing (``prefix_sharing``, ``grpo_kit`` only: each group's prompt scored once, :mod:`grpo_kit.model.prefix`):
+a training forward runs ``ceil(micro_batch / G)`` prompts and every row's completion (saved activations, final
+norm, recompute), holds those prompts' keys and values of every layer through the loss and backward, and its
+completions' layers read them expanded to each row (with their gradient in backward); the scoring pass runs one
+group at a time. vLLM's KV cache holds each prompt once (its prefix cache) with or without it; so does the price.
 """
 
 from __future__ import annotations
@@ -212,7 +218,7 @@ def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lo
 
 def _check_options(*, method, lora_rank, chunk_tokens, prefetch, vllm_batched_tokens,
                    include_generation, loss_fp32, lora_dropout, offload, loss_epilogue, old_policy_pass, scoring_batch,
-                   **_):
+                   prefix_sharing, **_):
     """The switches of each method's training step, and which methods they apply to."""
     if chunk_tokens is not None:
         _int_at_least("chunk_tokens", chunk_tokens, 1)
@@ -229,6 +235,10 @@ def _check_options(*, method, lora_rank, chunk_tokens, prefetch, vllm_batched_to
     if loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
     _check_bool("old_policy_pass", old_policy_pass, none_ok=True)
+    _check_bool("prefix_sharing", prefix_sharing)
+    if prefix_sharing and method != "grpo_kit":
+        raise ValueError(f"prefix_sharing applies to method='grpo_kit' only (TRL and Unsloth score every row's "
+                         f"prompt), got method={method!r}")
     if lora_dropout and lora_rank is None:
         raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
     if scoring_batch is not None:
@@ -283,6 +293,7 @@ class _Step:
     lora_dropout: bool
     old_policy: bool  # TRL's old-policy pass (adapters on) runs beside the reference pass
     tool_tokens: int = 0  # tool-result tokens within C (tool_turns x tool_result_tokens)
+    prefix_sharing: bool = False  # each group's prompt scored once (grpo_kit.model.prefix)
 
     @property
     def T(self) -> int:
@@ -298,8 +309,15 @@ class _Step:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one forward/backward."""
+        """Tokens of one forward/backward: with prefix sharing each group's prompt once."""
+        if self.prefix_sharing:
+            return F.shared_prefix_tokens(self.P, self.C, self.M, self.G)
         return self.M * self.T
+
+    @property
+    def prompts(self) -> int:
+        """Prompts a micro-batch's forward runs once each with prefix sharing (its rows in whole groups)."""
+        return -(-self.M // self.G)
 
     @property
     def scoring(self) -> bool:
@@ -373,16 +391,32 @@ def _state_rows(s: _Step) -> list[dict]:
     return rows
 
 
+def _tokens_what(s: _Step) -> str:
+    """The tokens of one forward, in words."""
+    if s.prefix_sharing:
+        return f"({s.prompts} prompt(s) x {s.P} + {s.M} seq x {s.C}) tok"
+    return f"{s.M} seq x {s.T} tok"
+
+
+def _prefix_rows(s: _Step) -> list[dict]:
+    """Prefix sharing's own GPU memory in the training phases: the prompts' keys and values of every layer."""
+    if not s.prefix_sharing:
+        return []
+    return [_row("prompt keys and values (prefix sharing)", "GPU", F.prefix_kv_bytes(s.a, s.prompts * s.P, s.b),
+                 ("loss", "backward"), f"{s.prompts} prompt(s) of {s.P} tokens, {s.a.layers} layers x 2 x "
+                 f"{s.a.kv_dim} x {s.b} B per token, held from the prompts' forward to each layer's backward")]
+
+
 def _checkpoint_rows(s: _Step) -> list[dict]:
     """The layer inputs that gradient checkpointing saves, on the GPU or offloaded to the CPU."""
-    a, b, M, T = s.a, s.b, s.M, s.T
+    a, b = s.a, s.b
     if s.offload and a.layers > 1:
         return [_row("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, s.tokens, b, 1), ("loss", "backward"),
-                     f"last layer's input stays on the GPU: {M} seq x {T} tok x {a.hidden} x {b} B"),
+                     f"last layer's input stays on the GPU: {_tokens_what(s)} x {a.hidden} x {b} B"),
                 _row("saved activations (CPU)", "CPU", F.checkpoint_bytes(a, s.tokens, b, a.layers - 1), (),
                      f"{a.layers - 1} layer inputs offloaded to pinned host RAM")]
     return [_row("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, s.tokens, b, a.layers), ("loss", "backward"),
-                 f"standard checkpointing: {a.layers} layer inputs of {M} seq x {T} tok x {a.hidden} x {b} B"),
+                 f"standard checkpointing: {a.layers} layer inputs of {_tokens_what(s)} x {a.hidden} x {b} B"),
             _row("saved activations (CPU)", "CPU", 0, (), "nothing offloaded")]
 
 
@@ -392,7 +426,9 @@ def _recompute_rows(s: _Step) -> list[dict]:
     # The layer being recomputed uses its own input (counted above: the last layer's, or one
     # brought back in its place); grpo_kit's prefetch adds the next one.
     extra_in = 1 if (kit and s.offload and s.prefetch and a.layers > 1) else 0
-    if kit and not s.lora_dropout:
+    if kit and s.prefix_sharing:
+        rec, note = _prefix_recompute(s, extra_in)
+    elif kit and not s.lora_dropout:
         rec = F.chunked_recompute_peak(a, s.tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
         note = (f"chunked recompute ({s.chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
                 + (", next layer's input prefetched" if extra_in else ""))
@@ -420,6 +456,28 @@ def _recompute_rows(s: _Step) -> list[dict]:
                          f"{b} B) and the W8A8 forward's per-row quantised input ({min(slice_rows, s.tokens)} rows x "
                          f"{a.intermediate}: fp32 copy, fp32 quotient, e4m3 codes)"))
     return rows
+
+
+def _prefix_recompute(s: _Step, extra_in: int) -> tuple[float, str]:
+    """(bytes, note) of one layer's backward with prefix sharing: the layer's own recompute (sliced, or whole
+    under LoRA dropout) over the larger of a completions' layer (plus the prompts' keys and values expanded to
+    every row, their gradient and the completions' mask) and a prompts' layer (plus the incoming gradient of its
+    keys and values)."""
+    a, b, P, C, M = s.a, s.b, s.P, s.C, s.M
+
+    def layer(tokens):
+        if s.lora_dropout:
+            return F.full_recompute_peak(a, tokens, b, s.lora_rank, extra_in, True)
+        return F.chunked_recompute_peak(a, tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
+
+    completions = (layer(M * C) + F.prefix_attention_bytes(a, M, P, C, b, with_grad=True)
+                   + F.prefix_mask_bytes(P, C, b))
+    prompts = layer(s.prompts * P) + F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers
+    which = ("a completions' layer (the prompt's keys and values expanded to its rows, their gradient, its mask)"
+             if completions >= prompts else "a prompts' layer (with its keys' and values' incoming gradient)")
+    how = "each layer whole (LoRA dropout)" if s.lora_dropout else f"{s.chunk_tokens}-token slices"
+    return max(completions, prompts), (f"prefix-shared recompute, {how}; the larger is {which}"
+                                       + (", next layer's input prefetched" if extra_in else ""))
 
 
 def _kit_logits_chunk(s: _Step, token_rows: int) -> tuple[int, int]:
@@ -467,6 +525,15 @@ def _scoring_rows(s: _Step) -> list[dict]:
     a, S = s.a, s.S
     rows_s, per_elt = _kit_logits_chunk(s, S * s.C)  # per_token_logps' chunk
     slice_tokens = None if s.lora_dropout else s.chunk_tokens  # dropout: each layer runs whole
+    if s.prefix_sharing:  # one group at a time: its prompt once, then its rows' completions
+        rows_g = min(S, s.G)
+        return [_row("scoring pass (no grad)", "GPU",
+                     F.shared_scoring_peak(a, rows_g, s.P, s.C, s.b, slice_tokens, rows_s * a.vocab * per_elt,
+                                           s.old_policy),
+                     ("scoring",), f"{S} sequences per scoring call, prefix-shared: one group at a time, its "
+                     f"prompt's keys and values ({a.layers} layers) and the larger of the prompt's forward and its "
+                     f"{rows_g} completions' (the prompt's keys and values expanded to each), one logits chunk of "
+                     f"{rows_s} rows")]
     return [_row("scoring pass (no grad)", "GPU",
                  F.scoring_forward_peak(a, S, s.T, s.b, slice_tokens, rows_s * a.vocab * per_elt, s.old_policy),
                  ("scoring",),
@@ -556,6 +623,7 @@ def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
                          include_generation=s.include_generation, generation_batch=s.gen_rows, standby=s.standby,
                          scoring_batch=s.S, lora_dropout=s.lora_dropout, old_policy_pass=bool(s.old_policy),
                          offload=s.offload, loss_fp32=s.loss_fp32, loss_epilogue=s.loss_epilogue,
+                         prefix_sharing=s.prefix_sharing,
                          peak_phase=peak_phase, phase_bytes=phase_tot,
                          published_source=PUBLISHED_SOURCE if published else None))
     return df
@@ -567,12 +635,13 @@ def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
 def estimate(model, *, num_generations: int, prompt_length: int, completion_length: int, dtype: str = "bf16",
              lora_rank: int | None = None, quantization: str | None = None, method: str = "grpo_kit",
              vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
-             chunk_tokens: int | None = None, prefetch: bool = True,
-             include_generation: bool = True, offload: bool | None = None, loss_fp32: bool = False,
+             chunk_tokens: int | None = None, prefetch: bool = True, include_generation: bool = True,
+             offload: bool | None = None, loss_fp32: bool = False,
              loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
              kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
              scoring_batch: int | str | None = None, lora_dropout: bool = False,
-             old_policy_pass: bool | None = None, tool_turns: int = 0, tool_result_tokens: int = 0) -> pd.DataFrame:
+             old_policy_pass: bool | None = None, tool_turns: int = 0, tool_result_tokens: int = 0,
+             prefix_sharing: bool = False) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
@@ -595,8 +664,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
         chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
             :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
-        include_generation: False leaves out the KV cache (a training step alone, as the whole-step
-            benchmark measures it).
+        include_generation: False leaves out the KV cache (a training step alone, as the whole-step benchmark).
         offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
             False: every layer input stays on the GPU (e.g. grpo_kit's recompute without offload).
         loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF style; the
@@ -607,8 +675,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             follow the loss's own rule (``grpo_kit.loss.efficient``).
         standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
             (:mod:`grpo_kit.generation.standby`): the KV cache then counts in the generation phase only.
-        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs,
-            :func:`formulas.vllm_kv_tokens`).
+        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs, formulas.vllm_kv_tokens).
         vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
         scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
             reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
@@ -626,6 +693,7 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
             ``tool_result_tokens`` tokens each (as rendered: result, wrapper, next assistant header) follow the
             model's calls, ``completion_length`` counting the model's tokens of all turns. The KV cache holds the
             prompt plus all turns; every forward, the loss's included, runs over the tool tokens (masked, computed).
+        prefix_sharing: ``grpo_kit`` only: each group's prompt scored once (the module docstring).
 
     Phases (the module docstring's peak rule): ``generation``, ``loss``, ``backward``, and ``scoring`` where
     ``scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
@@ -642,8 +710,8 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
     _check_sizes(**args)
     _check_options(**args)
     s = _step(resolve_arch(model), **args)
-    return _table(s, [*_state_rows(s), *_checkpoint_rows(s), *_recompute_rows(s), *_loss_rows(s), *_scoring_rows(s),
-                      *_generation_rows(s)])
+    return _table(s, [*_state_rows(s), *_checkpoint_rows(s), *_prefix_rows(s), *_recompute_rows(s), *_loss_rows(s),
+                      *_scoring_rows(s), *_generation_rows(s)])
 
 
 def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
@@ -710,7 +778,9 @@ def config_estimate_kwargs(cfg, **overrides) -> dict:
               generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
               scoring_batch=None if cfg.trainer == "trl" else cfg.scoring_batch_size,
               lora_dropout=bool(cfg.use_lora and cfg.lora_dropout),
-              old_policy_pass=True if cfg.num_iterations > 1 else None)  # else: with vLLM's sampling correction
+              old_policy_pass=True if cfg.num_iterations > 1 else None,  # else: with vLLM's sampling correction
+              # `auto` shares only what pays at the batch's own lengths: priced unshared, its bound
+              prefix_sharing=cfg.prefix_sharing is True and cfg.trainer != "trl")
     kw.update(overrides)
     return kw
 

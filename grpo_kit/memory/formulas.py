@@ -299,6 +299,52 @@ def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, 
     return base + max(loop, attn_bwd)
 
 
+# ----------------------------------------------------------------------------- prefix sharing
+
+
+def shared_prefix_tokens(prompt_tokens: int, completion_tokens: int, rows: int, generations: int) -> int:
+    """Tokens one forward runs over ``rows`` sequences when each group's prompt runs once
+    (``grpo_kit.model.prefix``): ``ceil(rows / generations)`` prompts (a micro-batch of whole groups, or part of
+    one) and every row's completion."""
+    return -(-rows // generations) * prompt_tokens + rows * completion_tokens
+
+
+def prefix_kv_bytes(a: Arch, prompt_tokens: int, b: int) -> int:
+    """The prompts' keys and values of every layer, which the training pass holds from the prompts' forward
+    until each layer's backward (the completions' layers read them, in forward and in their recompute):
+    :func:`kv_cache_bytes` of the prompt tokens in the training dtype."""
+    return kv_cache_bytes(a, prompt_tokens, b)
+
+
+def prefix_attention_bytes(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
+                           with_grad: bool) -> int:
+    """The completions' attention reads its group's prompt keys and values expanded to every row:
+    ``rows x (P + C) x 2 kv x b``; with grad, also their gradient (the same size) before the sum over the rows
+    into the one prompt."""
+    n = rows * (prompt_tokens + completion_tokens) * 2 * a.kv_dim * b
+    return 2 * n if with_grad else n
+
+
+def prefix_mask_bytes(prompt_tokens: int, completion_tokens: int, b: int) -> int:
+    """The completions' attention mask: their queries sit after the prompt, so SDPA's own causal flag (aligned to
+    the top left) does not fit and transformers passes a boolean (C, P + C) mask, broadcast over rows and heads,
+    which SDPA turns into an additive one in the compute dtype: ``C x (P + C) x (1 + b)``."""
+    return completion_tokens * (prompt_tokens + completion_tokens) * (1 + b)
+
+
+def shared_scoring_peak(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
+                        chunk_tokens: int | None, logits_chunk_bytes: float, adapters: bool = False) -> float:
+    """The no-grad scoring forward of one group with prefix sharing (groups run one after another): the prompt's
+    keys and values of every layer, then the larger of the prompt's forward (one sequence of P tokens) and the
+    ``rows`` completions' forward (C tokens each) with the prompt's keys and values expanded to every row and
+    their mask (:func:`scoring_forward_peak` for each, one logits chunk counted once)."""
+    prompt = scoring_forward_peak(a, 1, prompt_tokens, b, chunk_tokens, 0, adapters)
+    completions = (scoring_forward_peak(a, rows, completion_tokens, b, chunk_tokens, 0, adapters)
+                   + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False)
+                   + prefix_mask_bytes(prompt_tokens, completion_tokens, b))
+    return prefix_kv_bytes(a, prompt_tokens, b) + max(prompt, completions) + logits_chunk_bytes
+
+
 # fp32 tensors of the intermediate width alive at once in a no-grad MLP forward through PEFT's LoRA layers (fp32
 # adapters): the adapter's output, that output scaled, and the sum promoted to fp32, at the up projection while the
 # gate's output waits. Measured on the CPU with peft 0.21 (tests/test_memory.py), bf16 and fp32 alike, dropout or not.

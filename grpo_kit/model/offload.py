@@ -58,6 +58,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from grpo_kit.model.anatomy import AnatomyError, decoder_body, decoder_layers, head
 from grpo_kit.model.nf4_matmul import layer_weight_cache
+from grpo_kit.model.prefix import PrefixCache
 
 __all__ = [
     "AUX_LOSS_OFF_REASON",
@@ -385,21 +386,56 @@ def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
     return out.reshape(B, T, -1)
 
 
-def _chunked_forward(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
-    """The decoder layer, per-token work in slices. x (B, T, H) -> (B, T, H), same dtype.
+class _SplitPrefix:
+    """A split layer's attention in a prefix-shared pass (:class:`_OffloadedPrefixLayer`).
+
+    ``record`` (the prompt, batch 1): the forward keeps the layer's keys and values, (1, kv heads, P, d), in
+    ``keys``/``values``; in backward their incoming gradients ``grads`` (the completions', same shapes, or None)
+    join the attention's own. ``attend`` (the completions): ``keys``/``values`` are the prompt's, put before the
+    layer's own keys and values for every row; backward leaves their gradients in ``grads``."""
+
+    def __init__(self, mode: str, keys=None, values=None, grads=(None, None)):
+        self.mode, self.keys, self.values, self.grads = mode, keys, values, grads
+
+    def kv(self, k, v):
+        """The keys and values attention reads, from the layer's own k, v (B, T, kv heads, d)."""
+        if self.mode == "record":
+            self.keys, self.values = k.transpose(1, 2), v.transpose(1, 2)
+            return k, v
+        B = k.shape[0]
+        return (torch.cat([self.keys.expand(B, -1, -1, -1).transpose(1, 2), k], 1),
+                torch.cat([self.values.expand(B, -1, -1, -1).transpose(1, 2), v], 1))
+
+    def leaves(self) -> None:
+        """``attend``, before the recompute: the prompt's keys and values as leaves that collect their gradient."""
+        if self.mode == "attend":
+            self.keys, self.values = (t.detach().requires_grad_() for t in (self.keys, self.values))
+
+    def layer_grads(self, gk, gv):
+        """The gradients of the layer's own k, v (B, T, kv heads, d) after the attention backward: ``record`` adds
+        the completions' (transposed to this layout); ``attend`` keeps the prompt's in ``grads``."""
+        if self.mode == "attend":
+            self.grads = (self.keys.grad, self.values.grad)
+            return gk, gv
+        return tuple(g if extra is None else g + extra.transpose(1, 2) for g, extra in zip((gk, gv), self.grads))
+
+
+def _chunked_forward(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, prefix=None):
+    """The decoder layer, per-token work in slices. x (B, T, H) -> (B, T, H), same dtype. ``prefix``: a
+    :class:`_SplitPrefix` in a prefix-shared pass.
 
     Without grad it saves nothing; transient peak ~ q,k,v + attention output + one slice.
     """
     with layer_weight_cache():  # 4-bit weights: dequantised once for all slices
-        return _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens)
+        return _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, prefix)
 
 
-def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens):
+def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, prefix=None):
     B, T, _ = x.shape
     rotary = _rotary_fn(layer)
     parts = _slices(T, B, chunk_tokens)
     q, k, v = _qkv(layer, x, cos, sin, rotary, parts)
-    a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
+    a = _attention(layer, q, *((k, v) if prefix is None else prefix.kv(k, v)), attention_mask, kwargs, sliding)
     del q, k, v
     y = torch.empty_like(x)
     for s in parts:
@@ -407,10 +443,11 @@ def _chunked_forward_body(layer, x, cos, sin, attention_mask, kwargs, sliding, c
     return y
 
 
-def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, need_gx):
+def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, chunk_tokens, need_gx, prefix=None):
     """Recompute the layer slice by slice and backpropagate ``gy`` (B, T, H).
 
-    Parameter gradients accumulate into ``.grad``; returns the gradient of ``x`` (or None).
+    Parameter gradients accumulate into ``.grad``; returns the gradient of ``x`` (or None); with ``prefix`` (a
+    :class:`_SplitPrefix`) the prompt's keys and values take part as there said.
     Order: q,k,v without grad -> attention with grad -> per-slice (o_proj + MLP) backward ->
     attention backward -> per-slice (norm + q,k,v) backward.
     """
@@ -420,8 +457,11 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
     with torch.no_grad():
         q, k, v = _qkv(layer, x, cos, sin, rotary, parts)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    attend = prefix is not None and prefix.mode == "attend"
+    if attend:
+        prefix.leaves()
     with torch.enable_grad():
-        a = _attention(layer, q, k, v, attention_mask, kwargs, sliding)
+        a = _attention(layer, q, *(prefix.kv(k, v) if attend else (k, v)), attention_mask, kwargs, sliding)
     ga = torch.empty_like(a)
     gx = torch.zeros_like(x) if need_gx else None
     a_d = a.detach()
@@ -438,6 +478,8 @@ def _chunked_backward(layer, x, gy, cos, sin, attention_mask, kwargs, sliding, c
     torch.autograd.backward(a, ga)
     del a, a_d, ga
     gq, gk, gv = q.grad, k.grad, v.grad
+    if prefix is not None:
+        gk, gv = prefix.layer_grads(gk, gv)
     del q, k, v
     for s in parts:
         x_c = x[:, s].detach().requires_grad_(need_gx)
@@ -520,7 +562,8 @@ class _Job:
     """Everything one layer call needs again in backward (tensors shared across layers)."""
 
     __slots__ = ("layer", "offloader", "layer_index", "is_last", "orig_forward", "call_kwargs", "cos_sin",
-                 "mask", "attn_kwargs", "sliding", "whole", "dropout", "rec", "rng", "autocast", "chunk")
+                 "mask", "attn_kwargs", "sliding", "whole", "dropout", "rec", "rng", "autocast", "chunk",
+                 "prefix_mode", "prefix_len")
 
 
 def _autocast_state(device):
@@ -666,6 +709,9 @@ def _wrapped_forward(layer, *args, **kwargs):
         if isinstance(v, torch.Tensor) and v.requires_grad:
             raise ValueError(f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
                              "only hidden_states may (its gradient is the only one passed back).")
+    cache = call_kwargs.get("past_key_values")
+    if isinstance(cache, PrefixCache):  # prefix sharing: the prompt's keys and values pass explicitly
+        return _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout)
     # As HF's checkpointing does in training: the recompute must not write a cache twice.
     for k, v in (("past_key_values", None), ("use_cache", False)):
         if k in call_kwargs:
@@ -679,6 +725,116 @@ def _wrapped_forward(layer, *args, **kwargs):
     job.sliding, job.whole, job.dropout, job.chunk = st["sliding"], not split or dropout, dropout, chunk
     anchor = _GradAnchor.get()
     return _OffloadedLayer.apply(job, anchor, hidden_states)
+
+
+# --------------------------------------------------------------------------- prefix sharing
+
+
+class _LayerKV(PrefixCache):
+    """One layer's view of a :class:`PrefixCache` for one call of the layer (its forward or its recompute): it
+    records into, or attends to, its own ``keys``/``values`` whatever the layer index, so that the recompute reads
+    the tensors handed to it (leaves that collect the completions' gradient) and never the shared cache."""
+
+    def __init__(self, mode: str, length: int, k=None, v=None):
+        super().__init__()
+        self.mode, self.length = mode, length
+        if k is not None:
+            self.keys[0], self.values[0] = k, v
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(key_states, value_states, 0, *args, **kwargs)
+
+
+class _OffloadedPrefixLayer(torch.autograd.Function):
+    """A decoder layer under offloaded checkpointing in a prefix-shared pass: a split layer in its slices
+    (:class:`_SplitPrefix`), any other as written.
+
+    ``record`` (the prompt): x (1, P, H) -> (y, k, v), k and v the layer's keys and values (1, kv_heads, P, d),
+    outputs so that the completions' gradient w.r.t. them reaches this layer's recompute together with y's.
+    ``attend`` (the completions): (x (G, C, H), k, v) -> y, attending to k and v; backward returns their
+    gradients (summed over the G rows by their expand). Only x is saved (offloaded like any layer input); a recompute
+    reads the keys and values handed to it (a :class:`_LayerKV` of its own where the layer runs as written), so
+    nothing is appended to the shared cache twice."""
+
+    @staticmethod
+    def forward(ctx, job, anchor, x, k, v):
+        ctx.job = job
+        job.rec = job.offloader.save(x, job.layer_index, job.is_last)
+        job.autocast = _autocast_state(x.device)
+        job.rng = _rng_state(x.device) if job.dropout else None
+        attend = job.prefix_mode == "attend"
+        if job.whole:
+            kv = _LayerKV(job.prefix_mode, job.prefix_len, *((k, v) if attend else ()))
+            with layer_weight_cache():
+                y = job.orig_forward(x, **job.call_kwargs, past_key_values=kv)
+            out_k, out_v = kv.keys[0], kv.values[0]
+        else:
+            prefix = _SplitPrefix(job.prefix_mode, k, v)
+            y = _chunked_forward(job.layer, x, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk, prefix)
+            out_k, out_v = prefix.keys.contiguous(), prefix.values.contiguous()
+        if attend:
+            ctx.save_for_backward(k, v)
+            return y
+        return y, out_k, out_v
+
+    @staticmethod
+    def backward(ctx, gy, *gkv):
+        job = ctx.job
+        ctx.job = None
+        rec, job.rec = job.rec, None
+        x = rec.take()
+        if job.offloader.prefetch and rec.prev is not None:
+            rec.prev.bring_back()
+        rec.prev = None
+        need_gx = ctx.needs_input_grad[2]
+        attend = job.prefix_mode == "attend"
+        if not job.whole:
+            prefix = _SplitPrefix(job.prefix_mode, *(ctx.saved_tensors if attend else ()),
+                                  grads=(None, None) if attend else gkv)
+            with _autocast_ctx(x.device, job.autocast), layer_weight_cache():
+                gx = _chunked_backward(job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
+                                       job.chunk, need_gx, prefix)
+            return (None, None, gx, *prefix.grads) if attend else (None, None, gx, None, None)
+        leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors] if attend else []
+        rng = _restored_rng(x.device, job.rng) if job.rng is not None else nullcontext()
+        with _autocast_ctx(x.device, job.autocast), layer_weight_cache(), rng:
+            xg = x.detach().requires_grad_(need_gx)
+            kv = _LayerKV(job.prefix_mode, job.prefix_len, *leaves)
+            with torch.enable_grad():
+                y = job.orig_forward(xg, **job.call_kwargs, past_key_values=kv)
+            outs = [(y, gy)] if attend else [(y, gy), (kv.keys[0], gkv[0]), (kv.values[0], gkv[1])]
+            outs = [(t, g) for t, g in outs if g is not None and t.requires_grad]
+            if outs:
+                torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+        gx = xg.grad if need_gx else None
+        if attend:
+            return None, None, gx, leaves[0].grad, leaves[1].grad
+        return None, None, gx, None, None
+
+
+def _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout):
+    """A trainable layer's call in a prefix-shared pass (:class:`_OffloadedPrefixLayer`); in ``record`` mode the
+    layer's keys and values go into ``cache`` under this layer's index, as the autograd outputs they are."""
+    job = _Job()
+    job.layer, job.offloader = layer, st["offloader"]
+    job.layer_index, job.is_last = st["index"], st["is_last"]
+    job.orig_forward = st["orig_forward"]
+    job.call_kwargs = {k: v for k, v in call_kwargs.items() if k != "past_key_values"}
+    job.dropout, job.prefix_mode, job.prefix_len = dropout, cache.mode, cache.length
+    # a split layer keeps its slices (its attention reads the prompt's keys and values, _SplitPrefix); any other
+    # layer, or one with active dropout, runs as written with a cache of its own (_LayerKV)
+    job.cos_sin, job.mask = call_kwargs.get("position_embeddings"), call_kwargs.get("attention_mask")
+    job.whole = dropout or st["mode"] != "split" or job.cos_sin is None
+    job.attn_kwargs = {k: v for k, v in call_kwargs.items()
+                       if k not in ("attention_mask", "position_embeddings", "past_key_values", "use_cache")}
+    job.sliding, job.chunk = st["sliding"], job.offloader.chunk_tokens or st["auto_chunk"]
+    anchor = _GradAnchor.get()
+    if cache.mode == "attend":
+        k, v = cache.keys[st["index"]], cache.values[st["index"]]
+        return _OffloadedPrefixLayer.apply(job, anchor, hidden_states, k, v)
+    y, k, v = _OffloadedPrefixLayer.apply(job, anchor, hidden_states, None, None)
+    cache.keys[st["index"]], cache.values[st["index"]] = k, v
+    return y
 
 
 # --------------------------------------------------------------------------- the probe

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from grpo_kit.readers.bounded import parse_json, read_lines
 from grpo_kit.tasks.answers import single_number
+from grpo_kit.tasks.long_document import LONG_DOCUMENT_SYSTEM_PROMPT, long_document_problem
 
 # A GSM8K row is a question and a worked answer, a few KiB; the whole of GSM8K is a few MiB.
 MAX_DATA_LINE_BYTES = 1 << 20
@@ -44,6 +45,8 @@ def default_system_prompt(task: str, tools: bool = False) -> str:
     arithmetic and multiplication, brief reasoning otherwise."""
     if tools:
         return TOOL_SYSTEM_PROMPT
+    if task == "long_document":
+        return LONG_DOCUMENT_SYSTEM_PROMPT
     return ARITHMETIC_SYSTEM_PROMPT if task in ARITHMETIC_TASKS else DEFAULT_SYSTEM_PROMPT
 HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
 
@@ -130,7 +133,9 @@ def multiplication_problem(rng: random.Random, level: int) -> dict:
 
 
 TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem,
-                   "multiplication": multiplication_problem}
+                   "multiplication": multiplication_problem,
+                   # a fact in a document of about 4K, 16K, 64K or 128K tokens by level (grpo_kit.tasks.long_document)
+                   "long_document": long_document_problem}
 # Every task name: the generated ones, and GSM8K-format jsonl (load_gsm8k).
 TASKS = (*TASK_GENERATORS, "gsm8k")
 

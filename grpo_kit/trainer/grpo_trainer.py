@@ -66,6 +66,13 @@ from grpo_kit.model.anatomy import (
 )
 from grpo_kit.model.causal_layout import MASK_BUILDING_ATTENTION, completion_rows, roll_left_pads
 from grpo_kit.model.offload import AUX_LOSS_OFF_REASON, enable_offloaded_checkpointing, keep_hf_checkpointing_off
+from grpo_kit.model.prefix import (
+    check_prefix_sharing,
+    hf_checkpointing_drops_cache,
+    hf_checkpointing_paused,
+    plan_prefix_groups,
+    prefix_shared_hidden,
+)
 from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, checked_reward_func, resolve_reward_func
 from grpo_kit.tasks.tools import get_tools, resolve_environment
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
@@ -116,6 +123,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     ``per_device_train_batch_size``),
     ``offload_checkpointing`` (None: on when the model is on CUDA and the config asks for
     gradient checkpointing; True/False to force),
+    ``prefix_sharing`` (``"auto"``, True or False: the G completions of a group score their shared prompt's
+    forward once, in the policy, reference and old-policy passes, :mod:`grpo_kit.model.prefix`; ``auto`` where the
+    prompt is long enough to pay; what it did is counted in ``prefix_sharing_stats``),
     ``reward_errors``, ``reward_time_limit_s`` and ``on_rewards`` (how each reward function is checked:
     :func:`grpo_kit.tasks.rewards.checked_reward_func`), and those of :class:`KitGenerationMixin`:
     ``generator`` (a kit generator, e.g. ``make_generator("vllm", ...)``; None: TRL's own
@@ -124,7 +134,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
 
     def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
                  reward_errors: str = "raise", scoring_batch_size: int | None = None,
-                 reward_time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None, **kwargs):
+                 reward_time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None, prefix_sharing=False,
+                 **kwargs):
+        prefix_sharing = check_prefix_sharing(prefix_sharing)
         training_args = kwargs.get("args")
         if training_args is not None:
             self._check_supported(training_args)
@@ -151,6 +163,13 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
                 warnings.warn(AUX_LOSS_OFF_REASON, stacklevel=2)
                 self.aux_loss_enabled = False
         self._offloaded_checkpointing = bool(offload_checkpointing)
+        if prefix_sharing is True and self.accelerator.num_processes > 1:
+            raise ValueError("prefix_sharing: true is proven on one process only (its two forwards per micro-batch "
+                             "are not proven under DDP or FSDP); use auto (off there) or false")
+        self.prefix_sharing = prefix_sharing
+        self.prefix_sharing_stats = dict(passes=0, groups=0, shared_rows=0, alone_rows=0, short_rows=0,
+                                         layout_rows=0, prompt_tokens_saved=0)
+        self._prefix_said: set = set()
 
     @staticmethod
     def _check_supported(args) -> None:
@@ -201,6 +220,54 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             return completion_rows(hidden, lead, logits_to_keep), aux_loss
         return hidden[:, -logits_to_keep - 1:-1, :], aux_loss
 
+    def _scored_hidden(self, model, input_ids, attention_mask, logits_to_keep, aux=False):
+        """:meth:`_completion_hidden`'s ``(hidden, aux)``, with the prompts that rows share run once per group where
+        prefix sharing is on for this pass (:meth:`_prefix_plan`); the other rows the usual way."""
+        plan = self._prefix_plan(model, input_ids, attention_mask, logits_to_keep, aux)
+        if plan is None or not plan.groups:
+            return self._completion_hidden(model, input_ids, attention_mask, logits_to_keep, aux=aux)
+
+        def unshared(rows):
+            return self._completion_hidden(model, input_ids[rows], attention_mask[rows], logits_to_keep)[0]
+
+        paused = hf_checkpointing_paused(model) if not torch.is_grad_enabled() else contextlib.nullcontext()
+        with self.accelerator.autocast(), paused:
+            return prefix_shared_hidden(model, plan, input_ids[:, -logits_to_keep:], unshared), None
+
+    def _prefix_plan(self, model, input_ids, attention_mask, logits_to_keep, aux):
+        """The :class:`grpo_kit.model.prefix.PrefixPlan` of a pass, or None where it does not share: sharing off;
+        an MoE router loss asked for (it counts the prompt's tokens once per row); several processes (not proven
+        there: ``auto`` is off, ``true`` refused at construction); or, in a training pass, HF's own checkpointing,
+        which drops the KV cache (said once)."""
+        if self.prefix_sharing is False or aux or self.accelerator.num_processes > 1:
+            return None
+        P = input_ids.size(1) - logits_to_keep
+        plan = plan_prefix_groups(input_ids[:, :P], attention_mask[:, :P], attention_mask[:, P:],
+                                  mode=self.prefix_sharing)
+        if plan.groups and torch.is_grad_enabled():
+            if self._offloaded_checkpointing:
+                keep_hf_checkpointing_off(self.model)
+            if hf_checkpointing_drops_cache(model):
+                self._say_once("hf_checkpointing", "prefix sharing is off in the training pass: HF's gradient "
+                               "checkpointing drops the KV cache the completions read (the kit's offloaded "
+                               "checkpointing keeps it); the reference and old-policy passes still share")
+                return None
+        stats = self.prefix_sharing_stats
+        for key, value in (("passes", 1), ("groups", len(plan.groups)), ("shared_rows", plan.shared_rows),
+                           ("alone_rows", plan.alone), ("short_rows", plan.short), ("layout_rows", plan.layout),
+                           ("prompt_tokens_saved", plan.tokens_saved)):
+            stats[key] += value
+        if plan.alone:
+            self._say_once("alone", f"prefix sharing: {plan.alone} of {input_ids.size(0)} rows have a prompt no other "
+                           "row of their batch shares (a group whose prompts differ, or one that TRL's shuffle split "
+                           "across micro-batches) and are scored unshared; counted in prefix_sharing_stats")
+        return plan
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._prefix_said:
+            self._prefix_said.add(key)
+            warnings.warn(message, stacklevel=3)
+
     def _head(self, model=None):
         """(weight, bias) of the output head of ``model`` (default: the policy), gathered where FSDP2 shards it."""
         return full_head(causal_lm(self.model if model is None else model))
@@ -221,8 +288,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             sl = slice(start, start + batch_size)
             with torch.no_grad():
-                hidden, aux_loss = self._completion_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep,
-                                                           aux=compute_aux_loss)
+                hidden, aux_loss = self._scored_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep,
+                                                       aux=compute_aux_loss)
                 out.append(per_token_logps(hidden.to(weight.dtype), weight, input_ids[sl, -logits_to_keep:],
                                            temperature=self.temperature, chunk_size=self.loss_chunk_size,
                                            lm_head_bias=bias, **self._logit_kwargs()))
@@ -239,8 +306,8 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
-        hidden, aux_loss = self._completion_hidden(model, input_ids, attention_mask, logits_to_keep,
-                                                   aux=self.aux_loss_enabled)
+        hidden, aux_loss = self._scored_hidden(model, input_ids, attention_mask, logits_to_keep,
+                                               aux=self.aux_loss_enabled)
         weight, bias = self._head(model)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -364,4 +431,4 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
                reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2],
                tool_time_limit_s=cfg.tool_time_limit_s or None, tool_output_tokens=cfg.tool_output_tokens,
-               max_prompt_length=cfg.max_prompt_length)
+               max_prompt_length=cfg.max_prompt_length, prefix_sharing=cfg.prefix_sharing)
