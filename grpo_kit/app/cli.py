@@ -94,7 +94,7 @@ def _bench(args) -> int:
 
 
 def _vram(args) -> int:
-    return cli_main(args.rest, run_config=GRPOKitConfig())  # the kit's default run is what it prices
+    return cli_main(args.rest)  # the kit's default run (StepSpec(), the config's defaults) is what it prices
 
 
 def _version(name: str) -> str | None:

@@ -24,7 +24,9 @@ import torch
 import yaml
 
 from grpo_kit.app.run_folder import unsafe_run_folder
+from grpo_kit.app.specs import layer_spec
 from grpo_kit.generation.base import GENERATION_BACKENDS
+from grpo_kit.generation.spec import GenerationSpec
 from grpo_kit.generation.sync import LORA_SYNC_MODES
 from grpo_kit.loss.advantage import SCALE_REWARDS
 from grpo_kit.loss.objective import (
@@ -37,6 +39,8 @@ from grpo_kit.loss.objective import (
 )
 from grpo_kit.loss.registry import registered_loss_types
 from grpo_kit.memory.formulas import KV_DTYPE_BYTES
+from grpo_kit.memory.spec import StepSpec
+from grpo_kit.model.devices import checkpointing_on
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
@@ -69,10 +73,6 @@ KV_CACHE_DTYPES = ("auto", *(name for name, size in KV_DTYPE_BYTES.items() if si
 # transformers checks it) and the package that installs it.
 TRACKERS = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"), "wandb": (("wandb",), "wandb"),
             "trackio": (("trackio",), "trackio")}
-# Fields that only vLLM generation reads, with their "off" value: set to anything else they need vLLM.
-VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
-                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None), ("vllm_enforce_eager", None),
-                     ("vllm_emulate_precision_casts", False), ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT))
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.
 NULL_MEANS_AUTO = ("epsilon_high", "loss_chunk_size", "vllm_gpu_memory_utilization")
@@ -90,8 +90,8 @@ KIT_DEFAULTS_OVER_TRL = {
     "max_steps": 40,  # a run that learns arithmetic on the CPU
     "save_steps": 10,
     "logging_steps": 1,  # a metrics.csv row and a console line every step
-    "per_device_train_batch_size": 16,  # 2 prompts of 8 completions: fewer steps without reward spread
-    "max_completion_length": 24,  # the arithmetic task's answers are short
+    "per_device_train_batch_size": StepSpec.per_device_train_batch_size,  # 2 prompts a step (StepSpec says why)
+    "max_completion_length": StepSpec.max_completion_length,  # the arithmetic task's answers are short
     "temperature": 0.7,
     "beta": 0.04,  # DeepSeekMath's KL coefficient
     "loss_type": "grpo",  # DeepSeekMath's per-sequence normalisation
@@ -286,7 +286,7 @@ def _with_objective_fields(cls):
 @_with_objective_fields
 class GRPOKitConfig:
     # --- run -------------------------------------------------------------------------
-    model: str = _f("smollm2-135m-instruct", "Built-in name (see `grpo_kit.model.loading.BUILTIN_MODELS`), a local "
+    model: str = _f(StepSpec.model, "Built-in name (see `grpo_kit.model.loading.BUILTIN_MODELS`), a local "
                     "folder, or a hub id such as `Qwen/Qwen2.5-1.5B-Instruct`.")
     output_dir: str = _kit("output_dir", "Run folder: metrics.csv, rewards.png, samples, adapter/weights.")
     seed: int = _kit("seed", "Seed for data, sampling and initialisation.")
@@ -309,9 +309,9 @@ class GRPOKitConfig:
     run_name: str | None = _f(None, "The run's name in the trackers of report_to (TRL's `run_name`); null: each "
                               "tracker names it.")
     device: str = _f("auto", f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.")
-    dtype: str = _f("auto", f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
+    dtype: str = _f(StepSpec.dtype, f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
                     "on GPU (with a GradScaler), fp32 on CPU.")
-    trainer: str = _f("grpo_kit", f"Which trainer runs the job, one of {TRAINERS}: `grpo_kit` is the kit's "
+    trainer: str = _f(StepSpec.trainer, f"Which trainer runs the job, one of {TRAINERS}: `grpo_kit` is the kit's "
                       "EfficientGRPOTrainer (no full logits), `trl` TRL's stock GRPOTrainer.")
     # --- data ------------------------------------------------------------------------
     task: str = _f("arithmetic", f"Training task, one of {TASKS}.")
@@ -327,14 +327,14 @@ class GRPOKitConfig:
     system_prompt: str = _f("", "System prompt; empty: the kit's default for the task (arithmetic: the answer only, "
                             "as `Answer: <number>`; word problems and GSM8K: brief reasoning, then that line).")
     # --- GRPO (names as in TRL's GRPOConfig) -------------------------------------------
-    num_generations: int = _f(8, "Completions sampled per prompt (the group size); at least 2.")
+    num_generations: int = _f(StepSpec.num_generations, "Completions sampled per prompt (the group size); at least 2.")
     per_device_train_batch_size: int = _kit("per_device_train_batch_size", "Completions per micro-batch (one "
                                             "forward/backward); per_device_train_batch_size x "
                                             "gradient_accumulation_steps must be a multiple of num_generations. The "
                                             "default is 2 prompts per step: with 1 prompt most early steps of an "
                                             "untrained small model have no reward spread to learn from.")
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.")
-    max_prompt_length: int = _f(256, "Longest prompt in tokens; longer prompts are an error, not silently cut.")
+    gradient_accumulation_steps: int = _f(StepSpec.gradient_accumulation_steps, "Micro-batches per optimiser step.")
+    max_prompt_length: int = _f(StepSpec.max_prompt_length, "Longest prompt in tokens; longer prompts are an error, not silently cut.")
     max_completion_length: int = _kit("max_completion_length", "Longest completion in tokens.")
     temperature: float = _kit("temperature", "Sampling temperature (> 0).")
     top_p: float = _f(1.0, "Nucleus sampling threshold in (0, 1].")
@@ -346,7 +346,7 @@ class GRPOKitConfig:
     epsilon_high: float | None = _f(None, "Upper clipping range (null: same as epsilon).")
     loss_type: str = _kit("loss_type", f"GRPO objective and normalisation (TRL's), one of {LOSS_TYPES}.")
     scale_rewards: str = _f("group", f"Advantage scaling, one of {SCALE_REWARDS}.")
-    num_iterations: int = _f(1, "Optimisation passes per generated batch (mu in the paper).")
+    num_iterations: int = _f(StepSpec.num_iterations, "Optimisation passes per generated batch (mu in the paper).")
     mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
     reward_funcs: list = _f(["correctness", "format_soft"], f"Reward functions: built-in names from {REWARD_FUNCS}, "
                             "`module:function` strings (an importable module, e.g. `my_rewards:length_penalty`) or, "
@@ -390,14 +390,14 @@ class GRPOKitConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
     # --- LoRA ------------------------------------------------------------------------
-    use_lora: bool = _f(True, "Train a LoRA adapter (the reference model is then the base with it disabled). "
+    use_lora: bool = _f(StepSpec.use_lora, "Train a LoRA adapter (the reference model is then the base with it disabled). "
                         "false: full fine-tuning; with beta > 0 TRL loads a reference copy from the model's "
                         "checkpoint folder, so a random built-in then needs beta=0.")
     trust_remote_code: bool = _f(False, "Let a checkpoint's own modelling code run (its config.json's `auto_map`). "
                                  "Off: such a checkpoint is refused before it loads.")
-    lora_rank: int = _f(16, "LoRA rank r.")
+    lora_rank: int = _f(StepSpec.lora_rank, "LoRA rank r.")
     lora_alpha: int = _f(32, "LoRA alpha.")
-    lora_dropout: float = _f(0.0, "LoRA dropout. Above 0 the kit's checkpointing recomputes each layer whole "
+    lora_dropout: float = _f(StepSpec.lora_dropout, "LoRA dropout. Above 0 the kit's checkpointing recomputes each layer whole "
                              "(the random masks cannot be split into token slices) and each adapter saves its own "
                              "dropped input and mask; the VRAM calculator prices both.")
     lora_target_modules: list | str = _f("auto", "Module names that get LoRA adapters, or `auto`: every linear "
@@ -405,7 +405,7 @@ class GRPOKitConfig:
                                          "attention; routers and the head excluded), found from the model; MoE "
                                          "experts are fused parameters and not among them.")
     # --- memory / generation -----------------------------------------------------------
-    generation_backend: str = _f("auto", f"Generation backend of the grpo_kit trainer, one of {GENERATION_BACKENDS}: "
+    generation_backend: str = _f(StepSpec.generation_backend, f"Generation backend of the grpo_kit trainer, one of {GENERATION_BACKENDS}: "
                                  "`vllm` runs vLLM in the training process (weights synced every optimiser step; "
                                  "an error when vLLM is not installed, with the install command); `hf` is "
                                  "transformers `generate` on the training model; `auto` is vLLM where it is "
@@ -418,7 +418,7 @@ class GRPOKitConfig:
                                             "of the card, less 1 GiB; on the CPU a KV cache of a quarter of free "
                                             "RAM, at most 4 GiB). A value that cannot fit stops the run before "
                                             "training starts.")
-    kv_cache_dtype: str = _f("auto", f"vLLM KV cache dtype, one of {KV_CACHE_DTYPES}: `fp8` stores the KV cache in "
+    kv_cache_dtype: str = _f(StepSpec.kv_cache_dtype, f"vLLM KV cache dtype, one of {KV_CACHE_DTYPES}: `fp8` stores the KV cache in "
                              "FP8 (half of bf16), on platforms whose vLLM supports it; needs the vLLM backend.")
     vllm_kv_cache_gib: float | None = _f(None, "vLLM's KV cache in GiB (CUDA); null: what one generation batch needs "
                                          "(prompts x (prompt + num_generations x completion) tokens, the VRAM "
@@ -461,7 +461,7 @@ class GRPOKitConfig:
                                         "training runs (standby). true, false (a separate engine copy, weights "
                                         "synced each step) or `auto` (shared on CUDA with LoRA and 16-bit or FP8 base "
                                         "weights; a layout vLLM cannot share falls back to a copy with a warning).")
-    base_weights: str = _f("16bit", f"How the frozen base linear weights are held, one of {BASE_WEIGHTS}: `16bit` in "
+    base_weights: str = _f(StepSpec.base_weights, f"How the frozen base linear weights are held, one of {BASE_WEIGHTS}: `16bit` in "
                            "the training dtype; `fp8`: FP8 e4m3 with per-output-channel scales, quantised layer by "
                            "layer on the GPU (grpo_kit.model.fp8), the forward as a W8A8 matmul, LoRA on top in the "
                            "training dtype. `fp8` needs use_lora, a CUDA GPU with FP8 tensor cores (compute "
@@ -475,7 +475,7 @@ class GRPOKitConfig:
                                 "W8A8 layout), or 128 (FP8_BLOCK): one per 128 x 128 tile (vLLM's block-FP8 layout, "
                                 "which needs every fused shard to start on a 128-row boundary; a model whose shards do "
                                 "not generates with HF generate). Applies with base_weights: fp8.")
-    load_in_4bit: bool = _f(False, "QLoRA: the training model's base linear weights in 4 bit (bitsandbytes NF4, "
+    load_in_4bit: bool = _f(StepSpec.load_in_4bit, "QLoRA: the training model's base linear weights in 4 bit (bitsandbytes NF4, "
                             "double quantisation; matmuls in the training dtype), LoRA on top, except the layers "
                             "in load_in_4bit_skip_modules. Needs use_lora, a CUDA GPU and bitsandbytes; generates "
                             "with HF generate (vLLM cannot take a 4-bit training model's weights yet).")
@@ -498,7 +498,7 @@ class GRPOKitConfig:
                                               "offloaded to CPU RAM (grpo_kit.model.offload).")
     loss_chunk_size: int | None = _f(None, "Rows per logits chunk in the efficient loss (null: chosen from free "
                                     "memory).")
-    scoring_batch_size: int | str | None = _f("auto", "Completions per no-grad forward when the grpo_kit trainer "
+    scoring_batch_size: int | str | None = _f(StepSpec.scoring_batch_size, "Completions per no-grad forward when the grpo_kit trainer "
                                               "scores a generation batch (the reference model's log-probs, and TRL's "
                                               "old-policy pass where it runs; verl's log_prob_micro_batch_size). "
                                               "Larger means fewer, fuller forwards (with 4-bit weights, fewer "
@@ -511,13 +511,17 @@ class GRPOKitConfig:
                                               "per_device_train_batch_size, as TRL. Safe to change on resume.")
 
     # ---------------------------------------------------------------------------------
+    def spec(self, kind: type):
+        """This config as the spec ``kind`` that a layer below the app takes (``grpo_kit.app.specs``)."""
+        return layer_spec(self, kind)
+
     def checkpointing_on(self, device: str) -> bool:
         """Whether gradient checkpointing runs on ``device`` (``cpu`` / ``cuda``): ``auto`` means on a GPU."""
-        return device == "cuda" if self.gradient_checkpointing == "auto" else bool(self.gradient_checkpointing)
+        return checkpointing_on(self.gradient_checkpointing, device)
 
     def vllm_options_set(self) -> list[str]:
-        """``name=value`` of each vLLM-only option (``VLLM_ONLY_OPTIONS``) that is not at its off value."""
-        return [f"{name}={getattr(self, name)!r}" for name, off in VLLM_ONLY_OPTIONS if getattr(self, name) != off]
+        """``name=value`` of each vLLM-only option (``grpo_kit.generation.spec.VLLM_ONLY_OPTIONS``) not at its off value."""
+        return self.spec(GenerationSpec).vllm_options_set()
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

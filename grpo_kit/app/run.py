@@ -28,16 +28,24 @@ from grpo_kit.app.resume_policy import restore_run_files, resume_config
 from grpo_kit.app.run_folder import claim_run_folder
 from grpo_kit.app.tool_warmup import tool_warmup
 from grpo_kit.generation.plan import plan_generation, start_generation
+from grpo_kit.generation.spec import GenerationSpec
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
+from grpo_kit.memory.spec import StepSpec
 from grpo_kit.model.anatomy import inspect_config, resolve_lora_targets, router_aux_coef
-from grpo_kit.model.devices import resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
+from grpo_kit.model.devices import DeviceSpec, resolve_device, resolve_dtype  # noqa: F401 (also the app's public names)
 from grpo_kit.model.families import check_supported, family_of
 from grpo_kit.model.fp8 import fp8_lora_config
 from grpo_kit.model.loading import BUILTIN_MODELS, load_model, load_tokenizer, meta_model, model_config
 from grpo_kit.model.offload import AUX_LOSS_OFF_REASON
 from grpo_kit.readers.bounded import read_json
 from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
-from grpo_kit.tasks.data import build_datasets, default_system_prompt, max_distinct_problems, to_prompt_dataset
+from grpo_kit.tasks.data import (
+    DataSpec,
+    build_datasets,
+    default_system_prompt,
+    max_distinct_problems,
+    to_prompt_dataset,
+)
 from grpo_kit.tasks.prompts import calibration_batches
 from grpo_kit.tasks.prompts import check_prompt_lengths as check_prompt_tokens
 from grpo_kit.tasks.rewards import get_reward_funcs
@@ -54,6 +62,7 @@ from grpo_kit.trainer.checkpoints import (
     resume_hint,
 )
 from grpo_kit.trainer.sharding import check_launch_env, save_whole
+from grpo_kit.trainer.spec import TrainerSpec
 
 
 def _prompt_tools(cfg: GRPOKitConfig) -> list | None:
@@ -118,9 +127,9 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
     cfg.validate()
     set_default_filesystem(cfg.sandbox_filesystem)  # what model code run by the rewards and tools sees
     check_launch_env()  # a sharding mode without a passing test stops here, before any data or model loads
-    device = resolve_device(cfg)
+    device = resolve_device(cfg.spec(DeviceSpec))
     check_task_size(cfg)  # before the data: drawing more distinct problems than a task has would never end
-    train_ex, heldout = build_datasets(cfg)  # data errors surface before the model loads
+    train_ex, heldout = build_datasets(cfg.spec(DataSpec))  # data errors surface before the model loads
     reward_funcs = get_reward_funcs(cfg.reward_funcs)
     # Under `accelerate launch` every process runs this function; only the main one evaluates and writes.
     state = PartialState(cpu=(device == "cpu"))
@@ -237,7 +246,7 @@ def check_before_load(cfg: GRPOKitConfig, device: str, train_ex: list, heldout: 
 def _memory_problem(cfg: GRPOKitConfig, config, device: str) -> str | None:
     """The step against the device's whole memory (host RAM on the CPU) as the VRAM calculator prices it, or None."""
     try:
-        need = total_gpu_bytes(estimate_for_config(cfg, config))
+        need = total_gpu_bytes(estimate_for_config(cfg.spec(StepSpec), config))
     except Exception:  # an architecture the calculator cannot price: the run itself finds out
         return None
     on_gpu = device == "cuda"
@@ -255,7 +264,7 @@ def _memory_problem(cfg: GRPOKitConfig, config, device: str) -> str | None:
 def _train(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> dict:
     """:func:`train` once the run folder is this process's: the run's phases, in order."""
     cfg, run_dir = run.cfg, run.run_dir
-    run.dtype = resolve_dtype(cfg, run.device)
+    run.dtype = resolve_dtype(cfg.spec(DeviceSpec), run.device)
     run.system_prompt = cfg.system_prompt or default_system_prompt(cfg.task, tools=bool(cfg.tools or cfg.environment))
     if resume and (done := _find_resume_point(run)) is not None:
         return done
@@ -334,7 +343,7 @@ def _load(run: _Run) -> _Loaded:
     config = model_config(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if cfg.use_lora:
         run.lora_targets = resolve_lora_targets(cfg.lora_target_modules, meta_model(config))
-    plan = plan_generation(cfg, model_config=config, device=run.device, dtype=dtype,
+    plan = plan_generation(cfg.spec(GenerationSpec), model_config=config, device=run.device, dtype=dtype,
                            num_processes=PartialState().num_processes)
     quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
                  auto_allowance=cfg.load_in_4bit_auto_allowance, nf4_matmul=cfg.load_in_4bit_matmul,
@@ -437,14 +446,15 @@ def _make_trainer(run: _Run, model, tokenizer, generator, plan, reward_funcs, re
                              target_modules=list(run.lora_targets), task_type="CAUSAL_LM") if cfg.use_lora else None
     if cfg.base_weights == "fp8":  # PEFT's LoRA layer for the FP8 base layers (use_lora: the config checked)
         peft_config = fp8_lora_config(peft_config)
-    trainer = make_trainer(cfg, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
+    spec = cfg.spec(TrainerSpec)
+    trainer = make_trainer(spec, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
                            args=grpo_args(cfg, run.device, run.dtype),
                            train_dataset=to_prompt_dataset(run.train_ex, run.system_prompt),
                            callbacks=[metrics, *callbacks],
                            peft_config=peft_config, generator=generator,
                            reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
                            memory_plan=plan.memory, on_rewards=recorder.record)
-    configure_reliability(trainer, cfg, run_state_provider=lambda: {
+    configure_reliability(trainer, spec, run_state_provider=lambda: {
         "metrics": list(run.history), "evals": run.evals, "recorder_step": recorder.step,
         "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
     if not run.progress:
