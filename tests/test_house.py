@@ -104,7 +104,7 @@ def test_the_diary_check_can_fail(tmp_path):
 # Every YAML or JSON parse of the package goes through a bounded reader (a size limit, a depth limit, one clear
 # error); these are they. The sandbox's two scripts run without the package, each with a bounded parse of its own.
 BOUNDED_READERS = {"grpo_kit/readers/bounded.py": None,  # the whole module
-                   "grpo_kit/app/config.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, within limits
+                   "grpo_kit/app/config_loading.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, in limits
                    "grpo_kit/tasks/sandbox_child.py": {"_parse"}, "grpo_kit/tasks/sandbox_program.py": {"_parse"}}
 _PARSERS = {"json": {"load", "loads", "JSONDecoder", "scanner"},
             "yaml": {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all",
