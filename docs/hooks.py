@@ -90,6 +90,7 @@ def _rewrite_links(markdown: str, src_uri: str, on_disk: str) -> str:
 def config_reference() -> str:
     """The configuration reference table: every field of ``GRPOKitConfig``, its default and its help text."""
     from grpo_kit.app.config import GRPOKitConfig  # lazy: only the build needs the kit (and torch)
+    from grpo_kit.app.config_help import FIELD_HELP  # lazy: as above
 
     rows = ["| field | default | what it does |", "|---|---|---|"]
     for f in dataclasses.fields(GRPOKitConfig):
@@ -99,7 +100,7 @@ def config_reference() -> str:
             default = repr(f.default_factory())
         else:
             default = "required"
-        text = " ".join(str(f.metadata.get("help", "")).split()).replace("|", "\\|")
+        text = " ".join(str(FIELD_HELP.get(f.name, "")).split()).replace("|", "\\|")
         rows.append(f"| `{f.name}` | `{default}` | {text} |")
     return "\n".join(rows)
 

@@ -246,7 +246,8 @@ def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
     import dataclasses
     import math
 
-    from grpo_kit.app.config import CHOICES, NUMERIC_RANGES, OBJECTIVE_FIELDS
+    from grpo_kit.app.config import OBJECTIVE_FIELDS
+    from grpo_kit.app.config_checks import CHOICES, NUMERIC_RANGES
 
     numeric = {f.name for f in dataclasses.fields(GRPOKitConfig) if str(f.type).split(" ")[0] in ("int", "float")}
     # the objective's options are checked by ObjectiveSpec, which owns them; a number from a fixed set (fp8_block)
@@ -266,7 +267,7 @@ def test_every_numeric_field_has_a_range_and_refuses_nan_inf_and_bools():
 def test_scheduler_names_are_transformers_own():
     from transformers.trainer_utils import SchedulerType
 
-    from grpo_kit.app.config import LR_SCHEDULER_TYPES
+    from grpo_kit.app.config_checks import LR_SCHEDULER_TYPES
 
     assert set(LR_SCHEDULER_TYPES) == {s.value for s in SchedulerType}
 
@@ -498,3 +499,23 @@ def test_fp8_base_weights_refuse_what_they_cannot_do(monkeypatch, overrides, mat
     _gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
     with pytest.raises(ConfigError, match=match):
         GRPOKitConfig().apply_overrides(["base_weights=fp8", *overrides]).validate()
+
+
+def test_every_field_is_declared_with_its_help_and_the_objectives_options_match_objective_spec():
+    """The class body lists every field: the kit's own each with help text in config_help.FIELD_HELP (and no help
+    for a field that is gone), the objective's further options exactly ObjectiveSpec's (name, type, default unless
+    the kit's own), so YAML and --set reach each option of the objective."""
+    import dataclasses
+
+    from grpo_kit.app.config import KIT_DEFAULTS_OVER_TRL, OBJECTIVE_FIELDS, OBJECTIVE_RENAMES
+    from grpo_kit.app.config_help import FIELD_HELP
+    from grpo_kit.loss.objective import ObjectiveSpec
+
+    fields = {f.name: f for f in dataclasses.fields(GRPOKitConfig)}
+    assert set(FIELD_HELP) == set(fields) - set(OBJECTIVE_FIELDS)
+    spec = {f.name: f for f in dataclasses.fields(ObjectiveSpec) if f.name not in OBJECTIVE_RENAMES}
+    assert set(OBJECTIVE_FIELDS) == set(spec) - set(FIELD_HELP)
+    for name in spec:
+        assert str(fields[name].type) == str(spec[name].type), name
+    for name in OBJECTIVE_FIELDS:
+        assert fields[name].default == KIT_DEFAULTS_OVER_TRL.get(name, spec[name].default), name

@@ -79,7 +79,7 @@ def test_every_size_has_an_upper_bound(override, match):
 
 
 def test_every_numeric_field_has_an_upper_bound():
-    from grpo_kit.app.config import NUMERIC_LIMITS, NUMERIC_RANGES
+    from grpo_kit.app.config_checks import NUMERIC_LIMITS, NUMERIC_RANGES
 
     assert [name for name, (_, high, *_) in NUMERIC_RANGES.items() if high is None and name not in NUMERIC_LIMITS] == []
     for name, limit in NUMERIC_LIMITS.items():

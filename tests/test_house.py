@@ -104,7 +104,7 @@ def test_the_diary_check_can_fail(tmp_path):
 # Every YAML or JSON parse of the package goes through a bounded reader (a size limit, a depth limit, one clear
 # error); these are they. The sandbox's two scripts run without the package, each with a bounded parse of its own.
 BOUNDED_READERS = {"grpo_kit/readers/bounded.py": None,  # the whole module
-                   "grpo_kit/app/config.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, within limits
+                   "grpo_kit/app/config_loading.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, in limits
                    "grpo_kit/tasks/sandbox_child.py": {"_parse"}, "grpo_kit/tasks/sandbox_program.py": {"_parse"}}
 _PARSERS = {"json": {"load", "loads", "JSONDecoder", "scanner"},
             "yaml": {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all",
@@ -197,3 +197,93 @@ def test_no_private_name_is_imported_across_modules():
                 found += [f"{path.relative_to(PKG.parent)}:{node.lineno} {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert not found, found
+
+
+# The layers below the app take their own narrow spec (grpo_kit.app.specs), never the app's config.
+BELOW_APP = ("kernels", "readers", "loss", "model", "tasks", "memory", "generation", "trainer")
+CONFIG_PARAMETERS = {"cfg", "config", "run_config", "kit_config"}  # what a parameter holding the config is called
+# TRL's TrainingArguments and TrainerState carry TRL's names (output_dir, max_steps, ...), which the config shares
+TRL_OBJECTS = {"self", "args", "state"}
+
+
+def config_reads(pkg: Path, config_fields: set[str], config_only: set[str]) -> list[str]:
+    """Functions below the app that take or read the app's config: an annotation naming ``GRPOKitConfig``, a
+    parameter named for a config (``CONFIG_PARAMETERS``) whose attributes read include a config field or method,
+    or any parameter's read of a field only the config has (no layer spec or sampling/objective spec carries it)."""
+    out = []
+    for layer in BELOW_APP:
+        for p in sorted((pkg / layer).rglob("*.py")):
+            rel = p.relative_to(pkg.parent)
+            for f in _functions(ast.parse(p.read_text(encoding="utf-8"))):
+                args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
+                args = [a for a in args if a is not None]
+                notes = [a.annotation for a in args if a.annotation is not None] + [f.returns] * bool(f.returns)
+                if any("GRPOKitConfig" in ast.unparse(n) for n in notes):
+                    out.append(f"{rel}:{f.lineno} {f.name} is annotated with GRPOKitConfig")
+                params = {a.arg for a in args}
+                for node in ast.walk(f):
+                    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                            and node.value.id in params):
+                        continue
+                    name, attr = node.value.id, node.attr
+                    if (name in CONFIG_PARAMETERS and attr in config_fields) or (
+                            name not in TRL_OBJECTS and attr in config_only):
+                        out.append(f"{rel}:{node.lineno} {f.name} reads {name}.{attr}")
+    return out
+
+
+def _config_names():
+    import dataclasses
+
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.app.specs import LAYER_SPECS
+    from grpo_kit.generation.base import SamplingConfig
+    from grpo_kit.loss.objective import ObjectiveSpec
+
+    fields = {f.name for f in dataclasses.fields(GRPOKitConfig)}
+    methods = {n for n, v in vars(GRPOKitConfig).items() if callable(v) and not n.startswith("_")} - {"spec"}
+    carried = {f.name for k in (*LAYER_SPECS, SamplingConfig, ObjectiveSpec) for f in dataclasses.fields(k)}
+    return fields | methods, fields - carried
+
+
+def test_no_function_below_the_app_takes_or_reads_its_config():
+    found = config_reads(PKG, *_config_names())
+    assert not found, f"{len(found)} reads of the app's config below the app: " + "; ".join(found[:40])
+
+
+def test_the_config_check_can_fail(tmp_path):
+    pkg = tmp_path / "grpo_kit"
+    (pkg / "memory").mkdir(parents=True)
+    (pkg / "memory" / "a.py").write_text(
+        "def f(cfg):\n    return cfg.max_steps\n"
+        "def g(run: 'GRPOKitConfig'):\n    return 1\n"
+        "def h(spec, args):\n    return spec.report_to, args.report_to, spec.lora_rank\n")
+    assert config_reads(pkg, {"max_steps", "report_to", "lora_rank"}, {"report_to"}) == [
+        "grpo_kit/memory/a.py:2 f reads cfg.max_steps", "grpo_kit/memory/a.py:3 g is annotated with GRPOKitConfig",
+        "grpo_kit/memory/a.py:6 h reads spec.report_to"]
+
+
+def test_each_layer_spec_carries_config_fields_its_layer_reads():
+    """A spec's field is a config field of the same name (the app fills it by name) that its layer reads (as an
+    attribute, or by name in a string), and the calculator's defaults are the config's (the config takes them)."""
+    import dataclasses
+    import inspect
+
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.app.specs import LAYER_SPECS, layer_spec
+    from grpo_kit.memory.spec import StepSpec
+
+    fields = {f.name for f in dataclasses.fields(GRPOKitConfig)}
+    unread = []
+    for kind in LAYER_SPECS:
+        layer = PKG / Path(inspect.getfile(kind)).relative_to(PKG).parts[0]
+        text = "\n".join(p.read_text(encoding="utf-8") for p in layer.rglob("*.py"))
+        for f in dataclasses.fields(kind):
+            if f.name != "step":
+                assert f.name in fields, f"{kind.__name__}.{f.name} is no GRPOKitConfig field"
+            if not re.search(rf"\.{f.name}\b|[\"']{f.name}[\"']", text):
+                unread.append(f"{kind.__name__}.{f.name} (grpo_kit/{layer.name})")
+    assert not unread, f"spec fields their layer never reads: {unread}"
+    assert layer_spec(GRPOKitConfig(), StepSpec) == StepSpec()
+    with pytest.raises(TypeError, match="no layer spec"):
+        layer_spec(GRPOKitConfig(), dict)

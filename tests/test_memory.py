@@ -272,10 +272,9 @@ def test_bad_input_raises_one_clear_error(kwargs, match):
 
 
 def _vram(argv) -> int:
-    """``python -m grpo_kit vram ARGV``: the kit's default config is the run it prices (the app layer hands it in)."""
-    from grpo_kit.app.config import GRPOKitConfig
-
-    return cli_main(argv, run_config=GRPOKitConfig())
+    """``python -m grpo_kit vram ARGV``: the kit's default run (``StepSpec()``, the config's defaults) is what it
+    prices."""
+    return cli_main(argv)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -298,10 +297,16 @@ def test_cli_bad_input(argv, match, capsys):
     assert re.search(match, capsys.readouterr().err)
 
 
-def test_cli_without_the_run_config_prices_only_the_published_setting(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli_main(["--model", LLAMA, "--context", "1024"])
-    assert e.value.code == 2 and "--published-setting" in capsys.readouterr().err
+def test_cli_prices_the_kits_run_without_the_apps_config(capsys):
+    """The memory layer knows the kit's default run itself (StepSpec(), whose defaults the config takes)."""
+    from grpo_kit.app.config import GRPOKitConfig
+    from grpo_kit.memory.spec import StepSpec
+
+    assert GRPOKitConfig().spec(StepSpec) == StepSpec()
+    assert cli_main(["--model", LLAMA, "--context", "1024"]) == 0
+    alone = capsys.readouterr().out
+    assert cli_main(["--model", LLAMA, "--context", "1024"], run=GRPOKitConfig()) == 0
+    assert capsys.readouterr().out == alone
     assert cli_main(["--model", LLAMA, "--context", "1024", "--published-setting", "--method", "grpo_kit"]) == 0
 
 

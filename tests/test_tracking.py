@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from grpo_kit.app import config as config_module
+from grpo_kit.app import config_checks as config_module
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
 
 

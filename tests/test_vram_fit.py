@@ -63,7 +63,7 @@ def test_free_t4_preset_is_the_longest_whole_step_in_4bit_fp16():
 
 def _vram(argv, capsys) -> str:
     """``python -m grpo_kit vram ARGV``'s output (the app layer hands in the kit's default config)."""
-    assert cli_main(argv, run_config=GRPOKitConfig()) == 0
+    assert cli_main(argv) == 0
     return capsys.readouterr().out
 
 
@@ -82,7 +82,7 @@ def test_cli_verdict_per_method(capsys):
     assert ours.startswith("grpo_kit: fits")
     assert int(re.search(r"the longest context that fits is ([\d,]+) tokens", ours)[1].replace(",", "")) > 1024
     with pytest.raises(SystemExit):
-        cli_main(["--model", "qwen2.5-1.5b", "--context", "1024", "--gpu-gib", "-1"], run_config=GRPOKitConfig())
+        cli_main(["--model", "qwen2.5-1.5b", "--context", "1024", "--gpu-gib", "-1"])
 
 
 ISSUE_COMMAND = ["--model", "llama-3.1-8b", "--context", "20480", "--generations", "8", "--gpu-gib", "24"]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_kit.app.config import GRPOKitConfig, load_yaml
+from grpo_kit.app.config import GRPOKitConfig
+from grpo_kit.app.config_loading import load_yaml
 from grpo_kit.app.console import quiet_console, warn_once_per_message
 from grpo_kit.app.resume_policy import SAFE_RESUME_OVERRIDES, resume_config
 from grpo_kit.generation.versions import version_rows
@@ -94,7 +95,7 @@ def _bench(args) -> int:
 
 
 def _vram(args) -> int:
-    return cli_main(args.rest, run_config=GRPOKitConfig())  # the kit's default run is what it prices
+    return cli_main(args.rest)  # the kit's default run (StepSpec(), the config's defaults) is what it prices
 
 
 def _version(name: str) -> str | None:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo_kit.generation import SamplingConfig, make_generator
-from grpo_kit.model.devices import resolve_device, resolve_dtype
+from grpo_kit.generation.spec import GenerationSpec
+from grpo_kit.model.devices import DeviceSpec, resolve_device, resolve_dtype
 from grpo_kit.model.loading import load_model, load_tokenizer
-from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
+from grpo_kit.tasks.data import DataSpec, build_datasets, default_system_prompt, make_prompt
 from grpo_kit.tasks.rewards import checked_reward_func, get_reward_funcs
 from grpo_kit.tasks.sandbox import set_default_filesystem
 
@@ -130,12 +131,13 @@ def preflight(cfg, *, num_prompts: int = 8, backend: str = "hf") -> PreflightRep
         raise ValueError(f"num_prompts={num_prompts!r} must be an integer >= 1")
     cfg.validate()
     set_default_filesystem(cfg.sandbox_filesystem)  # what model code run by the rewards sees
-    train_ex, _ = build_datasets(cfg)
+    train_ex, _ = build_datasets(cfg.spec(DataSpec))
     examples = train_ex[:num_prompts]
     funcs = [checked_reward_func(f) for f in get_reward_funcs(cfg.reward_funcs)]
     weights = list(cfg.reward_weights) or [1.0] * len(funcs)
-    device = resolve_device(cfg)
-    dtype = resolve_dtype(cfg, device)
+    run = cfg.spec(DeviceSpec)
+    device = resolve_device(run)
+    dtype = resolve_dtype(run, device)
     system = cfg.system_prompt or default_system_prompt(cfg.task)
     tok = load_tokenizer(cfg.model)
     messages = [make_prompt(e["question"], system) for e in examples]
@@ -146,7 +148,7 @@ def preflight(cfg, *, num_prompts: int = 8, backend: str = "hf") -> PreflightRep
     t0 = time.perf_counter()
     with torch.no_grad():
         res = gen.generate(prompts, num_generations=g,
-                           sampling=SamplingConfig.from_config(cfg, seed=cfg.seed, stop_token_ids=[tok.eos_token_id]))
+                           sampling=SamplingConfig.from_config(cfg.spec(GenerationSpec), seed=cfg.seed, stop_token_ids=[tok.eos_token_id]))
     seconds = time.perf_counter() - t0
     columns = {"answer": [e["answer"] for e in examples for _ in range(g)]}
     group_prompts = [m for m in messages for _ in range(g)]

@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from grpo_kit.generation.spec import GenerationSpec
+
 GENERATION_BACKENDS = ("auto", "hf", "vllm")  # make_generator's backend, the config's generation_backend
 
 
@@ -79,10 +81,13 @@ class SamplingConfig:
         return self.temperature == 0
 
     @classmethod
-    def from_config(cls, cfg, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
-        """From a :class:`grpo_kit.app.config.GRPOKitConfig` (its field names follow TRL's)."""
-        return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or 0.0,
-                   max_tokens=cfg.max_completion_length, seed=seed, stop_token_ids=tuple(stop_token_ids))
+    def from_config(cls, gen: GenerationSpec, *, seed: int | None = None,
+                    stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
+        """From a run's :class:`~grpo_kit.generation.spec.GenerationSpec` (or an object that makes one, such as the
+        app's config): its sampling fields (TRL's names) and ``max_completion_length``."""
+        gen = GenerationSpec.of(gen)
+        return cls(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p or 0.0,
+                   max_tokens=gen.step.max_completion_length, seed=seed, stop_token_ids=tuple(stop_token_ids))
 
 
 @dataclass

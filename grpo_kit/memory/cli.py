@@ -1,9 +1,8 @@
 """``python -m grpo_kit vram``: does a run fit a GPU? The VRAM estimate as a plain-text table (and a plot), a
 verdict against the GPU's memory and the longest context that fits.
 
-By default it prices ``python -m grpo_kit train``'s own run on a CUDA GPU: the defaults of ``GRPOKitConfig`` (which
-the ``app`` layer hands in as ``run_config``; this layer sits below it) with the named model and context; each flag
-given replaces one of them. ``--published-setting`` prices the setting of Unsloth's published table instead.
+By default it prices ``python -m grpo_kit train``'s own run on a CUDA GPU: the kit's defaults (``StepSpec()``, whose
+defaults the app's config takes) with the named model and context; each flag given replaces one of them. ``--published-setting`` prices the setting of Unsloth's published table instead.
 
     python -m grpo_kit vram --model llama-3.1-8b --context 20480 --gpu-gib 24
     python -m grpo_kit vram --model llama-3.1-8b --context 20480 --generations 8 --published-setting
@@ -32,6 +31,7 @@ from grpo_kit.memory.estimate import (
     resolve_arch,
 )
 from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict, verdict_kwargs
+from grpo_kit.memory.spec import StepSpec
 
 
 def _positive_int(text: str) -> int:
@@ -64,24 +64,20 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _defaults_help(run_config) -> dict[str, str]:
-    """Each flag's default in words, for ``--help``: the kit's run's (read from ``run_config``) and, after it, the
+def _defaults_help(run: StepSpec) -> dict[str, str]:
+    """Each flag's default in words, for ``--help``: the kit's run's (read from ``run``) and, after it, the
     published setting's."""
     G = PUBLISHED_SETUP["num_generations"]
-    if run_config is None:
-        kit = dict.fromkeys(("generations", "prompt", "lora", "method", "dtype", "kv", "micro", "gen"),
-                            "value in its run config")
-    else:
-        kw = config_estimate_kwargs(run_config)
-        kit = dict(generations=f"num_generations, {kw['num_generations']}",
-                   prompt=f"max_prompt_length, {kw['prompt_length']}",
-                   lora=f"lora_rank, {kw['lora_rank']}" if kw["lora_rank"] else "use_lora false: full fine-tuning",
-                   method=f"trainer, {kw['method']}", dtype=f"dtype {run_config.dtype!r}, {kw['dtype']} on a GPU",
-                   kv=f"kv_cache_dtype {run_config.kv_cache_dtype!r}, " + (kw["kv_cache_dtype"] or "the model's dtype"),
-                   micro=f"per_device_train_batch_size, {kw['micro_batch_size']}",
-                   gen=f"generation_backend {run_config.generation_backend!r}, priced as "
-                       + ("vLLM" if kw["vllm"] else "HF generate (every sequence's KV cache padded to the context, "
-                                                     "the larger)"))
+    kw = config_estimate_kwargs(run)
+    kit = dict(generations=f"num_generations, {kw['num_generations']}",
+               prompt=f"max_prompt_length, {kw['prompt_length']}",
+               lora=f"lora_rank, {kw['lora_rank']}" if kw["lora_rank"] else "use_lora false: full fine-tuning",
+               method=f"trainer, {kw['method']}", dtype=f"dtype {run.dtype!r}, {kw['dtype']} on a GPU",
+               kv=f"kv_cache_dtype {run.kv_cache_dtype!r}, " + (kw["kv_cache_dtype"] or "the model's dtype"),
+               micro=f"per_device_train_batch_size, {kw['micro_batch_size']}",
+               gen=f"generation_backend {run.generation_backend!r}, priced as "
+                   + ("vLLM" if kw["vllm"] else "HF generate (every sequence's KV cache padded to the context, "
+                                                 "the larger)"))
     return dict(
         generations=f"completions per prompt (default: the kit's {kit['generations']}; published setting: {G})",
         prompt=f"prompt tokens within --context (default: the kit's {kit['prompt']}; published setting: 0, the whole "
@@ -96,9 +92,10 @@ def _defaults_help(run_config) -> dict[str, str]:
     )
 
 
-def build_parser(run_config=None) -> argparse.ArgumentParser:
-    """The ``vram`` arguments; ``run_config``: the kit's default ``GRPOKitConfig`` (its values appear in the help)."""
-    h = _defaults_help(run_config)
+def build_parser(run: StepSpec | None = None) -> argparse.ArgumentParser:
+    """The ``vram`` arguments; ``run``: the run priced by default (None: the kit's, ``StepSpec()``; or an object
+    that makes one, :meth:`StepSpec.of`), its values appear in the help."""
+    h = _defaults_help(StepSpec() if run is None else StepSpec.of(run))
     p = argparse.ArgumentParser(
         prog="python -m grpo_kit vram",
         description="Does a GRPO run fit a GPU? Estimates the GPU memory of one step, by component, against "
@@ -139,12 +136,9 @@ def build_parser(run_config=None) -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(parser, args, run_config) -> None:
+def _check_args(parser, args) -> None:
     """Combinations that cannot be priced: one parser error each (exit 2)."""
     lora = args.lora_rank is not None or not (args.published_setting or args.full_finetuning)
-    if not args.published_setting and run_config is None:
-        parser.error("the kit's run is priced from its default config: run `python -m grpo_kit vram` (or call "
-                     "cli_main(argv, run_config=GRPOKitConfig())), or pass --published-setting")
     if args.full_finetuning and args.lora_rank is not None:
         parser.error("--full-finetuning and --lora-rank exclude each other")
     if args.standby and args.no_vllm:
@@ -179,19 +173,19 @@ def _published_kwargs(args) -> dict:
                 standby=False, lora_dropout=False) | _given(args)
 
 
-def _kit_kwargs(args, run_config) -> dict:
-    """:func:`estimate`'s arguments for the kit's run: ``run_config`` with the model, the context and the
+def _kit_kwargs(args, run: StepSpec) -> dict:
+    """:func:`estimate`'s arguments for the kit's run: ``run`` with the model, the context and the
     generations of the command line (``config_estimate_kwargs``, as the run's own fit check prices it), flags
     applied. A step generates the config's completions (``per_device_train_batch_size`` x
     ``gradient_accumulation_steps``) or at least one micro-batch, in whole groups."""
-    G = args.generations or run_config.num_generations
-    P = run_config.max_prompt_length if args.prompt_length is None else args.prompt_length
-    cfg = dataclasses.replace(run_config, model=args.model, num_generations=G, max_prompt_length=P,
-                              max_completion_length=args.context - P)
-    kw = config_estimate_kwargs(cfg) | _given(args)
+    G = args.generations or run.num_generations
+    P = run.max_prompt_length if args.prompt_length is None else args.prompt_length
+    step = dataclasses.replace(run, model=args.model, num_generations=G, max_prompt_length=P,
+                               max_completion_length=args.context - P)
+    kw = config_estimate_kwargs(step) | _given(args)
     if args.full_finetuning:
         kw.update(lora_rank=None, lora_dropout=False)
-    rows = max(run_config.per_device_train_batch_size * run_config.gradient_accumulation_steps, kw["micro_batch_size"])
+    rows = max(run.per_device_train_batch_size * run.gradient_accumulation_steps, kw["micro_batch_size"])
     kw["generation_batch"] = -(-rows // G) * G
     return kw
 
@@ -277,18 +271,19 @@ def _print_verdicts(arch, args, kw: dict, variants: dict[str, dict], out) -> Non
         print(f"  {label + text[len(v.method):] if text.startswith(v.method) else text}", file=out)
 
 
-def cli_main(argv: list[str], run_config=None) -> int:
+def cli_main(argv: list[str], run: StepSpec | None = None) -> int:
     """Entry point of ``python -m grpo_kit vram``; returns the exit status (argparse exits 2 on bad input, before
-    any work). ``run_config``: the kit's default ``GRPOKitConfig()``, whose run is priced unless
-    ``--published-setting`` is given (``grpo_kit.app.cli`` passes it)."""
-    parser = build_parser(run_config)
+    any work). ``run``: the run priced unless ``--published-setting`` is given (None: the kit's own,
+    ``StepSpec()``)."""
+    run = StepSpec() if run is None else StepSpec.of(run)
+    parser = build_parser(run)
     args = parser.parse_args(argv)
-    _check_args(parser, args, run_config)
+    _check_args(parser, args)
     try:
         arch = resolve_arch(args.model)
     except ValueError as e:
         parser.error(str(e))
-    kw = _published_kwargs(args) if args.published_setting else _kit_kwargs(args, run_config)
+    kw = _published_kwargs(args) if args.published_setting else _kit_kwargs(args, run)
     if kw["prompt_length"] >= args.context:
         parser.error(f"the prompt ({kw['prompt_length']} tokens"
                      + (", the kit's max_prompt_length" if args.prompt_length is None else "")

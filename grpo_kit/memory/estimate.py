@@ -44,6 +44,7 @@ from transformers import AutoConfig
 from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.formulas import GB, Arch, GiB
+from grpo_kit.memory.spec import StepSpec
 from grpo_kit.model.anatomy import num_experts
 from grpo_kit.model.loading import BUILTIN_MODELS, check_model_name, meta_model, model_config
 from grpo_kit.readers.bounded import read_json
@@ -740,47 +741,53 @@ def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
     return best
 
 
-def estimate_for_config(cfg, model=None, **overrides) -> pd.DataFrame:
-    """:func:`estimate` for a ``GRPOKitConfig``: its generations, prompt/completion lengths, dtype,
-    LoRA rank, trainer (``trl`` or ``grpo_kit`` method), backend and micro-batch. ``model``: a
-    config or name (default ``cfg.model``); ``overrides`` replace any of the derived arguments."""
-    return estimate(model if model is not None else cfg.model, **config_estimate_kwargs(cfg, **overrides))
+def estimate_for_config(step: StepSpec, model=None, **overrides) -> pd.DataFrame:
+    """:func:`estimate` for a run's step (:class:`StepSpec`, or an object that makes one: :meth:`StepSpec.of`): its
+    generations, prompt/completion lengths, dtype, LoRA rank, trainer (``trl`` or ``grpo_kit`` method), backend and
+    micro-batch. ``model``: a config or name (default ``step.model``); ``overrides`` replace any of the derived
+    arguments."""
+    step = StepSpec.of(step)
+    return estimate(model if model is not None else step.model, **config_estimate_kwargs(step, **overrides))
 
 
-def scoring_batch_for_config(cfg, model=None, **overrides) -> int | None:
-    """``cfg.scoring_batch_size`` as the trainer takes it: the number or null as set, or for ``auto`` the
-    calculator's choice for the config's step (:func:`auto_scoring_batch`; ``overrides`` as in
+def scoring_batch_for_config(step: StepSpec, model=None, **overrides) -> int | None:
+    """``step.scoring_batch_size`` as the trainer takes it: the number or null as set, or for ``auto`` the
+    calculator's choice for the run's step (:func:`auto_scoring_batch`; ``overrides`` as in
     :func:`estimate_for_config`, e.g. the generation plan's pricing). None with ``trainer='trl'``, and (with a
     warning) for an architecture the calculator cannot price."""
-    if cfg.scoring_batch_size != AUTO:
-        return cfg.scoring_batch_size
+    step = StepSpec.of(step)
+    if step.scoring_batch_size != AUTO:
+        return step.scoring_batch_size
     try:
-        return estimate_for_config(cfg, model, **overrides).attrs["scoring_batch"]
+        return estimate_for_config(step, model, **overrides).attrs["scoring_batch"]
     except ValueError as e:  # an architecture resolve_arch does not know: score as TRL does
         warnings.warn(f"scoring_batch_size='auto': the VRAM calculator cannot price this model ({e}); scoring "
                       "per_device_train_batch_size sequences per forward", stacklevel=2)
         return None
 
 
-def config_estimate_kwargs(cfg, **overrides) -> dict:
-    """The :func:`estimate` arguments (all but the model) that describe a ``GRPOKitConfig``'s step.
+def config_estimate_kwargs(step: StepSpec, **overrides) -> dict:
+    """The :func:`estimate` arguments (all but the model) that describe a run's step (:class:`StepSpec`, or an
+    object that makes one).
 
     With tools, the step is priced at its bound as it stands: TRL's ``max_completion_length`` counts the model's
     and the tools' tokens together (its tool loop drops a result that would pass it), and ``max_prompt_length``
     covers the tools' schema (the app checks the rendered prompts), so no ``tool_turns`` are added on top."""
-    kw = dict(num_generations=cfg.num_generations, prompt_length=cfg.max_prompt_length,
-              completion_length=cfg.max_completion_length,
-              dtype={"fp32": "fp32", "fp16": "fp16"}.get(cfg.dtype, "bf16"),
-              lora_rank=cfg.lora_rank if cfg.use_lora else None, quantization="4bit" if cfg.load_in_4bit else "fp8" if cfg.base_weights == "fp8" else None,
-              method="trl" if cfg.trainer == "trl" else "grpo_kit", vllm=cfg.generation_backend == "vllm",
-              kv_cache_dtype="fp8" if cfg.kv_cache_dtype == "fp8" else None,
-              micro_batch_size=cfg.per_device_train_batch_size,
-              generation_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
-              scoring_batch=None if cfg.trainer == "trl" else cfg.scoring_batch_size,
-              lora_dropout=bool(cfg.use_lora and cfg.lora_dropout),
-              old_policy_pass=True if cfg.num_iterations > 1 else None,  # else: with vLLM's sampling correction
+    s = StepSpec.of(step)
+    quantization = "4bit" if s.load_in_4bit else "fp8" if s.base_weights == "fp8" else None
+    kw = dict(num_generations=s.num_generations, prompt_length=s.max_prompt_length,
+              completion_length=s.max_completion_length,
+              dtype={"fp32": "fp32", "fp16": "fp16"}.get(s.dtype, "bf16"),
+              lora_rank=s.lora_rank if s.use_lora else None, quantization=quantization,
+              method="trl" if s.trainer == "trl" else "grpo_kit", vllm=s.generation_backend == "vllm",
+              kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else None,
+              micro_batch_size=s.per_device_train_batch_size,
+              generation_batch=s.per_device_train_batch_size * s.gradient_accumulation_steps,
+              scoring_batch=None if s.trainer == "trl" else s.scoring_batch_size,
+              lora_dropout=bool(s.use_lora and s.lora_dropout),
+              old_policy_pass=True if s.num_iterations > 1 else None,  # else: with vLLM's sampling correction
               # `auto` shares only what pays at the batch's own lengths: priced unshared, its bound
-              prefix_sharing=cfg.prefix_sharing is True and cfg.trainer != "trl")
+              prefix_sharing=s.prefix_sharing is True and s.trainer != "trl")
     kw.update(overrides)
     return kw
 

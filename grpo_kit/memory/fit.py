@@ -13,6 +13,7 @@ import torch
 
 from grpo_kit.memory.estimate import AUTO, config_estimate_kwargs, estimate, total_gpu_bytes
 from grpo_kit.memory.formulas import GiB as GIB
+from grpo_kit.memory.spec import StepSpec
 from grpo_kit.model.fp8 import FP8_MIN_CAPABILITY, fp8_support
 
 # Upper end of the context search (tokens): beyond every built-in model's positions.
@@ -195,34 +196,36 @@ def free_t4_preset(model="llama-3.1-8b", *, num_generations: int = 8, prompt_len
                 budget_gib=FREE_T4_GIB, estimate_gib=peak, base_weights=base_weights_for("T4")["base_weights"])
 
 
-def config_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None,
+def config_fit(step: StepSpec, *, calculator_model=None, gpu_gib: float | None = None,
                detect: bool = True) -> tuple[FitVerdict, str]:
-    """The kit's step for a ``GRPOKitConfig`` against a GPU: the detected one (``detect``), else ``gpu_gib``. Returns the
-    verdict and where the GPU size came from. ``calculator_model``: the built-in architecture to price
-    (default ``cfg.model``, e.g. for a hub id without a local config). ``generation_backend: auto`` is priced as
-    HF generation, whose KV cache (every sequence padded to the full context, in the model's dtype) is the larger;
-    which backend ``auto`` becomes is known only when the run starts (its memory plan then prices vLLM's). ValueError
-    when neither a GPU nor ``gpu_gib`` is there."""
+    """The kit's step for a run (:class:`StepSpec`, or an object that makes one such as the app's config) against a
+    GPU: the detected one (``detect``), else ``gpu_gib``. Returns the verdict and where the GPU size came from.
+    ``calculator_model``: the built-in architecture to price (default ``step.model``, e.g. for a hub id without a
+    local config). ``generation_backend: auto`` is priced as HF generation, whose KV cache (every sequence padded to
+    the full context, in the model's dtype) is the larger; which backend ``auto`` becomes is known only when the run
+    starts (its memory plan then prices vLLM's). ValueError when neither a GPU nor ``gpu_gib`` is there."""
+    step = StepSpec.of(step)
     detected = detected_gpu_gib() if detect else None
     if detected is None and gpu_gib is None:
         raise ValueError("config_fit: no CUDA GPU detected; pass gpu_gib= (the card's memory in GiB)")
     budget, source = detected if detected else (gpu_gib, "gpu_gib parameter")
-    kw = verdict_kwargs(config_estimate_kwargs(cfg))
-    context = cfg.max_prompt_length + cfg.max_completion_length
-    verdict = fit_verdict(calculator_model or cfg.model, budget, context=context, prompt_length=cfg.max_prompt_length,
-                          **kw)
+    kw = verdict_kwargs(config_estimate_kwargs(step))
+    context = step.max_prompt_length + step.max_completion_length
+    verdict = fit_verdict(calculator_model or step.model, budget, context=context,
+                          prompt_length=step.max_prompt_length, **kw)
     return verdict, source
 
 
-def require_fit(cfg, *, calculator_model=None, gpu_gib: float | None = None) -> FitVerdict:
+def require_fit(step: StepSpec, *, calculator_model=None, gpu_gib: float | None = None) -> FitVerdict:
     """:func:`config_fit`, printed; a step that does not fit stops here with the numbers and what to change
     (RuntimeError), before any model loads."""
-    verdict, source = config_fit(cfg, calculator_model=calculator_model, gpu_gib=gpu_gib)
+    step = StepSpec.of(step)
+    verdict, source = config_fit(step, calculator_model=calculator_model, gpu_gib=gpu_gib)
     print(f"{source}: {verdict.text()}")
     if not verdict.fits:
-        fix = (f"max_completion_length <= {verdict.max_context - cfg.max_prompt_length}"
-               if verdict.max_context and verdict.max_context > cfg.max_prompt_length else "a smaller model")
-        weights = ("FP8 base weights (base_weights='fp8'), " if cfg.base_weights != "fp8" and detected_gpu_gib()
+        fix = (f"max_completion_length <= {verdict.max_context - step.max_prompt_length}"
+               if verdict.max_context and verdict.max_context > step.max_prompt_length else "a smaller model")
+        weights = ("FP8 base weights (base_weights='fp8'), " if step.base_weights != "fp8" and detected_gpu_gib()
                    and has_fp8() else "")
         raise RuntimeError(f"the run does not fit: {verdict.text()}; try {fix}, fewer generations per micro-batch, "
                            f"{weights}4-bit weights (load_in_4bit) or an FP8 KV cache (kv_cache_dtype='fp8')")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_kit.readers.bounded import parse_json, read_lines
@@ -274,20 +276,42 @@ def to_prompt_dataset(examples: list[dict], system_prompt: str = ""):
     return Dataset.from_list([prompt_row(e, system_prompt) for e in examples])
 
 
-def build_datasets(cfg) -> tuple[list[dict], list[dict]]:
-    """Training and held-out examples for a validated ``GRPOKitConfig``."""
-    if cfg.task == "gsm8k":
-        if cfg.eval_dataset_path or not cfg.dataset_path:  # GSM8K's test split: the given file, or the hub's
-            heldout = (load_gsm8k(cfg.eval_dataset_path or None, split="test", limit=cfg.num_eval_samples)
-                       if cfg.num_eval_samples else [])
-            train = load_gsm8k(cfg.dataset_path or None, split="train", limit=cfg.num_train_samples)
+@dataclass(frozen=True)
+class DataSpec:
+    """What a run trains and is evaluated on (names and meanings as in the app's config, which builds it): the
+    task, its ``levels``, the GSM8K files (``""``: the hub's splits), how many training and held-out problems, and
+    the seed the generated tasks are drawn with."""
+
+    task: str
+    levels: Sequence[int]
+    dataset_path: str
+    eval_dataset_path: str
+    num_train_samples: int
+    num_eval_samples: int
+    seed: int
+
+    @classmethod
+    def of(cls, source) -> DataSpec:
+        """``source`` itself, or the spec it makes: an object with ``spec(kind)``, such as the app's config
+        (``GRPOKitConfig.spec``), so that a notebook may hand its config to :func:`build_datasets`."""
+        return source if isinstance(source, cls) else source.spec(cls)
+
+
+def build_datasets(data: DataSpec) -> tuple[list[dict], list[dict]]:
+    """Training and held-out examples (lists of ``{"question", "answer"}``) for a run's data (a :class:`DataSpec`
+    of a validated config, or an object that makes one: :meth:`DataSpec.of`)."""
+    d = DataSpec.of(data)
+    if d.task == "gsm8k":
+        if d.eval_dataset_path or not d.dataset_path:  # GSM8K's test split: the given file, or the hub's
+            heldout = (load_gsm8k(d.eval_dataset_path or None, split="test", limit=d.num_eval_samples)
+                       if d.num_eval_samples else [])
+            train = load_gsm8k(d.dataset_path or None, split="train", limit=d.num_train_samples)
             asked = {e["question"] for e in heldout}
             return [e for e in train if e["question"] not in asked], heldout
         # only a training file: the held-out problems are drawn from it, and never trained on
-        rows = load_gsm8k(cfg.dataset_path, limit=cfg.num_train_samples + cfg.num_eval_samples)
+        rows = load_gsm8k(d.dataset_path, limit=d.num_train_samples + d.num_eval_samples)
         rng = random.Random(HELDOUT_SEED)
         rng.shuffle(rows)
-        heldout, train = rows[:cfg.num_eval_samples], rows[cfg.num_eval_samples:]
-        return train[:cfg.num_train_samples], heldout
-    return train_heldout_split(cfg.task, cfg.num_train_samples, cfg.num_eval_samples, levels=tuple(cfg.levels),
-                               seed=cfg.seed)
+        heldout, train = rows[:d.num_eval_samples], rows[d.num_eval_samples:]
+        return train[:d.num_train_samples], heldout
+    return train_heldout_split(d.task, d.num_train_samples, d.num_eval_samples, levels=tuple(d.levels), seed=d.seed)

@@ -78,6 +78,7 @@ from grpo_kit.tasks.tools import get_tools, resolve_environment
 from grpo_kit.trainer.generation_hook import KitGenerationMixin
 from grpo_kit.trainer.guards import with_reliability
 from grpo_kit.trainer.sharding import check_sharding, full_head
+from grpo_kit.trainer.spec import TrainerSpec
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
 UNSUPPORTED = (
@@ -385,9 +386,10 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             self._metrics[mode][name].append(reduce(gathered).item())
 
 
-def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
+def make_trainer(spec: TrainerSpec, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
                  generator=None, reliable: bool = False, memory_plan: dict | None = None, on_rewards=None):
-    """Build the trainer ``cfg.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
+    """Build the trainer ``spec.step.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
+    ``spec``: the run's :class:`~grpo_kit.trainer.spec.TrainerSpec`, or an object that makes one (the app's config).
 
     ``reliable``: its class composed with the NaN/OOM guards and the atomic, resumable checkpoints
     (:func:`grpo_kit.trainer.guards.with_reliability`, once per class); set their options with
@@ -401,23 +403,24 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     old-policy pass is skipped.
 
     ``memory_plan``: the CUDA generation memory plan (:func:`grpo_kit.generation.plan.memory_plan`), whose
-    calculator pricing resolves ``scoring_batch_size: auto``; without one the calculator prices the config as it
+    calculator pricing resolves ``scoring_batch_size: auto``; without one the calculator prices the run's step as it
     stands (:func:`grpo_kit.memory.scoring_batch_for_config`).
 
-    The reward functions are checked with the config's ``reward_errors`` and ``reward_time_limit_s``
-    (:func:`_checked`, once); ``on_rewards`` sees the first one's checked scores. The config's ``tools`` and
+    The reward functions are checked with the run's ``reward_errors`` and ``reward_time_limit_s``
+    (:func:`_checked`, once); ``on_rewards`` sees the first one's checked scores. The run's ``tools`` and
     ``environment`` reach TRL as ``tools=`` and ``environment_factory=`` (the kit's trainer checks each call with
     ``tool_time_limit_s`` and ``tool_output_tokens``).
     """
+    spec = TrainerSpec.of(spec)
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
     kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
                   processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
-    if cfg.tools:
-        kwargs["tools"] = get_tools(cfg.tools)
-    if cfg.environment is not None:
-        kwargs["environment_factory"] = resolve_environment(cfg.environment)
-    checks = (cfg.reward_errors, cfg.reward_time_limit_s, on_rewards)
-    if cfg.trainer == "trl":
+    if spec.tools:
+        kwargs["tools"] = get_tools(spec.tools)
+    if spec.environment is not None:
+        kwargs["environment_factory"] = resolve_environment(spec.environment)
+    checks = (spec.reward_errors, spec.reward_time_limit_s, on_rewards)
+    if spec.step.trainer == "trl":
         if generator is not None:
             raise ValueError("trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
                              "a kit generator needs trainer='grpo_kit'")
@@ -426,9 +429,9 @@ def make_trainer(cfg, *, model, tokenizer, reward_funcs, args, train_dataset, ca
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
     cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
-    scoring = (memory_plan["scoring_batch_size"] if memory_plan and cfg.scoring_batch_size == "auto"
-               else scoring_batch_for_config(cfg, model.config))
-    return cls(**kwargs, loss_chunk_size=cfg.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
+    scoring = (memory_plan["scoring_batch_size"] if memory_plan and spec.step.scoring_batch_size == "auto"
+               else scoring_batch_for_config(spec.step, model.config))
+    return cls(**kwargs, loss_chunk_size=spec.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
                reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2],
-               tool_time_limit_s=cfg.tool_time_limit_s or None, tool_output_tokens=cfg.tool_output_tokens,
-               max_prompt_length=cfg.max_prompt_length, prefix_sharing=cfg.prefix_sharing)
+               tool_time_limit_s=spec.tool_time_limit_s or None, tool_output_tokens=spec.tool_output_tokens,
+               max_prompt_length=spec.step.max_prompt_length)

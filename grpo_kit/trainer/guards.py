@@ -38,8 +38,10 @@ from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.loss.objective import k3_kl
 from grpo_kit.loss.registry import get_loss_type
 from grpo_kit.memory import estimate_for_config, total_gpu_bytes
+from grpo_kit.memory.spec import StepSpec
 from grpo_kit.trainer.channel import channel
 from grpo_kit.trainer.checkpoints import ResumableTrainerMixin
+from grpo_kit.trainer.spec import TrainerSpec
 
 
 class TrainingStopped(RuntimeError):
@@ -87,14 +89,14 @@ def split_weights(halves: list[dict], full: dict, loss_type: str) -> list[float]
     return [share(h["completion_mask"], full["completion_mask"]) for h in halves]
 
 
-def vram_estimate_text(cfg, model_config=None) -> str:
-    """The VRAM calculator's peak for a kit config, as one phrase (never raises)."""
+def vram_estimate_text(step: StepSpec, model_config=None) -> str:
+    """The VRAM calculator's peak for a run's step, as one phrase (never raises)."""
     try:
-        df = estimate_for_config(cfg, model_config)
+        df = estimate_for_config(step, model_config)
         gib = total_gpu_bytes(df) / 2**30
         return (f"the VRAM calculator estimates {gib:.1f} GiB peak for this config (prompt up to "
-                f"{cfg.max_prompt_length} + completion {cfg.max_completion_length} tokens, micro-batch "
-                f"{cfg.per_device_train_batch_size}; `python -m grpo_kit vram --help` to try others)")
+                f"{step.max_prompt_length} + completion {step.max_completion_length} tokens, micro-batch "
+                f"{step.per_device_train_batch_size}; `python -m grpo_kit vram --help` to try others)")
     except Exception as e:  # the estimate is advice; never hide the OOM behind it
         return f"no VRAM estimate for this model ({type(e).__name__}: {e})"
 
@@ -104,7 +106,7 @@ class GuardedTrainerMixin:
 
     ``max_bad_steps`` (consecutive non-finite steps before stopping), ``guard_log_path`` (jsonl;
     default ``output_dir/guard_events.jsonl``), ``oom_advice`` (callable returning a sentence with the
-    VRAM estimate), ``guard_config`` (names and values for the messages: a ``GRPOKitConfig`` or None).
+    VRAM estimate), ``guard_spec`` (names and values for the messages: the run's ``TrainerSpec`` or None).
     After ``train()`` returns, ``channel(trainer).stop_error`` (:mod:`grpo_kit.trainer.channel`) holds the
     :class:`TrainingStopped` to raise, if any.
     """
@@ -358,7 +360,7 @@ class GuardedTrainerMixin:
             ckpt = self._save_checkpoint(self.model_wrapped, None, mid_step=True)
         except Exception as e:  # report the OOM even if saving fails too
             print(f"[grpo_kit] could not save the state after the OOM: {type(e).__name__}: {e}", file=sys.stderr)
-        cfg = getattr(self, "guard_config", None)
+        spec = getattr(self, "guard_spec", None)
         if hasattr(self, "loss_chunk_size") and self._split_parts == 1:
             first = (f"loss_chunk_size (now {self.loss_chunk_size}; already halved once): set e.g. "
                      f"loss_chunk_size={max(1, (self.loss_chunk_size or 2) // 2)}")
@@ -367,11 +369,11 @@ class GuardedTrainerMixin:
         settings = [first, "per_device_train_batch_size (smaller, a multiple of num_generations, with more "
                     "gradient_accumulation_steps)", "max_completion_length", "gradient_checkpointing=true"]
         if getattr(self, "scoring_batch_size", None):  # the no-grad scoring pass may be what ran out
-            chosen = ", chosen by 'auto'" if getattr(cfg, "scoring_batch_size", None) == "auto" else ""
+            chosen = ", chosen by 'auto'" if spec is not None and spec.step.scoring_batch_size == "auto" else ""
             settings.insert(1, f"scoring_batch_size (now {self.scoring_batch_size}{chosen}; null scores "
                                "per_device_train_batch_size sequences per forward)")
         advice = self.oom_advice() if callable(self.oom_advice) else (
-            vram_estimate_text(cfg) if cfg is not None else "no VRAM estimate (no kit config)")
+            vram_estimate_text(spec.step) if spec is not None else "no VRAM estimate (no kit config)")
         where = f"state saved in {ckpt}" if ckpt else "the state could not be saved"
         channel(self).stop_error = OutOfMemoryStop(
             f"CUDA out of memory again at step {self.state.global_step + 1} after the automatic halving; {where}. "
@@ -408,20 +410,21 @@ def with_reliability(base: type) -> type:
     return _CLASSES[base]
 
 
-def configure_reliability(trainer, cfg=None, *, run_state_provider=None):
+def configure_reliability(trainer, spec: TrainerSpec | None = None, *, run_state_provider=None):
     """Set the guards' and checkpoints' options on a trainer built from a :func:`with_reliability` class.
 
-    ``cfg`` (a ``GRPOKitConfig``): ``max_bad_steps``, ``keep_checkpoints`` and the OOM message's VRAM
-    estimate come from it. ``run_state_provider``: see :class:`grpo_kit.trainer.checkpoints.ResumableTrainerMixin`.
+    ``spec`` (the run's :class:`~grpo_kit.trainer.spec.TrainerSpec`, or an object that makes one):
+    ``max_bad_steps``, ``keep_checkpoints`` and the OOM message's VRAM estimate come from it. ``run_state_provider``: see :class:`grpo_kit.trainer.checkpoints.ResumableTrainerMixin`.
     """
     if not isinstance(trainer, GuardedTrainerMixin):
         raise TypeError(f"{type(trainer).__name__} has no guards: build it from with_reliability(its class) "
                         "(grpo_kit.trainer.grpo_trainer.make_trainer(..., reliable=True) does)")
-    if cfg is not None:
-        trainer.max_bad_steps = cfg.max_bad_steps
-        trainer.keep_checkpoints = cfg.keep_checkpoints
-        trainer.guard_config = cfg
+    if spec is not None:
+        spec = TrainerSpec.of(spec)
+        trainer.max_bad_steps = spec.max_bad_steps
+        trainer.keep_checkpoints = spec.keep_checkpoints
+        trainer.guard_spec = spec
         model_config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
-        trainer.oom_advice = lambda: vram_estimate_text(cfg, model_config)
+        trainer.oom_advice = lambda: vram_estimate_text(spec.step, model_config)
     trainer.run_state_provider = run_state_provider
     return trainer
