@@ -89,14 +89,14 @@ def test_short_prompts_gain_nothing_and_auto_is_priced_unshared():
 def test_vram_answers_with_and_without_sharing(capsys):
     argv = ["--model", LLAMA, "--context", "129024", "--prompt-length", "126976", "--generations", "8",
             "--micro-batch", "8", "--lora-rank", "16", "--standby", "--gpu-gib", "80", "--prefix-sharing", "both"]
-    assert cli_main(argv, run_config=GRPOKitConfig()) == 0
+    assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "method grpo_kit + prefix sharing: peak during" in out and "prompt keys and values" in out
     verdicts = out.split("Does it fit in 80.00 GiB")[1].splitlines()
     assert verdicts[1].startswith("  grpo_kit: does not fit")
     assert verdicts[2].startswith("  grpo_kit + prefix sharing: fits")
     with pytest.raises(SystemExit):
-        cli_main(argv[:-1] + ["on", "--method", "trl"], run_config=GRPOKitConfig())
+        cli_main(argv[:-1] + ["on", "--method", "trl"])
     assert "describes the grpo_kit trainer" in capsys.readouterr().err
 
 
