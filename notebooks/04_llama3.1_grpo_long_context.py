@@ -102,7 +102,7 @@ verbose = False  # True: vLLM's log and third-party warnings as the libraries pr
 from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.generation.sync import LORA_SYNC_MODES
-from grpo_kit.notebook.helpers import notebook_setup, validate_params
+from grpo_kit.notebook.helpers import choose_setup, validate_params
 
 if preset not in ("", "free_t4"):
     raise ValueError(f"preset={preset!r} is not allowed: '' (the parameters as set) or 'free_t4'")
@@ -132,28 +132,28 @@ for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
 common = dict(num_generations=num_generations, num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
               output_dir=output_dir, seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
               gradient_checkpointing=True, report_to=report_to)
-# the full setup trains one sequence per micro-batch (what the calculator below prices); the tiny fallback all at
-# once. 4-bit generates with HF (vLLM cannot take 4-bit training weights yet); otherwise vLLM's KV cache dtype and
-# LoRA sync; FP8 base weights (a GPU without FP8 tensor cores is refused, naming it)
+# the full setup trains one sequence per micro-batch (what the calculator below prices); the tiny fallback all at once
 full = dict(common, model=model, per_device_train_batch_size=1, gradient_accumulation_steps=num_generations,
             max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
             max_completion_length=context_length - max_prompt_length, generation_backend=generation_backend,
             learning_rate=2e-5)
-if four_bit:
-    full.update(load_in_4bit=True, generation_backend="hf")
-elif generation_backend != "hf":
-    full.update(kv_cache_dtype="fp8" if fp8_kv_cache else "auto", vllm_lora_sync=vllm_lora_sync or None)
-if fp8_weights:
-    full.update(base_weights="fp8")
 fallback = dict(common, model=fallback_model, per_device_train_batch_size=num_generations, task="arithmetic",
                 max_steps=fallback_max_steps,
                 max_prompt_length=fallback_max_prompt_length,
                 max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
-# both checked before anything loads (no bitsandbytes for 4-bit stops here, not mid-run); vLLM is needed only
-# where the full setup generates with it
-run = notebook_setup(full, fallback, setup=setup, verbose=verbose,
-                     need_packages=("vllm",) if full["generation_backend"] != "hf" else ())
-cfg, device, dtype = run.config, run.device, run.dtype
+validate_params(full)
+# vLLM is needed only where the full setup generates with it: not in 4-bit (the free-T4 preset), not with "hf"
+uses_vllm = generation_backend != "hf" and not four_bit
+chosen, settings = choose_setup(full, fallback, need_packages=("vllm",) if uses_vllm else (), force=setup)
+if chosen == "full" and four_bit:  # checked by validate_params below: no bitsandbytes stops here, not mid-run
+    settings.update(load_in_4bit=True, generation_backend="hf")  # vLLM cannot take 4-bit training weights yet
+elif chosen == "full" and generation_backend != "hf":
+    settings.update(kv_cache_dtype="fp8" if fp8_kv_cache else "auto", vllm_lora_sync=vllm_lora_sync or None)
+if chosen == "full" and fp8_weights:  # a GPU without FP8 tensor cores is refused below, naming it
+    settings.update(base_weights="fp8")
+cfg = validate_params(settings)
+print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
+      f"steps={cfg.max_steps}  G={cfg.num_generations}")
 
 # %% [markdown]
 # ## What the full run needs: the calculator
@@ -285,7 +285,7 @@ print(f"on a T4 in 4-bit (preset='free_t4': fp16, HF generation): {t4['context_l
 # %%
 from grpo_kit.memory.fit import config_fit, require_fit
 
-if run.name == "full":  # the config as it will train; stops with the numbers when it would not fit
+if chosen == "full":  # the config as it will train; stops with the numbers when it would not fit
     require_fit(cfg, calculator_model=calculator_model, gpu_gib=gpu_gib)
 else:
     verdict, source = config_fit(cfg, gpu_gib=gpu_gib)
@@ -313,8 +313,10 @@ else:
 
 # %%
 from grpo_kit.notebook.dashboard import LiveDashboard
-from grpo_kit.app.run import train
+from grpo_kit.app.run import resolve_device, resolve_dtype, train
 
+device = resolve_device(cfg)
+print("device:", device, " dtype:", resolve_dtype(cfg, device))
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
 summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True, verbose=verbose)
@@ -340,7 +342,7 @@ from grpo_kit.tasks.data import build_datasets
 from grpo_kit.app.export import before_after
 
 questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
-for row in before_after(summary["run_dir"], questions, device=device, dtype=dtype):
+for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
     print(f"Q: {row['question']}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
 
 # %% [markdown]
@@ -355,7 +357,7 @@ from grpo_kit.app.export import push_to_hub, save_merged
 import torch
 
 if save_merged_weights:
-    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=dtype
+    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=resolve_dtype(cfg, device)
                          if device == "cuda" else torch.float32, device=device, overwrite=True)
     print("merged weights:", merged)
     if hub_repo:

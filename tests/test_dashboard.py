@@ -152,6 +152,19 @@ def test_notebook_setup_is_one_call_that_says_what_it_chose(capsys):
         notebook_setup(full, fallback, setup="gpu")
 
 
+def test_notebook_setup_quiets_the_console_before_its_imports_warn(repo_root):
+    """In a fresh process (a notebook's kernel): importing the run's code imports peft, whose bitsandbytes says it
+    has no CPU 4-bit kernel; the setup call quiets the console before that import, so nothing reaches stderr."""
+    import subprocess
+    import sys
+
+    code = ("from grpo_kit.notebook.helpers import notebook_setup\n"
+            "notebook_setup(dict(model='tiny-llama'), dict(model='tiny-llama'), setup='fallback')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("setup: fallback"), r.stderr[-2000:]
+    assert "gemm_4bit" not in r.stderr + r.stdout and "note:" not in r.stdout, r.stderr[-2000:]
+
+
 def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):
     import grpo_kit.notebook.helpers as nu
     from grpo_kit.generation import vllm_backend

@@ -109,9 +109,9 @@ def notebook_setup(full: dict, fallback: dict | None = None, *, setup: str = "au
     torch can use, ``need_packages`` importable, the hub reachable) or else the fallback; ``setup`` ``"full"`` /
     ``"fallback"`` forces one. The device and dtype are the run's (bf16 where the GPU has it, fp16 on a T4, fp32
     on the CPU). Prints :meth:`NotebookSetup.line` unless ``show`` is False."""
-    from grpo_kit.app.run import resolve_device, resolve_dtype  # imports peft: after the console is quiet
-
     quiet_console(verbose)
+    from grpo_kit.app.run import resolve_device, resolve_dtype  # lazy: it imports peft, which warns: console first
+
     validate_params(full, extras, extra_types)
     if fallback is not None:
         validate_params(fallback)
