@@ -220,7 +220,11 @@ def test_default_run_console(repo_root, tmp_path):
     assert re.search(r"step 1/2 \|", out) and re.search(r"step 2/2 \|", out)
     for row in ("run folder:", "held-out accuracy:", "steps: 2 (", "peak memory:", "files:"):
         assert row in r.stdout, r.stdout[-3000:]
-    gen = json.loads((tmp_path / "run" / "summary.json").read_text())["generation"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # the default run's prompts are short: auto shares none, and the plan and summary say so
+    assert "prefix sharing: auto" in r.stdout
+    assert summary["prefix_sharing"]["setting"] == "auto" and summary["prefix_sharing"]["shared_rows"] == 0
+    gen = summary["generation"]
     assert gen["requested"] == "auto" and gen["backend"] == "vllm" and gen["device"] == "cpu"
     assert gen["weight_syncs"] == 2 and gen["share_weights"] is False
     assert gen["kv_cache_dtype"] == ("fp8" if fp8 else "auto")

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 from grpo_kit.generation.vllm_backend import VLLM_LOGGER
+from grpo_kit.model.prefix import AUTO_MIN_PROMPT_TOKENS
 
 # Decimal places of the numbers written to summary.json and printed at the end of a run.
 SUMMARY_DIGITS = 4
@@ -226,6 +227,10 @@ def plan_lines(cfg, *, device: str, dtype, info: dict) -> list[str]:
             lines.append(f"  experts: {m['experts']}; router load-balancing loss {m['router_aux_loss']}")
     if info.get("memory_plan"):
         lines.append(f"  memory: {_memory_text(info['memory_plan'])}")
+    if cfg.prefix_sharing is not False and cfg.trainer == "grpo_kit":
+        lines.append(f"  prefix sharing: {cfg.prefix_sharing} (a group's shared prompt scored once; auto: where it "
+                     f"is at least {AUTO_MIN_PROMPT_TOKENS:,} tokens and as long as the completions; summary.json "
+                     "counts what it did)")
     if cfg.sandbox_filesystem == "host":
         lines.append("  sandbox: sandbox_filesystem=host, the weaker mode: model code sees the host's file system "
                      "(run folders, data files, the home folder, as far as its uid may read them)")

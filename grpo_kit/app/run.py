@@ -596,6 +596,8 @@ def _summary(run: _Run, ready: _Ready, generation_info: dict, train_seconds: flo
         # sequences per no-grad scoring forward as the trainer ran (scoring_batch_size, "auto" resolved; null:
         # per_device_train_batch_size)
         "scoring_batch_size": getattr(trainer, "scoring_batch_size", None),
+        # what prefix sharing did: groups and rows scored with their prompt once, rows alone or too short
+        "prefix_sharing": {"setting": cfg.prefix_sharing, **getattr(trainer, "prefix_sharing_stats", {})},
         "quantization": getattr(model, "grpo_kit_quantization", None),
         "run_dir": str(run.run_dir),
     }
