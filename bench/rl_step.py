@@ -584,22 +584,22 @@ def decode_profile(eng, prompt, tokens: int) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_tokens=tokens, min_tokens=tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         timed = _timed_generate(eng, prompt, sampling)
-    per_kernel: dict[str, list] = {}
+    per_kernel: dict[str, list] = {}  # name -> [microseconds, launches, kind]
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = per_kernel.setdefault(ev.name, [0.0, 0])
+            t = per_kernel.setdefault(ev.name, [0.0, 0, decode_kind(ev.name)])
             t[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             t[1] += 1
     kinds: dict[str, float] = {}
-    for name, (us, _) in per_kernel.items():
-        kinds[decode_kind(name)] = kinds.get(decode_kind(name), 0.0) + us
+    for us, _, kind in per_kernel.values():
+        kinds[kind] = kinds.get(kind, 0.0) + us
     gpu_us = sum(kinds.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:15]
     return dict(decode_steps=tokens, wall_ms_per_step=1e3 * timed["generation_s"] / tokens,
                 gpu_ms_per_step=gpu_us / 1e3 / tokens,
                 kinds_ms_per_step={k: round(v / 1e3 / tokens, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-                top_kernels=[dict(name=n[:120], kind=decode_kind(n), ms_per_step=round(us / 1e3 / tokens, 4),
-                                  launches_per_step=round(c / tokens, 2)) for n, (us, c) in top])
+                top_kernels=[dict(name=n[:120], kind=kind, ms_per_step=round(us / 1e3 / tokens, 4),
+                                  launches_per_step=round(c / tokens, 2)) for n, (us, c, kind) in top])
 
 
 def gen_engine_options(name: str, dual_stream: bool) -> tuple[dict, bool]:

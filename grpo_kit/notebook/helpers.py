@@ -23,6 +23,7 @@ from grpo_kit.loss.objective import k3_kl
 from grpo_kit.model.devices import unusable_gpu
 from grpo_kit.readers.bounded import parse_json, read_json
 
+SETUP_CHOICES = ("auto", "full", "fallback")  # a notebook's `setup` parameter
 _EXTRA_TYPES = {int: "int", float: "float", str: "str", bool: "bool", list: "list"}
 
 
@@ -69,14 +70,19 @@ def choose_setup(full: dict, fallback: dict, *, need_packages: tuple = (), force
 
     Returns ``(name, settings)`` with name ``"full"`` or ``"fallback"`` and a copy of the settings.
     """
-    if force not in ("auto", "full", "fallback"):
-        raise ValueError(f"force={force!r} is not allowed; choose one of ['auto', 'full', 'fallback']")
-    if force == "auto":
-        blockers = full_setup_blockers(need_packages)
-        if blockers:
-            print(f"setup: the offline fallback, since {'; '.join(blockers)}")
-        force = "fallback" if blockers else "full"
-    return force, dict(full if force == "full" else fallback)
+    name, blockers = _setup_choice(force, need_packages, "force")
+    if blockers:
+        print(f"setup: the offline fallback, since {'; '.join(blockers)}")
+    return name, dict(full if name == "full" else fallback)
+
+
+def _setup_choice(choice: str, need_packages: tuple, param: str) -> tuple[str, list[str]]:
+    """``"full"`` or ``"fallback"`` for a notebook's ``choice`` (``"auto"``, ``"full"`` or ``"fallback"``, the
+    parameter named ``param`` in the error), and why ``"auto"`` fell back (:func:`full_setup_blockers`; [] else)."""
+    if choice not in SETUP_CHOICES:
+        raise ValueError(f"{param}={choice!r} is not allowed; choose one of {list(SETUP_CHOICES)}")
+    blockers = full_setup_blockers(need_packages) if choice == "auto" else []
+    return ("fallback" if choice == "fallback" or blockers else "full"), blockers
 
 
 @dataclass(frozen=True)
@@ -112,16 +118,13 @@ def notebook_setup(full: dict, fallback: dict | None = None, *, setup: str = "au
     quiet_console(verbose)
     from grpo_kit.app.run import resolve_device, resolve_dtype  # lazy: it imports peft, which warns: console first
 
-    validate_params(full, extras, extra_types)
-    if fallback is not None:
-        validate_params(fallback)
-    if setup not in ("auto", "full", "fallback"):
-        raise ValueError(f"setup={setup!r} is not allowed; choose one of ['auto', 'full', 'fallback']")
-    blockers = full_setup_blockers(need_packages) if setup == "auto" and fallback is not None else []
-    name = "fallback" if setup == "fallback" or blockers else "full"
+    configs = {"full": validate_params(full, extras, extra_types),
+               "fallback": None if fallback is None else validate_params(fallback)}
+    # with no fallback, auto has nothing to fall back to
+    name, blockers = _setup_choice("full" if fallback is None and setup == "auto" else setup, need_packages, "setup")
     if name == "fallback" and fallback is None:
         raise ValueError("setup='fallback' needs the fallback settings")
-    cfg = validate_params(full if name == "full" else fallback)
+    cfg = configs[name]
     device = resolve_device(cfg)
     chosen = NotebookSetup(name, cfg, device, resolve_dtype(cfg, device), "; ".join(blockers))
     if show:
