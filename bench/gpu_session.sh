@@ -208,4 +208,19 @@ step gemma3_rl4k 900 $bench --rows grpo_kit_fp8,trl --models gemma-3-4b --comple
 # step decodes with; each row's generation alone timed first (8 x 1,024 tokens), then 256 profiled decode steps.
 step decode_prof 900 $bench --rows gen_vllm_fp8w,gen_vllm_fp8w_dense,gen_vllm --completion 1024 --profile-decode 256 \
   --timeout 300  # the adapter row: its engine captures CUDA graphs with LoRA (past 190 s on 2026-12-07)
+# Issue 55, long prompts (one prompt shared by the group's 8 completions of 2,048 tokens, Llama-3.1-8B bf16 LoRA r=16):
+# the whole step at 8 x (126,976 + 2,048) with prefix sharing (the calculator: 44.3 GiB; without sharing 118 GiB, no
+# fit); at 8 x (63,488 + 2,048) sharing on (micro-batch 8: the group in one pass) against off (micro-batch 1, where
+# off is at its best: micro-batch 8 unshared needs 124 GiB of pinned host RAM) against TRL colocate (micro-batch 1,
+# its engine given 0.4 of the card: at its default 0.3 the 8 GiB that one 65,536-token sequence's KV cache needs
+# does not fit beside the weights); the 4K step with auto against false (no regression: auto shares nothing there).
+long="$bench --models llama-3.1-8b --completion 2048 --steps 1"
+step long127k 580 $long --rows grpo_kit_bf16 --prompt 126976 --micro-batch 8 --prefix-sharing true --timeout 570
+step long127k_fp8w 580 $long --rows grpo_kit_fp8w --prompt 126976 --micro-batch 8 --prefix-sharing true --timeout 570
+step long63k 590 bash -c "$long --rows grpo_kit_bf16 --prompt 63488 --micro-batch 8 --prefix-sharing true \
+  --timeout 250 && $long --rows grpo_kit_bf16 --prompt 63488 --micro-batch 1 --prefix-sharing false --timeout 330"
+step long63k_trl 580 $long --rows trl --prompt 63488 --micro-batch 1 --trl-vllm-memory 0.4 --timeout 570
+step auto4k 590 bash -c "$bench --rows grpo_kit_bf16 --completion 4096 --steps 2 --micro-batch 8 --prefix-sharing auto \
+  --timeout 290 && $bench --rows grpo_kit_bf16 --completion 4096 --steps 2 --micro-batch 8 --prefix-sharing false \
+  --timeout 290"
 echo "$(date -u +%T) ALLDONE" >> "$out/progress.txt"

@@ -43,6 +43,15 @@ accumulation 8: one optimiser step per generation batch), temperature 1.0.
 
 Every row records ``base_weights`` (``bf16`` or ``fp8``).
 
+Long prompts (issue 55): ``--prompt N`` sets the one prompt's length (default 512), ``--micro-batch M`` the sequences
+per forward/backward (gradient accumulation 8 / M; TRL's rows too), ``--prefix-sharing auto|true|false`` the kit
+rows' ``prefix_sharing``: each micro-batch scores a group's shared prompt once, so sharing pays at ``--micro-batch
+8``. Kit rows record ``prefix_sharing``: the setting and the trainer's counts over every scoring and loss pass
+(rows scored shared, alone, too short for ``auto``, groups, prompt tokens saved)::
+
+    python -m grpo_kit bench rl_step --rows grpo_kit_bf16 --prompt 63488 --completion 2048 --micro-batch 8 \
+        --prefix-sharing true --steps 1
+
 Random weights: the engines start with vLLM's random init (``load_format="dummy"``); the shared model
 uses those tensors, the copy row and TRL push the training model's weights at each sync as always.
 
@@ -106,7 +115,7 @@ ROWS = (*KIT_ROWS, "trl", *GEN_ROWS)
 def weights_name(base_weights: str) -> str:
     """The recorded ``base_weights``: ``fp8``, or the 16-bit dtype the rows run in (``bf16``)."""
     return "fp8" if base_weights == "fp8" else "bf16"
-PROMPT_TOKENS = 512
+PROMPT_TOKENS = 512  # the default --prompt
 GENERATIONS = 8
 
 
@@ -337,7 +346,7 @@ def _row_inputs(tok, mem: DeviceMemory, totals, a):
     profiled with ``--profile-training``)."""
     from datasets import Dataset
 
-    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, PROMPT_TOKENS)] * (GENERATIONS * (_steps_run(a) + 1))})
+    ds = Dataset.from_dict({"prompt": [_prompt_text(tok, a.prompt)] * (GENERATIONS * (_steps_run(a) + 1))})
     return ds, StepTimes(totals, mem.labels(), profile_step=_steps_run(a) if a.profile_training else None)
 
 
@@ -370,9 +379,10 @@ def kit_row(name: str, a) -> dict:
 
     kv, share, lora_sync, base_weights = KIT_ROWS[name]
     C = a.completion
-    cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=PROMPT_TOKENS, max_completion_length=C,
-                        num_generations=GENERATIONS, per_device_train_batch_size=1,
-                        gradient_accumulation_steps=GENERATIONS, beta=0.04, lora_rank=LORA_RANK,
+    cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=a.prompt, max_completion_length=C,
+                        num_generations=GENERATIONS, per_device_train_batch_size=a.micro_batch,
+                        gradient_accumulation_steps=GENERATIONS // a.micro_batch, beta=0.04,
+                        prefix_sharing=a.prefix_sharing, lora_rank=LORA_RANK,
                         lora_alpha=LORA_ALPHA,
                         kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
                         generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
@@ -433,7 +443,7 @@ def kit_row(name: str, a) -> dict:
         read_history()
     steps, profiled = _profiled_step(times.steps, times, a)
     try:  # an extra measurement: its failure must not lose the row's step measurements
-        gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens) if a.gen_tokens else None
+        gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens, a.prompt) if a.gen_tokens else None
     except Exception as e:
         gen_alone = {"error": f"{type(e).__name__}: {e}"}
     out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(getattr(gen, "share_weights", False)),
@@ -445,6 +455,7 @@ def kit_row(name: str, a) -> dict:
                torch_max_reserved_gib=mem.torch_max_reserved(),
                vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in kit_channel(trainer).sync_log],
                completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
+               prefix_sharing=dict(setting=a.prefix_sharing, **trainer.prefix_sharing_stats),
                peak_allocations=peak_allocations, training_profile=profiled,
                # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
                sampling=[{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("sampling/")}
@@ -475,15 +486,15 @@ def _timed_generate(eng, prompt, sampling) -> dict:
     return dict(generation_s=s, completion_tokens=n, tokens_per_s=n / s)
 
 
-def generation_alone(gen, model, tok, tokens: int) -> dict:
+def generation_alone(gen, model, tok, tokens: int, prompt_tokens: int) -> dict:
     """Generation alone after the row's training, in the same process: 8 completions of ``tokens`` tokens of
-    the 512-token prompt by the row's engine with the trained adapter (as in the step) and with none (the
+    the row's ``prompt_tokens``-token prompt by the row's engine with the trained adapter (as in the step) and with none (the
     bare base weights), and by HF ``generate`` on the training model (adapter on). Each after a warm-up."""
     import torch
 
     from grpo_kit.generation import HFGenerator, SamplingConfig
 
-    prompt = tok(_prompt_text(tok, PROMPT_TOKENS))["input_ids"][:PROMPT_TOKENS]
+    prompt = tok(_prompt_text(tok, prompt_tokens))["input_ids"][:prompt_tokens]
     sampling = SamplingConfig(temperature=1.0, max_tokens=tokens, min_tokens=tokens)
     warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
     out = {}
@@ -527,10 +538,10 @@ def trl_row(a) -> dict:
     model = build_random_model(a.model, dtype=torch.bfloat16, device="cuda")
     model.name_or_path = str(folder)  # TRL's colocated engine starts from here
     model.config._name_or_path = str(folder)
-    args = GRPOConfig(output_dir=a.run_dir, max_steps=_steps_run(a), per_device_train_batch_size=1,
-                      gradient_accumulation_steps=GENERATIONS, num_generations=GENERATIONS, max_completion_length=C,
+    args = GRPOConfig(output_dir=a.run_dir, max_steps=_steps_run(a), per_device_train_batch_size=a.micro_batch,
+                      gradient_accumulation_steps=GENERATIONS // a.micro_batch, num_generations=GENERATIONS, max_completion_length=C,
                       beta=0.04, bf16=True, gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
-                      vllm_enable_sleep_mode=True, vllm_max_model_length=PROMPT_TOKENS + C,
+                      vllm_enable_sleep_mode=True, vllm_max_model_length=a.prompt + C,
                       generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
                       warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
                       seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
@@ -622,7 +633,7 @@ def gen_row(name: str, a) -> dict:
 
     C = a.completion
     tok = load_tokenizer(a.model)
-    prompt = tok(_prompt_text(tok, PROMPT_TOKENS))["input_ids"][:PROMPT_TOKENS]
+    prompt = tok(_prompt_text(tok, a.prompt))["input_ids"][:a.prompt]
     sampling = SamplingConfig(temperature=1.0, max_tokens=C, min_tokens=C)
     warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
     if name.startswith("gen_vllm"):
@@ -633,11 +644,11 @@ def gen_row(name: str, a) -> dict:
         from grpo_kit.model.loading import model_config
 
         folder, _ = generation_model_dir(a.model, "cuda")
-        kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(PROMPT_TOKENS, C, GENERATIONS, 1), 2)
+        kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(a.prompt, C, GENERATIONS, 1), 2)
         opts, adapter = gen_engine_options(name, {"on": True, "off": False,
                                                   "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
         eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
-                            max_model_len=PROMPT_TOKENS + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
+                            max_model_len=a.prompt + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
                             gpu_memory_utilization=0.5, max_lora_rank=LORA_RANK, **opts)
         fp8 = opts["base_weights"] == "fp8"
         if fp8 and not adapter:  # the FP8 codes, no adapter loaded: what the LoRA kernels cost the FP8 engine
@@ -688,6 +699,16 @@ def _summarise(r: dict) -> dict:
                 tokens_per_s=r["completion_tokens"] / gen_s if gen_s > 0 else None)
 
 
+def _sharing(r: dict) -> str:
+    """A row's prefix sharing for the table: the setting and the rows it shared (``true, 8/8 rows``); empty for
+    rows measured before the option (the unshared path) and for TRL's and the generation rows."""
+    ps = r.get("prefix_sharing")
+    if not isinstance(ps, dict):
+        return ""
+    rows = ps.get("shared_rows", 0) + ps.get("alone_rows", 0) + ps.get("short_rows", 0) + ps.get("layout_rows", 0)
+    return f"{str(ps['setting']).lower()}, {ps.get('shared_rows', 0)} of {rows} rows scored shared"
+
+
 def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
     tag = a.tag
     hw = hardware()
@@ -695,14 +716,16 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
     lines = [f"# bench rl_step ({tag})", "", f"Command: `{cmd}`" + (" (rows appended to an earlier run's: each "
                                                                    "row has its own command)" if earlier else ""),
              f"Hardware: {hw}", "",
-             "| impl | model | base weights | KV | completion | weights shared | peak GiB | generation s | sync s | "
-             "training s | step s | first step s | tokens/s | status |", "|" + "---|" * 14]
+             "| impl | model | base weights | KV | prompt | completion | micro-batch | prefix sharing | weights shared | "
+             "peak GiB | generation s | sync s | training s | step s | first step s | tokens/s | status |",
+             "|" + "---|" * 17]
     for r in rows:
         f = lambda k, d=2: (f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "")  # noqa: E731
         first = f"{r['first_step']['step_s']:.2f}" if r.get("first_step") else ""
         lines.append(f"| {r.get('impl', r.get('row'))} ({r.get('row')}) | {r.get('model')} | "
-                     f"{r.get('base_weights', 'bf16')} | {r.get('kv_cache_dtype', '')} | "
-                     f"{r.get('completion_len')} | {r.get('weights_shared', '')} | {f('peak_gib')} | "
+                     f"{r.get('base_weights', 'bf16')} | {r.get('kv_cache_dtype', '')} | {r.get('prompt_len')} | "
+                     f"{r.get('completion_len')} | {r.get('micro_batch', 1)} | {_sharing(r)} | "
+                     f"{r.get('weights_shared', '')} | {f('peak_gib')} | "
                      f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | {first} | "
                      f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |")
     alone = [r for r in rows if r.get("gen_alone") and "error" not in r["gen_alone"]]
@@ -733,6 +756,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="grpo_kit_fp8,grpo_kit_bf16,grpo_kit_copy,trl")
     p.add_argument("--models", default="llama-3.1-8b")
     p.add_argument("--completion", type=int, default=4096)
+    p.add_argument("--prompt", type=int, default=PROMPT_TOKENS,
+                   help="prompt tokens, one prompt shared by the group's 8 completions (default %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=1, choices=(1, 2, 4, 8),
+                   help="sequences per forward/backward (kit and TRL rows; gradient accumulation 8 / this); "
+                        "prefix sharing scores a prompt once per micro-batch, so it pays at 8 (the whole group)")
+    p.add_argument("--prefix-sharing", default="auto", choices=("auto", "true", "false"),
+                   help="kit rows: prefix_sharing (the group's prompt scored once; auto: where it pays)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -778,6 +808,9 @@ def main(argv=None) -> int:
         p.error(f"--sample-ms {a.sample_ms}: a number of milliseconds > 0")
     if a.memory_history < 0:
         p.error(f"--memory-history {a.memory_history}: a number of events >= 1, or 0 (off)")
+    if a.prompt < 1:
+        p.error(f"--prompt {a.prompt}: a number of tokens >= 1")
+    a.prefix_sharing = {"true": True, "false": False}.get(a.prefix_sharing, a.prefix_sharing)
     if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
         p.error(f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
                 "sized for the row's completion length)")
@@ -804,6 +837,12 @@ def main(argv=None) -> int:
                     run_dir,
                     "--completion",
                     str(a.completion),
+                    "--prompt",
+                    str(a.prompt),
+                    "--micro-batch",
+                    str(a.micro_batch),
+                    "--prefix-sharing",
+                    str(a.prefix_sharing).lower(),
                     "--steps",
                     str(a.steps),
                     "--gen-tokens",
@@ -835,7 +874,8 @@ def main(argv=None) -> int:
                     )
                 wall = time.perf_counter() - t0
             line = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
-            base = dict(row=name, model=model, family=family_of_model(model), completion_len=a.completion, prompt_len=PROMPT_TOKENS,
+            base = dict(row=name, model=model, family=family_of_model(model), completion_len=a.completion, prompt_len=a.prompt,
+                        micro_batch=a.micro_batch,
                         generations=GENERATIONS, wall_s=wall, command=cmd)
             impl = "trl" if name == "trl" else IMPL.get(name, name)
             if rc != 0 or not line:

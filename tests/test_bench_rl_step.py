@@ -48,7 +48,10 @@ def test_decode_kernels_are_sorted_by_what_they_do(kernel, kind):
                                           (["--sample-ms", "0"], "--sample-ms 0.0: a number of milliseconds > 0"),
                                           (["--profile-decode", "many"], "invalid int value: 'many'"),
                                           (["--memory-history-at", "loss"], "invalid choice: 'loss'"),
-                                          (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64")])
+                                          (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64"),
+                                          (["--prompt", "0"], "--prompt 0: a number of tokens >= 1"),
+                                          (["--micro-batch", "3"], "invalid choice: 3"),
+                                          (["--prefix-sharing", "yes"], "invalid choice: 'yes'")])
 def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
