@@ -136,7 +136,7 @@ def multiplication_problem(rng: random.Random, level: int) -> dict:
 
 TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem,
                    "multiplication": multiplication_problem,
-                   # a fact in a document of about 4K, 16K, 64K or 128K tokens by level (grpo_kit.tasks.long_document)
+                   # a fact in a document of 1K-128K tokens by level (grpo_kit.tasks.long_document)
                    "long_document": long_document_problem}
 # Every task name: the generated ones, and GSM8K-format jsonl (load_gsm8k).
 TASKS = (*TASK_GENERATORS, "gsm8k")

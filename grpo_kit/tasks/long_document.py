@@ -1,6 +1,7 @@
 """Long-document questions: one fact placed in a long generated document of distractor text (needle style).
 
-A problem is a document of about 4K to 128K tokens (``LONG_DOCUMENT_TOKENS``, by level) of filler sentences about
+A problem is a document of about 1K to 128K tokens (``LONG_DOCUMENT_TOKENS``, by level; level 0, 1K, is the size a
+CPU scores in seconds, for demonstrations and tests) of filler sentences about
 made-up towns, with the fact asked for (``The access code of the archive in <town> is <code>.``) placed once at a
 random depth, and distractor facts around it: other towns' archive codes, and other buildings' codes in the same
 town. The question follows the document, so every completion of a group shares the whole document as its prompt
@@ -18,9 +19,10 @@ import random
 # Document sizes by level, in tokens of the embedded SmolLM2 tokenizer (~1.5 tokens a word of this text, its town
 # names and numbers split in pieces); a document is built to size / TOKENS_PER_WORD words, so that it lands just
 # under its size (tests hold it within 10%) and a prompt budget of the size plus the question and chat template fits.
-LONG_DOCUMENT_TOKENS = {1: 4096, 2: 16384, 3: 65536, 4: 131072}
+LONG_DOCUMENT_TOKENS = {0: 1024, 1: 4096, 2: 16384, 3: 65536, 4: 131072}
 LONG_DOCUMENT_LEVELS = {lv: f"a document of about {n // 1024}K tokens" for lv, n in LONG_DOCUMENT_TOKENS.items()}
 TOKENS_PER_WORD = 1.5
+QUESTION_TOKENS = 32  # the "Document:" header and the question proper, around the document's words
 LONG_DOCUMENT_SYSTEM_PROMPT = ("Read the document, then answer the question with the number it asks for. End with the "
                                "line: Answer: <number>")
 
@@ -62,7 +64,7 @@ def long_document_problem(rng: random.Random, level: int) -> dict:
     string of five digits), ``depth`` where the fact sits (0: start, 1: end)."""
     if level not in LONG_DOCUMENT_TOKENS:
         raise ValueError(f"level={level!r} is not allowed; choose one of {sorted(LONG_DOCUMENT_TOKENS)}")
-    words = int(LONG_DOCUMENT_TOKENS[level] / TOKENS_PER_WORD)
+    words = int((LONG_DOCUMENT_TOKENS[level] - QUESTION_TOKENS) / TOKENS_PER_WORD)
     towns = rng.sample(_TOWNS, 1 + min(len(_TOWNS) - 1, 3 + level * 4))
     target = towns[0]
     n_facts = 4 + LONG_DOCUMENT_TOKENS[level] // 2048  # distractor facts, denser than one per 2K tokens
@@ -70,7 +72,8 @@ def long_document_problem(rng: random.Random, level: int) -> dict:
     answer = codes[0]
     facts = [_fact(rng.choice(towns[1:]), "archive", c) if i % 2 else
              _fact(target, rng.choice(_BUILDINGS), c) for i, c in enumerate(codes[1:])]
-    sentences, count = [], 0
+    needle = _fact(target, "archive", answer)
+    sentences, count = [], sum(len(f.split()) for f in (*facts, needle))  # the facts count toward the size
     while count < words:
         s = _filler(rng)
         sentences.append(s)
@@ -78,7 +81,7 @@ def long_document_problem(rng: random.Random, level: int) -> dict:
     for fact in facts:
         sentences.insert(rng.randrange(len(sentences) + 1), fact)
     at = rng.randrange(len(sentences) + 1)
-    sentences.insert(at, _fact(target, "archive", answer))
+    sentences.insert(at, needle)
     paragraphs = [" ".join(sentences[i:i + 6]) for i in range(0, len(sentences), 6)]
     question = ("Document:\n\n" + "\n\n".join(paragraphs)
                 + f"\n\nQuestion: What is the access code of the archive in {target}?")
