@@ -39,7 +39,7 @@ import tempfile  # noqa: E402
 
 from _common import command_line, hardware, record_report  # noqa: E402
 
-from grpo_kit.memory import estimate, total_gpu_bytes  # noqa: E402
+from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes  # noqa: E402
 
 GiB = 2**30
 ROW_TO_METHOD = {
@@ -52,9 +52,10 @@ TARGET = 0.10
 
 def estimate_for(r: dict, lora_rank: int):
     """The estimate DataFrame for one benchmark result dict."""
-    return estimate(r["model"], num_generations=r["gens"], prompt_length=r["prompt_len"],
-                    completion_length=r["completion_len"], micro_batch_size=r["micro_batch"], dtype="bf16",
-                    lora_rank=lora_rank, vllm=False, include_generation=False, **ROW_TO_METHOD[r["row"]])
+    return estimate(r["model"], EstimateSpec(num_generations=r["gens"], prompt_length=r["prompt_len"],
+                                             completion_length=r["completion_len"], micro_batch_size=r["micro_batch"],
+                                             dtype="bf16", lora_rank=lora_rank, vllm=False, include_generation=False,
+                                             **ROW_TO_METHOD[r["row"]]))
 
 
 def compare_results(data: dict, lora_rank: int) -> list[dict]:
@@ -112,8 +113,9 @@ def write_md(rows, data, args, path: Path):
          f"Measurements: `{args.step_json}` — command `{data.get('command')}`, GPU {hw.get('gpu')}, "
          f"torch {hw.get('torch')}, triton {hw.get('triton')}, transformers {hw.get('transformers')}, "
          f"peft {hw.get('peft')}, measured {hw.get('date')}.", "",
-         "Estimate: `grpo_kit.memory.estimate(model, num_generations=G, prompt_length=P, completion_length=T-P, "
-         f"micro_batch_size=mb, lora_rank={args.lora_rank}, vllm=False, include_generation=False, ...)` with "
+         "Estimate: `grpo_kit.memory.estimate(model, EstimateSpec(num_generations=G, prompt_length=P, "
+         f"completion_length=T-P, micro_batch_size=mb, lora_rank={args.lora_rank}, vllm=False, "
+         "include_generation=False, ...))` with "
          "`ours_offload` -> `method='grpo_kit'`, `ours` -> `method='grpo_kit', offload=False`, `baseline` -> "
          "`method='trl', loss_fp32=True`. Measured: `torch.cuda.max_memory_allocated` over the step (and the first "
          "micro-batch's loss / backward phases). Error = estimate / measured - 1. Nothing in the estimate is "
@@ -246,8 +248,9 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
                     step.grpo_step(model, opt, row, batch, args)
                 dt = time.perf_counter() - t0
                 est_kw = ROW_TO_METHOD[row] | ({"loss_epilogue": "torch"} if row != "baseline" else {})
-                df = estimate(cfg, num_generations=G, prompt_length=CPU_PROMPT, completion_length=T - CPU_PROMPT,
-                              micro_batch_size=mb, lora_rank=CPU_LORA, vllm=False, include_generation=False, **est_kw)
+                df = estimate(cfg, EstimateSpec(num_generations=G, prompt_length=CPU_PROMPT,
+                                                completion_length=T - CPU_PROMPT, micro_batch_size=mb,
+                                                lora_rank=CPU_LORA, vllm=False, include_generation=False, **est_kw))
                 meas = _timeline_peak(prof) / GiB
                 est = total_gpu_bytes(df) / GiB
                 r = dict(model=name, row=row, gens=G, seq_len=T, prompt_len=CPU_PROMPT, micro_batch=mb,
@@ -273,8 +276,9 @@ def write_cpu_md(rows, path: Path):
          "`baseline` (HF non-reentrant checkpointing, full logits, fp32 log-softmax) and `ours` "
          "(`enable_offloaded_checkpointing(offload=False)`: sequence-chunked recompute, `efficient_grpo_loss`; nothing "
          "to offload on a CPU). Measured: peak of live tensor bytes from the PyTorch profiler's memory timeline. "
-         "Estimate: `estimate(config, ..., vllm=False, include_generation=False)`, `baseline` -> `method='trl', "
-         "loss_fp32=True`; `ours` -> `method='grpo_kit', offload=False, loss_epilogue='torch'`. Nothing fitted.", "",
+         "Estimate: `estimate(config, EstimateSpec(..., vllm=False, include_generation=False))`, `baseline` -> "
+         "`method='trl', loss_fp32=True`; `ours` -> `method='grpo_kit', offload=False, loss_epilogue='torch'`. "
+         "Nothing fitted.", "",
          "Models: " + "; ".join(f"`{n}` {json.dumps(c)}" for n, c in CPU_MODELS.items()), "",
          "| model | G x T | micro-batch | row | measured peak MiB | estimate MiB | error | est. peak phase | seconds |",
          "|---|---|---|---|---|---|---|---|---|"]

@@ -39,22 +39,24 @@ ERROR_TARGET = 0.10
 
 def calculator_gib(model: str, dtype: str, four_bit: bool, G: int, C: int) -> float:
     """The calculator's GPU peak (GiB) for the bench/step.py row ``ours_offload`` of this setup."""
-    from grpo_kit.memory import estimate, total_gpu_bytes
+    from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes
 
-    df = estimate(model, num_generations=G, prompt_length=PROMPT, completion_length=C, dtype=dtype,
-                  lora_rank=LORA_RANK, quantization="4bit" if four_bit else None, micro_batch_size=1, vllm=False,
-                  include_generation=False)
+    df = estimate(model, EstimateSpec(num_generations=G, prompt_length=PROMPT, completion_length=C, dtype=dtype,
+                                      lora_rank=LORA_RANK, quantization="4bit" if four_bit else None,
+                                      micro_batch_size=1, vllm=False, include_generation=False))
     return total_gpu_bytes(df) / 2**30
 
 
 def longest_completion(model: str, dtype: str, budget_gib: float, step: int = 1024) -> int:
     """The longest completion (a multiple of ``step``) whose calculator peak fits ``budget_gib``, 4-bit, one
     generation (``grpo_kit.memory.fit.longest_fitting_context`` over the same step as ``calculator_gib``)."""
+    from grpo_kit.memory import EstimateSpec
     from grpo_kit.memory.fit import GIB, longest_fitting_context
 
-    context = longest_fitting_context(model, budget_gib * GIB, prompt_length=PROMPT, num_generations=1, dtype=dtype,
-                                      lora_rank=LORA_RANK, quantization="4bit", micro_batch_size=1, vllm=False,
-                                      include_generation=False)
+    spec = EstimateSpec(num_generations=1, prompt_length=PROMPT, completion_length=step, dtype=dtype,
+                        lora_rank=LORA_RANK, quantization="4bit", micro_batch_size=1, vllm=False,
+                        include_generation=False)  # the search varies its completion length
+    context = longest_fitting_context(model, budget_gib * GIB, spec)
     return 0 if context is None else (context - PROMPT) // step * step
 
 
@@ -120,7 +122,8 @@ def write(rows: list[dict], logs: dict, a, out_dir: Path, hw: dict) -> None:
              "Whole training step (bench/step.py `ours_offload`): reference pass, policy forward/backward one "
              "sequence per micro-batch, AdamW; LoRA r=16 on all linear layers, beta 0.04, prompt 512. peak = "
              "`max_memory_reserved` over the step (what the cap limits), allocated beside it; calculator = "
-             "`grpo_kit.memory.estimate(..., include_generation=False)` against the allocated peak.", "",
+             "`grpo_kit.memory.estimate(model, EstimateSpec(..., include_generation=False))` against the allocated "
+             "peak.", "",
              "| model | dtype | 4-bit | G x completion | budget GiB | peak reserved GiB | peak allocated GiB | "
              "calculator GiB | calc. error | step s | status |", "|" + "---|" * 11]
     for r in rows:

@@ -43,11 +43,11 @@ LORA_RANK = 16
 
 def calculator_gib(model: str, context: int) -> dict:
     """The calculator's generation phase, its whole-step peak and every phase's total (GiB) for this setup."""
-    from grpo_kit.memory import estimate, total_gpu_bytes
+    from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes
 
-    df = estimate(model, num_generations=GENERATIONS, prompt_length=PROMPT, completion_length=context - PROMPT,
-                  dtype="fp16", lora_rank=LORA_RANK, quantization="4bit", micro_batch_size=1, vllm=False,
-                  include_generation=True)
+    df = estimate(model, EstimateSpec(num_generations=GENERATIONS, prompt_length=PROMPT,
+                                      completion_length=context - PROMPT, dtype="fp16", lora_rank=LORA_RANK,
+                                      quantization="4bit", micro_batch_size=1, vllm=False, include_generation=True))
     phases = {k: round(v / 2**30, 3) for k, v in df.attrs["phase_bytes"].items()}
     return {"generation": df.attrs["phase_bytes"]["generation"] / 2**30, "peak_phase": df.attrs["peak_phase"],
             "step": total_gpu_bytes(df) / 2**30, "phases": phases}

@@ -30,6 +30,7 @@ _PUBLIC = {
     "load_model": "grpo_kit.model.loading",
     "load_tokenizer": "grpo_kit.model.loading",
     "estimate": "grpo_kit.memory.estimate",
+    "EstimateSpec": "grpo_kit.memory.estimate",
     "profile": "grpo_kit.memory.profiler",
     "fit_verdict": "grpo_kit.memory.fit",
     "make_generator": "grpo_kit.generation",

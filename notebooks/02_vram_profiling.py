@@ -97,11 +97,12 @@ print(published_table("llama-3.1-8b").drop(columns=["derivation"]).to_string(ind
 # at a time, offloaded checkpoints, shared weights; `grpo_kit`: chunked loss, offloaded and chunked recompute.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.memory import compare
+from grpo_kit.memory import EstimateSpec, compare
 
-opts = dict(num_generations=num_generations, prompt_length=0, completion_length=context_length, lora_rank=lora_rank,
-            quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv_cache else None)
-print(compare(model, unit="GiB", **opts).round(2).to_string())
+spec = EstimateSpec(num_generations=num_generations, prompt_length=0, completion_length=context_length,
+                    lora_rank=lora_rank, quantization="4bit" if four_bit else None,
+                    kv_cache_dtype="fp8" if fp8_kv_cache else None)
+print(compare(model, spec, unit="GiB").round(2).to_string())
 
 # %% [markdown]
 # ## 3. Explore: model, context (log scale), generations, LoRA rank, 4-bit, FP8 KV
@@ -109,16 +110,20 @@ print(compare(model, unit="GiB", **opts).round(2).to_string())
 # parameters above is drawn once.
 
 # %%
+from dataclasses import replace
+
 import matplotlib.pyplot as plt
 
-from grpo_kit.memory import estimate, plot_components
+from grpo_kit.memory import EstimateSpec, estimate, plot_components
 from grpo_kit.notebook.helpers import show_figure
 
 
 def draw(model, log2_context, num_generations, lora_rank, four_bit, fp8_kv):
-    kw = dict(num_generations=num_generations, prompt_length=0, completion_length=int(2 ** log2_context),
-              lora_rank=lora_rank, quantization="4bit" if four_bit else None, kv_cache_dtype="fp8" if fp8_kv else None)
-    fig = plot_components({m: estimate(model, method=m, **kw) for m in ("trl", "unsloth", "grpo_kit")}, budget_gib=80,
+    spec = EstimateSpec(num_generations=num_generations, prompt_length=0, completion_length=int(2 ** log2_context),
+                        lora_rank=lora_rank, quantization="4bit" if four_bit else None,
+                        kv_cache_dtype="fp8" if fp8_kv else None)
+    fig = plot_components({m: estimate(model, replace(spec, method=m)) for m in ("trl", "unsloth", "grpo_kit")},
+                          budget_gib=80,
                           title=f"Estimated GPU memory of one GRPO step: {model}, {int(2 ** log2_context)} tokens "
                                 f"x {num_generations} generations")
     show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it

@@ -163,21 +163,24 @@ print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg
 # %% tags=["nbval-check-output"]
 import pandas as pd
 
-from grpo_kit.memory import compare
+from grpo_kit.memory import EstimateSpec, compare
 
 pd.set_option("display.width", 160)
-opts = dict(num_generations=num_generations, prompt_length=max_prompt_length,
-            completion_length=context_length - max_prompt_length, lora_rank=lora_rank,
-            quantization="4bit" if four_bit else "fp8" if fp8_weights else None,  # 4-bit: HF generate, 16-bit KV
-            vllm=not four_bit, kv_cache_dtype="fp8" if fp8_kv_cache and not four_bit else None)
-table = compare(calculator_model, methods=("trl", "grpo_kit"), unit="GiB", micro_batch_size=1, **opts)
+spec = EstimateSpec(num_generations=num_generations, prompt_length=max_prompt_length,
+                    completion_length=context_length - max_prompt_length, lora_rank=lora_rank,
+                    quantization="4bit" if four_bit else "fp8" if fp8_weights else None,  # 4-bit: HF generate, 16-bit KV
+                    vllm=not four_bit, kv_cache_dtype="fp8" if fp8_kv_cache and not four_bit else None,
+                    micro_batch_size=1)
+table = compare(calculator_model, spec, methods=("trl", "grpo_kit"), unit="GiB")
 print(table.round(2).to_string())
 
 # %%
+from dataclasses import replace
+
 from grpo_kit.memory import estimate, plot_components
 from grpo_kit.notebook.helpers import show_figure
 
-fig = plot_components({m: estimate(calculator_model, method=m, micro_batch_size=1, **opts) for m in ("trl", "grpo_kit")},
+fig = plot_components({m: estimate(calculator_model, replace(spec, method=m)) for m in ("trl", "grpo_kit")},
                       budget_gib=gpu_gib, title=f"{calculator_model}, {context_length} tokens, G={num_generations}")
 show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 
@@ -194,7 +197,7 @@ show_figure(fig)  # a bare matplotlib Figure: plt.show() would not draw it
 # %%
 import matplotlib.pyplot as plt
 
-from grpo_kit.memory import estimate
+from grpo_kit.memory import EstimateSpec, estimate
 from grpo_kit.memory.estimate import total_gpu_bytes
 from grpo_kit.notebook.helpers import PEER_LABELS, bench_rows, line_style
 
@@ -209,9 +212,9 @@ if step_df is not None:
         ax.plot(g["seq_len"], g["peak_allocated_gib"], label=f"{PEER_LABELS[row]} (measured, H200)", **line_style(row))
 calc = {}
 for method, label in (("trl", "TRL 1.16"), ("unsloth", "Unsloth's components"), ("grpo_kit", "grpo_kit")):
-    calc[label] = [total_gpu_bytes(estimate(calculator_model, method=method, num_generations=1, prompt_length=512,
-                                            completion_length=n - 512, lora_rank=lora_rank, micro_batch_size=1,
-                                            include_generation=False)) / 2**30 for n in lengths]
+    calc[label] = [total_gpu_bytes(estimate(calculator_model, EstimateSpec(
+        method=method, num_generations=1, prompt_length=512, completion_length=n - 512, lora_rank=lora_rank,
+        micro_batch_size=1, include_generation=False))) / 2**30 for n in lengths]
     ax.plot(lengths, calc[label], linestyle=":", linewidth=2.6 if method == "grpo_kit" else 1.4,
             label=f"{label} (calculator)")
 ax.axhline(80, color="0.4", linewidth=0.8)
@@ -262,14 +265,14 @@ if rl is not None:
 # cache unless 4-bit), priced against each card's memory: the verdict and the longest context that fits.
 
 # %% tags=["nbval-check-output"]
-from grpo_kit.memory.estimate import config_estimate_kwargs
-from grpo_kit.memory.fit import fit_verdict, verdict_kwargs
+from grpo_kit.memory import config_estimate_spec
+from grpo_kit.memory.fit import fit_verdict
 
 full_cfg = validate_params(dict(full, load_in_4bit=True, generation_backend="hf") if four_bit else
                            dict(full, kv_cache_dtype="fp8" if fp8_kv_cache else "auto"))
-kw = verdict_kwargs(config_estimate_kwargs(full_cfg))
+full_spec = config_estimate_spec(full_cfg)  # prompt + completion: context_length tokens
 for card, gib in (("T4 (15 GiB)", 15.0), ("L4 (24 GiB)", 24.0), ("A100 40GB", 40.0), ("H100 80GB", 80.0)):
-    v = fit_verdict(calculator_model, gib, context=context_length, prompt_length=max_prompt_length, **kw)
+    v = fit_verdict(calculator_model, gib, full_spec)
     print(f"{card:>12} at {context_length:,} tokens: {v.text()}")
 t4 = free_t4_preset(calculator_model, num_generations=num_generations, prompt_length=max_prompt_length,
                     lora_rank=lora_rank)

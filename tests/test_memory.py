@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import mmap
 import re
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from grpo_kit.loss.efficient import auto_chunk_rows
 from grpo_kit.memory import (
     METHODS,
+    EstimateSpec,
     Profiler,
     compare,
     estimate,
@@ -60,17 +62,17 @@ def test_published_table_reproduced_to_the_decimal_shown():
 
 
 def test_estimate_shows_published_figures_only_for_the_published_setup():
-    trl = estimate(LLAMA, method="trl", **PUB).set_index("component")
+    trl = estimate(LLAMA, EstimateSpec(method="trl", **PUB)).set_index("component")
     assert trl.at["logits for the loss", "published"] == 78.3
     assert round(trl.at["logits for the loss", "GiB"], 1) == 78.3  # same formula as the table
     assert trl.at["inference copy (vLLM)", "published"] == 16.0
     assert round(trl.at["inference copy (vLLM)", "GB"]) == 16
     assert trl.at["total GPU (peak)", "published"] == 510.8
     assert "no published derivation" in trl.at["saved activations (GPU)", "note"]
-    uns = estimate(LLAMA, method="unsloth", **PUB).set_index("component")
+    uns = estimate(LLAMA, EstimateSpec(method="unsloth", **PUB)).set_index("component")
     assert round(uns.at["logits for the loss", "GiB"], 1) == 9.8
     assert uns.at["saved activations (CPU)", "published"] == 42.0
-    other = estimate(LLAMA, method="trl", num_generations=4, prompt_length=0, completion_length=20480)
+    other = estimate(LLAMA, EstimateSpec(method="trl", num_generations=4, prompt_length=0, completion_length=20480))
     assert other["published"].isna().all()
 
 
@@ -148,14 +150,14 @@ def test_config_json_path_and_config_object_match_the_builtin(tmp_path):
     cfg = model_config("qwen2.5-1.5b")
     cfg.to_json_file(tmp_path / "config.json")
     kw = dict(num_generations=4, prompt_length=128, completion_length=1024, lora_rank=16)
-    ref = estimate("qwen2.5-1.5b", **kw)
+    ref = estimate("qwen2.5-1.5b", EstimateSpec(**kw))
     for model in (str(tmp_path / "config.json"), str(tmp_path), cfg):
-        pd.testing.assert_series_equal(estimate(model, **kw)["GB"], ref["GB"])
+        pd.testing.assert_series_equal(estimate(model, EstimateSpec(**kw))["GB"], ref["GB"])
 
 
 def test_known_component_values():
     a = resolve_arch(LLAMA)
-    df = estimate(LLAMA, method="grpo_kit", lora_rank=16, **PUB).set_index("component")
+    df = estimate(LLAMA, EstimateSpec(method="grpo_kit", lora_rank=16, **PUB)).set_index("component")
     assert df.at["model weights", "GB"] == pytest.approx(8_030_261_248 * 2 / 1e9)
     assert df.at["inference copy (vLLM)", "GB"] == 0
     # 31 layer inputs on the CPU, the last one on the GPU
@@ -166,7 +168,8 @@ def test_known_component_values():
     # 8 concurrent sequences of 20,480 tokens in 16-token blocks, one block of slack each: 8 x 2.5 GiB + 8 blocks
     assert F.vllm_kv_tokens(0, 20480, 8, 1) == 8 * (1280 + 1) * 16
     assert df.at["KV cache (generation)", "GiB"] == pytest.approx(8 * 2.5 * 1281 / 1280)
-    q4 = estimate(LLAMA, method="grpo_kit", lora_rank=16, quantization="4bit", kv_cache_dtype="fp8", **PUB)
+    q4 = estimate(LLAMA, EstimateSpec(method="grpo_kit", lora_rank=16, quantization="4bit", kv_cache_dtype="fp8",
+                                      **PUB))
     q4 = q4.set_index("component")
     n = F.param_counts(a)
     assert q4.at["model weights", "GB"] * 1e9 == pytest.approx(n["layer_linear"] * 4.127 / 8 + n["other"] * 2, rel=1e-3)
@@ -175,9 +178,10 @@ def test_known_component_values():
     # of 2 B for the 8B; bitsandbytes (the other methods) one projection at a time, the largest
     assert q4.at["dequantised 4-bit weights of one layer", "GB"] * 1e9 == pytest.approx(
         (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) * 2)
-    q4u = estimate(LLAMA, method="unsloth", lora_rank=16, quantization="4bit", **PUB).set_index("component")
+    q4u = estimate(LLAMA, EstimateSpec(method="unsloth", lora_rank=16, quantization="4bit", **PUB))
+    q4u = q4u.set_index("component")
     assert q4u.at["dequantised 4-bit weight (transient)", "GB"] * 1e9 == pytest.approx(14336 * 4096 * 2)
-    full = estimate(LLAMA, method="trl", **PUB).set_index("component")
+    full = estimate(LLAMA, EstimateSpec(method="trl", **PUB)).set_index("component")
     assert full.at["gradients", "GB"] == pytest.approx(n["total"] * 2 / 1e9)
 
 
@@ -192,8 +196,8 @@ def test_standby_keeps_the_kv_cache_out_of_the_training_peak():
     # one completion per forward/backward (8 micro-batches), as bench rl_step runs it
     kw = dict(method="grpo_kit", lora_rank=16, num_generations=8, prompt_length=512, completion_length=20480,
               kv_cache_dtype="fp8", micro_batch_size=1, generation_batch=8)
-    resident = estimate(LLAMA, **kw).attrs["phase_bytes"]
-    standby = estimate(LLAMA, standby=True, **kw)
+    resident = estimate(LLAMA, EstimateSpec(**kw)).attrs["phase_bytes"]
+    standby = estimate(LLAMA, EstimateSpec(standby=True, **kw))
     ph = standby.attrs["phase_bytes"]
     kv = standby.set_index("component").at["KV cache (generation)", "GB"] * 1e9
     assert ph["backward"] == pytest.approx(resident["backward"] - kv)
@@ -201,19 +205,19 @@ def test_standby_keeps_the_kv_cache_out_of_the_training_peak():
     assert standby.attrs["peak_phase"] == "generation"  # weights + 10 GiB of fp8 KV beat the training step
     # weights once (15 GiB), the fp8 KV cache of 512 + 8 x 20,480 tokens (10 GiB), vLLM's workspace
     assert 25 < total_gpu_bytes(standby) / 2**30 < 27
-    given = estimate(LLAMA, standby=True, kv_cache_bytes=2.0 * 2**30, **kw).set_index("component")
+    given = estimate(LLAMA, EstimateSpec(standby=True, kv_cache_bytes=2.0 * 2**30, **kw)).set_index("component")
     assert given.at["KV cache (generation)", "GiB"] == pytest.approx(2.0)
 
 
 def test_peak_rule_and_totals():
-    df = estimate(LLAMA, method="trl", lora_rank=16, **PUB)
+    df = estimate(LLAMA, EstimateSpec(method="trl", lora_rank=16, **PUB))
     gpu = df[(df["where"] == "GPU") & ~df["component"].str.startswith("total")]
     assert df["GB"].iloc[-2] == pytest.approx(gpu.loc[gpu["in_peak"], "GB"].sum())
     assert df.attrs["peak_phase"] == "loss"  # 78 GiB of logits beat one layer's recompute
-    hf = estimate(LLAMA, method="grpo_kit", vllm=False, lora_rank=16, num_generations=8, prompt_length=100,
-                  completion_length=100)
+    hf = estimate(LLAMA, EstimateSpec(method="grpo_kit", vllm=False, lora_rank=16, num_generations=8,
+                                      prompt_length=100, completion_length=100))
     assert not hf.set_index("component").at["KV cache (generation)", "in_peak"]
-    train_only = estimate(LLAMA, method="grpo_kit", lora_rank=16, include_generation=False, **PUB)
+    train_only = estimate(LLAMA, EstimateSpec(method="grpo_kit", lora_rank=16, include_generation=False, **PUB))
     assert train_only.set_index("component").at["KV cache (generation)", "GB"] == 0
 
 
@@ -225,18 +229,18 @@ def test_peak_rule_and_totals():
        g=st.integers(1, 16), p=st.integers(0, 4096), lora=st.sampled_from([None, 8, 64]),
        vllm=st.booleans(), mb1=st.booleans())
 def test_more_context_or_generations_never_needs_less(method, c, dc, g, p, lora, vllm, mb1):
-    kw = dict(model="qwen2.5-1.5b", method=method, prompt_length=p, lora_rank=lora, vllm=vllm)
-    mb = dict(micro_batch_size=1) if mb1 else {}
-    base = estimate(num_generations=g, completion_length=c, **mb, **kw)
-    longer = estimate(num_generations=g, completion_length=c + dc, **mb, **kw)
-    more = estimate(num_generations=g + 1, completion_length=c, **mb, **kw)
+    spec = EstimateSpec(method=method, num_generations=g, prompt_length=p, completion_length=c, lora_rank=lora,
+                        vllm=vllm, micro_batch_size=1 if mb1 else None)
+    base = estimate("qwen2.5-1.5b", spec)
+    longer = estimate("qwen2.5-1.5b", dataclasses.replace(spec, completion_length=c + dc))
+    more = estimate("qwen2.5-1.5b", dataclasses.replace(spec, num_generations=g + 1))
     for bigger in (longer, more):
         assert (bigger["GB"].to_numpy() >= base["GB"].to_numpy() - 1e-12).all()
         assert total_gpu_bytes(bigger) >= total_gpu_bytes(base)
 
 
 def test_ordering_of_methods_at_long_context():
-    t = compare(LLAMA, lora_rank=16, unit="GiB", **PUB).loc["total GPU (peak)"]
+    t = compare(LLAMA, EstimateSpec(lora_rank=16, **PUB), unit="GiB").loc["total GPU (peak)"]
     assert t["grpo_kit"] < t["unsloth"] < t["trl"]
 
 
@@ -268,7 +272,7 @@ def test_ordering_of_methods_at_long_context():
 def test_bad_input_raises_one_clear_error(kwargs, match):
     kw = dict(model="qwen2.5-1.5b", num_generations=8, prompt_length=16, completion_length=64) | kwargs
     with pytest.raises(ValueError, match=match):
-        estimate(kw.pop("model"), **kw)
+        estimate(kw.pop("model"), EstimateSpec(**kw))
 
 
 def _vram(argv) -> int:
@@ -332,10 +336,11 @@ def test_cli_standby_plans_the_shared_engine(capsys):
 def test_plots_return_figures():
     from grpo_kit.memory import plot_components, plot_vs_context
 
-    fig = plot_components({m: estimate("qwen2.5-1.5b", method=m, num_generations=8, prompt_length=64,
-                                       completion_length=1024, lora_rank=16) for m in METHODS}, budget_gib=15)
+    spec = EstimateSpec(num_generations=8, prompt_length=64, completion_length=1024, lora_rank=16)
+    fig = plot_components({m: estimate("qwen2.5-1.5b", dataclasses.replace(spec, method=m)) for m in METHODS},
+                          budget_gib=15)
     assert len(fig.axes[0].patches) > 0
-    fig = plot_vs_context("qwen2.5-1.5b", [1024, 4096, 16384], num_generations=8, lora_rank=16,
+    fig = plot_vs_context("qwen2.5-1.5b", [1024, 4096, 16384], dataclasses.replace(spec, prompt_length=0),
                           measured={"bench": [(1024, 4.0), (4096, 5.0)]})
     assert len(fig.axes[0].lines) == len(METHODS) + 1
 
@@ -536,9 +541,10 @@ def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
     assert len(got) == 3
     for r, (T, g) in zip(got, ((1024, 3.4), (4096, 4.0), (16384, 9.9))):
         assert f"seq_len={T}" in r["shape"] and r["figures"]["measured_gib"] == g
-        est = total_gpu_bytes(estimate("qwen2.5-1.5b", num_generations=1, prompt_length=512,
-                                       completion_length=T - 512, micro_batch_size=1, lora_rank=16,
-                                       vllm=False, include_generation=False)) / 2**30
+        est = total_gpu_bytes(estimate("qwen2.5-1.5b", EstimateSpec(num_generations=1, prompt_length=512,
+                                                                    completion_length=T - 512, micro_batch_size=1,
+                                                                    lora_rank=16, vllm=False,
+                                                                    include_generation=False))) / 2**30
         f = r["figures"]
         assert f["estimate_gib"] == pytest.approx(est) and f["error"] == pytest.approx(est / g - 1)
     text = out.read_text()
@@ -564,33 +570,35 @@ def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion
     def bound(ph):
         return max(v for k, v in ph.items() if k not in ("scoring", "generation" if vllm else ""))
 
-    auto = estimate(model, scoring_batch="auto", **kw)
-    fits = [s for s in range(2, 17) if (ph := estimate(model, scoring_batch=s, **kw).attrs["phase_bytes"])["scoring"]
+    auto = estimate(model, EstimateSpec(scoring_batch="auto", **kw))
+    fits = [s for s in range(2, 17)
+            if (ph := estimate(model, EstimateSpec(scoring_batch=s, **kw)).attrs["phase_bytes"])["scoring"]
             <= bound(ph)]
     want = max(fits) if fits else None
     assert auto.attrs["scoring_batch"] == want and auto.attrs["scoring_batch_auto"] is True
-    plain = estimate(model, **kw)
+    plain = estimate(model, EstimateSpec(**kw))
     assert total_gpu_bytes(auto) == pytest.approx(total_gpu_bytes(plain), rel=1e-12)  # the peak is untouched
     if want is not None:
-        assert auto.attrs["phase_bytes"] == estimate(model, scoring_batch=want, **kw).attrs["phase_bytes"]
+        assert auto.attrs["phase_bytes"] == estimate(model, EstimateSpec(scoring_batch=want, **kw)).attrs["phase_bytes"]
     if want is not None and want < 16:  # one more sequence would have raised the bound
-        ph = estimate(model, scoring_batch=want + 1, **kw).attrs["phase_bytes"]
+        ph = estimate(model, EstimateSpec(scoring_batch=want + 1, **kw)).attrs["phase_bytes"]
         assert ph["scoring"] > bound(ph)
     if vllm:  # the cases measured on the GPU: a scoring phase under the generation phase, above the training side's
         assert want is not None and 1 < want < 16
-        ph = estimate(model, scoring_batch=want + 1, **kw).attrs["phase_bytes"]
+        ph = estimate(model, EstimateSpec(scoring_batch=want + 1, **kw)).attrs["phase_bytes"]
         assert ph["scoring"] <= ph["generation"], "the case does not tell the two bounds apart"
 
 
 def test_auto_scoring_batch_outside_the_kit_and_at_a_full_micro_batch():
     kw = dict(num_generations=8, prompt_length=512, completion_length=1024, dtype="bf16", lora_rank=16, vllm=False)
     for method in ("trl", "unsloth"):  # they score by micro-batch: no choice to make
-        assert estimate("llama-3.1-8b", method=method, micro_batch_size=1, scoring_batch="auto",
-                        **kw).attrs["scoring_batch"] is None
+        assert estimate("llama-3.1-8b", EstimateSpec(method=method, micro_batch_size=1, scoring_batch="auto",
+                                                     **kw)).attrs["scoring_batch"] is None
     # a micro-batch of the whole generation batch already scores it in one forward
-    assert estimate("llama-3.1-8b", micro_batch_size=8, scoring_batch="auto", **kw).attrs["scoring_batch"] is None
+    full = estimate("llama-3.1-8b", EstimateSpec(micro_batch_size=8, scoring_batch="auto", **kw))
+    assert full.attrs["scoring_batch"] is None
     with pytest.raises(ValueError, match="scoring_batch must be None, 'auto' or an integer >= 1, got 'max'"):
-        estimate("llama-3.1-8b", scoring_batch="max", **kw)
+        estimate("llama-3.1-8b", EstimateSpec(scoring_batch="max", **kw))
 
 
 def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
@@ -708,20 +716,21 @@ def test_the_old_policy_pass_prices_the_adapters():
     kw = dict(num_generations=8, prompt_length=512, completion_length=20480, dtype="bf16", lora_rank=16,
               micro_batch_size=1, include_generation=False, scoring_batch=8, lora_dropout=True)
     rows = lambda df: df.set_index("component")["GB"] * F.GB  # noqa: E731
-    hf, vllm = estimate("llama-3.1-8b", vllm=False, **kw), estimate("llama-3.1-8b", vllm=True, **kw)
-    forced = estimate("llama-3.1-8b", vllm=False, old_policy_pass=True, **kw)
+    hf = estimate("llama-3.1-8b", EstimateSpec(vllm=False, **kw))
+    vllm = estimate("llama-3.1-8b", EstimateSpec(vllm=True, **kw))
+    forced = estimate("llama-3.1-8b", EstimateSpec(vllm=False, old_policy_pass=True, **kw))
     a, T = resolve_arch("llama-3.1-8b"), 20992
     extra = 8 * T * (F.ADAPTER_FP32_TEMPS * F.FP32 - 3 * 2) * a.intermediate  # whole MLPs (dropout: unsliced)
     assert rows(vllm)["scoring pass (no grad)"] - rows(hf)["scoring pass (no grad)"] == pytest.approx(extra, rel=1e-9)
     assert rows(forced)["scoring pass (no grad)"] == rows(vllm)["scoring pass (no grad)"]
     assert (hf.attrs["old_policy_pass"], vllm.attrs["old_policy_pass"]) == (False, True)
-    assert estimate("llama-3.1-8b", **{**kw, "lora_rank": None, "lora_dropout": False},
-                    vllm=True).attrs["old_policy_pass"] is False  # full fine-tuning: the same pass either way
+    full = estimate("llama-3.1-8b", EstimateSpec(**{**kw, "lora_rank": None, "lora_dropout": False}, vllm=True))
+    assert full.attrs["old_policy_pass"] is False  # full fine-tuning: the same pass either way
     cfg = dict(model="llama-3.1-8b", per_device_train_batch_size=1, gradient_accumulation_steps=8)
     assert estimate_for_config(GRPOKitConfig(**cfg, num_iterations=2)).attrs["old_policy_pass"] is True
     assert estimate_for_config(GRPOKitConfig(**cfg)).attrs["old_policy_pass"] is False  # HF pricing, one iteration
     with pytest.raises(ValueError, match="old_policy_pass must be None or a bool"):
-        estimate("llama-3.1-8b", old_policy_pass="yes", **kw)
+        estimate("llama-3.1-8b", EstimateSpec(old_policy_pass="yes", **kw))
 
 
 def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
@@ -734,7 +743,8 @@ def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
     a = resolve_arch("llama-3.1-8b")
     kw = dict(num_generations=8, prompt_length=512, completion_length=4096, dtype="bf16", lora_rank=16,
               micro_batch_size=1, vllm=False, include_generation=False, scoring_batch=8)
-    plain, drop = estimate("llama-3.1-8b", **kw), estimate("llama-3.1-8b", lora_dropout=True, **kw)
+    plain = estimate("llama-3.1-8b", EstimateSpec(**kw))
+    drop = estimate("llama-3.1-8b", EstimateSpec(lora_dropout=True, **kw))
     rows = lambda df: df.set_index("component")["GB"] * F.GB  # noqa: E731
     T = 4608
     assert rows(drop)["recompute peak of one layer"] == pytest.approx(
@@ -752,7 +762,7 @@ def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
             "--micro-batch", "1", "--method", "grpo_kit", "--training-only"]
     assert _vram(argv + ["--lora-dropout"]) == 0 and "masks cannot be split" in capsys.readouterr().out
     with pytest.raises(ValueError, match="lora_dropout=True needs lora_rank"):
-        estimate("llama-3.1-8b", **{**kw, "lora_rank": None, "scoring_batch": None}, lora_dropout=True)
+        estimate("llama-3.1-8b", EstimateSpec(**{**kw, "lora_rank": None, "scoring_batch": None}, lora_dropout=True))
 
 
 def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
@@ -761,13 +771,13 @@ def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
     activations, which grow with the scoring batch and can become the peak."""
     kw = dict(num_generations=8, prompt_length=512, completion_length=1024, dtype="fp16", lora_rank=16,
               quantization="4bit", micro_batch_size=1, vllm=False, include_generation=False)
-    plain = estimate("llama-3.1-8b", **kw)
+    plain = estimate("llama-3.1-8b", EstimateSpec(**kw))
     for same in (None, 1):
-        df = estimate("llama-3.1-8b", scoring_batch=same, **kw)
+        df = estimate("llama-3.1-8b", EstimateSpec(scoring_batch=same, **kw))
         assert df.attrs["phase_bytes"] == plain.attrs["phase_bytes"] and "scoring pass (no grad)" not in set(df.component)
     phases = {}
     for s in (2, 8):
-        df = estimate("llama-3.1-8b", scoring_batch=s, **kw)
+        df = estimate("llama-3.1-8b", EstimateSpec(scoring_batch=s, **kw))
         rows = df.set_index("component")["GB"] * F.GB
         persistent = sum(rows[c] for c in ("model weights", "inference copy (vLLM)", "LoRA + optimiser states"))
         expect = persistent + rows["dequantised 4-bit weights of one layer"] + rows["scoring pass (no grad)"]
@@ -775,11 +785,12 @@ def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
         assert phases[s] == pytest.approx(expect, rel=1e-9)
     assert phases[2] < phases[8] and df.attrs["peak_phase"] == "scoring"
     # TRL scores one generation batch (8 here) at a time: a larger number prices no more than that
-    assert estimate("llama-3.1-8b", scoring_batch=64, **kw).attrs["phase_bytes"] == df.attrs["phase_bytes"]
+    capped = estimate("llama-3.1-8b", EstimateSpec(scoring_batch=64, **kw))
+    assert capped.attrs["phase_bytes"] == df.attrs["phase_bytes"]
     with pytest.raises(ValueError, match="scoring_batch applies to method='grpo_kit'"):
-        estimate("llama-3.1-8b", scoring_batch=8, **{**kw, "method": "trl", "quantization": None})
+        estimate("llama-3.1-8b", EstimateSpec(scoring_batch=8, **{**kw, "method": "trl", "quantization": None}))
     with pytest.raises(ValueError, match="scoring_batch must be an int >= 1"):
-        estimate("llama-3.1-8b", scoring_batch=0, **kw)
+        estimate("llama-3.1-8b", EstimateSpec(scoring_batch=0, **kw))
 
 
 # ----------------------------------------------------------------------------- pinned estimates
@@ -876,11 +887,68 @@ def test_estimate_keeps_its_pinned_numbers(name):
     """Every component of a few full estimates, to the byte: a refactor of ``estimate`` changes none of them."""
     model, kw = PINNED_SETTINGS[name]
     peak_phase, scoring_batch, rows = PINNED[name]
-    df = estimate(model, **kw)
+    df = estimate(model, EstimateSpec(**kw))
     assert (df.attrs["peak_phase"], df.attrs["scoring_batch"]) == (peak_phase, scoring_batch)
     assert {c: round(gb * 1e9) for c, gb in zip(df["component"], df["GB"])} == rows
     assert sum(df.attrs["phase_bytes"].values()) > 0 and df.attrs["phase_bytes"][peak_phase] == pytest.approx(
         rows["total GPU (peak)"], abs=1)
+
+
+# ----------------------------------------------------------------------------- the spec
+
+SPEC = dict(num_generations=8, prompt_length=16, completion_length=64)
+
+
+def test_estimate_spec_fields_are_the_former_keywords():
+    assert [f.name for f in dataclasses.fields(EstimateSpec)] == [
+        "num_generations", "prompt_length", "completion_length", "dtype", "lora_rank", "quantization", "method",
+        "vllm", "kv_cache_dtype", "micro_batch_size", "chunk_tokens", "prefetch", "include_generation", "offload",
+        "loss_fp32", "loss_epilogue", "generation_batch", "standby", "kv_cache_bytes", "vllm_batched_tokens",
+        "scoring_batch", "lora_dropout", "old_policy_pass", "tool_turns", "tool_result_tokens", "prefix_sharing"]
+    with pytest.raises(TypeError):
+        EstimateSpec(num_generations=8, prompt_length=16)  # the completion length has no default
+    spec = EstimateSpec(**SPEC)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.method = "trl"
+    # "auto" is a scoring batch for any method (TRL and Unsloth: none chosen)
+    assert EstimateSpec(**SPEC, method="trl", scoring_batch="auto").scoring_batch == "auto"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_generations=0), r"^num_generations must be an int >= 1, got 0$"),
+    (dict(method="x"), r"^method must be one of \['trl', 'unsloth', 'grpo_kit'\], got 'x'$"),
+    (dict(method="trl", prefix_sharing=True),
+     r"^prefix_sharing applies to method='grpo_kit' only \(TRL and Unsloth score every row's prompt\), "
+     r"got method='trl'$"),
+    (dict(scoring_batch="max"), r"^scoring_batch must be None, 'auto' or an integer >= 1, got 'max'$"),
+])
+def test_estimate_spec_rejects_a_bad_value_when_made(kwargs, match):
+    """The checks run when a spec is made, and again on ``dataclasses.replace``: one ValueError naming the value."""
+    with pytest.raises(ValueError, match=match):
+        EstimateSpec(**SPEC | kwargs)
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(EstimateSpec(**SPEC), **kwargs)
+
+
+def test_estimate_takes_a_spec_only():
+    with pytest.raises(TypeError, match="spec must be an EstimateSpec, got dict"):
+        estimate("qwen2.5-1.5b", dict(SPEC))
+    with pytest.raises(TypeError):
+        estimate("qwen2.5-1.5b", **SPEC)
+
+
+def test_a_spec_prices_what_the_keywords_did():
+    """PINNED was computed with estimate's former keyword arguments: a spec holding the same values gives those
+    bytes, through estimate and compare alike."""
+    peak_phase, scoring_batch, rows = PINNED["qwen_kit_4bit_standby_auto"]
+    spec = EstimateSpec(num_generations=8, prompt_length=256, completion_length=4096, lora_rank=16,
+                        quantization="4bit", kv_cache_dtype="fp8", micro_batch_size=2, generation_batch=16,
+                        standby=True, scoring_batch="auto")
+    df = estimate(QWEN, spec)
+    assert (df.attrs["peak_phase"], df.attrs["scoring_batch"]) == (peak_phase, scoring_batch)
+    assert {c: round(gb * 1e9) for c, gb in zip(df["component"], df["GB"])} == rows
+    trl = compare(LLAMA, EstimateSpec(num_generations=8, prompt_length=0, completion_length=20480), methods=("trl",))
+    assert {c: round(gb * 1e9) for c, gb in trl["trl"].items()} == PINNED["llama_trl_published"][2]
 
 
 @pytest.mark.parametrize("epilogue", ["triton", "torch"])
@@ -896,8 +964,9 @@ def test_loss_chunk_rows_follow_the_loss_rule(model, dtype, epilogue):
     b = F.DTYPE_BYTES[dtype]
     per_row = vocab * (b + (3 * F.FP32 if epilogue == "torch" else 0))  # the bytes the rule budgets per row
     for G, M, C in ((4, 1, 8), (8, 2, 300), (16, 8, 4096), (16, 4, 16384), (16, 8, 65536)):
-        df = estimate(model, method="grpo_kit", lora_rank=8, dtype=dtype, loss_epilogue=epilogue, num_generations=G,
-                      prompt_length=32, completion_length=C, micro_batch_size=M, scoring_batch=G)
+        df = estimate(model, EstimateSpec(method="grpo_kit", lora_rank=8, dtype=dtype, loss_epilogue=epilogue,
+                                          num_generations=G, prompt_length=32, completion_length=C, micro_batch_size=M,
+                                          scoring_batch=G))
         notes = df.set_index("component")["note"]
         loss_rows = int(re.search(r"one chunk of (\d+) token rows", notes["logits for the loss"]).group(1))
         score_rows = int(re.search(r"one logits chunk of (\d+) rows", notes["scoring pass (no grad)"]).group(1))
@@ -907,7 +976,8 @@ def test_loss_chunk_rows_follow_the_loss_rule(model, dtype, epilogue):
         taken = min(auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue, n_tokens=n), n)
         assert taken <= loss_rows and taken * per_row + 48 * n <= (loss_rows + 256) * per_row
     # the stale rule priced 832 rows here (64-row multiples); the loss takes whole 256-row tiles
-    qwen = estimate("qwen2.5-1.5b", method="grpo_kit", num_generations=8, prompt_length=0, completion_length=4096)
+    qwen = estimate("qwen2.5-1.5b", EstimateSpec(method="grpo_kit", num_generations=8, prompt_length=0,
+                                                 completion_length=4096))
     assert qwen.set_index("component").at["logits for the loss", "GB"] * 1e9 == pytest.approx(768 * 151936 * 2)
 
 
@@ -931,7 +1001,7 @@ def test_fp8_weight_bytes_are_what_an_fp8_model_holds(name):
 def test_fp8_weights_are_priced_in_every_phase_and_the_8x20k_step_within_the_issue_target():
     kw = dict(num_generations=8, prompt_length=512, completion_length=20480, lora_rank=16, kv_cache_dtype="fp8",
               micro_batch_size=1, standby=True)
-    bf16, fp8 = estimate(LLAMA, **kw), estimate(LLAMA, quantization="fp8", **kw)
+    bf16, fp8 = estimate(LLAMA, EstimateSpec(**kw)), estimate(LLAMA, EstimateSpec(quantization="fp8", **kw))
     weights = fp8.set_index("component").loc["model weights"]
     assert weights["GB"] * 1e9 == pytest.approx(F.weight_bytes(resolve_arch(LLAMA), 2, "fp8"))
     assert "FP8 e4m3" in weights["note"] and fp8.attrs["quantization"] == "fp8"
@@ -944,18 +1014,18 @@ def test_fp8_weights_are_priced_in_every_phase_and_the_8x20k_step_within_the_iss
     peak = total_gpu_bytes(fp8) / F.GiB
     assert peak <= 22  # the calculator's figure for the issue's target (a measurement must confirm it)
     with pytest.raises(ValueError, match="needs lora_rank: quantised weights are frozen"):
-        estimate(LLAMA, **{**kw, "lora_rank": None}, quantization="fp8")
+        estimate(LLAMA, EstimateSpec(**{**kw, "lora_rank": None}, quantization="fp8"))
     with pytest.raises(ValueError, match="quantization must be one of"):
-        estimate(LLAMA, **kw, quantization="int8")
+        estimate(LLAMA, EstimateSpec(**kw, quantization="int8"))
 
 
 def test_the_config_prices_fp8_weights_and_fit_knows_which_gpus_have_fp8(monkeypatch):
     from grpo_kit.app.config import GRPOKitConfig
-    from grpo_kit.memory.estimate import config_estimate_kwargs
+    from grpo_kit.memory import config_estimate_spec
     from grpo_kit.memory.fit import GPU_CAPABILITY, base_weights_for, free_t4_preset, has_fp8
 
-    assert config_estimate_kwargs(GRPOKitConfig(base_weights="fp8"))["quantization"] == "fp8"
-    assert config_estimate_kwargs(GRPOKitConfig())["quantization"] is None
+    assert config_estimate_spec(GRPOKitConfig(base_weights="fp8")).quantization == "fp8"
+    assert config_estimate_spec(GRPOKitConfig()).quantization is None
     assert [g for g in GPU_CAPABILITY if has_fp8(g)] == ["L4", "RTX 4090", "L40S", "H100", "H200", "B200", "RTX 5090"]
     assert not any(has_fp8(g) for g in ("Tesla T4", "Tesla V100-SXM2-16GB", "NVIDIA A100-SXM4-80GB"))
     assert base_weights_for("NVIDIA H100 80GB HBM3") == {"base_weights": "fp8", "quantization": "fp8"}

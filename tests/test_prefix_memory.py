@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.memory import formulas as F
 from grpo_kit.memory.cli import cli_main
-from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, resolve_arch
+from grpo_kit.memory.estimate import EstimateSpec, config_estimate_spec, estimate, resolve_arch
 from grpo_kit.memory.fit import fit_verdict
 from grpo_kit.model.loading import build_random_model
 from grpo_kit.model.offload import enable_offloaded_checkpointing
@@ -39,7 +39,7 @@ def test_a_forward_runs_each_groups_prompt_once():
 def test_the_training_phases_price_the_shared_prompt_once():
     a = resolve_arch(LLAMA)
     P, C, M, b = LONG["prompt_length"], LONG["completion_length"], LONG["micro_batch_size"], 2
-    off, on = estimate(LLAMA, **LONG), estimate(LLAMA, **LONG, prefix_sharing=True)
+    off, on = estimate(LLAMA, EstimateSpec(**LONG)), estimate(LLAMA, EstimateSpec(**LONG, prefix_sharing=True))
     assert on.attrs["prefix_sharing"] and not off.attrs["prefix_sharing"]
     tokens = P + M * C  # one prompt (the micro-batch is one group) and eight completions
     assert _gib(on, "saved activations (GPU)") * 2**30 == F.checkpoint_bytes(a, tokens, b, 1)
@@ -55,17 +55,17 @@ def test_the_training_phases_price_the_shared_prompt_once():
 
 
 def test_the_issues_row_fits_an_80_gb_card_only_with_sharing():
-    kw = {k: v for k, v in LONG.items() if k not in ("prompt_length", "completion_length")}
     context = LONG["prompt_length"] + LONG["completion_length"]
-    off = fit_verdict(LLAMA, 80, context=context, prompt_length=LONG["prompt_length"], **kw)
-    on = fit_verdict(LLAMA, 80, context=context, prompt_length=LONG["prompt_length"], **kw, prefix_sharing=True)
+    off = fit_verdict(LLAMA, 80, EstimateSpec(**LONG))
+    on = fit_verdict(LLAMA, 80, EstimateSpec(**LONG, prefix_sharing=True))
+    assert off.context == on.context == context
     assert not off.fits and off.peak_gib > 100
     assert on.fits and on.peak_gib < 60 and on.max_context > context
 
 
 def test_the_scoring_pass_runs_one_group_at_a_time():
     a = resolve_arch(LLAMA)
-    df = estimate(LLAMA, **LONG, scoring_batch=16, generation_batch=16, prefix_sharing=True)
+    df = estimate(LLAMA, EstimateSpec(**LONG, scoring_batch=16, generation_batch=16, prefix_sharing=True))
     P, C = LONG["prompt_length"], LONG["completion_length"]
     chunk = F.auto_chunk_tokens(a)
     logits = _gib(df, "scoring pass (no grad)") * 2**30 - F.shared_scoring_peak(a, 8, P, C, 2, chunk, 0, True)
@@ -78,12 +78,12 @@ def test_the_scoring_pass_runs_one_group_at_a_time():
 
 def test_short_prompts_gain_nothing_and_auto_is_priced_unshared():
     short = dict(LONG, prompt_length=512, completion_length=4096)
-    off, on = estimate(LLAMA, **short), estimate(LLAMA, **short, prefix_sharing=True)
+    off, on = estimate(LLAMA, EstimateSpec(**short)), estimate(LLAMA, EstimateSpec(**short, prefix_sharing=True))
     assert on.attrs["phase_bytes"]["backward"] >= off.attrs["phase_bytes"]["backward"]  # why auto leaves it off
-    assert config_estimate_kwargs(GRPOKitConfig())["prefix_sharing"] is False  # auto: its bound, unshared
-    assert config_estimate_kwargs(GRPOKitConfig(prefix_sharing=True))["prefix_sharing"] is True
+    assert config_estimate_spec(GRPOKitConfig()).prefix_sharing is False  # auto: its bound, unshared
+    assert config_estimate_spec(GRPOKitConfig(prefix_sharing=True)).prefix_sharing is True
     with pytest.raises(ValueError, match="prefix_sharing applies to method='grpo_kit' only"):
-        estimate(LLAMA, **LONG, method="trl", prefix_sharing=True)
+        estimate(LLAMA, EstimateSpec(**LONG, method="trl", prefix_sharing=True))
 
 
 def test_vram_answers_with_and_without_sharing(capsys):

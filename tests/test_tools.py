@@ -492,12 +492,13 @@ def test_prompt_length_check_counts_the_tool_schema(tiny):
 def test_calculator_prices_the_tool_turns_in_every_phase(method, vllm):
     """A multi-turn step: tool results join the rollout, so the KV cache (prompt plus all turns) and every forward,
     the loss's included, are priced over the model's tokens plus the tool tokens."""
-    from grpo_kit.memory import estimate, total_gpu_bytes
+    from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes
 
     common = dict(num_generations=8, prompt_length=700, lora_rank=16, method=method, vllm=vllm, micro_batch_size=4)
-    tools = estimate("llama-3.1-8b", completion_length=1000, tool_turns=2, tool_result_tokens=300, **common)
-    longer = estimate("llama-3.1-8b", completion_length=1600, **common)
-    plain = estimate("llama-3.1-8b", completion_length=1000, **common)
+    tools = estimate("llama-3.1-8b", EstimateSpec(completion_length=1000, tool_turns=2, tool_result_tokens=300,
+                                                  **common))
+    longer = estimate("llama-3.1-8b", EstimateSpec(completion_length=1600, **common))
+    plain = estimate("llama-3.1-8b", EstimateSpec(completion_length=1000, **common))
     assert list(tools["GB"]) == list(longer["GB"])
     assert total_gpu_bytes(tools) > total_gpu_bytes(plain)
     kv = tools.loc[tools["component"] == "KV cache (generation)"]
@@ -508,18 +509,18 @@ def test_calculator_prices_the_tool_turns_in_every_phase(method, vllm):
         assert "600 tokens of tool results" in kv["note"].iloc[0]
     for bad in (dict(tool_turns=-1), dict(tool_result_tokens=2.5)):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            estimate("llama-3.1-8b", completion_length=1000, **common, **bad)
+            estimate("llama-3.1-8b", EstimateSpec(completion_length=1000, **common, **bad))
 
 
 def test_config_estimate_with_tools_is_priced_at_trls_bound():
     """The config's max_completion_length bounds model and tool tokens together in TRL's loop: same estimate."""
     from grpo_kit.app.config import GRPOKitConfig
-    from grpo_kit.memory.estimate import config_estimate_kwargs
+    from grpo_kit.memory import config_estimate_spec
 
     plain = GRPOKitConfig(model="tiny-llama", task="multiplication")
     tools = GRPOKitConfig(model="tiny-llama", task="multiplication", tools=["calculator"])
-    assert config_estimate_kwargs(tools) == config_estimate_kwargs(plain)
-    assert config_estimate_kwargs(tools).get("tool_turns", 0) == 0
+    assert config_estimate_spec(tools) == config_estimate_spec(plain)
+    assert config_estimate_spec(tools).tool_turns == 0
 
 
 def test_dashboard_tool_panel():

@@ -10,35 +10,32 @@ import pytest
 
 from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.memory.cli import build_parser, cli_main
-from grpo_kit.memory.estimate import config_estimate_kwargs, estimate, estimate_for_config, total_gpu_bytes
-from grpo_kit.memory.fit import (
-    FREE_T4_GIB,
-    GIB,
-    PRESET_ROUND,
-    fit_verdict,
-    free_t4_preset,
-    longest_fitting_context,
-    verdict_kwargs,
-)
+from grpo_kit.memory.estimate import EstimateSpec, config_estimate_spec, estimate, estimate_for_config, total_gpu_bytes
+from grpo_kit.memory.fit import FREE_T4_GIB, GIB, PRESET_ROUND, fit_verdict, free_t4_preset, longest_fitting_context
 
 KW = dict(num_generations=8, lora_rank=16, method="grpo_kit")
 
 
+def _spec(context: int, prompt_length: int = 0, **kw) -> EstimateSpec:
+    """The step at ``context`` tokens, ``prompt_length`` of them prompt."""
+    return EstimateSpec(prompt_length=prompt_length, completion_length=context - prompt_length, **kw)
+
+
 def test_longest_context_is_the_boundary():
     budget = 15 * GIB
-    n = longest_fitting_context("qwen2.5-1.5b", budget, prompt_length=256, **KW)
+    n = longest_fitting_context("qwen2.5-1.5b", budget, _spec(1024, 256, **KW))
     assert n is not None and n > 1024
 
     def peak(ctx):
-        return total_gpu_bytes(estimate("qwen2.5-1.5b", prompt_length=256, completion_length=ctx - 256, **KW))
+        return total_gpu_bytes(estimate("qwen2.5-1.5b", _spec(ctx, 256, **KW)))
 
     assert peak(n) <= budget < peak(n + 1)
-    v = fit_verdict("qwen2.5-1.5b", 15, context=n + 1, prompt_length=256, num_generations=8, lora_rank=16)
+    v = fit_verdict("qwen2.5-1.5b", 15, _spec(n + 1, 256, num_generations=8, lora_rank=16))
     assert not v.fits and v.max_context == n and "does not fit" in v.text() and f"{n:,} tokens" in v.text()
-    heavy = fit_verdict("llama-3.1-8b", 8, context=1024, num_generations=8, lora_rank=16)
+    heavy = fit_verdict("llama-3.1-8b", 8, _spec(1024, num_generations=8, lora_rank=16))
     assert heavy.max_context is None and "the weights alone take 14.96 GiB" in heavy.text()
     with pytest.raises(ValueError, match="gpu_gib=0 must be > 0"):
-        fit_verdict("qwen2.5-1.5b", 0, context=1024)
+        fit_verdict("qwen2.5-1.5b", 0, _spec(1024, num_generations=8))
 
 
 def test_free_t4_preset_is_the_longest_whole_step_in_4bit_fp16():
@@ -47,16 +44,15 @@ def test_free_t4_preset_is_the_longest_whole_step_in_4bit_fp16():
     ctx = p["context_length"]
     assert ctx % PRESET_ROUND == 0 and p["estimate_gib"] <= FREE_T4_GIB
 
+    t4 = dict(num_generations=8, lora_rank=16, quantization="4bit", dtype="fp16", micro_batch_size=1, vllm=False)
+
     def peak(c):  # the whole step: HF generate's fp16 KV cache of all 8 completions included
-        return total_gpu_bytes(estimate("llama-3.1-8b", prompt_length=512, completion_length=c - 512, num_generations=8,
-                                        lora_rank=16, quantization="4bit", dtype="fp16", micro_batch_size=1,
-                                        vllm=False, include_generation=True)) / GIB
+        return total_gpu_bytes(estimate("llama-3.1-8b", _spec(c, 512, include_generation=True, **t4))) / GIB
 
     assert peak(ctx) <= FREE_T4_GIB < peak(ctx + PRESET_ROUND)
     # generation's KV cache is what limits it: the training step alone fits far longer
-    assert longest_fitting_context("llama-3.1-8b", FREE_T4_GIB * GIB, prompt_length=512, num_generations=8,
-                                   lora_rank=16, quantization="4bit", dtype="fp16", micro_batch_size=1, vllm=False,
-                                   include_generation=False) > 4 * ctx
+    assert longest_fitting_context("llama-3.1-8b", FREE_T4_GIB * GIB,
+                                   _spec(ctx, 512, include_generation=False, **t4)) > 4 * ctx
     with pytest.raises(ValueError, match="does not fit"):
         free_t4_preset("llama-3.1-8b", num_generations=512)
 
@@ -102,12 +98,12 @@ def test_vram_prices_the_kits_default_run(capsys, monkeypatch):
     line = _verdicts(out)["grpo_kit"]
     assert (f"{peak:.2f} GiB" in line) and (peak <= 24) == line.startswith("grpo_kit: fits")
     assert line == fit.config_fit(cfg, gpu_gib=24.0)[0].text()
-    longest = longest_fitting_context("llama-3.1-8b", 24 * GIB, prompt_length=default.max_prompt_length,
-                                      **verdict_kwargs(config_estimate_kwargs(cfg)))
+    spec = config_estimate_spec(cfg)
+    longest = longest_fitting_context("llama-3.1-8b", 24 * GIB, dataclasses.replace(spec, scoring_batch=None))
     assert f"the longest context that fits is {longest:,} tokens" in line
     assert "96.12" not in out and "prompt fits" not in out and "Published table reproduced" not in out
-    kw = config_estimate_kwargs(cfg)
-    assert (f"micro-batch {kw['micro_batch_size']} sequences" in out and f"LoRA r={kw['lora_rank']}" in out
+    assert spec.prompt_length == default.max_prompt_length
+    assert (f"micro-batch {spec.micro_batch_size} sequences" in out and f"LoRA r={spec.lora_rank}" in out
             and f"prompt {default.max_prompt_length} + completion" in out)
 
 
@@ -130,13 +126,12 @@ def test_a_verdict_names_what_does_not_fit(capsys):
     assert re.search(r"does not fit on 24.00 GiB: the weights take 14.96 GiB and the step's \w+ phase [\d.]+ GiB", line)
     assert "the longest context that fits is" in line
     # the generation phase names the KV cache's share
-    v = fit_verdict("llama-3.1-8b", 24, context=20480, prompt_length=256, num_generations=8, lora_rank=16,
-                    micro_batch_size=1, generation_batch=16, vllm=False)
+    v = fit_verdict("llama-3.1-8b", 24, _spec(20480, 256, num_generations=8, lora_rank=16, micro_batch_size=1,
+                                             generation_batch=16, vllm=False))
     assert v.peak_phase == "generation" and f"{v.kv_cache_gib:.2f} GiB of it the KV cache" in v.text()
     # the weights and the adapters fit, not even the shortest step: said so, with the prompt's length
     weights = v.weights_gib + v.optimizer_gib
-    tight = fit_verdict("llama-3.1-8b", weights + 0.01, context=1024, prompt_length=256, num_generations=8,
-                        lora_rank=16)
+    tight = fit_verdict("llama-3.1-8b", weights + 0.01, _spec(1024, 256, num_generations=8, lora_rank=16))
     assert tight.max_context is None and "no context fits: at 257 tokens (the prompt and one more)" in tight.text()
 
 

@@ -24,13 +24,14 @@ from grpo_kit.memory import formulas as F
 from grpo_kit.memory.estimate import (
     METHODS,
     PUBLISHED_SETUP,
-    config_estimate_kwargs,
+    EstimateSpec,
+    config_estimate_spec,
     estimate,
     is_published_setup,
     published_table,
     resolve_arch,
 )
-from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict, verdict_kwargs
+from grpo_kit.memory.fit import detected_gpu_gib, fit_verdict
 from grpo_kit.memory.spec import StepSpec
 
 
@@ -68,16 +69,16 @@ def _defaults_help(run: StepSpec) -> dict[str, str]:
     """Each flag's default in words, for ``--help``: the kit's run's (read from ``run``) and, after it, the
     published setting's."""
     G = PUBLISHED_SETUP["num_generations"]
-    kw = config_estimate_kwargs(run)
-    kit = dict(generations=f"num_generations, {kw['num_generations']}",
-               prompt=f"max_prompt_length, {kw['prompt_length']}",
-               lora=f"lora_rank, {kw['lora_rank']}" if kw["lora_rank"] else "use_lora false: full fine-tuning",
-               method=f"trainer, {kw['method']}", dtype=f"dtype {run.dtype!r}, {kw['dtype']} on a GPU",
-               kv=f"kv_cache_dtype {run.kv_cache_dtype!r}, " + (kw["kv_cache_dtype"] or "the model's dtype"),
-               micro=f"per_device_train_batch_size, {kw['micro_batch_size']}",
+    s = config_estimate_spec(run)
+    kit = dict(generations=f"num_generations, {s.num_generations}",
+               prompt=f"max_prompt_length, {s.prompt_length}",
+               lora=f"lora_rank, {s.lora_rank}" if s.lora_rank else "use_lora false: full fine-tuning",
+               method=f"trainer, {s.method}", dtype=f"dtype {run.dtype!r}, {s.dtype} on a GPU",
+               kv=f"kv_cache_dtype {run.kv_cache_dtype!r}, " + (s.kv_cache_dtype or "the model's dtype"),
+               micro=f"per_device_train_batch_size, {s.micro_batch_size}",
                gen=f"generation_backend {run.generation_backend!r}, priced as "
-                   + ("vLLM" if kw["vllm"] else "HF generate (every sequence's KV cache padded to the context, "
-                                                 "the larger)"))
+                   + ("vLLM" if s.vllm else "HF generate (every sequence's KV cache padded to the context, "
+                                             "the larger)"))
     return dict(
         generations=f"completions per prompt (default: the kit's {kit['generations']}; published setting: {G})",
         prompt=f"prompt tokens within --context (default: the kit's {kit['prompt']}; published setting: 0, the whole "
@@ -164,29 +165,36 @@ def _given(args) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def _published_kwargs(args) -> dict:
-    """:func:`estimate`'s arguments for the published table's setting, flags applied."""
+def _prompt_length(args, run: StepSpec) -> int:
+    """The prompt's tokens: ``--prompt-length``, else the setting's (the published table's 0, the run's
+    ``max_prompt_length``)."""
+    if args.published_setting:
+        return args.prompt_length or 0
+    return run.max_prompt_length if args.prompt_length is None else args.prompt_length
+
+
+def _published_kwargs(args, P: int) -> dict:
+    """:class:`EstimateSpec`'s fields for the published table's setting with a prompt of ``P`` tokens, flags
+    applied."""
     G = args.generations or PUBLISHED_SETUP["num_generations"]
-    P = args.prompt_length or 0
     return dict(num_generations=G, prompt_length=P, completion_length=args.context - P, dtype="bf16", lora_rank=None,
                 quantization=None, vllm=True, kv_cache_dtype=None, micro_batch_size=None, include_generation=True,
                 standby=False, lora_dropout=False) | _given(args)
 
 
-def _kit_kwargs(args, run: StepSpec) -> dict:
-    """:func:`estimate`'s arguments for the kit's run: ``run`` with the model, the context and the
-    generations of the command line (``config_estimate_kwargs``, as the run's own fit check prices it), flags
-    applied. A step generates the config's completions (``per_device_train_batch_size`` x
+def _kit_kwargs(args, run: StepSpec, P: int) -> dict:
+    """:class:`EstimateSpec`'s fields for the kit's run: ``run`` with the model, the context, a prompt of ``P``
+    tokens and the generations of the command line (``config_estimate_spec``, as the run's own fit check prices
+    it), flags applied. A step generates the config's completions (``per_device_train_batch_size`` x
     ``gradient_accumulation_steps``) or at least one micro-batch, in whole groups."""
     G = args.generations or run.num_generations
-    P = run.max_prompt_length if args.prompt_length is None else args.prompt_length
     step = dataclasses.replace(run, model=args.model, num_generations=G, max_prompt_length=P,
                                max_completion_length=args.context - P)
-    kw = config_estimate_kwargs(step) | _given(args)
+    micro = run.per_device_train_batch_size if args.micro_batch is None else args.micro_batch
+    rows = max(run.per_device_train_batch_size * run.gradient_accumulation_steps, micro)
+    kw = dataclasses.asdict(config_estimate_spec(step, generation_batch=-(-rows // G) * G)) | _given(args)
     if args.full_finetuning:
         kw.update(lora_rank=None, lora_dropout=False)
-    rows = max(run.per_device_train_batch_size * run.gradient_accumulation_steps, kw["micro_batch_size"])
-    kw["generation_batch"] = -(-rows // G) * G
     return kw
 
 
@@ -218,7 +226,7 @@ def _method_kwargs(kw: dict, method: str) -> dict:
 
 
 def _variants(kw: dict, methods: list[str], both: bool) -> dict[str, dict]:
-    """``{label: estimate kwargs}``: one per method, and with ``both`` grpo_kit without and with prefix sharing."""
+    """``{label: EstimateSpec fields}``: one per method, and with ``both`` grpo_kit without and with prefix sharing."""
     out = {}
     for m in methods:
         if m == "grpo_kit" and both:
@@ -256,7 +264,7 @@ def _print_published(arch, out) -> None:
           "our own derivation for TRL's setup is the 'trl' table above.", file=out)
 
 
-def _print_verdicts(arch, args, kw: dict, variants: dict[str, dict], out) -> None:
+def _print_verdicts(arch, args, specs: dict[str, EstimateSpec], out) -> None:
     """Per method (and prefix-sharing setting): does the step fit the GPU, what does not, and the longest context
     that does."""
     gpu = (args.gpu_gib, "--gpu-gib") if args.gpu_gib else detected_gpu_gib()
@@ -265,8 +273,8 @@ def _print_verdicts(arch, args, kw: dict, variants: dict[str, dict], out) -> Non
               file=out)
         return
     print(f"Does it fit in {gpu[0]:.2f} GiB ({gpu[1]})?", file=out)
-    for label, variant in variants.items():
-        v = fit_verdict(arch, gpu[0], context=args.context, prompt_length=kw["prompt_length"], **verdict_kwargs(variant))
+    for label, spec in specs.items():
+        v = fit_verdict(arch, gpu[0], spec)
         text = v.text()
         print(f"  {label + text[len(v.method):] if text.startswith(v.method) else text}", file=out)
 
@@ -283,16 +291,17 @@ def cli_main(argv: list[str], run: StepSpec | None = None) -> int:
         arch = resolve_arch(args.model)
     except ValueError as e:
         parser.error(str(e))
-    kw = _published_kwargs(args) if args.published_setting else _kit_kwargs(args, run)
-    if kw["prompt_length"] >= args.context:
-        parser.error(f"the prompt ({kw['prompt_length']} tokens"
-                     + (", the kit's max_prompt_length" if args.prompt_length is None else "")
+    P = _prompt_length(args, run)
+    if P >= args.context:
+        parser.error(f"the prompt ({P} tokens" + (", the kit's max_prompt_length" if args.prompt_length is None else "")
                      + f") must be shorter than --context ({args.context}); pass a smaller --prompt-length")
-    method = args.method or ("all" if args.published_setting else kw["method"])
-    methods = list(METHODS) if method == "all" else [method]
-    variants = _variants(kw, methods, args.prefix_sharing == "both")
     try:
-        tables = {label: estimate(arch, **variant) for label, variant in variants.items()}
+        kw = _published_kwargs(args, P) if args.published_setting else _kit_kwargs(args, run, P)
+        method = args.method or ("all" if args.published_setting else kw["method"])
+        methods = list(METHODS) if method == "all" else [method]
+        specs = {label: EstimateSpec(**variant)
+                 for label, variant in _variants(kw, methods, args.prefix_sharing == "both").items()}
+        tables = {label: estimate(arch, spec) for label, spec in specs.items()}
     except ValueError as e:
         parser.error(str(e))
     out = sys.stdout
@@ -304,7 +313,7 @@ def cli_main(argv: list[str], run: StepSpec | None = None) -> int:
     if args.published_setting and is_published_setup(arch, kw["num_generations"], kw["prompt_length"],
                                                       kw["completion_length"], kw["dtype"]):
         _print_published(arch, out)
-    _print_verdicts(arch, args, kw, variants, out)
+    _print_verdicts(arch, args, specs, out)
     if args.plot:
         from grpo_kit.memory.plot import plot_components  # lazy: matplotlib, for --plot only
 

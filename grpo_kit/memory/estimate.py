@@ -180,15 +180,14 @@ def _check_bool(name, val, none_ok=False):
         raise ValueError(f"{name} must be {'None or ' if none_ok else ''}a bool, got {val!r}")
 
 
-def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lora_rank, quantization, method, vllm,
-                 kv_cache_dtype, micro_batch_size, generation_batch, standby, kv_cache_bytes, tool_turns,
-                 tool_result_tokens, **_):
+def _check_sizes(spec: EstimateSpec) -> None:
     """The step's sizes, types and storage formats (one clear ValueError each)."""
-    G = _int_at_least("num_generations", num_generations, 1)
-    _int_at_least("prompt_length", prompt_length, 0)
-    _int_at_least("completion_length", completion_length, 1)
-    _int_at_least("tool_turns", tool_turns, 0)
-    _int_at_least("tool_result_tokens", tool_result_tokens, 0)
+    G = _int_at_least("num_generations", spec.num_generations, 1)
+    _int_at_least("prompt_length", spec.prompt_length, 0)
+    _int_at_least("completion_length", spec.completion_length, 1)
+    _int_at_least("tool_turns", spec.tool_turns, 0)
+    _int_at_least("tool_result_tokens", spec.tool_result_tokens, 0)
+    dtype, method, quantization, lora_rank = spec.dtype, spec.method, spec.quantization, spec.lora_rank
     if dtype not in F.DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {list(F.DTYPE_BYTES)}, got {dtype!r}")
     if method not in METHODS:
@@ -200,55 +199,147 @@ def _check_sizes(*, num_generations, prompt_length, completion_length, dtype, lo
     if quantization is not None and lora_rank is None:
         raise ValueError(f"quantization={quantization!r} needs lora_rank: quantised weights are frozen, "
                          "only LoRA adapters can train on top of them")
-    _check_bool("vllm", vllm)
+    _check_bool("vllm", spec.vllm)
+    kv_cache_dtype = spec.kv_cache_dtype
     if kv_cache_dtype is not None and kv_cache_dtype not in F.KV_DTYPE_BYTES:
         raise ValueError(f"kv_cache_dtype must be None (= dtype) or one of {list(F.KV_DTYPE_BYTES)}, got {kv_cache_dtype!r}")
-    if micro_batch_size is not None:
-        _int_at_least("micro_batch_size", micro_batch_size, 1)
-    if generation_batch is not None:
-        gb = _int_at_least("generation_batch", generation_batch, 1)
+    if spec.micro_batch_size is not None:
+        _int_at_least("micro_batch_size", spec.micro_batch_size, 1)
+    if spec.generation_batch is not None:
+        gb = _int_at_least("generation_batch", spec.generation_batch, 1)
         if gb % G:
             raise ValueError(f"generation_batch must be a multiple of num_generations={G} (whole groups), got {gb}")
-    _check_bool("standby", standby)
-    if standby and not vllm:
+    _check_bool("standby", spec.standby)
+    if spec.standby and not spec.vllm:
         raise ValueError("standby=True describes a vLLM engine (vllm=True) that releases its KV cache while training")
+    kv_cache_bytes = spec.kv_cache_bytes
     if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
                                        or kv_cache_bytes <= 0):
         raise ValueError(f"kv_cache_bytes must be None or a number of bytes > 0, got {kv_cache_bytes!r}")
 
 
-def _check_options(*, method, lora_rank, chunk_tokens, prefetch, vllm_batched_tokens,
-                   include_generation, loss_fp32, lora_dropout, offload, loss_epilogue, old_policy_pass, scoring_batch,
-                   prefix_sharing, **_):
+def _check_options(spec: EstimateSpec) -> None:
     """The switches of each method's training step, and which methods they apply to."""
-    if chunk_tokens is not None:
-        _int_at_least("chunk_tokens", chunk_tokens, 1)
-    _check_bool("prefetch", prefetch)
-    _int_at_least("vllm_batched_tokens", vllm_batched_tokens, 1)
-    for name, val in (("include_generation", include_generation), ("loss_fp32", loss_fp32),
-                      ("lora_dropout", lora_dropout)):
-        _check_bool(name, val)
-    _check_bool("offload", offload, none_ok=True)
-    if offload and method == "trl":
+    method = spec.method
+    if spec.chunk_tokens is not None:
+        _int_at_least("chunk_tokens", spec.chunk_tokens, 1)
+    _check_bool("prefetch", spec.prefetch)
+    _int_at_least("vllm_batched_tokens", spec.vllm_batched_tokens, 1)
+    for name in ("include_generation", "loss_fp32", "lora_dropout"):
+        _check_bool(name, getattr(spec, name))
+    _check_bool("offload", spec.offload, none_ok=True)
+    if spec.offload and method == "trl":
         raise ValueError("offload=True is not available with method='trl' (TRL has no offloaded checkpointing)")
-    if loss_epilogue not in ("triton", "torch"):
-        raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {loss_epilogue!r}")
-    if loss_fp32 and method != "trl":
+    if spec.loss_epilogue not in ("triton", "torch"):
+        raise ValueError(f"loss_epilogue must be 'triton' or 'torch', got {spec.loss_epilogue!r}")
+    if spec.loss_fp32 and method != "trl":
         raise ValueError(f"loss_fp32 applies to method='trl' only (full logits), got method={method!r}")
-    _check_bool("old_policy_pass", old_policy_pass, none_ok=True)
-    _check_bool("prefix_sharing", prefix_sharing)
-    if prefix_sharing and method != "grpo_kit":
+    _check_bool("old_policy_pass", spec.old_policy_pass, none_ok=True)
+    _check_bool("prefix_sharing", spec.prefix_sharing)
+    if spec.prefix_sharing and method != "grpo_kit":
         raise ValueError(f"prefix_sharing applies to method='grpo_kit' only (TRL and Unsloth score every row's "
                          f"prompt), got method={method!r}")
-    if lora_dropout and lora_rank is None:
+    if spec.lora_dropout and spec.lora_rank is None:
         raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
-    if scoring_batch is not None:
+    scoring_batch = spec.scoring_batch
+    if scoring_batch is not None and scoring_batch != AUTO:  # auto: chosen by estimate (auto_scoring_batch)
         if isinstance(scoring_batch, str):
             raise ValueError(f"scoring_batch must be None, {AUTO!r} or an integer >= 1, got {scoring_batch!r}")
         _int_at_least("scoring_batch", scoring_batch, 1)
         if method != "grpo_kit":
             raise ValueError(f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
                              f"got method={method!r}")
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class EstimateSpec:
+    """One GRPO step as :func:`estimate` prices it, checked when it is made (one clear ValueError per bad value,
+    naming it and what is allowed). Vary a setting with :func:`dataclasses.replace`, which checks again.
+
+    Attributes:
+        num_generations: completions per prompt (G); all are trained on in one step.
+        prompt_length / completion_length: tokens; a sequence is P + C tokens. ``prompt_length=0``
+            counts the whole context as completion (as the published table does).
+        dtype: ``"bf16" | "fp16" | "fp32"``, weights and activations.
+        lora_rank: LoRA on all 7 linear layers (None: full fine-tuning).
+        quantization: None, ``"4bit"`` (NF4 weights) or ``"fp8"`` (FP8 e4m3 weights with per-channel fp32 scales,
+            grpo_kit.model.fp8); either needs ``lora_rank``.
+        method: ``"trl"`` (TRL + FA2: full logits, standard checkpointing, separate vLLM copy),
+            ``"unsloth"`` (its published long-context design: one sequence of logits at a time, offloaded
+            checkpoints, weights shared with vLLM), ``"grpo_kit"`` (chunked loss, offloaded and chunked
+            recompute, shared weights).
+        vllm: generation by colocated vLLM (its KV pool stays resident) or by HF generate.
+        kv_cache_dtype: ``None`` (= dtype) or ``"fp8"`` etc.
+        micro_batch_size: sequences per forward/backward (None: all G at once, as published).
+        chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
+            :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
+        include_generation: False leaves out the KV cache (a training step alone, as the whole-step benchmark).
+        offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
+            False: every layer input stays on the GPU (e.g. grpo_kit's recompute without offload).
+        loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF style; the
+            whole-step benchmark's baseline): 3 x 4 B per logit at the loss backward (the saved output, its
+            incoming gradient, the input gradient) instead of TRL's bf16 path (2 x 2 B, as published).
+        loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"`` (CPU: the
+            loss's chunk rule counts three fp32 temporaries per logit; two exist at a time). Its chunk rows
+            follow the loss's own rule (``grpo_kit.loss.efficient``).
+        generation_batch: completions per generation call, whole groups of G (None: the larger of G and
+            the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
+        standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
+            (:mod:`grpo_kit.generation.standby`): the KV cache then counts in the generation phase only.
+        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs, formulas.vllm_kv_tokens).
+        vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
+        scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
+            reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
+            at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
+            ``scoring`` phase (priced sliced, as with LoRA dropout off). ``"auto"`` (:data:`AUTO`): the largest
+            that does not raise the step's peak (with ``vllm``, that of the training phases:
+            :func:`auto_scoring_batch`); None for the other methods, which score by micro-batch.
+        lora_dropout: LoRA dropout above 0 (needs ``lora_rank``): every adapted linear saves its own dropped input
+            and a mask (:func:`formulas.layer_saved_terms`), and grpo_kit's checkpointing runs such layers whole,
+            in the recompute and in no-grad passes (their random masks cannot be split into slices).
+        old_policy_pass: ``grpo_kit`` with LoRA: TRL's old-policy log-prob pass runs too (adapters on, which costs
+            more than the reference pass: :func:`formulas.scoring_forward_peak`), as it does under vLLM's
+            importance-sampling correction or with ``num_iterations`` > 1. None: when ``vllm``.
+        tool_turns / tool_result_tokens: a multi-turn step (TRL's tool loop): ``tool_turns`` tool results of
+            ``tool_result_tokens`` tokens each (as rendered: result, wrapper, next assistant header) follow the
+            model's calls, ``completion_length`` counting the model's tokens of all turns. The KV cache holds the
+            prompt plus all turns; every forward, the loss's included, runs over the tool tokens (masked, computed).
+        prefix_sharing: ``grpo_kit`` only: each group's prompt scored once (the module docstring).
+    """
+
+    num_generations: int
+    prompt_length: int
+    completion_length: int
+    dtype: str = "bf16"
+    lora_rank: int | None = None
+    quantization: str | None = None
+    method: str = "grpo_kit"
+    vllm: bool = True
+    kv_cache_dtype: str | None = None
+    micro_batch_size: int | None = None
+    chunk_tokens: int | None = None
+    prefetch: bool = True
+    include_generation: bool = True
+    offload: bool | None = None
+    loss_fp32: bool = False
+    loss_epilogue: str = "triton"
+    generation_batch: int | None = None
+    standby: bool = False
+    kv_cache_bytes: float | None = None
+    vllm_batched_tokens: int = 4096
+    scoring_batch: int | str | None = None
+    lora_dropout: bool = False
+    old_policy_pass: bool | None = None
+    tool_turns: int = 0
+    tool_result_tokens: int = 0
+    prefix_sharing: bool = False
+
+    def __post_init__(self):
+        _check_sizes(self)
+        _check_options(self)
 
 
 # ----------------------------------------------------------------------------- the step and its rows
@@ -263,8 +354,8 @@ def is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
 
 @dataclass(frozen=True)
 class _Step:
-    """One GRPO step as :func:`estimate` prices it: its checked arguments (named as there) and what follows from
-    them. ``G`` completions per prompt of ``P`` prompt + ``C`` completion tokens, ``M`` sequences per
+    """One GRPO step as :func:`estimate` prices it: its checked :class:`EstimateSpec` (named as there) and what
+    follows from it. ``G`` completions per prompt of ``P`` prompt + ``C`` completion tokens, ``M`` sequences per
     forward/backward, ``gen_rows`` completions per generation call, ``S`` sequences per scoring forward. With
     tools, ``C`` is the whole rollout after the prompt: the model's tokens of every turn plus ``tool_tokens`` of
     tool results (out of the loss by TRL's tool mask, but in every forward and in the KV cache)."""
@@ -335,27 +426,30 @@ class _Step:
         return ("generation", "loss", "backward") + self.scoring_phase
 
 
-def _step(a: Arch, *, num_generations, prompt_length, completion_length, micro_batch_size, generation_batch,
-          scoring_batch, method, offload, chunk_tokens, lora_rank, vllm, old_policy_pass, tool_turns,
-          tool_result_tokens, **given) -> _Step:
-    """The :class:`_Step` of checked arguments: sizes as ints, the method's defaults filled in; the tool results
-    joined to the completion (each turn's result follows the model's call in the same sequence)."""
-    tool_tokens = int(tool_turns) * int(tool_result_tokens)
-    G = int(num_generations)
-    M = G if micro_batch_size is None else int(micro_batch_size)
-    gen_rows = int(generation_batch) if generation_batch is not None else -(-max(G, M) // G) * G
+def _step(a: Arch, spec: EstimateSpec) -> _Step:
+    """The :class:`_Step` of a checked spec: sizes as ints, the method's defaults filled in; the tool results joined
+    to the completion (each turn's result follows the model's call in the same sequence)."""
+    tool_tokens = int(spec.tool_turns) * int(spec.tool_result_tokens)
+    G = int(spec.num_generations)
+    M = G if spec.micro_batch_size is None else int(spec.micro_batch_size)
+    gen_rows = int(spec.generation_batch) if spec.generation_batch is not None else -(-max(G, M) // G) * G
+    method, chunk_tokens = spec.method, spec.chunk_tokens
     if method == "grpo_kit":
         chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
-    lora = lora_rank is not None
+    lora = spec.lora_rank is not None
     return _Step(
-        a=a, method=method, G=G, P=int(prompt_length), C=int(completion_length) + tool_tokens, M=M, gen_rows=gen_rows,
-        tool_tokens=tool_tokens,
+        a=a, method=method, dtype=spec.dtype, G=G, P=int(spec.prompt_length),
+        C=int(spec.completion_length) + tool_tokens, M=M, gen_rows=gen_rows, tool_tokens=tool_tokens,
         # TRL scores one generation batch at a time, so no forward holds more of it than that
-        S=None if scoring_batch is None else min(int(scoring_batch), gen_rows),
-        offload=method in ("unsloth", "grpo_kit") if offload is None else offload, chunk_tokens=chunk_tokens,
-        lora_rank=lora_rank, vllm=vllm,
+        S=None if spec.scoring_batch is None else min(int(spec.scoring_batch), gen_rows),
+        offload=method in ("unsloth", "grpo_kit") if spec.offload is None else spec.offload,
+        chunk_tokens=chunk_tokens, lora_rank=spec.lora_rank, quantization=spec.quantization, vllm=spec.vllm,
+        standby=spec.standby, kv_cache_dtype=spec.kv_cache_dtype, kv_cache_bytes=spec.kv_cache_bytes,
+        vllm_batched_tokens=spec.vllm_batched_tokens, include_generation=spec.include_generation,
+        prefetch=spec.prefetch, loss_fp32=spec.loss_fp32, loss_epilogue=spec.loss_epilogue,
+        lora_dropout=spec.lora_dropout, prefix_sharing=spec.prefix_sharing,
         # only LoRA makes the old-policy pass (adapters on) differ from the reference pass (adapters off)
-        old_policy=lora and (vllm if old_policy_pass is None else old_policy_pass), **given)
+        old_policy=lora and (spec.vllm if spec.old_policy_pass is None else spec.old_policy_pass))
 
 
 def _row(component: str, where: str, nbytes: float, phases: tuple[str, ...], note: str) -> dict:
@@ -633,71 +727,15 @@ def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- the estimate
 
 
-def estimate(model, *, num_generations: int, prompt_length: int, completion_length: int, dtype: str = "bf16",
-             lora_rank: int | None = None, quantization: str | None = None, method: str = "grpo_kit",
-             vllm: bool = True, kv_cache_dtype: str | None = None, micro_batch_size: int | None = None,
-             chunk_tokens: int | None = None, prefetch: bool = True, include_generation: bool = True,
-             offload: bool | None = None, loss_fp32: bool = False,
-             loss_epilogue: str = "triton", generation_batch: int | None = None, standby: bool = False,
-             kv_cache_bytes: float | None = None, vllm_batched_tokens: int = 4096,
-             scoring_batch: int | str | None = None, lora_dropout: bool = False,
-             old_policy_pass: bool | None = None, tool_turns: int = 0, tool_result_tokens: int = 0,
-             prefix_sharing: bool = False) -> pd.DataFrame:
+def estimate(model, spec: EstimateSpec) -> pd.DataFrame:
     """Estimated memory of one GRPO step, one row per component, plus GPU and CPU totals.
 
     Args:
         model: built-in name, path to a ``config.json``, or a transformers config (no weights).
-        num_generations: completions per prompt (G); all are trained on in one step.
-        prompt_length / completion_length: tokens; a sequence is P + C tokens. ``prompt_length=0``
-            counts the whole context as completion (as the published table does).
-        dtype: ``"bf16" | "fp16" | "fp32"``, weights and activations.
-        lora_rank: LoRA on all 7 linear layers (None: full fine-tuning).
-        quantization: None, ``"4bit"`` (NF4 weights) or ``"fp8"`` (FP8 e4m3 weights with per-channel fp32 scales,
-            grpo_kit.model.fp8); either needs ``lora_rank``.
-        method: ``"trl"`` (TRL + FA2: full logits, standard checkpointing, separate vLLM copy),
-            ``"unsloth"`` (its published long-context design: one sequence of logits at a time, offloaded
-            checkpoints, weights shared with vLLM), ``"grpo_kit"`` (chunked loss, offloaded and chunked
-            recompute, shared weights).
-        vllm: generation by colocated vLLM (its KV pool stays resident) or by HF generate.
-        kv_cache_dtype: ``None`` (= dtype) or ``"fp8"`` etc.
-        micro_batch_size: sequences per forward/backward (None: all G at once, as published).
-        generation_batch: completions per generation call, whole groups of G (None: the larger of G and
-            the micro-batch); vLLM's KV cache holds all of them at once, HF generate pads each to P + C.
-        chunk_tokens / prefetch: grpo_kit's checkpointing slice size (None: its automatic rule,
-            :func:`formulas.auto_chunk_tokens`) and prefetch of the next layer input.
-        include_generation: False leaves out the KV cache (a training step alone, as the whole-step benchmark).
-        offload: None: the method's own choice (unsloth, grpo_kit: layer inputs to CPU; trl: no);
-            False: every layer input stays on the GPU (e.g. grpo_kit's recompute without offload).
-        loss_fp32: ``trl`` only: the full logits are upcast to fp32 before the log-softmax (HF style; the
-            whole-step benchmark's baseline): 3 x 4 B per logit at the loss backward (the saved output, its
-            incoming gradient, the input gradient) instead of TRL's bf16 path (2 x 2 B, as published).
-        loss_epilogue: grpo_kit's loss epilogue, ``"triton"`` (CUDA, in place) or ``"torch"`` (CPU: the
-            loss's chunk rule counts three fp32 temporaries per logit; two exist at a time). Its chunk rows
-            follow the loss's own rule (``grpo_kit.loss.efficient``).
-        standby: vLLM releases its KV cache while training runs and keeps the (shared) weights
-            (:mod:`grpo_kit.generation.standby`): the KV cache then counts in the generation phase only.
-        kv_cache_bytes: the KV cache vLLM is given (None: what the generation batch needs, formulas.vllm_kv_tokens).
-        vllm_batched_tokens: vLLM's ``max_num_batched_tokens`` (its workspace row).
-        scoring_batch: ``grpo_kit`` only: sequences per no-grad forward that scores completions (the
-            reference and old-policy log-probs; ``scoring_batch_size``), at most the generation batch. None, or
-            at most the micro-batch: that pass is smaller than the training step and not counted; more adds a
-            ``scoring`` phase (priced sliced, as with LoRA dropout off). ``"auto"``: the largest that does not
-            raise the step's peak (with ``vllm``, that of the training phases: :func:`auto_scoring_batch`); None
-            for the other methods, which score by micro-batch.
-        lora_dropout: LoRA dropout above 0 (needs ``lora_rank``): every adapted linear saves its own dropped input
-            and a mask (:func:`formulas.layer_saved_terms`), and grpo_kit's checkpointing runs such layers whole,
-            in the recompute and in no-grad passes (their random masks cannot be split into slices).
-        old_policy_pass: ``grpo_kit`` with LoRA: TRL's old-policy log-prob pass runs too (adapters on, which costs
-            more than the reference pass: :func:`formulas.scoring_forward_peak`), as it does under vLLM's
-            importance-sampling correction or with ``num_iterations`` > 1. None: when ``vllm``.
-        tool_turns / tool_result_tokens: a multi-turn step (TRL's tool loop): ``tool_turns`` tool results of
-            ``tool_result_tokens`` tokens each (as rendered: result, wrapper, next assistant header) follow the
-            model's calls, ``completion_length`` counting the model's tokens of all turns. The KV cache holds the
-            prompt plus all turns; every forward, the loss's included, runs over the tool tokens (masked, computed).
-        prefix_sharing: ``grpo_kit`` only: each group's prompt scored once (the module docstring).
+        spec: the step (:class:`EstimateSpec`, checked when it was made).
 
     Phases (the module docstring's peak rule): ``generation``, ``loss``, ``backward``, and ``scoring`` where
-    ``scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
+    ``spec.scoring_batch`` exceeds the micro-batch; the GPU total is the largest.
 
     Returns:
         DataFrame with columns ``component, where, GB, GiB, in_peak, published, note``; the last two rows are
@@ -705,18 +743,19 @@ def estimate(model, *, num_generations: int, prompt_length: int, completion_leng
         component when the setup is the published one (for ``grpo_kit``: Unsloth's column, the figure to beat),
         NaN otherwise. ``df.attrs`` holds the inputs, the peak phase and the per-phase GPU totals (bytes).
     """
-    args = {k: v for k, v in locals().items() if k != "model"}  # the arguments above, by name
-    if scoring_batch == AUTO:
-        return auto_scoring_batch(model, **{k: v for k, v in args.items() if k != "scoring_batch"})
-    _check_sizes(**args)
-    _check_options(**args)
-    s = _step(resolve_arch(model), **args)
+    if not isinstance(spec, EstimateSpec):
+        raise TypeError(f"estimate(model, spec): spec must be an EstimateSpec, got {type(spec).__name__} "
+                        f"{spec!r:.200}; make one with EstimateSpec(num_generations=..., prompt_length=..., "
+                        "completion_length=..., ...)")
+    if spec.scoring_batch == AUTO:
+        return auto_scoring_batch(model, spec)
+    s = _step(resolve_arch(model), spec)
     return _table(s, [*_state_rows(s), *_checkpoint_rows(s), *_prefix_rows(s), *_recompute_rows(s), *_loss_rows(s),
                       *_scoring_rows(s), *_generation_rows(s)])
 
 
-def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
-    """:func:`estimate` (same arguments, ``scoring_batch`` aside) with the largest ``scoring_batch`` whose
+def auto_scoring_batch(model, spec: EstimateSpec) -> pd.DataFrame:
+    """:func:`estimate` of ``spec`` (its ``scoring_batch`` aside) with the largest ``scoring_batch`` whose
     ``scoring`` phase stays within the largest of the step's other phases: fuller no-grad forwards (with 4-bit
     weights, fewer dequantisations) at no cost to the peak. With ``vllm`` the generation phase does not count
     (:data:`SCORING_BOUND_PHASES`): its KV cache lives in the engine's own memory pool, which PyTorch's allocator
@@ -726,12 +765,12 @@ def auto_scoring_batch(model, **kwargs) -> pd.DataFrame:
     one generation batch finds it. Where none fits, or the method is not ``grpo_kit`` (TRL and Unsloth score by
     micro-batch), the estimate without one (``scoring_batch=None``). ``df.attrs["scoring_batch"]`` holds the
     choice and ``df.attrs["scoring_batch_auto"]`` is True."""
-    base = estimate(model, **kwargs, scoring_batch=None)
+    base = estimate(model, dataclasses.replace(spec, scoring_batch=None))
     bound = [k for k in base.attrs["phase_bytes"] if k in SCORING_BOUND_PHASES or not base.attrs["vllm"]]
     best, low, high = base, base.attrs["micro_batch_size"] + 1, base.attrs["generation_batch"]
-    while kwargs.get("method", "grpo_kit") == "grpo_kit" and low <= high:
+    while spec.method == "grpo_kit" and low <= high:
         mid = (low + high) // 2
-        df = estimate(model, **kwargs, scoring_batch=mid)
+        df = estimate(model, dataclasses.replace(spec, scoring_batch=mid))
         phases = df.attrs["phase_bytes"]
         if phases["scoring"] <= max(phases[k] for k in bound):
             best, low = df, mid + 1
@@ -745,9 +784,9 @@ def estimate_for_config(step: StepSpec, model=None, **overrides) -> pd.DataFrame
     """:func:`estimate` for a run's step (:class:`StepSpec`, or an object that makes one: :meth:`StepSpec.of`): its
     generations, prompt/completion lengths, dtype, LoRA rank, trainer (``trl`` or ``grpo_kit`` method), backend and
     micro-batch. ``model``: a config or name (default ``step.model``); ``overrides`` replace any of the derived
-    arguments."""
+    :class:`EstimateSpec` fields."""
     step = StepSpec.of(step)
-    return estimate(model if model is not None else step.model, **config_estimate_kwargs(step, **overrides))
+    return estimate(model if model is not None else step.model, config_estimate_spec(step, **overrides))
 
 
 def scoring_batch_for_config(step: StepSpec, model=None, **overrides) -> int | None:
@@ -766,9 +805,9 @@ def scoring_batch_for_config(step: StepSpec, model=None, **overrides) -> int | N
         return None
 
 
-def config_estimate_kwargs(step: StepSpec, **overrides) -> dict:
-    """The :func:`estimate` arguments (all but the model) that describe a run's step (:class:`StepSpec`, or an
-    object that makes one).
+def config_estimate_spec(step: StepSpec, **overrides) -> EstimateSpec:
+    """The :class:`EstimateSpec` that describes a run's step (:class:`StepSpec`, or an object that makes one);
+    ``overrides`` replace any of its fields before it is checked.
 
     With tools, the step is priced at its bound as it stands: TRL's ``max_completion_length`` counts the model's
     and the tools' tokens together (its tool loop drops a result that would pass it), and ``max_prompt_length``
@@ -789,7 +828,7 @@ def config_estimate_kwargs(step: StepSpec, **overrides) -> dict:
               # `auto` shares only what pays at the batch's own lengths: priced unshared, its bound
               prefix_sharing=s.prefix_sharing is True and s.trainer != "trl")
     kw.update(overrides)
-    return kw
+    return EstimateSpec(**kw)
 
 
 def total_gpu_bytes(df: pd.DataFrame) -> float:
@@ -797,8 +836,8 @@ def total_gpu_bytes(df: pd.DataFrame) -> float:
     return float(df.loc[df["component"] == "total GPU (peak)", "GB"].iloc[0] * GB)
 
 
-def compare(model, *, methods=METHODS, unit: str = "GB", **kwargs) -> pd.DataFrame:
-    """One column per method (``unit`` GB or GiB), rows as in :func:`estimate`."""
+def compare(model, spec: EstimateSpec, *, methods=METHODS, unit: str = "GB") -> pd.DataFrame:
+    """One column per method (``spec`` with each method in turn; ``unit`` GB or GiB), rows as in :func:`estimate`."""
     if unit not in ("GB", "GiB"):
         raise ValueError(f"unit must be 'GB' or 'GiB', got {unit!r}")
     bad = [m for m in methods if m not in METHODS]
@@ -806,7 +845,7 @@ def compare(model, *, methods=METHODS, unit: str = "GB", **kwargs) -> pd.DataFra
         raise ValueError(f"methods must be a non-empty subset of {list(METHODS)}, got {list(methods)!r}")
     cols = {}
     for m in methods:
-        df = estimate(model, method=m, **kwargs)
+        df = estimate(model, dataclasses.replace(spec, method=m))
         cols[m] = df.set_index("component")[unit]
     return pd.DataFrame(cols)
 

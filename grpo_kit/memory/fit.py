@@ -7,11 +7,12 @@ checkpoints all grow with tokens), so the longest fitting context is found by bi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from grpo_kit.memory.estimate import AUTO, config_estimate_kwargs, estimate, total_gpu_bytes
+from grpo_kit.memory.estimate import AUTO, EstimateSpec, config_estimate_spec, estimate, total_gpu_bytes
 from grpo_kit.memory.formulas import GiB as GIB
 from grpo_kit.memory.spec import StepSpec
 from grpo_kit.model.fp8 import FP8_MIN_CAPABILITY, fp8_support
@@ -108,23 +109,25 @@ def base_weights_for(gpu: str | None = None) -> dict:
     return {"base_weights": "fp8" if fp8 else "16bit", "quantization": "fp8" if fp8 else None}
 
 
-def _peak_bytes(model, context: int, prompt_length: int, kwargs: dict) -> float:
-    return total_gpu_bytes(estimate(model, prompt_length=prompt_length, completion_length=context - prompt_length,
-                                    **kwargs))
+def _peak_bytes(model, context: int, spec: EstimateSpec) -> float:
+    """The GPU peak (bytes) of ``spec`` at ``context`` tokens: its prompt, the rest completion."""
+    at = dataclasses.replace(spec, completion_length=context - spec.prompt_length)
+    return total_gpu_bytes(estimate(model, at))
 
 
-def longest_fitting_context(model, gpu_bytes: float, *, prompt_length: int = 0, **kwargs) -> int | None:
-    """Largest ``prompt_length + completion`` (tokens) whose estimated GPU peak is at most ``gpu_bytes``
-    (``kwargs``: the rest of :func:`estimate`'s arguments); None when ``prompt_length + 1`` already does not."""
-    lo = prompt_length + 1
-    if _peak_bytes(model, lo, prompt_length, kwargs) > gpu_bytes:
+def longest_fitting_context(model, gpu_bytes: float, spec: EstimateSpec) -> int | None:
+    """Largest ``spec.prompt_length + completion`` (tokens) whose estimated GPU peak is at most ``gpu_bytes``,
+    ``spec`` with its completion length varied from one token up; None when ``spec.prompt_length + 1`` already
+    does not fit."""
+    lo = spec.prompt_length + 1
+    if _peak_bytes(model, lo, spec) > gpu_bytes:
         return None
     hi = MAX_SEARCH_CONTEXT
-    if _peak_bytes(model, hi, prompt_length, kwargs) <= gpu_bytes:
+    if _peak_bytes(model, hi, spec) <= gpu_bytes:
         return hi
     while hi - lo > 1:  # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
-        if _peak_bytes(model, mid, prompt_length, kwargs) <= gpu_bytes:
+        if _peak_bytes(model, mid, spec) <= gpu_bytes:
             lo = mid
         else:
             hi = mid
@@ -136,18 +139,19 @@ def _gib(df, *components: str) -> float:
     return float(df.loc[df["component"].isin(components), "GiB"].sum())
 
 
-def fit_verdict(model, gpu_gib: float, *, context: int, prompt_length: int = 0, method: str = "grpo_kit",
-                **kwargs) -> FitVerdict:
-    """Whether ``method``'s step at ``context`` tokens fits in ``gpu_gib`` GiB, what its peak is made of, and the
-    longest context that fits (``kwargs``: :func:`estimate`'s other arguments, e.g. ``num_generations``,
-    ``lora_rank``)."""
+def fit_verdict(model, gpu_gib: float, spec: EstimateSpec) -> FitVerdict:
+    """Whether ``spec``'s step (its method, at ``spec.prompt_length + spec.completion_length`` tokens) fits in
+    ``gpu_gib`` GiB, what its peak is made of, and the longest context that fits. A ``scoring_batch`` of ``auto``
+    is priced as None: ``auto`` never raises the peak, so the verdict is the same without its search."""
     if not gpu_gib > 0:
         raise ValueError(f"gpu_gib={gpu_gib} must be > 0")
-    kwargs = dict(kwargs, method=method)
-    df = estimate(model, prompt_length=prompt_length, completion_length=context - prompt_length, **kwargs)
-    longest = longest_fitting_context(model, gpu_gib * GIB, prompt_length=prompt_length, **kwargs)
-    shortest = None if longest is not None else _peak_bytes(model, prompt_length + 1, prompt_length, kwargs) / GIB
-    return FitVerdict(method=method, context=context, peak_gib=total_gpu_bytes(df) / GIB, gpu_gib=gpu_gib,
+    if spec.scoring_batch == AUTO:
+        spec = dataclasses.replace(spec, scoring_batch=None)
+    context, prompt_length = spec.prompt_length + spec.completion_length, spec.prompt_length
+    df = estimate(model, spec)
+    longest = longest_fitting_context(model, gpu_gib * GIB, spec)
+    shortest = None if longest is not None else _peak_bytes(model, prompt_length + 1, spec) / GIB
+    return FitVerdict(method=spec.method, context=context, peak_gib=total_gpu_bytes(df) / GIB, gpu_gib=gpu_gib,
                       max_context=longest, prompt_length=prompt_length,
                       weights_gib=_gib(df, "model weights", "inference copy (vLLM)"),
                       optimizer_gib=_gib(df, "LoRA + optimiser states"), kv_cache_gib=_gib(df, "KV cache (generation)"),
@@ -156,16 +160,6 @@ def fit_verdict(model, gpu_gib: float, *, context: int, prompt_length: int = 0, 
                                                     else ""),
                       optimizer_what="the LoRA adapters with their optimiser state" if df.attrs["lora_rank"] else
                       "the optimiser state")
-
-
-def verdict_kwargs(estimate_kwargs: dict) -> dict:
-    """:func:`estimate`'s arguments for :func:`fit_verdict`: the prompt and completion lengths left out (the
-    verdict's context and prompt set them), a ``scoring_batch`` of ``auto`` as None (``auto`` never raises the
-    peak, so the verdict is the same without its search)."""
-    kw = {k: v for k, v in estimate_kwargs.items() if k not in ("prompt_length", "completion_length")}
-    if kw.get("scoring_batch") == AUTO:
-        kw["scoring_batch"] = None
-    return kw
 
 
 # Colab's free T4: 15 GiB nominal, less of it visible to torch; the budget leaves room for the CUDA context and the
@@ -184,14 +178,16 @@ def free_t4_preset(model="llama-3.1-8b", *, num_generations: int = 8, prompt_len
     whole step, generation's KV cache included, the calculator fits in ``FREE_T4_GIB``. Returns
     ``context_length``, ``four_bit``, ``dtype``, ``generation_backend``, ``budget_gib`` and
     ``estimate_gib`` (the calculator's peak at that context); raises ValueError when nothing fits."""
-    kwargs = dict(num_generations=num_generations, dtype="fp16", lora_rank=lora_rank, quantization="4bit",
-                  micro_batch_size=1, vllm=False, include_generation=True)
-    longest = longest_fitting_context(model, FREE_T4_GIB * GIB, prompt_length=prompt_length, **kwargs)
+    spec = EstimateSpec(num_generations=num_generations, prompt_length=prompt_length,
+                        completion_length=1,  # the search below varies it
+                        dtype="fp16", lora_rank=lora_rank, quantization="4bit", micro_batch_size=1, vllm=False,
+                        include_generation=True)
+    longest = longest_fitting_context(model, FREE_T4_GIB * GIB, spec)
     context = None if longest is None else longest // PRESET_ROUND * PRESET_ROUND
     if context is None or context <= prompt_length:
         raise ValueError(f"free_t4_preset: {model!r} with {num_generations} generations does not fit "
                          f"{FREE_T4_GIB} GiB in 4-bit even at a {prompt_length}-token prompt")
-    peak = _peak_bytes(model, context, prompt_length, kwargs) / GIB
+    peak = _peak_bytes(model, context, spec) / GIB
     return dict(context_length=context, four_bit=True, dtype="fp16", generation_backend="hf",
                 budget_gib=FREE_T4_GIB, estimate_gib=peak, base_weights=base_weights_for("T4")["base_weights"])
 
@@ -209,10 +205,7 @@ def config_fit(step: StepSpec, *, calculator_model=None, gpu_gib: float | None =
     if detected is None and gpu_gib is None:
         raise ValueError("config_fit: no CUDA GPU detected; pass gpu_gib= (the card's memory in GiB)")
     budget, source = detected if detected else (gpu_gib, "gpu_gib parameter")
-    kw = verdict_kwargs(config_estimate_kwargs(step))
-    context = step.max_prompt_length + step.max_completion_length
-    verdict = fit_verdict(calculator_model or step.model, budget, context=context,
-                          prompt_length=step.max_prompt_length, **kw)
+    verdict = fit_verdict(calculator_model or step.model, budget, config_estimate_spec(step))
     return verdict, source
 
 

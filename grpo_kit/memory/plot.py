@@ -2,19 +2,22 @@
 
 * :func:`plot_components`: stacked bars, one bar per estimate, one colour per GPU component, the
   peak total on top (components not alive at the peak are left out of the stack).
-* :func:`plot_vs_context`: estimated GPU peak against context length for several methods, with
-  measured points (e.g. a benchmark's peaks) overlaid.
+* :func:`plot_vs_context`: estimated GPU peak against context length for several methods (one
+  :class:`~grpo_kit.memory.estimate.EstimateSpec`, its completion varied), with measured points (e.g. a
+  benchmark's peaks) overlaid.
 
 Both return the figure; save it with ``fig.savefig(path)``; in Jupyter it displays itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 
-from grpo_kit.memory.estimate import METHODS, estimate, total_gpu_bytes
+from grpo_kit.memory.estimate import METHODS, EstimateSpec, estimate, total_gpu_bytes
 from grpo_kit.memory.formulas import GiB
 
 _TOTALS = ("total GPU (peak)", "total CPU")
@@ -67,22 +70,20 @@ def plot_components(estimates, *, unit: str = "GiB", title: str | None = None, b
     return fig
 
 
-def plot_vs_context(model, contexts, *, methods=METHODS, measured=None, prompt_length: int = 0,
-                    budget_gib: float | None = None, title: str | None = None, **estimate_kwargs) -> Figure:
+def plot_vs_context(model, contexts, spec: EstimateSpec, *, methods=METHODS, measured=None,
+                    budget_gib: float | None = None, title: str | None = None) -> Figure:
     """Estimated GPU peak (GiB) against context length (tokens per sequence), one line per
-    method; ``measured``: dict ``label -> [(context, GiB), ...]`` drawn as markers.
-
-    Other keyword arguments go to :func:`estimate` (``num_generations`` is required there).
-    """
+    method: ``spec`` with each method, its prompt length and the rest of each context as completion;
+    ``measured``: dict ``label -> [(context, GiB), ...]`` drawn as markers."""
+    prompt_length = spec.prompt_length
     contexts = sorted(int(c) for c in contexts)
     if not contexts or contexts[0] <= prompt_length:
         raise ValueError(f"contexts must be non-empty and each > prompt_length={prompt_length}, got {contexts}")
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot(1, 1, 1)
     for m in methods:
-        ys = [total_gpu_bytes(estimate(model, method=m, prompt_length=prompt_length,
-                                       completion_length=c - prompt_length, **estimate_kwargs)) / GiB
-              for c in contexts]
+        ys = [total_gpu_bytes(estimate(model, dataclasses.replace(spec, method=m, completion_length=c - prompt_length)))
+              / GiB for c in contexts]
         ax.plot(contexts, ys, marker=".", label=f"estimate: {m}")
     for label, pts in (measured or {}).items():
         pts = sorted(pts)
