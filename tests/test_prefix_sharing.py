@@ -17,6 +17,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from trl import GRPOConfig
 
+from grpo_kit.app.config import GRPOKitConfig
 from grpo_kit.model import anatomy
 from grpo_kit.model.loading import build_random_model, load_tokenizer
 from grpo_kit.model.offload import enable_offloaded_checkpointing
@@ -270,3 +271,22 @@ def test_it_composes_with_full_fine_tuning_and_fp8_base_weights(weights):
     want, got = grads(False), grads(True)
     assert len(want) == (20 if weights == "full fine-tuning" else 2 * 2 * 7)  # every weight but the unused head
     _assert_same((torch.zeros(()), got), (torch.zeros(()), want), weights)
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_the_runs_setting_reaches_its_trainer(setting, tmp_path):
+    """``prefix_sharing`` in the run's config is the trainer's: a run with ``true`` scores its groups shared (the
+    summary counts them; the main job's prompts are short, so ``auto`` would share none), one with ``false``
+    never plans a pass. (It once stopped at the config: ``grpo_kit train`` never shared.)"""
+    from grpo_kit.app.run import train
+
+    summary = train(GRPOKitConfig(model="tiny-llama", output_dir=str(tmp_path / "run"), generation_backend="hf",
+                                  prefix_sharing=setting, max_steps=1, num_train_samples=4, num_eval_samples=0,
+                                  max_completion_length=6, num_generations=4, per_device_train_batch_size=4,
+                                  save_steps=0))
+    stats = summary["prefix_sharing"]
+    assert stats["setting"] is setting
+    if setting:
+        assert stats["passes"] > 0 and stats["shared_rows"] >= 4 and stats["prompt_tokens_saved"] > 0
+    else:
+        assert stats["passes"] == 0 and stats["shared_rows"] == 0

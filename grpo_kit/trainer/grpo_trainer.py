@@ -434,4 +434,4 @@ def make_trainer(spec: TrainerSpec, *, model, tokenizer, reward_funcs, args, tra
     return cls(**kwargs, loss_chunk_size=spec.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
                reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2],
                tool_time_limit_s=spec.tool_time_limit_s or None, tool_output_tokens=spec.tool_output_tokens,
-               max_prompt_length=spec.step.max_prompt_length)
+               max_prompt_length=spec.step.max_prompt_length, prefix_sharing=spec.step.prefix_sharing)
