@@ -391,6 +391,37 @@ def memory_allowance_mb(lim: SandboxLimits) -> int:
     return lim.disk_mb + MAX_OPEN_FILES * processes
 
 
+def _start_child(scratch, cfg, python, uid, bwrap, **files) -> subprocess.Popen:
+    """The judge's process in ``scratch``: the bootstrap with its config, inside bubblewrap where given; a clean
+    environment, one thread per math library, its own session (so the whole tree can be killed). ``files``: the
+    standard streams and the payload and report descriptors (``pass_fds``)."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+    argv = [python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
+    as_user = {}
+    if bwrap:  # bubblewrap starts as the run's uid (dropped by Popen, in C), so the bootstrap has none to drop
+        argv = _bwrap_argv(bwrap, scratch, python, cfg["filesystem"]) + argv
+        if uid is not None:
+            argv[-1] = json.dumps({**cfg, "uid": None})
+            as_user = dict(user=uid, group=uid, extra_groups=[])
+    return subprocess.Popen(argv, cwd=scratch, env=env, start_new_session=True, close_fds=True, **files, **as_user)
+
+
+def _result(got: dict, rc, stdout: str, stderr: str, *, timed_out: bool, lim, t0: float, bwrap, cgroup) -> SandboxResult:
+    """The run's :class:`SandboxResult` from the judge's report ``got`` and the process's exit code ``rc``."""
+    if isinstance(got.get("status"), int):  # the judge's report: the program's own status
+        rc = os.waitstatus_to_exitcode(got["status"])
+    reason = _reason(rc, stderr, timed_out, lim.timeout_s)
+    if isinstance(got.get("judge_error"), str) and not timed_out:
+        reason = f"judge error: {got['judge_error']}"
+    filesystem = got.get("filesystem") if got.get("filesystem") in FILESYSTEMS else None
+    return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout, stderr=stderr,
+                         duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
+                         tests_completed=got.get("tests_completed") is True, isolation="bwrap" if bwrap else "builtin",
+                         extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None,
+                                "filesystem": filesystem})
+
+
 def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> SandboxResult:
     t0 = time.perf_counter()
     timed_out = False
@@ -411,19 +442,8 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
             fh.seek(0)
         cfg = {**_child_config(lim, uid, scratch, cgroup, payload, report, python, bwrap),
                "payload_bytes": payload_bytes}
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONIOENCODING": "utf-8"}
-        argv = [python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
-        as_user = {}
-        if bwrap:  # bubblewrap starts as the run's uid (dropped by Popen, in C), so the bootstrap has none to drop
-            argv = _bwrap_argv(bwrap, scratch, python, cfg["filesystem"]) + argv
-            if uid is not None:
-                argv[-1] = json.dumps({**cfg, "uid": None})
-                as_user = dict(user=uid, group=uid, extra_groups=[])
-        proc = subprocess.Popen(argv, cwd=scratch, env=env, stdin=inp, stdout=out, stderr=err,
-                                start_new_session=True, close_fds=True, pass_fds=(payload.fileno(), report.fileno()),
-                                **as_user)
+        proc = _start_child(scratch, cfg, python, uid, bwrap, stdin=inp, stdout=out, stderr=err,
+                            pass_fds=(payload.fileno(), report.fileno()))
         try:
             proc.wait(timeout=lim.timeout_s)
         except subprocess.TimeoutExpired:
@@ -433,20 +453,8 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
         if isinstance(got.get("refused"), str):  # the judge ran nothing: the file system asked for is impossible
             return SandboxResult(ok=False, reason=f"refused: {got['refused'][:500]}", returncode=None,
                                  duration_s=time.perf_counter() - t0, extra={"filesystem": None})
-        rc = proc.returncode
-        if isinstance(got.get("status"), int):  # the judge's report: the program's own status
-            rc = os.waitstatus_to_exitcode(got["status"])
-        stdout, stderr = _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes)
-        reason = _reason(rc, stderr, timed_out, lim.timeout_s)
-        if isinstance(got.get("judge_error"), str) and not timed_out:
-            reason = f"judge error: {got['judge_error']}"
-        return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout,
-                             stderr=stderr, duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
-                             tests_completed=got.get("tests_completed") is True,
-                             isolation="bwrap" if bwrap else "builtin",
-                             extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None,
-                                    "filesystem": got.get("filesystem") if got.get("filesystem") in FILESYSTEMS
-                                    else None})
+        return _result(got, proc.returncode, _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes),
+                       timed_out=timed_out, lim=lim, t0=t0, bwrap=bwrap, cgroup=cgroup)
     except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
         return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
                              duration_s=time.perf_counter() - t0)
