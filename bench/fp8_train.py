@@ -86,13 +86,21 @@ def _measure(a, variant: str, ids: torch.Tensor, probe: torch.Tensor) -> tuple[d
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     prof = kernel_profile(forward_backward, a.device, top=12) if cuda else {"top_cuda": []}
-    row = dict(variant=variant, model=a.model, layers=a.layers, T=a.tokens,
-               forward_ms_per_layer=statistics.median(fwd) / a.layers,
-               forward_backward_ms_per_layer=statistics.median(fb) / a.layers,
-               forward_ms=[round(t, 3) for t in fwd], forward_backward_ms=[round(t, 3) for t in fb],
-               fwd_bwd_peak_gib=None if peak is None else round(peak, 3),
-               top_cuda=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "self_cpu_ms"}
-                         for r in prof["top_cuda"]])
+    row = dict(
+        variant=variant,
+        model=a.model,
+        layers=a.layers,
+        T=a.tokens,
+        forward_ms_per_layer=statistics.median(fwd) / a.layers,
+        forward_backward_ms_per_layer=statistics.median(fb) / a.layers,
+        forward_ms=[round(t, 3) for t in fwd],
+        forward_backward_ms=[round(t, 3) for t in fb],
+        fwd_bwd_peak_gib=None if peak is None else round(peak, 3),
+        top_cuda=[
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "self_cpu_ms"}
+            for r in prof["top_cuda"]
+        ],
+    )
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -108,15 +116,19 @@ def _kernel_rows(a) -> list[dict]:
         x = torch.randn(a.tokens, k, device="cuda", dtype=torch.bfloat16)
         for impl, fn in (("triton", fp8_rows.quantize_rows_triton), ("torch", fp8_rows.quantize_rows_reference)):
             ms = statistics.median(timed_ms(lambda: fn(x), "cuda") for _ in range(20))
-            rows.append(dict(variant=f"quantize_rows_{impl}", dims=f"{a.tokens}x{k}", ms=ms,
-                             gb_per_s=x.numel() * 3 / ms / 1e6))  # bytes that must move: read 2, write 1
+            rows.append(
+                dict(variant=f"quantize_rows_{impl}", dims=f"{a.tokens}x{k}", ms=ms, gb_per_s=x.numel() * 3 / ms / 1e6)
+            )  # bytes that must move: read 2, write 1
     for n, k in ((f, h), (h, f)):
         codes, scale = fp8_rows.quantize_rows_reference(torch.randn(n, k, device="cuda"))
-        for impl, fn in (("triton", fp8_rows.dequantize_channels_triton),
-                         ("torch", fp8_rows.dequantize_channels_reference)):
+        for impl, fn in (
+            ("triton", fp8_rows.dequantize_channels_triton),
+            ("torch", fp8_rows.dequantize_channels_reference),
+        ):
             ms = statistics.median(timed_ms(lambda: fn(codes, scale, torch.bfloat16), "cuda") for _ in range(20))
-            rows.append(dict(variant=f"dequantize_{impl}", dims=f"{n}x{k}", ms=ms,
-                             gb_per_s=codes.numel() * 3 / ms / 1e6))  # read 1, write 2
+            rows.append(
+                dict(variant=f"dequantize_{impl}", dims=f"{n}x{k}", ms=ms, gb_per_s=codes.numel() * 3 / ms / 1e6)
+            )  # read 1, write 2
     return rows
 
 
@@ -127,8 +139,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4608, help="one sequence's tokens (the 4K step's 512 + 4,096)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--variants", default="bf16,fp8_torch,fp8,fp8_bwd8,fp8_w8a16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda (the measurement; FP8 tensor cores) or cpu (a smoke run: the torch twins)")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda (the measurement; FP8 tensor cores) or cpu (a smoke run: the torch twins)",
+    )
     p.add_argument("--tag", default=None)
     p.add_argument("--out-dir", default=None)
     a = p.parse_args(argv)
@@ -143,7 +158,7 @@ def main(argv=None) -> int:
     cfg = model_config(a.model)
     g = torch.Generator(device=a.device).manual_seed(2)
     ids = torch.randint(0, cfg.vocab_size, (1, a.tokens), device=a.device, generator=g)
-    probe = torch.randn(1, a.tokens, cfg.hidden_size, device=a.device, generator=g) / a.tokens ** 0.5
+    probe = torch.randn(1, a.tokens, cfg.hidden_size, device=a.device, generator=g) / a.tokens**0.5
     rows, outs, grads = [], {}, {}
     use_triton = fp8_rows.use_triton
     for v in variants:
@@ -153,22 +168,32 @@ def main(argv=None) -> int:
         finally:
             fp8_rows.use_triton = use_triton
         rows.append(row)
-        print({k: row[k] for k in ("variant", "forward_ms_per_layer", "forward_backward_ms_per_layer",
-                                   "fwd_bwd_peak_gib")}, flush=True)
+        print(
+            {
+                k: row[k]
+                for k in ("variant", "forward_ms_per_layer", "forward_backward_ms_per_layer", "fwd_bwd_peak_gib")
+            },
+            flush=True,
+        )
     for row in rows:
         v = row["variant"]
         if "bf16" in outs and v != "bf16":
             row["output_rel_err_vs_bf16"] = rel_err(outs[v], outs["bf16"])
         if "fp8" in grads and v.startswith("fp8") and v != "fp8":
-            row["lora_grad_rel_err_vs_fp8"] = rel_err(torch.cat([t.flatten() for t in grads[v].values()]),
-                                                      torch.cat([t.flatten() for t in grads["fp8"].values()]))
+            row["lora_grad_rel_err_vs_fp8"] = rel_err(
+                torch.cat([t.flatten() for t in grads[v].values()]),
+                torch.cat([t.flatten() for t in grads["fp8"].values()]),
+            )
     if a.device == "cuda":
         rows += _kernel_rows(a)
     cmd = command_line("fp8_train", argv)
     lines = [f"# fp8_train ({a.tag or 'gpu'})", f"Command: `{cmd}`", ""]
     for r in rows:
-        lines.append(" ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}"
-                              for k in r if not isinstance(r[k], list)))
+        lines.append(
+            " ".join(
+                f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in r if not isinstance(r[k], list)
+            )
+        )
     record_report("fp8_train", {"command": cmd, "hardware": hardware(a.device), "rows": rows}, lines, a.out_dir)
     return 0
 

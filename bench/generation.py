@@ -75,29 +75,41 @@ def main(argv=None):
     model, tok = load_model()  # fp32, the CPU training dtype
     model_dir = embedded_model_dir()
     tasks = generate_tasks("arithmetic", args.prompts, seed=0)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t["question"]}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for t in tasks]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t["question"]}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for t in tasks
+    ]
     # A stop id that never appears (the vocabulary's last id) runs every sample to max_tokens.
     never = model.config.vocab_size - 1
     sampling = SamplingConfig(temperature=0.7, max_tokens=args.max_tokens, stop_token_ids=(never,))
     kv = 1 << 30
     max_len = max(len(p) for p in prompts) + args.max_tokens + 8
 
-    peft_model = get_peft_model(load_model()[0], LoraConfig(
-        r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-        target_modules=LORA_TARGETS))
+    peft_model = get_peft_model(
+        load_model()[0], LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
+    )
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
 
     t = time.perf_counter()
-    plain = VLLMGenerator(model_dir, tokenizer=tok, dtype=args.vllm_dtype, max_model_len=max_len,
-                          kv_cache_memory_bytes=kv)
+    plain = VLLMGenerator(
+        model_dir, tokenizer=tok, dtype=args.vllm_dtype, max_model_len=max_len, kv_cache_memory_bytes=kv
+    )
     startup = {"vllm": time.perf_counter() - t}
     t = time.perf_counter()
-    lora = VLLMGenerator(model_dir, tokenizer=tok, dtype=args.vllm_dtype, max_model_len=max_len,
-                         kv_cache_memory_bytes=kv, lora_sync="adapter", max_lora_rank=args.lora_rank)
+    lora = VLLMGenerator(
+        model_dir,
+        tokenizer=tok,
+        dtype=args.vllm_dtype,
+        max_model_len=max_len,
+        kv_cache_memory_bytes=kv,
+        lora_sync="adapter",
+        max_lora_rank=args.lora_rank,
+    )
     startup["vllm_lora"] = time.perf_counter() - t
     lora.sync_weights(peft_model)
     hf = HFGenerator(model, tok)
@@ -116,8 +128,11 @@ def main(argv=None):
             dt = time.perf_counter() - t
             times[name].append(dt)
             tokens[name].append(res.num_completion_tokens)
-            print(f"[{r}] {name}: {res.num_completion_tokens} tokens in {dt:.2f} s = "
-                  f"{res.num_completion_tokens / dt:.1f} tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"[{r}] {name}: {res.num_completion_tokens} tokens in {dt:.2f} s = "
+                f"{res.num_completion_tokens / dt:.1f} tok/s (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
 
     sync_times = {"full": [], "lora_merge": [], "lora_adapter": []}
     for r in range(args.sync_repeats):
@@ -129,15 +144,29 @@ def main(argv=None):
     result = {
         "command": "python bench/generation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": hw, "load_avg_at_end": os.getloadavg(),
-        "setup": {"model": "smollm2-135m-instruct (embedded)", "prompts": args.prompts,
-                  "generations": args.generations, "max_tokens": args.max_tokens, "temperature": 0.7,
-                  "vllm_dtype": args.vllm_dtype, "hf_dtype": "float32", "lora_rank": args.lora_rank,
-                  "lora_targets": "q,k,v,o,gate,up,down", "vllm_options": plain.options()},
+        "hardware": hw,
+        "load_avg_at_end": os.getloadavg(),
+        "setup": {
+            "model": "smollm2-135m-instruct (embedded)",
+            "prompts": args.prompts,
+            "generations": args.generations,
+            "max_tokens": args.max_tokens,
+            "temperature": 0.7,
+            "vllm_dtype": args.vllm_dtype,
+            "hf_dtype": "float32",
+            "lora_rank": args.lora_rank,
+            "lora_targets": "q,k,v,o,gate,up,down",
+            "vllm_options": plain.options(),
+        },
         "startup_s": startup,
-        "generation": {k: {"seconds": stats(times[k]),
-                           "tokens_per_s": stats([n / t for n, t in zip(tokens[k], times[k])]),
-                           "tokens": tokens[k]} for k in gens},
+        "generation": {
+            k: {
+                "seconds": stats(times[k]),
+                "tokens_per_s": stats([n / t for n, t in zip(tokens[k], times[k])]),
+                "tokens": tokens[k],
+            }
+            for k in gens
+        },
         "sync_s": {k: stats(v) for k, v in sync_times.items()},
     }
     hf_med = result["generation"]["hf"]["tokens_per_s"]["median"]
@@ -151,20 +180,28 @@ def main(argv=None):
 def report(r) -> str:
     s = r["setup"]
     hw = r["hardware"]
-    lines = [f"# Generation: vLLM vs HF generate, weight sync ({r['date']})", "",
-             f"Command: `{r['command']}`  ",
-             f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['host_ram_gib']} GiB RAM; torch {hw['torch']}, "
-             f"vllm {hw.get('vllm')}, transformers {hw.get('transformers')}, python {hw['python']}. "
-             f"Shared machine: load average {hw['load_avg_at_start'][0]:.1f} at start, "
-             f"{r['load_avg_at_end'][0]:.1f} at the end (other engineers' jobs), so runs were interleaved.", "",
-             f"Workload: {s['model']}, {s['prompts']} prompts x {s['generations']} generations x {s['max_tokens']} "
-             f"tokens (EOS ignored), temperature {s['temperature']}; vLLM {s['vllm_dtype']}, HF {s['hf_dtype']}; "
-             f"LoRA rank {s['lora_rank']} on {s['lora_targets']}.", "",
-             "| backend | tokens/s median | min | max | seconds median | x HF |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Generation: vLLM vs HF generate, weight sync ({r['date']})",
+        "",
+        f"Command: `{r['command']}`  ",
+        f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['host_ram_gib']} GiB RAM; torch {hw['torch']}, "
+        f"vllm {hw.get('vllm')}, transformers {hw.get('transformers')}, python {hw['python']}. "
+        f"Shared machine: load average {hw['load_avg_at_start'][0]:.1f} at start, "
+        f"{r['load_avg_at_end'][0]:.1f} at the end (other engineers' jobs), so runs were interleaved.",
+        "",
+        f"Workload: {s['model']}, {s['prompts']} prompts x {s['generations']} generations x {s['max_tokens']} "
+        f"tokens (EOS ignored), temperature {s['temperature']}; vLLM {s['vllm_dtype']}, HF {s['hf_dtype']}; "
+        f"LoRA rank {s['lora_rank']} on {s['lora_targets']}.",
+        "",
+        "| backend | tokens/s median | min | max | seconds median | x HF |",
+        "|---|---|---|---|---|---|",
+    ]
     for k, g in r["generation"].items():
         tp, sec = g["tokens_per_s"], g["seconds"]
-        lines.append(f"| {k} | {tp['median']:.1f} | {tp['min']:.1f} | {tp['max']:.1f} | {sec['median']:.2f} | "
-                     f"{r['speedup_vs_hf'][k]:.2f} |")
+        lines.append(
+            f"| {k} | {tp['median']:.1f} | {tp['min']:.1f} | {tp['max']:.1f} | {sec['median']:.2f} | "
+            f"{r['speedup_vs_hf'][k]:.2f} |"
+        )
     lines += ["", "One weight sync (seconds):", "", "| sync | median | min | max |", "|---|---|---|---|"]
     for k, v in r["sync_s"].items():
         lines.append(f"| {k} | {v['median']:.2f} | {v['min']:.2f} | {v['max']:.2f} |")

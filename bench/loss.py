@@ -50,8 +50,10 @@ from grpo_kit.loss.reference import grpo_loss_reference  # noqa: E402
 HEADS = {"llama": (4096, 128256), "qwen": (1536, 151936)}  # name: (H, V)
 TINY_HEADS = {"llama": (64, 1000), "qwen": (48, 1201)}
 LOSS_KW = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo")
-VARIANT_KW = {"ours_gspo": dict(LOSS_KW, importance_sampling_level="sequence"),
-              "ours_cispo": dict(LOSS_KW, loss_type="cispo", epsilon_high=5.0)}  # other objectives: no rel. error
+VARIANT_KW = {
+    "ours_gspo": dict(LOSS_KW, importance_sampling_level="sequence"),
+    "ours_cispo": dict(LOSS_KW, loss_type="cispo", epsilon_high=5.0),
+}  # other objectives: no rel. error
 GiB = 2**30
 
 
@@ -119,6 +121,7 @@ def make_runner(name, peers, inp, chunk_size=None):
         return grpo_loss_reference(logp, old, ref, adv, mask, **LOSS_KW)[0]
 
     if name == "naive":
+
         def run():
             logits = h @ W.t()  # (B, T, V) in bf16, as the model's lm_head would return
             logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -132,14 +135,22 @@ def make_runner(name, peers, inp, chunk_size=None):
             kw = dict(kw, num_items_in_batch=int(mask.sum()))
 
         def run():
-            loss, _ = efficient_grpo_loss(h, W, ids, mask, adv, old_logps=old, ref_logps=ref, epilogue=epi,
-                                          chunk_size=chunk_size, **kw)
+            loss, _ = efficient_grpo_loss(
+                h, W, ids, mask, adv, old_logps=old, ref_logps=ref, epilogue=epi, chunk_size=chunk_size, **kw
+            )
             loss.backward()
             return loss
     elif name == "liger":
         cls, _ = peers["liger"]
-        mod = cls(beta=LOSS_KW["beta"], compiled=False, use_ref_model=True, epsilon_low=LOSS_KW["epsilon_low"],
-                  epsilon_high=LOSS_KW["epsilon_high"], loss_type=LOSS_KW["loss_type"], temperature=1.0)
+        mod = cls(
+            beta=LOSS_KW["beta"],
+            compiled=False,
+            use_ref_model=True,
+            epsilon_low=LOSS_KW["epsilon_low"],
+            epsilon_high=LOSS_KW["epsilon_high"],
+            loss_type=LOSS_KW["loss_type"],
+            temperature=1.0,
+        )
 
         def run():
             out = mod(h, W, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
@@ -241,8 +252,13 @@ def bench_one(name, peers, inp, dev, warmup, reps, chunk_size=None):
     peak = (torch.cuda.max_memory_allocated(dev) - base) / GiB if dev.type == "cuda" else float("nan")
     grad = h.grad.detach().clone() if h.grad is not None else None
     h.grad = None
-    return dict(ms=statistics.median(times), ms_all=[round(t, 3) for t in times], extra_gib=peak,
-                loss=float(last[0].detach()), grad=grad)
+    return dict(
+        ms=statistics.median(times),
+        ms_all=[round(t, 3) for t in times],
+        extra_gib=peak,
+        loss=float(last[0].detach()),
+        grad=grad,
+    )
 
 
 def gpu_tag(dev):
@@ -259,30 +275,40 @@ def fmt_cell(r):
 
 
 def write_report(out_dir, tag, meta, rows):
-    lines = [f"# GRPO loss benchmark ({meta['device_name']})", "",
-             f"- command: `{meta['command']}`",
-             f"- date (UTC): {meta['date']}",
-             f"- hardware: {meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}, python {meta['python']}",
-             f"- peers: {json.dumps(meta['peer_versions'])}",
-             f"- bf16 matmul rate measured in this run: {meta['tflops_square']:.0f} TFLOP/s (8192^3); "
-             f"head-shaped GEMMs: {json.dumps({k: round(v) for k, v in meta['tflops_head'].items()})} TFLOP/s",
-             f"- workload: B={meta['batch']}, bf16 hidden and head weight, loss_type grpo, beta 0.04, eps 0.2, "
-             "old/ref log-probs given, all tokens active; forward + backward w.r.t. hidden (head frozen)",
-             f"- cell: median of {meta['reps']} after {meta['warmup']} warm-up (CUDA events), time over the matmul floor "
-             "4*B*T*H*V / rate, extra peak memory over the inputs (hidden-state gradient included)",
-             ""]
+    lines = [
+        f"# GRPO loss benchmark ({meta['device_name']})",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date (UTC): {meta['date']}",
+        f"- hardware: {meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}, python {meta['python']}",
+        f"- peers: {json.dumps(meta['peer_versions'])}",
+        f"- bf16 matmul rate measured in this run: {meta['tflops_square']:.0f} TFLOP/s (8192^3); "
+        f"head-shaped GEMMs: {json.dumps({k: round(v) for k, v in meta['tflops_head'].items()})} TFLOP/s",
+        f"- workload: B={meta['batch']}, bf16 hidden and head weight, loss_type grpo, beta 0.04, eps 0.2, "
+        "old/ref log-probs given, all tokens active; forward + backward w.r.t. hidden (head frozen)",
+        f"- cell: median of {meta['reps']} after {meta['warmup']} warm-up (CUDA events), time over the matmul floor "
+        "4*B*T*H*V / rate, extra peak memory over the inputs (hidden-state gradient included)",
+        "",
+    ]
     for head in meta["heads"]:
         hr = [r for r in rows if r["head"] == head]
         if not hr:
             continue
         H, V = hr[0]["H"], hr[0]["V"]
         Ts = sorted({r["T"] for r in hr})
-        lines += [f"## {head} head (H={H}, V={V})", "",
-                  "| impl | " + " | ".join(f"T={t}" for t in Ts) + " |",
-                  "|---|" + "---|" * len(Ts)]
+        lines += [
+            f"## {head} head (H={H}, V={V})",
+            "",
+            "| impl | " + " | ".join(f"T={t}" for t in Ts) + " |",
+            "|---|" + "---|" * len(Ts),
+        ]
         floor = {r["T"]: r["floor_ms"] for r in hr}
         gradsz = {r["T"]: r["grad_gib"] for r in hr}
-        lines.append("| matmul floor / hidden grad | " + " | ".join(f"{floor[t]:.1f} ms / {gradsz[t]:.2f} GiB" for t in Ts) + " |")
+        lines.append(
+            "| matmul floor / hidden grad | "
+            + " | ".join(f"{floor[t]:.1f} ms / {gradsz[t]:.2f} GiB" for t in Ts)
+            + " |"
+        )
         for impl in meta["impls"]:
             cells = []
             for t in Ts:
@@ -297,7 +323,9 @@ def write_report(out_dir, tag, meta, rows):
             if o:
                 o = o[0]
                 tt = f"ours/unsloth time {o['ms'] / u[0]['ms']:.3f}" if u else "unsloth not measured"
-                lines.append(f"- T={t}: {tt}; extra peak {o['extra_gib']:.3f} GiB vs target {o['grad_gib'] + 0.25:.3f} GiB")
+                lines.append(
+                    f"- T={t}: {tt}; extra peak {o['extra_gib']:.3f} GiB vs target {o['grad_gib'] + 0.25:.3f} GiB"
+                )
         lines.append("")
         lines.append("Relative error vs ours (loss, hidden grad):")
         for r in hr:
@@ -331,13 +359,27 @@ def gpu_check(dev):
         kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type="bnpo")
         l64, _ = grpo_loss_reference(lp64, old.double(), ref.double(), adv.double(), mask, **kw)
         l64.backward()
-        for epi in (("triton", "torch") if dev.type == "cuda" else ("torch",)):
+        for epi in ("triton", "torch") if dev.type == "cuda" else ("torch",):
             h = h0.clone().requires_grad_()
-            loss, m = efficient_grpo_loss(h, W, ids, mask, adv, old_logps=old, ref_logps=ref, temperature=0.8,
-                                          chunk_size=100, epilogue=epi, compute_entropy=True, **kw)
+            loss, m = efficient_grpo_loss(
+                h,
+                W,
+                ids,
+                mask,
+                adv,
+                old_logps=old,
+                ref_logps=ref,
+                temperature=0.8,
+                chunk_size=100,
+                epilogue=epi,
+                compute_entropy=True,
+                **kw,
+            )
             loss.backward()
             key = f"{str(dtype).split('.')[-1]}/{epi}"
-            out[key] = dict(rel_loss=abs(loss.item() - l64.item()) / abs(l64.item()), rel_grad=rel_err(h.grad, h64.grad))
+            out[key] = dict(
+                rel_loss=abs(loss.item() - l64.item()) / abs(l64.item()), rel_grad=rel_err(h.grad, h64.grad)
+            )
             print("check", key, out[key], flush=True)
     return out
 
@@ -364,11 +406,13 @@ def micro(dev, heads, head_names, rows=1024):
             sync(dev)
             return statistics.median(timed(fn, dev) for _ in range(n))
 
-        r = {"gemm_fwd_ms": med(lambda: torch.mm(h, W.t(), out=zc)),
-             "gemm_bwd_ms": med(lambda: torch.mm(z, W)),
-             "copy_ms": med(lambda: zc.copy_(z)),
-             "chunk_mib": z.numel() * 2 / 2**20}
-        for be in (["triton", "torch"] if dev.type == "cuda" else ["torch"]):
+        r = {
+            "gemm_fwd_ms": med(lambda: torch.mm(h, W.t(), out=zc)),
+            "gemm_bwd_ms": med(lambda: torch.mm(z, W)),
+            "copy_ms": med(lambda: zc.copy_(z)),
+            "chunk_mib": z.numel() * 2 / 2**20,
+        }
+        for be in ["triton", "torch"] if dev.type == "cuda" else ["torch"]:
             r[f"lse_{be}_ms"] = med(lambda: E.lse_logp(z, ids, 1.0, False, be))
             r[f"grad_{be}_ms"] = med(lambda: E.softmax_grad_(zc, ids, lse, coef, 1.0, be))
         if dev.type == "cuda":
@@ -391,8 +435,12 @@ def main(argv=None):
     ap.add_argument("--impls", default="ours,ours_gspo,ours_cispo,ours_torch,trl,unsloth,cce,liger,naive")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--slow-max-len", type=int, default=8192,
-                    help="longest T for liger and ours_torch (3-12x the floor: they would eat the GPU budget)")
+    ap.add_argument(
+        "--slow-max-len",
+        type=int,
+        default=8192,
+        help="longest T for liger and ours_torch (3-12x the floor: they would eat the GPU budget)",
+    )
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new size after this many seconds")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny heads and lengths, for debugging on a CPU")
@@ -435,17 +483,32 @@ def main(argv=None):
     tflops_sq = matmul_tflops(dev, dtype, *((8192,) * 3 if dev.type == "cuda" else (512,) * 3))
     tflops_head = {hn: matmul_tflops(dev, dtype, 4096 if dev.type == "cuda" else 256, *heads[hn]) for hn in head_names}
     meta = dict(
-        command=" ".join(getattr(sys, "orig_argv", sys.argv)), argv=sys.argv,
+        command=" ".join(getattr(sys, "orig_argv", sys.argv)),
+        argv=sys.argv,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, triton=triton_v, python=platform.python_version(),
-        peer_versions={k: v[1] for k, v in peers.items()}, peer_import_errors=reasons,
-        tflops_square=tflops_sq, tflops_head=tflops_head, batch=B, reps=args.reps, warmup=args.warmup,
-        heads=head_names, impls=impls, lengths=lengths,
-        alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""), check=check, micro=micro_res,
+        torch=torch.__version__,
+        triton=triton_v,
+        python=platform.python_version(),
+        peer_versions={k: v[1] for k, v in peers.items()},
+        peer_import_errors=reasons,
+        tflops_square=tflops_sq,
+        tflops_head=tflops_head,
+        batch=B,
+        reps=args.reps,
+        warmup=args.warmup,
+        heads=head_names,
+        impls=impls,
+        lengths=lengths,
+        alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF", ""),
+        check=check,
+        micro=micro_res,
     )
-    print(f"matmul rate {tflops_sq:.0f} TFLOP/s; head GEMMs {tflops_head}; peers {meta['peer_versions']}; "
-          f"import errors {reasons}", flush=True)
+    print(
+        f"matmul rate {tflops_sq:.0f} TFLOP/s; head GEMMs {tflops_head}; peers {meta['peer_versions']}; "
+        f"import errors {reasons}",
+        flush=True,
+    )
 
     rows = []
     for T in lengths:  # length-major, so that every head gets the short lengths if the budget runs out
@@ -455,7 +518,9 @@ def main(argv=None):
             base = dict(head=hn, H=H, V=V, B=B, T=T, floor_ms=floor_ms, grad_gib=B * T * H * 2 / GiB)
             if time.time() - t_start > args.budget_s:
                 for impl in impls:
-                    rows.append(dict(base, impl=impl, status="not run", reason=f"time budget {args.budget_s:.0f} s spent"))
+                    rows.append(
+                        dict(base, impl=impl, status="not run", reason=f"time budget {args.budget_s:.0f} s spent")
+                    )
                 continue
             inp = make_inputs(B, T, H, V, dev, dtype, seed=T)
             ref_loss = ref_grad = None
@@ -466,24 +531,37 @@ def main(argv=None):
                 elif impl in ("liger", "ours_torch") and T > args.slow_max_len and not args.tiny:
                     row.update(status="not run", reason=f"T > --slow-max-len {args.slow_max_len} (time budget)")
                 elif impl == "naive" and not naive_fits(B, T, V, dev)[0]:
-                    row.update(status="OOM", reason=f"estimated {naive_fits(B, T, V, dev)[1] / GiB:.0f} GiB of logits "
-                               "and copies exceeds free memory; not attempted")
+                    row.update(
+                        status="OOM",
+                        reason=f"estimated {naive_fits(B, T, V, dev)[1] / GiB:.0f} GiB of logits "
+                        "and copies exceeds free memory; not attempted",
+                    )
                 else:
                     try:
                         res = bench_one(impl, peers, inp, dev, args.warmup, args.reps)
-                        row.update(ms=res["ms"], ms_all=res["ms_all"], extra_gib=res["extra_gib"], loss=res["loss"],
-                                   x_floor=res["ms"] / floor_ms)
+                        row.update(
+                            ms=res["ms"],
+                            ms_all=res["ms_all"],
+                            extra_gib=res["extra_gib"],
+                            loss=res["loss"],
+                            x_floor=res["ms"] / floor_ms,
+                        )
                         if impl == "ours":
                             ref_loss, ref_grad = res["loss"], res["grad"]
                         elif ref_grad is not None and res["grad"] is not None and impl not in VARIANT_KW:
-                            row.update(rel_loss=abs(res["loss"] - ref_loss) / max(abs(ref_loss), 1e-30),
-                                       rel_grad=rel_err(res["grad"], ref_grad))
+                            row.update(
+                                rel_loss=abs(res["loss"] - ref_loss) / max(abs(ref_loss), 1e-30),
+                                rel_grad=rel_err(res["grad"], ref_grad),
+                            )
                         del res
                     except torch.OutOfMemoryError as e:
                         row.update(status="OOM", reason=str(e).splitlines()[0][:200])
                     except Exception as e:  # noqa: BLE001 - shown in the table, traceback in the log
                         traceback.print_exc()
-                        row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                        row.update(
+                            status="error",
+                            reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                        )
                     inp["hidden"].grad = None
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()

@@ -39,17 +39,32 @@ def main(argv=None) -> int:
     for c in a.chunks.split(","):
         res = bench_one("ours", {}, inp, dev, warmup=1, reps=a.reps, chunk_size=None if c == "auto" else int(c))
         first_grad = res["grad"] if first_grad is None else first_grad
-        rows.append(dict(chunk=c, median_ms=res["ms"], times_ms=res["ms_all"], extra_peak_gib=res["extra_gib"],
-                         rel_grad_diff_vs_first=rel_err(res["grad"], first_grad)))
+        rows.append(
+            dict(
+                chunk=c,
+                median_ms=res["ms"],
+                times_ms=res["ms_all"],
+                extra_peak_gib=res["extra_gib"],
+                rel_grad_diff_vs_first=rel_err(res["grad"], first_grad),
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     hw = hardware()
     cmd = "python -m grpo_kit bench loss_chunk " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = [f"# Efficient loss vs chunk size ({hw['gpu']})", "", f"Command: `{cmd}`  ",
-          f"Date: {hw['date']}; {hardware_line(hw)}. {a.head} head (H={H}, V={V}), B={a.batch}, T={a.length}, "
-          f"bf16, forward + backward, median of {a.reps} after 1 warm-up.", "",
-          "| chunk rows | median ms | extra peak GiB | rel. grad diff vs first row |", "|---|---|---|---|"]
-    md += [f"| {r['chunk']} | {r['median_ms']:.1f} | {r['extra_peak_gib']:.3f} | {r['rel_grad_diff_vs_first']:.1e} |"
-           for r in rows]
+    md = [
+        f"# Efficient loss vs chunk size ({hw['gpu']})",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Date: {hw['date']}; {hardware_line(hw)}. {a.head} head (H={H}, V={V}), B={a.batch}, T={a.length}, "
+        f"bf16, forward + backward, median of {a.reps} after 1 warm-up.",
+        "",
+        "| chunk rows | median ms | extra peak GiB | rel. grad diff vs first row |",
+        "|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['chunk']} | {r['median_ms']:.1f} | {r['extra_peak_gib']:.3f} | {r['rel_grad_diff_vs_first']:.1e} |"
+        for r in rows
+    ]
     record_report("loss_chunk", dict(command=cmd, hardware=hw, rows=rows), md, a.out_dir)
     return 0
 

@@ -52,10 +52,20 @@ TARGET = 0.10
 
 def estimate_for(r: dict, lora_rank: int):
     """The estimate DataFrame for one benchmark result dict."""
-    return estimate(r["model"], EstimateSpec(num_generations=r["gens"], prompt_length=r["prompt_len"],
-                                             completion_length=r["completion_len"], micro_batch_size=r["micro_batch"],
-                                             dtype="bf16", lora_rank=lora_rank, vllm=False, include_generation=False,
-                                             **ROW_TO_METHOD[r["row"]]))
+    return estimate(
+        r["model"],
+        EstimateSpec(
+            num_generations=r["gens"],
+            prompt_length=r["prompt_len"],
+            completion_length=r["completion_len"],
+            micro_batch_size=r["micro_batch"],
+            dtype="bf16",
+            lora_rank=lora_rank,
+            vllm=False,
+            include_generation=False,
+            **ROW_TO_METHOD[r["row"]],
+        ),
+    )
 
 
 def compare_results(data: dict, lora_rank: int) -> list[dict]:
@@ -67,16 +77,28 @@ def compare_results(data: dict, lora_rank: int) -> list[dict]:
         est = total_gpu_bytes(df) / GiB
         ph = df.attrs["phase_bytes"]
         meas_ph = r.get("phases") or {}
-        row = dict(model=r["model"], row=r["row"], gens=r["gens"], seq_len=r["seq_len"], prompt_len=r["prompt_len"],
-                   micro_batch=r["micro_batch"], budget_gib=r.get("budget_gib"), tag=r.get("tag", ""),
-                   measured_gib=r["peak_allocated_gib"], reserved_gib=r.get("peak_reserved_gib"), estimate_gib=est,
-                   error=est / r["peak_allocated_gib"] - 1, estimate_peak_phase=df.attrs["peak_phase"],
-                   est_loss_gib=ph["loss"] / GiB, est_backward_gib=ph["backward"] / GiB,
-                   meas_loss_gib=(meas_ph.get("mb0_loss") or {}).get("peak"),
-                   meas_backward_gib=(meas_ph.get("mb0_backward") or {}).get("peak"),
-                   meas_forward_gib=(meas_ph.get("mb0_forward") or {}).get("peak"),
-                   meas_ref_gib=(meas_ph.get("ref_pass") or {}).get("peak"),
-                   weights_gib_measured=r.get("weights_gib"))
+        row = dict(
+            model=r["model"],
+            row=r["row"],
+            gens=r["gens"],
+            seq_len=r["seq_len"],
+            prompt_len=r["prompt_len"],
+            micro_batch=r["micro_batch"],
+            budget_gib=r.get("budget_gib"),
+            tag=r.get("tag", ""),
+            measured_gib=r["peak_allocated_gib"],
+            reserved_gib=r.get("peak_reserved_gib"),
+            estimate_gib=est,
+            error=est / r["peak_allocated_gib"] - 1,
+            estimate_peak_phase=df.attrs["peak_phase"],
+            est_loss_gib=ph["loss"] / GiB,
+            est_backward_gib=ph["backward"] / GiB,
+            meas_loss_gib=(meas_ph.get("mb0_loss") or {}).get("peak"),
+            meas_backward_gib=(meas_ph.get("mb0_backward") or {}).get("peak"),
+            meas_forward_gib=(meas_ph.get("mb0_forward") or {}).get("peak"),
+            meas_ref_gib=(meas_ph.get("ref_pass") or {}).get("peak"),
+            weights_gib_measured=r.get("weights_gib"),
+        )
         comp = df.set_index("component")
         row["est_weights_gib"] = float(comp.at["model weights", "GiB"])
         out.append(row)
@@ -95,47 +117,86 @@ def verdict(rows: list[dict]) -> list[str]:
         ctx = sorted({r["seq_len"] for r in ours})
         ok = [r for r in ours if abs(r["error"]) <= TARGET]
         worst = max(ours, key=lambda r: abs(r["error"]), default=None)
-        lines.append(f"- {model}: grpo_kit estimate vs `ours_offload` at {len(ctx)} context length(s) {ctx}: "
-                     f"{len(ok)}/{len(ours)} steps within ±{TARGET:.0%}"
-                     + (f"; worst {worst['error']:+.1%} ({worst['gens']} x {worst['seq_len']}, micro-batch "
-                        f"{worst['micro_batch']})" if worst else "")
-                     + ("; fewer than three context lengths measured, the target needs three" if len(ctx) < 3
-                        else "; target met" if len(ok) == len(ours) else "; target NOT met"))
+        lines.append(
+            f"- {model}: grpo_kit estimate vs `ours_offload` at {len(ctx)} context length(s) {ctx}: "
+            f"{len(ok)}/{len(ours)} steps within ±{TARGET:.0%}"
+            + (
+                f"; worst {worst['error']:+.1%} ({worst['gens']} x {worst['seq_len']}, micro-batch "
+                f"{worst['micro_batch']})"
+                if worst
+                else ""
+            )
+            + (
+                "; fewer than three context lengths measured, the target needs three"
+                if len(ctx) < 3
+                else "; target met"
+                if len(ok) == len(ours)
+                else "; target NOT met"
+            )
+        )
     return lines
 
 
 def write_md(rows, data, args, path: Path):
     hw = data.get("hardware", {})
-    L = ["# VRAM calculator vs measured whole-step peaks", "",
-         f"Command: `{' '.join(['python', 'bench/memory_validation.py', *sys.argv[1:]])}`  ",
-         f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} (python "
-         f"{platform.python_version()}, estimate only, CPU).  ",
-         f"Measurements: `{args.step_json}` — command `{data.get('command')}`, GPU {hw.get('gpu')}, "
-         f"torch {hw.get('torch')}, triton {hw.get('triton')}, transformers {hw.get('transformers')}, "
-         f"peft {hw.get('peft')}, measured {hw.get('date')}.", "",
-         "Estimate: `grpo_kit.memory.estimate(model, EstimateSpec(num_generations=G, prompt_length=P, "
-         f"completion_length=T-P, micro_batch_size=mb, lora_rank={args.lora_rank}, vllm=False, "
-         "include_generation=False, ...))` with "
-         "`ours_offload` -> `method='grpo_kit'`, `ours` -> `method='grpo_kit', offload=False`, `baseline` -> "
-         "`method='trl', loss_fp32=True`. Measured: `torch.cuda.max_memory_allocated` over the step (and the first "
-         "micro-batch's loss / backward phases). Error = estimate / measured - 1. Nothing in the estimate is "
-         "fitted to these numbers.", "",
-         "## Verdict (target: grpo_kit within 10% at three context lengths per model)", "", *verdict(rows), "",
-         "## All measured steps", "",
-         "| model | G x T (prompt) | mb | row | measured peak GiB | estimate GiB | error | est. peak phase | "
-         "loss phase est / meas | backward phase est / meas |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        "# VRAM calculator vs measured whole-step peaks",
+        "",
+        f"Command: `{' '.join(['python', 'bench/memory_validation.py', *sys.argv[1:]])}`  ",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} (python "
+        f"{platform.python_version()}, estimate only, CPU).  ",
+        f"Measurements: `{args.step_json}` — command `{data.get('command')}`, GPU {hw.get('gpu')}, "
+        f"torch {hw.get('torch')}, triton {hw.get('triton')}, transformers {hw.get('transformers')}, "
+        f"peft {hw.get('peft')}, measured {hw.get('date')}.",
+        "",
+        "Estimate: `grpo_kit.memory.estimate(model, EstimateSpec(num_generations=G, prompt_length=P, "
+        f"completion_length=T-P, micro_batch_size=mb, lora_rank={args.lora_rank}, vllm=False, "
+        "include_generation=False, ...))` with "
+        "`ours_offload` -> `method='grpo_kit'`, `ours` -> `method='grpo_kit', offload=False`, `baseline` -> "
+        "`method='trl', loss_fp32=True`. Measured: `torch.cuda.max_memory_allocated` over the step (and the first "
+        "micro-batch's loss / backward phases). Error = estimate / measured - 1. Nothing in the estimate is "
+        "fitted to these numbers.",
+        "",
+        "## Verdict (target: grpo_kit within 10% at three context lengths per model)",
+        "",
+        *verdict(rows),
+        "",
+        "## All measured steps",
+        "",
+        "| model | G x T (prompt) | mb | row | measured peak GiB | estimate GiB | error | est. peak phase | "
+        "loss phase est / meas | backward phase est / meas |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']} | {r['row']}"
-                 f"{' (budget)' if r['budget_gib'] else ''} | {_f(r['measured_gib'])} | {_f(r['estimate_gib'])} | "
-                 f"{r['error']:+.1%} | {r['estimate_peak_phase']} | {_f(r['est_loss_gib'])} / {_f(r['meas_loss_gib'])} | "
-                 f"{_f(r['est_backward_gib'])} / {_f(r['meas_backward_gib'])} |")
-    L += ["", "Weights: estimate " + ", ".join(sorted({f"{r['model']} {r['est_weights_gib']:.2f} GiB" for r in rows}))
-          + "; benchmark " + ", ".join(sorted({f"{r['model']} {r['weights_gib_measured']:.2f} GiB" for r in rows
-                                                if r['weights_gib_measured'] is not None})) + ".", ""]
+        L.append(
+            f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']} | {r['row']}"
+            f"{' (budget)' if r['budget_gib'] else ''} | {_f(r['measured_gib'])} | {_f(r['estimate_gib'])} | "
+            f"{r['error']:+.1%} | {r['estimate_peak_phase']} | {_f(r['est_loss_gib'])} / {_f(r['meas_loss_gib'])} | "
+            f"{_f(r['est_backward_gib'])} / {_f(r['meas_backward_gib'])} |"
+        )
+    L += [
+        "",
+        "Weights: estimate "
+        + ", ".join(sorted({f"{r['model']} {r['est_weights_gib']:.2f} GiB" for r in rows}))
+        + "; benchmark "
+        + ", ".join(
+            sorted(
+                {
+                    f"{r['model']} {r['weights_gib_measured']:.2f} GiB"
+                    for r in rows
+                    if r["weights_gib_measured"] is not None
+                }
+            )
+        )
+        + ".",
+        "",
+    ]
     if args.plot:
-        L += [f"Plot: `{Path(args.plot).name}` (left: estimate vs measured for every step; then per model, lines: "
-              "estimates for one sequence per micro-batch, circles: measured).", ""]
+        L += [
+            f"Plot: `{Path(args.plot).name}` (left: estimate vs measured for every step; then per model, lines: "
+            "estimates for one sequence per micro-batch, circles: measured).",
+            "",
+        ]
     path.write_text("\n".join(L))
 
 
@@ -165,14 +226,36 @@ def plot(rows, lora_rank, path: Path):
         lo, hi = max(prompt + 64, lens[0] // 2), lens[-1] * 2
         grid = sorted({int(lo * (hi / lo) ** (k / 16)) for k in range(17)})
         for row, style in (("baseline", "-"), ("ours", "--"), ("ours_offload", "-")):
-            ys = [total_gpu_bytes(estimate_for(dict(model=model, gens=1, prompt_len=prompt, completion_len=t - prompt,
-                                                    micro_batch=1, row=row, seq_len=t), lora_rank)) / GiB
-                  for t in grid]
-            line, = ax.plot(grid, ys, style, label=f"estimate {row}")
+            ys = [
+                total_gpu_bytes(
+                    estimate_for(
+                        dict(
+                            model=model,
+                            gens=1,
+                            prompt_len=prompt,
+                            completion_len=t - prompt,
+                            micro_batch=1,
+                            row=row,
+                            seq_len=t,
+                        ),
+                        lora_rank,
+                    )
+                )
+                / GiB
+                for t in grid
+            ]
+            (line,) = ax.plot(grid, ys, style, label=f"estimate {row}")
             m = [(r["seq_len"], r["measured_gib"]) for r in pts if r["row"] == row]
             if m:
-                ax.plot([p[0] for p in m], [p[1] for p in m], "o", color=line.get_color(), markerfacecolor="none",
-                        markersize=8, label=f"measured {row}")
+                ax.plot(
+                    [p[0] for p in m],
+                    [p[1] for p in m],
+                    "o",
+                    color=line.get_color(),
+                    markerfacecolor="none",
+                    markersize=8,
+                    label=f"measured {row}",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per sequence (1 generation, micro-batch 1)")
         ax.set_ylabel("peak allocated (GiB)")
@@ -182,15 +265,32 @@ def plot(rows, lora_rank, path: Path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
+
 # ------------------------------------------------------------------------------------------------
 # --cpu: measure the same step on small models here
 # ------------------------------------------------------------------------------------------------
 CPU_MODELS = {
-    "mini-llama": dict(model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536,
-                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                       tie_word_embeddings=False),
-    "mini-qwen2": dict(model_type="qwen2", vocab_size=8192, hidden_size=384, intermediate_size=2048,
-                       num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
+    "mini-llama": dict(
+        model_type="llama",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+    ),
+    "mini-qwen2": dict(
+        model_type="qwen2",
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
 }
 CPU_CASES = {  # (G, seq_len, micro_batch) per row
     "baseline": [(2, 1024, 2), (1, 4096, 1), (1, 8192, 1)],
@@ -232,8 +332,9 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
         cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
         cfg._attn_implementation, cfg.use_cache = "sdpa", False
         model = build_random_model(cfg, dtype=torch.bfloat16, seed=0)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=CPU_LORA, lora_alpha=CPU_LORA, lora_dropout=0.0,
-                                                           target_modules=step.LORA_TARGETS))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=CPU_LORA, lora_alpha=CPU_LORA, lora_dropout=0.0, target_modules=step.LORA_TARGETS)
+        )
         for row, row_cases in cases.items():
             for G, T, mb in row_cases:
                 args = types.SimpleNamespace(prompt_len=CPU_PROMPT, micro_batch=mb, beta=0.04)
@@ -243,19 +344,40 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
                 step.grpo_step(model, opt, row, warm, args)  # AdamW states exist from here on
                 batch = step.make_batch(G, T, CPU_PROMPT, cfg.vocab_size, dev, 2)
                 t0 = time.perf_counter()
-                with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                             with_stack=True) as prof:
+                with profile(
+                    activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+                ) as prof:
                     step.grpo_step(model, opt, row, batch, args)
                 dt = time.perf_counter() - t0
                 est_kw = ROW_TO_METHOD[row] | ({"loss_epilogue": "torch"} if row != "baseline" else {})
-                df = estimate(cfg, EstimateSpec(num_generations=G, prompt_length=CPU_PROMPT,
-                                                completion_length=T - CPU_PROMPT, micro_batch_size=mb,
-                                                lora_rank=CPU_LORA, vllm=False, include_generation=False, **est_kw))
+                df = estimate(
+                    cfg,
+                    EstimateSpec(
+                        num_generations=G,
+                        prompt_length=CPU_PROMPT,
+                        completion_length=T - CPU_PROMPT,
+                        micro_batch_size=mb,
+                        lora_rank=CPU_LORA,
+                        vllm=False,
+                        include_generation=False,
+                        **est_kw,
+                    ),
+                )
                 meas = _timeline_peak(prof) / GiB
                 est = total_gpu_bytes(df) / GiB
-                r = dict(model=name, row=row, gens=G, seq_len=T, prompt_len=CPU_PROMPT, micro_batch=mb,
-                         measured_gib=meas, estimate_gib=est, error=est / meas - 1,
-                         estimate_peak_phase=df.attrs["peak_phase"], seconds=dt)
+                r = dict(
+                    model=name,
+                    row=row,
+                    gens=G,
+                    seq_len=T,
+                    prompt_len=CPU_PROMPT,
+                    micro_batch=mb,
+                    measured_gib=meas,
+                    estimate_gib=est,
+                    error=est / meas - 1,
+                    estimate_peak_phase=df.attrs["peak_phase"],
+                    seconds=dt,
+                )
                 print(json.dumps(r), flush=True)
                 out.append(r)
                 step.disable_offloaded_checkpointing(model)
@@ -267,35 +389,50 @@ def measure_cpu(models=CPU_MODELS, cases=CPU_CASES) -> list[dict]:
 def write_cpu_md(rows, path: Path):
     import torch
 
-    L = ["# VRAM calculator vs measured peaks on the CPU (same step code, small models)", "",
-         f"Command: `{' '.join(['python', 'bench/memory_validation.py', *sys.argv[1:]])}`  ",
-         f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; torch {torch.__version__}, "
-         f"python {platform.python_version()}, {platform.machine()} CPU ({__import__('os').cpu_count()} cores); no GPU.", "",
-         "Step: `bench/step.py`'s `grpo_step` (reference pass with the adapter off, policy forward / loss / backward "
-         "per micro-batch, AdamW step), bf16 weights, LoRA r=8 on all linear layers, prompt 128 tokens. Rows: "
-         "`baseline` (HF non-reentrant checkpointing, full logits, fp32 log-softmax) and `ours` "
-         "(`enable_offloaded_checkpointing(offload=False)`: sequence-chunked recompute, `efficient_grpo_loss`; nothing "
-         "to offload on a CPU). Measured: peak of live tensor bytes from the PyTorch profiler's memory timeline. "
-         "Estimate: `estimate(config, EstimateSpec(..., vllm=False, include_generation=False))`, `baseline` -> "
-         "`method='trl', loss_fp32=True`; `ours` -> `method='grpo_kit', offload=False, loss_epilogue='torch'`. "
-         "Nothing fitted.", "",
-         "Models: " + "; ".join(f"`{n}` {json.dumps(c)}" for n, c in CPU_MODELS.items()), "",
-         "| model | G x T | micro-batch | row | measured peak MiB | estimate MiB | error | est. peak phase | seconds |",
-         "|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        "# VRAM calculator vs measured peaks on the CPU (same step code, small models)",
+        "",
+        f"Command: `{' '.join(['python', 'bench/memory_validation.py', *sys.argv[1:]])}`  ",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; torch {torch.__version__}, "
+        f"python {platform.python_version()}, {platform.machine()} CPU ({__import__('os').cpu_count()} cores); no GPU.",
+        "",
+        "Step: `bench/step.py`'s `grpo_step` (reference pass with the adapter off, policy forward / loss / backward "
+        "per micro-batch, AdamW step), bf16 weights, LoRA r=8 on all linear layers, prompt 128 tokens. Rows: "
+        "`baseline` (HF non-reentrant checkpointing, full logits, fp32 log-softmax) and `ours` "
+        "(`enable_offloaded_checkpointing(offload=False)`: sequence-chunked recompute, `efficient_grpo_loss`; nothing "
+        "to offload on a CPU). Measured: peak of live tensor bytes from the PyTorch profiler's memory timeline. "
+        "Estimate: `estimate(config, EstimateSpec(..., vllm=False, include_generation=False))`, `baseline` -> "
+        "`method='trl', loss_fp32=True`; `ours` -> `method='grpo_kit', offload=False, loss_epilogue='torch'`. "
+        "Nothing fitted.",
+        "",
+        "Models: " + "; ".join(f"`{n}` {json.dumps(c)}" for n, c in CPU_MODELS.items()),
+        "",
+        "| model | G x T | micro-batch | row | measured peak MiB | estimate MiB | error | est. peak phase | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} | {r['micro_batch']} | {r['row']} | "
-                 f"{r['measured_gib'] * 1024:.1f} | {r['estimate_gib'] * 1024:.1f} | {r['error']:+.1%} | "
-                 f"{r['estimate_peak_phase']} | {r['seconds']:.0f} |")
+        L.append(
+            f"| {r['model']} | {r['gens']} x {r['seq_len']} | {r['micro_batch']} | {r['row']} | "
+            f"{r['measured_gib'] * 1024:.1f} | {r['estimate_gib'] * 1024:.1f} | {r['error']:+.1%} | "
+            f"{r['estimate_peak_phase']} | {r['seconds']:.0f} |"
+        )
     worst = max(rows, key=lambda r: abs(r["error"]))
-    L += ["", f"Largest deviation: {worst['error']:+.1%} ({worst['model']}, {worst['row']}, {worst['gens']} x "
-          f"{worst['seq_len']}). {sum(abs(r['error']) <= TARGET for r in rows)}/{len(rows)} within ±{TARGET:.0%}.", ""]
+    L += [
+        "",
+        f"Largest deviation: {worst['error']:+.1%} ({worst['model']}, {worst['row']}, {worst['gens']} x "
+        f"{worst['seq_len']}). {sum(abs(r['error']) <= TARGET for r in rows)}/{len(rows)} within ±{TARGET:.0%}.",
+        "",
+    ]
     path.write_text("\n".join(L))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--step-json", default=str(Path(tempfile.gettempdir()) / "step_h200.json"),
-                   help="a bench/step.py run's json (it keeps one in the temp folder)")
+    p.add_argument(
+        "--step-json",
+        default=str(Path(tempfile.gettempdir()) / "step_h200.json"),
+        help="a bench/step.py run's json (it keeps one in the temp folder)",
+    )
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "memory_validation.md"), help="the run's summary")
     p.add_argument("--plot", default=str(Path(tempfile.gettempdir()) / "memory_validation.png"))
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"), help="results folder the rows are added to")
@@ -306,14 +443,19 @@ def main(argv=None):
         rows = measure_cpu()
         out = Path(args.out).with_name("memory_validation_cpu.md")
         write_cpu_md(rows, out)
-        record_report("memory_validation", dict(models=CPU_MODELS, rows=rows, hardware=hardware(),
-                                                command=command_line("memory_validation", argv)),
-                      [f"summary: {out}"], args.out_dir)
+        record_report(
+            "memory_validation",
+            dict(models=CPU_MODELS, rows=rows, hardware=hardware(), command=command_line("memory_validation", argv)),
+            [f"summary: {out}"],
+            args.out_dir,
+        )
         return 0
     src = Path(args.step_json)
     if not src.is_file():
-        print(f"{src} not found: run bench/step.py on the GPU first (python -m grpo_kit bench step --plan full)",
-              file=sys.stderr)
+        print(
+            f"{src} not found: run bench/step.py on the GPU first (python -m grpo_kit bench step --plan full)",
+            file=sys.stderr,
+        )
         return 1
     data = json.loads(src.read_text())
     rows = compare_results(data, args.lora_rank)
@@ -324,9 +466,18 @@ def main(argv=None):
         plot(rows, args.lora_rank, Path(args.plot))
     out = Path(args.out)
     write_md(rows, data, args, out)
-    record_report("memory_validation", dict(source=str(src), lora_rank=args.lora_rank, rows=rows,
-                                            hardware=data.get("hardware", {}),
-                                            command=command_line("memory_validation", argv)), [], args.out_dir)
+    record_report(
+        "memory_validation",
+        dict(
+            source=str(src),
+            lora_rank=args.lora_rank,
+            rows=rows,
+            hardware=data.get("hardware", {}),
+            command=command_line("memory_validation", argv),
+        ),
+        [],
+        args.out_dir,
+    )
     for line in verdict(rows):
         print(line)
     print(f"written: {out}" + (f", {args.plot}" if args.plot else ""))

@@ -36,8 +36,11 @@ def main() -> None:
     from grpo_kit.model import nf4_matmul as NM
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(bnb.nn.Linear4bit(4096, 4096, bias=False, compute_dtype=torch.float16,
-                                                  quant_type="nf4", compress_statistics=True)).cuda()
+    model = torch.nn.Sequential(
+        bnb.nn.Linear4bit(
+            4096, 4096, bias=False, compute_dtype=torch.float16, quant_type="nf4", compress_statistics=True
+        )
+    ).cuda()
     NM.use_nf4_matmul(model, "kit")
     kit = model[0]
     ref = torch.nn.Linear(4096, 4096, bias=False, dtype=torch.float16, device="cuda")

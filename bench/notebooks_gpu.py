@@ -31,15 +31,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 ROWS = {
     "03_fallback": ("03_qwen2.5_grpo", dict(fallback_max_steps=3, num_eval_samples=8)),
-    "03_full_hf": ("03_qwen2.5_grpo", dict(
-        setup="full", model="qwen2.5-1.5b", dataset_path=str(ROOT / "data" / "gsm8k_sample.jsonl"),
-        generation_backend="hf", max_steps=3, max_completion_length=128, num_train_samples=32,
-        num_eval_samples=8)),
-    "04_full_hf": ("04_llama3.1_grpo_long_context", dict(
-        setup="full", model="llama-3.2-1b", calculator_model="llama-3.2-1b",
-        dataset_path=str(ROOT / "data" / "gsm8k_sample.jsonl"), generation_backend="hf",
-        context_length=1536, max_prompt_length=512, max_steps=2, num_train_samples=32, num_eval_samples=4,
-        gpu_gib=139.0)),
+    "03_full_hf": (
+        "03_qwen2.5_grpo",
+        dict(
+            setup="full",
+            model="qwen2.5-1.5b",
+            dataset_path=str(ROOT / "data" / "gsm8k_sample.jsonl"),
+            generation_backend="hf",
+            max_steps=3,
+            max_completion_length=128,
+            num_train_samples=32,
+            num_eval_samples=8,
+        ),
+    ),
+    "04_full_hf": (
+        "04_llama3.1_grpo_long_context",
+        dict(
+            setup="full",
+            model="llama-3.2-1b",
+            calculator_model="llama-3.2-1b",
+            dataset_path=str(ROOT / "data" / "gsm8k_sample.jsonl"),
+            generation_backend="hf",
+            context_length=1536,
+            max_prompt_length=512,
+            max_steps=2,
+            num_train_samples=32,
+            num_eval_samples=4,
+            gpu_gib=139.0,
+        ),
+    ),
 }
 KEEP = ("setup:", "device:", "peak", "accuracy", "step")  # printed lines worth quoting in the report
 
@@ -52,8 +72,14 @@ def run_row(name: str, out_dir: Path) -> dict:
     out_nb = out_dir / f"{name}.ipynb"
     start = time.perf_counter()
     try:
-        papermill.execute_notebook(str(ROOT / "notebooks" / f"{notebook}.ipynb"), str(out_nb), parameters=params,
-                                   cwd=str(ROOT / "notebooks"), progress_bar=False, kernel_name="python3")
+        papermill.execute_notebook(
+            str(ROOT / "notebooks" / f"{notebook}.ipynb"),
+            str(out_nb),
+            parameters=params,
+            cwd=str(ROOT / "notebooks"),
+            progress_bar=False,
+            kernel_name="python3",
+        )
         status, error = "ok", ""
     except Exception as e:  # papermill raises PapermillExecutionError with the cell's traceback
         status, error = "failed", f"{type(e).__name__}: {e}"[-2000:]
@@ -67,8 +93,15 @@ def run_row(name: str, out_dir: Path) -> dict:
             for out in cell.get("outputs", []):
                 text = out.get("text", "") if out.get("output_type") == "stream" else ""
                 lines += [ln for ln in text.splitlines() if any(k in ln for k in KEEP) and len(ln) < 300]
-    return dict(row=name, notebook=notebook, params=params, status=status, error=error, wall_s=round(wall, 1),
-                printed=lines[:40])
+    return dict(
+        row=name,
+        notebook=notebook,
+        params=params,
+        status=status,
+        error=error,
+        wall_s=round(wall, 1),
+        printed=lines[:40],
+    )
 
 
 def main(argv=None) -> int:
@@ -90,9 +123,15 @@ def main(argv=None) -> int:
         results.append(res)
     cmd = "python -m grpo_kit bench notebooks_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     hw = hardware()
-    md = [f"# Notebooks 03/04 on a GPU ({hw['gpu']}), papermill, no vLLM", "", f"Command: `{cmd}`  ",
-          f"Date: {hw['date']}; {hardware_line(hw)}.", "", "| row | notebook | status | wall s | parameters |",
-          "|---|---|---|---|---|"]
+    md = [
+        f"# Notebooks 03/04 on a GPU ({hw['gpu']}), papermill, no vLLM",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Date: {hw['date']}; {hardware_line(hw)}.",
+        "",
+        "| row | notebook | status | wall s | parameters |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         shown = {k: v for k, v in r["params"].items() if k not in ("output_dir", "dataset_path")}
         md.append(f"| {r['row']} | {r['notebook']} | {r['status']} | {r['wall_s']} | `{json.dumps(shown)}` |")

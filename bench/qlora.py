@@ -61,7 +61,7 @@ def _token_logprobs(model, seqs, device):
     out = []
     for prompt, comp in seqs:
         ids = torch.tensor([prompt + comp], device=device)
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
         lp = torch.log_softmax(logits, -1)
         out.append((lp.gather(-1, torch.tensor(comp, device=device)[:, None])[:, 0].cpu(), lp.argmax(-1).cpu()))
     return out
@@ -102,12 +102,17 @@ def main(argv=None) -> int:
         if ref is None:  # bf16's greedy completions are the texts every variant is scored on
             seqs = []
             for e in heldout:
-                text = tok.apply_chat_template(make_prompt(e["question"], system), tokenize=False,
-                                               add_generation_prompt=True)
+                text = tok.apply_chat_template(
+                    make_prompt(e["question"], system), tokenize=False, add_generation_prompt=True
+                )
                 prompt = tok(text, add_special_tokens=False)["input_ids"]
-                out = model.generate(torch.tensor([prompt], device=a.device), max_new_tokens=cfg.max_completion_length,
-                                     do_sample=False, pad_token_id=tok.pad_token_id)
-                seqs.append((prompt, out[0, len(prompt):].tolist()))
+                out = model.generate(
+                    torch.tensor([prompt], device=a.device),
+                    max_new_tokens=cfg.max_completion_length,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                )
+                seqs.append((prompt, out[0, len(prompt) :].tolist()))
             ref = _token_logprobs(model, seqs, a.device)
             diff, flips = 0.0, 0.0
         else:
@@ -115,30 +120,51 @@ def main(argv=None) -> int:
             tokens = sum(len(r[0]) for r in ref)
             diff = sum(float((g[0] - r[0]).abs().sum()) for g, r in zip(got, ref)) / tokens
             flips = sum(int((g[1] != r[1]).sum()) for g, r in zip(got, ref)) / tokens
-        rows.append(dict(variant=variant, accuracy=acc["accuracy"], n=acc["n"], mean_abs_logprob_diff=diff,
-                         greedy_token_flips=flips, kept_16bit=skips.get(variant, "all"),
-                         linear_bytes=_linear_bytes(base, skips[variant]) if variant != "bf16" else
-                         sum(base.get_submodule(n).weight.numel() * 2 for n in quantizable_linears(base)),
-                         seconds=time.perf_counter() - t0))
+        rows.append(
+            dict(
+                variant=variant,
+                accuracy=acc["accuracy"],
+                n=acc["n"],
+                mean_abs_logprob_diff=diff,
+                greedy_token_flips=flips,
+                kept_16bit=skips.get(variant, "all"),
+                linear_bytes=_linear_bytes(base, skips[variant])
+                if variant != "bf16"
+                else sum(base.get_submodule(n).weight.numel() * 2 for n in quantizable_linears(base)),
+                seconds=time.perf_counter() - t0,
+            )
+        )
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "kept_16bit"}), flush=True)
         del model
 
     cmd = command_line("qlora", argv)
     hw = dict(hardware(torch.device(a.device)), device=a.device)
-    lines = [f"# 4-bit quality on the embedded SmolLM2-135M-Instruct ({tag})", "", f"Command: `{cmd}`",
-             f"Hardware: {hw}", "", f"{a.n} held-out problems (arithmetic, levels 1-2), greedy, "
-             f"max {cfg.max_completion_length} new tokens; log-prob differences on bf16's own greedy completions.",
-             "", "| variant | layers kept 16-bit | linear weights MB | held-out accuracy | mean abs log-prob diff vs "
-             "bf16 | greedy token flips |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# 4-bit quality on the embedded SmolLM2-135M-Instruct ({tag})",
+        "",
+        f"Command: `{cmd}`",
+        f"Hardware: {hw}",
+        "",
+        f"{a.n} held-out problems (arithmetic, levels 1-2), greedy, "
+        f"max {cfg.max_completion_length} new tokens; log-prob differences on bf16's own greedy completions.",
+        "",
+        "| variant | layers kept 16-bit | linear weights MB | held-out accuracy | mean abs log-prob diff vs "
+        "bf16 | greedy token flips |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         kept = r["kept_16bit"] if isinstance(r["kept_16bit"], str) else (", ".join(r["kept_16bit"]) or "none")
-        lines.append(f"| {r['variant']} | {kept} | {r['linear_bytes'] / 1e6:.1f} | {r['accuracy']:.3f} | "
-                     f"{r['mean_abs_logprob_diff']:.4f} | {r['greedy_token_flips']:.3%} |")
-    lines += ["", f"auto: {auto_report['rule']}; allowance {auto_report['allowance_bytes'] / 1e6:.2f} MB (what "
-              f"`fixed` spends), spent {auto_report['extra_bytes'] / 1e6:.2f} MB. Largest errors: " +
-              ", ".join(f"{k} {v:.4f}" for k, v in list(auto_report["errors"].items())[:6])]
-    record_report("qlora",
-                 {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, lines, a.out_dir)
+        lines.append(
+            f"| {r['variant']} | {kept} | {r['linear_bytes'] / 1e6:.1f} | {r['accuracy']:.3f} | "
+            f"{r['mean_abs_logprob_diff']:.4f} | {r['greedy_token_flips']:.3%} |"
+        )
+    lines += [
+        "",
+        f"auto: {auto_report['rule']}; allowance {auto_report['allowance_bytes'] / 1e6:.2f} MB (what "
+        f"`fixed` spends), spent {auto_report['extra_bytes'] / 1e6:.2f} MB. Largest errors: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in list(auto_report["errors"].items())[:6]),
+    ]
+    record_report("qlora", {"command": cmd, "hardware": hw, "auto": auto_report, "rows": rows}, lines, a.out_dir)
     return 0
 
 

@@ -41,9 +41,20 @@ def calculator_gib(model: str, dtype: str, four_bit: bool, G: int, C: int) -> fl
     """The calculator's GPU peak (GiB) for the bench/step.py row ``ours_offload`` of this setup."""
     from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes
 
-    df = estimate(model, EstimateSpec(num_generations=G, prompt_length=PROMPT, completion_length=C, dtype=dtype,
-                                      lora_rank=LORA_RANK, quantization="4bit" if four_bit else None,
-                                      micro_batch_size=1, vllm=False, include_generation=False))
+    df = estimate(
+        model,
+        EstimateSpec(
+            num_generations=G,
+            prompt_length=PROMPT,
+            completion_length=C,
+            dtype=dtype,
+            lora_rank=LORA_RANK,
+            quantization="4bit" if four_bit else None,
+            micro_batch_size=1,
+            vllm=False,
+            include_generation=False,
+        ),
+    )
     return total_gpu_bytes(df) / 2**30
 
 
@@ -53,9 +64,17 @@ def longest_completion(model: str, dtype: str, budget_gib: float, step: int = 10
     from grpo_kit.memory import EstimateSpec
     from grpo_kit.memory.fit import GIB, longest_fitting_context
 
-    spec = EstimateSpec(num_generations=1, prompt_length=PROMPT, completion_length=step, dtype=dtype,
-                        lora_rank=LORA_RANK, quantization="4bit", micro_batch_size=1, vllm=False,
-                        include_generation=False)  # the search varies its completion length
+    spec = EstimateSpec(
+        num_generations=1,
+        prompt_length=PROMPT,
+        completion_length=step,
+        dtype=dtype,
+        lora_rank=LORA_RANK,
+        quantization="4bit",
+        micro_batch_size=1,
+        vllm=False,
+        include_generation=False,
+    )  # the search varies its completion length
     context = longest_fitting_context(model, budget_gib * GIB, spec)
     return 0 if context is None else (context - PROMPT) // step * step
 
@@ -66,20 +85,58 @@ def plan(a) -> list[dict]:
     longest = longest_completion("llama-3.1-8b", "fp16", a.budget_gib)
     four = [(PROMPT + c, 8) for c in lens] + ([(PROMPT + longest, a.confirm_gens)] if longest > max(lens) else [])
     return [
-        dict(name="llama8b_4bit", model="llama-3.1-8b", dtype="fp16", four_bit=True, points=four, budget=a.budget_gib,
-             longest=longest),
-        dict(name="llama8b_bf16", model="llama-3.1-8b", dtype="bf16", four_bit=False,
-             points=[(PROMPT + c, 8) for c in lens], budget=None),
-        dict(name="qwen1.5b_4bit", model="qwen2.5-1.5b", dtype="fp16", four_bit=True, points=[(PROMPT + 1024, 8)],
-             budget=a.budget_gib),
+        dict(
+            name="llama8b_4bit",
+            model="llama-3.1-8b",
+            dtype="fp16",
+            four_bit=True,
+            points=four,
+            budget=a.budget_gib,
+            longest=longest,
+        ),
+        dict(
+            name="llama8b_bf16",
+            model="llama-3.1-8b",
+            dtype="bf16",
+            four_bit=False,
+            points=[(PROMPT + c, 8) for c in lens],
+            budget=None,
+        ),
+        dict(
+            name="qwen1.5b_4bit",
+            model="qwen2.5-1.5b",
+            dtype="fp16",
+            four_bit=True,
+            points=[(PROMPT + 1024, 8)],
+            budget=a.budget_gib,
+        ),
     ]
 
 
 def run_process(p: dict, out_dir: Path, timeout: int) -> tuple[list[dict], str]:
     seq = ",".join(f"{T}:{G}" for T, G in p["points"])
-    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--model", p["model"], "--seq-len", seq,
-           "--prompt-len", str(PROMPT), "--rows", "ours_offload", "--dtype", p["dtype"], "--beta", "0.04",
-           "--lora-r", str(LORA_RANK), "--out-dir", str(out_dir), "--tag", p["name"]]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "step.py"),
+        "--model",
+        p["model"],
+        "--seq-len",
+        seq,
+        "--prompt-len",
+        str(PROMPT),
+        "--rows",
+        "ours_offload",
+        "--dtype",
+        p["dtype"],
+        "--beta",
+        "0.04",
+        "--lora-r",
+        str(LORA_RANK),
+        "--out-dir",
+        str(out_dir),
+        "--tag",
+        p["name"],
+    ]
     if p["four_bit"]:
         cmd.append("--load-in-4bit")
     if p["budget"]:
@@ -103,14 +160,29 @@ def rows_of(p: dict, results: list[dict]) -> list[dict]:
         r = done.get((T, G), {})
         calc = calculator_gib(p["model"], p["dtype"], p["four_bit"], G, T - PROMPT)
         peak = r.get("peak_allocated_gib")
-        rows.append(dict(model=p["model"], dtype=p["dtype"], load_in_4bit=p["four_bit"], generations=G,
-                         completion_len=T - PROMPT, prompt_len=PROMPT, budget_gib=p["budget"],
-                         peak_gib=r.get("peak_reserved_gib"), peak_allocated_gib=peak, step_s=r.get("step_s"),
-                         ok=r.get("status") == "ok", status=r.get("status", p.get("missing_status", "not run")),
-                         error=r.get("error"),
-                         calculator_gib=calc, calculator_error=(calc / peak - 1) if peak else None,
-                         weights_gib=r.get("weights_gib"), grad_scale=r.get("grad_scale"),
-                         longest_by_calculator=p.get("longest") == T - PROMPT, process=p["name"]))
+        rows.append(
+            dict(
+                model=p["model"],
+                dtype=p["dtype"],
+                load_in_4bit=p["four_bit"],
+                generations=G,
+                completion_len=T - PROMPT,
+                prompt_len=PROMPT,
+                budget_gib=p["budget"],
+                peak_gib=r.get("peak_reserved_gib"),
+                peak_allocated_gib=peak,
+                step_s=r.get("step_s"),
+                ok=r.get("status") == "ok",
+                status=r.get("status", p.get("missing_status", "not run")),
+                error=r.get("error"),
+                calculator_gib=calc,
+                calculator_error=(calc / peak - 1) if peak else None,
+                weights_gib=r.get("weights_gib"),
+                grad_scale=r.get("grad_scale"),
+                longest_by_calculator=p.get("longest") == T - PROMPT,
+                process=p["name"],
+            )
+        )
     return rows
 
 
@@ -118,21 +190,31 @@ def write(rows: list[dict], logs: dict, a, out_dir: Path, hw: dict) -> None:
     cmd = command_line("qlora", ["--memory", *a.argv])
     data = dict(command=cmd, hardware=hw, rows=rows, logs=logs)
     f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [f"# 4-bit training memory ({a.tag})", "", f"Command: `{cmd}`", f"Hardware: {hw}", "",
-             "Whole training step (bench/step.py `ours_offload`): reference pass, policy forward/backward one "
-             "sequence per micro-batch, AdamW; LoRA r=16 on all linear layers, beta 0.04, prompt 512. peak = "
-             "`max_memory_reserved` over the step (what the cap limits), allocated beside it; calculator = "
-             "`grpo_kit.memory.estimate(model, EstimateSpec(..., include_generation=False))` against the allocated "
-             "peak.", "",
-             "| model | dtype | 4-bit | G x completion | budget GiB | peak reserved GiB | peak allocated GiB | "
-             "calculator GiB | calc. error | step s | status |", "|" + "---|" * 11]
+    lines = [
+        f"# 4-bit training memory ({a.tag})",
+        "",
+        f"Command: `{cmd}`",
+        f"Hardware: {hw}",
+        "",
+        "Whole training step (bench/step.py `ours_offload`): reference pass, policy forward/backward one "
+        "sequence per micro-batch, AdamW; LoRA r=16 on all linear layers, beta 0.04, prompt 512. peak = "
+        "`max_memory_reserved` over the step (what the cap limits), allocated beside it; calculator = "
+        "`grpo_kit.memory.estimate(model, EstimateSpec(..., include_generation=False))` against the allocated "
+        "peak.",
+        "",
+        "| model | dtype | 4-bit | G x completion | budget GiB | peak reserved GiB | peak allocated GiB | "
+        "calculator GiB | calc. error | step s | status |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
         err = f"{r['calculator_error']:+.1%}" if r["calculator_error"] is not None else ""
         mark = " (calculator's longest)" if r["longest_by_calculator"] else ""
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['load_in_4bit']} | {r['generations']} x "
-                     f"{r['completion_len']:,}{mark} | {f(r['budget_gib'], 1)} | {f(r['peak_gib'])} | "
-                     f"{f(r['peak_allocated_gib'])} | {f(r['calculator_gib'])} | {err} | {f(r['step_s'], 1)} | "
-                     f"{r['status']} |")
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['load_in_4bit']} | {r['generations']} x "
+            f"{r['completion_len']:,}{mark} | {f(r['budget_gib'], 1)} | {f(r['peak_gib'])} | "
+            f"{f(r['peak_allocated_gib'])} | {f(r['calculator_gib'])} | {err} | {f(r['step_s'], 1)} | "
+            f"{r['status']} |"
+        )
     record_report("qlora_memory", data, lines, out_dir)
 
 
@@ -164,7 +246,7 @@ def main(argv=None) -> int:
         for q in procs:
             results, logs[q["name"]] = run_process(q, Path(tmp), a.timeout)
             rows += rows_of(q, results)
-            print(json.dumps(rows[-len(q["points"]):], default=str), flush=True)
+            print(json.dumps(rows[-len(q["points"]) :], default=str), flush=True)
     write(rows, logs, a, out_dir, hw)  # once: the data file is appended to
     return 0
 

@@ -78,12 +78,22 @@ def render_page(benchmark: str, rows: list[dict], notes: str = "") -> str:
     """The Markdown page of one benchmark: its notes, the current rows with every figure, the commands that made
     them, then the superseded rows."""
     current, old = split_current(rows)
-    lines = [f"# {benchmark}", "", GENERATED.format(data=f"`data/{benchmark}.jsonl`",
-                                                    notes=f"`notes/{benchmark}.md`"), ""]
+    lines = [
+        f"# {benchmark}",
+        "",
+        GENERATED.format(data=f"`data/{benchmark}.jsonl`", notes=f"`notes/{benchmark}.md`"),
+        "",
+    ]
     if notes.strip():
         lines += [notes.strip(), ""]
-    lines += [f"## Current rows ({len(current)})", "", *table(current, figure_keys(current)), "",
-              "Commands (date, card):", ""]
+    lines += [
+        f"## Current rows ({len(current)})",
+        "",
+        *table(current, figure_keys(current)),
+        "",
+        "Commands (date, card):",
+        "",
+    ]
     for command in dict.fromkeys(r["command"] for r in current):
         runs = sorted({f"{r['date'][:10]}, {r['card']}" for r in current if r["command"] == command})
         lines.append(f"- `{command or '(not recorded)'}` ({'; '.join(runs)})")
@@ -94,19 +104,28 @@ def render_page(benchmark: str, rows: list[dict], notes: str = "") -> str:
 
 def render_index(pages: dict[str, list[dict]]) -> str:
     """``README.md`` of the results folder: per benchmark, its current rows with their headline figures."""
-    lines = ["# Benchmark results", "",
-             GENERATED.format(data="`data/*.jsonl`", notes="`notes/*.md`"), "",
-             "One data file per benchmark (`data/<benchmark>.jsonl`, one JSON row per measured configuration: "
-             "benchmark, row, model, shape, dtype, card, date, commit, command, figures); each page below is made "
-             "from it. The run folders beside them hold whole runs (config, metrics, logs).", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        GENERATED.format(data="`data/*.jsonl`", notes="`notes/*.md`"),
+        "",
+        "One data file per benchmark (`data/<benchmark>.jsonl`, one JSON row per measured configuration: "
+        "benchmark, row, model, shape, dtype, card, date, commit, command, figures); each page below is made "
+        "from it. The run folders beside them hold whole runs (config, metrics, logs).",
+        "",
+    ]
     for benchmark, rows in sorted(pages.items()):
         current, old = split_current(rows)
         heads = [k for k in HEADLINES.get(benchmark, ()) if k in figure_keys(current)]
         heads = heads or figure_keys(current, numbers_only=True)[:3]
-        lines += [f"## [{benchmark}]({benchmark}.md)", "",
-                  f"{len(current)} current rows, {len(old)} superseded; latest "
-                  f"{max(r['date'] for r in rows)[:10]}.", "",
-                  *table(current, heads, columns=("row", "model", "shape", "dtype", "card")), ""]
+        lines += [
+            f"## [{benchmark}]({benchmark}.md)",
+            "",
+            f"{len(current)} current rows, {len(old)} superseded; latest {max(r['date'] for r in rows)[:10]}.",
+            "",
+            *table(current, heads, columns=("row", "model", "shape", "dtype", "card")),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -140,8 +159,11 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is out of date")
     a = p.parse_args(argv)
     if a.check:
-        stale = [n for n, t in pages(a.results_dir).items()
-                 if not (Path(a.results_dir) / n).is_file() or (Path(a.results_dir) / n).read_text() != t]
+        stale = [
+            n
+            for n, t in pages(a.results_dir).items()
+            if not (Path(a.results_dir) / n).is_file() or (Path(a.results_dir) / n).read_text() != t
+        ]
         print("out of date: " + ", ".join(stale) if stale else "all pages match their data")
         return 1 if stale else 0
     print("\n".join(write_pages(a.results_dir)) or "nothing changed")

@@ -58,21 +58,35 @@ def measure(pm, scale: float, dev, repeat: int = 1, profile: bool = False) -> di
     prof = None
     if profile:
         prof = kernel_profile(lambda: (merge.merge(), merge.restore()), dev)
-    exact = all(torch.equal(w.detach().view(torch.int16 if w.element_size() == 2 else torch.int32),
-                            before[n].view(torch.int16 if w.element_size() == 2 else torch.int32))
-                for n, w in weights.items())
+    exact = all(
+        torch.equal(
+            w.detach().view(torch.int16 if w.element_size() == 2 else torch.int32),
+            before[n].view(torch.int16 if w.element_size() == 2 else torch.int32),
+        )
+        for n, w in weights.items()
+    )
     total = sum(w.numel() for w in weights.values())
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.div_(scale)
     steady = rounds[1:] or rounds
-    row = dict(scale=scale, delta_over_weight_median=statistics.median(ratios), weights=info["weights"],
-               elements=total, changed_share=changed / total, exceptions=info["exceptions"],
-               exception_share=info["exceptions"] / total, exception_mib=info["exception_bytes"] / 2**20,
-               merge_s=info["seconds"], restore_s=back["seconds"], rounds=len(rounds),
-               merge_s_steady=statistics.median(m for m, _ in steady),
-               restore_s_steady=statistics.median(r for _, r in steady), bits_restored=exact)
+    row = dict(
+        scale=scale,
+        delta_over_weight_median=statistics.median(ratios),
+        weights=info["weights"],
+        elements=total,
+        changed_share=changed / total,
+        exceptions=info["exceptions"],
+        exception_share=info["exceptions"] / total,
+        exception_mib=info["exception_bytes"] / 2**20,
+        merge_s=info["seconds"],
+        restore_s=back["seconds"],
+        rounds=len(rounds),
+        merge_s_steady=statistics.median(m for m, _ in steady),
+        restore_s_steady=statistics.median(r for _, r in steady),
+        bits_restored=exact,
+    )
     if prof is not None:
         row["profile"] = prof
     return row
@@ -96,8 +110,7 @@ def random_adapter_model(name: str, dtype, dev, delta: float):
     from grpo_kit.model.loading import build_random_model
 
     model = build_random_model(name, dtype=dtype, device=dev)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0,
-                                                    target_modules=LORA_TARGETS))
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
     g = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
         for module in pm.modules():
@@ -145,31 +158,52 @@ def main(argv=None) -> int:
         s = json.loads(summary.read_text())
         run = {k: s.get(k) for k in ("model", "task", "steps", "accuracy_before", "accuracy_after", "device")}
     hw = hardware(dev)
-    lines = [f"# The adapter merged into the shared weights and restored ({a.tag})", "",
-             f"Command: `{cmd}`", f"Hardware: {hardware_line(hw)}", "",
-             (f"{a.model} with random weights in {a.dtype} and a random LoRA adapter (r=16, every linear layer, "
-              f"mean|dW| / mean|W| = {a.delta:g} per weight)" if a.model else
-              f"Embedded SmolLM2-135M-Instruct, real weights in {a.dtype}, adapter `{a.adapter}`") +
-             " with its B factors scaled; every merged weight's elements counted."
-             + (f" The adapter's run: {run}." if run else "")
-             + f" {a.repeat} merge and restore round(s) per scale; steady = the median of the rounds after the first.",
-             "", "| B scale | mean abs(dW) / mean abs(W) (median) | elements changed by the merge | kept for the restore | "
-             "kept MiB (host) | merge s (first / steady) | restore s (first / steady) | every bit back |", "|" + "---|" * 8]
+    lines = [
+        f"# The adapter merged into the shared weights and restored ({a.tag})",
+        "",
+        f"Command: `{cmd}`",
+        f"Hardware: {hardware_line(hw)}",
+        "",
+        (
+            f"{a.model} with random weights in {a.dtype} and a random LoRA adapter (r=16, every linear layer, "
+            f"mean|dW| / mean|W| = {a.delta:g} per weight)"
+            if a.model
+            else f"Embedded SmolLM2-135M-Instruct, real weights in {a.dtype}, adapter `{a.adapter}`"
+        )
+        + " with its B factors scaled; every merged weight's elements counted."
+        + (f" The adapter's run: {run}." if run else "")
+        + f" {a.repeat} merge and restore round(s) per scale; steady = the median of the rounds after the first.",
+        "",
+        "| B scale | mean abs(dW) / mean abs(W) (median) | elements changed by the merge | kept for the restore | "
+        "kept MiB (host) | merge s (first / steady) | restore s (first / steady) | every bit back |",
+        "|" + "---|" * 8,
+    ]
     for r in rows:
-        lines.append(f"| {r['scale']:g} | {r['delta_over_weight_median']:.2e} | {r['changed_share']:.2%} | "
-                     f"{r['exception_share']:.3%} ({r['exceptions']:,}) | {r['exception_mib']:.2f} | "
-                     f"{r['merge_s']:.3f} / {r['merge_s_steady']:.3f} | {r['restore_s']:.3f} / "
-                     f"{r['restore_s_steady']:.3f} | {r['bits_restored']} |")
+        lines.append(
+            f"| {r['scale']:g} | {r['delta_over_weight_median']:.2e} | {r['changed_share']:.2%} | "
+            f"{r['exception_share']:.3%} ({r['exceptions']:,}) | {r['exception_mib']:.2f} | "
+            f"{r['merge_s']:.3f} / {r['merge_s_steady']:.3f} | {r['restore_s']:.3f} / "
+            f"{r['restore_s_steady']:.3f} | {r['bits_restored']} |"
+        )
     for r in rows:
         if "profile" in r:
             pr = r["profile"]
-            lines += ["", f"Profile of one more merge + restore at scale {r['scale']:g}: wall {pr['wall_s_profiled']:.3f} s, "
-                      f"host (self CPU) {pr['cpu_total_ms']:.1f} ms, GPU (self CUDA) {pr['cuda_total_ms']:.1f} ms.", "",
-                      "| op (by host time) | calls | self CPU ms | self CUDA ms |", "|---|---|---|---|"]
-            lines += [f"| `{e['name']}` | {e['calls']} | {e['self_cpu_ms']:.2f} | {e['self_cuda_ms']:.2f} |"
-                      for e in pr["top_cpu"][:15]]
+            lines += [
+                "",
+                f"Profile of one more merge + restore at scale {r['scale']:g}: wall {pr['wall_s_profiled']:.3f} s, "
+                f"host (self CPU) {pr['cpu_total_ms']:.1f} ms, GPU (self CUDA) {pr['cuda_total_ms']:.1f} ms.",
+                "",
+                "| op (by host time) | calls | self CPU ms | self CUDA ms |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{e['name']}` | {e['calls']} | {e['self_cpu_ms']:.2f} | {e['self_cuda_ms']:.2f} |"
+                for e in pr["top_cpu"][:15]
+            ]
     print("\n".join(lines))
-    record_report("reversible_merge", {"command": cmd, "hardware": hw, "adapter_run": run, "rows": rows}, lines, a.out_dir)
+    record_report(
+        "reversible_merge", {"command": cmd, "hardware": hw, "adapter_run": run, "rows": rows}, lines, a.out_dir
+    )
     return 0 if all(r["bits_restored"] for r in rows) else 1
 
 

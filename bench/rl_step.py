@@ -100,21 +100,39 @@ ROOT = Path(__file__).resolve().parent.parent
 LORA_RANK, LORA_ALPHA = 16, 32  # every row's adapter
 
 # row: (kv_cache_dtype, vllm_share_weights, vllm_lora_sync, base_weights); grpo_kit_fp8w_hf generates with HF
-KIT_ROWS = {"grpo_kit_fp8": ("fp8", True, None, "16bit"), "grpo_kit_bf16": ("auto", True, None, "16bit"),
-            "grpo_kit_merge": ("fp8", True, "merge", "16bit"), "grpo_kit_adapter": ("fp8", True, "adapter", "16bit"),
-            "grpo_kit_copy": ("auto", False, None, "16bit"), "grpo_kit_fp8w": ("fp8", True, None, "fp8"),
-            "grpo_kit_fp8w_hf": ("auto", "auto", None, "fp8")}
-IMPL = {"grpo_kit_fp8": "grpo_kit", "grpo_kit_bf16": "grpo_kit", "grpo_kit_merge": "grpo_kit",
-        "grpo_kit_adapter": "grpo_kit", "grpo_kit_copy": "grpo_kit_copy", "grpo_kit_fp8w": "grpo_kit",
-        "grpo_kit_fp8w_hf": "grpo_kit"}
-GEN_ROWS = {"gen_vllm": "16bit", "gen_vllm_fp8w": "fp8", "gen_vllm_fp8w_dense": "fp8", "gen_hf": "16bit",
-            "gen_hf_fp8w": "fp8"}  # row: base_weights
+KIT_ROWS = {
+    "grpo_kit_fp8": ("fp8", True, None, "16bit"),
+    "grpo_kit_bf16": ("auto", True, None, "16bit"),
+    "grpo_kit_merge": ("fp8", True, "merge", "16bit"),
+    "grpo_kit_adapter": ("fp8", True, "adapter", "16bit"),
+    "grpo_kit_copy": ("auto", False, None, "16bit"),
+    "grpo_kit_fp8w": ("fp8", True, None, "fp8"),
+    "grpo_kit_fp8w_hf": ("auto", "auto", None, "fp8"),
+}
+IMPL = {
+    "grpo_kit_fp8": "grpo_kit",
+    "grpo_kit_bf16": "grpo_kit",
+    "grpo_kit_merge": "grpo_kit",
+    "grpo_kit_adapter": "grpo_kit",
+    "grpo_kit_copy": "grpo_kit_copy",
+    "grpo_kit_fp8w": "grpo_kit",
+    "grpo_kit_fp8w_hf": "grpo_kit",
+}
+GEN_ROWS = {
+    "gen_vllm": "16bit",
+    "gen_vllm_fp8w": "fp8",
+    "gen_vllm_fp8w_dense": "fp8",
+    "gen_hf": "16bit",
+    "gen_hf_fp8w": "fp8",
+}  # row: base_weights
 ROWS = (*KIT_ROWS, "trl", *GEN_ROWS)
 
 
 def weights_name(base_weights: str) -> str:
     """The recorded ``base_weights``: ``fp8``, or the 16-bit dtype the rows run in (``bf16``)."""
     return "fp8" if base_weights == "fp8" else "bf16"
+
+
 PROMPT_TOKENS = 512  # the default --prompt
 GENERATIONS = 8
 
@@ -171,6 +189,7 @@ class DeviceMemory:
 
     def phase(self, label: str, fn):
         """``fn`` with ``label`` as the running phase during each call (the previous one restored after)."""
+
         def wrapper(*args, **kwargs):
             before = self.label
             self.switch(label)
@@ -181,6 +200,7 @@ class DeviceMemory:
             if label in self.on_exit:  # after a call that returned: a failing hook must not hide the call's error
                 self.on_exit.pop(label)()
             return out
+
         return wrapper
 
     def stop(self) -> float:
@@ -201,8 +221,10 @@ class DeviceMemory:
     def phase_torch_peaks(self) -> dict[str, dict[str, float]]:
         """``{label: {"allocated": GiB, "reserved": GiB}}``: PyTorch's allocator's peaks per phase (whole
         figures, no baseline: an engine's pool counts as PyTorch sees it)."""
-        return {k: {"allocated": round(a / 2**30, 3), "reserved": round(r / 2**30, 3)}
-                for k, (a, r) in self.torch_peaks.items()}
+        return {
+            k: {"allocated": round(a / 2**30, 3), "reserved": round(r / 2**30, 3)}
+            for k, (a, r) in self.torch_peaks.items()
+        }
 
 
 def _prompt_text(tok, n: int) -> str:
@@ -227,6 +249,7 @@ def _timed_into(totals: dict, fn):
         finally:
             torch.cuda.synchronize()
             totals["sync"] += time.perf_counter() - t
+
     return wrapper
 
 
@@ -248,7 +271,7 @@ def thread_cpu_s() -> dict[int, tuple[str, float]]:
                 stat = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime (fields 14, 15)
     return out
 
@@ -289,14 +312,21 @@ class PassWindow:
         if self._t0 is None:
             return None
         wall, cpu1, main = time.perf_counter() - self._t0, thread_cpu_s(), threading.get_native_id()
-        used = {tid: (self.labels.get(tid, name), t - self._cpu0.get(tid, (name, 0.0))[1])
-                for tid, (name, t) in cpu1.items()}
+        used = {
+            tid: (self.labels.get(tid, name), t - self._cpu0.get(tid, (name, 0.0))[1])
+            for tid, (name, t) in cpu1.items()
+        }
         others = sorted(((t, name) for tid, (name, t) in used.items() if tid != main), reverse=True)
         self._t0 = None
-        return {"wall_s": round(wall, 3), "main_cpu_s": round(used.get(main, ("", 0.0))[1], 3),
-                "other_cpu_s": round(sum(t for t, _ in others), 3),
-                "busiest_others": [[name, round(t, 3)] for t, name in others[:3]],
-                "gc_s": round(self._gc["s"], 3), "gc_full": self._gc["full"], "micro_batches": self._subs + 1}
+        return {
+            "wall_s": round(wall, 3),
+            "main_cpu_s": round(used.get(main, ("", 0.0))[1], 3),
+            "other_cpu_s": round(sum(t for t, _ in others), 3),
+            "busiest_others": [[name, round(t, 3)] for t, name in others[:3]],
+            "gc_s": round(self._gc["s"], 3),
+            "gc_full": self._gc["full"],
+            "micro_batches": self._subs + 1,
+        }
 
 
 class StepTimes:
@@ -305,8 +335,9 @@ class StepTimes:
     ``profile_step`` (1-based): that step's pass window also runs under torch.profiler; ``profile`` is then
     :class:`KernelProfile`'s summary with the window's ``micro_batches``."""
 
-    def __init__(self, totals, labels: dict[int, str] | None = None, profile_step: int | None = None,
-                 dev: str = "cuda"):
+    def __init__(
+        self, totals, labels: dict[int, str] | None = None, profile_step: int | None = None, dev: str = "cuda"
+    ):
         from transformers import TrainerCallback
 
         self.totals, self.steps, self.window, outer = totals, [], PassWindow(labels), self
@@ -379,16 +410,34 @@ def kit_row(name: str, a) -> dict:
 
     kv, share, lora_sync, base_weights = KIT_ROWS[name]
     C = a.completion
-    cfg = GRPOKitConfig(model=a.model, output_dir=a.run_dir, max_prompt_length=a.prompt, max_completion_length=C,
-                        num_generations=GENERATIONS, per_device_train_batch_size=a.micro_batch,
-                        gradient_accumulation_steps=GENERATIONS // a.micro_batch, beta=0.04,
-                        prefix_sharing=a.prefix_sharing, lora_rank=LORA_RANK,
-                        lora_alpha=LORA_ALPHA,
-                        kv_cache_dtype=kv, vllm_share_weights=share, vllm_lora_sync=lora_sync, base_weights=base_weights,
-                        generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
-                        gradient_checkpointing=True, max_steps=_steps_run(a), dtype="bf16",
-                        device="cuda", temperature=1.0,
-                        save_steps=0, num_eval_samples=0, learning_rate=1e-5, warmup_steps=0, logging_steps=1)
+    cfg = GRPOKitConfig(
+        model=a.model,
+        output_dir=a.run_dir,
+        max_prompt_length=a.prompt,
+        max_completion_length=C,
+        num_generations=GENERATIONS,
+        per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=GENERATIONS // a.micro_batch,
+        beta=0.04,
+        prefix_sharing=a.prefix_sharing,
+        lora_rank=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        kv_cache_dtype=kv,
+        vllm_share_weights=share,
+        vllm_lora_sync=lora_sync,
+        base_weights=base_weights,
+        generation_backend="hf" if name == "grpo_kit_fp8w_hf" else "vllm",
+        gradient_checkpointing=True,
+        max_steps=_steps_run(a),
+        dtype="bf16",
+        device="cuda",
+        temperature=1.0,
+        save_steps=0,
+        num_eval_samples=0,
+        learning_rate=1e-5,
+        warmup_steps=0,
+        logging_steps=1,
+    )
     lora_sync = lora_sync_mode(cfg)  # the row's mode, the kit's default resolved
     if lora_sync == "adapter":  # the option applies to vLLM's LoRA kernels only
         cfg.vllm_lora_dual_stream = {"on": True, "off": False, "auto": None}[a.lora_dual_stream]
@@ -400,9 +449,12 @@ def kit_row(name: str, a) -> dict:
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     plan = plan_generation(cfg, model_config=model_config(a.model), device="cuda", dtype=dtype)
-    gen, model, info = start_generation(plan, tokenizer=tok, dtype=dtype,
-                                        load_model=lambda: load_model(a.model, dtype=dtype, device="cuda",
-                                                                      base_weights=base_weights)[0])
+    gen, model, info = start_generation(
+        plan,
+        tokenizer=tok,
+        dtype=dtype,
+        load_model=lambda: load_model(a.model, dtype=dtype, device="cuda", base_weights=base_weights)[0],
+    )
     setup_s = time.perf_counter() - t0
     totals = time_phases((GRPOTrainer, KitGenerationMixin, EfficientGRPOTrainer))
     gen.sync_weights = _timed_into(totals, gen.sync_weights)
@@ -414,11 +466,20 @@ def kit_row(name: str, a) -> dict:
     ds, times = _row_inputs(tok, mem, totals, a)
     gen.generate = mem.phase("generation", gen.generate)  # the engine's part of the peak apart from training's
     gen.sleep = mem.phase("generation", gen.sleep)  # until standby has released the KV cache, it is generation's
-    trainer = make_trainer(cfg, model=model, tokenizer=tok, reward_funcs=[_reward], args=grpo_args(cfg, "cuda", dtype),
-                           train_dataset=ds, callbacks=[times.callback], generator=gen,
-                           peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
-                               LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model))),
-                           memory_plan=plan.memory)  # scoring_batch_size resolved as `grpo_kit train` resolves it
+    trainer = make_trainer(
+        cfg,
+        model=model,
+        tokenizer=tok,
+        reward_funcs=[_reward],
+        args=grpo_args(cfg, "cuda", dtype),
+        train_dataset=ds,
+        callbacks=[times.callback],
+        generator=gen,
+        peft_config=(fp8_lora_config if base_weights == "fp8" else lambda c: c)(
+            LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model))
+        ),
+        memory_plan=plan.memory,
+    )  # scoring_batch_size resolved as `grpo_kit train` resolves it
     trainer.kit_sampling = dataclasses.replace(trainer.kit_sampling, min_tokens=C)  # fixed length
     # the no-grad log-prob passes (reference; old policy where TRL runs it) apart from the loss's passes
     trainer._get_per_token_logps_and_entropies = mem.phase("scoring", trainer._get_per_token_logps_and_entropies)
@@ -429,8 +490,10 @@ def kit_row(name: str, a) -> dict:
         nonlocal peak_allocations
         from grpo_kit.memory import live_at_peak
 
-        peak_allocations = dict(live_at_peak(torch.cuda.memory._snapshot(), device=torch.cuda.current_device(),
-                                             top=25), at=a.memory_history_at)
+        peak_allocations = dict(
+            live_at_peak(torch.cuda.memory._snapshot(), device=torch.cuda.current_device(), top=25),
+            at=a.memory_history_at,
+        )
         torch.cuda.memory._record_memory_history(enabled=None)
 
     if a.memory_history:  # PyTorch's allocator history, Python frames only (C++ stacks would slow every allocation)
@@ -446,20 +509,37 @@ def kit_row(name: str, a) -> dict:
         gen_alone = generation_alone(gen, trainer.model, tok, a.gen_tokens, a.prompt) if a.gen_tokens else None
     except Exception as e:
         gen_alone = {"error": f"{type(e).__name__}: {e}"}
-    out = dict(gen_alone=gen_alone, impl=IMPL[name], weights_shared=bool(getattr(gen, "share_weights", False)),
-               base_weights=weights_name(base_weights), quantization=getattr(model, "grpo_kit_quantization", None),
-               lora_dual_stream=getattr(gen, "lora_dual_stream", None), lora_sync=getattr(gen, "lora_sync", None),
-               last_merge=getattr(gen, "last_merge", None),
-               kv_cache_dtype="fp8" if kv == "fp8" else "bf16", setup_s=setup_s, generation=info,
-               steps=steps, peak_gib=peak, phase_peaks_gib=mem.phase_peaks(), phase_torch_gib=mem.phase_torch_peaks(),
-               torch_max_reserved_gib=mem.torch_max_reserved(),
-               vllm_pool_gib=_cumem_gib(), sync_modes=[e["mode"] for e in kit_channel(trainer).sync_log],
-               completion_tokens=GENERATIONS * C, scoring_batch_size=trainer.scoring_batch_size,
-               prefix_sharing=dict(setting=a.prefix_sharing, **trainer.prefix_sharing_stats),
-               peak_allocations=peak_allocations, training_profile=profiled,
-               # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
-               sampling=[{k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("sampling/")}
-                         for h in trainer.state.log_history if any(k.startswith("sampling/") for k in h)])
+    out = dict(
+        gen_alone=gen_alone,
+        impl=IMPL[name],
+        weights_shared=bool(getattr(gen, "share_weights", False)),
+        base_weights=weights_name(base_weights),
+        quantization=getattr(model, "grpo_kit_quantization", None),
+        lora_dual_stream=getattr(gen, "lora_dual_stream", None),
+        lora_sync=getattr(gen, "lora_sync", None),
+        last_merge=getattr(gen, "last_merge", None),
+        kv_cache_dtype="fp8" if kv == "fp8" else "bf16",
+        setup_s=setup_s,
+        generation=info,
+        steps=steps,
+        peak_gib=peak,
+        phase_peaks_gib=mem.phase_peaks(),
+        phase_torch_gib=mem.phase_torch_peaks(),
+        torch_max_reserved_gib=mem.torch_max_reserved(),
+        vllm_pool_gib=_cumem_gib(),
+        sync_modes=[e["mode"] for e in kit_channel(trainer).sync_log],
+        completion_tokens=GENERATIONS * C,
+        scoring_batch_size=trainer.scoring_batch_size,
+        prefix_sharing=dict(setting=a.prefix_sharing, **trainer.prefix_sharing_stats),
+        peak_allocations=peak_allocations,
+        training_profile=profiled,
+        # the rollout-trainer mismatch per step: |dlogp| mean / max and the importance ratio's min / mean / max
+        sampling=[
+            {k.split("/", 1)[1]: v for k, v in h.items() if k.startswith("sampling/")}
+            for h in trainer.state.log_history
+            if any(k.startswith("sampling/") for k in h)
+        ],
+    )
     gen.close()
     return out
 
@@ -469,9 +549,10 @@ def _profiled_step(steps: list[dict], times: StepTimes, a) -> tuple[list[dict], 
     beside the profiler's summary (the profiler slows the step: it joins no median)."""
     if not a.profile_training:
         return steps, None
-    extra = steps[a.steps:]
-    return steps[:a.steps], dict(times.profile or {"error": "the profiled step did not end"},
-                                 step=extra[0] if extra else None)
+    extra = steps[a.steps :]
+    return steps[: a.steps], dict(
+        times.profile or {"error": "the profiled step did not end"}, step=extra[0] if extra else None
+    )
 
 
 def _timed_generate(eng, prompt, sampling) -> dict:
@@ -538,42 +619,78 @@ def trl_row(a) -> dict:
     model = build_random_model(a.model, dtype=torch.bfloat16, device="cuda")
     model.name_or_path = str(folder)  # TRL's colocated engine starts from here
     model.config._name_or_path = str(folder)
-    args = GRPOConfig(output_dir=a.run_dir, max_steps=_steps_run(a), per_device_train_batch_size=a.micro_batch,
-                      gradient_accumulation_steps=GENERATIONS // a.micro_batch, num_generations=GENERATIONS, max_completion_length=C,
-                      beta=0.04, bf16=True, gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
-                      vllm_enable_sleep_mode=True, vllm_max_model_length=a.prompt + C,
-                      generation_kwargs={"min_tokens": C}, use_bias_correction_kl=False, learning_rate=1e-5,
-                      warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
-                      seed=0, disable_tqdm=True, vllm_gpu_memory_utilization=a.trl_vllm_memory)
+    args = GRPOConfig(
+        output_dir=a.run_dir,
+        max_steps=_steps_run(a),
+        per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=GENERATIONS // a.micro_batch,
+        num_generations=GENERATIONS,
+        max_completion_length=C,
+        beta=0.04,
+        bf16=True,
+        gradient_checkpointing=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        vllm_max_model_length=a.prompt + C,
+        generation_kwargs={"min_tokens": C},
+        use_bias_correction_kl=False,
+        learning_rate=1e-5,
+        warmup_steps=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        temperature=1.0,
+        seed=0,
+        disable_tqdm=True,
+        vllm_gpu_memory_utilization=a.trl_vllm_memory,
+    )
     ds, times = _row_inputs(tok, mem, totals, a)
-    trainer = GRPOTrainer(model=model, reward_funcs=[_reward], args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[times.callback], peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
-                                                                             target_modules=lora_targets_of(a.model)))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[_reward],
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[times.callback],
+        peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model)),
+    )
     setup_s = time.perf_counter() - t0
     trainer.train()
     peak = mem.stop()
     steps, profiled = _profiled_step(times.steps, times, a)
     # TRL syncs inside generation (after its level-2 sleep the weights must be pushed again)
-    return dict(impl="trl", weights_shared=False, base_weights="bf16", kv_cache_dtype="bf16", setup_s=setup_s,
-                steps=steps, training_profile=profiled,
-                peak_gib=peak, torch_max_reserved_gib=mem.torch_max_reserved(),
-                vllm_pool_gib=_cumem_gib(), completion_tokens=GENERATIONS * C,
-                vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    return dict(
+        impl="trl",
+        weights_shared=False,
+        base_weights="bf16",
+        kv_cache_dtype="bf16",
+        setup_s=setup_s,
+        steps=steps,
+        training_profile=profiled,
+        peak_gib=peak,
+        torch_max_reserved_gib=mem.torch_max_reserved(),
+        vllm_pool_gib=_cumem_gib(),
+        completion_tokens=GENERATIONS * C,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
 
 
 # Kernel names by what they do in a decode step (vLLM 0.26 on Hopper): the LoRA kernels are Triton's
 # ``_lora_shrink_kernel`` / ``_lora_expand_kernel``; FP8 GEMMs are CUTLASS ``scaled_mm`` (e4m3) kernels;
 # the activations' per-token FP8 quantisation is its own small kernel before each of them.
-DECODE_KINDS = (("lora", ("lora", "sgmv", "bgmv", "punica")),
-                ("kv_write", ("reshape_and_cache",)),  # its template names the FP8 KV type even for bf16
-                # before fp8_gemm: the quantiser's template names e4m3, and Inductor names its fused
-                # norm + quantise kernels after the GEMM they feed (..._abs_clamp_cutlass_scaled_mm_div_...)
-                ("quantise", ("quant", "abs_clamp")),
-                ("fp8_gemm", ("scaled_mm", "e4m3", "fp8", "cutlass_w8a8")),
-                ("attention", ("flash", "fmha", "attn", "paged")),
-                ("gemm", ("gemm", "nvjet", "cublas", "xmma", "cutlass")),
-                ("norm_act", ("norm", "silu", "act_and_mul", "rotary")),
-                ("sampling", ("topk", "top_k", "sampl", "softmax", "argmax", "sort", "exponential")))
+DECODE_KINDS = (
+    ("lora", ("lora", "sgmv", "bgmv", "punica")),
+    ("kv_write", ("reshape_and_cache",)),  # its template names the FP8 KV type even for bf16
+    # before fp8_gemm: the quantiser's template names e4m3, and Inductor names its fused
+    # norm + quantise kernels after the GEMM they feed (..._abs_clamp_cutlass_scaled_mm_div_...)
+    ("quantise", ("quant", "abs_clamp")),
+    ("fp8_gemm", ("scaled_mm", "e4m3", "fp8", "cutlass_w8a8")),
+    ("attention", ("flash", "fmha", "attn", "paged")),
+    ("gemm", ("gemm", "nvjet", "cublas", "xmma", "cutlass")),
+    ("norm_act", ("norm", "silu", "act_and_mul", "rotary")),
+    ("sampling", ("topk", "top_k", "sampl", "softmax", "argmax", "sort", "exponential")),
+)
 
 
 def decode_kind(kernel: str) -> str:
@@ -606,11 +723,18 @@ def decode_profile(eng, prompt, tokens: int) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + us
     gpu_us = sum(kinds.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:15]
-    return dict(decode_steps=tokens, wall_ms_per_step=1e3 * timed["generation_s"] / tokens,
-                gpu_ms_per_step=gpu_us / 1e3 / tokens,
-                kinds_ms_per_step={k: round(v / 1e3 / tokens, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-                top_kernels=[dict(name=n[:120], kind=kind, ms_per_step=round(us / 1e3 / tokens, 4),
-                                  launches_per_step=round(c / tokens, 2)) for n, (us, c, kind) in top])
+    return dict(
+        decode_steps=tokens,
+        wall_ms_per_step=1e3 * timed["generation_s"] / tokens,
+        gpu_ms_per_step=gpu_us / 1e3 / tokens,
+        kinds_ms_per_step={k: round(v / 1e3 / tokens, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        top_kernels=[
+            dict(
+                name=n[:120], kind=kind, ms_per_step=round(us / 1e3 / tokens, 4), launches_per_step=round(c / tokens, 2)
+            )
+            for n, (us, c, kind) in top
+        ],
+    )
 
 
 def gen_engine_options(name: str, dual_stream: bool) -> tuple[dict, bool]:
@@ -621,8 +745,12 @@ def gen_engine_options(name: str, dual_stream: bool) -> tuple[dict, bool]:
     the merged step leaves it, no LoRA support."""
     fp8 = GEN_ROWS[name] == "fp8"  # the engine on the training model's FP8 codes
     adapter = fp8 and not name.endswith("_dense")
-    return dict(base_weights=GEN_ROWS[name], share_weights=fp8, lora_sync="adapter" if fp8 else "merge",
-                lora_dual_stream=adapter and dual_stream), adapter
+    return dict(
+        base_weights=GEN_ROWS[name],
+        share_weights=fp8,
+        lora_sync="adapter" if fp8 else "merge",
+        lora_dual_stream=adapter and dual_stream,
+    ), adapter
 
 
 def gen_row(name: str, a) -> dict:
@@ -633,7 +761,7 @@ def gen_row(name: str, a) -> dict:
 
     C = a.completion
     tok = load_tokenizer(a.model)
-    prompt = tok(_prompt_text(tok, a.prompt))["input_ids"][:a.prompt]
+    prompt = tok(_prompt_text(tok, a.prompt))["input_ids"][: a.prompt]
     sampling = SamplingConfig(temperature=1.0, max_tokens=C, min_tokens=C)
     warm = SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=16)
     if name.startswith("gen_vllm"):
@@ -645,11 +773,21 @@ def gen_row(name: str, a) -> dict:
 
         folder, _ = generation_model_dir(a.model, "cuda")
         kv = F.kv_cache_bytes(resolve_arch(a.model), F.vllm_kv_tokens(a.prompt, C, GENERATIONS, 1), 2)
-        opts, adapter = gen_engine_options(name, {"on": True, "off": False,
-                                                  "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream])
-        eng = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", dummy_weights=True,
-                            max_model_len=a.prompt + C, max_num_seqs=GENERATIONS, kv_cache_memory_bytes=int(kv),
-                            gpu_memory_utilization=0.5, max_lora_rank=LORA_RANK, **opts)
+        opts, adapter = gen_engine_options(
+            name, {"on": True, "off": False, "auto": LORA_DUAL_STREAM_DEFAULT}[a.lora_dual_stream]
+        )
+        eng = VLLMGenerator(
+            folder,
+            tokenizer=tok,
+            dtype="bfloat16",
+            dummy_weights=True,
+            max_model_len=a.prompt + C,
+            max_num_seqs=GENERATIONS,
+            kv_cache_memory_bytes=int(kv),
+            gpu_memory_utilization=0.5,
+            max_lora_rank=LORA_RANK,
+            **opts,
+        )
         fp8 = opts["base_weights"] == "fp8"
         if fp8 and not adapter:  # the FP8 codes, no adapter loaded: what the LoRA kernels cost the FP8 engine
             eng.training_model(model_config(a.model), torch.bfloat16)
@@ -658,7 +796,9 @@ def gen_row(name: str, a) -> dict:
 
             from grpo_kit.model.fp8 import fp8_lora_config
 
-            conf = fp8_lora_config(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model)))
+            conf = fp8_lora_config(
+                LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=lora_targets_of(a.model))
+            )
             eng.sync_weights(get_peft_model(eng.training_model(model_config(a.model), torch.bfloat16), conf))
     else:  # gen_hf_fp8w: the FP8 layers quantised on the GPU layer by layer, W8A8 through torch._scaled_mm
         model = load_model(a.model, dtype=torch.bfloat16, device="cuda", base_weights=GEN_ROWS[name])[0]
@@ -680,8 +820,9 @@ def one(name: str, a) -> dict:
 
 def _split(step: dict) -> dict:
     gen_s = step["generate"] - step.get("sync", 0.0)  # the sync runs inside _generate_single_turn
-    return dict(generation_s=gen_s, sync_s=step.get("sync"), training_s=step["step_s"] - step["generate"],
-                step_s=step["step_s"])
+    return dict(
+        generation_s=gen_s, sync_s=step.get("sync"), training_s=step["step_s"] - step["generate"], step_s=step["step_s"]
+    )
 
 
 def _summarise(r: dict) -> dict:
@@ -695,8 +836,14 @@ def _summarise(r: dict) -> dict:
     later = splits[1:] or splits
     med = {k: statistics.median(x[k] for x in later if x[k] is not None) for k in later[0] if later[0][k] is not None}
     gen_s = med["generation_s"]
-    return dict(r, **med, sync_last_s=splits[-1]["sync_s"], first_step=splits[0], steps_in_median=len(later),
-                tokens_per_s=r["completion_tokens"] / gen_s if gen_s > 0 else None)
+    return dict(
+        r,
+        **med,
+        sync_last_s=splits[-1]["sync_s"],
+        first_step=splits[0],
+        steps_in_median=len(later),
+        tokens_per_s=r["completion_tokens"] / gen_s if gen_s > 0 else None,
+    )
 
 
 def _sharing(r: dict) -> str:
@@ -713,40 +860,61 @@ def write(earlier: list[dict], results: list[dict], a, cmd: str) -> None:
     tag = a.tag
     hw = hardware()
     rows = earlier + results
-    lines = [f"# bench rl_step ({tag})", "", f"Command: `{cmd}`" + (" (rows appended to an earlier run's: each "
-                                                                   "row has its own command)" if earlier else ""),
-             f"Hardware: {hw}", "",
-             "| impl | model | base weights | KV | prompt | completion | micro-batch | prefix sharing | weights shared | "
-             "peak GiB | generation s | sync s | training s | step s | first step s | tokens/s | status |",
-             "|" + "---|" * 17]
+    lines = [
+        f"# bench rl_step ({tag})",
+        "",
+        f"Command: `{cmd}`" + (" (rows appended to an earlier run's: each row has its own command)" if earlier else ""),
+        f"Hardware: {hw}",
+        "",
+        "| impl | model | base weights | KV | prompt | completion | micro-batch | prefix sharing | weights shared | "
+        "peak GiB | generation s | sync s | training s | step s | first step s | tokens/s | status |",
+        "|" + "---|" * 17,
+    ]
     for r in rows:
         f = lambda k, d=2: (f"{r[k]:.{d}f}" if isinstance(r.get(k), (int, float)) else "")  # noqa: E731
         first = f"{r['first_step']['step_s']:.2f}" if r.get("first_step") else ""
-        lines.append(f"| {r.get('impl', r.get('row'))} ({r.get('row')}) | {r.get('model')} | "
-                     f"{r.get('base_weights', 'bf16')} | {r.get('kv_cache_dtype', '')} | {r.get('prompt_len')} | "
-                     f"{r.get('completion_len')} | {r.get('micro_batch', 1)} | {_sharing(r)} | "
-                     f"{r.get('weights_shared', '')} | {f('peak_gib')} | "
-                     f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | {first} | "
-                     f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |")
+        lines.append(
+            f"| {r.get('impl', r.get('row'))} ({r.get('row')}) | {r.get('model')} | "
+            f"{r.get('base_weights', 'bf16')} | {r.get('kv_cache_dtype', '')} | {r.get('prompt_len')} | "
+            f"{r.get('completion_len')} | {r.get('micro_batch', 1)} | {_sharing(r)} | "
+            f"{r.get('weights_shared', '')} | {f('peak_gib')} | "
+            f"{f('generation_s')} | {f('sync_last_s', 3)} | {f('training_s')} | {f('step_s')} | {first} | "
+            f"{f('tokens_per_s', 0)} | {r.get('status', 'ok')} |"
+        )
     alone = [r for r in rows if r.get("gen_alone") and "error" not in r["gen_alone"]]
     if alone:
-        lines += ["", "Generation alone, same process after the row's training (8 completions):", "",
-                  "| impl | KV | tokens | vLLM + adapter tok/s | vLLM, no adapter tok/s | HF generate + adapter tok/s | "
-                  "vLLM / HF |", "|" + "---|" * 7]
+        lines += [
+            "",
+            "Generation alone, same process after the row's training (8 completions):",
+            "",
+            "| impl | KV | tokens | vLLM + adapter tok/s | vLLM, no adapter tok/s | HF generate + adapter tok/s | "
+            "vLLM / HF |",
+            "|" + "---|" * 7,
+        ]
         for r in alone:
             g = r["gen_alone"]
-            lines.append(f"| {r['impl']} ({r.get('row')}) | {r.get('kv_cache_dtype')} | {g['vllm_adapter']['completion_tokens']} | "
-                         f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
-                         f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |")
+            lines.append(
+                f"| {r['impl']} ({r.get('row')}) | {r.get('kv_cache_dtype')} | {g['vllm_adapter']['completion_tokens']} | "
+                f"{g['vllm_adapter']['tokens_per_s']:.0f} | {g['vllm_no_adapter']['tokens_per_s']:.0f} | "
+                f"{g['hf_adapter']['tokens_per_s']:.0f} | {g['vllm_over_hf']:.1f}x |"
+            )
     profiled = [r for r in rows if r.get("decode_profile")]
     if profiled:
         kinds = [k for k, _ in DECODE_KINDS] + ["other"]
-        lines += ["", "One decode step's GPU time by kind of kernel, ms (`--profile-decode`; batch 8):", "",
-                  "| impl | wall ms/step | GPU ms/step | " + " | ".join(kinds) + " |", "|" + "---|" * (3 + len(kinds))]
+        lines += [
+            "",
+            "One decode step's GPU time by kind of kernel, ms (`--profile-decode`; batch 8):",
+            "",
+            "| impl | wall ms/step | GPU ms/step | " + " | ".join(kinds) + " |",
+            "|" + "---|" * (3 + len(kinds)),
+        ]
         for r in profiled:
             d = r["decode_profile"]
-            lines.append(f"| {r['impl']} | {d['wall_ms_per_step']:.2f} | {d['gpu_ms_per_step']:.2f} | "
-                         + " | ".join(f"{d['kinds_ms_per_step'].get(k, 0):.3f}" for k in kinds) + " |")
+            lines.append(
+                f"| {r['impl']} | {d['wall_ms_per_step']:.2f} | {d['gpu_ms_per_step']:.2f} | "
+                + " | ".join(f"{d['kinds_ms_per_step'].get(k, 0):.3f}" for k in kinds)
+                + " |"
+            )
     lines += ["", "Per-step times, peaks and the generation plan of each row are in the JSON."]
     record_report("rl_step", {"command": cmd, "hardware": hw, "rows": rows}, lines, a.out_dir)
 
@@ -756,48 +924,97 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="grpo_kit_fp8,grpo_kit_bf16,grpo_kit_copy,trl")
     p.add_argument("--models", default="llama-3.1-8b")
     p.add_argument("--completion", type=int, default=4096)
-    p.add_argument("--prompt", type=int, default=PROMPT_TOKENS,
-                   help="prompt tokens, one prompt shared by the group's 8 completions (default %(default)s)")
-    p.add_argument("--micro-batch", type=int, default=1, choices=(1, 2, 4, 8),
-                   help="sequences per forward/backward (kit and TRL rows; gradient accumulation 8 / this); "
-                        "prefix sharing scores a prompt once per micro-batch, so it pays at 8 (the whole group)")
-    p.add_argument("--prefix-sharing", default="auto", choices=("auto", "true", "false"),
-                   help="kit rows: prefix_sharing (the group's prompt scored once; auto: where it pays)")
+    p.add_argument(
+        "--prompt",
+        type=int,
+        default=PROMPT_TOKENS,
+        help="prompt tokens, one prompt shared by the group's 8 completions (default %(default)s)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=1,
+        choices=(1, 2, 4, 8),
+        help="sequences per forward/backward (kit and TRL rows; gradient accumulation 8 / this); "
+        "prefix sharing scores a prompt once per micro-batch, so it pays at 8 (the whole group)",
+    )
+    p.add_argument(
+        "--prefix-sharing",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="kit rows: prefix_sharing (the group's prompt scored once; auto: where it pays)",
+    )
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--timeout", type=int, default=560, help="seconds per row")
-    p.add_argument("--gen-tokens", type=int, default=0,
-                   help="kit rows: after training, time generation alone (vLLM with / without the adapter, HF "
-                        "generate) of 8 completions of this many tokens; 0: skip")
-    p.add_argument("--lora-dual-stream", choices=("auto", "on", "off"), default="auto",
-                   help="kit rows with the adapter in vLLM's LoRA kernels (grpo_kit_adapter): "
-                        "vllm_lora_dual_stream; auto: the kit's default")
-    p.add_argument("--trl-vllm-memory", type=float, default=0.3,
-                   help="trl row: GRPOConfig.vllm_gpu_memory_utilization (TRL's default 0.3), the share of the card "
-                        "its colocated engine takes")
-    p.add_argument("--scoring-batch", default="auto",
-                   help="kit rows: scoring_batch_size (sequences per no-grad reference forward); auto: as "
-                        "`grpo_kit train` resolves it from the memory plan")
-    p.add_argument("--memory-history", type=int, default=0, metavar="N",
-                   help="kit rows: record PyTorch's allocator history over the steps (at most N events) and keep "
-                        "what was allocated at its largest moment, by the line that allocated it "
-                        "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off")
-    p.add_argument("--sample-ms", type=float, default=5.0,
-                   help="milliseconds between the device-memory samples (cudaMemGetInfo from a second thread); "
-                        "larger: fewer driver calls beside the step's own")
-    p.add_argument("--profile-training", action="store_true",
-                   help="kit and TRL rows: one more optimiser step, its loss passes (micro-batches 2..8 and the "
-                        "optimiser) under torch.profiler; top ops by GPU and host time in training_profile, the "
-                        "step kept out of the medians")
-    p.add_argument("--profile-decode", type=int, default=0, metavar="TOKENS",
-                   help="generation rows: after the timed generation, generate TOKENS more tokens per sequence "
-                        "under torch.profiler and keep where each decode step's GPU time goes (decode_profile: "
-                        "LoRA kernels, FP8 and 16-bit GEMMs, attention, ...); 0: off")
-    p.add_argument("--memory-history-at", default="end", choices=("end", "scoring", "generation"),
-                   help="kit rows with --memory-history: read the history at the end of the steps, or as the "
-                        "first call of that phase ends (its peak inside the ring buffer's window; generation: the "
-                        "first generate call, before standby; reading it adds seconds to that step's time)")
+    p.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=0,
+        help="kit rows: after training, time generation alone (vLLM with / without the adapter, HF "
+        "generate) of 8 completions of this many tokens; 0: skip",
+    )
+    p.add_argument(
+        "--lora-dual-stream",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="kit rows with the adapter in vLLM's LoRA kernels (grpo_kit_adapter): "
+        "vllm_lora_dual_stream; auto: the kit's default",
+    )
+    p.add_argument(
+        "--trl-vllm-memory",
+        type=float,
+        default=0.3,
+        help="trl row: GRPOConfig.vllm_gpu_memory_utilization (TRL's default 0.3), the share of the card "
+        "its colocated engine takes",
+    )
+    p.add_argument(
+        "--scoring-batch",
+        default="auto",
+        help="kit rows: scoring_batch_size (sequences per no-grad reference forward); auto: as "
+        "`grpo_kit train` resolves it from the memory plan",
+    )
+    p.add_argument(
+        "--memory-history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="kit rows: record PyTorch's allocator history over the steps (at most N events) and keep "
+        "what was allocated at its largest moment, by the line that allocated it "
+        "(peak_allocations; grpo_kit.memory.live_at_peak); 0: off",
+    )
+    p.add_argument(
+        "--sample-ms",
+        type=float,
+        default=5.0,
+        help="milliseconds between the device-memory samples (cudaMemGetInfo from a second thread); "
+        "larger: fewer driver calls beside the step's own",
+    )
+    p.add_argument(
+        "--profile-training",
+        action="store_true",
+        help="kit and TRL rows: one more optimiser step, its loss passes (micro-batches 2..8 and the "
+        "optimiser) under torch.profiler; top ops by GPU and host time in training_profile, the "
+        "step kept out of the medians",
+    )
+    p.add_argument(
+        "--profile-decode",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="generation rows: after the timed generation, generate TOKENS more tokens per sequence "
+        "under torch.profiler and keep where each decode step's GPU time goes (decode_profile: "
+        "LoRA kernels, FP8 and 16-bit GEMMs, attention, ...); 0: off",
+    )
+    p.add_argument(
+        "--memory-history-at",
+        default="end",
+        choices=("end", "scoring", "generation"),
+        help="kit rows with --memory-history: read the history at the end of the steps, or as the "
+        "first call of that phase ends (its peak inside the ring buffer's window; generation: the "
+        "first generate call, before standby; reading it adds seconds to that step's time)",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -812,8 +1029,10 @@ def main(argv=None) -> int:
         p.error(f"--prompt {a.prompt}: a number of tokens >= 1")
     a.prefix_sharing = {"true": True, "false": False}.get(a.prefix_sharing, a.prefix_sharing)
     if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
-        p.error(f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
-                "sized for the row's completion length)")
+        p.error(
+            f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
+            "sized for the row's completion length)"
+        )
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if a.one:
         res = one(a.one, a)
@@ -874,9 +1093,17 @@ def main(argv=None) -> int:
                     )
                 wall = time.perf_counter() - t0
             line = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
-            base = dict(row=name, model=model, family=family_of_model(model), completion_len=a.completion, prompt_len=a.prompt,
-                        micro_batch=a.micro_batch,
-                        generations=GENERATIONS, wall_s=wall, command=cmd)
+            base = dict(
+                row=name,
+                model=model,
+                family=family_of_model(model),
+                completion_len=a.completion,
+                prompt_len=a.prompt,
+                micro_batch=a.micro_batch,
+                generations=GENERATIONS,
+                wall_s=wall,
+                command=cmd,
+            )
             impl = "trl" if name == "trl" else IMPL.get(name, name)
             if rc != 0 or not line:
                 done = [json.loads(ln.removeprefix("STEP ")) for ln in out.splitlines() if ln.startswith("STEP ")]
@@ -884,9 +1111,27 @@ def main(argv=None) -> int:
             else:
                 res = _summarise(dict(base, **json.loads(line[-1].removeprefix("ROW "))))
             results.append(res)
-            print(json.dumps({k: res.get(k) for k in ("row", "model", "status", "peak_gib", "generation_s",
-                                                       "training_s", "step_s", "tokens_per_s", "wall_s", "error")},
-                             default=str)[:3000], flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: res.get(k)
+                        for k in (
+                            "row",
+                            "model",
+                            "status",
+                            "peak_gib",
+                            "generation_s",
+                            "training_s",
+                            "step_s",
+                            "tokens_per_s",
+                            "wall_s",
+                            "error",
+                        )
+                    },
+                    default=str,
+                )[:3000],
+                flush=True,
+            )
             write([], [res], a, cmd)  # each row appended to the data file as it finishes
     return 0
 

@@ -46,14 +46,27 @@ def drift(rss_mib: list[float], warmup: int) -> dict:
     # tilt a short run's slope, but only memory that stays allocated lifts the floor.
     half = n // 2
     floor_rise = (min(ys[half:]) - min(ys[:half])) / max(1, n - half) if half else 0.0
-    return {"warmup_steps": warmup, "steps_measured": n, "slope_mib_per_100_steps": round(100 * slope, 3),
-            "floor_rise_mib_per_100_steps": round(100 * floor_rise, 3),
-            "max_minus_min_mib": round(max(ys) - min(ys), 3), "rss_first_mib": round(ys[0], 1),
-            "rss_last_mib": round(ys[-1], 1), "rss_max_mib": round(max(ys), 1)}
+    return {
+        "warmup_steps": warmup,
+        "steps_measured": n,
+        "slope_mib_per_100_steps": round(100 * slope, 3),
+        "floor_rise_mib_per_100_steps": round(100 * floor_rise, 3),
+        "max_minus_min_mib": round(max(ys) - min(ys), 3),
+        "rss_first_mib": round(ys[0], 1),
+        "rss_last_mib": round(ys[-1], 1),
+        "rss_max_mib": round(max(ys), 1),
+    }
 
 
-def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, output_dir: str | None = None,
-         seed: int = 0, extra_sets: tuple[str, ...] = ()) -> dict:
+def soak(
+    steps: int = 200,
+    *,
+    warmup: int | None = None,
+    leak_mib: float = 0.0,
+    output_dir: str | None = None,
+    seed: int = 0,
+    extra_sets: tuple[str, ...] = (),
+) -> dict:
     """Run ``steps`` GRPO steps of the main job on tiny-llama; RSS per step and its drift."""
     import psutil
     import torch
@@ -63,9 +76,18 @@ def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, 
     from grpo_kit.app.run import train
 
     out = output_dir or str(ROOT / "runs" / "bench_soak")
-    cfg = GRPOKitConfig(model="tiny-llama", max_steps=steps, num_eval_samples=0, num_train_samples=max(64, steps),
-                        num_generations=4, per_device_train_batch_size=8, max_completion_length=16,
-                        output_dir=out, seed=seed, save_steps=0)
+    cfg = GRPOKitConfig(
+        model="tiny-llama",
+        max_steps=steps,
+        num_eval_samples=0,
+        num_train_samples=max(64, steps),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=16,
+        output_dir=out,
+        seed=seed,
+        save_steps=0,
+    )
     cfg.apply_overrides(list(extra_sets))
     proc = psutil.Process(os.getpid())
     rss: list[float] = []
@@ -90,15 +112,31 @@ def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, 
     wall = time.perf_counter() - t0
     warm = warmup if warmup is not None else max(5, steps // 5)
     result = {
-        "steps": len(rss), "config": {k: getattr(cfg, k) for k in (
-            "model", "num_generations", "per_device_train_batch_size", "max_completion_length", "beta", "use_lora",
-            "lora_rank", "loss_type", "trainer", "seed")},
-        "injected_leak_mib_per_step": leak_mib, "rss_mib": [round(r, 2) for r in rss],
-        "step_time_s": [round(t, 4) for t in times], "wall_seconds": round(wall, 1),
+        "steps": len(rss),
+        "config": {
+            k: getattr(cfg, k)
+            for k in (
+                "model",
+                "num_generations",
+                "per_device_train_batch_size",
+                "max_completion_length",
+                "beta",
+                "use_lora",
+                "lora_rank",
+                "loss_type",
+                "trainer",
+                "seed",
+            )
+        },
+        "injected_leak_mib_per_step": leak_mib,
+        "rss_mib": [round(r, 2) for r in rss],
+        "step_time_s": [round(t, 4) for t in times],
+        "wall_seconds": round(wall, 1),
         "train_seconds": summary.get("train_seconds"),
         "steps_per_second": round(len(times) / sum(times), 3) if times else None,
-        "steps_per_second_after_warmup": (round(len(times[warm:]) / sum(times[warm:]), 3)
-                                          if len(times) > warm else None),
+        "steps_per_second_after_warmup": (
+            round(len(times[warm:]) / sum(times[warm:]), 3) if len(times) > warm else None
+        ),
         "metrics_finite": summary.get("metrics_finite"),
         **drift(rss, warm),
     }
@@ -107,17 +145,28 @@ def soak(steps: int = 200, *, warmup: int | None = None, leak_mib: float = 0.0, 
 
 def write_results(result: dict, out: Path, command: str) -> None:
     hw = hardware("cpu")  # the soak runs on the CPU (a machine shared with other jobs)
-    result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "hardware": hw, "torch": hw["torch"], **result}
+    result = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "hardware": hw,
+        "torch": hw["torch"],
+        **result,
+    }
     rss = result["rss_mib"]
     marks = sorted({0, result["warmup_steps"], *range(0, len(rss), max(1, len(rss) // 10)), len(rss) - 1})
     lines = [
-        "# Soak: GRPO steps on tiny-llama (CPU), RSS per step", "",
-        f"- command: `{command}`", f"- date: {result['date']}", f"- hardware: {hardware_line(result['hardware'])} (CPU only, shared with other jobs)",
+        "# Soak: GRPO steps on tiny-llama (CPU), RSS per step",
+        "",
+        f"- command: `{command}`",
+        f"- date: {result['date']}",
+        f"- hardware: {hardware_line(result['hardware'])} (CPU only, shared with other jobs)",
         f"- torch {result['torch']}; run: the main job (`grpo_kit.app.run.train`) with "
-        + ", ".join(f"{k}={v}" for k, v in result["config"].items()) + ", no evaluation",
-        f"- injected leak: {result['injected_leak_mib_per_step']} MiB per step", "",
-        "| figure | value |", "|---|---|",
+        + ", ".join(f"{k}={v}" for k, v in result["config"].items())
+        + ", no evaluation",
+        f"- injected leak: {result['injected_leak_mib_per_step']} MiB per step",
+        "",
+        "| figure | value |",
+        "|---|---|",
         f"| steps run | {result['steps']} |",
         f"| warm-up excluded | first {result['warmup_steps']} steps |",
         f"| RSS slope after warm-up | {result['slope_mib_per_100_steps']:+.2f} MiB per 100 steps |",
@@ -129,11 +178,14 @@ def write_results(result: dict, out: Path, command: str) -> None:
         f"| steps/s (all steps / after warm-up) | {result['steps_per_second']} / "
         f"{result['steps_per_second_after_warmup']} |",
         f"| wall time | {result['wall_seconds']} s |",
-        f"| loss and reward finite | {result['metrics_finite']} |", "",
-        "RSS (MiB) at selected steps (1-based):", "",
+        f"| loss and reward finite | {result['metrics_finite']} |",
+        "",
+        "RSS (MiB) at selected steps (1-based):",
+        "",
         "| step | " + " | ".join(str(i + 1) for i in marks) + " |",
         "|---" * (len(marks) + 1) + "|",
-        "| RSS | " + " | ".join(f"{rss[i]:.1f}" for i in marks) + " |", "",
+        "| RSS | " + " | ".join(f"{rss[i]:.1f}" for i in marks) + " |",
+        "",
         "Per-step RSS and step times are in the data file's row (`detail`).",
     ]
     record_report("soak", result, lines, out.parent)
@@ -149,19 +201,33 @@ def main(argv=None) -> int:
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_soak"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak_cpu"))
     p.add_argument("--no-write", action="store_true")
-    p.add_argument("--check-slope", type=float, default=None, metavar="MIB",
-                   help="exit 1 when the slope exceeds MIB per 100 steps")
-    p.add_argument("--check-floor", type=float, default=None, metavar="MIB",
-                   help="exit 1 when the RSS floor rises more than MIB per 100 steps")
+    p.add_argument(
+        "--check-slope", type=float, default=None, metavar="MIB", help="exit 1 when the slope exceeds MIB per 100 steps"
+    )
+    p.add_argument(
+        "--check-floor",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="exit 1 when the RSS floor rises more than MIB per 100 steps",
+    )
     args = p.parse_args(argv)
-    result = soak(args.steps, warmup=args.warmup, leak_mib=args.leak_mib, output_dir=args.runs_dir, seed=args.seed,
-                  extra_sets=tuple(args.set))
+    result = soak(
+        args.steps,
+        warmup=args.warmup,
+        leak_mib=args.leak_mib,
+        output_dir=args.runs_dir,
+        seed=args.seed,
+        extra_sets=tuple(args.set),
+    )
     command = "python -m grpo_kit bench soak " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"{result['steps']} steps, {result['steps_per_second']} steps/s; RSS after {result['warmup_steps']} "
-          f"warm-up steps: slope {result['slope_mib_per_100_steps']:+.2f} MiB/100 steps, max-min "
-          f"{result['max_minus_min_mib']:.2f} MiB, floor {result['floor_rise_mib_per_100_steps']:+.2f} MiB/100 steps "
-          f"({result['rss_first_mib']} -> {result['rss_last_mib']} MiB)",
-          flush=True)
+    print(
+        f"{result['steps']} steps, {result['steps_per_second']} steps/s; RSS after {result['warmup_steps']} "
+        f"warm-up steps: slope {result['slope_mib_per_100_steps']:+.2f} MiB/100 steps, max-min "
+        f"{result['max_minus_min_mib']:.2f} MiB, floor {result['floor_rise_mib_per_100_steps']:+.2f} MiB/100 steps "
+        f"({result['rss_first_mib']} -> {result['rss_last_mib']} MiB)",
+        flush=True,
+    )
     if not args.no_write:
         write_results(result, Path(args.out), command.strip())
         print("wrote", Path(args.out).parent / "data" / "soak.jsonl")

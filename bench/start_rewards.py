@@ -40,10 +40,12 @@ def main(argv=None) -> int:
     cfg = GRPOKitConfig(seed=a.seed, temperature=a.temperature)
     train, _ = build_datasets(cfg)
     tok = load_tokenizer()
-    ex = train[:a.n]
+    ex = train[: a.n]
     system = a.system_prompt or default_system_prompt(cfg.task)
-    prompts = [tok.apply_chat_template(make_prompt(e["question"], system), tokenize=False, add_generation_prompt=True)
-               for e in ex]
+    prompts = [
+        tok.apply_chat_template(make_prompt(e["question"], system), tokenize=False, add_generation_prompt=True)
+        for e in ex
+    ]
     model = load_model(dtype=torch.float32)[0]
     kw = dict(model_dir=embedded_model_dir(), dtype=a.dtype, max_model_len=512, seed=0) if a.backend == "vllm" else {}
     gen = make_generator(a.backend, model=model, tokenizer=tok, **kw)
@@ -54,10 +56,23 @@ def main(argv=None) -> int:
     answers = [e["answer"] for e in ex for _ in range(g)]
     corr = correctness_reward(None, res.texts, answers)
     fmt = format_soft_reward(None, res.texts)
-    zero = sum(1 for i in range(a.n) if sum(corr[g * i:g * (i + 1)]) + sum(fmt[g * i:g * (i + 1)]) == 0)
-    print(json.dumps(dict(backend=a.backend, dtype=a.dtype, n=a.n, temperature=a.temperature, system_prompt=system,
-                          seconds=round(time.time() - t, 1), correct=sum(corr) / len(corr), format_soft=sum(fmt) / len(fmt),
-                          zero_reward_groups=zero / a.n, samples=res.texts[:4])))
+    zero = sum(1 for i in range(a.n) if sum(corr[g * i : g * (i + 1)]) + sum(fmt[g * i : g * (i + 1)]) == 0)
+    print(
+        json.dumps(
+            dict(
+                backend=a.backend,
+                dtype=a.dtype,
+                n=a.n,
+                temperature=a.temperature,
+                system_prompt=system,
+                seconds=round(time.time() - t, 1),
+                correct=sum(corr) / len(corr),
+                format_soft=sum(fmt) / len(fmt),
+                zero_reward_groups=zero / a.n,
+                samples=res.texts[:4],
+            )
+        )
+    )
     return 0
 
 

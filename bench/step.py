@@ -92,8 +92,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # ------------------------------------------------------------------------------------------------
 # model, modes, one step
 # ------------------------------------------------------------------------------------------------
-def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False,
-          base_weights="16bit"):
+def build(
+    name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=None, load_in_4bit=False, base_weights="16bit"
+):
     """PEFT model with LoRA on every linear layer, and the GPU bytes of its base weights. ``dtype``: None
     (bf16 on CUDA, fp32 on CPU) or a torch dtype. ``load_in_4bit``: the kit's QLoRA load
     (``grpo_kit.model.loading.load_model``: each linear layer created on ``device`` and quantised to NF4 there
@@ -108,12 +109,15 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
 
         if layers is not None:
             raise ValueError("layers= is not supported with load_in_4bit or FP8 base weights")
-        model, _ = load_model(name, dtype=dtype, device=device, seed=seed, load_in_4bit=load_in_4bit,
-                              base_weights=base_weights)
+        model, _ = load_model(
+            name, dtype=dtype, device=device, seed=seed, load_in_4bit=load_in_4bit, base_weights=base_weights
+        )
         model.config.use_cache = False
         q = model.grpo_kit_quantization
-        progress(f"{name}: {q['load']}: {q.get('build_s', q.get('build_16bit_s'))} s"
-                 + (f" + NF4 onto {device} {q['quantize_s']} s" if "quantize_s" in q else ""))
+        progress(
+            f"{name}: {q['load']}: {q.get('build_s', q.get('build_16bit_s'))} s"
+            + (f" + NF4 onto {device} {q['quantize_s']} s" if "quantize_s" in q else "")
+        )
     else:
         cfg = model_config(name)
         if layers is not None:
@@ -122,12 +126,16 @@ def build(name, device, lora_r, seed=0, layers=None, random_lora=False, dtype=No
         model = build_random_model(cfg, dtype=dtype, device=device, seed=seed)
     # NF4 parameters report their packed bytes; what the GPU holds (absmax constants too) is the allocator's count
     # (FP8 codes and scales are parameters of their true size)
-    weights = (torch.cuda.memory_allocated(device) if load_in_4bit and device.type == "cuda"
-               else sum(p.numel() * p.element_size() for p in model.parameters()))
+    weights = (
+        torch.cuda.memory_allocated(device)
+        if load_in_4bit and device.type == "cuda"
+        else sum(p.numel() * p.element_size() for p in model.parameters())
+    )
     torch.manual_seed(seed + 1)
     # random_lora: lora_B not zero, so the correctness check sees non-zero lora_A gradients too
-    conf = peft.LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                           init_lora_weights=not random_lora)
+    conf = peft.LoraConfig(
+        r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=not random_lora
+    )
     if base_weights == "fp8":
         conf = fp8_lora_config(conf)
     model = peft.get_peft_model(model, conf)
@@ -169,8 +177,9 @@ def phase_rows(prof: Profiler) -> dict:
     rows = {}
     for ph in sorted(prof.phases, key=lambda p: p.start_s):
         prev = rows.get(ph.name)
-        rows[ph.name] = dict(start=prev["start"] if prev else ph.start, peak=max(ph.peak, prev["peak"] if prev else 0),
-                             end=ph.end)
+        rows[ph.name] = dict(
+            start=prev["start"] if prev else ph.start, peak=max(ph.peak, prev["peak"] if prev else 0), end=ph.end
+        )
     rows.pop("total", None)
     return rows
 
@@ -186,11 +195,11 @@ def grpo_step(model, opt, row, batch, args, scaler=None):
     ref = torch.empty(comp.shape, dtype=torch.float32, device=ids.device)
     with phase("ref_pass"), torch.no_grad(), model.disable_adapter():
         for s in range(0, G, rmb):
-            h = body(input_ids=ids[s:s + rmb], use_cache=False).last_hidden_state[:, P - 1:-1]
+            h = body(input_ids=ids[s : s + rmb], use_cache=False).last_hidden_state[:, P - 1 : -1]
             if row == "baseline":
-                ref[s:s + rmb] = full_logits_logps(lm, h, comp[s:s + rmb])
+                ref[s : s + rmb] = full_logits_logps(lm, h, comp[s : s + rmb])
             else:
-                ref[s:s + rmb] = per_token_logps(h, W, comp[s:s + rmb])
+                ref[s : s + rmb] = per_token_logps(h, W, comp[s : s + rmb])
             del h
     # every line runs inside some phase: the step's peak is the max over phases
     for s in range(0, G, mb):
@@ -199,14 +208,15 @@ def grpo_step(model, opt, row, batch, args, scaler=None):
         rest = nullcontext() if first else phase("other_microbatches")
         rest.__enter__()
         with phase("mb0_forward") if first else nullcontext():
-            h = body(input_ids=ids[sl], use_cache=False).last_hidden_state[:, P - 1:-1]
+            h = body(input_ids=ids[sl], use_cache=False).last_hidden_state[:, P - 1 : -1]
         with phase("mb0_loss") if first else nullcontext():
             if row == "baseline":
                 lp = full_logits_logps(lm, h, comp[sl])
                 loss, _ = grpo_loss_reference(lp, None, ref[sl], adv[sl], mask[sl], beta=args.beta, **LOSS_KW)
             else:
-                loss, _ = efficient_grpo_loss(h, W, comp[sl], mask[sl], adv[sl], ref_logps=ref[sl],
-                                              beta=args.beta, **LOSS_KW)
+                loss, _ = efficient_grpo_loss(
+                    h, W, comp[sl], mask[sl], adv[sl], ref_logps=ref[sl], beta=args.beta, **LOSS_KW
+                )
             loss = loss * (ids[sl].shape[0] / G)
         with phase("mb0_backward") if first else nullcontext():
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -249,10 +259,18 @@ def cleanup(dev):
 
 def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
     """``args.repeat`` measured steps of ``row`` (after a short warm-up step). Returns a result dict."""
-    res = dict(row=row, model=args.model, gens=G, seq_len=T, prompt_len=args.prompt_len,
-               completion_len=T - args.prompt_len, micro_batch=args.micro_batch,
-               ref_micro_batch=args.ref_micro_batch or args.micro_batch, beta=args.beta,
-               budget_gib=budget_gib)
+    res = dict(
+        row=row,
+        model=args.model,
+        gens=G,
+        seq_len=T,
+        prompt_len=args.prompt_len,
+        completion_len=T - args.prompt_len,
+        micro_batch=args.micro_batch,
+        ref_micro_batch=args.ref_micro_batch or args.micro_batch,
+        beta=args.beta,
+        budget_gib=budget_gib,
+    )
     opt = None
     try:
         set_row(model, row)
@@ -290,18 +308,29 @@ def run_row(model, row, args, dev, G, T, budget_gib=None, warmup=True):
                 progress(f"{row} {G} x {T}: step {len(times)} of {args.repeat}: {times[-1]:.2f} s")
         res["dequantized_per_step"] = nf4_matmul.reset_stats()["dequantized"] / args.repeat  # the kit's matmul
         if args.kernel_profile and dev.type == "cuda":
-            res["kernel_profile"] = kernel_profile(functools.partial(grpo_step, model, opt, row, batch, args, scaler), dev,
-                                                    match={"dequant_cuda_ms": "dequant"})
+            res["kernel_profile"] = kernel_profile(
+                functools.partial(grpo_step, model, opt, row, batch, args, scaler),
+                dev,
+                match={"dequant_cuda_ms": "dequant"},
+            )
         # with repeats, the median of the steps after the first (which autotunes kernels for this shape)
         dt = statistics.median(times[1:] or times)
-        res.update(status="ok", step_s=dt, step_s_all=times, tokens_per_s=G * T / dt,
-                   dtype=str(parts(model)[2].dtype).removeprefix("torch."))
+        res.update(
+            status="ok",
+            step_s=dt,
+            step_s_all=times,
+            tokens_per_s=G * T / dt,
+            dtype=str(parts(model)[2].dtype).removeprefix("torch."),
+        )
         if scaler is not None:
             res["grad_scale"] = scaler.get_scale()
         if dev.type == "cuda":
             total = next(ph for ph in prof.phases if ph.name == "total")
-            res.update(peak_allocated_gib=total.peak / GiB, peak_reserved_gib=total.peak_reserved / GiB,
-                       phases={k: {kk: vv / GiB for kk, vv in v.items()} for k, v in phase_rows(prof).items()})
+            res.update(
+                peak_allocated_gib=total.peak / GiB,
+                peak_reserved_gib=total.peak_reserved / GiB,
+                phases={k: {kk: vv / GiB for kk, vv in v.items()} for k, v in phase_rows(prof).items()},
+            )
         res["host_offload_gib"] = offload_stats(model)["host_bytes"] / GiB
         res["host_pinned_gib"] = offload_stats(model)["pinned_bytes"] / GiB
     except torch.OutOfMemoryError as e:
@@ -328,8 +357,8 @@ def lora_grads(model, row, batch, P):
     model.zero_grad(set_to_none=True)
     ids, adv, mask = batch["ids"], batch["adv"], batch["mask"]
     for s in range(ids.shape[0]):  # 2 micro-batches of 1: gradient accumulation
-        h = body(input_ids=ids[s:s + 1], use_cache=False).last_hidden_state[:, P - 1:-1]
-        loss, _ = efficient_grpo_loss(h, W, ids[s:s + 1, P:], mask[s:s + 1], adv[s:s + 1], **LOSS_KW)
+        h = body(input_ids=ids[s : s + 1], use_cache=False).last_hidden_state[:, P - 1 : -1]
+        loss, _ = efficient_grpo_loss(h, W, ids[s : s + 1, P:], mask[s : s + 1], adv[s : s + 1], **LOSS_KW)
         (loss / ids.shape[0]).backward()
     g = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
@@ -372,15 +401,20 @@ def gpu_check(args, dev):
         # run-to-run spread of the same path: the noise floor the other differences are read against
         g_ours2 = lora_grads(model, "ours", batch, 256)
         g_hf2 = lora_grads(model, "baseline", batch, 256)
-        r = dict(model=args.check_model, layers=layers or "all", seq_len=T, gens=2,
-                 offload_vs_ours_bitwise_equal=all(torch.equal(g_ours[n], g_off[n]) for n in g_ours),
-                 offload_vs_ours_max_rel=max(rel(g_off[n], g_ours[n]) for n in g_ours),
-                 ours_vs_ours_rerun_bitwise_equal=all(torch.equal(g_ours[n], g_ours2[n]) for n in g_ours),
-                 ours_vs_ours_rerun_max_rel=max(rel(g_ours2[n], g_ours[n]) for n in g_ours),
-                 hf_vs_hf_rerun_max_rel=max(rel(g_hf2[n], g_hf[n]) for n in g_hf),
-                 ours_vs_hf_max_rel=max(rel(g_ours[n], g_hf[n]) for n in g_ours),
-                 ours_vs_hf_median_rel=sorted(rel(g_ours[n], g_hf[n]) for n in g_ours)[len(g_ours) // 2],
-                 n_params=len(g_ours))
+        r = dict(
+            model=args.check_model,
+            layers=layers or "all",
+            seq_len=T,
+            gens=2,
+            offload_vs_ours_bitwise_equal=all(torch.equal(g_ours[n], g_off[n]) for n in g_ours),
+            offload_vs_ours_max_rel=max(rel(g_off[n], g_ours[n]) for n in g_ours),
+            ours_vs_ours_rerun_bitwise_equal=all(torch.equal(g_ours[n], g_ours2[n]) for n in g_ours),
+            ours_vs_ours_rerun_max_rel=max(rel(g_ours2[n], g_ours[n]) for n in g_ours),
+            hf_vs_hf_rerun_max_rel=max(rel(g_hf2[n], g_hf[n]) for n in g_hf),
+            ours_vs_hf_max_rel=max(rel(g_ours[n], g_hf[n]) for n in g_ours),
+            ours_vs_hf_median_rel=sorted(rel(g_ours[n], g_hf[n]) for n in g_ours)[len(g_ours) // 2],
+            n_params=len(g_ours),
+        )
         if g_none is not None:
             r["hf_vs_none_max_rel"] = max(rel(g_hf[n], g_none[n]) for n in g_hf)
             r["ours_vs_none_max_rel"] = max(rel(g_ours[n], g_none[n]) for n in g_ours)
@@ -413,22 +447,38 @@ def fit_max_len(points, budget_gib):
 
 PLANS = {
     # GPU smoke: correctness on CUDA + one small step of each row
-    "smoke": [dict(kind="check"),
-              dict(model="llama-3.2-1b", gens=8, seq_len=2048, micro_batch=1, rows=ROWS),
-              dict(model="llama-3.2-1b", gens=1, seq_len=32768, micro_batch=1, rows=("ours", "ours_offload"))],
+    "smoke": [
+        dict(kind="check"),
+        dict(model="llama-3.2-1b", gens=8, seq_len=2048, micro_batch=1, rows=ROWS),
+        dict(model="llama-3.2-1b", gens=1, seq_len=32768, micro_batch=1, rows=("ours", "ours_offload")),
+    ],
     # headline table + calibration points for the memory calculator
     "full": [
         dict(model="qwen2.5-1.5b", gens=8, seq_len=1024, micro_batch=8, rows=ROWS, tag="headline_qwen"),
         dict(model="qwen2.5-1.5b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
         dict(model="qwen2.5-1.5b", gens=1, seq_len=8192, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
-        dict(model="qwen2.5-1.5b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(
+            model="qwen2.5-1.5b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"
+        ),
         dict(model="qwen2.5-1.5b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
-        dict(model="llama-3.1-8b", gens=8, seq_len=20480, micro_batch=1, rows=("ours_offload", "ours", "baseline"),
-             tag="headline_8b"),
+        dict(
+            model="llama-3.1-8b",
+            gens=8,
+            seq_len=20480,
+            micro_batch=1,
+            rows=("ours_offload", "ours", "baseline"),
+            tag="headline_8b",
+        ),
         dict(model="llama-3.1-8b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
         dict(model="llama-3.1-8b", gens=1, seq_len=8192, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
-        dict(model="llama-3.1-8b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload", "ours"),
-             tag="calib"),
+        dict(
+            model="llama-3.1-8b",
+            gens=1,
+            seq_len=16384,
+            micro_batch=1,
+            rows=("baseline", "ours_offload", "ours"),
+            tag="calib",
+        ),
         dict(model="llama-3.1-8b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
         dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours_offload",), tag="long"),
     ],
@@ -436,20 +486,41 @@ PLANS = {
     "core": [
         dict(model="qwen2.5-1.5b", gens=8, seq_len=1024, micro_batch=8, rows=ROWS, tag="headline_qwen"),
         dict(model="qwen2.5-1.5b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
-        dict(model="qwen2.5-1.5b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
+        dict(
+            model="qwen2.5-1.5b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"
+        ),
         dict(model="qwen2.5-1.5b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
-        dict(model="llama-3.1-8b", gens=8, seq_len=20480, micro_batch=1, rows=("ours_offload", "ours", "baseline"),
-             tag="headline_8b"),
+        dict(
+            model="llama-3.1-8b",
+            gens=8,
+            seq_len=20480,
+            micro_batch=1,
+            rows=("ours_offload", "ours", "baseline"),
+            tag="headline_8b",
+        ),
         dict(model="llama-3.1-8b", gens=1, seq_len=4096, micro_batch=1, rows=("baseline", "ours_offload"), tag="calib"),
-        dict(model="llama-3.1-8b", gens=1, seq_len=16384, micro_batch=1, rows=("baseline", "ours_offload", "ours"),
-             tag="calib"),
+        dict(
+            model="llama-3.1-8b",
+            gens=1,
+            seq_len=16384,
+            micro_batch=1,
+            rows=("baseline", "ours_offload", "ours"),
+            tag="calib",
+        ),
         dict(model="llama-3.1-8b", gens=1, seq_len=65536, micro_batch=1, rows=("ours_offload",), tag="long"),
     ],
     # long context: confirmation under an 80 GB budget (minutes per step)
     "long": [
         dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours_offload",), tag="long"),
-        dict(model="llama-3.1-8b", gens=1, seq_len=262144, micro_batch=1, rows=("ours_offload",), tag="confirm",
-             budget="80GB"),
+        dict(
+            model="llama-3.1-8b",
+            gens=1,
+            seq_len=262144,
+            micro_batch=1,
+            rows=("ours_offload",),
+            tag="confirm",
+            budget="80GB",
+        ),
         dict(model="llama-3.1-8b", gens=1, seq_len=131072, micro_batch=1, rows=("ours",), tag="long"),
     ],
 }
@@ -475,18 +546,27 @@ def run_plan(configs, args, dev, sink):
                 del models[old]
             cleanup(dev)
             t0 = time.perf_counter()
-            m, w = build(name, dev, args.lora_r, dtype=DTYPES[args.dtype] if dev.type == "cuda" else None,
-                         load_in_4bit=args.load_in_4bit, base_weights=args.base_weights)
+            m, w = build(
+                name,
+                dev,
+                args.lora_r,
+                dtype=DTYPES[args.dtype] if dev.type == "cuda" else None,
+                load_in_4bit=args.load_in_4bit,
+                base_weights=args.base_weights,
+            )
             models[name] = m
             sink["weights_gib"][name] = w / GiB
             built = sink.setdefault("build_s", {})[name] = time.perf_counter() - t0
-            progress(f"built {name} ({'NF4, ' if args.load_in_4bit else ''}{str(parts(m)[2].dtype).removeprefix('torch.')})"
-                     f" in {built:.1f} s")
+            progress(
+                f"built {name} ({'NF4, ' if args.load_in_4bit else ''}{str(parts(m)[2].dtype).removeprefix('torch.')})"
+                f" in {built:.1f} s"
+            )
         args.model, args.micro_batch = name, cfg["micro_batch"]
         budget = cfg.get("budget")
         budget_gib = cfg.get("budget_gib") or (BUDGETS[budget] if budget else None)
-        for row, impl in [(row, impl) for row in cfg["rows"] for impl in (args.nf4_matmul if args.load_in_4bit
-                                                                          else [None])]:
+        for row, impl in [
+            (row, impl) for row in cfg["rows"] for impl in (args.nf4_matmul if args.load_in_4bit else [None])
+        ]:
             if impl is not None:  # the same model in the same process: only how its 4-bit layers multiply differs
                 nf4_matmul.use_nf4_matmul(models[name], impl)
             r = run_row(models[name], row, args, dev, cfg["gens"], cfg["seq_len"], budget_gib=budget_gib)
@@ -521,29 +601,72 @@ def derive(data):
     out = {}
     for model in sorted({r["model"] for r in res}):
         for row in ROWS:
-            pts = sorted({(r["seq_len"], r["peak_allocated_gib"]) for r in res
-                          if r["model"] == model and r["row"] == row and r["gens"] == 1 and r["micro_batch"] == 1
-                          and "peak_allocated_gib" in r and r.get("budget_gib") is None})
+            pts = sorted(
+                {
+                    (r["seq_len"], r["peak_allocated_gib"])
+                    for r in res
+                    if r["model"] == model
+                    and r["row"] == row
+                    and r["gens"] == 1
+                    and r["micro_batch"] == 1
+                    and "peak_allocated_gib" in r
+                    and r.get("budget_gib") is None
+                }
+            )
             if len(pts) >= 2:
-                out.setdefault("fit_max_context", []).append(dict(
-                    model=model, row=row, points=pts,
-                    **{k: fit_max_len(pts, b) for k, b in BUDGETS.items()}))
+                out.setdefault("fit_max_context", []).append(
+                    dict(model=model, row=row, points=pts, **{k: fit_max_len(pts, b) for k, b in BUDGETS.items()})
+                )
     over = []
     for r in res:
         if r["row"] != "ours_offload":
             continue
-        twin = [q for q in res if q["row"] == "ours" and all(q.get(k) == r.get(k) for k in (
-            "model", "gens", "seq_len", "micro_batch", "ref_micro_batch", "nf4_matmul"))]
+        twin = [
+            q
+            for q in res
+            if q["row"] == "ours"
+            and all(
+                q.get(k) == r.get(k)
+                for k in ("model", "gens", "seq_len", "micro_batch", "ref_micro_batch", "nf4_matmul")
+            )
+        ]
         if twin:
-            over.append(dict(model=r["model"], gens=r["gens"], seq_len=r["seq_len"], micro_batch=r["micro_batch"],
-                             ours_s=twin[0]["step_s"], offload_s=r["step_s"],
-                             overhead_pct=100 * (r["step_s"] / twin[0]["step_s"] - 1)))
+            over.append(
+                dict(
+                    model=r["model"],
+                    gens=r["gens"],
+                    seq_len=r["seq_len"],
+                    micro_batch=r["micro_batch"],
+                    ours_s=twin[0]["step_s"],
+                    offload_s=r["step_s"],
+                    overhead_pct=100 * (r["step_s"] / twin[0]["step_s"] - 1),
+                )
+            )
     out["offload_overhead"] = over
     out["calibration_for_memory_calculator"] = [
-        {k: r.get(k) for k in ("model", "row", "gens", "micro_batch", "ref_micro_batch", "seq_len", "prompt_len",
-                                "completion_len", "beta", "load_in_4bit", "nf4_matmul", "peak_allocated_gib",
-                                "peak_reserved_gib", "weights_gib", "host_offload_gib")}
-        for r in res if r["row"] in ("baseline", "ours_offload") and "peak_allocated_gib" in r]
+        {
+            k: r.get(k)
+            for k in (
+                "model",
+                "row",
+                "gens",
+                "micro_batch",
+                "ref_micro_batch",
+                "seq_len",
+                "prompt_len",
+                "completion_len",
+                "beta",
+                "load_in_4bit",
+                "nf4_matmul",
+                "peak_allocated_gib",
+                "peak_reserved_gib",
+                "weights_gib",
+                "host_offload_gib",
+            )
+        }
+        for r in res
+        if r["row"] in ("baseline", "ours_offload") and "peak_allocated_gib" in r
+    ]
     return out
 
 
@@ -558,71 +681,118 @@ def write_report(data, out_dir, tag, record=True):
     jpath = data.path if isinstance(data, Sink) else None
     fp8 = data.get("args", {}).get("base_weights") == "fp8"
     hw = data["hardware"]
-    L = [f"# Whole GRPO step benchmark ({hw.get('gpu', 'cpu')})", "",
-         f"Command: `{data['command']}`  ", f"Date: {hw['date']}; torch {hw['torch']}, triton {hw.get('triton')}, "
-         f"transformers {hw.get('transformers')}, peft {hw.get('peft')}; GPU {hw.get('gpu')} "
-         f"({fmt(hw.get('gpu_total_gib'))} GiB); host RAM {fmt(hw.get('host_ram_gib'))} GiB.", "",
-         f"Random {data['results'][0].get('dtype', 'bf16') if data['results'] else 'bf16'} weights"
-         f"{' (linear layers NF4)' if data.get('args', {}).get('load_in_4bit') else ''}"
-         f"{' (linear layers FP8 e4m3, per-channel scales)' if fp8 else ''}"
-         ", LoRA on all linear layers "
-         "(fp32 adapter), AdamW; one step = reference log-probs (adapter off, no grad) + policy forward/backward "
-         "over all generations in micro-batches + optimiser step. Peaks are `torch.cuda.max_memory_allocated` / "
-         "`max_memory_reserved` over the measured step; time: "
-         + (f"the median of the timed steps after the first of {data['args']['repeat']} "
-            if data.get('args', {}).get('repeat', 1) > 1 else "one step ")
-         + "after a short warm-up step. Loss: grpo, eps 0.2, beta as listed. "
-         "Every sequence is full length (no padding).", "",
-         "| model | G x seq (prompt) | micro-batch | row | status | peak alloc GiB | peak reserved GiB | step s | tokens/s | host offload GiB |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"# Whole GRPO step benchmark ({hw.get('gpu', 'cpu')})",
+        "",
+        f"Command: `{data['command']}`  ",
+        f"Date: {hw['date']}; torch {hw['torch']}, triton {hw.get('triton')}, "
+        f"transformers {hw.get('transformers')}, peft {hw.get('peft')}; GPU {hw.get('gpu')} "
+        f"({fmt(hw.get('gpu_total_gib'))} GiB); host RAM {fmt(hw.get('host_ram_gib'))} GiB.",
+        "",
+        f"Random {data['results'][0].get('dtype', 'bf16') if data['results'] else 'bf16'} weights"
+        f"{' (linear layers NF4)' if data.get('args', {}).get('load_in_4bit') else ''}"
+        f"{' (linear layers FP8 e4m3, per-channel scales)' if fp8 else ''}"
+        ", LoRA on all linear layers "
+        "(fp32 adapter), AdamW; one step = reference log-probs (adapter off, no grad) + policy forward/backward "
+        "over all generations in micro-batches + optimiser step. Peaks are `torch.cuda.max_memory_allocated` / "
+        "`max_memory_reserved` over the measured step; time: "
+        + (
+            f"the median of the timed steps after the first of {data['args']['repeat']} "
+            if data.get("args", {}).get("repeat", 1) > 1
+            else "one step "
+        )
+        + "after a short warm-up step. Loss: grpo, eps 0.2, beta as listed. "
+        "Every sequence is full length (no padding).",
+        "",
+        "| model | G x seq (prompt) | micro-batch | row | status | peak alloc GiB | peak reserved GiB | step s | tokens/s | host offload GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in data["results"]:
         ref_mb = r.get("ref_micro_batch", r["micro_batch"])
-        L.append(f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']}"
-                 + (f" (reference pass {ref_mb})" if ref_mb != r["micro_batch"] else "") + f" | {r['row']}"
-                 + (f" (4-bit, {r['nf4_matmul']} matmul" + (f", {r['dequantized_per_step']:.0f} dequant./step"
-                                                             if r.get("dequantized_per_step") else "") + ")"
-                    if r.get("nf4_matmul") else "")
-                 + f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
-                 f"{fmt(r.get('peak_allocated_gib'), 2)} | {fmt(r.get('peak_reserved_gib'), 2)} | "
-                 f"{fmt(r.get('step_s'), 2)} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('host_offload_gib'), 2)} |")
+        L.append(
+            f"| {r['model']} | {r['gens']} x {r['seq_len']} ({r['prompt_len']}) | {r['micro_batch']}"
+            + (f" (reference pass {ref_mb})" if ref_mb != r["micro_batch"] else "")
+            + f" | {r['row']}"
+            + (
+                f" (4-bit, {r['nf4_matmul']} matmul"
+                + (f", {r['dequantized_per_step']:.0f} dequant./step" if r.get("dequantized_per_step") else "")
+                + ")"
+                if r.get("nf4_matmul")
+                else ""
+            )
+            + f"{' (budget ' + fmt(r['budget_gib']) + ' GiB)' if r.get('budget_gib') else ''} | {r['status']} | "
+            f"{fmt(r.get('peak_allocated_gib'), 2)} | {fmt(r.get('peak_reserved_gib'), 2)} | "
+            f"{fmt(r.get('step_s'), 2)} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('host_offload_gib'), 2)} |"
+        )
     for r in data["results"]:
         kp = r.get("kernel_profile")
         if kp:
-            L += ["", f"Profiled step ({r['model']}, {r['gens']} x {r['seq_len']}, {r['row']}"
-                  f"{', 4-bit ' + r['nf4_matmul'] + ' matmul' if r.get('nf4_matmul') else ''}): wall "
-                  f"{kp['wall_s_profiled']:.2f} s under the profiler, GPU kernels {kp['cuda_total_ms'] / 1e3:.2f} s "
-                  f"busy, of which dequantisation {kp['dequant_cuda_ms'] / 1e3:.2f} s; host ops "
-                  f"{kp['cpu_total_ms'] / 1e3:.2f} s. Top GPU ops: " + "; ".join(
-                      f"{e['name']} {e['self_cuda_ms']:.0f} ms ({e['calls']})" for e in kp["top_cuda"][:6]) + "."]
+            L += [
+                "",
+                f"Profiled step ({r['model']}, {r['gens']} x {r['seq_len']}, {r['row']}"
+                f"{', 4-bit ' + r['nf4_matmul'] + ' matmul' if r.get('nf4_matmul') else ''}): wall "
+                f"{kp['wall_s_profiled']:.2f} s under the profiler, GPU kernels {kp['cuda_total_ms'] / 1e3:.2f} s "
+                f"busy, of which dequantisation {kp['dequant_cuda_ms'] / 1e3:.2f} s; host ops "
+                f"{kp['cpu_total_ms'] / 1e3:.2f} s. Top GPU ops: "
+                + "; ".join(f"{e['name']} {e['self_cuda_ms']:.0f} ms ({e['calls']})" for e in kp["top_cuda"][:6])
+                + ".",
+            ]
     d = data["derived"]
     if d.get("offload_overhead"):
-        L += ["", "Offload cost (same config, ours_offload vs ours):", "",
-              "| model | G x seq | micro-batch | ours s | ours_offload s | overhead |", "|---|---|---|---|---|---|"]
+        L += [
+            "",
+            "Offload cost (same config, ours_offload vs ours):",
+            "",
+            "| model | G x seq | micro-batch | ours s | ours_offload s | overhead |",
+            "|---|---|---|---|---|---|",
+        ]
         for o in d["offload_overhead"]:
-            L.append(f"| {o['model']} | {o['gens']} x {o['seq_len']} | {o['micro_batch']} | {o['ours_s']:.2f} | "
-                     f"{o['offload_s']:.2f} | {o['overhead_pct']:+.1f}% |")
+            L.append(
+                f"| {o['model']} | {o['gens']} x {o['seq_len']} | {o['micro_batch']} | {o['ours_s']:.2f} | "
+                f"{o['offload_s']:.2f} | {o['overhead_pct']:+.1f}% |"
+            )
     if d.get("fit_max_context"):
-        L += ["", "Longest single sequence within a budget: linear fit peak = a + b*T over the measured one-sequence "
-              "peaks above (not a bisection); budgets 80GB -> " + fmt(BUDGETS["80GB"]) + " GiB, 15GB -> "
-              + fmt(BUDGETS["15GB"]) + " GiB. Confirmation runs, if any, are the rows with a budget.", "",
-              "| model | row | points (T, GiB) | a GiB | b KiB/token | T max (80GB) | T max (15GB) |",
-              "|---|---|---|---|---|---|---|"]
+        L += [
+            "",
+            "Longest single sequence within a budget: linear fit peak = a + b*T over the measured one-sequence "
+            "peaks above (not a bisection); budgets 80GB -> "
+            + fmt(BUDGETS["80GB"])
+            + " GiB, 15GB -> "
+            + fmt(BUDGETS["15GB"])
+            + " GiB. Confirmation runs, if any, are the rows with a budget.",
+            "",
+            "| model | row | points (T, GiB) | a GiB | b KiB/token | T max (80GB) | T max (15GB) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for f in d["fit_max_context"]:
             f80, f15 = f["80GB"], f["15GB"]
             pts = ", ".join(f"({t}, {p:.1f})" for t, p in f["points"])
-            L.append(f"| {f['model']} | {f['row']} | {pts} | {fmt(f80 and f80['a_gib'], 2)} | "
-                     f"{fmt(f80 and f80['b_gib_per_token'] * 2**20, 1)} | {f80['t_max'] if f80 else '—'} | "
-                     f"{(f15['t_max'] if f15['t_max'] > 0 else 'weights alone exceed it') if f15 else '—'} |")
+            L.append(
+                f"| {f['model']} | {f['row']} | {pts} | {fmt(f80 and f80['a_gib'], 2)} | "
+                f"{fmt(f80 and f80['b_gib_per_token'] * 2**20, 1)} | {f80['t_max'] if f80 else '—'} | "
+                f"{(f15['t_max'] if f15['t_max'] > 0 else 'weights alone exceed it') if f15 else '—'} |"
+            )
     if data.get("check"):
-        L += ["", "CUDA correctness check (LoRA gradients, 2 micro-batches):", "", "```",
-              json.dumps(data["check"], indent=1), "```"]
+        L += [
+            "",
+            "CUDA correctness check (LoRA gradients, 2 micro-batches):",
+            "",
+            "```",
+            json.dumps(data["check"], indent=1),
+            "```",
+        ]
     png = Path(tempfile.gettempdir()) / f"step_{tag}_phases.png"
     try:
         plot(data, png)  # only for configs compared across rows (or >= 64K)
     except Exception as e:  # noqa: BLE001 - the plot is optional, the numbers are not
         print(f"plot failed: {type(e).__name__}: {e}")
-    L += ["", "Per-phase allocator counters (GiB: allocated at start / peak / at end) of each measured step are in the "
-          "data file" + (f"; plot: `{png}`." if png.exists() else ".") + (f" In-progress json: `{jpath}`." if jpath else "")]
+    L += [
+        "",
+        "Per-phase allocator counters (GiB: allocated at start / peak / at end) of each measured step are in the "
+        "data file"
+        + (f"; plot: `{png}`." if png.exists() else ".")
+        + (f" In-progress json: `{jpath}`." if jpath else ""),
+    ]
     if not record:
         print("\n".join(L))
         return "\n".join(L)
@@ -650,8 +820,9 @@ def plot(data, path):
         for i, r in enumerate(rows):
             ph = [p for p in order if p in r["phases"]]
             xs = [order.index(p) + i * width for p in ph]  # fixed slot per phase, even if one is missing
-            ax.bar(xs, [r["phases"][p]["peak"] for p in ph], width, label=f"{r['row']} peak",
-                   color=colors.get(r["row"]))
+            ax.bar(
+                xs, [r["phases"][p]["peak"] for p in ph], width, label=f"{r['row']} peak", color=colors.get(r["row"])
+            )
             ax.scatter(xs, [r["phases"][p]["end"] for p in ph], marker="_", s=200, color="k", zorder=3)
         ax.axhline(r["weights_gib"], ls="--", color="grey", lw=1, label="bf16 weights")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(order))])
@@ -669,36 +840,72 @@ def main(argv=None):
     p.add_argument("--plan", choices=sorted(PLANS), help="a predefined set of configs (GPU)")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--gens", type=int, default=8, help="generations per step (G)")
-    p.add_argument("--seq-len", default="20480", help="tokens per sequence, prompt included; a comma list runs "
-                   "one config per length on the same model, each `T` or `T:G` (G generations instead of --gens)")
+    p.add_argument(
+        "--seq-len",
+        default="20480",
+        help="tokens per sequence, prompt included; a comma list runs "
+        "one config per length on the same model, each `T` or `T:G` (G generations instead of --gens)",
+    )
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--rows", default=",".join(ROWS))
-    p.add_argument("--ref-micro-batch", type=int, default=None, help="sequences per no-grad reference forward "
-                   "(default: --micro-batch)")
+    p.add_argument(
+        "--ref-micro-batch",
+        type=int,
+        default=None,
+        help="sequences per no-grad reference forward (default: --micro-batch)",
+    )
     p.add_argument("--budget", choices=sorted(BUDGETS), help="run under this memory budget (fraction cap)")
     p.add_argument("--budget-gib", type=float, help="run under this many GiB (fraction cap); overrides --budget")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights and activations on CUDA "
-                   "(fp16: with a GradScaler, as on a T4)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="weights and activations on CUDA (fp16: with a GradScaler, as on a T4)",
+    )
     p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the base linear weights in NF4 (bitsandbytes)")
-    p.add_argument("--base-weights", choices=BASE_WEIGHTS, default="16bit", help="fp8: the base linear weights as "
-                   "FP8 e4m3 codes with per-channel scales (grpo_kit.model.fp8; CUDA with compute capability >= 8.9)")
-    p.add_argument("--nf4-matmul", default="kit", help="with --load-in-4bit (ignored without): how the 4-bit layers "
-                   "multiply, a comma list run one after the other on the same model (kit, bitsandbytes: "
-                   "grpo_kit.model.nf4_matmul)")
-    p.add_argument("--repeat", type=int, default=1, help="timed steps per row at the measured shape; with more "
-                   "than one, step_s is the median of those after the first (peak memory: over all)")
-    p.add_argument("--kernel-profile", action="store_true", help="after the timed steps, one more under "
-                   "torch.profiler: top ops by GPU and host time, dequantisation's share (in the json)")
-    p.add_argument("--until-ok", action="store_true", help="stop after the first --seq-len that runs (status ok): "
-                   "with lengths in descending order, the longest that fits (e.g. under --budget-gib)")
+    p.add_argument(
+        "--base-weights",
+        choices=BASE_WEIGHTS,
+        default="16bit",
+        help="fp8: the base linear weights as "
+        "FP8 e4m3 codes with per-channel scales (grpo_kit.model.fp8; CUDA with compute capability >= 8.9)",
+    )
+    p.add_argument(
+        "--nf4-matmul",
+        default="kit",
+        help="with --load-in-4bit (ignored without): how the 4-bit layers "
+        "multiply, a comma list run one after the other on the same model (kit, bitsandbytes: "
+        "grpo_kit.model.nf4_matmul)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed steps per row at the measured shape; with more "
+        "than one, step_s is the median of those after the first (peak memory: over all)",
+    )
+    p.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="after the timed steps, one more under "
+        "torch.profiler: top ops by GPU and host time, dequantisation's share (in the json)",
+    )
+    p.add_argument(
+        "--until-ok",
+        action="store_true",
+        help="stop after the first --seq-len that runs (status ok): "
+        "with lengths in descending order, the longest that fits (e.g. under --budget-gib)",
+    )
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--check-model", default="llama-3.2-1b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     p.add_argument("--tag", default=None, help="file tag (default: gpu name, e.g. h200)")
-    p.add_argument("--replot", help="re-print the summary and re-draw the png from a run's in-progress json (records nothing)")
+    p.add_argument(
+        "--replot", help="re-print the summary and re-draw the png from a run's in-progress json (records nothing)"
+    )
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: at least 1 timed step")
@@ -709,8 +916,10 @@ def main(argv=None):
         write_report(data, Path(args.replot).parent, tag, record=False)
         return 0
     try:
-        seq_lens = [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else args.gens)
-                    for x in str(args.seq_len).split(",")]
+        seq_lens = [
+            (int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else args.gens)
+            for x in str(args.seq_len).split(",")
+        ]
     except ValueError:
         raise ValueError(f"--seq-len must be T or T:G items separated by commas, got {args.seq_len!r}") from None
     for name in ("gens", "micro_batch", "lora_r") + (("ref_micro_batch",) if args.ref_micro_batch is not None else ()):
@@ -736,15 +945,29 @@ def main(argv=None):
     tag = args.tag or (hw.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if dev.type == "cuda" else "cpu")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sink = Sink(Path(tempfile.gettempdir()) / f"step_{tag}.json", command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                hardware=hw, args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit,
-                                   "base_weights": args.base_weights}, results=[],
-                weights_gib={})
+    sink = Sink(
+        Path(tempfile.gettempdir()) / f"step_{tag}.json",
+        command="python bench/step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        hardware=hw,
+        args={"repeat": args.repeat, "load_in_4bit": args.load_in_4bit, "base_weights": args.base_weights},
+        results=[],
+        weights_gib={},
+    )
     if args.plan:
         configs = PLANS[args.plan]
     else:
-        configs = [dict(model=args.model, gens=G, seq_len=T, micro_batch=args.micro_batch,
-                   rows=rows, budget=args.budget, budget_gib=args.budget_gib) for T, G in seq_lens]
+        configs = [
+            dict(
+                model=args.model,
+                gens=G,
+                seq_len=T,
+                micro_batch=args.micro_batch,
+                rows=rows,
+                budget=args.budget,
+                budget_gib=args.budget_gib,
+            )
+            for T, G in seq_lens
+        ]
     try:
         run_plan(configs, args, dev, sink)
     except Exception:  # noqa: BLE001 - keep what was measured, then fail loudly

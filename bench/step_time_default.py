@@ -15,9 +15,11 @@ from pathlib import Path
 from _common import hardware, record_report  # noqa: E402
 from learning import timing_runs  # noqa: E402
 
-ROWS = (("grpo_kit_vllm", ["trainer=grpo_kit"]),
-        ("grpo_kit_hf", ["trainer=grpo_kit", "generation_backend=hf"]),
-        ("trl", ["trainer=trl"]))
+ROWS = (
+    ("grpo_kit_vllm", ["trainer=grpo_kit"]),
+    ("grpo_kit_hf", ["trainer=grpo_kit", "generation_backend=hf"]),
+    ("trl", ["trainer=trl"]),
+)
 
 
 def main(argv=None) -> int:
@@ -29,9 +31,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     res = timing_runs(Path(a.runs_dir), ROWS, steps=a.steps, rounds=a.rounds)
     rows = [dict(r, row=name, round=i + 1) for name, runs in res.items() for i, r in enumerate(runs)]
-    record_report("step_time_default", dict(rows=rows, hardware=hardware(), command=rows[0].get("command", "")),
-                  [f"{r['row']} round {r['round']}: {r['mean_after_first_s']:.2f} s/step after the first" for r in rows],
-                  a.out_dir)
+    record_report(
+        "step_time_default",
+        dict(rows=rows, hardware=hardware(), command=rows[0].get("command", "")),
+        [f"{r['row']} round {r['round']}: {r['mean_after_first_s']:.2f} s/step after the first" for r in rows],
+        a.out_dir,
+    )
     return 0
 
 

@@ -45,12 +45,27 @@ def calculator_gib(model: str, context: int) -> dict:
     """The calculator's generation phase, its whole-step peak and every phase's total (GiB) for this setup."""
     from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes
 
-    df = estimate(model, EstimateSpec(num_generations=GENERATIONS, prompt_length=PROMPT,
-                                      completion_length=context - PROMPT, dtype="fp16", lora_rank=LORA_RANK,
-                                      quantization="4bit", micro_batch_size=1, vllm=False, include_generation=True))
+    df = estimate(
+        model,
+        EstimateSpec(
+            num_generations=GENERATIONS,
+            prompt_length=PROMPT,
+            completion_length=context - PROMPT,
+            dtype="fp16",
+            lora_rank=LORA_RANK,
+            quantization="4bit",
+            micro_batch_size=1,
+            vllm=False,
+            include_generation=True,
+        ),
+    )
     phases = {k: round(v / 2**30, 3) for k, v in df.attrs["phase_bytes"].items()}
-    return {"generation": df.attrs["phase_bytes"]["generation"] / 2**30, "peak_phase": df.attrs["peak_phase"],
-            "step": total_gpu_bytes(df) / 2**30, "phases": phases}
+    return {
+        "generation": df.attrs["phase_bytes"]["generation"] / 2**30,
+        "peak_phase": df.attrs["peak_phase"],
+        "step": total_gpu_bytes(df) / 2**30,
+        "phases": phases,
+    }
 
 
 def build(model_name: str, device: torch.device):
@@ -64,8 +79,9 @@ def build(model_name: str, device: torch.device):
         for m in model.modules():  # with AVX512-BF16 and fails on widths not a multiple of 64 (the tiny model's 160)
             if hasattr(m, "support_avx512bf16_for_cpu"):
                 m.support_avx512bf16_for_cpu = False
-    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
-                                                       target_modules=LORA_TARGETS))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]  # fp32: PEFT's adapter dtype under fp16
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     for p in trainable:
@@ -87,17 +103,29 @@ def generate_tail(model, tok, context: int, tail: int, device: torch.device) -> 
     past = context - tail
     cache = DynamicCache()
     for layer in range(cfg.num_hidden_layers):  # the update copies each (one layer's K or V transient at a time)
-        k, v = (torch.randn(GENERATIONS, heads, past, head_dim, dtype=torch.float16, device=device).mul_(0.1)
-                for _ in range(2))
+        k, v = (
+            torch.randn(GENERATIONS, heads, past, head_dim, dtype=torch.float16, device=device).mul_(0.1)
+            for _ in range(2)
+        )
         cache.update(k, v, layer)
         del k, v
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (GENERATIONS, past + 1), generator=g).to(device)
     eos = tok.eos_token_id
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                             max_new_tokens=tail, min_new_tokens=tail, do_sample=True, top_k=0, top_p=1.0,
-                             temperature=1.0, pad_token_id=eos, eos_token_id=eos)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=tail,
+            min_new_tokens=tail,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            pad_token_id=eos,
+            eos_token_id=eos,
+        )
     return (out.shape[1] - ids.shape[1]) * GENERATIONS
 
 
@@ -105,8 +133,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--budget-gib", type=float, default=15.0, help="memory cap on CUDA (the T4's usable 15 GiB)")
-    p.add_argument("--completion", type=int, default=None,
-                   help="completion tokens (default: the preset's context minus the 512-token prompt)")
+    p.add_argument(
+        "--completion",
+        type=int,
+        default=None,
+        help="completion tokens (default: the preset's context minus the 512-token prompt)",
+    )
     p.add_argument("--tail", type=int, default=64, help="decoding steps after the pre-filled cache (default mode)")
     p.add_argument("--full", action="store_true", help="the whole generation through HFGenerator (minutes)")
     p.add_argument("--tag", default="gpu")
@@ -137,18 +169,33 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev) / 2**30 if cuda else None
-    row = dict(model=a.model, dtype="fp16", load_in_4bit=True, generations=GENERATIONS, prompt_len=PROMPT,
-               completion_len=context - PROMPT, context=context, budget_gib=a.budget_gib if cuda else None,
-               calculator_gib=round(calc["generation"], 3), calculator_step_gib=round(calc["step"], 3),
-               calculator_peak_phase=calc["peak_phase"], calculator_phases_gib=calc["phases"],
-               preset_context=preset["context_length"], preset_budget_gib=preset["budget_gib"],
-               build_s=round(build_s, 1), allocated_before_gib=None if before is None else round(before, 3),
-               mode="full" if a.full else f"the last {a.tail} tokens after a pre-filled cache")
+    row = dict(
+        model=a.model,
+        dtype="fp16",
+        load_in_4bit=True,
+        generations=GENERATIONS,
+        prompt_len=PROMPT,
+        completion_len=context - PROMPT,
+        context=context,
+        budget_gib=a.budget_gib if cuda else None,
+        calculator_gib=round(calc["generation"], 3),
+        calculator_step_gib=round(calc["step"], 3),
+        calculator_peak_phase=calc["peak_phase"],
+        calculator_phases_gib=calc["phases"],
+        preset_context=preset["context_length"],
+        preset_budget_gib=preset["budget_gib"],
+        build_s=round(build_s, 1),
+        allocated_before_gib=None if before is None else round(before, 3),
+        mode="full" if a.full else f"the last {a.tail} tokens after a pre-filled cache",
+    )
     t0 = time.perf_counter()
     try:
         if a.full:
-            out = gen.generate([prompt], GENERATIONS, SamplingConfig(temperature=1.0, max_tokens=context - PROMPT,
-                                                                     min_tokens=context - PROMPT))
+            out = gen.generate(
+                [prompt],
+                GENERATIONS,
+                SamplingConfig(temperature=1.0, max_tokens=context - PROMPT, min_tokens=context - PROMPT),
+            )
             row.update(ok=True, tokens=sum(len(c) for c in out.completion_ids))
         else:
             row.update(ok=True, tokens=generate_tail(model, tok, context, a.tail, dev))
@@ -168,26 +215,43 @@ def main(argv=None) -> int:
     cmd = command_line("t4_preset", argv)
     data = {"command": cmd, "hardware": hw, "rows": [row]}
     fmt = lambda v: "" if v is None else v  # noqa: E731
-    lines = [f"# Notebook 04's free-T4 preset: the generation phase ({a.tag})", "",
-             f"Command: `{cmd}`", f"Hardware: {hardware_line(hw)}", "",
-             f"The preset (`grpo_kit.memory.fit.free_t4_preset`): context {preset['context_length']:,} tokens, the "
-             f"calculator's step {preset['estimate_gib']:.2f} of {preset['budget_gib']} GiB. Measured: "
-             + (f"{GENERATIONS} completions of one {PROMPT}-token prompt by `HFGenerator` at {context - PROMPT:,} "
-                "tokens each" if a.full else
-                f"the end of a generation of {GENERATIONS} sequences to {context:,} tokens: HF's DynamicCache filled "
-                f"with random keys and values for {context - a.tail:,} tokens each, then HF `generate` of the last "
-                f"{a.tail} tokens through it")
-             + f", 4-bit {a.model} (random weights, fixed length), fp16, LoRA r={LORA_RANK} and AdamW states held, "
-             f"under `set_per_process_memory_fraction` = {a.budget_gib} GiB" + ("" if cuda else " (not on the CPU)")
-             + "." + ("" if a.full else " The reserved figure leaves out the allocator's fragmentation from a whole "
-                      "generation's thousands of cache growth steps: `--full` decides that."),
-             "", "| context | ok | peak allocated GiB | peak reserved GiB | calculator GiB (generation) | calc. error | "
-                 "generate s | tokens/s |", "|---|---|---|---|---|---|---|---|",
-             f"| {context:,} | {row.get('ok')} | {fmt(row.get('peak_allocated_gib'))} | "
-             f"{fmt(row.get('peak_reserved_gib'))} | {row['calculator_gib']} | {fmt(row.get('calculator_error'))} | "
-             f"{row['generate_s']} | {fmt(row.get('tokens_per_s'))} |", "",
-             f"The calculator's phases (GiB): {calc['phases']}; the step's peak is its {calc['peak_phase']} phase, "
-             f"{calc['step']:.2f} GiB."]
+    lines = [
+        f"# Notebook 04's free-T4 preset: the generation phase ({a.tag})",
+        "",
+        f"Command: `{cmd}`",
+        f"Hardware: {hardware_line(hw)}",
+        "",
+        f"The preset (`grpo_kit.memory.fit.free_t4_preset`): context {preset['context_length']:,} tokens, the "
+        f"calculator's step {preset['estimate_gib']:.2f} of {preset['budget_gib']} GiB. Measured: "
+        + (
+            f"{GENERATIONS} completions of one {PROMPT}-token prompt by `HFGenerator` at {context - PROMPT:,} "
+            "tokens each"
+            if a.full
+            else f"the end of a generation of {GENERATIONS} sequences to {context:,} tokens: HF's DynamicCache filled "
+            f"with random keys and values for {context - a.tail:,} tokens each, then HF `generate` of the last "
+            f"{a.tail} tokens through it"
+        )
+        + f", 4-bit {a.model} (random weights, fixed length), fp16, LoRA r={LORA_RANK} and AdamW states held, "
+        f"under `set_per_process_memory_fraction` = {a.budget_gib} GiB"
+        + ("" if cuda else " (not on the CPU)")
+        + "."
+        + (
+            ""
+            if a.full
+            else " The reserved figure leaves out the allocator's fragmentation from a whole "
+            "generation's thousands of cache growth steps: `--full` decides that."
+        ),
+        "",
+        "| context | ok | peak allocated GiB | peak reserved GiB | calculator GiB (generation) | calc. error | "
+        "generate s | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {context:,} | {row.get('ok')} | {fmt(row.get('peak_allocated_gib'))} | "
+        f"{fmt(row.get('peak_reserved_gib'))} | {row['calculator_gib']} | {fmt(row.get('calculator_error'))} | "
+        f"{row['generate_s']} | {fmt(row.get('tokens_per_s'))} |",
+        "",
+        f"The calculator's phases (GiB): {calc['phases']}; the step's peak is its {calc['peak_phase']} phase, "
+        f"{calc['step']:.2f} GiB.",
+    ]
     if not row.get("ok"):
         lines += ["", f"Failed: {row.get('error')}"]
     record_report("t4_preset", data, lines, a.out_dir)

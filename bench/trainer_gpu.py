@@ -41,8 +41,11 @@ ROWS = {
 }
 
 
-PHASES = (("_generate_single_turn", "generate"), ("_generate_and_score_completions", "gen_score"),
-          ("training_step", "training_step"))
+PHASES = (
+    ("_generate_single_turn", "generate"),
+    ("_generate_and_score_completions", "gen_score"),
+    ("training_step", "training_step"),
+)
 
 
 def time_phases(classes) -> dict:
@@ -75,6 +78,7 @@ def time_phases(classes) -> dict:
                     sync()
                     totals[name] += time.perf_counter() - start
                 depth[name] -= 1
+
         return wrapper
 
     for cls in classes:
@@ -114,8 +118,9 @@ def one_row(sets: list[str], out_dir: str) -> dict:
             if torch.cuda.is_available():
                 self.step_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
             if self.first is None:
-                self.first = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()
-                              if p.requires_grad}
+                self.first = {
+                    n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad
+                }
 
         def on_train_end(self, args, state, control, model=None, **kw):
             last = {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
@@ -147,15 +152,27 @@ def one_row(sets: list[str], out_dir: str) -> dict:
     later = probe.phases[1:] or probe.phases
     mean = {k: sum(p[k] for p in later) / len(later) for k in totals}
     step_s = sum(times[1:]) / max(1, len(times) - 1)
-    phase_s = {"generate": mean["generate"], "score_and_logps": mean["gen_score"] - mean["generate"],
-               "forward_backward": mean["training_step"] - mean["gen_score"],
-               "rest": step_s - mean["training_step"]}
+    phase_s = {
+        "generate": mean["generate"],
+        "score_and_logps": mean["gen_score"] - mean["generate"],
+        "forward_backward": mean["training_step"] - mean["gen_score"],
+        "rest": step_s - mean["training_step"],
+    }
     lengths = [float(r["completion_length"]) for r in rows if r.get("completion_length")]
-    res = dict(summary, host_offload_gib=probe.host_gib, lora_changed_after_step1=probe.changed,
-               trainable_dtypes=probe.trainable_dtypes, step_peaks_gib=probe.step_peaks,
-               step_times_s=times, mean_step_s_after_first=step_s, phase_s_after_first=phase_s,
-               phases_per_step=probe.phases, completion_lengths=lengths,
-               losses=[r.get("loss") for r in rows], rewards=[r.get("reward_mean") for r in rows])
+    res = dict(
+        summary,
+        host_offload_gib=probe.host_gib,
+        lora_changed_after_step1=probe.changed,
+        trainable_dtypes=probe.trainable_dtypes,
+        step_peaks_gib=probe.step_peaks,
+        step_times_s=times,
+        mean_step_s_after_first=step_s,
+        phase_s_after_first=phase_s,
+        phases_per_step=probe.phases,
+        completion_lengths=lengths,
+        losses=[r.get("loss") for r in rows],
+        rewards=[r.get("reward_mean") for r in rows],
+    )
     print("ROW " + json.dumps(res), flush=True)
     return res
 
@@ -180,11 +197,19 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench trainer_gpu needs a CUDA GPU")
-    common = [f"model={a.model}", f"max_steps={a.steps}", f"num_generations={a.generations}",
-              f"per_device_train_batch_size={a.generations}", f"max_completion_length={a.completion}",
-              "num_eval_samples=0", "num_train_samples=64", "device=cuda", "generation_backend=hf",
-              "warmup_steps=0",
-              "reward_funcs=[correctness, bench_spread]"]
+    common = [
+        f"model={a.model}",
+        f"max_steps={a.steps}",
+        f"num_generations={a.generations}",
+        f"per_device_train_batch_size={a.generations}",
+        f"max_completion_length={a.completion}",
+        "num_eval_samples=0",
+        "num_train_samples=64",
+        "device=cuda",
+        "generation_backend=hf",
+        "warmup_steps=0",
+        "reward_funcs=[correctness, bench_spread]",
+    ]
     results = []
     for name in a.rows.split(","):
         sets = common + ROWS[name]
@@ -206,25 +231,36 @@ def main(argv=None) -> int:
 
     hw = hardware()
     cmd = "python -m grpo_kit bench trainer_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"# The whole trainer on a GPU ({hw['gpu']})", "",
-             f"Command: `{cmd}`  ", f"Date: {hw['date']}; hardware: {hardware_line(hw)}.", "",
-             f"`python -m grpo_kit train` in-process per row (own process each), model {a.model} (random weights, "
-             f"embedded tokenizer), {a.generations} generations x up to {a.completion} completion tokens per step, "
-             f"{a.steps} steps, LoRA r=16 on all linear layers, HF generate.", "",
-             "| row | status | peak alloc GiB | mean step s (after 1st) | generate s | score + old/ref logp s "
-             "| fwd + bwd s | rest s | mean completion tokens | host offload GiB | loss/reward finite "
-             "| LoRA changed | trainable dtype |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# The whole trainer on a GPU ({hw['gpu']})",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Date: {hw['date']}; hardware: {hardware_line(hw)}.",
+        "",
+        f"`python -m grpo_kit train` in-process per row (own process each), model {a.model} (random weights, "
+        f"embedded tokenizer), {a.generations} generations x up to {a.completion} completion tokens per step, "
+        f"{a.steps} steps, LoRA r=16 on all linear layers, HF generate.",
+        "",
+        "| row | status | peak alloc GiB | mean step s (after 1st) | generate s | score + old/ref logp s "
+        "| fwd + bwd s | rest s | mean completion tokens | host offload GiB | loss/reward finite "
+        "| LoRA changed | trainable dtype |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['row']} | failed |" + " |" * 11)
             continue
         ph = r["phase_s_after_first"]
-        length = sum(r["completion_lengths"]) / len(r["completion_lengths"]) if r["completion_lengths"] else float("nan")
-        lines.append(f"| {r['row']} | ok | {r['peak_memory_gib']:.2f} | {r['mean_step_s_after_first']:.2f} | "
-                     f"{ph['generate']:.2f} | {ph['score_and_logps']:.2f} | {ph['forward_backward']:.2f} | "
-                     f"{ph['rest']:.2f} | {length:.0f} | "
-                     f"{r['host_offload_gib']:.2f} | {r['metrics_finite']} | {r['lora_changed_after_step1']} | "
-                     f"{','.join(r['trainable_dtypes'])} |")
+        length = (
+            sum(r["completion_lengths"]) / len(r["completion_lengths"]) if r["completion_lengths"] else float("nan")
+        )
+        lines.append(
+            f"| {r['row']} | ok | {r['peak_memory_gib']:.2f} | {r['mean_step_s_after_first']:.2f} | "
+            f"{ph['generate']:.2f} | {ph['score_and_logps']:.2f} | {ph['forward_backward']:.2f} | "
+            f"{ph['rest']:.2f} | {length:.0f} | "
+            f"{r['host_offload_gib']:.2f} | {r['metrics_finite']} | {r['lora_changed_after_step1']} | "
+            f"{','.join(r['trainable_dtypes'])} |"
+        )
     record_report("trainer_gpu", dict(command=cmd, hardware=hw, results=results), lines, a.out_dir)
     return 0
 

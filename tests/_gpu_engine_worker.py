@@ -16,8 +16,12 @@ import time
 
 
 def _prompts(tok):
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=True)["input_ids"] for q in ("What is 12+7?", "Say hello.")]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for q in ("What is 12+7?", "Say hello.")
+    ]
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,8 +46,10 @@ def mean_logprob_diffs(res, model, sampling):
     near-tie that sends the two greedy paths apart in bf16 does not hide a real difference."""
     from grpo_kit.generation.hf import sampling_logprobs_reference
 
-    return [float((lp - sampling_logprobs_reference(model, p, ids, sampling)).abs().mean())
-            for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)]
+    return [
+        float((lp - sampling_logprobs_reference(model, p, ids, sampling)).abs().mean())
+        for p, ids, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs)
+    ]
 
 
 def _sync_log(trainer) -> list:
@@ -61,9 +67,19 @@ def fp8() -> dict:
     from grpo_kit.model.loading import embedded_model_dir, load_tokenizer
 
     tok = load_tokenizer()
-    gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
-                        lora_sync="adapter", kv_cache_dtype="fp8", kv_cache_memory_bytes=2**30,
-                        gpu_memory_utilization=0.1, max_num_seqs=8, enforce_eager=True)
+    gen = VLLMGenerator(
+        embedded_model_dir(),
+        tokenizer=tok,
+        dtype="bfloat16",
+        max_model_len=512,
+        share_weights=True,
+        lora_sync="adapter",
+        kv_cache_dtype="fp8",
+        kv_cache_memory_bytes=2**30,
+        gpu_memory_utilization=0.1,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
     model = gen.training_model(AutoConfig.from_pretrained(embedded_model_dir()), torch.bfloat16)
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     first = gen.generate(_prompts(tok), 1, greedy).completion_ids
@@ -73,10 +89,15 @@ def fp8() -> dict:
     per_token_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     blocks = gen.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     block = gen.llm.llm_engine.vllm_config.cache_config.block_size
-    out = {"kv_cache_dtype": gen.options()["kv_cache_dtype"], "same_after_standby": first == again,
-           "shared_other_params": gen.shared_report["other_params"], "kv_blocks": blocks,
-           "kv_bytes_per_token": int(gen.kv_cache_bytes // (blocks * block)), "bf16_kv_bytes_per_token": per_token_bf16,
-           "text": tok.decode(first[0])}
+    out = {
+        "kv_cache_dtype": gen.options()["kv_cache_dtype"],
+        "same_after_standby": first == again,
+        "shared_other_params": gen.shared_report["other_params"],
+        "kv_blocks": blocks,
+        "kv_bytes_per_token": int(gen.kv_cache_bytes // (blocks * block)),
+        "bf16_kv_bytes_per_token": per_token_bf16,
+        "text": tok.decode(first[0]),
+    }
     gen.close()
     return out
 
@@ -89,8 +110,16 @@ def copy() -> dict:
     from grpo_kit.model.loading import embedded_model_dir, load_model
 
     model, tok = load_model(dtype=torch.bfloat16, device="cuda")
-    gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512,
-                        kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.1, max_num_seqs=8, enforce_eager=True)
+    gen = VLLMGenerator(
+        embedded_model_dir(),
+        tokenizer=tok,
+        dtype="bfloat16",
+        max_model_len=512,
+        kv_cache_memory_bytes=2**30,
+        gpu_memory_utilization=0.1,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     base = gen.generate(_prompts(tok), 1, greedy).completion_ids
     with torch.no_grad():
@@ -113,9 +142,17 @@ def copy() -> dict:
     needed = gen.needs_sync
     resync = gen.sync_weights(model)
     after = gen.generate(_prompts(tok), 1, greedy)
-    out = {"sync_mode": info["mode"], "sync_s": info["seconds"], "follows_hf": follows,
-           "refused_without_weights": refused, "needs_sync_after_sleep": needed, "sleep": gen.options()["sleep"],
-           "same_after_sleep": after.completion_ids == synced, "sleep_s": sleep_s, "resync_s": resync["seconds"]}
+    out = {
+        "sync_mode": info["mode"],
+        "sync_s": info["seconds"],
+        "follows_hf": follows,
+        "refused_without_weights": refused,
+        "needs_sync_after_sleep": needed,
+        "sleep": gen.options()["sleep"],
+        "same_after_sleep": after.completion_ids == synced,
+        "sleep_s": sleep_s,
+        "resync_s": resync["seconds"],
+    }
     gen.close()
     return out
 
@@ -133,16 +170,27 @@ def merge() -> dict:
     from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
     tok = load_tokenizer()
-    gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
-                        lora_sync="merge", kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.1, max_num_seqs=16)
+    gen = VLLMGenerator(
+        embedded_model_dir(),
+        tokenizer=tok,
+        dtype="bfloat16",
+        max_model_len=512,
+        share_weights=True,
+        lora_sync="merge",
+        kv_cache_memory_bytes=2**30,
+        gpu_memory_utilization=0.1,
+        max_num_seqs=16,
+    )
     config = AutoConfig.from_pretrained(embedded_model_dir())
     model = gen.training_model(config, torch.bfloat16)
     engine = gen.llm.collective_rpc(_engine_model)[0]
     before = {n: p.data.clone() for n, p in engine.named_parameters()}  # 135M parameters: a copy to compare with
 
     def unchanged() -> bool:  # every bit of every engine tensor (integer views: NaN payloads and -0 count)
-        return all(torch.equal(p.data.view(-1).view(torch.uint8), before[n].view(-1).view(torch.uint8))
-                   for n, p in engine.named_parameters())
+        return all(
+            torch.equal(p.data.view(-1).view(torch.uint8), before[n].view(-1).view(torch.uint8))
+            for n, p in engine.named_parameters()
+        )
 
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     base = gen.generate(_prompts(tok), 1, greedy)
@@ -160,23 +208,47 @@ def merge() -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as out_dir:
-        args = GRPOConfig(output_dir=out_dir, max_steps=2, per_device_train_batch_size=8, num_generations=4,
-                          max_completion_length=16, learning_rate=1e-3, logging_steps=1, report_to="none", bf16=True,
-                          beta=0.04, save_strategy="no", gradient_checkpointing=True)
+        args = GRPOConfig(
+            output_dir=out_dir,
+            max_steps=2,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=16,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to="none",
+            bf16=True,
+            beta=0.04,
+            save_strategy="no",
+            gradient_checkpointing=True,
+        )
         trainer = EfficientGRPOTrainer(  # a second training model on the same engine tensors
-            model=gen.training_model(config, torch.bfloat16), reward_funcs=[lambda prompts, completions, **kw: [len(str(c)) / 50.0 for c in completions]],
-            args=args, processing_class=tok, train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 16, seed=0)),
+            model=gen.training_model(config, torch.bfloat16),
+            reward_funcs=[lambda prompts, completions, **kw: [len(str(c)) / 50.0 for c in completions]],
+            args=args,
+            processing_class=tok,
+            train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 16, seed=0)),
             peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
-            generator=gen)
+            generator=gen,
+        )
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    out = {"sync_mode": info["mode"], "merged_weights": res.timings.get("merge_s") is not None,
-           "last_merge": gen.last_merge, "lora_logprob_mean_abs_diff": lora_diffs, "base_logprob_mean_abs_diff": base_diffs,
-           "differs_from_base": res.completion_ids != base.completion_ids,
-           "same_bits_after_generate": same_bits_after_generate, "same_after_standby": again.completion_ids == res.completion_ids,
-           "trainer_sync_modes": [e["mode"] for e in _sync_log(trainer)], "losses": losses,
-           "same_bits_after_training": unchanged(), "shared_other_params": gen.shared_report["other_params"],
-           "lora_sync": gen.options()["lora_sync"], "timings": res.timings}
+    out = {
+        "sync_mode": info["mode"],
+        "merged_weights": res.timings.get("merge_s") is not None,
+        "last_merge": gen.last_merge,
+        "lora_logprob_mean_abs_diff": lora_diffs,
+        "base_logprob_mean_abs_diff": base_diffs,
+        "differs_from_base": res.completion_ids != base.completion_ids,
+        "same_bits_after_generate": same_bits_after_generate,
+        "same_after_standby": again.completion_ids == res.completion_ids,
+        "trainer_sync_modes": [e["mode"] for e in _sync_log(trainer)],
+        "losses": losses,
+        "same_bits_after_training": unchanged(),
+        "shared_other_params": gen.shared_report["other_params"],
+        "lora_sync": gen.options()["lora_sync"],
+        "timings": res.timings,
+    }
     gen.close()
     return out
 
@@ -199,11 +271,21 @@ def family(name: str) -> dict:
     start = time.perf_counter()
     # the adapter in vLLM's LoRA kernels: on vLLM's random (dummy) weights every element would change in a merge,
     # which the reversible merge refuses (it keeps at most a quarter of a weight to restore; seen on an H100)
-    gen = VLLMGenerator(folder, tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
-                        dummy_weights=dummy, lora_sync="adapter", max_lora_rank=16, max_num_seqs=8,
-                        kv_cache_memory_bytes=2**30, gpu_memory_utilization=0.3, enforce_eager=True)
-    out = {"model": name, "engine_start_s": round(time.perf_counter() - start, 1),
-           "architecture": gen.architecture}
+    gen = VLLMGenerator(
+        folder,
+        tokenizer=tok,
+        dtype="bfloat16",
+        max_model_len=512,
+        share_weights=True,
+        dummy_weights=dummy,
+        lora_sync="adapter",
+        max_lora_rank=16,
+        max_num_seqs=8,
+        kv_cache_memory_bytes=2**30,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+    )
+    out = {"model": name, "engine_start_s": round(time.perf_counter() - start, 1), "architecture": gen.architecture}
     try:
         model = gen.training_model(model_config(name), torch.bfloat16).eval()
     except UnshareableError as e:
@@ -211,8 +293,9 @@ def family(name: str) -> dict:
         return dict(out, shared=False, unshareable=str(e)[:300])
     greedy = SamplingConfig(temperature=0.0, max_tokens=16)
     base = gen.generate(_prompts(tok), 1, greedy)
-    out.update(shared=True, shared_report=gen.shared_report, base_logprob_mean_abs_diff=mean_logprob_diffs(
-        base, model, greedy))
+    out.update(
+        shared=True, shared_report=gen.shared_report, base_logprob_mean_abs_diff=mean_logprob_diffs(base, model, greedy)
+    )
     from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model))).eval()
@@ -223,8 +306,10 @@ def family(name: str) -> dict:
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.03)
     gen.sync_weights(pm)
     lora = gen.generate(_prompts(tok), 1, greedy)
-    out.update(lora_logprob_mean_abs_diff=mean_logprob_diffs(lora, pm, greedy),
-               differs_from_base=lora.completion_ids != base.completion_ids)
+    out.update(
+        lora_logprob_mean_abs_diff=mean_logprob_diffs(lora, pm, greedy),
+        differs_from_base=lora.completion_ids != base.completion_ids,
+    )
     gen.close()
     return out
 

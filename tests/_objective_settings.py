@@ -14,8 +14,9 @@ SETTINGS = {
     "gspo_dapo": dict(loss_type="dapo", beta=0.0, importance_sampling_level="sequence"),
     "delta": dict(loss_type="grpo", beta=0.0, delta=1.15),
     "bias_kl": dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=True),
-    "bias_kl_gspo": dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=True,
-                         importance_sampling_level="sequence"),
+    "bias_kl_gspo": dict(
+        loss_type="grpo", beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"
+    ),
     "off_policy_mask": dict(loss_type="grpo", beta=0.04, off_policy_mask_threshold=0.01),
     # (1 - q)(n - 1) not an integer: the quantile falls between two entropies, no tie at the threshold
     "top_entropy": dict(loss_type="grpo", beta=0.04, top_entropy_quantile=0.37),

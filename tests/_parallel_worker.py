@@ -39,8 +39,19 @@ class _Head(torch.nn.Module):
 
 
 def _head_loss(weight, bias, hidden, ids, mask, adv, ref):
-    loss, _ = efficient_grpo_loss(hidden, weight, ids, mask, adv, ref_logps=ref, beta=0.04, loss_type="dapo",
-                                  num_items_in_batch=mask.sum(), chunk_size=4, lm_head_bias=bias)
+    loss, _ = efficient_grpo_loss(
+        hidden,
+        weight,
+        ids,
+        mask,
+        adv,
+        ref_logps=ref,
+        beta=0.04,
+        loss_type="dapo",
+        num_items_in_batch=mask.sum(),
+        chunk_size=4,
+        lm_head_bias=bias,
+    )
     return loss
 
 
@@ -59,9 +70,15 @@ def head_main(out_path):
     for r in range(world):  # every rank's batch, so each rank can form the unsharded mean
         g = torch.Generator().manual_seed(10 + r)
         B, T = 2, 5
-        inputs.append(dict(hidden=torch.randn(B, T, 16, generator=g), ids=torch.randint(0, 50, (B, T), generator=g),
-                           mask=(torch.rand(B, T, generator=g) > 0.2).float(), adv=torch.randn(B, generator=g),
-                           ref=-torch.rand(B, T, generator=g) * 4))
+        inputs.append(
+            dict(
+                hidden=torch.randn(B, T, 16, generator=g),
+                ids=torch.randint(0, 50, (B, T), generator=g),
+                mask=(torch.rand(B, T, generator=g) > 0.2).float(),
+                adv=torch.randn(B, generator=g),
+                ref=-torch.rand(B, T, generator=g) * 4,
+            )
+        )
     mine = {k: v.clone() for k, v in inputs[rank].items()}
     mine["hidden"].requires_grad_(True)
     weight, bias = full_head(model)
@@ -84,11 +101,20 @@ def head_main(out_path):
             ref_gh = x["hidden"].grad.clone()
             with torch.no_grad():
                 ref_logps = per_token_logps(x["hidden"], full_w, x["ids"], chunk_size=4, lm_head_bias=full_b)
-    result = dict(sharded=sharded, local_rows=model.lm_head.weight.to_local().shape[0], loss=loss.detach(),
-                  ref_loss=ref_losses[rank], logps=logps, ref_logps=ref_logps, grad_hidden=mine["hidden"].grad,
-                  ref_grad_hidden=ref_gh, grad_weight=model.lm_head.weight.grad.full_tensor(),
-                  ref_grad_weight=sum(ref_gw) / world, grad_bias=model.lm_head.bias.grad.full_tensor(),
-                  ref_grad_bias=sum(ref_gb) / world)
+    result = dict(
+        sharded=sharded,
+        local_rows=model.lm_head.weight.to_local().shape[0],
+        loss=loss.detach(),
+        ref_loss=ref_losses[rank],
+        logps=logps,
+        ref_logps=ref_logps,
+        grad_hidden=mine["hidden"].grad,
+        ref_grad_hidden=ref_gh,
+        grad_weight=model.lm_head.weight.grad.full_tensor(),
+        ref_grad_weight=sum(ref_gw) / world,
+        grad_bias=model.lm_head.bias.grad.full_tensor(),
+        ref_grad_bias=sum(ref_gb) / world,
+    )
     torch.save(result, f"{out_path}.rank{rank}")
     dist.destroy_process_group()
 
@@ -115,15 +141,29 @@ def _one_update(out_path: str, total_micro: int, loss_type: str, hf_checkpointin
     probe = GRPOConfig(output_dir="/tmp/update-probe", use_cpu=True, report_to="none")
     world = probe.world_size
     gas = total_micro // world
-    args = GRPOConfig(output_dir=str(Path(out_path).parent / "out"), use_cpu=True, report_to="none", bf16=False,
-                      per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=gas,
-                      max_completion_length=6, beta=0.04, loss_type=loss_type, use_bias_correction_kl=False,
-                      save_strategy="no", gradient_checkpointing=hf_checkpointing)
-    trainer = EfficientGRPOTrainer(model=model, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
-                                   args=args, train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 4)),
-                                   processing_class=tok,
-                                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                          task_type="CAUSAL_LM"))
+    args = GRPOConfig(
+        output_dir=str(Path(out_path).parent / "out"),
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        gradient_accumulation_steps=gas,
+        max_completion_length=6,
+        beta=0.04,
+        loss_type=loss_type,
+        use_bias_correction_kl=False,
+        save_strategy="no",
+        gradient_checkpointing=hf_checkpointing,
+    )
+    trainer = EfficientGRPOTrainer(
+        model=model,
+        reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
+        args=args,
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 4)),
+        processing_class=tok,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
     acc = trainer.accelerator
     gen = torch.Generator().manual_seed(1)
     for p in trainer.model.parameters():  # same non-zero LoRA weights in every process
@@ -135,8 +175,13 @@ def _one_update(out_path: str, total_micro: int, loss_type: str, hf_checkpointin
     _run_window(trainer, acc, wrapped, gen, total_micro, world, gas)
     opt.step()
     update = {_name(n): _whole(p) - before[_name(n)] for n, p in trainer.model.named_parameters() if p.requires_grad}
-    facts = {"world": world, "gas": gas, "distributed_type": str(acc.distributed_type), "main": acc.is_main_process,
-             "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())}
+    facts = {
+        "world": world,
+        "gas": gas,
+        "distributed_type": str(acc.distributed_type),
+        "main": acc.is_main_process,
+        "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model.parameters()),
+    }
     return facts, update
 
 
@@ -153,16 +198,20 @@ def _run_window(trainer, acc, wrapped, gen, total_micro, world, gas):
     batches = []
     lengths = torch.randint(1, C + 1, (total_micro, B), generator=gen)
     for i in range(total_micro):
-        batches.append(dict(
-            prompt_ids=torch.randint(3, 1000, (B, P), generator=gen), prompt_mask=torch.ones(B, P, dtype=torch.long),
-            completion_ids=torch.randint(3, 1000, (B, C), generator=gen),
-            completion_mask=(torch.arange(C)[None] < lengths[i][:, None]).long(),
-            advantages=torch.randn(B, generator=gen)))
+        batches.append(
+            dict(
+                prompt_ids=torch.randint(3, 1000, (B, P), generator=gen),
+                prompt_mask=torch.ones(B, P, dtype=torch.long),
+                completion_ids=torch.randint(3, 1000, (B, C), generator=gen),
+                completion_mask=(torch.arange(C)[None] < lengths[i][:, None]).long(),
+                advantages=torch.randn(B, generator=gen),
+            )
+        )
     total_tokens = float(sum(b["completion_mask"].sum() for b in batches))
     trainer.current_gradient_accumulation_steps = gas
     trainer.args.steps_per_generation = gas
     trainer.model.train()
-    for inputs in batches[acc.process_index::world]:
+    for inputs in batches[acc.process_index :: world]:
         inputs["num_items_in_batch"] = torch.tensor(total_tokens)  # the whole window's active tokens, all ranks
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)

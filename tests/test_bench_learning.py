@@ -15,15 +15,20 @@ def test_parse_variant_splits_outside_brackets_only():
     assert parse_variant("tool:") == ("tool", [])
     assert parse_variant("no_tool:tools=[]") == ("no_tool", ["tools=[]"])
     assert parse_variant("b:levels=[1,2],seed=3,x={a: 1, b: 2}") == ("b", ["levels=[1,2]", "seed=3", "x={a: 1, b: 2}"])
-    for bad, needle in (("notool", "want NAME:KEY=VALUE"), ("1x:seed=1", "want NAME:KEY=VALUE"),
-                        ("a:seed", "'seed' is not KEY=VALUE")):
+    for bad, needle in (
+        ("notool", "want NAME:KEY=VALUE"),
+        ("1x:seed=1", "want NAME:KEY=VALUE"),
+        ("a:seed", "'seed' is not KEY=VALUE"),
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match=needle):
             parse_variant(bad)
 
 
 def test_gain_row_mean_spread_and_tool_share():
-    rows = [{"accuracy_before": 0.1, "accuracy_after": 0.5, "tool_use_share_after": 0.5},
-            {"accuracy_before": 0.1, "accuracy_after": 0.7, "tool_use_share_after": 1.0}]
+    rows = [
+        {"accuracy_before": 0.1, "accuracy_after": 0.5, "tool_use_share_after": 0.5},
+        {"accuracy_before": 0.1, "accuracy_after": 0.7, "tool_use_share_after": 1.0},
+    ]
     g = gain_row("tool", rows)
     assert g["row"] == "tool (all seeds)" and g["seeds_run"] == 2
     assert g["mean_after"] == pytest.approx(0.6) and g["mean_gain"] == pytest.approx(0.5)

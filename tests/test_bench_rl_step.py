@@ -18,40 +18,62 @@ from grpo_kit.generation.vllm_backend import _check_fp8_options  # noqa: E402
 def test_generation_rows_start_engines_the_generator_accepts(name, dual_stream):
     opts, adapter = gen_engine_options(name, dual_stream)
     # the check VLLMGenerator runs before it starts an engine (CUDA: the rows run there)
-    _check_fp8_options("cuda", base_weights=opts["base_weights"], fp8_block=None,
-                       share_weights=opts["share_weights"], lora_sync=opts["lora_sync"])
+    _check_fp8_options(
+        "cuda",
+        base_weights=opts["base_weights"],
+        fp8_block=None,
+        share_weights=opts["share_weights"],
+        lora_sync=opts["lora_sync"],
+    )
     assert adapter == (name == "gen_vllm_fp8w")  # only the FP8 step's engine runs an adapter
     assert opts["lora_dual_stream"] == (adapter and dual_stream)  # a second stream only where LoRA kernels run
     assert (opts["base_weights"] == "fp8") == opts["share_weights"]  # FP8 engines serve the training model's codes
 
 
-@pytest.mark.parametrize("kernel, kind", [
-    ("_lora_shrink_kernel", "lora"), ("_lora_expand_kernel", "lora"),
-    ("void vllm::dynamic_per_token_scaled_fp8_quant_kernel<c10::Float8_e4m3fn, c10::BFloat16>", "quantise"),
-    ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>>",
-     "fp8_gemm"),
-    ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64>>", "attention"),
-    ("triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_div_fused_add_rms_norm_max_mul_reciprocal_unsqueeze_3",
-     "quantise"),
-    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>", "kv_write"),
-    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"), ("triton_red_fused__to_copy_add_mean_mul_rsqrt_0", "other"),
-    ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "norm_act"),
-])
+@pytest.mark.parametrize(
+    "kernel, kind",
+    [
+        ("_lora_shrink_kernel", "lora"),
+        ("_lora_expand_kernel", "lora"),
+        ("void vllm::dynamic_per_token_scaled_fp8_quant_kernel<c10::Float8_e4m3fn, c10::BFloat16>", "quantise"),
+        (
+            "void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>>",
+            "fp8_gemm",
+        ),
+        ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64>>", "attention"),
+        (
+            "triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_div_fused_add_rms_norm_max_mul_reciprocal_unsqueeze_3",
+            "quantise",
+        ),
+        (
+            "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::Fp8KVCacheDataType)0>",
+            "kv_write",
+        ),
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"),
+        ("triton_red_fused__to_copy_add_mean_mul_rsqrt_0", "other"),
+        ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "norm_act"),
+    ],
+)
 def test_decode_kernels_are_sorted_by_what_they_do(kernel, kind):
     # the decode profile's sums: a LoRA launch must never be counted as a GEMM, nor the FP8 quantiser as one
     assert decode_kind(kernel) == kind
 
 
-@pytest.mark.parametrize("argv, needle", [(["--scoring-batch", "0"], "--scoring-batch '0'"),
-                                          (["--scoring-batch", "two"], "a whole number >= 1, or auto"),
-                                          (["--memory-history", "-1"], "or 0 (off)"),
-                                          (["--sample-ms", "0"], "--sample-ms 0.0: a number of milliseconds > 0"),
-                                          (["--profile-decode", "many"], "invalid int value: 'many'"),
-                                          (["--memory-history-at", "loss"], "invalid choice: 'loss'"),
-                                          (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64"),
-                                          (["--prompt", "0"], "--prompt 0: a number of tokens >= 1"),
-                                          (["--micro-batch", "3"], "invalid choice: 3"),
-                                          (["--prefix-sharing", "yes"], "invalid choice: 'yes'")])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--scoring-batch", "0"], "--scoring-batch '0'"),
+        (["--scoring-batch", "two"], "a whole number >= 1, or auto"),
+        (["--memory-history", "-1"], "or 0 (off)"),
+        (["--sample-ms", "0"], "--sample-ms 0.0: a number of milliseconds > 0"),
+        (["--profile-decode", "many"], "invalid int value: 'many'"),
+        (["--memory-history-at", "loss"], "invalid choice: 'loss'"),
+        (["--completion", "64", "--gen-tokens", "128"], "at most --completion 64"),
+        (["--prompt", "0"], "--prompt 0: a number of tokens >= 1"),
+        (["--micro-batch", "3"], "invalid choice: 3"),
+        (["--prefix-sharing", "yes"], "invalid choice: 'yes'"),
+    ],
+)
 def test_bad_arguments_stop_before_any_row(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -141,9 +163,11 @@ def test_pytorchs_peaks_are_folded_into_the_phase_that_made_them(monkeypatch):
     use(2**30, 4 * 2**30)  # training again, after the scoring pass
     scoring()
     mem.switch("training")  # what stop() does at the end
-    assert mem.phase_torch_peaks() == {"setup": {"allocated": 2.0, "reserved": 3.0},
-                                       "training": {"allocated": 1.0, "reserved": 4.0},
-                                       "scoring": {"allocated": 5.0, "reserved": 6.0}}
+    assert mem.phase_torch_peaks() == {
+        "setup": {"allocated": 2.0, "reserved": 3.0},
+        "training": {"allocated": 1.0, "reserved": 4.0},
+        "scoring": {"allocated": 5.0, "reserved": 6.0},
+    }
     assert mem.torch_max_reserved() == 6.0
 
 

@@ -9,9 +9,7 @@ from grpo_kit.model.causal_layout import completion_rows, roll_left_pads
 from grpo_kit.model.loading import load_model
 
 # three rows as TRL lays them out: left-padded prompts (P = 4), right-padded completions (C = 5)
-MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0],
-                     [1, 1, 1, 1, 1, 1, 1, 1, 1],
-                     [0, 0, 0, 1, 1, 1, 0, 0, 0]])
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 0, 0, 0]])
 C = 5
 
 
@@ -22,8 +20,10 @@ def test_rows_roll_left_by_their_leading_pads():
     assert rolled[0].tolist() == [2, 3, 4, 5, 6, 7, 8, 0, 1] and torch.equal(rolled[1], ids[1])
     assert rolled[2].tolist() == [21, 22, 23, 24, 25, 26, 18, 19, 20]
     # every real token now comes before every pad: the causal mask is exact for them
-    assert all(torch.equal(r.gather(0, torch.arange(int(m.sum()))), ids[i][m.bool()]) for i, (r, m) in
-               enumerate(zip(rolled, MASK)))
+    assert all(
+        torch.equal(r.gather(0, torch.arange(int(m.sum()))), ids[i][m.bool()])
+        for i, (r, m) in enumerate(zip(rolled, MASK))
+    )
 
 
 def test_a_pad_between_real_tokens_keeps_the_mask():
@@ -70,17 +70,20 @@ def test_the_rolled_unmasked_forward_gives_the_masked_forwards_hidden_states(nam
         rolled, lead, _ = roll_left_pads(ids, MASK, 4)
         masks = []
         real = sd.sdpa_attention_forward
-        monkeypatch.setattr(sd, "sdpa_attention_forward",
-                            lambda m, q, k, v, attention_mask, **kw: masks.append(attention_mask) or real(
-                                m, q, k, v, attention_mask, **kw))
+        monkeypatch.setattr(
+            sd,
+            "sdpa_attention_forward",
+            lambda m, q, k, v, attention_mask, **kw: masks.append(attention_mask)
+            or real(m, q, k, v, attention_mask, **kw),
+        )
         model.config._attn_implementation = "sdpa"
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", sd.sdpa_attention_forward)
         model(input_ids=rolled, attention_mask=None, use_cache=False)
     handle.remove()
     assert masks and all(m is None for m in masks)  # no (B, 1, T, T) mask on the rolled layout
-    want = box[0][:, -C - 1:-1]
+    want = box[0][:, -C - 1 : -1]
     got = completion_rows(box[1], lead, C)
-    real_rows = MASK[:, -C - 1:-1].bool()  # rows of real tokens (a pad's row is never read)
+    real_rows = MASK[:, -C - 1 : -1].bool()  # rows of real tokens (a pad's row is never read)
     torch.testing.assert_close(got[real_rows], want[real_rows], rtol=1e-4, atol=1e-5)
 
 

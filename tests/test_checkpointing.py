@@ -30,9 +30,17 @@ def _tiny(name: str, layers: int = 3, dtype=torch.float32):
     from grpo_kit.model.loading import BUILTIN_MODELS, build_random_model
 
     if name == "tiny-mistral":
-        cfg = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=80, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=None,
-                            max_position_embeddings=256)
+        cfg = MistralConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=80,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=None,
+            max_position_embeddings=256,
+        )
     else:
         spec = BUILTIN_MODELS[name]
         # vocab 128 keeps the logits small; the layers are what is under test
@@ -48,8 +56,9 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def _lora(model, dropout=0.0, targets=ALL_LINEARS):
     torch.manual_seed(1)
-    conf = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
-                           target_modules=list(targets))
+    conf = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False, target_modules=list(targets)
+    )
     return peft.get_peft_model(model, conf)
 
 
@@ -301,8 +310,20 @@ def test_bad_arguments(kw):
         enable_offloaded_checkpointing(_tiny("tiny-llama", layers=1), **kw)
 
 
-@pytest.mark.parametrize("T, B, c", [(13, 2, 6), (1, 4, 1), (100, 1, 100), (7, 3, 100), (4608, 1, 4096),
-                                     (4097, 1, 4096), (20992, 1, 4096), (10000, 3, 4096), (300, 1, 100)])
+@pytest.mark.parametrize(
+    "T, B, c",
+    [
+        (13, 2, 6),
+        (1, 4, 1),
+        (100, 1, 100),
+        (7, 3, 100),
+        (4608, 1, 4096),
+        (4097, 1, 4096),
+        (20992, 1, 4096),
+        (10000, 3, 4096),
+        (300, 1, 100),
+    ],
+)
 def test_slices_cover_sequence_in_fewest_bounded_slices(T, B, c):
     parts = ck._slices(T, B, c)
     seen = torch.zeros(T, dtype=torch.long)

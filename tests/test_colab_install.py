@@ -32,8 +32,11 @@ def fake_machine(monkeypatch):
 
     monkeypatch.setattr(colab.subprocess, "run", run)
     monkeypatch.setattr(colab.md, "version", version)
-    monkeypatch.setattr(colab.md, "packages_distributions",
-                        lambda: {"fakemod": ["pandas"], "fakeplumbing": ["psutil"], "unused": ["other"]})
+    monkeypatch.setattr(
+        colab.md,
+        "packages_distributions",
+        lambda: {"fakemod": ["pandas"], "fakeplumbing": ["psutil"], "unused": ["other"]},
+    )
     monkeypatch.setattr(colab, "gpu_name", lambda: "Tesla T4")
     monkeypatch.setattr(colab, "driver_version", lambda: "550.54.15")
     return state

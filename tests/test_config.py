@@ -25,16 +25,22 @@ def test_yaml_and_overrides(tmp_path):
     assert GRPOKitConfig.from_yaml(tmp_path / "out.yaml") == cfg
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["num_generations=1"], "num_generations=1 must be at least 2"),
-    (["per_device_train_batch_size=6"], "must be a multiple of num_generations=8"),
-    # TRL's types first; a type another test registered may follow them
-    (["loss_type=ppo"], r"loss_type='ppo' is not allowed; choose one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'vespo', 'luspo'[\],]"),
-    (["model=llama-9000"], "Built-in names: smollm2-135m-instruct"),
-    (["temperature=0"], "temperature=0.0 must be > 0"),
-    (["reward_funcs=[vibes]"], "reward_funcs"),
-    (["task=gsm8k", "dataset_path=/nonexistent.jsonl"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["num_generations=1"], "num_generations=1 must be at least 2"),
+        (["per_device_train_batch_size=6"], "must be a multiple of num_generations=8"),
+        # TRL's types first; a type another test registered may follow them
+        (
+            ["loss_type=ppo"],
+            r"loss_type='ppo' is not allowed; choose one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'vespo', 'luspo'[\],]",
+        ),
+        (["model=llama-9000"], "Built-in names: smollm2-135m-instruct"),
+        (["temperature=0"], "temperature=0.0 must be > 0"),
+        (["reward_funcs=[vibes]"], "reward_funcs"),
+        (["task=gsm8k", "dataset_path=/nonexistent.jsonl"], "does not exist"),
+    ],
+)
 def test_bad_values_are_named(overrides, match):
     cfg = GRPOKitConfig().apply_overrides(overrides)
     with pytest.raises(ConfigError, match=match):
@@ -124,11 +130,16 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
     assert P.lora_sync_mode(merge) == "merge" and P.lora_sync_mode(adapter) == "adapter"
     assert not P.lora_dual_stream(merge, device="cuda")  # merged: no LoRA kernels to overlap
     assert P.lora_dual_stream(adapter, device="cuda") is P.LORA_DUAL_STREAM_DEFAULT
-    for bad, match in (({"vllm_lora_sync": "merged"}, r"vllm_lora_sync='merged' is not allowed; choose one of \['merge', "
-                                                         r"'adapter'\] or null"),
-                       ({"vllm_lora_sync": "merge", "use_lora": False}, "needs use_lora=True"),
-                       ({"vllm_lora_sync": "merge", "vllm_lora_dual_stream": True}, "drop one of the two"),
-                       ({"vllm_lora_sync": "merge", "generation_backend": "hf"}, "only apply to vLLM generation")):
+    for bad, match in (
+        (
+            {"vllm_lora_sync": "merged"},
+            r"vllm_lora_sync='merged' is not allowed; choose one of \['merge', "
+            r"'adapter'\] or null",
+        ),
+        ({"vllm_lora_sync": "merge", "use_lora": False}, "needs use_lora=True"),
+        ({"vllm_lora_sync": "merge", "vllm_lora_dual_stream": True}, "drop one of the two"),
+        ({"vllm_lora_sync": "merge", "generation_backend": "hf"}, "only apply to vLLM generation"),
+    ):
         with pytest.raises(ConfigError, match=match):
             GRPOKitConfig(**bad).validate()
     # The CUDA plan reads the model's config and the free memory only: checked here without a GPU.
@@ -142,30 +153,51 @@ def test_vllm_lora_sync_resolves_refuses_and_reaches_the_engine_plan(monkeypatch
         assert plan.vllm_kwargs["lora_sync"] == want and plan.vllm_kwargs["lora_dual_stream"] is stream
         assert plan.vllm_kwargs["enforce_eager"] is None  # the generator's default: CUDA graphs on CUDA
     eager = GRPOKitConfig(model="llama-3.1-8b", vllm_enforce_eager=True, max_completion_length=1024).validate()
-    assert P.plan_generation(eager, model_config=model_config("llama-3.1-8b"), device="cuda",
-                             dtype=torch.bfloat16).vllm_kwargs["enforce_eager"] is True
+    assert (
+        P.plan_generation(
+            eager, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16
+        ).vllm_kwargs["enforce_eager"]
+        is True
+    )
     with pytest.raises(ConfigError, match="vllm_enforce_eager=True.*only apply to vLLM generation"):
         GRPOKitConfig(vllm_enforce_eager=True, generation_backend="hf").validate()
-    casts = GRPOKitConfig(model="llama-3.1-8b", vllm_emulate_precision_casts=True, max_completion_length=1024).validate()
-    assert P.plan_generation(casts, model_config=model_config("llama-3.1-8b"), device="cuda",
-                             dtype=torch.bfloat16).vllm_kwargs["emulate_precision_casts"] is True
+    casts = GRPOKitConfig(
+        model="llama-3.1-8b", vllm_emulate_precision_casts=True, max_completion_length=1024
+    ).validate()
+    assert (
+        P.plan_generation(
+            casts, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16
+        ).vllm_kwargs["emulate_precision_casts"]
+        is True
+    )
     with pytest.raises(ConfigError, match="vllm_emulate_precision_casts=True.*only apply to vLLM generation"):
         GRPOKitConfig(vllm_emulate_precision_casts=True, generation_backend="hf").validate()
     # a 20K context: the engine's batch budget stays CUDA_BATCHED_TOKENS (chunked prefill, asked for), the workspace
     # the calculator prices is that budget's, and it is smaller than the context's would be
     cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=20480).validate()
     plan = P.plan_generation(cfg, model_config=model_config("llama-3.1-8b"), device="cuda", dtype=torch.bfloat16)
-    assert plan.vllm_kwargs["llm_kwargs"] == {"max_num_batched_tokens": P.CUDA_BATCHED_TOKENS,
-                                              "enable_chunked_prefill": True}
+    assert plan.vllm_kwargs["llm_kwargs"] == {
+        "max_num_batched_tokens": P.CUDA_BATCHED_TOKENS,
+        "enable_chunked_prefill": True,
+    }
     assert plan.vllm_kwargs["max_model_len"] == cfg.max_prompt_length + 20480 > P.CUDA_BATCHED_TOKENS
-    priced = {n: P.memory_plan(cfg, model_config("llama-3.1-8b"), share_weights=True, free_bytes=139 * 2**30,
-                               total_bytes=140 * 2**30, batched_tokens=n)["calculator_phases_gib"]["generation"]
-              for n in (P.CUDA_BATCHED_TOKENS, cfg.max_prompt_length + 20480)}
+    priced = {
+        n: P.memory_plan(
+            cfg,
+            model_config("llama-3.1-8b"),
+            share_weights=True,
+            free_bytes=139 * 2**30,
+            total_bytes=140 * 2**30,
+            batched_tokens=n,
+        )["calculator_phases_gib"]["generation"]
+        for n in (P.CUDA_BATCHED_TOKENS, cfg.max_prompt_length + 20480)
+    }
     assert plan.memory["calculator_phases_gib"]["generation"] == priced[P.CUDA_BATCHED_TOKENS]
     assert priced[cfg.max_prompt_length + 20480] - priced[P.CUDA_BATCHED_TOKENS] > 1.5  # GiB of workspace saved
     # an explicit dual stream with nothing to run it on is refused, not dropped
-    copy = GRPOKitConfig(model="llama-3.1-8b", vllm_share_weights=False, vllm_lora_dual_stream=True,
-                         max_completion_length=1024).validate()
+    copy = GRPOKitConfig(
+        model="llama-3.1-8b", vllm_share_weights=False, vllm_lora_dual_stream=True, max_completion_length=1024
+    ).validate()
     shared = GRPOKitConfig(model="llama-3.1-8b", vllm_lora_dual_stream=True, max_completion_length=1024).validate()
     for cfg, how in ((copy, "a separate engine copy"), (shared, "shared weights")):
         with pytest.raises(ValueError, match=f"resolves to 'merge' with {how}.*vllm_lora_sync='adapter'"):
@@ -179,8 +211,14 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     from grpo_kit.memory import resolve_arch
     from grpo_kit.model.loading import model_config
 
-    cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=2048, num_generations=8,
-                        per_device_train_batch_size=1, gradient_accumulation_steps=8, gradient_checkpointing=True)
+    cfg = GRPOKitConfig(
+        model="llama-3.1-8b",
+        max_completion_length=2048,
+        num_generations=8,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
+        gradient_checkpointing=True,
+    )
     mc, gib = model_config("llama-3.1-8b"), 2**30
     shared = memory_plan(cfg, mc, share_weights=True, free_bytes=139 * gib, total_bytes=140 * gib)
     kv = F.kv_cache_bytes(resolve_arch("llama-3.1-8b"), F.vllm_kv_tokens(256, 2048, 8, 1), 2)
@@ -191,16 +229,28 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
     a = resolve_arch("llama-3.1-8b")
     lora = F.lora_state_bytes(F.lora_param_count(a, 16))
     assert phases["generation"] == pytest.approx(  # weights, LoRA + AdamW, KV cache, vLLM's workspace
-        (F.weight_bytes(a, 2, None) + lora + kv + F.vllm_workspace_bytes(a, 4096, 8, 2)) / gib, abs=0.01)
+        (F.weight_bytes(a, 2, None) + lora + kv + F.vllm_workspace_bytes(a, 4096, 8, 2)) / gib, abs=0.01
+    )
     assert 0.1 < shared["vllm_share"] < 0.2  # weights + KV + workspace + 1 GiB of 140 GiB
     copy = memory_plan(cfg, mc, share_weights=False, free_bytes=139 * gib, total_bytes=140 * gib)
-    assert copy["calculator_phases_gib"]["generation"] == pytest.approx(phases["generation"] + shared["weights_gib"],
-                                                                          abs=0.02)
-    fp8 = memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "kv_cache_dtype": "fp8"}), mc, share_weights=True,
-                      free_bytes=139 * gib, total_bytes=140 * gib)
+    assert copy["calculator_phases_gib"]["generation"] == pytest.approx(
+        phases["generation"] + shared["weights_gib"], abs=0.02
+    )
+    fp8 = memory_plan(
+        GRPOKitConfig(**{**cfg.to_dict(), "kv_cache_dtype": "fp8"}),
+        mc,
+        share_weights=True,
+        free_bytes=139 * gib,
+        total_bytes=140 * gib,
+    )
     assert fp8["kv_cache_memory_bytes"] == int(kv // 2)
-    budget = memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "vllm_kv_cache_gib": 3.0}), mc, share_weights=True,
-                         free_bytes=139 * gib, total_bytes=140 * gib)
+    budget = memory_plan(
+        GRPOKitConfig(**{**cfg.to_dict(), "vllm_kv_cache_gib": 3.0}),
+        mc,
+        share_weights=True,
+        free_bytes=139 * gib,
+        total_bytes=140 * gib,
+    )
     assert budget["kv_cache_memory_bytes"] == 3 * gib and budget["kv_source"] == "vllm_kv_cache_gib"
     # scoring_batch_size 'auto' resolved under this plan's pricing (vLLM's generation phase); a set number is kept
     from grpo_kit.memory import estimate_for_config
@@ -211,32 +261,46 @@ def test_cuda_memory_plan_counts_weights_once_and_kv_for_one_generation_batch():
         assert got["scoring_batch_size"] == priced.attrs["scoring_batch"]
     # at 2K no scoring pass of 2 sequences stays within the backward's price; at 4K one of several does
     assert shared["scoring_batch_size"] is None and 1 < got["scoring_batch_size"] < 8
-    assert memory_plan(GRPOKitConfig(**{**cfg.to_dict(), "scoring_batch_size": 3}), mc, share_weights=True,
-                       free_bytes=139 * gib, total_bytes=140 * gib)["scoring_batch_size"] == 3
-    with pytest.raises(ValueError, match=r"cannot fit beside training on this GPU.*15\.0 of 15\.0 GiB is free.*"
-                                         r"kv_cache_dtype=fp8"):
+    assert (
+        memory_plan(
+            GRPOKitConfig(**{**cfg.to_dict(), "scoring_batch_size": 3}),
+            mc,
+            share_weights=True,
+            free_bytes=139 * gib,
+            total_bytes=140 * gib,
+        )["scoring_batch_size"]
+        == 3
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"cannot fit beside training on this GPU.*15\.0 of 15\.0 GiB is free.*"
+        r"kv_cache_dtype=fp8",
+    ):
         memory_plan(cfg, mc, share_weights=True, free_bytes=15 * gib, total_bytes=15 * gib)  # a T4 cannot hold it
 
 
 # --- issue 18: every numeric field finite and in range, list element types, names, bad paths ------------------------
-@pytest.mark.parametrize("override,match", [
-    ("learning_rate=.inf", "learning_rate=inf must be > 0 and finite"),
-    ("temperature=.inf", "temperature=inf must be > 0 and finite"),
-    ("epsilon_high=.inf", r"epsilon_high=inf must be > 0 and finite \(or null for the same as epsilon\)"),
-    ("epsilon_high=0", r"epsilon_high=0.0 must be > 0 and finite \(or null for the same as epsilon\)"),
-    ("loss_chunk_size=0", r"loss_chunk_size=0 must be at least 1 \(or null for automatic\)"),
-    ("vllm_gpu_memory_utilization=0", r"vllm_gpu_memory_utilization=0.0 must be in \(0, 1\] and finite"),
-    ("max_grad_norm=-1", r"max_grad_norm=-1.0 must be at least 0 and finite \(0: no clipping\)"),
-    ("max_grad_norm=.nan", "max_grad_norm=nan must be at least 0"),
-    ("weight_decay=-5", "weight_decay=-5.0 must be at least 0"),
-    ("lora_target_modules=[1, 2]", r"lora_target_modules=\[1, 2\]: .auto. or a list of module names"),
-    ("reward_weights=[.nan, 1]", r"reward_weights=\[nan, 1\]: each must be a finite number, not nan"),
-    ("reward_weights=[high, 1]", "reward_weights=.*each must be a finite number, not 'high'"),
-    ("lr_scheduler_type=cosinus", r"lr_scheduler_type='cosinus' is not allowed; choose one of \['linear'"),
-    ("reward_time_limit_s=-1", "reward_time_limit_s=-1.0 must be at least 0"),
-    ("seed=-1", r"seed=-1 must be in \[0, 4294967295\]"),
-    ("output_dir=", "output_dir='' must name a run folder"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("learning_rate=.inf", "learning_rate=inf must be > 0 and finite"),
+        ("temperature=.inf", "temperature=inf must be > 0 and finite"),
+        ("epsilon_high=.inf", r"epsilon_high=inf must be > 0 and finite \(or null for the same as epsilon\)"),
+        ("epsilon_high=0", r"epsilon_high=0.0 must be > 0 and finite \(or null for the same as epsilon\)"),
+        ("loss_chunk_size=0", r"loss_chunk_size=0 must be at least 1 \(or null for automatic\)"),
+        ("vllm_gpu_memory_utilization=0", r"vllm_gpu_memory_utilization=0.0 must be in \(0, 1\] and finite"),
+        ("max_grad_norm=-1", r"max_grad_norm=-1.0 must be at least 0 and finite \(0: no clipping\)"),
+        ("max_grad_norm=.nan", "max_grad_norm=nan must be at least 0"),
+        ("weight_decay=-5", "weight_decay=-5.0 must be at least 0"),
+        ("lora_target_modules=[1, 2]", r"lora_target_modules=\[1, 2\]: .auto. or a list of module names"),
+        ("reward_weights=[.nan, 1]", r"reward_weights=\[nan, 1\]: each must be a finite number, not nan"),
+        ("reward_weights=[high, 1]", "reward_weights=.*each must be a finite number, not 'high'"),
+        ("lr_scheduler_type=cosinus", r"lr_scheduler_type='cosinus' is not allowed; choose one of \['linear'"),
+        ("reward_time_limit_s=-1", "reward_time_limit_s=-1.0 must be at least 0"),
+        ("seed=-1", r"seed=-1 must be in \[0, 4294967295\]"),
+        ("output_dir=", "output_dir='' must name a run folder"),
+    ],
+)
 def test_non_finite_out_of_range_and_bad_names_are_refused_with_the_range(override, match):
     with pytest.raises(ConfigError, match=match):
         GRPOKitConfig().apply_overrides([override]).validate()
@@ -278,8 +342,11 @@ def _bad_paths(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes((64).to_bytes(8, "little") + b'{"w": {"dtype": "F32", "shape": [4],'
-                                              b' "data_offsets": [0, 16]}}'.ljust(64) + b"\0" * 7)
+    (model / "model.safetensors").write_bytes(
+        (64).to_bytes(8, "little")
+        + b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'.ljust(64)
+        + b"\0" * 7
+    )
     yaml_bad = tmp_path / "c.yaml"
     yaml_bad.write_bytes(b"max_steps: 3\nmodel: \xff\xfe\n")
     jsonl_bad = tmp_path / "bad.jsonl"
@@ -291,7 +358,10 @@ def _bad_paths(tmp_path):
         (["--output-dir", str(a_file)], f"{a_file}' exists and is not a folder"),
         (["--output-dir", str(a_file / "run")], "exists and is not a folder"),
         (["--set", "output_dir="], "output_dir='' must name a run folder"),
-        (["--set", f"model={model}"], "model.safetensors cannot be loaded: 79 bytes, but its header needs 88 (truncated)"),
+        (
+            ["--set", f"model={model}"],
+            "model.safetensors cannot be loaded: 79 bytes, but its header needs 88 (truncated)",
+        ),
         (["--config", str(yaml_bad)], "is not UTF-8 text"),
         ([*gsm, "--set", f"dataset_path={jsonl_bad}"], "bad.jsonl:1: not UTF-8 text"),
         ([*gsm, "--set", f"dataset_path={deep}"], "deep.jsonl:1: JSON nested too deeply"),
@@ -312,7 +382,7 @@ def test_bad_paths_and_values_give_one_error_line_and_exit_code_2(tmp_path, caps
         out = [] if "--output-dir" in args or "output_dir=" in args[-1] else ["--output-dir", str(tmp_path / "r")]
         assert main(["train", *args, *out]) == 2, args
         err = capsys.readouterr().err
-        err = err[err.find("error: "):]  # after the kit's notes on third-party warnings, if any (printed once)
+        err = err[err.find("error: ") :]  # after the kit's notes on third-party warnings, if any (printed once)
         assert err.startswith("error: ") and match in err, (args, err)
         assert not (tmp_path / "r").exists()  # stopped before any work
 
@@ -340,8 +410,11 @@ def test_automatic_values_are_null_and_old_run_folders_with_0_resume(tmp_path):
 def test_full_fine_tuning_with_a_kl_term_needs_a_checkpoint_folder(tmp_path):
     """TRL loads the reference model for full fine-tuning from the policy's folder: a random built-in has none, so
     the config refuses it up front (with what to change) instead of failing inside from_pretrained."""
-    with pytest.raises(ConfigError, match=r"use_lora=False with beta=0.04 needs a reference model.*'tiny-llama' is a "
-                                          r"random-weight built-in.*Set beta=0, or use_lora=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"use_lora=False with beta=0.04 needs a reference model.*'tiny-llama' is a "
+        r"random-weight built-in.*Set beta=0, or use_lora=True",
+    ):
         GRPOKitConfig(model="tiny-llama", use_lora=False).validate()
     GRPOKitConfig(model="tiny-llama", use_lora=False, beta=0).validate()
     GRPOKitConfig(model="tiny-llama").validate()  # LoRA: the reference is the adapter switched off
@@ -384,8 +457,17 @@ def test_trl_named_fields_have_trl_defaults_unless_listed_and_reach_grpo_config(
         else:
             assert getattr(cfg, name) == default, name
     assert set(KIT_DEFAULTS_OVER_TRL) <= set(trl)
-    cfg.apply_overrides(["loss_type=sapo", "sapo_temperature_neg=1.2", "importance_sampling_level=sequence",
-                         "delta=1.5", "top_entropy_quantile=0.5", "max_steps=7", "vllm_importance_sampling_mode=token_mask"])
+    cfg.apply_overrides(
+        [
+            "loss_type=sapo",
+            "sapo_temperature_neg=1.2",
+            "importance_sampling_level=sequence",
+            "delta=1.5",
+            "top_entropy_quantile=0.5",
+            "max_steps=7",
+            "vllm_importance_sampling_mode=token_mask",
+        ]
+    )
     args = grpo_args(cfg.validate(), "cpu", torch.float32)
     assert (
         args.loss_type,
@@ -407,11 +489,17 @@ def test_every_objective_option_is_a_config_field_checked_by_the_objective():
 
     names = {f.name for f in dataclasses.fields(GRPOKitConfig)}
     assert {f.name for f in dataclasses.fields(ObjectiveSpec)} - names == {"epsilon_low"}  # TRL's epsilon
-    with pytest.raises(ConfigError, match=r"top_entropy_quantile=2\.0 is not allowed: top_entropy_quantile must be "
-                                          r"in \[0, 1\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"top_entropy_quantile=2\.0 is not allowed: top_entropy_quantile must be "
+        r"in \[0, 1\]",
+    ):
         GRPOKitConfig().apply_overrides(["top_entropy_quantile=2"]).validate()
-    with pytest.raises(ConfigError, match=r"importance_sampling_level='word' is not allowed; choose one of "
-                                          r"\['token', 'sequence'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"importance_sampling_level='word' is not allowed; choose one of "
+        r"\['token', 'sequence'\]",
+    ):
         GRPOKitConfig().apply_overrides(["importance_sampling_level=word"]).validate()
 
 
@@ -437,15 +525,28 @@ def _gpu(monkeypatch, name: str | None, capability=(9, 0)):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
 
 
-@pytest.mark.parametrize("name,cap,device,match", [
-    (None, None, "cpu", r"base_weights='fp8': FP8 base weights need a CUDA GPU .*the device is cpu, which trains with "
-                        r"16-bit base weights only"),
-    (None, None, "auto", r"the device is cpu"),
-    ("Tesla T4", (7, 5), "auto", r"the Tesla T4 \(compute capability 7.5\) has none .* use 16-bit base weights \(fp16\) "
-                                 r"or load_in_4bit"),
-    ("Tesla V100-SXM2-16GB", (7, 0), "cuda", r"V100.*compute capability 7.0.*\(fp16\) or load_in_4bit"),
-    ("NVIDIA A100-SXM4-80GB", (8, 0), "cuda", r"A100.*compute capability 8.0.*\(bf16\) or load_in_4bit"),
-])
+@pytest.mark.parametrize(
+    "name,cap,device,match",
+    [
+        (
+            None,
+            None,
+            "cpu",
+            r"base_weights='fp8': FP8 base weights need a CUDA GPU .*the device is cpu, which trains with "
+            r"16-bit base weights only",
+        ),
+        (None, None, "auto", r"the device is cpu"),
+        (
+            "Tesla T4",
+            (7, 5),
+            "auto",
+            r"the Tesla T4 \(compute capability 7.5\) has none .* use 16-bit base weights \(fp16\) "
+            r"or load_in_4bit",
+        ),
+        ("Tesla V100-SXM2-16GB", (7, 0), "cuda", r"V100.*compute capability 7.0.*\(fp16\) or load_in_4bit"),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), "cuda", r"A100.*compute capability 8.0.*\(bf16\) or load_in_4bit"),
+    ],
+)
 def test_fp8_base_weights_are_refused_where_the_device_has_no_fp8(monkeypatch, name, cap, device, match):
     _gpu(monkeypatch, name, cap)
     cfg = GRPOKitConfig().apply_overrides(["base_weights=fp8", f"device={device}"])
@@ -454,8 +555,9 @@ def test_fp8_base_weights_are_refused_where_the_device_has_no_fp8(monkeypatch, n
     assert str(e.value).count("base_weights") == 1  # one clear message
 
 
-@pytest.mark.parametrize("name,cap", [("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA L4", (8, 9)),
-                                      ("NVIDIA B200", (10, 0))])
+@pytest.mark.parametrize(
+    "name,cap", [("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA L4", (8, 9)), ("NVIDIA B200", (10, 0))]
+)
 def test_fp8_base_weights_validate_on_gpus_with_fp8(monkeypatch, name, cap):
     _gpu(monkeypatch, name, cap)
     cfg = GRPOKitConfig().apply_overrides(["base_weights=fp8"]).validate()
@@ -480,21 +582,25 @@ def test_fp8_base_weights_plan_vllm_on_their_shared_codes_with_the_adapter_in_lo
     plan = P.plan_generation(cfg, model_config=model_config("tiny-llama"), device="cuda", dtype=torch.bfloat16)
     assert plan.backend == "vllm" and plan.share_weights
     assert plan.vllm_kwargs["base_weights"] == "fp8" and plan.vllm_kwargs["lora_sync"] == "adapter"
-    copy = GRPOKitConfig(model="tiny-llama", base_weights="fp8", vllm_share_weights=False,
-                         max_completion_length=64).validate()
+    copy = GRPOKitConfig(
+        model="tiny-llama", base_weights="fp8", vllm_share_weights=False, max_completion_length=64
+    ).validate()
     plan = P.plan_generation(copy, model_config=model_config("tiny-llama"), device="cuda", dtype=torch.bfloat16)
     assert plan.backend == "hf" and "only on shared weights" in plan.reason
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["use_lora=false", "beta=0"], r"base_weights='fp8' needs use_lora=True: the FP8 base weights are frozen"),
-    (["load_in_4bit=true"], r"base_weights='fp8' and load_in_4bit=True .* choose one"),
-    (["vllm_lora_sync=merge"], r"base_weights='fp8' with vllm_lora_sync='merge': a merge into the FP8 weights"),
-    (["generation_backend=vllm", "vllm_share_weights=false"], r"needs vllm_share_weights 'auto' or true"),
-    (["base_weights=fp16"], r"base_weights='fp16' is not allowed; choose one of \['16bit', 'fp8'\]"),
-    (["fp8_block=64"], r"fp8_block=64 is not allowed; choose one of \[128\] or null"),
-    (["base_weights=16bit", "fp8_block=128"], r"fp8_block=128 applies to base_weights='fp8' only"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["use_lora=false", "beta=0"], r"base_weights='fp8' needs use_lora=True: the FP8 base weights are frozen"),
+        (["load_in_4bit=true"], r"base_weights='fp8' and load_in_4bit=True .* choose one"),
+        (["vllm_lora_sync=merge"], r"base_weights='fp8' with vllm_lora_sync='merge': a merge into the FP8 weights"),
+        (["generation_backend=vllm", "vllm_share_weights=false"], r"needs vllm_share_weights 'auto' or true"),
+        (["base_weights=fp16"], r"base_weights='fp16' is not allowed; choose one of \['16bit', 'fp8'\]"),
+        (["fp8_block=64"], r"fp8_block=64 is not allowed; choose one of \[128\] or null"),
+        (["base_weights=16bit", "fp8_block=128"], r"fp8_block=128 applies to base_weights='fp8' only"),
+    ],
+)
 def test_fp8_base_weights_refuse_what_they_cannot_do(monkeypatch, overrides, match):
     _gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
     with pytest.raises(ConfigError, match=match):

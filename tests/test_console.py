@@ -130,8 +130,12 @@ def test_reload_false_alarms_dropped_real_ones_kept(tied):
     logger.filters = []
     try:
         vllm_backend._drop_reload_false_alarms(tied)
-        record = lambda layer: logger.makeRecord(logger.name, logging.WARNING, __file__, 1,  # noqa: E731
-                                                 "%s: Failed to load weights", (layer,), None)
+
+        def record(layer):
+            return logger.makeRecord(
+                logger.name, logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None
+            )
+
         assert not logger.filter(record("RotaryEmbedding"))
         assert logger.filter(record("ParallelLMHead")) is not tied  # the head is the embedding's only when tied
         assert logger.filter(record("QKVParallelLinear"))  # a real failure stays
@@ -141,8 +145,11 @@ def test_reload_false_alarms_dropped_real_ones_kept(tied):
 
 def test_plan_and_closing_lines(tmp_path):
     cfg = GRPOKitConfig()
-    info = {"backend": "vllm", "weights": "separate copy (not on CUDA)",
-            "memory_plan": {"kv_cache_gib": 0.176, "kv_cache_dtype": "auto", "kv_source": "calculator (16 sequences)"}}
+    info = {
+        "backend": "vllm",
+        "weights": "separate copy (not on CUDA)",
+        "memory_plan": {"kv_cache_gib": 0.176, "kv_cache_dtype": "auto", "kv_source": "calculator (16 sequences)"},
+    }
     lines = console.plan_lines(cfg, device="cpu", dtype=torch.float32, info=info)
     assert lines[0].startswith(f"plan: {cfg.model} on cpu in float32, LoRA r={cfg.lora_rank}")
     assert "generation: vllm, weights separate copy" in lines[1]
@@ -151,9 +158,17 @@ def test_plan_and_closing_lines(tmp_path):
     (tmp_path / "metrics.csv").write_text("")
     (tmp_path / "adapter").mkdir()
     (tmp_path / "checkpoint-2").mkdir()
-    summary = {"run_dir": str(tmp_path), "steps": 2, "accuracy_before": 0.07, "accuracy_after": 0.5,
-               "train_seconds": 10.0, "mean_step_time_s": 5.0, "total_seconds": 30.0, "peak_memory_gib": 1.5,
-               "device": "cpu"}
+    summary = {
+        "run_dir": str(tmp_path),
+        "steps": 2,
+        "accuracy_before": 0.07,
+        "accuracy_after": 0.5,
+        "train_seconds": 10.0,
+        "mean_step_time_s": 5.0,
+        "total_seconds": 30.0,
+        "peak_memory_gib": 1.5,
+        "device": "cpu",
+    }
     table = "\n".join(console.closing_lines(summary))
     assert "held-out accuracy: 0.070 -> 0.500" in table and "steps: 2 (10.0 s training, 5.00 s/step" in table
     assert "peak memory: 1.50 GiB (process RSS)" in table
@@ -165,8 +180,11 @@ def test_cpu_kv_cache_is_one_steps_sequences():
     blocks (one that leaves 122 tokens in its last block: 4 blocks with the slack one), K and V of 30 layers x
     3 KV heads x 64 in bf16. About 0.18 GiB where vLLM's CPU default took 4."""
     cfg = GRPOKitConfig()
-    assert (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps, cfg.max_prompt_length,
-            cfg.max_completion_length) == (16, 256, 24)
+    assert (
+        cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
+        cfg.max_prompt_length,
+        cfg.max_completion_length,
+    ) == (16, 256, 24)
     kv = cpu_kv_cache(cfg, model_config(cfg.model)) if importlib.util.find_spec("vllm") else None
     if kv is None:
         pytest.skip("vllm is not installed (the engine's dtype is vLLM's choice)")
@@ -198,10 +216,29 @@ def test_default_run_console(repo_root, tmp_path):
     KV cache where this CPU's vLLM has one (its documented warning once); bad vLLM options are
     tests/test_generation.py's."""
     fp8 = vllm_backend.cpu_has_fp8_kv()
-    cmd = [sys.executable, "-m", "grpo_kit", "train", "--set", "max_steps=2", "--set", "num_eval_samples=2",
-           "--set", "max_completion_length=8", "--set", "num_generations=2", "--set", "per_device_train_batch_size=2",
-           "--set", "num_train_samples=8", "--set", "save_steps=0", "--output-dir", str(tmp_path / "run"),
-           *(["--set", "kv_cache_dtype=fp8"] if fp8 else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_kit",
+        "train",
+        "--set",
+        "max_steps=2",
+        "--set",
+        "num_eval_samples=2",
+        "--set",
+        "max_completion_length=8",
+        "--set",
+        "num_generations=2",
+        "--set",
+        "per_device_train_batch_size=2",
+        "--set",
+        "num_train_samples=8",
+        "--set",
+        "save_steps=0",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *(["--set", "kv_cache_dtype=fp8"] if fp8 else []),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}  # the default, not this shell's
     r = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=900, env=env)
     out = r.stdout + r.stderr

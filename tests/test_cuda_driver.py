@@ -29,10 +29,12 @@ def fake_smi(tmp_path, monkeypatch):
         if version is None:
             smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
         else:
-            smi.write_text("#!/bin/sh\ncase \"$*\" in\n"
-                           f"  *driver_version*) printf '{version}\\n{version}\\n';;\n"
-                           f"  *name*) printf '{name}\\n';;\n"
-                           f"  -L) echo 'GPU 0: {name}';;\nesac\n")
+            smi.write_text(
+                '#!/bin/sh\ncase "$*" in\n'
+                f"  *driver_version*) printf '{version}\\n{version}\\n';;\n"
+                f"  *name*) printf '{name}\\n';;\n"
+                f"  -L) echo 'GPU 0: {name}';;\nesac\n"
+            )
         smi.chmod(0o755)
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
         return bin_dir
@@ -133,8 +135,13 @@ def _install_sh(tmp_path, repo_root, fake_smi, version, **env):
     py = tmp_path / "python"
     py.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log)))
     py.chmod(0o755)
-    r = subprocess.run(["bash", str(work / "install.sh")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": str(py), "GRPO_KIT_NO_VLLM": "0", **env})
+    r = subprocess.run(
+        ["bash", str(work / "install.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": str(py), "GRPO_KIT_NO_VLLM": "0", **env},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert not list(work.glob(".requirements-gpu.*"))  # its temporary file is gone
     return r.stdout, log.read_text()
@@ -177,8 +184,9 @@ def test_a_gpu_this_torch_cannot_use_is_named(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(C, "gpu_name", lambda: "Tesla T4")
     monkeypatch.setattr(C, "driver_version", lambda: "550.54.15")
-    with pytest.warns(RuntimeWarning, match="training on the CPU: the GPU Tesla T4 is present but this torch is "
-                                            "built for CUDA 13.0"):
+    with pytest.warns(
+        RuntimeWarning, match="training on the CPU: the GPU Tesla T4 is present but this torch is built for CUDA 13.0"
+    ):
         assert devices.resolve_device(GRPOKitConfig()) == "cpu"
     with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device: the GPU Tesla T4"):
         devices.resolve_device(GRPOKitConfig(device="cuda"))

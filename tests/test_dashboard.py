@@ -17,8 +17,14 @@ from grpo_kit.loss.advantage import group_advantages
 from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
 from grpo_kit.notebook.helpers import choose_setup, exact_kl, in_colab, kl_estimates, notebook_setup, validate_params
 
-TRL_LOG = {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.002, "completions/mean_length": 7.5,
-           "learning_rate": 1e-4}
+TRL_LOG = {
+    "loss": 0.5,
+    "reward": 0.25,
+    "reward_std": 0.1,
+    "kl": 0.002,
+    "completions/mean_length": 7.5,
+    "learning_rate": 1e-4,
+}
 
 
 def _state(step):
@@ -63,9 +69,11 @@ def test_missing_metric_is_nan_not_an_error():
 
 def test_samples_table_reads_the_last_records_and_escapes(tmp_path):
     p = tmp_path / "samples.jsonl"
-    rows = [{"step": i, "prompt": f"q{i}", "completion": "<b>7</b>", "answer": "7", "correctness_reward": 1.0}
-            for i in range(10)]
-    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 10, \"pro")  # partial last line
+    rows = [
+        {"step": i, "prompt": f"q{i}", "completion": "<b>7</b>", "answer": "7", "correctness_reward": 1.0}
+        for i in range(10)
+    ]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 10, "pro')  # partial last line
     got = read_samples(p, 3)
     assert [r["step"] for r in got] == [8, 9]
     html = samples_html(got)
@@ -134,12 +142,18 @@ def test_notebook_setup_is_one_call_that_says_what_it_chose(capsys):
     fallback = dict(model="smollm2-135m-instruct", task="arithmetic", max_steps=40, max_completion_length=24)
     hf_logging.enable_progress_bar()
     run = notebook_setup(full, fallback)
-    assert (run.name, run.device, run.dtype, run.config.model) == ("fallback", "cpu", torch.float32,
-                                                                     "smollm2-135m-instruct")
+    assert (run.name, run.device, run.dtype, run.config.model) == (
+        "fallback",
+        "cpu",
+        torch.float32,
+        "smollm2-135m-instruct",
+    )
     assert not hf_logging.is_progress_bar_enabled()  # the quiet console came first
     line = capsys.readouterr().out.strip()
     assert line == run.line() and line.startswith("setup: fallback (torch sees no CUDA GPU")
-    assert "smollm2-135m-instruct, task arithmetic, 40 steps of 8 completions up to 24 tokens, on cpu in float32" in line
+    assert (
+        "smollm2-135m-instruct, task arithmetic, 40 steps of 8 completions up to 24 tokens, on cpu in float32" in line
+    )
     forced = notebook_setup(full, fallback, setup="full", show=False)
     assert (forced.name, forced.reason, forced.config.task) == ("full", "", "gsm8k")
     assert capsys.readouterr().out == ""
@@ -158,8 +172,10 @@ def test_notebook_setup_quiets_the_console_before_its_imports_warn(repo_root):
     import subprocess
     import sys
 
-    code = ("from grpo_kit.notebook.helpers import notebook_setup\n"
-            "notebook_setup(dict(model='tiny-llama'), dict(model='tiny-llama'), setup='fallback')")
+    code = (
+        "from grpo_kit.notebook.helpers import notebook_setup\n"
+        "notebook_setup(dict(model='tiny-llama'), dict(model='tiny-llama'), setup='fallback')"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("setup: fallback"), r.stderr[-2000:]
     assert "gemm_4bit" not in r.stderr + r.stdout and "note:" not in r.stdout, r.stderr[-2000:]
@@ -189,11 +205,13 @@ def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(cuda_driver, "gpu_name", lambda: "Tesla T4")
     monkeypatch.setattr(cuda_driver, "driver_version", lambda: "550.54.15")
-    assert nu.full_setup_blockers() == ["torch sees no CUDA GPU (the GPU Tesla T4 is present but this torch is built "
-                                        "for CUDA 13.0, which needs an NVIDIA driver >= 580; the driver is 550.54.15 "
-                                        "(it runs CUDA 12 builds). Install a torch built for a CUDA the driver runs "
-                                        "(pip install 'torch>=2.6,<2.11': PyPI's CUDA 12 builds), or update the "
-                                        "driver)"]
+    assert nu.full_setup_blockers() == [
+        "torch sees no CUDA GPU (the GPU Tesla T4 is present but this torch is built "
+        "for CUDA 13.0, which needs an NVIDIA driver >= 580; the driver is 550.54.15 "
+        "(it runs CUDA 12 builds). Install a torch built for a CUDA the driver runs "
+        "(pip install 'torch>=2.6,<2.11': PyPI's CUDA 12 builds), or update the "
+        "driver)"
+    ]
 
 
 def test_group_advantages_match_trl_formula():
@@ -202,8 +220,9 @@ def test_group_advantages_match_trl_formula():
     assert torch.allclose(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
     assert torch.equal(adv[4:], torch.zeros(4))  # equal rewards: no signal
     assert torch.allclose(group_advantages(r, 4, "none")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
-    assert torch.allclose(group_advantages(r, 4, "batch"), (r - r.view(2, 4).mean(1).repeat_interleave(4))
-                          / (r.std() + 1e-4))
+    assert torch.allclose(
+        group_advantages(r, 4, "batch"), (r - r.view(2, 4).mean(1).repeat_interleave(4)) / (r.std() + 1e-4)
+    )
     with pytest.raises(ValueError, match="divisible by num_generations=3"):
         group_advantages(r, 3)
     with pytest.raises(ValueError, match="scale='max'"):
@@ -226,8 +245,10 @@ def test_widget_mode_redraws_every_step(monkeypatch, tmp_path):
     pytest.importorskip("ipywidgets")
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(type(obj).__name__))
-    (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 0, "prompt": "1+1", "completion": "Answer: 2",
-                                                        "answer": "2", "correctness_reward": 1.0}) + "\n")
+    (tmp_path / "samples.jsonl").write_text(
+        json.dumps({"step": 0, "prompt": "1+1", "completion": "Answer: 2", "answer": "2", "correctness_reward": 1.0})
+        + "\n"
+    )
     dash = LiveDashboard(mode="widgets")
     args = SimpleNamespace(output_dir=str(tmp_path))
     dash.on_train_begin(args, _state(0), None)
@@ -243,8 +264,14 @@ def test_widget_mode_redraws_every_step(monkeypatch, tmp_path):
 def test_two_rows_labelled_axes_per_reward_and_no_signal_panels():
     dash = LiveDashboard(mode="static", display=False)
     for step, z in enumerate([1.0, 0.5], start=1):
-        dash.record(step, dict(TRL_LOG, frac_reward_zero_std=z, **{"rewards/correctness_reward/mean": 0.1 * step,
-                                                                   "rewards/format_soft_reward/mean": 0.2}))
+        dash.record(
+            step,
+            dict(
+                TRL_LOG,
+                frac_reward_zero_std=z,
+                **{"rewards/correctness_reward/mean": 0.1 * step, "rewards/format_soft_reward/mean": 0.2},
+            ),
+        )
     fig = dash.figure()
     keys = [k for k, _ in PANELS]
     assert len({ax.get_subplotspec().rowspan.start for ax in fig.axes}) == 2

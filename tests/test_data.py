@@ -77,21 +77,31 @@ def test_gsm8k_heldout_comes_from_the_test_split(tmp_path, repo_root, monkeypatc
     train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train_file.write_text("\n".join(sample[:150]) + "\n")
     test_file.write_text("\n".join(sample[140:170]) + "\n")  # 10 problems overlap the training file
-    cfg = GRPOKitConfig(task="gsm8k", dataset_path=str(train_file), eval_dataset_path=str(test_file),
-                        num_train_samples=150, num_eval_samples=20).validate()
+    cfg = GRPOKitConfig(
+        task="gsm8k",
+        dataset_path=str(train_file),
+        eval_dataset_path=str(test_file),
+        num_train_samples=150,
+        num_eval_samples=20,
+    ).validate()
     train, heldout = data.build_datasets(cfg)
     test_qs = [e["question"] for e in data.load_gsm8k_jsonl(test_file)]
     assert [e["question"] for e in heldout] == test_qs[:20]  # the test file's first 20, in order
     assert not {e["question"] for e in train} & set(test_qs[:20]) and len(train) == 140
     # no files at all: the hub's train split to train on, its test split held out
     calls = []
-    monkeypatch.setattr(data, "load_gsm8k", lambda path=None, *, split="train", limit=None:
-                        calls.append((path, split, limit)) or data.load_gsm8k_jsonl(train_file, limit))
+    monkeypatch.setattr(
+        data,
+        "load_gsm8k",
+        lambda path=None, *, split="train", limit=None: calls.append((path, split, limit))
+        or data.load_gsm8k_jsonl(train_file, limit),
+    )
     data.build_datasets(GRPOKitConfig(task="gsm8k", num_train_samples=30, num_eval_samples=5))
     assert calls == [(None, "test", 5), (None, "train", 30)]
     # only a training file: held-out problems drawn from it, disjoint from the training ones (as before)
-    train, heldout = data.build_datasets(GRPOKitConfig(task="gsm8k", dataset_path=str(train_file),
-                                                       num_train_samples=100, num_eval_samples=20))
+    train, heldout = data.build_datasets(
+        GRPOKitConfig(task="gsm8k", dataset_path=str(train_file), num_train_samples=100, num_eval_samples=20)
+    )
     assert len(heldout) == 20 and not {e["question"] for e in train} & {e["question"] for e in heldout}
     with pytest.raises(ConfigError, match="eval_dataset_path=.* does not exist"):
         GRPOKitConfig(task="gsm8k", eval_dataset_path=str(tmp_path / "nope.jsonl")).validate()

@@ -14,10 +14,28 @@ def _launch(repo_root, tmp_path, nproc, total_micro):
     # accelerate 1.16 starts several CPU processes only through its torchrun launcher (`--multi_gpu`; `--cpu`
     # alone runs one process unless mpirun is installed); GRPOConfig(use_cpu=True) then selects gloo (MULTI_CPU).
     launcher = ["--multi_gpu"] if nproc > 1 else []
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(nproc),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(repo_root / "tests" / "_parallel_worker.py"), "update", str(out), str(total_micro),
-           ",".join(LOSS_TYPES), "hf"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launcher,
+        "--num_processes",
+        str(nproc),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        str(repo_root / "tests" / "_parallel_worker.py"),
+        "update",
+        str(out),
+        str(total_micro),
+        ",".join(LOSS_TYPES),
+        "hf",
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return torch.load(out)

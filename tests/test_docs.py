@@ -56,14 +56,29 @@ def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs_jupyter", reason="documentation tools not installed (requirements-test.txt)")
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's end-of-life notice on every build
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     warnings = [line for line in proc.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
     assert proc.returncode == 0 and not warnings, proc.stdout[-3000:] + proc.stderr[-6000:]
     # the pages the site promises: each part, the generated configuration reference, the rendered notebooks
     assert "loss_type" in (site / "configuration" / "index.html").read_text(encoding="utf-8")
-    for page in ("loss", "offload", "generation", "memory", "quantization", "reliability", "benchmarks",
-                 "api/loss", "api/app"):
+    for page in (
+        "loss",
+        "offload",
+        "generation",
+        "memory",
+        "quantization",
+        "reliability",
+        "benchmarks",
+        "api/loss",
+        "api/app",
+    ):
         assert (site / page / "index.html").is_file(), page
     notebooks = list((site / "notebooks").glob("*/index.html"))  # notebooks/index.html itself is docs/notebooks.md
     assert len(notebooks) == len(list((ROOT / "notebooks").glob("*.ipynb")))

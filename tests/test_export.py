@@ -17,8 +17,9 @@ def run_dir(tmp_path_factory):
     GRPOKitConfig(model="tiny-llama", output_dir=str(run)).save(run / "config.yaml")
     model, tok = load_model("tiny-llama")
     torch.manual_seed(0)
-    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                          init_lora_weights=False))
+    pm = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    )
     pm.save_pretrained(str(run / "adapter"))
     ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

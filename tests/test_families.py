@@ -31,25 +31,54 @@ NEWER = [n for n in TINY if n not in ("tiny-llama", "tiny-qwen2", "tiny-mistral"
 
 
 def test_every_family_has_a_tiny_builtin_and_the_table_covers_the_issue():
-    assert {"tiny-qwen3", "tiny-gemma3", "tiny-smollm3", "tiny-phi3", "tiny-olmo2", "tiny-olmo3", "tiny-granite",
-            "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-llama", "tiny-qwen2", "tiny-mistral"} <= set(TINY)
+    assert {
+        "tiny-qwen3",
+        "tiny-gemma3",
+        "tiny-smollm3",
+        "tiny-phi3",
+        "tiny-olmo2",
+        "tiny-olmo3",
+        "tiny-granite",
+        "tiny-qwen3-moe",
+        "tiny-gpt-oss",
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-mistral",
+    } <= set(TINY)
     assert all(BUILTIN_MODELS[n].kind == "tiny" for n in TINY)
 
 
 def _args(tmp_path, loss_type):
-    return GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, report_to="none", use_cpu=True, max_steps=1, temperature=0.7,
-                      bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, beta=0.04,
-                      loss_type=loss_type, epsilon=0.2)
+    return GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        report_to="none",
+        use_cpu=True,
+        max_steps=1,
+        temperature=0.7,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        beta=0.04,
+        loss_type=loss_type,
+        epsilon=0.2,
+    )
 
 
 def _batch(gen, vocab=1000):
     B, P, C = 4, 6, 8
-    inputs = dict(prompt_ids=torch.randint(3, vocab, (B, P), generator=gen),
-                  prompt_mask=torch.ones(B, P, dtype=torch.long),
-                  completion_ids=torch.randint(3, vocab, (B, C), generator=gen),
-                  completion_mask=(torch.arange(C)[None] < torch.tensor([[8], [5], [3], [7]])).long(),
-                  advantages=torch.randn(B, generator=gen), num_items_in_batch=torch.tensor(23.0))
+    inputs = dict(
+        prompt_ids=torch.randint(3, vocab, (B, P), generator=gen),
+        prompt_mask=torch.ones(B, P, dtype=torch.long),
+        completion_ids=torch.randint(3, vocab, (B, C), generator=gen),
+        completion_mask=(torch.arange(C)[None] < torch.tensor([[8], [5], [3], [7]])).long(),
+        advantages=torch.randn(B, generator=gen),
+        num_items_in_batch=torch.tensor(23.0),
+    )
     inputs["prompt_mask"][0, :2] = 0  # left padding
     return inputs
 
@@ -62,10 +91,17 @@ def test_logps_loss_and_lora_grads_equal_stock_trl(name, tmp_path):
     tok.padding_side = "left"
     targets = anatomy.lora_targets(model)
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
-    stock, ours = (cls(model=copy.deepcopy(model), reward_funcs=[correctness_reward], args=_args(tmp_path, "grpo"),
-                       train_dataset=ds, processing_class=tok,
-                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
-                   for cls in (GRPOTrainer, EfficientGRPOTrainer))
+    stock, ours = (
+        cls(
+            model=copy.deepcopy(model),
+            reward_funcs=[correctness_reward],
+            args=_args(tmp_path, "grpo"),
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"),
+        )
+        for cls in (GRPOTrainer, EfficientGRPOTrainer)
+    )
     gen = torch.Generator().manual_seed(1)
     for (_, p1), (_, p2) in zip(stock.model.named_parameters(), ours.model.named_parameters()):
         if p1.requires_grad:  # a non-zero adapter, so that it matters
@@ -88,11 +124,15 @@ def test_logps_loss_and_lora_grads_equal_stock_trl(name, tmp_path):
                 err = float((p2.grad - p1.grad).abs().max() / p1.grad.abs().max().clamp_min(1e-30))
                 assert err <= 1e-5, f"{loss_type} {n}: max difference {err:.2e} of the largest gradient"
                 checked += 1
-        assert checked == 2 * sum(isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets
-                                  for layer in anatomy.decoder_layers(model) for n, m in layer.named_modules())
+        assert checked == 2 * sum(
+            isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets
+            for layer in anatomy.decoder_layers(model)
+            for n, m in layer.named_modules()
+        )
         if stock.aux_loss_enabled:  # the router loss is in both, and the same
             assert ours._metrics["train"]["aux_loss"][-1] == pytest.approx(
-                stock._metrics["train"]["aux_loss"][-1], rel=1e-5)
+                stock._metrics["train"]["aux_loss"][-1], rel=1e-5
+            )
 
 
 @pytest.mark.parametrize("name", NEWER)
@@ -103,8 +143,9 @@ def test_offloaded_checkpointing_gradients_equal_the_plain_forward(name):
 
     def lora():
         torch.manual_seed(1)
-        return get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                              target_modules=targets))
+        return get_peft_model(
+            copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets)
+        )
 
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 1000, (2, 40), generator=g)
@@ -141,9 +182,14 @@ def test_the_layout_decides_the_mode_not_the_class_name():
     assert modes["tiny-gpt-oss"] == {"whole+mlp": 2}  # its MoE block returns router scores beside the states
 
 
-@pytest.mark.parametrize("name, form", [("tiny-granite", anatomy.LogitForm(scale=1 / 8)),
-                                        ("tiny-gemma3", anatomy.LogitForm(softcap=30.0)),
-                                        ("tiny-llama", anatomy.LogitForm())])
+@pytest.mark.parametrize(
+    "name, form",
+    [
+        ("tiny-granite", anatomy.LogitForm(scale=1 / 8)),
+        ("tiny-gemma3", anatomy.LogitForm(softcap=30.0)),
+        ("tiny-llama", anatomy.LogitForm()),
+    ],
+)
 def test_logit_form_is_read_from_the_config_and_held_to_the_models_logits(name, form):
     model = build_random_model(name)
     assert anatomy.logit_form(model.config) == form
@@ -166,10 +212,14 @@ def test_a_logit_transform_the_kit_does_not_know_is_refused(tmp_path):
     head.weight = model.lm_head.weight
     model.lm_head = head
     with pytest.raises(anatomy.AnatomyError, match="LlamaForCausalLM: its logits are not h @ W"):
-        EfficientGRPOTrainer(model=model, reward_funcs=[correctness_reward], args=_args(tmp_path, "grpo"),
-                             train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
-                             processing_class=load_tokenizer("tiny-llama"),
-                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+        EfficientGRPOTrainer(
+            model=model,
+            reward_funcs=[correctness_reward],
+            args=_args(tmp_path, "grpo"),
+            train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+            processing_class=load_tokenizer("tiny-llama"),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+        )
 
 
 def test_lora_targets_are_the_models_own_projections_routers_excluded():

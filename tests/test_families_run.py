@@ -15,8 +15,15 @@ from grpo_kit.model.loading import build_random_model, load_tokenizer
 TINY = [name for fam in FAMILIES for name in tiny_names(fam)]
 NEW = [n for n in TINY if n not in ("tiny-llama", "tiny-qwen2", "tiny-mistral")]  # those three: test_run & co.
 # a short run: 2 steps of one group of 4, 6 tokens each
-SHORT = dict(max_steps=2, num_train_samples=8, num_eval_samples=2, max_completion_length=6, num_generations=4,
-             per_device_train_batch_size=4, save_steps=0)
+SHORT = dict(
+    max_steps=2,
+    num_train_samples=8,
+    num_eval_samples=2,
+    max_completion_length=6,
+    num_generations=4,
+    per_device_train_batch_size=4,
+    save_steps=0,
+)
 
 
 def _folder(tmp_path, name: str):
@@ -57,8 +64,11 @@ def test_a_folder_made_elsewhere_trains_with_vllms_cpu_engine(name, tmp_path):
     checkpoint's layout (its fused experts split again)."""
     from grpo_kit.app.run import train
 
-    summary = train(GRPOKitConfig(model=str(_folder(tmp_path, name)), output_dir=str(tmp_path / "run"),
-                                  generation_backend="vllm", **SHORT))
+    summary = train(
+        GRPOKitConfig(
+            model=str(_folder(tmp_path, name)), output_dir=str(tmp_path / "run"), generation_backend="vllm", **SHORT
+        )
+    )
     assert summary["steps"] == 2 and summary["generation"]["backend"] == "vllm"
 
 
@@ -92,8 +102,9 @@ def test_doctor_model_answers_for_a_family_and_refuses_what_it_cannot_map(tmp_pa
     folder.mkdir()
     from transformers import AutoConfig
 
-    AutoConfig.for_model("olmoe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=64).to_json_file(folder / "config.json")
+    AutoConfig.for_model(
+        "olmoe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    ).to_json_file(folder / "config.json")
     verdict = dict(doctor_model(str(folder)))["verdict"]
     assert verdict.startswith("refused: ") and "'olmoe'" in verdict and "trainer: trl" in verdict
 
@@ -105,8 +116,9 @@ def test_an_unproven_family_is_refused_before_anything_loads(tmp_path):
 
     folder = tmp_path / "olmoe"
     folder.mkdir()
-    AutoConfig.for_model("olmoe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=64).to_json_file(folder / "config.json")  # no weights: nothing may load
+    AutoConfig.for_model(
+        "olmoe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    ).to_json_file(folder / "config.json")  # no weights: nothing may load
     load_tokenizer("tiny-llama").save_pretrained(folder)
     with pytest.raises(ConfigError, match=r"model_type 'olmoe' \(OlmoeForCausalLM\) is not among the families"):
         train(GRPOKitConfig(model=str(folder), output_dir=str(tmp_path / "run"), **SHORT))

@@ -38,8 +38,8 @@ from grpo_kit.model.loading import build_random_model, load_model
 from grpo_kit.model.quantize import quantizable_linears
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-U = 2.0 ** -4  # e4m3's unit roundoff (relative error bound of a normal number)
-SUB = 2.0 ** -10  # half the spacing of e4m3's subnormals (absolute bound below 2^-6, in code units)
+U = 2.0**-4  # e4m3's unit roundoff (relative error bound of a normal number)
+SUB = 2.0**-10  # half the spacing of e4m3's subnormals (absolute bound below 2^-6, in code units)
 SHAPES = [(37, 53), (128, 256), (300, 130), (1, 7)]
 
 
@@ -69,8 +69,8 @@ def _reference64(w: torch.Tensor, block):
     full = torch.zeros_like(w64)
     for r in range(0, o, b[0]):
         for c in range(0, i, b[1]):
-            amax = w64[r:r + b[0], c:c + b[1]].abs().max()
-            full[r:r + b[0], c:c + b[1]] = amax / FP8_MAX if amax > 0 else 1.0
+            amax = w64[r : r + b[0], c : c + b[1]].abs().max()
+            full[r : r + b[0], c : c + b[1]] = amax / FP8_MAX if amax > 0 else 1.0
     return (w64 / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), full
 
 
@@ -129,9 +129,12 @@ def test_w8a8_twin_against_the_dequantised_matmul(block, shape, m, dtype):
     w = dequantize_fp8(codes, scale, block=block).double()
     ref = x.double() @ w.T + bias.double()
     # each activation's own scale: its row's, or with block weights its row and block's (vLLM's grouping)
-    sx = (quantize_rows(x)[1].expand(x.shape) if block is None
-          else quantize_groups(x, block)[1].repeat_interleave(block, dim=1)[:, : x.shape[1]])
-    out_round = (2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8) * ref.abs()
+    sx = (
+        quantize_rows(x)[1].expand(x.shape)
+        if block is None
+        else quantize_groups(x, block)[1].repeat_interleave(block, dim=1)[:, : x.shape[1]]
+    )
+    out_round = (2.0**-24 if dtype == torch.float32 else 2.0**-8) * ref.abs()
     bound = U * x.double().abs() @ w.abs().T + SUB * sx.double() @ w.abs().T + out_round + 1e-5 * ref.abs().max()
     assert ((y.double() - ref).abs() <= bound).all()
     rel = (y.double() - ref).norm() / ref.norm()
@@ -150,10 +153,10 @@ def test_block_activations_are_quantised_per_row_and_group(group, k):
     codes, scale = quantize_groups(x, group)
     assert codes.dtype == FP8_DTYPE and codes.shape == x.shape and scale.shape == (5, -(-k // group))
     for g in range(scale.shape[1]):
-        part = x[:, g * group:(g + 1) * group]
+        part = x[:, g * group : (g + 1) * group]
         qc, qs = quantize_rows(part)
-        assert torch.equal(codes[:, g * group:(g + 1) * group].view(torch.uint8), qc.view(torch.uint8))
-        assert torch.equal(scale[:, g:g + 1], qs)
+        assert torch.equal(codes[:, g * group : (g + 1) * group].view(torch.uint8), qc.view(torch.uint8))
+        assert torch.equal(scale[:, g : g + 1], qs)
     assert scale[1, 0] == 1.0
     back = dequantize_groups(codes, scale, group)
     assert back.dtype == torch.float32 and back.shape == x.shape
@@ -230,8 +233,9 @@ def test_quantize_model_swaps_the_linears_layer_by_layer_at_one_byte_per_weight(
     rows = sum(w.shape[0] for w in weights.values())
     tiles = sum(-(-w.shape[0] // FP8_BLOCK) * -(-w.shape[1] // FP8_BLOCK) for w in weights.values())
     assert report["scale_bytes"] == 4 * (rows if block is None else tiles)
-    fp8_bytes = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, FP8Linear)
-                    for p in m.parameters())
+    fp8_bytes = sum(
+        p.numel() * p.element_size() for m in model.modules() if isinstance(m, FP8Linear) for p in m.parameters()
+    )
     assert fp8_bytes == report["fp8_weight_bytes"] + report["scale_bytes"]
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=_ids()).logits).all()
@@ -285,8 +289,9 @@ def test_offloaded_checkpointing_over_fp8_gives_the_plain_gradients():
 
     model = build_random_model("tiny-llama")
     quantize_model_fp8(model)
-    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                          init_lora_weights=False)))
+    pm = get_peft_model(
+        model, fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    )
     mask = torch.ones(2, 13, dtype=torch.long)
     mask[1, :4] = 0
     batches = [(_ids(2, 13, seed=s), mask) for s in (0, 1)]
@@ -296,8 +301,9 @@ def test_offloaded_checkpointing_over_fp8_gives_the_plain_gradients():
 def test_lora_over_fp8_runs_in_the_compute_dtype_and_refuses_a_merge():
     model = build_random_model("tiny-llama", dtype=torch.bfloat16)
     quantize_model_fp8(model)
-    pm = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, target_modules=["q_proj"])),
-                        autocast_adapter_dtype=False)  # PEFT's default would lift a bf16 adapter to fp32
+    pm = get_peft_model(
+        model, fp8_lora_config(LoraConfig(r=4, target_modules=["q_proj"])), autocast_adapter_dtype=False
+    )  # PEFT's default would lift a bf16 adapter to fp32
     lora = pm.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
     assert type(lora) is M.FP8LoraLinear and lora.lora_A["default"].weight.dtype == torch.bfloat16
     with pytest.raises(NotImplementedError, match="cannot be merged into FP8"):
@@ -314,15 +320,31 @@ def test_a_2_step_grpo_run_with_fp8_base_weights_trains_lora_only(tmp_path):
     model, tok = load_model("tiny-llama", device="cpu")
     quantize_model_fp8(model)
     tok.padding_side = "left"
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, beta=0.04, report_to="none", use_cpu=True, max_steps=2,
-                      use_bias_correction_kl=False, bf16=False, learning_rate=5e-3, logging_steps=1,
-                      save_strategy="no", disable_tqdm=True, seed=0)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        beta=0.04,
+        report_to="none",
+        use_cpu=True,
+        max_steps=2,
+        use_bias_correction_kl=False,
+        bf16=False,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = EfficientGRPOTrainer(
-        model=model, args=args, processing_class=tok,
+        model=model,
+        args=args,
+        processing_class=tok,
         reward_funcs=[lambda prompts, completions, **kw: [len(completion_text(c)) % 5 / 4 for c in completions]],
         train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
-        peft_config=fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)))
+        peft_config=fp8_lora_config(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)),
+    )
     fp8 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.dtype == FP8_DTYPE}
     lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
@@ -339,8 +361,11 @@ def test_fp8_support_names_the_device_and_what_it_supports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "torch sees no CUDA device" in fp8_support("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for cap, name, dense in [((7, 5), "Tesla T4", "fp16"), ((7, 0), "Tesla V100-SXM2-16GB", "fp16"),
-                             ((8, 0), "NVIDIA A100-SXM4-40GB", "bf16")]:
+    for cap, name, dense in [
+        ((7, 5), "Tesla T4", "fp16"),
+        ((7, 0), "Tesla V100-SXM2-16GB", "fp16"),
+        ((8, 0), "NVIDIA A100-SXM4-40GB", "bf16"),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
         why = fp8_support("cuda:0")
@@ -352,6 +377,7 @@ def test_fp8_support_names_the_device_and_what_it_supports(monkeypatch):
 
 
 # ---- load_model(base_weights='fp8'): the device check refuses the CPU; tests pass it to run the torch twin ----------
+
 
 @pytest.fixture
 def twin_on_cpu(monkeypatch):
@@ -386,18 +412,23 @@ def test_load_model_fp8_streams_a_checkpoint_layer_by_layer(tmp_path, twin_on_cp
         return real_read(file, key, device)
 
     monkeypatch.setattr(L, "_read_tensor", read)
-    model, _ = load_model(str(tmp_path / "ckpt"), dtype=torch.bfloat16, device="cpu", base_weights="fp8",
-                          fp8_block=block)
+    model, _ = load_model(
+        str(tmp_path / "ckpt"), dtype=torch.bfloat16, device="cpu", base_weights="fp8", fp8_block=block
+    )
     ref = copy.deepcopy(dense)
     quantize_model_fp8(ref, block=block)
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     assert got.keys() == want.keys() and model.grpo_kit_quantization["fp8_layers"] == 14
     for n, p in want.items():
-        assert got[n].dtype == p.dtype and torch.equal(got[n].view(torch.uint8) if p.dtype == FP8_DTYPE else got[n],
-                                                       p.view(torch.uint8) if p.dtype == FP8_DTYPE else p), n
+        assert got[n].dtype == p.dtype and torch.equal(
+            got[n].view(torch.uint8) if p.dtype == FP8_DTYPE else got[n],
+            p.view(torch.uint8) if p.dtype == FP8_DTYPE else p,
+        ), n
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.grpo_kit_quantization["load"].startswith("streamed")
-    assert len(reads) == len(set(reads)) and all(k.rsplit(".", 2)[-2].endswith("proj") for k in reads[:20])  # 14 weights, 6 biases
+    assert len(reads) == len(set(reads)) and all(
+        k.rsplit(".", 2)[-2].endswith("proj") for k in reads[:20]
+    )  # 14 weights, 6 biases
     ids = _ids()
     assert torch.equal(model(ids).logits, ref(ids).logits)
 
@@ -437,7 +468,7 @@ def test_scaled_mm_matches_the_twin(dtype, n, k, m):
     # same products of e4m3 numbers, fp32 sums in another order; the kernel may round the product to dtype before
     # adding the bias (two roundings, the twin one): so a rounding of the product's size as well as the result's.
     # One rounding only (|err| <= 2 ulp |ref|) failed on an H100 in bf16 at k = 4096, where |bias| ~ |product|.
-    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     product = (ref.float() - bias.float()).abs()
     bound = 2 * ulp * (ref.float().abs() + product) + 1e-3 * ref.float().abs().max()
     assert ((y.float() - ref.float()).abs() <= bound).all()
@@ -470,8 +501,10 @@ def test_the_fp8_row_kernels_give_their_twins_bits_on_the_gpu():
     a, b = K.quantize_rows_triton(x), K.quantize_rows_reference(x)
     assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
     codes, scale = K.quantize_rows_reference(torch.randn(14336, 4096, device="cuda", generator=g))
-    assert torch.equal(K.dequantize_channels_triton(codes, scale, torch.bfloat16),
-                       K.dequantize_channels_reference(codes, scale, torch.bfloat16))
+    assert torch.equal(
+        K.dequantize_channels_triton(codes, scale, torch.bfloat16),
+        K.dequantize_channels_reference(codes, scale, torch.bfloat16),
+    )
 
 
 @pytest.mark.gpu
@@ -486,7 +519,7 @@ def test_the_fp8_input_gradient_on_tensor_cores_matches_its_twin(dtype, n, k, m)
     got, ref = M.grad_input_scaled_mm(gy, codes, scale), M.grad_input_reference(gy, codes, scale)
     assert got.dtype == dtype and got.shape == (m, k)
     # the same e4m3 operands (the kernel quantises to the twin's bits), fp32 sums in another order, one rounding
-    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     assert ((got.float() - ref.float()).abs() <= 2 * ulp * ref.float().abs() + 1e-3 * ref.float().abs().max()).all()
     layer = FP8Linear.from_weight(torch.randn(n, k, device="cuda", generator=g).to(dtype) * 0.02)
     layer.grad_input = "fp8"
@@ -496,6 +529,7 @@ def test_the_fp8_input_gradient_on_tensor_cores_matches_its_twin(dtype, n, k, m)
 
 
 # ---- One FP8 copy: the training model's FP8 layers as views of a vLLM-layout engine (generation/shared_weights) ----
+
 
 def _fake_engine(dense, block=None, per_tensor=False):
     """A module tree laid out as vLLM holds an FP8 model (module docstring of shared_weights): fused qkv_proj and
@@ -521,11 +555,16 @@ def _fake_engine(dense, block=None, per_tensor=False):
     def dense_layer(t):
         layer = nn.Module()
         pad = -t.shape[0] % 64 if t.dim() == 2 and t.shape[0] > 1000 else 0
-        layer.weight = nn.Parameter(torch.cat([t.detach().clone(), t.new_zeros(pad, *t.shape[1:])]), requires_grad=False)
+        layer.weight = nn.Parameter(
+            torch.cat([t.detach().clone(), t.new_zeros(pad, *t.shape[1:])]), requires_grad=False
+        )
         return layer
 
     engine = nn.Module()
-    engine.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    engine.packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     engine.model = nn.Module()
     engine.model.embed_tokens = dense_layer(dense.model.embed_tokens.weight)
     engine.model.norm = dense_layer(dense.model.norm.weight)
@@ -537,7 +576,9 @@ def _fake_engine(dense, block=None, per_tensor=False):
         layer.post_attention_layernorm = dense_layer(src.post_attention_layernorm.weight)
         layer.self_attn, layer.mlp = nn.Module(), nn.Module()
         h = at.q_proj.in_features
-        layer.self_attn.qkv_proj = fp8_layer([at.q_proj.out_features, at.k_proj.out_features, at.v_proj.out_features], h)
+        layer.self_attn.qkv_proj = fp8_layer(
+            [at.q_proj.out_features, at.k_proj.out_features, at.v_proj.out_features], h
+        )
         if at.q_proj.bias is not None:
             layer.self_attn.qkv_proj.bias = nn.Parameter(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
         layer.self_attn.o_proj = fp8_layer([at.o_proj.out_features], at.o_proj.in_features)
@@ -553,8 +594,16 @@ def _block_config():
     """A 2-layer Llama whose q, k, v, gate and up outputs are whole 128-row blocks (block sharing needs them)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.mark.parametrize("name,block", [("tiny-llama", None), ("tiny-qwen2", None), ("block-llama", FP8_BLOCK)])
@@ -627,13 +676,16 @@ def test_a_random_shared_fp8_model_is_filled_like_transformers_initialises_it():
     assert torch.equal(model.model.norm.weight, norm)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(device="cpu"), "on CUDA only"),
-    (dict(share_weights=False), "needs share_weights=True"),
-    (dict(lora_sync="merge"), "needs lora_sync='adapter'"),
-    (dict(fp8_block=64), r"fp8_block=64: None \(per channel\) or 128"),
-    (dict(base_weights="fp16"), r"base_weights='fp16' is not allowed: one of 16bit, fp8"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(device="cpu"), "on CUDA only"),
+        (dict(share_weights=False), "needs share_weights=True"),
+        (dict(lora_sync="merge"), "needs lora_sync='adapter'"),
+        (dict(fp8_block=64), r"fp8_block=64: None \(per channel\) or 128"),
+        (dict(base_weights="fp16"), r"base_weights='fp16' is not allowed: one of 16bit, fp8"),
+    ],
+)
 def test_the_fp8_engine_refuses_what_it_cannot_share_before_it_starts(kwargs, match):
     from grpo_kit.generation.vllm_backend import _check_fp8_options
 
@@ -713,8 +765,15 @@ def test_vllm_serves_the_training_models_fp8_tensors(monkeypatch):
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     folder = embedded_model_dir()
-    llm = vllm.LLM(str(folder), dtype="bfloat16", load_format="dummy", max_model_len=256, enforce_eager=True,
-                   gpu_memory_utilization=0.2, hf_overrides={"quantization_config": vllm_fp8_quantization(block)})
+    llm = vllm.LLM(
+        str(folder),
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=256,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        hf_overrides={"quantization_config": vllm_fp8_quantization(block)},
+    )
     engine = llm.collective_rpc(_engine_model)[0]
     config = model_config(str(folder / "config.json"))
     model = build_shared_model(engine, config, torch.bfloat16, fp8=True, fp8_block=block)
@@ -726,8 +785,8 @@ def test_vllm_serves_the_training_models_fp8_tensors(monkeypatch):
     out = llm.generate([{"prompt_token_ids": prompt}], vllm.SamplingParams(max_tokens=16, temperature=0, logprobs=0))
     ids = torch.tensor([prompt + list(out[0].outputs[0].token_ids)], device="cuda")
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
-    trainer = logp.gather(1, ids[0, len(prompt):, None]).squeeze(1)
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    trainer = logp.gather(1, ids[0, len(prompt) :, None]).squeeze(1)
     engine_lp = torch.tensor([next(iter(d.values())).logprob for d in out[0].outputs[0].logprobs], device="cuda")
     gap = (trainer - engine_lp).abs()
     print(f"FP8 vLLM vs trainer |dlogp| per token: mean {gap.mean():.4f}, max {gap.max():.4f} over {gap.numel()}")

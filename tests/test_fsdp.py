@@ -30,8 +30,23 @@ def _run(cmd, cwd):
 
 def test_sharded_head_matches_unsharded(repo_root, tmp_path):
     out = tmp_path / "head.pt"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-          "--rdzv-endpoint", "localhost:0", str(repo_root / "tests" / "_parallel_worker.py"), "head", str(out)], tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            str(repo_root / "tests" / "_parallel_worker.py"),
+            "head",
+            str(out),
+        ],
+        tmp_path,
+    )
     for rank in (0, 1):
         r = torch.load(f"{out}.rank{rank}")
         assert r["sharded"] and r["local_rows"] == 25  # each rank held half of the 50 vocabulary rows
@@ -43,11 +58,28 @@ def test_sharded_head_matches_unsharded(repo_root, tmp_path):
 def _update(repo_root, tmp_path, nproc, total_micro):
     out = tmp_path / f"update_{nproc}.pt"
     # FSDP2 from the shipped CPU config; the reference is one plain process
-    launcher = (["--config_file", str(repo_root / "configs" / "accelerate" / "cpu_fsdp2.yaml")] if nproc > 1
-                else ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])
-    _run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port", "0",
-          str(repo_root / "tests" / "_parallel_worker.py"), "update", str(out), str(total_micro), ",".join(LOSS_TYPES),
-          "none"], tmp_path)  # FSDP checkpoints the layers
+    launcher = (
+        ["--config_file", str(repo_root / "configs" / "accelerate" / "cpu_fsdp2.yaml")]
+        if nproc > 1
+        else ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    )
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *launcher,
+            "--main_process_port",
+            "0",
+            str(repo_root / "tests" / "_parallel_worker.py"),
+            "update",
+            str(out),
+            str(total_micro),
+            ",".join(LOSS_TYPES),
+            "none",
+        ],
+        tmp_path,
+    )  # FSDP checkpoints the layers
     return torch.load(out)
 
 
@@ -70,11 +102,33 @@ def test_fsdp2_two_processes_match_one_process_with_double_accumulation(repo_roo
 
 # `python -m grpo_kit train` under a 2-process accelerate config: 3 steps, a checkpoint at step 2 (and the final one), the
 # held-out evaluation before and after (every process takes part in the sharded model's forwards).
-TRAIN = ["--set", "device=cpu", "--set", "model=tiny-llama", "--set", "max_steps=3", "--set", "save_steps=2",
-         "--set", "num_eval_samples=4", "--set", "reward_funcs=[_parallel_worker:length_reward]"]
+TRAIN = [
+    "--set",
+    "device=cpu",
+    "--set",
+    "model=tiny-llama",
+    "--set",
+    "max_steps=3",
+    "--set",
+    "save_steps=2",
+    "--set",
+    "num_eval_samples=4",
+    "--set",
+    "reward_funcs=[_parallel_worker:length_reward]",
+]
 # metrics.csv columns that are a function of the math only (step_time_s and peak_memory_gib are measurements)
-EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "learning_rate", "grad_norm",
-                 "clip_ratio", "frac_reward_zero_std"]
+EXACT_COLUMNS = [
+    "step",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "kl",
+    "completion_length",
+    "learning_rate",
+    "grad_norm",
+    "clip_ratio",
+    "frac_reward_zero_std",
+]
 
 
 def _launch(repo_root, cwd, config, args, log):
@@ -82,9 +136,19 @@ def _launch(repo_root, cwd, config, args, log):
     ``log``."""
     # the reward (_parallel_worker:length_reward) from tests/, the kit from this checkout (also where it is not installed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "tests"), str(repo_root)])}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(repo_root / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", "0", "-m", "_cli_worker",
-           "train", *args]  # the real CLI, without the interpreter's teardown (tests/_cli_worker.py)
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(repo_root / "configs" / "accelerate" / f"{config}.yaml"),
+        "--main_process_port",
+        "0",
+        "-m",
+        "_cli_worker",
+        "train",
+        *args,
+    ]  # the real CLI, without the interpreter's teardown (tests/_cli_worker.py)
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     proc.log = Path(log)
@@ -177,11 +241,14 @@ def test_resume_under_fsdp2_after_sigkill_equals_uninterrupted(repo_root, tmp_pa
     assert eb == ea
 
 
-@pytest.mark.parametrize("env, says", [
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "DeepSpeed ZeRO stage 3"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "DeepSpeed ZeRO stage 2"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
-])
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "DeepSpeed ZeRO stage 3"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "DeepSpeed ZeRO stage 2"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
+    ],
+)
 def test_unproven_configs_refused_with_what_works(monkeypatch, env, says):
     for k, v in env.items():
         monkeypatch.setenv(k, v)

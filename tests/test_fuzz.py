@@ -28,41 +28,103 @@ from grpo_kit.tasks import rewards
 
 ROOT = Path(__file__).resolve().parent.parent
 
-settings.register_profile("grpo_kit_ci", max_examples=60, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("grpo_kit_deep", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "grpo_kit_ci",
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "grpo_kit_deep",
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "grpo_kit_ci"))
 
 # --------------------------------------------------------------------------------------------
 # text: answer extraction and reward functions
 # --------------------------------------------------------------------------------------------
-HUGE = ["10" + "0" * 5000, "1e999", "-1e-999", "9" * 400, "1" * 4400 + "/3", "1/0", "0/0", "$1,000,000,000,000,000",
-        "1,234,567,890" * 50, "inf", "NaN", "-−7", "１２３", "٣", "⁵", "½", "1" + ".5" * 1000, "#### ", "Answer: ",
-        "\\boxed{", "####" * 100, "answer is" * 1000]
+HUGE = [
+    "10" + "0" * 5000,
+    "1e999",
+    "-1e-999",
+    "9" * 400,
+    "1" * 4400 + "/3",
+    "1/0",
+    "0/0",
+    "$1,000,000,000,000,000",
+    "1,234,567,890" * 50,
+    "inf",
+    "NaN",
+    "-−7",
+    "１２３",
+    "٣",
+    "⁵",
+    "½",
+    "1" + ".5" * 1000,
+    "#### ",
+    "Answer: ",
+    "\\boxed{",
+    "####" * 100,
+    "answer is" * 1000,
+]
 
 texts = st.one_of(
     st.text(max_size=300),
     st.text(alphabet=st.sampled_from(list("0123456789.,/-−$#: \nAnswer:boxed{}e")), max_size=400),
     st.lists(st.sampled_from(HUGE) | st.text(max_size=20), max_size=8).map(" ".join),
     st.builds(lambda s, k: (s or "9") * k, st.text(max_size=5), st.integers(1, 100_000 // 5)),  # up to 100K chars
-    st.just(""), st.just("1" * 100_000), st.just("Answer: " + "9" * 100_000),
+    st.just(""),
+    st.just("1" * 100_000),
+    st.just("Answer: " + "9" * 100_000),
 )
 messages = st.one_of(
     texts,
-    st.lists(st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["assistant", "user", "tool"]),
-                                              "content": st.one_of(texts, st.none())}),
-                       st.none(), st.just([]), st.lists(st.none(), max_size=2), st.integers(), texts), max_size=4),
+    st.lists(
+        st.one_of(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["assistant", "user", "tool"]), "content": st.one_of(texts, st.none())}
+            ),
+            st.none(),
+            st.just([]),
+            st.lists(st.none(), max_size=2),
+            st.integers(),
+            texts,
+        ),
+        max_size=4,
+    ),
     st.fixed_dictionaries({"content": st.one_of(texts, st.none())}),
-    st.lists(st.fixed_dictionaries({"role": st.just("assistant"),
-                                    "content": st.lists(st.one_of(
-                                        st.fixed_dictionaries({"type": st.just("text"), "text": texts}),
-                                        st.fixed_dictionaries({"type": st.just("image")})), max_size=3)}),
-             min_size=1, max_size=2),
-    st.none(), st.integers(), st.floats(), st.just([[{"role": "assistant", "content": "Answer: 3"}]]),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.just("assistant"),
+                "content": st.lists(
+                    st.one_of(
+                        st.fixed_dictionaries({"type": st.just("text"), "text": texts}),
+                        st.fixed_dictionaries({"type": st.just("image")}),
+                    ),
+                    max_size=3,
+                ),
+            }
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+    st.none(),
+    st.integers(),
+    st.floats(),
+    st.just([[{"role": "assistant", "content": "Answer: 3"}]]),
 )
-answers = st.one_of(texts, st.integers(min_value=-10**6000, max_value=10**6000), st.floats(), st.none(),
-                    st.just(10**5000), st.just(float("inf")))
+answers = st.one_of(
+    texts,
+    st.integers(min_value=-(10**6000), max_value=10**6000),
+    st.floats(),
+    st.none(),
+    st.just(10**5000),
+    st.just(float("inf")),
+)
 
 
 def _clear_value_error(e: Exception) -> bool:
@@ -89,8 +151,11 @@ def test_completion_text_is_a_string_or_a_clear_value_error(completion):
 def test_reward_functions_score_in_range_or_raise_value_error(batch):
     completions = [c for c, _ in batch]
     answer = [a for _, a in batch]
-    for fn, kw in ((rewards.correctness_reward, {"answer": answer}), (rewards.format_strict_reward, {}),
-                   (rewards.format_soft_reward, {})):
+    for fn, kw in (
+        (rewards.correctness_reward, {"answer": answer}),
+        (rewards.format_strict_reward, {}),
+        (rewards.format_soft_reward, {}),
+    ):
         try:
             scores = fn(None, completions, **kw)
         except Exception as e:  # noqa: BLE001
@@ -107,10 +172,36 @@ def test_numbers_equal_never_matches_non_finite(a, b):
 
 
 # Pieces that made the old regexes backtrack (runs of spaces, fences, separators, marks), repeated to long texts.
-_PIECES = [" ", "\t", "\n", "1", "9", ",", ".", "/", "e", "-", "$", "#### ", "```", "```python\n", "\\frac{",
-           "}{", "}", "answer:", "Answer: ", "answer is ", "_", "\u2212", "\u202f", "x", "\\boxed{"]
+_PIECES = [
+    " ",
+    "\t",
+    "\n",
+    "1",
+    "9",
+    ",",
+    ".",
+    "/",
+    "e",
+    "-",
+    "$",
+    "#### ",
+    "```",
+    "```python\n",
+    "\\frac{",
+    "}{",
+    "}",
+    "answer:",
+    "Answer: ",
+    "answer is ",
+    "_",
+    "\u2212",
+    "\u202f",
+    "x",
+    "\\boxed{",
+]
 long_adversarial = st.lists(st.tuples(st.sampled_from(_PIECES), st.integers(1, 3000)), min_size=1, max_size=12).map(
-    lambda parts: "".join(p * k for p, k in parts)[:60_000])
+    lambda parts: "".join(p * k for p, k in parts)[:60_000]
+)
 
 
 @settings(max_examples=25)
@@ -120,9 +211,13 @@ def test_extractors_stay_fast_on_long_adversarial_text(text):
 
     from grpo_kit.tasks.code_reward import extract_code
 
-    for call in (lambda: rewards.extract_number(text), lambda: rewards.format_strict_reward(None, [text]),
-                 lambda: rewards.format_soft_reward(None, [text]), lambda: extract_code(text),
-                 lambda: rewards.correctness_reward(None, [text], ["1"])):
+    for call in (
+        lambda: rewards.extract_number(text),
+        lambda: rewards.format_strict_reward(None, [text]),
+        lambda: rewards.format_soft_reward(None, [text]),
+        lambda: extract_code(text),
+        lambda: rewards.correctness_reward(None, [text], ["1"]),
+    ):
         t = time.perf_counter()
         call()
         assert time.perf_counter() - t < 1.0, (call, len(text))
@@ -170,18 +265,25 @@ def loss_inputs(draw, max_b=4, max_t=6):
     ref = logp_like(draw(st.booleans()))
     adv_scale = draw(st.sampled_from([1.0, 1e3, 1e4]))
     adv_shape = draw(st.sampled_from([(B,), (B, 1), (B, T)]))
-    adv = (torch.randn(adv_shape, generator=g) * adv_scale)
+    adv = torch.randn(adv_shape, generator=g) * adv_scale
     if draw(st.booleans()):
         adv = torch.zeros(adv_shape)
-    opts = dict(beta=draw(st.sampled_from([0.0, 0.04, 1.0])), epsilon_low=draw(st.sampled_from([0.0, 0.2, 0.9])),
-                epsilon_high=draw(st.sampled_from([None, 0.0, 0.28, 5.0])), loss_type=draw(st.sampled_from(LOSS_TYPES)))
+    opts = dict(
+        beta=draw(st.sampled_from([0.0, 0.04, 1.0])),
+        epsilon_low=draw(st.sampled_from([0.0, 0.2, 0.9])),
+        epsilon_high=draw(st.sampled_from([None, 0.0, 0.28, 5.0])),
+        loss_type=draw(st.sampled_from(LOSS_TYPES)),
+    )
     opts["max_completion_length"] = T + draw(st.integers(0, 3))
-    opts["num_items_in_batch"] = (draw(st.sampled_from([0, 1, B * T, 10**6]))
-                                  if "num_items_in_batch" in get_loss_type(opts["loss_type"]).normaliser.needs
-                                  else None)
+    opts["num_items_in_batch"] = (
+        draw(st.sampled_from([0, 1, B * T, 10**6]))
+        if "num_items_in_batch" in get_loss_type(opts["loss_type"]).normaliser.needs
+        else None
+    )
     # (use_bias_correction_kl is left out: k3 times the ratio, each up to e^MAX_LOG_GAP, overflows fp32 by design)
-    opts.update(importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
-                delta=draw(st.sampled_from([None, 1.5])))
+    opts.update(
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])), delta=draw(st.sampled_from([None, 1.5]))
+    )
     return logps, old, ref, adv, mask, opts
 
 
@@ -221,16 +323,28 @@ def head_inputs(draw):
 def test_efficient_loss_finite_and_equal_to_the_reference(inp):
     hidden, weight, ids, old, ref, adv, mask, opts, temperature, chunk = inp
     h1 = hidden.clone().requires_grad_(True)
-    loss, metrics = efficient_grpo_loss(h1, weight, ids, mask, adv, old_logps=old, ref_logps=ref,
-                                        temperature=temperature, chunk_size=chunk, compute_entropy=True,
-                                        epilogue="torch", **opts)
+    loss, metrics = efficient_grpo_loss(
+        h1,
+        weight,
+        ids,
+        mask,
+        adv,
+        old_logps=old,
+        ref_logps=ref,
+        temperature=temperature,
+        chunk_size=chunk,
+        compute_entropy=True,
+        epilogue="torch",
+        **opts,
+    )
     loss.backward()
     assert _all_finite(loss, h1.grad, metrics["entropy"], metrics["ratio_mean"]), (loss, h1.grad)
     # the same loss through full logits and the reference (fp64)
     h2 = hidden.double().requires_grad_(True)
     logps = torch.log_softmax((h2 @ weight.double().t()) / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    ref_loss, _ = grpo_loss_reference(logps, None if old is None else old.double(),
-                                      None if ref is None else ref.double(), adv.double(), mask, **opts)
+    ref_loss, _ = grpo_loss_reference(
+        logps, None if old is None else old.double(), None if ref is None else ref.double(), adv.double(), mask, **opts
+    )
     ref_loss.backward()
     tol = 1e-3 * max(1.0, abs(float(ref_loss)))
     assert abs(float(loss) - float(ref_loss)) <= tol, (float(loss), float(ref_loss))
@@ -245,9 +359,25 @@ def test_per_token_logps_finite(inp):
     assert _all_finite(out) and bool((out <= 1e-5).all())
 
 
-BAD = st.sampled_from(["mask_shape", "adv_shape", "adv_nan", "old_shape", "old_int", "ref_missing", "logps_1d",
-                       "logps_int", "mask_nan", "loss_type", "eps_nan", "beta_neg", "dapo_none", "drgrpo_none",
-                       "ref_inf"])
+BAD = st.sampled_from(
+    [
+        "mask_shape",
+        "adv_shape",
+        "adv_nan",
+        "old_shape",
+        "old_int",
+        "ref_missing",
+        "logps_1d",
+        "logps_int",
+        "mask_nan",
+        "loss_type",
+        "eps_nan",
+        "beta_neg",
+        "dapo_none",
+        "drgrpo_none",
+        "ref_inf",
+    ]
+)
 
 
 @given(loss_inputs(), BAD)
@@ -338,6 +468,12 @@ def test_triton_epilogue_fuzzed_in_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     examples = os.environ.get("GRPO_KIT_TRITON_FUZZ_EXAMPLES", "6")
-    res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(ROOT), examples], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, str(ROOT), examples],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0 and "TRITON-FUZZ-OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

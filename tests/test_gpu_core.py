@@ -17,7 +17,7 @@ from test_checkpointing import _assert_close, _grads
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
 # fp32 outputs agree to rounding; bf16 / fp16 chunks may differ by one rounding step (fp32 op order differs)
-ULP = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 def _ulp_close(a, b, dtype):
@@ -25,8 +25,9 @@ def _ulp_close(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("n,V,inv_t,ent", [(5, 257, 1.0, True), (33, 32001, 1 / 0.7, False), (1, 128256, 2.0, True),
-                                            (7, 151936, 1.0, True)])
+@pytest.mark.parametrize(
+    "n,V,inv_t,ent", [(5, 257, 1.0, True), (33, 32001, 1 / 0.7, False), (1, 128256, 2.0, True), (7, 151936, 1.0, True)]
+)
 def test_triton_epilogue_autotuned_matches_torch(dtype, n, V, inv_t, ent):
     pytest.importorskip("triton")
     from grpo_kit.kernels import grpo_epilogue as E
@@ -69,9 +70,18 @@ def test_efficient_loss_triton_equals_torch_epilogue_on_cuda(dtype, loss_type, l
 
         lp = per_token_logps(h0, W, ids, epilogue="torch").float()
     old, ref = lp + noise(), lp + noise()
-    kw = dict(old_logps=old, ref_logps=ref, beta=0.04, temperature=0.9, chunk_size=16, compute_entropy=True,
-              loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
-              num_items_in_batch=int(mask.sum()))
+    kw = dict(
+        old_logps=old,
+        ref_logps=ref,
+        beta=0.04,
+        temperature=0.9,
+        chunk_size=16,
+        compute_entropy=True,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        num_items_in_batch=int(mask.sum()),
+    )
     out = {}
     for epi in ("torch", "triton"):
         h = h0.clone().requires_grad_()
@@ -91,14 +101,28 @@ def _tiny_lora_model(dtype):
 
     from grpo_kit.model.loading import build_random_model
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     model = build_random_model(cfg, dtype=dtype, seed=0).to("cuda")
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
@@ -129,6 +153,7 @@ def test_offload_step_gradients_equal_standard_checkpointing(dtype, tol):
 
 def test_pinned_buffers_registered_and_copies_on_a_side_stream():
     from grpo_kit.model import offload as ck
+
     model = _tiny_lora_model(torch.bfloat16)
     ck.enable_offloaded_checkpointing(model, min_bytes=0)
     layers = [m for m in model.modules() if ck._STATE_ATTR in m.__dict__]
@@ -214,13 +239,18 @@ def test_reversible_merge_on_cuda_gives_every_bit_back(dtype, monkeypatch):
             torch.cuda.synchronize()
             times[-1] = (times[-1], time.perf_counter() - t - times[-1])
             assert torch.equal(w.view(torch.int16), original.view(torch.int16))
-        report[backend] = (sorted(m for m, _ in times)[5] * 1e3, sorted(r for _, r in times)[5] * 1e3,
-                           saved.kept / w.numel())
+        report[backend] = (
+            sorted(m for m, _ in times)[5] * 1e3,
+            sorted(r for _, r in times)[5] * 1e3,
+            saved.kept / w.numel(),
+        )
     differ = (merged["triton"].view(torch.int16) != merged["torch"].view(torch.int16)).float().mean().item()
     assert differ < 1e-3  # ties that a tile's dot product rounds differently from cuBLAS
-    print(f"{dtype} 14336 x 4096: merge / restore ms (median of 10) and share kept: "
-          + ", ".join(f"{k} {m:.2f} / {r:.2f}, {kept:.3%}" for k, (m, r, kept) in report.items())
-          + f"; merged weights differ in {differ:.2e} of the elements")
+    print(
+        f"{dtype} 14336 x 4096: merge / restore ms (median of 10) and share kept: "
+        + ", ".join(f"{k} {m:.2f} / {r:.2f}, {kept:.3%}" for k, (m, r, kept) in report.items())
+        + f"; merged weights differ in {differ:.2e} of the elements"
+    )
 
 
 def test_random_4bit_built_in_is_built_on_the_gpu_without_its_16_bit_model():
@@ -240,8 +270,10 @@ def test_random_4bit_built_in_is_built_on_the_gpu_without_its_16_bit_model():
     seconds = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() - base
     q = model.grpo_kit_quantization
-    print(f"{name} NF4 built on the GPU in {seconds:.1f} s ({q['build_s']} s in load_model); peak "
-          f"{peak / 2**30:.2f} GiB against {params16 / 2**30:.2f} GiB of 16-bit weights")
+    print(
+        f"{name} NF4 built on the GPU in {seconds:.1f} s ({q['build_s']} s in load_model); peak "
+        f"{peak / 2**30:.2f} GiB against {params16 / 2**30:.2f} GiB of 16-bit weights"
+    )
     assert q["quantized_layers"] == 28 * 7 and "on the device" in q["load"]
     assert peak < 0.6 * params16
     with torch.no_grad():
@@ -290,8 +322,15 @@ def test_kit_4bit_matmul_step_on_cuda_matches_bitsandbytes():
 
     model, _ = load_model("llama-3.2-1b", dtype=torch.float16, device="cuda", load_in_4bit=True)
     torch.manual_seed(0)
-    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, init_lora_weights=False, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    pm = get_peft_model(
+        model,
+        LoraConfig(
+            r=16,
+            lora_alpha=16,
+            init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     enable_offloaded_checkpointing(pm)
     ids = torch.randint(3, 1000, (1, 1536), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     layers = len(pm.base_model.model.model.layers)
@@ -307,11 +346,17 @@ def test_kit_4bit_matmul_step_on_cuda_matches_bitsandbytes():
         loss = pm(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.cuda.synchronize()
-        out[impl] = (time.perf_counter() - t, float(loss), NM.reset_stats()["dequantized"],
-                     {n: p.grad.float() for n, p in pm.named_parameters() if p.requires_grad})
+        out[impl] = (
+            time.perf_counter() - t,
+            float(loss),
+            NM.reset_stats()["dequantized"],
+            {n: p.grad.float() for n, p in pm.named_parameters() if p.requires_grad},
+        )
     (tb, lb, _, gb), (tk, lk, nk, gk) = out["bitsandbytes"], out["kit"]
-    print(f"llama-3.2-1b NF4 fp16, 1 x 1536 tokens, reference + forward + backward: kit {tk:.3f} s "
-          f"({nk} dequantisations), bitsandbytes {tb:.3f} s")
+    print(
+        f"llama-3.2-1b NF4 fp16, 1 x 1536 tokens, reference + forward + backward: kit {tk:.3f} s "
+        f"({nk} dequantisations), bitsandbytes {tb:.3f} s"
+    )
     assert nk == layers * 7 * 3
     assert abs(lk - lb) <= 1e-3 * abs(lb)
     for n in gk:
@@ -340,8 +385,11 @@ def test_live_at_peak_reads_a_real_allocator_history():
     # absolute (the snapshot's segments read): what else this process holds counts too, so the test's own
     # allocations are found by their lines: the 64 MiB block, and the 1 MiB block of the next line on its own
     assert got["absolute"] is True and got["peak_gib"] >= (64 + 1) / 1024
-    ours = [r for r in got["allocations"] if r["where"].startswith("tests/test_gpu_core.py:")
-            and "_allocate_the_peak" in r["where"]]
+    ours = [
+        r
+        for r in got["allocations"]
+        if r["where"].startswith("tests/test_gpu_core.py:") and "_allocate_the_peak" in r["where"]
+    ]
     assert [(r["blocks"], r["gib"]) for r in ours] == [(1, 64 / 1024), (1, round(1 / 1024, 4))], got["allocations"]
     line = int(ours[0]["where"].split(":")[1].split()[0])
     assert ours[1]["where"] == ours[0]["where"].replace(f":{line}", f":{line + 1}"), ours

@@ -45,8 +45,9 @@ BF16_MEAN_LOGP_ATOL = 0.07
 
 
 def _chat(tok, text):
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=True)["input_ids"]
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +58,18 @@ def shared():
     from grpo_kit.model.loading import embedded_model_dir, load_tokenizer
 
     tok = load_tokenizer()
-    gen = VLLMGenerator(embedded_model_dir(), tokenizer=tok, dtype="bfloat16", max_model_len=512, share_weights=True,
-                        lora_sync="adapter", max_lora_rank=16, max_num_seqs=16, kv_cache_memory_bytes=2**30,
-                        gpu_memory_utilization=0.1)
+    gen = VLLMGenerator(
+        embedded_model_dir(),
+        tokenizer=tok,
+        dtype="bfloat16",
+        max_model_len=512,
+        share_weights=True,
+        lora_sync="adapter",
+        max_lora_rank=16,
+        max_num_seqs=16,
+        kv_cache_memory_bytes=2**30,
+        gpu_memory_utilization=0.1,
+    )
     config = AutoConfig.from_pretrained(embedded_model_dir())
     yield gen, (lambda: gen.training_model(config, torch.bfloat16)), tok
     gen.close()
@@ -123,8 +133,15 @@ def test_standby_releases_the_kv_cache_keeps_weights_and_round_trips(shared):
     assert torch.isfinite(logits).all()
     again = gen.generate(_prompts(tok), 1, greedy)  # wakes first
     assert again.completion_ids == first and "wake_s" in again.timings
-    print(json.dumps({"standby_freed_gib": freed / 2**30, "kv_cache_gib": gen.kv_cache_bytes / 2**30,
-                      "wake_s": again.timings["wake_s"]}))
+    print(
+        json.dumps(
+            {
+                "standby_freed_gib": freed / 2**30,
+                "kv_cache_gib": gen.kv_cache_bytes / 2**30,
+                "wake_s": again.timings["wake_s"],
+            }
+        )
+    )
 
 
 def test_lora_in_memory_sync_gives_the_trained_models_logprobs(shared):
@@ -153,8 +170,11 @@ def test_lora_in_memory_sync_gives_the_trained_models_logprobs(shared):
                     p.mul_(-2.0)  # the second sync must carry a different adapter
     assert res.completion_ids != base.completion_ids
     assert max(times) < 1.0
-    print(json.dumps({"lora_sync_s": times, "adapter_mib": info["bytes"] / 2**20,
-                      "lora_logprob_mean_abs_diff": max(diffs)}))
+    print(
+        json.dumps(
+            {"lora_sync_s": times, "adapter_mib": info["bytes"] / 2**20, "lora_logprob_mean_abs_diff": max(diffs)}
+        )
+    )
 
 
 def test_two_trainer_steps_on_the_shared_engine(shared, tmp_path):
@@ -171,17 +191,34 @@ def test_two_trainer_steps_on_the_shared_engine(shared, tmp_path):
     qkv = getattr(qkv, "base_layer", qkv).weight
     before = qkv.detach().clone()
     tok.padding_side = "left"
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=16, learning_rate=1e-3, logging_steps=1, report_to="none", bf16=True,
-                      use_bias_correction_kl=False, beta=0.04, save_strategy="no", gradient_checkpointing=True)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        bf16=True,
+        use_bias_correction_kl=False,
+        beta=0.04,
+        save_strategy="no",
+        gradient_checkpointing=True,
+    )
 
     def reward(prompts, completions, **kw):
         return [float(len(str(c))) / 50.0 for c in completions]
 
-    trainer = EfficientGRPOTrainer(model=make(), reward_funcs=[reward], args=args, processing_class=tok,
-                                   train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 16, seed=0)),
-                                   peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-                                   generator=gen)
+    trainer = EfficientGRPOTrainer(
+        model=make(),
+        reward_funcs=[reward],
+        args=args,
+        processing_class=tok,
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 16, seed=0)),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        generator=gen,
+    )
     trainer.train()
     assert [e["mode"] for e in channel(trainer).sync_log] == ["lora_adapter", "lora_adapter"]
     assert gen._sleeping  # standby after the last generation
@@ -193,8 +230,13 @@ def test_two_trainer_steps_on_the_shared_engine(shared, tmp_path):
 
 def _worker(mode: str, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(HERE / "_gpu_engine_worker.py"), mode, *args], capture_output=True,
-                       text=True, timeout=500, env=env)
+    r = subprocess.run(
+        [sys.executable, str(HERE / "_gpu_engine_worker.py"), mode, *args],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     out = json.loads(line.removeprefix("RESULT "))

@@ -72,17 +72,45 @@ class _WeightWatch(TrainerCallback):
 def _make(tiny, tmp_path, trainer="grpo_kit", max_steps=6, max_bad_steps=2, loss_type="grpo", **kw):
     model, tok = tiny
     tok.padding_side = "left"
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, beta=0.04, loss_type=loss_type, report_to="none", use_cpu=True,
-                      max_steps=max_steps, temperature=0.7, use_bias_correction_kl=False, bf16=False,
-                      learning_rate=5e-3, warmup_steps=0, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                      seed=0, **kw)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        beta=0.04,
+        loss_type=loss_type,
+        report_to="none",
+        use_cpu=True,
+        max_steps=max_steps,
+        temperature=0.7,
+        use_bias_correction_kl=False,
+        bf16=False,
+        learning_rate=5e-3,
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **kw,
+    )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    t = with_reliability(TRAINERS[trainer])(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
-                                            processing_class=tok, peft_config=lora,
-                                            train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 32, seed=0)))
-    cfg = GRPOKitConfig(model="tiny-llama", trainer=trainer, num_generations=4, per_device_train_batch_size=4,
-                        max_completion_length=4, max_bad_steps=max_bad_steps, loss_type=loss_type)
+    t = with_reliability(TRAINERS[trainer])(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=args,
+        processing_class=tok,
+        peft_config=lora,
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 32, seed=0)),
+    )
+    cfg = GRPOKitConfig(
+        model="tiny-llama",
+        trainer=trainer,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=4,
+        max_bad_steps=max_bad_steps,
+        loss_type=loss_type,
+    )
     configure_reliability(t, cfg)
     t.watch = _WeightWatch(t.model)
     t.add_callback(t.watch)
@@ -146,12 +174,38 @@ def test_real_value_error_is_not_swallowed(tiny, tmp_path):
 
 def test_cli_nan_stops_with_one_line_exit_1(tmp_path, repo_root):
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(WORKER), "train", "--set", "model=tiny-llama", "--set", "max_steps=6",
-                        "--set", "save_steps=2", "--set", "max_bad_steps=2", "--set", "num_train_samples=16",
-                        "--set", "num_eval_samples=0", "--set", "max_completion_length=8", "--set", "num_generations=4",
-                        "--set", "per_device_train_batch_size=4", "--output-dir", str(out)], cwd=repo_root,
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP": "3"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(WORKER),
+            "train",
+            "--set",
+            "model=tiny-llama",
+            "--set",
+            "max_steps=6",
+            "--set",
+            "save_steps=2",
+            "--set",
+            "max_bad_steps=2",
+            "--set",
+            "num_train_samples=16",
+            "--set",
+            "num_eval_samples=0",
+            "--set",
+            "max_completion_length=8",
+            "--set",
+            "num_generations=4",
+            "--set",
+            "per_device_train_batch_size=4",
+            "--output-dir",
+            str(out),
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GRPO_KIT_TEST_NAN_ADVANTAGE_FROM_STEP": "3"},
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
@@ -169,13 +223,22 @@ def test_cli_nan_stops_with_one_line_exit_1(tmp_path, repo_root):
 def test_split_weights_reproduce_the_whole_micro_batch_loss(loss_type, level):
     g = torch.Generator().manual_seed(0)
     B, T = 6, 9
-    full = {"completion_ids": torch.randint(0, 50, (B, T), generator=g),
-            "completion_mask": (torch.arange(T)[None] < torch.tensor([[9], [4], [1], [7], [9], [2]])).long(),
-            "advantages": torch.randn(B, generator=g)}
+    full = {
+        "completion_ids": torch.randint(0, 50, (B, T), generator=g),
+        "completion_mask": (torch.arange(T)[None] < torch.tensor([[9], [4], [1], [7], [9], [2]])).long(),
+        "advantages": torch.randn(B, generator=g),
+    }
     logps, old, ref = (-torch.rand(B, T, generator=g) * 3 for _ in range(3))
     full.update(logps=logps, old=old, ref=ref)
-    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, max_completion_length=T,
-              num_items_in_batch=float(full["completion_mask"].sum()), importance_sampling_level=level)
+    kw = dict(
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        max_completion_length=T,
+        num_items_in_batch=float(full["completion_mask"].sum()),
+        importance_sampling_level=level,
+    )
 
     def loss(b):
         return grpo_loss_reference(b["logps"], b["old"], b["ref"], b["advantages"], b["completion_mask"], **kw)[0]
@@ -205,8 +268,9 @@ def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
 
 
-@pytest.mark.parametrize("trainer_name,setting", [("grpo_kit", "loss_chunk_size"),
-                                                  ("trl", "per_device_train_batch_size")])
+@pytest.mark.parametrize(
+    "trainer_name,setting", [("grpo_kit", "loss_chunk_size"), ("trl", "per_device_train_batch_size")]
+)
 def test_oom_halves_once_and_retries_with_the_same_result(tiny, tmp_path, trainer_name, setting):
     ref = _make(tiny, tmp_path / "ref", trainer=trainer_name, max_steps=2)
     ref.train()
@@ -219,10 +283,12 @@ def test_oom_halves_once_and_retries_with_the_same_result(tiny, tmp_path, traine
     assert event["event"] == "oom" and event["setting"] == setting and event["step"] == 1
     assert event["new"] == max(1, event["old"] // 2)
     # Same completions (no new generation for the retry), same loss and weights up to float rounding.
-    print(f"{trainer_name}: losses {_losses(t)} vs unhalved {_losses(ref)}; grad norms "
-          f"{[h['grad_norm'] for h in t.state.log_history if 'grad_norm' in h]} vs "
-          f"{[h['grad_norm'] for h in ref.state.log_history if 'grad_norm' in h]}; max weight difference "
-          f"{max(float((p - q).abs().max()) for p, q in zip(t.model.parameters(), ref.model.parameters())):.3g}")
+    print(
+        f"{trainer_name}: losses {_losses(t)} vs unhalved {_losses(ref)}; grad norms "
+        f"{[h['grad_norm'] for h in t.state.log_history if 'grad_norm' in h]} vs "
+        f"{[h['grad_norm'] for h in ref.state.log_history if 'grad_norm' in h]}; max weight difference "
+        f"{max(float((p - q).abs().max()) for p, q in zip(t.model.parameters(), ref.model.parameters())):.3g}"
+    )
     torch.testing.assert_close(torch.tensor(_losses(t)), torch.tensor(_losses(ref)), rtol=1e-4, atol=1e-7)
     # The loss of a GRPO step at ratio 1 is ~0 by construction; the gradient norm is the telling figure.
     norms = [[h["grad_norm"] for h in x.state.log_history if "grad_norm" in h] for x in (t, ref)]
@@ -234,8 +300,9 @@ def test_oom_halves_once_and_retries_with_the_same_result(tiny, tmp_path, traine
     assert all(t.watch.changed.values()) and len(_losses(t)) == 2
 
 
-@pytest.mark.parametrize("trainer_name,setting", [("grpo_kit", "loss_chunk_size"),
-                                                  ("trl", "per_device_train_batch_size")])
+@pytest.mark.parametrize(
+    "trainer_name,setting", [("grpo_kit", "loss_chunk_size"), ("trl", "per_device_train_batch_size")]
+)
 def test_second_oom_stops_naming_the_setting_and_estimate(tiny, tmp_path, trainer_name, setting):
     t = _make(tiny, tmp_path, trainer=trainer_name, max_steps=2)
     t._compute_loss = _OOMOnce(t, step=2, times=2)
@@ -259,14 +326,29 @@ def test_reliable_trainers_are_composed_at_class_definition(tiny, tmp_path):
     from grpo_kit.trainer.grpo_trainer import make_trainer
 
     model, tok = tiny
-    cfg = GRPOKitConfig(model="tiny-llama", num_generations=4, per_device_train_batch_size=4, max_completion_length=4,
-                        max_bad_steps=5)
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, report_to="none", use_cpu=True, max_steps=1, bf16=False,
-                      save_strategy="no", disable_tqdm=True)
-    kw = dict(model=copy.deepcopy(model), tokenizer=tok, reward_funcs=[_reward], args=args,
-              train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
-              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    cfg = GRPOKitConfig(
+        model="tiny-llama", num_generations=4, per_device_train_batch_size=4, max_completion_length=4, max_bad_steps=5
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        report_to="none",
+        use_cpu=True,
+        max_steps=1,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    kw = dict(
+        model=copy.deepcopy(model),
+        tokenizer=tok,
+        reward_funcs=[_reward],
+        args=args,
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
     t = make_trainer(cfg, reliable=True, **kw)
     cls = type(t)
     assert isinstance(t, (EfficientGRPOTrainer,)) and issubclass(cls, ResumableTrainerMixin)
@@ -286,7 +368,10 @@ def test_an_oom_stop_names_a_scoring_batch_size_that_is_set(tiny, tmp_path):
     t = _make(tiny, tmp_path, trainer="grpo_kit", max_steps=2)
     t.scoring_batch_size = 4  # as the config's default, 'auto', could resolve
     t._compute_loss = _OOMOnce(t, step=2, times=2)
-    with pytest.raises(OutOfMemoryStop, match=r"scoring_batch_size \(now 4, chosen by 'auto'; null scores "
-                                              r"per_device_train_batch_size"):
+    with pytest.raises(
+        OutOfMemoryStop,
+        match=r"scoring_batch_size \(now 4, chosen by 'auto'; null scores "
+        r"per_device_train_batch_size",
+    ):
         t.train()
     assert "scoring_batch_size" in SAFE_RESUME_OVERRIDES

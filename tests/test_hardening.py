@@ -20,8 +20,17 @@ from grpo_kit.trainer import checkpoints
 from grpo_kit.trainer.checkpoints import DiskFullError, list_checkpoints, verify_checkpoint, write_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
-TINY = dict(model="tiny-llama", max_steps=2, save_steps=1, num_train_samples=8, num_eval_samples=0,
-            max_completion_length=4, num_generations=2, per_device_train_batch_size=2, seed=1)
+TINY = dict(
+    model="tiny-llama",
+    max_steps=2,
+    save_steps=1,
+    num_train_samples=8,
+    num_eval_samples=0,
+    max_completion_length=4,
+    num_generations=2,
+    per_device_train_batch_size=2,
+    seed=1,
+)
 
 
 def _sets(values: dict) -> list[str]:
@@ -62,16 +71,22 @@ def test_yaml_alias_bomb_and_deep_nesting_are_refused_fast(tmp_path, capsys, no_
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("override, match", [
-    ("reward_time_limit_s=1e10", r"reward_time_limit_s=10000000000.0 must be at most 3600 \(0: no limit; at most an hour\)"),
-    ("reward_time_limit_s=.inf", "reward_time_limit_s=inf must be at least 0 and finite"),
-    ("max_prompt_length=1000000000000", "max_prompt_length=1000000000000 must be at most 1048576"),
-    ("num_generations=1000000", "num_generations=1000000 must be at most 65536"),
-    ("per_device_train_batch_size=1000000", "per_device_train_batch_size=1000000 must be at most 65536"),
-    ("lora_rank=1000000", "lora_rank=1000000 must be at most 65536"),
-    ("num_train_samples=1000000000", "num_train_samples=1000000000 must be at most 1000000"),
-    ("max_steps=1000000000000000", "max_steps=1000000000000000 must be at most 10000000"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (
+            "reward_time_limit_s=1e10",
+            r"reward_time_limit_s=10000000000.0 must be at most 3600 \(0: no limit; at most an hour\)",
+        ),
+        ("reward_time_limit_s=.inf", "reward_time_limit_s=inf must be at least 0 and finite"),
+        ("max_prompt_length=1000000000000", "max_prompt_length=1000000000000 must be at most 1048576"),
+        ("num_generations=1000000", "num_generations=1000000 must be at most 65536"),
+        ("per_device_train_batch_size=1000000", "per_device_train_batch_size=1000000 must be at most 65536"),
+        ("lora_rank=1000000", "lora_rank=1000000 must be at most 65536"),
+        ("num_train_samples=1000000000", "num_train_samples=1000000000 must be at most 1000000"),
+        ("max_steps=1000000000000000", "max_steps=1000000000000000 must be at most 10000000"),
+    ],
+)
 def test_every_size_has_an_upper_bound(override, match):
     with pytest.raises(ConfigError, match=match) as info:
         GRPOKitConfig().apply_overrides([override]).validate()
@@ -87,14 +102,21 @@ def test_every_numeric_field_has_an_upper_bound():
             GRPOKitConfig(**{name: limit * 2}).validate()
 
 
-@pytest.mark.parametrize("values, match", [
-    (dict(lora_rank=1000), "lora_rank=1000 is more than the model's hidden size 64"),
-    (dict(num_train_samples=5000, levels="[1]"), "num_train_samples=5000: task='arithmetic' at levels \\[1\\] has "
-                                                  "only 155 distinct problems"),
-    (dict(max_prompt_length=200_000), "max_prompt_length=200000 .*beyond the model's context \\(131072 tokens"),
-    (dict(num_generations=1024, per_device_train_batch_size=65536, max_completion_length=8192),
-     "does not fit .*calculator"),
-])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        (dict(lora_rank=1000), "lora_rank=1000 is more than the model's hidden size 64"),
+        (
+            dict(num_train_samples=5000, levels="[1]"),
+            "num_train_samples=5000: task='arithmetic' at levels \\[1\\] has only 155 distinct problems",
+        ),
+        (dict(max_prompt_length=200_000), "max_prompt_length=200000 .*beyond the model's context \\(131072 tokens"),
+        (
+            dict(num_generations=1024, per_device_train_batch_size=65536, max_completion_length=8192),
+            "does not fit .*calculator",
+        ),
+    ],
+)
 def test_checks_against_the_model_and_task_run_before_it_loads(tmp_path, capsys, no_model, values, match):
     run = tmp_path / "run"
     assert main(["train", *_sets({**TINY, **values}), "--output-dir", str(run)]) == 2
@@ -104,8 +126,9 @@ def test_checks_against_the_model_and_task_run_before_it_loads(tmp_path, capsys,
 
 def test_small_dataset_refused_before_the_model_loads_and_the_retry_is_accepted(tmp_path, capsys, no_model):
     data = tmp_path / "g.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
-                            for i in range(5)))
+    data.write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(5))
+    )
     run = tmp_path / "run"
     gsm = {**TINY, "task": "gsm8k", "dataset_path": str(data)}
     assert main(["train", *_sets({**gsm, "num_eval_samples": 10}), "--output-dir", str(run)]) == 2
@@ -138,8 +161,26 @@ def test_a_failure_before_training_leaves_no_folder_and_the_retry_is_accepted(tm
 # --- item 5: run folders --------------------------------------------------------------------------------
 def test_output_dir_refuses_root_home_system_folders_and_the_checkout(tmp_path, capsys, no_model):
     repo = Path(run_mod.__file__).resolve().parents[2]
-    for bad in ("/", os.path.expanduser("~"), "/etc", "/usr", "/usr/lib/x", "/bin", "/var", "/proc", "/sys", "/dev",
-                "/boot", "/lib", "/lib64", "/sbin", "/opt", str(repo), str(repo.parent), "/home"):
+    for bad in (
+        "/",
+        os.path.expanduser("~"),
+        "/etc",
+        "/usr",
+        "/usr/lib/x",
+        "/bin",
+        "/var",
+        "/proc",
+        "/sys",
+        "/dev",
+        "/boot",
+        "/lib",
+        "/lib64",
+        "/sbin",
+        "/opt",
+        str(repo),
+        str(repo.parent),
+        "/home",
+    ):
         assert unsafe_run_folder(bad), bad
         with pytest.raises(ConfigError, match="output_dir="):
             GRPOKitConfig(output_dir=bad).validate()
@@ -179,7 +220,7 @@ def test_disk_full_in_a_cli_run_is_one_error_line(tmp_path, capsys, monkeypatch)
     assert main(["train", *_sets(TINY), "--output-dir", str(run)]) == 1
     out = capsys.readouterr().err  # the progress bar, then the error
     assert "Traceback" not in out and out.count("error: ") == 1
-    err = out[out.index("error: "):].strip().splitlines()
+    err = out[out.index("error: ") :].strip().splitlines()
     assert len(err) == 1 and str(run) in err[0] and "free" in err[0] and "--resume" in err[0]
     assert [p.name for p in list_checkpoints(run)] == ["checkpoint-1"]
     assert verify_checkpoint(run / "checkpoints" / "checkpoint-1") is None
@@ -212,11 +253,19 @@ def test_two_processes_racing_to_take_over_a_dead_lock(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (run / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout), "host": __import__("socket").gethostname(),
-                                             "started": "then"}))
+    (run / LOCK_FILE).write_text(
+        json.dumps({"pid": int(dead.stdout), "host": __import__("socket").gethostname(), "started": "then"})
+    )
     start = time.time() + 4
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(run), str(start)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(run), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert sorted(outs) == ["held", "refused", "refused"], outs
 
@@ -227,8 +276,12 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_continues(tmp_path, repo_
     args = _sets({**TINY, "max_steps": 4, "save_steps": 2})
     log = tmp_path / "a.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, str(WORKER), "train", *args, "--output-dir", str(run)],
-                                cwd=repo_root, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "train", *args, "--output-dir", str(run)],
+            cwd=repo_root,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
     t0 = time.time()
     metrics = run / "metrics.csv"
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
@@ -245,8 +298,13 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_continues(tmp_path, repo_
     step = int(saved[-1].name.split("-")[1])
     assert 1 <= step < 4
     assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / LOCK_FILE).exists()
-    done = subprocess.run([sys.executable, str(WORKER), "train", "--resume", str(run)], cwd=repo_root,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(WORKER), "train", "--resume", str(run)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resuming from {saved[-1]}" in done.stdout
     assert [line.split(",")[0] for line in metrics.read_text().splitlines()[1:]] == ["1", "2", "3", "4"]
@@ -256,9 +314,13 @@ def test_a_second_signal_exits_at_once_and_names_the_checkpoint_to_resume_from(t
     run = tmp_path / "run"
     log = tmp_path / "b.log"
     with open(log, "w") as fh:  # the save of checkpoint-2 pauses (120 s): the first SIGTERM waits for it
-        proc = subprocess.Popen([sys.executable, str(WORKER), "train", *_sets(TINY), "--output-dir", str(run)],
-                                cwd=repo_root, stdout=fh, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRPO_KIT_TEST_PAUSE_AT_SAVE": "2"})
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "train", *_sets(TINY), "--output-dir", str(run)],
+            cwd=repo_root,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GRPO_KIT_TEST_PAUSE_AT_SAVE": "2"},
+        )
     paused = run / "checkpoints" / "SAVE_PAUSED"
     t0 = time.time()
     while not paused.is_file():
@@ -291,8 +353,11 @@ def test_notebook_interrupt_saves_and_names_resume(tmp_path):
                 os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt sends
 
     with pytest.raises(Interrupted, match=r"resume") as info:
-        run_mod.train(GRPOKitConfig(**{**TINY, "max_steps": 3, "save_steps": 3}, output_dir=str(run)),
-                      progress=False, callbacks=(InterruptAfterFirstStep(),))
+        run_mod.train(
+            GRPOKitConfig(**{**TINY, "max_steps": 3, "save_steps": 3}, output_dir=str(run)),
+            progress=False,
+            callbacks=(InterruptAfterFirstStep(),),
+        )
     assert "grpo_kit.app.run.resume" in str(info.value)
     assert [p.name for p in list_checkpoints(run)] == ["checkpoint-1"]
     assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / LOCK_FILE).exists()

@@ -16,8 +16,11 @@ from grpo_kit.app.config import ConfigError, GRPOKitConfig
 ROOT = Path(__file__).resolve().parent.parent
 DEEP = "[" * 3000 + "]" * 3000
 # Nine levels of nine aliases each: 9**9 values once expanded, a few hundred bytes as text.
-BOMB = "[" + ", ".join([f"&a0 [{', '.join(['1'] * 9)}]"]
-                        + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]) + "]"
+BOMB = (
+    "["
+    + ", ".join([f"&a0 [{', '.join(['1'] * 9)}]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)])
+    + "]"
+)
 
 
 def _one_error_line(capsys) -> str:
@@ -41,8 +44,10 @@ def test_report_to_as_a_quoted_string_is_read_within_the_limits(tmp_path, capsys
     else:  # a run folder someone hands you
         run.mkdir()
         GRPOKitConfig(output_dir=str(run)).save(run / "config.yaml")
-        lines = [f"report_to: {quoted}" if line.startswith("report_to:") else line
-                 for line in (run / "config.yaml").read_text().splitlines()]
+        lines = [
+            f"report_to: {quoted}" if line.startswith("report_to:") else line
+            for line in (run / "config.yaml").read_text().splitlines()
+        ]
         (run / "config.yaml").write_text("\n".join(lines) + "\n")
         argv = ["train", "--resume", str(run)]
     t0 = time.perf_counter()
@@ -98,8 +103,14 @@ except ValueError as e:
 def test_a_line_of_gigabytes_is_refused_without_reading_it(tmp_path, gib):
     data = _gsm8k_with_long_line(tmp_path / "huge.jsonl", gib << 30)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _LOAD_UNDER_2GB, str(data)], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD_UNDER_2GB, str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0 and "MemoryError" not in r.stderr, r.stderr[-2000:]
     assert f"{data}" in r.stdout and ("longer than" in r.stdout or "GiB" in r.stdout), r.stdout
     assert time.perf_counter() - t0 < 60
@@ -151,8 +162,16 @@ def test_two_overwrite_claims_of_one_folder_never_move_a_live_run(tmp_path):
     run.mkdir()
     (run / "config.yaml").write_text("max_steps: 2\n")  # an old run, to be moved aside
     start = time.time() + 3
-    procs = [subprocess.Popen([sys.executable, "-c", _OVERWRITER, str(run), str(start + 0.15 * i)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OVERWRITER, str(run), str(start + 0.15 * i)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=60) for p in procs]
     assert sorted(o.strip() for o, _ in outs) in (["held", "refused"], ["held", "held"]), outs
     assert "moved while held" not in "".join(o for o, _ in outs), outs
@@ -178,12 +197,22 @@ def test_system_and_package_folders_are_refused_by_rule(tmp_path):
 
     from grpo_kit.app.run_folder import unsafe_run_folder
 
-    bad = [_fake_python(tmp_path / "conda", "conda"), tmp_path / "conda" / "lib" / "x",
-           _fake_python(tmp_path / "venv", "venv"), tmp_path / "venv" / "runs" / "a",
-           _fake_python(tmp_path / "site-packages", "packages"), tmp_path / "site-packages" / "new",
-           Path(sys.prefix), Path(site.getsitepackages()[0]), Path(site.getsitepackages()[0]) / "mine"]
-    bad += [Path(p) for p in ("/var/lib", "/var/log", "/opt/conda", "/lost+found", "/var/cache", "/usr/local")
-            if os.path.isdir(p)]
+    bad = [
+        _fake_python(tmp_path / "conda", "conda"),
+        tmp_path / "conda" / "lib" / "x",
+        _fake_python(tmp_path / "venv", "venv"),
+        tmp_path / "venv" / "runs" / "a",
+        _fake_python(tmp_path / "site-packages", "packages"),
+        tmp_path / "site-packages" / "new",
+        Path(sys.prefix),
+        Path(site.getsitepackages()[0]),
+        Path(site.getsitepackages()[0]) / "mine",
+    ]
+    bad += [
+        Path(p)
+        for p in ("/var/lib", "/var/log", "/opt/conda", "/lost+found", "/var/cache", "/usr/local")
+        if os.path.isdir(p)
+    ]
     (tmp_path / "project" / "data").mkdir(parents=True)  # an existing folder that keeps other folders, no run
     bad.append(tmp_path / "project")
     for path in bad:

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(E.interpreter_active(), reason="this process run
 
 
 def _compile(fn, signature, constexprs, attrs=None, **options):
-    kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), target=T4,
-                            options=options)
+    kernel = triton.compile(
+        ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs), target=T4, options=options
+    )
     assert kernel.metadata.shared <= T4_SHARED_BYTES, (fn, kernel.metadata.shared)
     return kernel
 
@@ -38,13 +39,38 @@ def test_loss_epilogue_compiles_for_the_t4_in_every_autotuner_tile(dtype):
     for block, warps in E._TUNE_CONFIGS:
         for vocab in VOCABS:
             for entropy in (True, False):
-                _compile(lse, {"Z": f"*{dtype}", "stride_z": "i64", "IDS": "*i64", "LOGP": "*fp32", "LSE": "*fp32",
-                               "ENT": "*fp32", "inv_temp": "fp32", "n_cols": "constexpr", "COMPUTE_ENT": "constexpr",
-                               "BLOCK": "constexpr"},
-                         {"n_cols": vocab, "COMPUTE_ENT": entropy, "BLOCK": block}, num_warps=warps)
-            _compile(grad, {"Z": f"*{dtype}", "stride_z": "i64", "IDS": "*i64", "LSE": "*fp32", "COEF": "*fp32",
-                            "inv_temp": "fp32", "n_cols": "constexpr", "BLOCK": "constexpr"},
-                     {"n_cols": vocab, "BLOCK": block}, num_warps=warps)
+                _compile(
+                    lse,
+                    {
+                        "Z": f"*{dtype}",
+                        "stride_z": "i64",
+                        "IDS": "*i64",
+                        "LOGP": "*fp32",
+                        "LSE": "*fp32",
+                        "ENT": "*fp32",
+                        "inv_temp": "fp32",
+                        "n_cols": "constexpr",
+                        "COMPUTE_ENT": "constexpr",
+                        "BLOCK": "constexpr",
+                    },
+                    {"n_cols": vocab, "COMPUTE_ENT": entropy, "BLOCK": block},
+                    num_warps=warps,
+                )
+            _compile(
+                grad,
+                {
+                    "Z": f"*{dtype}",
+                    "stride_z": "i64",
+                    "IDS": "*i64",
+                    "LSE": "*fp32",
+                    "COEF": "*fp32",
+                    "inv_temp": "fp32",
+                    "n_cols": "constexpr",
+                    "BLOCK": "constexpr",
+                },
+                {"n_cols": vocab, "BLOCK": block},
+                num_warps=warps,
+            )
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
@@ -57,7 +83,22 @@ def test_nf4_dequantisation_compiles_for_the_t4_without_fma(dtype):
 @pytest.mark.parametrize("k", [16, 64])
 def test_lora_merge_compiles_for_the_t4_in_fp16(k):
     bm, bn, warps = L._TILE
-    _compile(L._kernel(), {"W": "*fp16", "B": "*fp32", "A": "*fp32", "MISS": "*i8", "SUMS": "*i64", "M": "i32",
-                           "N": "i32", "MODE": "i32", "K": "constexpr", "PERIOD": "constexpr", "BLOCK_M": "constexpr",
-                           "BLOCK_N": "constexpr"},
-             {"K": k, "PERIOD": L._WEIGHT_PERIOD, "BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps)
+    _compile(
+        L._kernel(),
+        {
+            "W": "*fp16",
+            "B": "*fp32",
+            "A": "*fp32",
+            "MISS": "*i8",
+            "SUMS": "*i64",
+            "M": "i32",
+            "N": "i32",
+            "MODE": "i32",
+            "K": "constexpr",
+            "PERIOD": "constexpr",
+            "BLOCK_M": "constexpr",
+            "BLOCK_N": "constexpr",
+        },
+        {"K": k, "PERIOD": L._WEIGHT_PERIOD, "BLOCK_M": bm, "BLOCK_N": bn},
+        num_warps=warps,
+    )

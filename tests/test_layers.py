@@ -10,8 +10,16 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "grpo_kit"
 # Lowest first. Folders on one rank may not import each other.
-LAYERS = (("kernels", "readers"), ("loss",), ("model", "tasks"), ("memory",), ("generation",), ("trainer",), ("app",),
-          ("notebook",))
+LAYERS = (
+    ("kernels", "readers"),
+    ("loss",),
+    ("model", "tasks"),
+    ("memory",),
+    ("generation",),
+    ("trainer",),
+    ("app",),
+    ("notebook",),
+)
 CORE = ("kernels", "loss", "model", "tasks", "memory")  # imports no TRL
 # The package's face: grpo_kit/__init__.py (lazy public names) and __main__.py may reach any layer.
 FACE = ("grpo_kit", "grpo_kit.__main__")
@@ -74,7 +82,7 @@ def _cycles(pkg: Path) -> list[str]:
         stack.append(u)
         for v in sorted(graph[u]):
             if state.get(v) == "open":
-                cycles.append(" -> ".join(stack[stack.index(v):] + [v]))
+                cycles.append(" -> ".join(stack[stack.index(v) :] + [v]))
             elif v not in state:
                 visit(v)
         stack.pop()
@@ -97,7 +105,9 @@ def _climbs(pkg: Path) -> list[str]:
             if there is None and d not in FACE:
                 problems.append(f"{m} imports {d}, a module outside every layer folder")
             elif there is not None and there != here and _rank(there) >= _rank(here):
-                problems.append(f"{m} ({here}) imports {d} ({there}): {'the same rank' if _rank(there) == _rank(here) else 'a higher layer'}")
+                problems.append(
+                    f"{m} ({here}) imports {d} ({there}): {'the same rank' if _rank(there) == _rank(here) else 'a higher layer'}"
+                )
             elif d in FACE:
                 problems.append(f"{m} imports the package's face {d}")
         if here in CORE and "trl" in outer:
@@ -138,11 +148,17 @@ def _fake_package(tmp_path, files: dict) -> Path:
 
 def test_the_checks_can_fail(tmp_path):
     """A circle inside functions, a climb from loss to app and TRL in the core are each reported."""
-    pkg = _fake_package(tmp_path, {
-        "loss/__init__.py": "", "loss/a.py": "def f():\n    from grpo_kit.loss.b import g\n",
-        "loss/b.py": "from grpo_kit.loss import a\nimport trl\n",
-        "app/__init__.py": "", "app/run.py": "", "loss/c.py": "def f():\n    from ..app import run\n",
-    })
+    pkg = _fake_package(
+        tmp_path,
+        {
+            "loss/__init__.py": "",
+            "loss/a.py": "def f():\n    from grpo_kit.loss.b import g\n",
+            "loss/b.py": "from grpo_kit.loss import a\nimport trl\n",
+            "app/__init__.py": "",
+            "app/run.py": "",
+            "loss/c.py": "def f():\n    from ..app import run\n",
+        },
+    )
     assert any("grpo_kit.loss.a -> grpo_kit.loss.b -> grpo_kit.loss.a" in c for c in _cycles(pkg))
     climbs = _climbs(pkg)
     assert any("grpo_kit.loss.c (loss) imports grpo_kit.app.run (app): a higher layer" in c for c in climbs), climbs

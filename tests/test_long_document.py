@@ -22,7 +22,9 @@ CODE = re.compile(r"The access code of the (\w[\w ]*?) in ([\w ]+?) is (\d{5})\.
 def test_a_seed_gives_the_same_documents_and_another_seed_others():
     a = generate_tasks("long_document", 3, levels=(1,), seed=7)
     assert a == generate_tasks("long_document", 3, levels=(1,), seed=7)
-    assert [e["question"] for e in a] != [e["question"] for e in generate_tasks("long_document", 3, levels=(1,), seed=8)]
+    assert [e["question"] for e in a] != [
+        e["question"] for e in generate_tasks("long_document", 3, levels=(1,), seed=8)
+    ]
     train, heldout = train_heldout_split("long_document", 4, 2, levels=(1,), seed=0)
     assert not {e["question"] for e in train} & {e["question"] for e in heldout}
     assert default_system_prompt("long_document") == LONG_DOCUMENT_SYSTEM_PROMPT
@@ -47,9 +49,12 @@ def test_the_fact_is_there_once_among_distractors_at_the_levels_size(level):
 def test_the_verifier_pays_the_code_and_not_a_distractor():
     ex = long_document_problem(random.Random(3), 1)
     distractor = next(code for _, _, code in CODE.findall(ex["question"]) if code != ex["answer"])
-    completions = [f"The archive's code is given in the document.\nAnswer: {ex['answer']}",
-                   f"Answer: {distractor}", f"I found {distractor} first, but the archive's is {ex['answer']}.\n"
-                   f"Answer: {ex['answer']}", "Answer: unknown"]
+    completions = [
+        f"The archive's code is given in the document.\nAnswer: {ex['answer']}",
+        f"Answer: {distractor}",
+        f"I found {distractor} first, but the archive's is {ex['answer']}.\nAnswer: {ex['answer']}",
+        "Answer: unknown",
+    ]
     rewards = correctness_reward([ex["question"]] * 4, completions, [ex["answer"]] * 4)
     assert rewards == [1.0, 0.0, 1.0, 0.0]
 

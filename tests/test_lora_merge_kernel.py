@@ -95,12 +95,28 @@ def test_the_compiled_kernel_adds_w_after_the_dot_never_into_its_accumulator():
         pytest.skip("this process runs Triton's interpreter")
     bm, bn, warps = K._TILE
     for dtype in ("bf16", "fp16"):
-        sig = {"W": f"*{dtype}", "B": "*fp32", "A": "*fp32", "MISS": "*i8", "SUMS": "*i64", "M": "i32", "N": "i32",
-               "MODE": "i32", "K": "constexpr", "PERIOD": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-        src = ASTSource(K._kernel(), signature=sig,
-                        constexprs={"K": 16, "PERIOD": K._WEIGHT_PERIOD, "BLOCK_M": bm, "BLOCK_N": bn})
-        ttir = __import__("triton").compile(src, target=GPUTarget("cuda", 90, 32),
-                                            options={"num_warps": warps}).asm["ttir"]
+        sig = {
+            "W": f"*{dtype}",
+            "B": "*fp32",
+            "A": "*fp32",
+            "MISS": "*i8",
+            "SUMS": "*i64",
+            "M": "i32",
+            "N": "i32",
+            "MODE": "i32",
+            "K": "constexpr",
+            "PERIOD": "constexpr",
+            "BLOCK_M": "constexpr",
+            "BLOCK_N": "constexpr",
+        }
+        src = ASTSource(
+            K._kernel(), signature=sig, constexprs={"K": 16, "PERIOD": K._WEIGHT_PERIOD, "BLOCK_M": bm, "BLOCK_N": bn}
+        )
+        ttir = (
+            __import__("triton")
+            .compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            .asm["ttir"]
+        )
         dots = re.findall(r"= tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)", ttir)
         assert len(dots) == 1, ttir
         assert re.search(rf"{re.escape(dots[0])} = arith\.constant dense<0\.0+e\+00> : tensor<{bm}x{bn}xf32>", ttir), (

@@ -54,20 +54,28 @@ def loss_scale(lp64, old, ref, c, kw, isw=None):
     from grpo_kit.loss.checks import objective_spec
     from grpo_kit.loss.objective import per_token_objective, token_weights
 
-    opts = {k: v for k, v in kw.items() if k not in ("beta", "epsilon_low", "epsilon_high", "loss_type",
-                                                     "max_completion_length", "num_items_in_batch")}
+    opts = {
+        k: v
+        for k, v in kw.items()
+        if k not in ("beta", "epsilon_low", "epsilon_high", "loss_type", "max_completion_length", "num_items_in_batch")
+    }
     opts.pop("top_entropy_quantile", None)  # the magnitude over all tokens bounds the masked one
     spec = objective_spec(kw["loss_type"], kw["beta"], kw["epsilon_low"], kw["epsilon_high"], opts)
     m = c["mask"].double()
     lp = lp64.detach()
+
     def fill(x):
         return None if x is None else torch.where(c["mask"], x.double(), lp)
 
-    isw = None if isw is None else torch.where(c["mask"].any(-1, keepdim=True) if isw.shape[-1] == 1 else c["mask"],
-                                               isw.double(), 1.0)
+    isw = (
+        None
+        if isw is None
+        else torch.where(c["mask"].any(-1, keepdim=True) if isw.shape[-1] == 1 else c["mask"], isw.double(), 1.0)
+    )
     pt, _ = per_token_objective(lp, fill(old), fill(ref), c["adv"].double()[:, None], m, spec, importance_weights=isw)
-    w = token_weights(c["mask"], kw["loss_type"], kw.get("max_completion_length"), kw.get("num_items_in_batch"),
-                      dtype=torch.float64)
+    w = token_weights(
+        c["mask"], kw["loss_type"], kw.get("max_completion_length"), kw.get("num_items_in_batch"), dtype=torch.float64
+    )
     return float((w * pt.abs()).sum())
 
 
@@ -94,13 +102,26 @@ def test_efficient_matches_fp64_naive_fp32(setting, with_old):
     old = (lp64.detach() + c["noise"][0]).float() if with_old else None
     ref = (lp64.detach() + c["noise"][1]).float()
     kw = dict(loss_kwargs(setting), **LENGTH_KW)
-    l64, m64 = grpo_loss_reference(lp64, None if old is None else old.double(), ref.double(), c["adv"].double(),
-                                   c["mask"], entropy=ent64, **kw)
+    l64, m64 = grpo_loss_reference(
+        lp64, None if old is None else old.double(), ref.double(), c["adv"].double(), c["mask"], entropy=ent64, **kw
+    )
     l64.backward()
 
     h, W, b = (x.clone().requires_grad_() for x in (c["h"], c["W"], c["b"]))
-    loss, m = efficient_grpo_loss(h, W, c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
-                                  temperature=temperature, chunk_size=5, lm_head_bias=b, compute_entropy=True, **kw)
+    loss, m = efficient_grpo_loss(
+        h,
+        W,
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        temperature=temperature,
+        chunk_size=5,
+        lm_head_bias=b,
+        compute_entropy=True,
+        **kw,
+    )
     loss.backward()
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert abs(loss.item() - l64.item()) <= 1e-5 * loss_scale(lp64, old, ref, c, kw)
@@ -117,8 +138,17 @@ def test_clipping_is_exercised():
     """The parity cases above must include clipped tokens, or the clip branch is untested."""
     c = make_case(3)
     lp = fp64_logps(c["h"], c["W"], c["b"], c["ids"], 1.0).float()
-    _, m = grpo_loss_reference(lp, lp + c["noise"][0], None, c["adv"], c["mask"], beta=0.0, epsilon_low=0.2,
-                               epsilon_high=0.28, loss_type="grpo")
+    _, m = grpo_loss_reference(
+        lp,
+        lp + c["noise"][0],
+        None,
+        c["adv"],
+        c["mask"],
+        beta=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type="grpo",
+    )
     assert m["clip_ratio/low_mean"] > 0 and m["clip_ratio/high_mean"] > 0
 
 
@@ -131,12 +161,19 @@ def test_off_policy_mask_is_exercised():
     """The off-policy setting must drop a sequence in the parity cases (with old log-probs), or it is untested."""
     from grpo_kit.loss.objective import off_policy_sequence_mask
 
-    for seed, sampler in ((22, _sampling_logps), (list(SETTINGS).index("off_policy_mask") * 2 + 1,
-                                                   lambda lp, c: lp + c["noise"][0])):  # TRL case; fp64: old
+    for seed, sampler in (
+        (22, _sampling_logps),
+        (list(SETTINGS).index("off_policy_mask") * 2 + 1, lambda lp, c: lp + c["noise"][0]),
+    ):  # TRL case; fp64: old
         c = make_case(seed)
         lp = fp64_logps(c["h"], c["W"], c["b"], c["ids"], 1.0).float()
-        keep = off_policy_sequence_mask(lp, sampler(lp, c), c["adv"][:, None], c["mask"].float(),
-                                        SETTINGS["off_policy_mask"]["off_policy_mask_threshold"])
+        keep = off_policy_sequence_mask(
+            lp,
+            sampler(lp, c),
+            c["adv"][:, None],
+            c["mask"].float(),
+            SETTINGS["off_policy_mask"]["off_policy_mask_threshold"],
+        )
         assert 0 < keep.sum() < B, (seed, keep)
 
 
@@ -147,8 +184,19 @@ def test_efficient_equals_reference_on_its_own_logps():
     old, ref = lp + c["noise"][0], lp + c["noise"][1]
     kw = dict(beta=0.1, epsilon_low=0.2, epsilon_high=None, loss_type="bnpo")
     lr, mr = grpo_loss_reference(lp, old, ref, c["adv"], c["mask"], **kw)
-    le, me = efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
-                                 temperature=1.3, lm_head_bias=c["b"], chunk_size=7, **kw)
+    le, me = efficient_grpo_loss(
+        c["h"],
+        c["W"],
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        temperature=1.3,
+        lm_head_bias=c["b"],
+        chunk_size=7,
+        **kw,
+    )
     assert abs(le.item() - lr.item()) < 1e-6 * max(1.0, abs(lr.item()))
     for k in mr:
         assert abs(me[k].item() - mr[k].item()) < 1e-6, k
@@ -184,8 +232,17 @@ def test_noncontiguous_hidden_and_frozen_head():
 
 def test_entropy_metric_matches_fp64():
     c = make_case(7)
-    _, m = efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], temperature=0.8, lm_head_bias=c["b"],
-                               compute_entropy=True, chunk_size=6)
+    _, m = efficient_grpo_loss(
+        c["h"],
+        c["W"],
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        temperature=0.8,
+        lm_head_bias=c["b"],
+        compute_entropy=True,
+        chunk_size=6,
+    )
     z = (c["h"].double() @ c["W"].double().t() + c["b"].double()) / 0.8
     p = torch.softmax(z, -1)
     ent = -(p * torch.log_softmax(z, -1)).sum(-1)
@@ -216,11 +273,22 @@ def _bare_trl_trainer(loss_type, beta, eps_low, eps_high, max_len, logps, use_vl
 
     tr = object.__new__(GRPOTrainer)
     identity = lambda x, **kw: x  # noqa: E731
-    tr.accelerator = types.SimpleNamespace(num_processes=1, gather=identity, reduce=identity,
-                                           gather_for_metrics=identity, pad_across_processes=identity)
-    defaults = {f: GRPOConfig.__dataclass_fields__[f].default for f in (
-        "use_bias_correction_kl", "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+    tr.accelerator = types.SimpleNamespace(
+        num_processes=1, gather=identity, reduce=identity, gather_for_metrics=identity, pad_across_processes=identity
+    )
+    defaults = {
+        f: GRPOConfig.__dataclass_fields__[f].default
+        for f in (
+            "use_bias_correction_kl",
+            "delta",
+            "sapo_temperature_pos",
+            "sapo_temperature_neg",
+            "vespo_k_pos",
+            "vespo_lambda_pos",
+            "vespo_k_neg",
+            "vespo_lambda_neg",
+        )
+    }
     args = {**defaults, "use_bias_correction_kl": False, "steps_per_generation": 1}
     args.update({k: v for k, v in options.items() if k in args})
     tr.args = types.SimpleNamespace(**args)
@@ -265,20 +333,37 @@ def test_reference_matches_trl_compute_loss(setting, with_old):
     (loss_type, beta, eps_low, eps_high), options = _trl_kwargs(kw)
 
     lp_trl = lp_base.clone().requires_grad_()
-    tr = _bare_trl_trainer(loss_type, beta, eps_low, eps_high, LENGTH_KW["max_completion_length"], lp_trl,
-                           entropies=ent, **options)
-    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                  completion_ids=c["ids"], completion_mask=mask, advantages=c["adv"],
-                  ref_per_token_logps=ref, num_items_in_batch=torch.tensor(float(n_items)),
-                  sampling_per_token_logps=sampling)
+    tr = _bare_trl_trainer(
+        loss_type, beta, eps_low, eps_high, LENGTH_KW["max_completion_length"], lp_trl, entropies=ent, **options
+    )
+    inputs = dict(
+        prompt_ids=torch.zeros(B, 1, dtype=torch.long),
+        prompt_mask=torch.ones(B, 1, dtype=torch.long),
+        completion_ids=c["ids"],
+        completion_mask=mask,
+        advantages=c["adv"],
+        ref_per_token_logps=ref,
+        num_items_in_batch=torch.tensor(float(n_items)),
+        sampling_per_token_logps=sampling,
+    )
     if old is not None:
         inputs["old_per_token_logps"] = old
     loss_trl = tr._compute_loss(None, inputs)
     loss_trl.backward()
 
     lp_ours = lp_base.clone().requires_grad_()
-    loss, m = grpo_loss_reference(lp_ours, old, ref, c["adv"], mask, max_completion_length=LENGTH_KW[
-        "max_completion_length"], num_items_in_batch=n_items, entropy=ent, sampling_logps=sampling, **kw)
+    loss, m = grpo_loss_reference(
+        lp_ours,
+        old,
+        ref,
+        c["adv"],
+        mask,
+        max_completion_length=LENGTH_KW["max_completion_length"],
+        num_items_in_batch=n_items,
+        entropy=ent,
+        sampling_logps=sampling,
+        **kw,
+    )
     loss.backward()
     assert torch.allclose(loss, loss_trl, rtol=1e-6, atol=1e-7)
     assert torch.allclose(lp_ours.grad, lp_trl.grad, rtol=1e-6, atol=1e-9)
@@ -294,9 +379,21 @@ def test_reference_matches_trl_compute_loss(setting, with_old):
     lp64 = fp64_logps(h64, W64, b64, c["ids"], 1.0)
     lp64.backward(lp_trl.grad.double())
     h = c["h"].clone().requires_grad_()
-    loss_e, _ = efficient_grpo_loss(h, c["W"], c["ids"], mask, c["adv"], old_logps=old, ref_logps=ref,
-                                    lm_head_bias=c["b"], max_completion_length=LENGTH_KW["max_completion_length"],
-                                    num_items_in_batch=n_items, chunk_size=8, sampling_logps=sampling, **kw)
+    loss_e, _ = efficient_grpo_loss(
+        h,
+        c["W"],
+        c["ids"],
+        mask,
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        lm_head_bias=c["b"],
+        max_completion_length=LENGTH_KW["max_completion_length"],
+        num_items_in_batch=n_items,
+        chunk_size=8,
+        sampling_logps=sampling,
+        **kw,
+    )
     loss_e.backward()
     assert abs(loss_e.item() - loss_trl.item()) < 1e-5 * max(1e-2, abs(loss_trl.item()))
     assert rel(h.grad, h64.grad) < 1e-5
@@ -327,12 +424,25 @@ def test_importance_weights_efficient_matches_fp64(loss_type, shape, beta):
     old = (lp64.detach() + c["noise"][0]).float()
     ref = (lp64.detach() + c["noise"][1]).float()
     kw = dict(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, **LENGTH_KW)
-    l64, m64 = grpo_loss_reference(lp64, old.double(), ref.double(), c["adv"].double(), c["mask"],
-                                   importance_weights=isw.double(), **kw)
+    l64, m64 = grpo_loss_reference(
+        lp64, old.double(), ref.double(), c["adv"].double(), c["mask"], importance_weights=isw.double(), **kw
+    )
     l64.backward()
     h, W, b = (x.clone().requires_grad_() for x in (c["h"], c["W"], c["b"]))
-    loss, m = efficient_grpo_loss(h, W, c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref, temperature=0.8,
-                                  chunk_size=5, lm_head_bias=b, importance_weights=isw, **kw)
+    loss, m = efficient_grpo_loss(
+        h,
+        W,
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        temperature=0.8,
+        chunk_size=5,
+        lm_head_bias=b,
+        importance_weights=isw,
+        **kw,
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(h.grad).all()
     assert abs(loss.item() - l64.item()) <= 1e-5 * loss_scale(lp64, old, ref, c, kw)
@@ -344,10 +454,33 @@ def test_importance_weights_efficient_matches_fp64(loss_type, shape, beta):
     l_plain, _ = grpo_loss_reference(lp64.detach(), old.double(), ref.double(), c["adv"].double(), c["mask"], **kw)
     assert abs(l_plain.item() - l64.item()) > 1e-4 * loss_scale(lp64, old, ref, c, kw)
     ones = torch.ones(shape)
-    l_none = efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
-                                 temperature=0.8, chunk_size=5, lm_head_bias=c["b"], **kw)[0]
-    l_ones = efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
-                                 temperature=0.8, chunk_size=5, lm_head_bias=c["b"], importance_weights=ones, **kw)[0]
+    l_none = efficient_grpo_loss(
+        c["h"],
+        c["W"],
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        temperature=0.8,
+        chunk_size=5,
+        lm_head_bias=c["b"],
+        **kw,
+    )[0]
+    l_ones = efficient_grpo_loss(
+        c["h"],
+        c["W"],
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        temperature=0.8,
+        chunk_size=5,
+        lm_head_bias=c["b"],
+        importance_weights=ones,
+        **kw,
+    )[0]
     assert l_none.item() == l_ones.item()
 
 
@@ -364,42 +497,81 @@ def test_importance_weights_reference_matches_trl_compute_loss(dtype, tol):
         n_items = int(mask.sum()) + 3
         lp_trl = lp_base.clone().requires_grad_()
         tr = _bare_trl_trainer(loss_type, 0.04, 0.2, 0.28, LENGTH_KW["max_completion_length"], lp_trl, use_vllm=True)
-        inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
-                      completion_ids=c["ids"], completion_mask=mask, advantages=c["adv"].to(dtype),
-                      ref_per_token_logps=ref, old_per_token_logps=old, importance_sampling_ratio=isw,
-                      num_items_in_batch=torch.tensor(float(n_items), dtype=dtype))
+        inputs = dict(
+            prompt_ids=torch.zeros(B, 1, dtype=torch.long),
+            prompt_mask=torch.ones(B, 1, dtype=torch.long),
+            completion_ids=c["ids"],
+            completion_mask=mask,
+            advantages=c["adv"].to(dtype),
+            ref_per_token_logps=ref,
+            old_per_token_logps=old,
+            importance_sampling_ratio=isw,
+            num_items_in_batch=torch.tensor(float(n_items), dtype=dtype),
+        )
         loss_trl = tr._compute_loss(None, inputs)
         loss_trl.backward()
         lp_ours = lp_base.clone().requires_grad_()
-        loss, _ = grpo_loss_reference(lp_ours, old, ref, c["adv"].to(dtype), mask, beta=0.04, epsilon_low=0.2,
-                                      epsilon_high=0.28, loss_type=loss_type, importance_weights=isw,
-                                      max_completion_length=LENGTH_KW["max_completion_length"],
-                                      num_items_in_batch=n_items)
+        loss, _ = grpo_loss_reference(
+            lp_ours,
+            old,
+            ref,
+            c["adv"].to(dtype),
+            mask,
+            beta=0.04,
+            epsilon_low=0.2,
+            epsilon_high=0.28,
+            loss_type=loss_type,
+            importance_weights=isw,
+            max_completion_length=LENGTH_KW["max_completion_length"],
+            num_items_in_batch=n_items,
+        )
         loss.backward()
         assert abs(loss.item() - loss_trl.item()) <= tol * max(1e-2, abs(loss_trl.item())), loss_type
         assert rel(lp_ours.grad, lp_trl.grad) < tol, loss_type
         # without the ratio TRL's loss differs: the ratio really entered it
-        l_plain, _ = grpo_loss_reference(lp_base, old, ref, c["adv"].to(dtype), mask, beta=0.04, epsilon_low=0.2,
-                                         epsilon_high=0.28, loss_type=loss_type,
-                                         max_completion_length=LENGTH_KW["max_completion_length"],
-                                         num_items_in_batch=n_items)
+        l_plain, _ = grpo_loss_reference(
+            lp_base,
+            old,
+            ref,
+            c["adv"].to(dtype),
+            mask,
+            beta=0.04,
+            epsilon_low=0.2,
+            epsilon_high=0.28,
+            loss_type=loss_type,
+            max_completion_length=LENGTH_KW["max_completion_length"],
+            num_items_in_batch=n_items,
+        )
         assert abs(l_plain.item() - loss_trl.item()) > 1e3 * tol * max(1e-2, abs(loss_trl.item())), loss_type
 
 
-@pytest.mark.parametrize("bad,match", [
-    (torch.ones(B, T + 1), "importance_weights must have shape"),
-    (torch.ones(B, T, dtype=torch.long), "importance_weights must be None or a floating tensor"),
-    (torch.full((B, T), float("inf")), "importance_weights hold NaN, inf or a negative"),
-    (-torch.ones(B, 1), "importance_weights hold NaN, inf or a negative"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (torch.ones(B, T + 1), "importance_weights must have shape"),
+        (torch.ones(B, T, dtype=torch.long), "importance_weights must be None or a floating tensor"),
+        (torch.full((B, T), float("inf")), "importance_weights hold NaN, inf or a negative"),
+        (-torch.ones(B, 1), "importance_weights hold NaN, inf or a negative"),
+    ],
+)
 def test_importance_weights_bad_input(bad, match):
     c = make_case(60)
     with pytest.raises(ValueError, match=match):
         efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], importance_weights=bad)
     lp = fp64_logps(c["h"], c["W"], c["b"], c["ids"], 1.0).float()
     with pytest.raises(ValueError, match=match):
-        grpo_loss_reference(lp, None, None, c["adv"], c["mask"], beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-                            loss_type="grpo", importance_weights=bad)
+        grpo_loss_reference(
+            lp,
+            None,
+            None,
+            c["adv"],
+            c["mask"],
+            beta=0.0,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            loss_type="grpo",
+            importance_weights=bad,
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,48 +605,94 @@ def test_engine_correction_equals_trls_ratio_passed_in(mode, with_old, loss_type
     old = (lp64.detach() + c["noise"][0] * 0.1).float() if with_old else None
     ref = (lp64.detach() + c["noise"][1]).float()
     clip = (0.8, 1.3) if mode.endswith("truncate") else (None, 1.3)
-    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=5.0 if loss_type == "cispo" else 0.28, loss_type=loss_type,
-              **LENGTH_KW)
+    kw = dict(
+        beta=0.04, epsilon_low=0.2, epsilon_high=5.0 if loss_type == "cispo" else 0.28, loss_type=loss_type, **LENGTH_KW
+    )
     base = lp64.detach().float() if old is None else old
     want_w = _trl_engine_ratio(base, sampling, c["mask"].float(), mode, *clip)
     assert 0 < float((want_w == clip[1]).float().mean() + (want_w == 0).float().mean()), "bounds never hit"
-    l_out, m_out = grpo_loss_reference(lp64, None if old is None else old.double(), ref.double(), c["adv"].double(),
-                                       c["mask"], importance_weights=want_w.double(), **kw)
-    l_in, m_in = grpo_loss_reference(lp64, None if old is None else old.double(), ref.double(), c["adv"].double(),
-                                     c["mask"], sampling_logps=sampling.double(), engine_correction=(mode, *clip), **kw)
+    l_out, m_out = grpo_loss_reference(
+        lp64,
+        None if old is None else old.double(),
+        ref.double(),
+        c["adv"].double(),
+        c["mask"],
+        importance_weights=want_w.double(),
+        **kw,
+    )
+    l_in, m_in = grpo_loss_reference(
+        lp64,
+        None if old is None else old.double(),
+        ref.double(),
+        c["adv"].double(),
+        c["mask"],
+        sampling_logps=sampling.double(),
+        engine_correction=(mode, *clip),
+        **kw,
+    )
     assert abs(l_in.item() - l_out.item()) <= 1e-6 * loss_scale(lp64, old, ref, c, kw)
     l_in.backward()
     h, W, b = (x.clone().requires_grad_() for x in (c["h"], c["W"], c["b"]))
-    loss, m = efficient_grpo_loss(h, W, c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref, temperature=0.8,
-                                  chunk_size=5, lm_head_bias=b, sampling_logps=sampling,
-                                  engine_correction=(mode, *clip), **kw)
+    loss, m = efficient_grpo_loss(
+        h,
+        W,
+        c["ids"],
+        c["mask"],
+        c["adv"],
+        old_logps=old,
+        ref_logps=ref,
+        temperature=0.8,
+        chunk_size=5,
+        lm_head_bias=b,
+        sampling_logps=sampling,
+        engine_correction=(mode, *clip),
+        **kw,
+    )
     loss.backward()
     assert abs(loss.item() - l_in.item()) <= 1e-5 * loss_scale(lp64, old, ref, c, kw)
     for got, ref_grad in ((h.grad, h64.grad), (W.grad, W64.grad), (b.grad, b64.grad)):
         assert rel(got, ref_grad) < 1e-5
     delta = (base - sampling).abs()[c["mask"] & ~torch.isnan(base - sampling)]
     flat = want_w.flatten() if want_w.shape[-1] == 1 else want_w[c["mask"]]
-    trl_metrics = {"sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max":
-                   delta.max(), "sampling/importance_sampling_ratio/min": flat.min(),
-                   "sampling/importance_sampling_ratio/mean": flat.mean(),
-                   "sampling/importance_sampling_ratio/max": flat.max()}
+    trl_metrics = {
+        "sampling/sampling_logp_difference/mean": delta.mean(),
+        "sampling/sampling_logp_difference/max": delta.max(),
+        "sampling/importance_sampling_ratio/min": flat.min(),
+        "sampling/importance_sampling_ratio/mean": flat.mean(),
+        "sampling/importance_sampling_ratio/max": flat.max(),
+    }
     for name, value in trl_metrics.items():
         assert abs(m[name].item() - value.item()) < 1e-5 and abs(m_in[name].item() - value.item()) < 1e-5, name
     assert set(m_out) | set(trl_metrics) == set(m_in)
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(engine_correction=("token_clip", None, 3.0)), "mode 'token_clip' is not one of"),
-    (dict(engine_correction=("token_mask", 2.0, 1.0)), "clip_min=2.0 is above clip_max=1.0"),
-    (dict(engine_correction="token_mask"), r"must be None or \(mode, clip_min, clip_max\)"),
-    (dict(engine_correction=("token_mask", None, 3.0), sampling_logps=None), "needs the sampler's log-probs"),
-    (dict(engine_correction=("token_mask", None, 3.0), importance_weights=torch.ones(B, T)), "importance_weights=None"),
-    (dict(engine_correction=("token_mask", None, 3.0), loss_type="vespo"), "does not apply to loss_type='vespo'"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(engine_correction=("token_clip", None, 3.0)), "mode 'token_clip' is not one of"),
+        (dict(engine_correction=("token_mask", 2.0, 1.0)), "clip_min=2.0 is above clip_max=1.0"),
+        (dict(engine_correction="token_mask"), r"must be None or \(mode, clip_min, clip_max\)"),
+        (dict(engine_correction=("token_mask", None, 3.0), sampling_logps=None), "needs the sampler's log-probs"),
+        (
+            dict(engine_correction=("token_mask", None, 3.0), importance_weights=torch.ones(B, T)),
+            "importance_weights=None",
+        ),
+        (dict(engine_correction=("token_mask", None, 3.0), loss_type="vespo"), "does not apply to loss_type='vespo'"),
+    ],
+)
 def test_engine_correction_bad_input(over, match):
     c = make_case(80)
-    kw = {**dict(old_logps=None, ref_logps=None, beta=0.0, loss_type="grpo", sampling_logps=torch.zeros(B, T),
-                 num_items_in_batch=29), **over}
+    kw = {
+        **dict(
+            old_logps=None,
+            ref_logps=None,
+            beta=0.0,
+            loss_type="grpo",
+            sampling_logps=torch.zeros(B, T),
+            num_items_in_batch=29,
+        ),
+        **over,
+    }
     with pytest.raises(ValueError, match=match):
         efficient_grpo_loss(c["h"], c["W"], c["ids"], c["mask"], c["adv"], **kw)
 
@@ -485,14 +703,17 @@ def test_reference_on_policy_gradient_is_advantage_weighted():
     lp = torch.randn(2, 5, requires_grad=True)
     adv = torch.tensor([1.5, -0.5])
     mask = torch.ones(2, 5)
-    loss, m = grpo_loss_reference(lp, None, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-                                  loss_type="bnpo")
+    loss, m = grpo_loss_reference(
+        lp, None, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo"
+    )
     loss.backward()
     assert torch.allclose(lp.grad, (-adv[:, None] / 10).expand(2, 5))
     assert m["ratio_mean"] == 1.0
     # old = logps itself, not detached (as TRL would take it): the gradient vanishes
-    (g,) = torch.autograd.grad(grpo_loss_reference(lp, lp, None, adv, mask, beta=0.0, epsilon_low=0.2,
-                                                   epsilon_high=0.2, loss_type="bnpo")[0], lp)
+    (g,) = torch.autograd.grad(
+        grpo_loss_reference(lp, lp, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")[0],
+        lp,
+    )
     assert g.abs().max() == 0
 
 
@@ -535,16 +756,24 @@ def test_bf16_matches_trl_style_naive_bf16(setting):
     ln, _ = grpo_loss_reference(lpn, old, ref, c["adv"], c["mask"], entropy=ent.float(), **kw)
     ln.backward()
     h = c["h"].clone().requires_grad_()
-    loss, _ = efficient_grpo_loss(h, c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref,
-                                  chunk_size=5, **kw)
+    loss, _ = efficient_grpo_loss(
+        h, c["W"], c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref, chunk_size=5, **kw
+    )
     loss.backward()
     assert h.grad.dtype == torch.bfloat16
     assert abs(loss.item() - ln.item()) < 1e-3 * max(abs(ln.item()), 1e-2)
     assert rel(h.grad, hn.grad) < 2e-2
     # and both sit within bf16 distance of the fp64 truth
     h64 = c["h"].double().requires_grad_()
-    l64, _ = grpo_loss_reference(fp64_logps(h64, c["W"], None, c["ids"], 1.0), old.double(), ref.double(),
-                                 c["adv"].double(), c["mask"], entropy=ent, **kw)
+    l64, _ = grpo_loss_reference(
+        fp64_logps(h64, c["W"], None, c["ids"], 1.0),
+        old.double(),
+        ref.double(),
+        c["adv"].double(),
+        c["mask"],
+        entropy=ent,
+        **kw,
+    )
     l64.backward()
     assert rel(h.grad, h64.grad) < 0.1
 
@@ -565,8 +794,9 @@ def test_fp16_gradscaler_update_equals_fp32():
     p16 = torch.nn.Parameter(c["h"].clone())  # fp32 master, fp16 compute, as under amp
     opt = torch.optim.SGD([p16], lr=1e4)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    loss16, _ = efficient_grpo_loss(p16.half(), c["W"].half(), c["ids"], c["mask"], c["adv"], old_logps=old,
-                                    ref_logps=ref, **kw)
+    loss16, _ = efficient_grpo_loss(
+        p16.half(), c["W"].half(), c["ids"], c["mask"], c["adv"], old_logps=old, ref_logps=ref, **kw
+    )
     scaler.scale(loss16).backward()
     scaler.step(opt)
     scaler.update()
@@ -583,46 +813,59 @@ def test_fp16_gradscaler_update_equals_fp32():
 # ------------------------------------------------------------------------------------------------
 def _call(**over):
     c = make_case(14, bias=False)
-    args = dict(hidden=c["h"], lm_head_weight=c["W"], completion_ids=c["ids"], completion_mask=c["mask"],
-                advantages=c["adv"])
+    args = dict(
+        hidden=c["h"], lm_head_weight=c["W"], completion_ids=c["ids"], completion_mask=c["mask"], advantages=c["adv"]
+    )
     kw = {}
     for k, v in over.items():
         (args if k in args else kw)[k] = v
-    return efficient_grpo_loss(args["hidden"], args["lm_head_weight"], args["completion_ids"],
-                               args["completion_mask"], args["advantages"], **kw)
+    return efficient_grpo_loss(
+        args["hidden"],
+        args["lm_head_weight"],
+        args["completion_ids"],
+        args["completion_mask"],
+        args["advantages"],
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(hidden=torch.randn(B, T)), "hidden"),
-    (dict(lm_head_weight=torch.randn(V, H + 1)), "lm_head_weight"),
-    (dict(lm_head_weight=torch.randn(V, H).double()), "lm_head_weight dtype"),
-    (dict(completion_ids=torch.randint(0, V, (B, T + 1))), "completion_ids"),
-    (dict(completion_ids=torch.full((B, T), V)), r"completion_ids must lie in \[0, 257\)"),
-    (dict(completion_ids=torch.full((B, T), -1)), "completion_ids must lie"),
-    (dict(completion_ids=torch.zeros(B, T)), "completion_ids must be an integer"),
-    (dict(completion_mask=torch.ones(B, T + 1)), "completion_mask"),
-    (dict(advantages=torch.randn(B + 1)), "advantages"),
-    (dict(advantages=torch.tensor([1.0, float("nan"), 0.0])), "advantages hold NaN"),
-    (dict(old_logps=torch.randn(B, T + 1)), "old_logps"),
-    (dict(ref_logps=torch.randn(B, T), beta=0.1, old_logps=torch.full((B, T), float("-inf"))), "old_logps holds NaN or inf"),
-    (dict(beta=0.1), "ref_logps is required"),
-    (dict(loss_type="ppo"), "loss_type must be one of"),
-    (dict(loss_type="dr_grpo"), "max_completion_length"),
-    (dict(loss_type="dapo"), "num_items_in_batch"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(chunk_size=0), "chunk_size"),
-    (dict(epsilon_low=-0.1), "epsilon_low"),
-    (dict(epilogue="cuda"), "epilogue backend"),
-    (dict(lm_head_bias=torch.randn(V + 1)), "lm_head_bias"),
-    (dict(loss_type="cispo"), "loss_type='cispo' needs num_items_in_batch"),
-    (dict(importance_sampling_level="group"), r"importance_sampling_level must be one of \('token', 'sequence'\)"),
-    (dict(delta=0.0), "delta must be > 0, got 0.0"),
-    (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \[0, 1\], got 1.5"),
-    (dict(use_bias_correction_kl=1), "use_bias_correction_kl must be True or False"),
-    (dict(sapo_temperature_neg=-1.0), "sapo_temperature_neg must be > 0"),
-    (dict(vespo_k_pos=float("nan")), "vespo_k_pos must be a finite number"),
-    (dict(clip_range=0.2), r"unknown loss option\(s\) \['clip_range'\]; allowed: \['loss_type'"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(hidden=torch.randn(B, T)), "hidden"),
+        (dict(lm_head_weight=torch.randn(V, H + 1)), "lm_head_weight"),
+        (dict(lm_head_weight=torch.randn(V, H).double()), "lm_head_weight dtype"),
+        (dict(completion_ids=torch.randint(0, V, (B, T + 1))), "completion_ids"),
+        (dict(completion_ids=torch.full((B, T), V)), r"completion_ids must lie in \[0, 257\)"),
+        (dict(completion_ids=torch.full((B, T), -1)), "completion_ids must lie"),
+        (dict(completion_ids=torch.zeros(B, T)), "completion_ids must be an integer"),
+        (dict(completion_mask=torch.ones(B, T + 1)), "completion_mask"),
+        (dict(advantages=torch.randn(B + 1)), "advantages"),
+        (dict(advantages=torch.tensor([1.0, float("nan"), 0.0])), "advantages hold NaN"),
+        (dict(old_logps=torch.randn(B, T + 1)), "old_logps"),
+        (
+            dict(ref_logps=torch.randn(B, T), beta=0.1, old_logps=torch.full((B, T), float("-inf"))),
+            "old_logps holds NaN or inf",
+        ),
+        (dict(beta=0.1), "ref_logps is required"),
+        (dict(loss_type="ppo"), "loss_type must be one of"),
+        (dict(loss_type="dr_grpo"), "max_completion_length"),
+        (dict(loss_type="dapo"), "num_items_in_batch"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(epsilon_low=-0.1), "epsilon_low"),
+        (dict(epilogue="cuda"), "epilogue backend"),
+        (dict(lm_head_bias=torch.randn(V + 1)), "lm_head_bias"),
+        (dict(loss_type="cispo"), "loss_type='cispo' needs num_items_in_batch"),
+        (dict(importance_sampling_level="group"), r"importance_sampling_level must be one of \('token', 'sequence'\)"),
+        (dict(delta=0.0), "delta must be > 0, got 0.0"),
+        (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \[0, 1\], got 1.5"),
+        (dict(use_bias_correction_kl=1), "use_bias_correction_kl must be True or False"),
+        (dict(sapo_temperature_neg=-1.0), "sapo_temperature_neg must be > 0"),
+        (dict(vespo_k_pos=float("nan")), "vespo_k_pos must be a finite number"),
+        (dict(clip_range=0.2), r"unknown loss option\(s\) \['clip_range'\]; allowed: \['loss_type'"),
+    ],
+)
 def test_bad_input_raises_clear_value_error(over, match):
     with pytest.raises(ValueError, match=match):
         _call(**over)

@@ -20,10 +20,13 @@ from grpo_kit.trainer.grpo_trainer import LOGGED_METRICS, EfficientGRPOTrainer
 from grpo_kit.trainer.guards import _split_batch, split_weights
 
 TOY = "toy_reinforce"
-TOY_METRICS = LossMetrics(("toy/positive_advantage",), lambda parts, advantages, spec, mean, seq_mean: {
-    "toy/positive_advantage": mean(advantages > 0)})
+TOY_METRICS = LossMetrics(
+    ("toy/positive_advantage",),
+    lambda parts, advantages, spec, mean, seq_mean: {"toy/positive_advantage": mean(advantages > 0)},
+)
 
 if TOY not in registered_loss_types():  # pytest may import this file once per session only; stay safe
+
     @register_loss(TOY, normaliser="token_mean", metrics=TOY_METRICS)
     def toy_reinforce(t, spec):
         """Plain REINFORCE, -A * logp: no ratio, no clip."""
@@ -34,8 +37,14 @@ def _case(seed=0, B=4, T=7):
     g = torch.Generator().manual_seed(seed)
     mask = (torch.arange(T)[None] < torch.tensor([[7], [3], [1], [5]])).long()
     logps, old, ref = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3 for _ in range(3))
-    return dict(completion_ids=torch.randint(0, 50, (B, T), generator=g), completion_mask=mask,
-                advantages=torch.randn(B, generator=g, dtype=torch.float64), logps=logps, old=old, ref=ref)
+    return dict(
+        completion_ids=torch.randint(0, 50, (B, T), generator=g),
+        completion_mask=mask,
+        advantages=torch.randn(B, generator=g, dtype=torch.float64),
+        logps=logps,
+        old=old,
+        ref=ref,
+    )
 
 
 def test_builtin_types_are_trls_and_the_toy_joins_the_registry_only():
@@ -86,8 +95,14 @@ def test_split_weights_follow_the_registry(name):
     """guards.split_weights gives each half the share its normaliser implies: the halves' weighted losses sum
     to the whole micro-batch's loss for every registered type, the toy included."""
     full = _case(1)
-    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=name, max_completion_length=7,
-              num_items_in_batch=float(full["completion_mask"].sum()))
+    kw = dict(
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type=name,
+        max_completion_length=7,
+        num_items_in_batch=float(full["completion_mask"].sum()),
+    )
 
     def loss(b):
         return grpo_loss_reference(b["logps"], b["old"], b["ref"], b["advantages"], b["completion_mask"], **kw)[0]
@@ -100,9 +115,19 @@ def test_split_weights_follow_the_registry(name):
 @pytest.mark.parametrize("name", registered_loss_types())
 def test_the_trainer_logs_every_metric_the_loss_returns(name):
     c = _case(2)
-    _, metrics = grpo_loss_reference(c["logps"], c["old"], c["ref"], c["advantages"], c["completion_mask"],
-                                     beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=name,
-                                     max_completion_length=7, num_items_in_batch=20.0)
+    _, metrics = grpo_loss_reference(
+        c["logps"],
+        c["old"],
+        c["ref"],
+        c["advantages"],
+        c["completion_mask"],
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type=name,
+        max_completion_length=7,
+        num_items_in_batch=20.0,
+    )
     own = get_loss_type(name).metrics
     logged = set(LOGGED_METRICS) | set(own.names if own is not None else ())
     assert set(metrics) - {"ratio_mean"} <= logged, set(metrics) - logged
@@ -123,16 +148,20 @@ def test_the_toy_efficient_loss_matches_its_reference(trainable_head):
     loss.backward()
     h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_(trainable_head)
     logps = torch.log_softmax(h2 @ w2.t(), -1).gather(-1, ids[..., None])[..., 0]
-    ref_loss, ref_metrics = grpo_loss_reference(logps, None, None, adv, mask, beta=0.0, epsilon_low=0.2,
-                                                epsilon_high=0.2, loss_type=TOY)
+    ref_loss, ref_metrics = grpo_loss_reference(
+        logps, None, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=TOY
+    )
     ref_loss.backward()
     tol = dict(rtol=1e-5, atol=1e-6)  # the chunked loss takes fp32 log-probs
     torch.testing.assert_close(loss.double(), ref_loss, **tol)
     torch.testing.assert_close(hidden.grad, h2.grad, **tol)
     if trainable_head:
         torch.testing.assert_close(weight.grad, w2.grad, **tol)
-    assert float(metrics["toy/positive_advantage"]) == float(ref_metrics["toy/positive_advantage"]) == float(
-        (adv > 0).double().mean())
+    assert (
+        float(metrics["toy/positive_advantage"])
+        == float(ref_metrics["toy/positive_advantage"])
+        == float((adv > 0).double().mean())
+    )
 
 
 def _reward(prompts, completions, **kw):  # dense and varied, so advantages are non-zero from step 1
@@ -144,14 +173,34 @@ def test_a_loss_type_registered_outside_the_package_trains(tmp_path):
     trainer replaces: the toy type trains two steps on tiny-llama and logs its own metric."""
     model, tok = load_model("tiny-llama")
     tok.padding_side = "left"
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=8, report_to="none", use_cpu=True, max_steps=2, temperature=0.7,
-                      bf16=False, learning_rate=5e-3, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-                      loss_type=TOY, beta=0.04, use_bias_correction_kl=False)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        report_to="none",
+        use_cpu=True,
+        max_steps=2,
+        temperature=0.7,
+        bf16=False,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        loss_type=TOY,
+        beta=0.04,
+        use_bias_correction_kl=False,
+    )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
-                                   train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
-                                   processing_class=tok, peft_config=lora)
+    trainer = EfficientGRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=args,
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+        processing_class=tok,
+        peft_config=lora,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]

@@ -97,8 +97,14 @@ def _autograd_saved_bytes_per_token(name, dtype, lora_rank, lora_dropout=0.0):
     if lora_rank:
         import peft
 
-        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_rank, lora_dropout=lora_dropout, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        m = peft.get_peft_model(
+            m,
+            peft.LoraConfig(
+                r=lora_rank,
+                lora_dropout=lora_dropout,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        )
         m = m.get_base_model()
     m.train()
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
@@ -168,8 +174,9 @@ def test_known_component_values():
     # 8 concurrent sequences of 20,480 tokens in 16-token blocks, one block of slack each: 8 x 2.5 GiB + 8 blocks
     assert F.vllm_kv_tokens(0, 20480, 8, 1) == 8 * (1280 + 1) * 16
     assert df.at["KV cache (generation)", "GiB"] == pytest.approx(8 * 2.5 * 1281 / 1280)
-    q4 = estimate(LLAMA, EstimateSpec(method="grpo_kit", lora_rank=16, quantization="4bit", kv_cache_dtype="fp8",
-                                      **PUB))
+    q4 = estimate(
+        LLAMA, EstimateSpec(method="grpo_kit", lora_rank=16, quantization="4bit", kv_cache_dtype="fp8", **PUB)
+    )
     q4 = q4.set_index("component")
     n = F.param_counts(a)
     assert q4.at["model weights", "GB"] * 1e9 == pytest.approx(n["layer_linear"] * 4.127 / 8 + n["other"] * 2, rel=1e-3)
@@ -177,7 +184,8 @@ def test_known_component_values():
     # the kit's 4-bit matmul keeps the running layer's 7 projections dequantised (grpo_kit.model.nf4_matmul): 218M weights
     # of 2 B for the 8B; bitsandbytes (the other methods) one projection at a time, the largest
     assert q4.at["dequantised 4-bit weights of one layer", "GB"] * 1e9 == pytest.approx(
-        (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) * 2)
+        (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) * 2
+    )
     q4u = estimate(LLAMA, EstimateSpec(method="unsloth", lora_rank=16, quantization="4bit", **PUB))
     q4u = q4u.set_index("component")
     assert q4u.at["dequantised 4-bit weight (transient)", "GB"] * 1e9 == pytest.approx(14336 * 4096 * 2)
@@ -194,8 +202,16 @@ def test_vllm_kv_slots_prefix_sharing_and_blocks():
 
 def test_standby_keeps_the_kv_cache_out_of_the_training_peak():
     # one completion per forward/backward (8 micro-batches), as bench rl_step runs it
-    kw = dict(method="grpo_kit", lora_rank=16, num_generations=8, prompt_length=512, completion_length=20480,
-              kv_cache_dtype="fp8", micro_batch_size=1, generation_batch=8)
+    kw = dict(
+        method="grpo_kit",
+        lora_rank=16,
+        num_generations=8,
+        prompt_length=512,
+        completion_length=20480,
+        kv_cache_dtype="fp8",
+        micro_batch_size=1,
+        generation_batch=8,
+    )
     resident = estimate(LLAMA, EstimateSpec(**kw)).attrs["phase_bytes"]
     standby = estimate(LLAMA, EstimateSpec(standby=True, **kw))
     ph = standby.attrs["phase_bytes"]
@@ -214,8 +230,12 @@ def test_peak_rule_and_totals():
     gpu = df[(df["where"] == "GPU") & ~df["component"].str.startswith("total")]
     assert df["GB"].iloc[-2] == pytest.approx(gpu.loc[gpu["in_peak"], "GB"].sum())
     assert df.attrs["peak_phase"] == "loss"  # 78 GiB of logits beat one layer's recompute
-    hf = estimate(LLAMA, EstimateSpec(method="grpo_kit", vllm=False, lora_rank=16, num_generations=8,
-                                      prompt_length=100, completion_length=100))
+    hf = estimate(
+        LLAMA,
+        EstimateSpec(
+            method="grpo_kit", vllm=False, lora_rank=16, num_generations=8, prompt_length=100, completion_length=100
+        ),
+    )
     assert not hf.set_index("component").at["KV cache (generation)", "in_peak"]
     train_only = estimate(LLAMA, EstimateSpec(method="grpo_kit", lora_rank=16, include_generation=False, **PUB))
     assert train_only.set_index("component").at["KV cache (generation)", "GB"] == 0
@@ -225,12 +245,26 @@ def test_peak_rule_and_totals():
 
 
 @settings(max_examples=40, deadline=None)
-@given(method=st.sampled_from(METHODS), c=st.integers(1, 200_000), dc=st.integers(1, 50_000),
-       g=st.integers(1, 16), p=st.integers(0, 4096), lora=st.sampled_from([None, 8, 64]),
-       vllm=st.booleans(), mb1=st.booleans())
+@given(
+    method=st.sampled_from(METHODS),
+    c=st.integers(1, 200_000),
+    dc=st.integers(1, 50_000),
+    g=st.integers(1, 16),
+    p=st.integers(0, 4096),
+    lora=st.sampled_from([None, 8, 64]),
+    vllm=st.booleans(),
+    mb1=st.booleans(),
+)
 def test_more_context_or_generations_never_needs_less(method, c, dc, g, p, lora, vllm, mb1):
-    spec = EstimateSpec(method=method, num_generations=g, prompt_length=p, completion_length=c, lora_rank=lora,
-                        vllm=vllm, micro_batch_size=1 if mb1 else None)
+    spec = EstimateSpec(
+        method=method,
+        num_generations=g,
+        prompt_length=p,
+        completion_length=c,
+        lora_rank=lora,
+        vllm=vllm,
+        micro_batch_size=1 if mb1 else None,
+    )
     base = estimate("qwen2.5-1.5b", spec)
     longer = estimate("qwen2.5-1.5b", dataclasses.replace(spec, completion_length=c + dc))
     more = estimate("qwen2.5-1.5b", dataclasses.replace(spec, num_generations=g + 1))
@@ -247,28 +281,31 @@ def test_ordering_of_methods_at_long_context():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(model="llama-9000"), "Built-in names: .*llama-3.1-8b"),
-    (dict(num_generations=0), "num_generations must be an int >= 1"),
-    (dict(num_generations=2.5), "num_generations"),
-    (dict(completion_length=0), "completion_length must be an int >= 1"),
-    (dict(completion_length=-5), "completion_length"),
-    (dict(prompt_length=-1), "prompt_length must be an int >= 0"),
-    (dict(lora_rank=0), "lora_rank must be an int >= 1"),
-    (dict(quantization="4bit"), "needs lora_rank"),
-    (dict(quantization="3bit", lora_rank=8), r"quantization must be one of \[None, '4bit', 'fp8'\]"),
-    (dict(method="deepspeed"), "method must be one of"),
-    (dict(dtype="int8"), "dtype must be one of"),
-    (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
-    (dict(micro_batch_size=0), "micro_batch_size must be an int >= 1"),
-    (dict(generation_batch=12), "generation_batch must be a multiple of num_generations=8"),
-    (dict(standby=True, vllm=False), "standby=True describes a vLLM engine"),
-    (dict(kv_cache_bytes=-1.0), "kv_cache_bytes must be None or a number of bytes > 0"),
-    (dict(vllm="yes"), "vllm must be a bool"),
-    (dict(method="trl", offload=True), "offload=True is not available with method='trl'"),
-    (dict(method="grpo_kit", loss_fp32=True), "loss_fp32 applies to method='trl' only"),
-    (dict(include_generation=1), "include_generation must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(model="llama-9000"), "Built-in names: .*llama-3.1-8b"),
+        (dict(num_generations=0), "num_generations must be an int >= 1"),
+        (dict(num_generations=2.5), "num_generations"),
+        (dict(completion_length=0), "completion_length must be an int >= 1"),
+        (dict(completion_length=-5), "completion_length"),
+        (dict(prompt_length=-1), "prompt_length must be an int >= 0"),
+        (dict(lora_rank=0), "lora_rank must be an int >= 1"),
+        (dict(quantization="4bit"), "needs lora_rank"),
+        (dict(quantization="3bit", lora_rank=8), r"quantization must be one of \[None, '4bit', 'fp8'\]"),
+        (dict(method="deepspeed"), "method must be one of"),
+        (dict(dtype="int8"), "dtype must be one of"),
+        (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+        (dict(micro_batch_size=0), "micro_batch_size must be an int >= 1"),
+        (dict(generation_batch=12), "generation_batch must be a multiple of num_generations=8"),
+        (dict(standby=True, vllm=False), "standby=True describes a vLLM engine"),
+        (dict(kv_cache_bytes=-1.0), "kv_cache_bytes must be None or a number of bytes > 0"),
+        (dict(vllm="yes"), "vllm must be a bool"),
+        (dict(method="trl", offload=True), "offload=True is not available with method='trl'"),
+        (dict(method="grpo_kit", loss_fp32=True), "loss_fp32 applies to method='trl' only"),
+        (dict(include_generation=1), "include_generation must be a bool"),
+    ],
+)
 def test_bad_input_raises_one_clear_error(kwargs, match):
     kw = dict(model="qwen2.5-1.5b", num_generations=8, prompt_length=16, completion_length=64) | kwargs
     with pytest.raises(ValueError, match=match):
@@ -281,19 +318,28 @@ def _vram(argv) -> int:
     return cli_main(argv)
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--model", "nope", "--context", "100"], "Built-in names"),
-    (["--model", LLAMA, "--context", "0"], "must be >= 1"),
-    (["--model", LLAMA, "--context", "100", "--generations", "0"], "must be >= 1"),
-    (["--model", LLAMA, "--context", "100", "--prompt-length", "100"], r"the prompt \(100 tokens\) must be shorter"),
-    (["--model", LLAMA, "--context", "100"], r"the prompt \(256 tokens, the kit's max_prompt_length\) must be shorter"),
-    (["--model", LLAMA, "--context", "100", "--published-setting", "--quantization", "4bit"], "needs LoRA"),
-    (["--model", LLAMA, "--context", "100", "--full-finetuning", "--quantization", "4bit"], "needs LoRA"),
-    (["--model", LLAMA, "--context", "100", "--full-finetuning", "--lora-rank", "8"], "exclude each other"),
-    (["--model", LLAMA, "--context", "100", "--method", "peft"], "invalid choice"),
-    (["--model", LLAMA, "--context", "100", "--standby", "--no-vllm"], "--standby describes a vLLM engine"),
-    (["--model", LLAMA, "--context", "100", "--published-setting", "--lora-dropout"], "--lora-dropout needs LoRA"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--model", "nope", "--context", "100"], "Built-in names"),
+        (["--model", LLAMA, "--context", "0"], "must be >= 1"),
+        (["--model", LLAMA, "--context", "100", "--generations", "0"], "must be >= 1"),
+        (
+            ["--model", LLAMA, "--context", "100", "--prompt-length", "100"],
+            r"the prompt \(100 tokens\) must be shorter",
+        ),
+        (
+            ["--model", LLAMA, "--context", "100"],
+            r"the prompt \(256 tokens, the kit's max_prompt_length\) must be shorter",
+        ),
+        (["--model", LLAMA, "--context", "100", "--published-setting", "--quantization", "4bit"], "needs LoRA"),
+        (["--model", LLAMA, "--context", "100", "--full-finetuning", "--quantization", "4bit"], "needs LoRA"),
+        (["--model", LLAMA, "--context", "100", "--full-finetuning", "--lora-rank", "8"], "exclude each other"),
+        (["--model", LLAMA, "--context", "100", "--method", "peft"], "invalid choice"),
+        (["--model", LLAMA, "--context", "100", "--standby", "--no-vllm"], "--standby describes a vLLM engine"),
+        (["--model", LLAMA, "--context", "100", "--published-setting", "--lora-dropout"], "--lora-dropout needs LoRA"),
+    ],
+)
 def test_cli_bad_input(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         _vram(argv)
@@ -316,8 +362,22 @@ def test_cli_prices_the_kits_run_without_the_apps_config(capsys):
 
 def test_cli_prints_the_table_and_plots(tmp_path, capsys):
     out_png = tmp_path / "vram.png"
-    assert _vram(["--model", LLAMA, "--context", "20480", "--generations", "8", "--published-setting",
-                  "--plot", str(out_png)]) == 0
+    assert (
+        _vram(
+            [
+                "--model",
+                LLAMA,
+                "--context",
+                "20480",
+                "--generations",
+                "8",
+                "--published-setting",
+                "--plot",
+                str(out_png),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for needle in ("78.3", "510.8", "54.3", "published, not derived", "method grpo_kit", "total GPU (peak)"):
         assert needle in text
@@ -325,8 +385,22 @@ def test_cli_prints_the_table_and_plots(tmp_path, capsys):
 
 
 def test_cli_standby_plans_the_shared_engine(capsys):
-    argv = ["--model", LLAMA, "--context", "20992", "--prompt-length", "512", "--lora-rank", "16", "--kv-cache-dtype",
-            "fp8", "--micro-batch", "16", "--method", "grpo_kit"]  # a micro-batch above the group size is fine now
+    argv = [
+        "--model",
+        LLAMA,
+        "--context",
+        "20992",
+        "--prompt-length",
+        "512",
+        "--lora-rank",
+        "16",
+        "--kv-cache-dtype",
+        "fp8",
+        "--micro-batch",
+        "16",
+        "--method",
+        "grpo_kit",
+    ]  # a micro-batch above the group size is fine now
     assert _vram(argv + ["--standby"]) == 0
     assert "peak during the backward phase" in capsys.readouterr().out  # 16 x 21K tokens outweigh generation
     assert _vram(argv[:-4] + ["--micro-batch", "1", "--method", "grpo_kit", "--standby"]) == 0
@@ -337,11 +411,16 @@ def test_plots_return_figures():
     from grpo_kit.memory import plot_components, plot_vs_context
 
     spec = EstimateSpec(num_generations=8, prompt_length=64, completion_length=1024, lora_rank=16)
-    fig = plot_components({m: estimate("qwen2.5-1.5b", dataclasses.replace(spec, method=m)) for m in METHODS},
-                          budget_gib=15)
+    fig = plot_components(
+        {m: estimate("qwen2.5-1.5b", dataclasses.replace(spec, method=m)) for m in METHODS}, budget_gib=15
+    )
     assert len(fig.axes[0].patches) > 0
-    fig = plot_vs_context("qwen2.5-1.5b", [1024, 4096, 16384], dataclasses.replace(spec, prompt_length=0),
-                          measured={"bench": [(1024, 4.0), (4096, 5.0)]})
+    fig = plot_vs_context(
+        "qwen2.5-1.5b",
+        [1024, 4096, 16384],
+        dataclasses.replace(spec, prompt_length=0),
+        measured={"bench": [(1024, 4.0), (4096, 5.0)]},
+    )
     assert len(fig.axes[0].lines) == len(METHODS) + 1
 
 
@@ -451,14 +530,16 @@ def test_live_at_peak_replays_the_history_and_groups_by_line():
     assert got["peak_gib"] == pytest.approx(450 / 1024, abs=1e-4) and got["event"] == 3 and got["events"] == 9
     assert got["allocations"] == [
         {"where": "transformers/integrations/sdpa_attention.py:96 (sdpa)", "blocks": 1, "gib": round(300 / 1024, 4)},
-        {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)}]
+        {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)},
+    ]
     # without completions the requests free; the peak still at event 3, and with no free after the last alloc
     # of a history the blocks live at its end are the peak's
     requested = [e for e in events if e["action"] != "free_completed"]
     assert live_at_peak({"device_traces": [requested]})["peak_gib"] == pytest.approx(450 / 1024, abs=1e-4)
     grow = live_at_peak({"device_traces": [events[1:3]]}, top=1)
     assert grow["event"] == 1 and grow["allocations"] == [
-        {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)}]
+        {"where": "grpo_kit/model/fp8.py:210 (w8a8_scaled_mm)", "blocks": 2, "gib": round(150 / 1024, 4)}
+    ]
     assert live_at_peak({}) == {"peak_gib": 0, "event": 0, "events": 0, "absolute": False, "allocations": []}
 
 
@@ -477,10 +558,15 @@ def test_live_at_peak_with_segments_counts_what_was_live_before_the_recording():
     ]
     segments = [  # at the snapshot: block 2, a 1 GiB block from before the recording, one whose free waits on a
         # stream (torch's name for that state; live where completions are recorded); another device's block
-        {"device": 0, "blocks": [{"address": 2, "size": 50 * mib, "state": "active_allocated", "frames": mlp},
-                                 {"address": 800, "size": 1000 * mib, "state": "active_allocated", "frames": []},
-                                 {"address": 801, "size": 24 * mib, "state": "active_pending_free", "frames": []},
-                                 {"address": 3, "size": 8 * mib, "state": "inactive", "frames": []}]},
+        {
+            "device": 0,
+            "blocks": [
+                {"address": 2, "size": 50 * mib, "state": "active_allocated", "frames": mlp},
+                {"address": 800, "size": 1000 * mib, "state": "active_allocated", "frames": []},
+                {"address": 801, "size": 24 * mib, "state": "active_pending_free", "frames": []},
+                {"address": 3, "size": 8 * mib, "state": "inactive", "frames": []},
+            ],
+        },
         {"device": 1, "blocks": [{"address": 5, "size": 4096 * mib, "state": "active_allocated", "frames": []}]},
     ]
     got = live_at_peak({"device_traces": [events], "segments": segments})
@@ -488,12 +574,18 @@ def test_live_at_peak_with_segments_counts_what_was_live_before_the_recording():
     assert got["absolute"] is True and got["event"] == 0 and got["peak_gib"] == pytest.approx(1524 / 1024, abs=1e-4)
     assert got["allocations"] == [
         {"where": "(allocated before the recording)", "blocks": 3, "gib": round(1424 / 1024, 4)},
-        {"where": "grpo_kit/model/offload.py:333 (_out_chunk)", "blocks": 1, "gib": round(100 / 1024, 4)}]
+        {"where": "grpo_kit/model/offload.py:333 (_out_chunk)", "blocks": 1, "gib": round(100 / 1024, 4)},
+    ]
     # a block allocated inside the window with no Python frame (the autograd engine's thread) is not "before"
     bare = [{"action": "alloc", "addr": 9, "size": 2048 * mib, "frames": []}]
-    assert live_at_peak({"device_traces": [bare], "segments": [{"device": 0, "blocks": [
-        {"address": 9, "size": 2048 * mib, "state": "active_allocated", "frames": []}]}]})["allocations"] == [
-        {"where": "(no Python frame outside torch)", "blocks": 1, "gib": 2.0}]
+    assert live_at_peak(
+        {
+            "device_traces": [bare],
+            "segments": [
+                {"device": 0, "blocks": [{"address": 9, "size": 2048 * mib, "state": "active_allocated", "frames": []}]}
+            ],
+        }
+    )["allocations"] == [{"where": "(no Python frame outside torch)", "blocks": 1, "gib": 2.0}]
     forward = live_at_peak({"device_traces": [events]})  # the recorded allocations only: 150 MiB after event 2
     assert forward["absolute"] is False and forward["peak_gib"] == pytest.approx(150 / 1024, abs=1e-4)
     # a peak before the first event: the 400 MiB freed first, nothing bigger allocated after
@@ -502,12 +594,23 @@ def test_live_at_peak_with_segments_counts_what_was_live_before_the_recording():
     # no events at all: the blocks live at the snapshot, a pending free as freed (no completions recorded)
     assert live_at_peak({"segments": segments[:1]})["peak_gib"] == pytest.approx(1050 / 1024, abs=1e-4)
     # equal peaks: the earliest (A, freed, then B of its size; a segment event after them changes nothing)
-    equal = [{"action": "alloc", "addr": 11, "size": 100 * mib, "frames": mlp},
-             {"action": "free_completed", "addr": 11, "size": 100 * mib},
-             {"action": "alloc", "addr": 12, "size": 100 * mib, "frames": mlp},
-             {"action": "segment_alloc", "addr": 99, "size": 200 * mib}]
-    got = live_at_peak({"device_traces": [equal], "segments": [{"device": 0, "blocks": [
-        {"address": 12, "size": 100 * mib, "state": "active_allocated", "frames": mlp}]}]})
+    equal = [
+        {"action": "alloc", "addr": 11, "size": 100 * mib, "frames": mlp},
+        {"action": "free_completed", "addr": 11, "size": 100 * mib},
+        {"action": "alloc", "addr": 12, "size": 100 * mib, "frames": mlp},
+        {"action": "segment_alloc", "addr": 99, "size": 200 * mib},
+    ]
+    got = live_at_peak(
+        {
+            "device_traces": [equal],
+            "segments": [
+                {
+                    "device": 0,
+                    "blocks": [{"address": 12, "size": 100 * mib, "state": "active_allocated", "frames": mlp}],
+                }
+            ],
+        }
+    )
     assert (got["event"], got["peak_gib"]) == (0, pytest.approx(100 / 1024, abs=1e-4))
 
 
@@ -519,9 +622,23 @@ def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    rows = [dict(row="ours_offload", model="qwen2.5-1.5b", gens=1, seq_len=T, prompt_len=512, completion_len=T - 512,
-                 micro_batch=1, status="ok", peak_allocated_gib=g, phases={}, weights_gib=2.9, budget_gib=None)
-            for T, g in ((1024, 3.4), (4096, 4.0), (16384, 9.9))]
+    rows = [
+        dict(
+            row="ours_offload",
+            model="qwen2.5-1.5b",
+            gens=1,
+            seq_len=T,
+            prompt_len=512,
+            completion_len=T - 512,
+            micro_batch=1,
+            status="ok",
+            peak_allocated_gib=g,
+            phases={},
+            weights_gib=2.9,
+            budget_gib=None,
+        )
+        for T, g in ((1024, 3.4), (4096, 4.0), (16384, 9.9))
+    ]
     src = tmp_path / "step.json"
     src.write_text(json.dumps(dict(results=rows, command="hand-written", hardware={})))
     out = tmp_path / "mv.md"
@@ -529,8 +646,17 @@ def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
     bench = Path(__file__).parents[1] / "bench"
     monkeypatch.syspath_prepend(str(bench))  # the script imports its folder's _common, as when run by path
     try:
-        sys.argv = ["bench/memory_validation.py", "--step-json", str(src), "--out", str(out), "--plot", "",
-                    "--out-dir", str(tmp_path / "results")]
+        sys.argv = [
+            "bench/memory_validation.py",
+            "--step-json",
+            str(src),
+            "--out",
+            str(out),
+            "--plot",
+            "",
+            "--out-dir",
+            str(tmp_path / "results"),
+        ]
         with pytest.raises(SystemExit) as e:
             runpy.run_path(str(bench / "memory_validation.py"), run_name="__main__")
     finally:
@@ -541,29 +667,60 @@ def test_validation_script_on_a_small_results_file(tmp_path, monkeypatch):
     assert len(got) == 3
     for r, (T, g) in zip(got, ((1024, 3.4), (4096, 4.0), (16384, 9.9))):
         assert f"seq_len={T}" in r["shape"] and r["figures"]["measured_gib"] == g
-        est = total_gpu_bytes(estimate("qwen2.5-1.5b", EstimateSpec(num_generations=1, prompt_length=512,
-                                                                    completion_length=T - 512, micro_batch_size=1,
-                                                                    lora_rank=16, vllm=False,
-                                                                    include_generation=False))) / 2**30
+        est = (
+            total_gpu_bytes(
+                estimate(
+                    "qwen2.5-1.5b",
+                    EstimateSpec(
+                        num_generations=1,
+                        prompt_length=512,
+                        completion_length=T - 512,
+                        micro_batch_size=1,
+                        lora_rank=16,
+                        vllm=False,
+                        include_generation=False,
+                    ),
+                )
+            )
+            / 2**30
+        )
         f = r["figures"]
         assert f["estimate_gib"] == pytest.approx(est) and f["error"] == pytest.approx(est / g - 1)
     text = out.read_text()
     assert "2/3 steps within" in text and "target NOT met" in text  # 9.9 GiB is far off the estimate
 
 
-@pytest.mark.parametrize("model,completion,quant,gen,dtype,vllm", [
-    ("llama-3.1-8b", 1024, "4bit", True, "fp16", False), ("llama-3.1-8b", 1024, "4bit", False, "fp16", False),
-    ("llama-3.1-8b", 20480, "4bit", True, "fp16", False), ("llama-3.1-8b", 4096, None, False, "bf16", False),
-    ("qwen2.5-1.5b", 1024, None, True, "bf16", False), ("qwen2.5-1.5b", 30000, None, False, "bf16", False),
-    ("llama-3.1-8b", 20480, "fp8", True, "bf16", True), ("llama-3.1-8b", 4096, "fp8", True, "bf16", True),
-    ("llama-3.1-8b", 20480, None, True, "bf16", True)])
+@pytest.mark.parametrize(
+    "model,completion,quant,gen,dtype,vllm",
+    [
+        ("llama-3.1-8b", 1024, "4bit", True, "fp16", False),
+        ("llama-3.1-8b", 1024, "4bit", False, "fp16", False),
+        ("llama-3.1-8b", 20480, "4bit", True, "fp16", False),
+        ("llama-3.1-8b", 4096, None, False, "bf16", False),
+        ("qwen2.5-1.5b", 1024, None, True, "bf16", False),
+        ("qwen2.5-1.5b", 30000, None, False, "bf16", False),
+        ("llama-3.1-8b", 20480, "fp8", True, "bf16", True),
+        ("llama-3.1-8b", 4096, "fp8", True, "bf16", True),
+        ("llama-3.1-8b", 20480, None, True, "bf16", True),
+    ],
+)
 def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion, quant, gen, dtype, vllm):
     """``scoring_batch='auto'``: of every scoring batch from the micro-batch up to one generation batch, the
     largest whose ``scoring`` phase stays within the step's other phases (a scan, against the bisection), with
     vLLM the training phases only (its KV cache is in the engine's pool); the table is the estimate at that
     batch, so the peak is the one without a scoring batch."""
-    kw = dict(num_generations=8, prompt_length=512, completion_length=completion, dtype=dtype, lora_rank=16,
-              quantization=quant, micro_batch_size=1, generation_batch=16, vllm=vllm, include_generation=gen)
+    kw = dict(
+        num_generations=8,
+        prompt_length=512,
+        completion_length=completion,
+        dtype=dtype,
+        lora_rank=16,
+        quantization=quant,
+        micro_batch_size=1,
+        generation_batch=16,
+        vllm=vllm,
+        include_generation=gen,
+    )
     if vllm:
         kw.update(standby=True, kv_cache_dtype="fp8")
 
@@ -571,9 +728,11 @@ def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion
         return max(v for k, v in ph.items() if k not in ("scoring", "generation" if vllm else ""))
 
     auto = estimate(model, EstimateSpec(scoring_batch="auto", **kw))
-    fits = [s for s in range(2, 17)
-            if (ph := estimate(model, EstimateSpec(scoring_batch=s, **kw)).attrs["phase_bytes"])["scoring"]
-            <= bound(ph)]
+    fits = [
+        s
+        for s in range(2, 17)
+        if (ph := estimate(model, EstimateSpec(scoring_batch=s, **kw)).attrs["phase_bytes"])["scoring"] <= bound(ph)
+    ]
     want = max(fits) if fits else None
     assert auto.attrs["scoring_batch"] == want and auto.attrs["scoring_batch_auto"] is True
     plain = estimate(model, EstimateSpec(**kw))
@@ -592,8 +751,12 @@ def test_auto_scoring_batch_is_the_largest_that_keeps_the_peak(model, completion
 def test_auto_scoring_batch_outside_the_kit_and_at_a_full_micro_batch():
     kw = dict(num_generations=8, prompt_length=512, completion_length=1024, dtype="bf16", lora_rank=16, vllm=False)
     for method in ("trl", "unsloth"):  # they score by micro-batch: no choice to make
-        assert estimate("llama-3.1-8b", EstimateSpec(method=method, micro_batch_size=1, scoring_batch="auto",
-                                                     **kw)).attrs["scoring_batch"] is None
+        assert (
+            estimate("llama-3.1-8b", EstimateSpec(method=method, micro_batch_size=1, scoring_batch="auto", **kw)).attrs[
+                "scoring_batch"
+            ]
+            is None
+        )
     # a micro-batch of the whole generation batch already scores it in one forward
     full = estimate("llama-3.1-8b", EstimateSpec(micro_batch_size=8, scoring_batch="auto", **kw))
     assert full.attrs["scoring_batch"] is None
@@ -605,8 +768,14 @@ def test_scoring_batch_for_config_resolves_auto_and_keeps_a_set_number():
     from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory import estimate_for_config, scoring_batch_for_config
 
-    cfg = GRPOKitConfig(model="llama-3.1-8b", max_completion_length=1024, per_device_train_batch_size=1,
-                        gradient_accumulation_steps=8, load_in_4bit=True, dtype="fp16")
+    cfg = GRPOKitConfig(
+        model="llama-3.1-8b",
+        max_completion_length=1024,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
+        load_in_4bit=True,
+        dtype="fp16",
+    )
     assert scoring_batch_for_config(cfg) == estimate_for_config(cfg).attrs["scoring_batch"] == 8
     for set_to in (None, 3):
         assert scoring_batch_for_config(GRPOKitConfig(**{**cfg.to_dict(), "scoring_batch_size": set_to})) == set_to
@@ -633,8 +802,12 @@ def _no_grad_mlp_peak_per_token(dtype, dropout, adapters, h=128, inter=2048, tok
             return self.mlp(x)
 
     torch.manual_seed(0)
-    m = peft.get_peft_model(Wrap().to(dtype), peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout,
-                                                                target_modules=["gate_proj", "up_proj", "down_proj"]))
+    m = peft.get_peft_model(
+        Wrap().to(dtype),
+        peft.LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=dropout, target_modules=["gate_proj", "up_proj", "down_proj"]
+        ),
+    )
     for name, prm in m.named_parameters():
         if "lora_" in name:
             prm.data = prm.data.float()  # the kit's adapters: fp32 beside 16-bit base weights
@@ -642,9 +815,10 @@ def _no_grad_mlp_peak_per_token(dtype, dropout, adapters, h=128, inter=2048, tok
     x = torch.randn(1, tokens, h, dtype=dtype)
 
     def run():
-        with torch.no_grad(), (contextlib.nullcontext() if adapters else m.disable_adapter()):
+        with torch.no_grad(), contextlib.nullcontext() if adapters else m.disable_adapter():
             y = m(x)
             del y
+
     return _live_peak(run) / tokens
 
 
@@ -653,8 +827,9 @@ def _live_peak(fn) -> int:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                       with_stack=True) as prof:
+    with torch_profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
         fn()
     live = peak = 0
     for _, action, _, nbytes in sorted((e for e in prof._memory_profile().timeline if e[0] >= 0), key=lambda e: e[0]):
@@ -690,12 +865,19 @@ def test_the_chunked_reference_forward_stays_within_its_formula():
     from grpo_kit.model.offload import enable_offloaded_checkpointing
 
     B, T, chunk = 8, 1024, 1024  # 8 slices of 128 tokens per sequence, as the 8B's 4,096-token slices cut 20K
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1792, num_attention_heads=8, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=1000)
+    cfg = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1792,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=1000,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    m = enable_offloaded_checkpointing(LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), offload=False,
-                                       chunk_tokens=chunk)
+    m = enable_offloaded_checkpointing(
+        LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), offload=False, chunk_tokens=chunk
+    )
     ids = torch.randint(0, cfg.vocab_size, (B, T))
 
     def run():
@@ -713,8 +895,17 @@ def test_the_old_policy_pass_prices_the_adapters():
     from grpo_kit.app.config import GRPOKitConfig
     from grpo_kit.memory import estimate_for_config
 
-    kw = dict(num_generations=8, prompt_length=512, completion_length=20480, dtype="bf16", lora_rank=16,
-              micro_batch_size=1, include_generation=False, scoring_batch=8, lora_dropout=True)
+    kw = dict(
+        num_generations=8,
+        prompt_length=512,
+        completion_length=20480,
+        dtype="bf16",
+        lora_rank=16,
+        micro_batch_size=1,
+        include_generation=False,
+        scoring_batch=8,
+        lora_dropout=True,
+    )
     rows = lambda df: df.set_index("component")["GB"] * F.GB  # noqa: E731
     hf = estimate("llama-3.1-8b", EstimateSpec(vllm=False, **kw))
     vllm = estimate("llama-3.1-8b", EstimateSpec(vllm=True, **kw))
@@ -741,25 +932,51 @@ def test_lora_dropout_makes_the_kits_layers_run_whole(capsys):
     from grpo_kit.memory import estimate_for_config
 
     a = resolve_arch("llama-3.1-8b")
-    kw = dict(num_generations=8, prompt_length=512, completion_length=4096, dtype="bf16", lora_rank=16,
-              micro_batch_size=1, vllm=False, include_generation=False, scoring_batch=8)
+    kw = dict(
+        num_generations=8,
+        prompt_length=512,
+        completion_length=4096,
+        dtype="bf16",
+        lora_rank=16,
+        micro_batch_size=1,
+        vllm=False,
+        include_generation=False,
+        scoring_batch=8,
+    )
     plain = estimate("llama-3.1-8b", EstimateSpec(**kw))
     drop = estimate("llama-3.1-8b", EstimateSpec(lora_dropout=True, **kw))
     rows = lambda df: df.set_index("component")["GB"] * F.GB  # noqa: E731
     T = 4608
     assert rows(drop)["recompute peak of one layer"] == pytest.approx(
-        F.full_recompute_peak(a, T, 2, 16, 1, lora_dropout=True), rel=1e-12)
+        F.full_recompute_peak(a, T, 2, 16, 1, lora_dropout=True), rel=1e-12
+    )
     assert rows(plain)["recompute peak of one layer"] < rows(drop)["recompute peak of one layer"]
     attention = 8 * T * 2 * (3 * a.q_dim + 2 * a.kv_dim)  # the whole MLP instead of one slice, where larger
     whole, one_slice = (max(attention, n * 3 * 2 * a.intermediate) for n in (8 * T, F.auto_chunk_tokens(a)))
-    assert rows(drop)["scoring pass (no grad)"] - rows(plain)["scoring pass (no grad)"] == pytest.approx(
-        whole - one_slice, rel=1e-9) and whole > one_slice
+    assert (
+        rows(drop)["scoring pass (no grad)"] - rows(plain)["scoring pass (no grad)"]
+        == pytest.approx(whole - one_slice, rel=1e-9)
+        and whole > one_slice
+    )
     assert drop.attrs["lora_dropout"] is True
     cfg = GRPOKitConfig(model="llama-3.1-8b", lora_dropout=0.05)
     assert estimate_for_config(cfg).attrs["lora_dropout"] is True
     assert estimate_for_config(GRPOKitConfig(model="llama-3.1-8b")).attrs["lora_dropout"] is False
-    argv = ["--model", "llama-3.1-8b", "--context", str(T), "--prompt-length", "512", "--lora-rank", "16",
-            "--micro-batch", "1", "--method", "grpo_kit", "--training-only"]
+    argv = [
+        "--model",
+        "llama-3.1-8b",
+        "--context",
+        str(T),
+        "--prompt-length",
+        "512",
+        "--lora-rank",
+        "16",
+        "--micro-batch",
+        "1",
+        "--method",
+        "grpo_kit",
+        "--training-only",
+    ]
     assert _vram(argv + ["--lora-dropout"]) == 0 and "masks cannot be split" in capsys.readouterr().out
     with pytest.raises(ValueError, match="lora_dropout=True needs lora_rank"):
         estimate("llama-3.1-8b", EstimateSpec(**{**kw, "lora_rank": None, "scoring_batch": None}, lora_dropout=True))
@@ -769,12 +986,23 @@ def test_a_scoring_batch_above_the_micro_batch_is_its_own_phase():
     """The reference pass at the micro-batch is smaller than training and not counted; scoring more sequences per
     forward adds a ``scoring`` phase: the persistent rows, one layer's dequantised 4-bit weights and the pass's own
     activations, which grow with the scoring batch and can become the peak."""
-    kw = dict(num_generations=8, prompt_length=512, completion_length=1024, dtype="fp16", lora_rank=16,
-              quantization="4bit", micro_batch_size=1, vllm=False, include_generation=False)
+    kw = dict(
+        num_generations=8,
+        prompt_length=512,
+        completion_length=1024,
+        dtype="fp16",
+        lora_rank=16,
+        quantization="4bit",
+        micro_batch_size=1,
+        vllm=False,
+        include_generation=False,
+    )
     plain = estimate("llama-3.1-8b", EstimateSpec(**kw))
     for same in (None, 1):
         df = estimate("llama-3.1-8b", EstimateSpec(scoring_batch=same, **kw))
-        assert df.attrs["phase_bytes"] == plain.attrs["phase_bytes"] and "scoring pass (no grad)" not in set(df.component)
+        assert df.attrs["phase_bytes"] == plain.attrs["phase_bytes"] and "scoring pass (no grad)" not in set(
+            df.component
+        )
     phases = {}
     for s in (2, 8):
         df = estimate("llama-3.1-8b", EstimateSpec(scoring_batch=s, **kw))
@@ -799,86 +1027,244 @@ QWEN = "qwen2.5-1.5b"
 PINNED_SETTINGS = {
     "llama_kit_published": (LLAMA, dict(num_generations=8, prompt_length=0, completion_length=20480, lora_rank=16)),
     "llama_trl_published": (LLAMA, dict(num_generations=8, prompt_length=0, completion_length=20480, method="trl")),
-    "llama_unsloth_4bit": (LLAMA, dict(num_generations=8, prompt_length=512, completion_length=4096, lora_rank=16,
-                                        quantization="4bit", method="unsloth")),
-    "qwen_kit_4bit_standby_auto": (QWEN, dict(num_generations=8, prompt_length=256, completion_length=4096,
-                                              lora_rank=16, quantization="4bit", kv_cache_dtype="fp8",
-                                              micro_batch_size=2, generation_batch=16, standby=True,
-                                              scoring_batch="auto")),
-    "qwen_trl_fp32_hf": (QWEN, dict(num_generations=4, prompt_length=128, completion_length=512, method="trl",
-                                    lora_rank=8, loss_fp32=True, vllm=False, include_generation=False)),
-    "qwen_kit_full_fp32_torch": (QWEN, dict(num_generations=4, prompt_length=128, completion_length=512, dtype="fp32",
-                                            offload=False, loss_epilogue="torch", vllm=False)),
-    "llama_kit_dropout_old_policy": (LLAMA, dict(num_generations=8, prompt_length=512, completion_length=8192,
-                                                 lora_rank=16, lora_dropout=True, old_policy_pass=True,
-                                                 micro_batch_size=1, scoring_batch=4)),
-    "qwen_kit_fp16_given_kv": (QWEN, dict(num_generations=16, prompt_length=64, completion_length=2048, dtype="fp16",
-                                          lora_rank=32, kv_cache_bytes=2.0 * 2**30, chunk_tokens=1024,
-                                          prefetch=False, vllm_batched_tokens=8192, micro_batch_size=4)),
+    "llama_unsloth_4bit": (
+        LLAMA,
+        dict(
+            num_generations=8,
+            prompt_length=512,
+            completion_length=4096,
+            lora_rank=16,
+            quantization="4bit",
+            method="unsloth",
+        ),
+    ),
+    "qwen_kit_4bit_standby_auto": (
+        QWEN,
+        dict(
+            num_generations=8,
+            prompt_length=256,
+            completion_length=4096,
+            lora_rank=16,
+            quantization="4bit",
+            kv_cache_dtype="fp8",
+            micro_batch_size=2,
+            generation_batch=16,
+            standby=True,
+            scoring_batch="auto",
+        ),
+    ),
+    "qwen_trl_fp32_hf": (
+        QWEN,
+        dict(
+            num_generations=4,
+            prompt_length=128,
+            completion_length=512,
+            method="trl",
+            lora_rank=8,
+            loss_fp32=True,
+            vllm=False,
+            include_generation=False,
+        ),
+    ),
+    "qwen_kit_full_fp32_torch": (
+        QWEN,
+        dict(
+            num_generations=4,
+            prompt_length=128,
+            completion_length=512,
+            dtype="fp32",
+            offload=False,
+            loss_epilogue="torch",
+            vllm=False,
+        ),
+    ),
+    "llama_kit_dropout_old_policy": (
+        LLAMA,
+        dict(
+            num_generations=8,
+            prompt_length=512,
+            completion_length=8192,
+            lora_rank=16,
+            lora_dropout=True,
+            old_policy_pass=True,
+            micro_batch_size=1,
+            scoring_batch=4,
+        ),
+    ),
+    "qwen_kit_fp16_given_kv": (
+        QWEN,
+        dict(
+            num_generations=16,
+            prompt_length=64,
+            completion_length=2048,
+            dtype="fp16",
+            lora_rank=32,
+            kv_cache_bytes=2.0 * 2**30,
+            chunk_tokens=1024,
+            prefetch=False,
+            vllm_batched_tokens=8192,
+            micro_batch_size=4,
+        ),
+    ),
 }
 # estimate() for each setting above, computed before its split into one function per phase: (peak phase, scoring
 # batch, bytes per component). Qwen's loss chunk since follows the loss's own rule, 768 rows instead of 832
 # (whole 256-row tiles): 19,447,808 B less for that row, and a scoring batch of 8 instead of 7 under 'auto'.
 PINNED = {
-    "llama_kit_published": ('backward', None, {
-        "model weights": 16060522496, "inference copy (vLLM)": 0, "LoRA + optimiser states": 503316480,
-        "gradients": 167772160, "saved activations (GPU)": 1342177280, "saved activations (CPU)": 41607495680,
-        "recompute peak of one layer": 16127098880, "logits for the loss": 262668288,
-        "final norm + hidden states (loss)": 5369364480, "KV cache (generation)": 21491613696,
-        "vLLM workspace (generation)": 515629056, "total GPU (peak)": 55692500992, "total CPU": 41607495680,
-    }),
-    "llama_trl_published": ('loss', None, {
-        "model weights": 16060522496, "inference copy (vLLM)": 16060522496, "LoRA + optimiser states": 32121044992,
-        "gradients": 16060522496, "saved activations (GPU)": 42949672960, "saved activations (CPU)": 0,
-        "recompute peak of one layer": 49766727680, "logits for the loss": 84053852160,
-        "final norm + hidden states (loss)": 4027187200, "KV cache (generation)": 21491613696,
-        "vLLM workspace (generation)": 515629056, "total GPU (peak)": 232824938496, "total CPU": 0,
-    }),
-    "llama_unsloth_4bit": ('backward', None, {
-        "model weights": 5702295552, "inference copy (vLLM)": 0, "LoRA + optimiser states": 503316480,
-        "gradients": 167772160, "saved activations (GPU)": 301989888, "saved activations (CPU)": 9361686528,
-        "recompute peak of one layer": 16800841728, "dequantised 4-bit weight (transient)": 117440512,
-        "logits for the loss": 2101346304, "final norm + hidden states (loss)": 1174552576,
-        "KV cache (generation)": 4378853376, "vLLM workspace (generation)": 515629056,
-        "total GPU (peak)": 27972509696, "total CPU": 9361686528,
-    }),
-    "qwen_kit_4bit_standby_auto": ('generation', 7, {
-        "model weights": 1142926720, "inference copy (vLLM)": 0, "LoRA + optimiser states": 221577216,
-        "gradients": 73859072, "saved activations (GPU)": 26738688, "saved activations (CPU)": 721944576,
-        "recompute peak of one layer": 1030660096, "dequantised 4-bit weights of one layer": 93585408,
-        "logits for the loss": 233373696, "final norm + hidden states (loss)": 105416704,
-        "scoring pass (no grad)": 1101332480, "KV cache (generation)": 950534144,
-        "vLLM workspace (generation)": 303898624, "total GPU (peak)": 2618936704, "total CPU": 721944576,
-    }),
-    "qwen_trl_fp32_hf": ('loss', None, {
-        "model weights": 3087428608, "inference copy (vLLM)": 0, "LoRA + optimiser states": 110788608,
-        "gradients": 36929536, "saved activations (GPU)": 220200960, "saved activations (CPU)": 0,
-        "recompute peak of one layer": 620687360, "logits for the loss": 3733979136,
-        "final norm + hidden states (loss)": 15738880, "KV cache (generation)": 0, "total GPU (peak)": 7205065728,
-        "total CPU": 0,
-    }),
-    "qwen_kit_full_fp32_torch": ('backward', None, {
-        "model weights": 6174857216, "inference copy (vLLM)": 0, "LoRA + optimiser states": 12349714432,
-        "gradients": 6174857216, "saved activations (GPU)": 440401920, "saved activations (CPU)": 0,
-        "recompute peak of one layer": 804915200, "logits for the loss": 200555520,
-        "final norm + hidden states (loss)": 59779072, "KV cache (generation)": 146800640,
-        "total GPU (peak)": 25944745984, "total CPU": 0,
-    }),
-    "llama_kit_dropout_old_policy": ('scoring', 4, {
-        "model weights": 16060522496, "inference copy (vLLM)": 0, "LoRA + optimiser states": 503316480,
-        "gradients": 167772160, "saved activations (GPU)": 71303168, "saved activations (CPU)": 2210398208,
-        "recompute peak of one layer": 4376858624, "logits for the loss": 262668288,
-        "final norm + hidden states (loss)": 281053184, "scoring pass (no grad)": 9104261120,
-        "KV cache (generation)": 8673820672, "vLLM workspace (generation)": 515629056,
-        "total GPU (peak)": 34341920768, "total CPU": 2210398208,
-    }),
-    "qwen_kit_fp16_given_kv": ('generation', None, {
-        "model weights": 3087428608, "inference copy (vLLM)": 0, "LoRA + optimiser states": 443154432,
-        "gradients": 147718144, "saved activations (GPU)": 25952256, "saved activations (CPU)": 700710912,
-        "recompute peak of one layer": 354304000, "logits for the loss": 233373696,
-        "final norm + hidden states (loss)": 103056384, "KV cache (generation)": 2147483648,
-        "vLLM workspace (generation)": 578625536, "total GPU (peak)": 6256692224, "total CPU": 700710912,
-    }),
+    "llama_kit_published": (
+        "backward",
+        None,
+        {
+            "model weights": 16060522496,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 503316480,
+            "gradients": 167772160,
+            "saved activations (GPU)": 1342177280,
+            "saved activations (CPU)": 41607495680,
+            "recompute peak of one layer": 16127098880,
+            "logits for the loss": 262668288,
+            "final norm + hidden states (loss)": 5369364480,
+            "KV cache (generation)": 21491613696,
+            "vLLM workspace (generation)": 515629056,
+            "total GPU (peak)": 55692500992,
+            "total CPU": 41607495680,
+        },
+    ),
+    "llama_trl_published": (
+        "loss",
+        None,
+        {
+            "model weights": 16060522496,
+            "inference copy (vLLM)": 16060522496,
+            "LoRA + optimiser states": 32121044992,
+            "gradients": 16060522496,
+            "saved activations (GPU)": 42949672960,
+            "saved activations (CPU)": 0,
+            "recompute peak of one layer": 49766727680,
+            "logits for the loss": 84053852160,
+            "final norm + hidden states (loss)": 4027187200,
+            "KV cache (generation)": 21491613696,
+            "vLLM workspace (generation)": 515629056,
+            "total GPU (peak)": 232824938496,
+            "total CPU": 0,
+        },
+    ),
+    "llama_unsloth_4bit": (
+        "backward",
+        None,
+        {
+            "model weights": 5702295552,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 503316480,
+            "gradients": 167772160,
+            "saved activations (GPU)": 301989888,
+            "saved activations (CPU)": 9361686528,
+            "recompute peak of one layer": 16800841728,
+            "dequantised 4-bit weight (transient)": 117440512,
+            "logits for the loss": 2101346304,
+            "final norm + hidden states (loss)": 1174552576,
+            "KV cache (generation)": 4378853376,
+            "vLLM workspace (generation)": 515629056,
+            "total GPU (peak)": 27972509696,
+            "total CPU": 9361686528,
+        },
+    ),
+    "qwen_kit_4bit_standby_auto": (
+        "generation",
+        7,
+        {
+            "model weights": 1142926720,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 221577216,
+            "gradients": 73859072,
+            "saved activations (GPU)": 26738688,
+            "saved activations (CPU)": 721944576,
+            "recompute peak of one layer": 1030660096,
+            "dequantised 4-bit weights of one layer": 93585408,
+            "logits for the loss": 233373696,
+            "final norm + hidden states (loss)": 105416704,
+            "scoring pass (no grad)": 1101332480,
+            "KV cache (generation)": 950534144,
+            "vLLM workspace (generation)": 303898624,
+            "total GPU (peak)": 2618936704,
+            "total CPU": 721944576,
+        },
+    ),
+    "qwen_trl_fp32_hf": (
+        "loss",
+        None,
+        {
+            "model weights": 3087428608,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 110788608,
+            "gradients": 36929536,
+            "saved activations (GPU)": 220200960,
+            "saved activations (CPU)": 0,
+            "recompute peak of one layer": 620687360,
+            "logits for the loss": 3733979136,
+            "final norm + hidden states (loss)": 15738880,
+            "KV cache (generation)": 0,
+            "total GPU (peak)": 7205065728,
+            "total CPU": 0,
+        },
+    ),
+    "qwen_kit_full_fp32_torch": (
+        "backward",
+        None,
+        {
+            "model weights": 6174857216,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 12349714432,
+            "gradients": 6174857216,
+            "saved activations (GPU)": 440401920,
+            "saved activations (CPU)": 0,
+            "recompute peak of one layer": 804915200,
+            "logits for the loss": 200555520,
+            "final norm + hidden states (loss)": 59779072,
+            "KV cache (generation)": 146800640,
+            "total GPU (peak)": 25944745984,
+            "total CPU": 0,
+        },
+    ),
+    "llama_kit_dropout_old_policy": (
+        "scoring",
+        4,
+        {
+            "model weights": 16060522496,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 503316480,
+            "gradients": 167772160,
+            "saved activations (GPU)": 71303168,
+            "saved activations (CPU)": 2210398208,
+            "recompute peak of one layer": 4376858624,
+            "logits for the loss": 262668288,
+            "final norm + hidden states (loss)": 281053184,
+            "scoring pass (no grad)": 9104261120,
+            "KV cache (generation)": 8673820672,
+            "vLLM workspace (generation)": 515629056,
+            "total GPU (peak)": 34341920768,
+            "total CPU": 2210398208,
+        },
+    ),
+    "qwen_kit_fp16_given_kv": (
+        "generation",
+        None,
+        {
+            "model weights": 3087428608,
+            "inference copy (vLLM)": 0,
+            "LoRA + optimiser states": 443154432,
+            "gradients": 147718144,
+            "saved activations (GPU)": 25952256,
+            "saved activations (CPU)": 700710912,
+            "recompute peak of one layer": 354304000,
+            "logits for the loss": 233373696,
+            "final norm + hidden states (loss)": 103056384,
+            "KV cache (generation)": 2147483648,
+            "vLLM workspace (generation)": 578625536,
+            "total GPU (peak)": 6256692224,
+            "total CPU": 700710912,
+        },
+    ),
 }
 
 
@@ -891,7 +1277,8 @@ def test_estimate_keeps_its_pinned_numbers(name):
     assert (df.attrs["peak_phase"], df.attrs["scoring_batch"]) == (peak_phase, scoring_batch)
     assert {c: round(gb * 1e9) for c, gb in zip(df["component"], df["GB"])} == rows
     assert sum(df.attrs["phase_bytes"].values()) > 0 and df.attrs["phase_bytes"][peak_phase] == pytest.approx(
-        rows["total GPU (peak)"], abs=1)
+        rows["total GPU (peak)"], abs=1
+    )
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -901,10 +1288,33 @@ SPEC = dict(num_generations=8, prompt_length=16, completion_length=64)
 
 def test_estimate_spec_fields_are_the_former_keywords():
     assert [f.name for f in dataclasses.fields(EstimateSpec)] == [
-        "num_generations", "prompt_length", "completion_length", "dtype", "lora_rank", "quantization", "method",
-        "vllm", "kv_cache_dtype", "micro_batch_size", "chunk_tokens", "prefetch", "include_generation", "offload",
-        "loss_fp32", "loss_epilogue", "generation_batch", "standby", "kv_cache_bytes", "vllm_batched_tokens",
-        "scoring_batch", "lora_dropout", "old_policy_pass", "tool_turns", "tool_result_tokens", "prefix_sharing"]
+        "num_generations",
+        "prompt_length",
+        "completion_length",
+        "dtype",
+        "lora_rank",
+        "quantization",
+        "method",
+        "vllm",
+        "kv_cache_dtype",
+        "micro_batch_size",
+        "chunk_tokens",
+        "prefetch",
+        "include_generation",
+        "offload",
+        "loss_fp32",
+        "loss_epilogue",
+        "generation_batch",
+        "standby",
+        "kv_cache_bytes",
+        "vllm_batched_tokens",
+        "scoring_batch",
+        "lora_dropout",
+        "old_policy_pass",
+        "tool_turns",
+        "tool_result_tokens",
+        "prefix_sharing",
+    ]
     with pytest.raises(TypeError):
         EstimateSpec(num_generations=8, prompt_length=16)  # the completion length has no default
     spec = EstimateSpec(**SPEC)
@@ -914,14 +1324,19 @@ def test_estimate_spec_fields_are_the_former_keywords():
     assert EstimateSpec(**SPEC, method="trl", scoring_batch="auto").scoring_batch == "auto"
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_generations=0), r"^num_generations must be an int >= 1, got 0$"),
-    (dict(method="x"), r"^method must be one of \['trl', 'unsloth', 'grpo_kit'\], got 'x'$"),
-    (dict(method="trl", prefix_sharing=True),
-     r"^prefix_sharing applies to method='grpo_kit' only \(TRL and Unsloth score every row's prompt\), "
-     r"got method='trl'$"),
-    (dict(scoring_batch="max"), r"^scoring_batch must be None, 'auto' or an integer >= 1, got 'max'$"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_generations=0), r"^num_generations must be an int >= 1, got 0$"),
+        (dict(method="x"), r"^method must be one of \['trl', 'unsloth', 'grpo_kit'\], got 'x'$"),
+        (
+            dict(method="trl", prefix_sharing=True),
+            r"^prefix_sharing applies to method='grpo_kit' only \(TRL and Unsloth score every row's prompt\), "
+            r"got method='trl'$",
+        ),
+        (dict(scoring_batch="max"), r"^scoring_batch must be None, 'auto' or an integer >= 1, got 'max'$"),
+    ],
+)
 def test_estimate_spec_rejects_a_bad_value_when_made(kwargs, match):
     """The checks run when a spec is made, and again on ``dataclasses.replace``: one ValueError naming the value."""
     with pytest.raises(ValueError, match=match):
@@ -941,9 +1356,18 @@ def test_a_spec_prices_what_the_keywords_did():
     """PINNED was computed with estimate's former keyword arguments: a spec holding the same values gives those
     bytes, through estimate and compare alike."""
     peak_phase, scoring_batch, rows = PINNED["qwen_kit_4bit_standby_auto"]
-    spec = EstimateSpec(num_generations=8, prompt_length=256, completion_length=4096, lora_rank=16,
-                        quantization="4bit", kv_cache_dtype="fp8", micro_batch_size=2, generation_batch=16,
-                        standby=True, scoring_batch="auto")
+    spec = EstimateSpec(
+        num_generations=8,
+        prompt_length=256,
+        completion_length=4096,
+        lora_rank=16,
+        quantization="4bit",
+        kv_cache_dtype="fp8",
+        micro_batch_size=2,
+        generation_batch=16,
+        standby=True,
+        scoring_batch="auto",
+    )
     df = estimate(QWEN, spec)
     assert (df.attrs["peak_phase"], df.attrs["scoring_batch"]) == (peak_phase, scoring_batch)
     assert {c: round(gb * 1e9) for c, gb in zip(df["component"], df["GB"])} == rows
@@ -964,9 +1388,20 @@ def test_loss_chunk_rows_follow_the_loss_rule(model, dtype, epilogue):
     b = F.DTYPE_BYTES[dtype]
     per_row = vocab * (b + (3 * F.FP32 if epilogue == "torch" else 0))  # the bytes the rule budgets per row
     for G, M, C in ((4, 1, 8), (8, 2, 300), (16, 8, 4096), (16, 4, 16384), (16, 8, 65536)):
-        df = estimate(model, EstimateSpec(method="grpo_kit", lora_rank=8, dtype=dtype, loss_epilogue=epilogue,
-                                          num_generations=G, prompt_length=32, completion_length=C, micro_batch_size=M,
-                                          scoring_batch=G))
+        df = estimate(
+            model,
+            EstimateSpec(
+                method="grpo_kit",
+                lora_rank=8,
+                dtype=dtype,
+                loss_epilogue=epilogue,
+                num_generations=G,
+                prompt_length=32,
+                completion_length=C,
+                micro_batch_size=M,
+                scoring_batch=G,
+            ),
+        )
         notes = df.set_index("component")["note"]
         loss_rows = int(re.search(r"one chunk of (\d+) token rows", notes["logits for the loss"]).group(1))
         score_rows = int(re.search(r"one logits chunk of (\d+) rows", notes["scoring pass (no grad)"]).group(1))
@@ -976,12 +1411,14 @@ def test_loss_chunk_rows_follow_the_loss_rule(model, dtype, epilogue):
         taken = min(auto_chunk_rows(vocab, tdtype, torch.device("cpu"), epilogue, n_tokens=n), n)
         assert taken <= loss_rows and taken * per_row + 48 * n <= (loss_rows + 256) * per_row
     # the stale rule priced 832 rows here (64-row multiples); the loss takes whole 256-row tiles
-    qwen = estimate("qwen2.5-1.5b", EstimateSpec(method="grpo_kit", num_generations=8, prompt_length=0,
-                                                 completion_length=4096))
+    qwen = estimate(
+        "qwen2.5-1.5b", EstimateSpec(method="grpo_kit", num_generations=8, prompt_length=0, completion_length=4096)
+    )
     assert qwen.set_index("component").at["logits for the loss", "GB"] * 1e9 == pytest.approx(768 * 151936 * 2)
 
 
 # ---- FP8 base weights (base_weights='fp8', issue 37) --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_fp8_weight_bytes_are_what_an_fp8_model_holds(name):
@@ -999,8 +1436,15 @@ def test_fp8_weight_bytes_are_what_an_fp8_model_holds(name):
 
 
 def test_fp8_weights_are_priced_in_every_phase_and_the_8x20k_step_within_the_issue_target():
-    kw = dict(num_generations=8, prompt_length=512, completion_length=20480, lora_rank=16, kv_cache_dtype="fp8",
-              micro_batch_size=1, standby=True)
+    kw = dict(
+        num_generations=8,
+        prompt_length=512,
+        completion_length=20480,
+        lora_rank=16,
+        kv_cache_dtype="fp8",
+        micro_batch_size=1,
+        standby=True,
+    )
     bf16, fp8 = estimate(LLAMA, EstimateSpec(**kw)), estimate(LLAMA, EstimateSpec(quantization="fp8", **kw))
     weights = fp8.set_index("component").loc["model weights"]
     assert weights["GB"] * 1e9 == pytest.approx(F.weight_bytes(resolve_arch(LLAMA), 2, "fp8"))

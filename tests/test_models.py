@@ -30,8 +30,9 @@ def test_embedded_roundtrip_gives_same_logits(tmp_path, monkeypatch):
     model.eval()
     assert type(model).__name__ == "LlamaForCausalLM"
     assert all(p.requires_grad for p in model.parameters())  # dequantised: plain trainable weights
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>assistant" in text  # chat template survived the export
     ids = tok(text, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -68,8 +69,16 @@ def test_tiny_models_are_the_real_architectures(name, model_type):
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's QKV bias
 
 
-@pytest.mark.parametrize("name,params_b", [("llama-3.1-8b", 8.03), ("qwen2.5-1.5b", 1.54), ("qwen2.5-7b", 7.62),
-                                           ("llama-3.2-1b", 1.24), ("mistral-7b", 7.25)])
+@pytest.mark.parametrize(
+    "name,params_b",
+    [
+        ("llama-3.1-8b", 8.03),
+        ("qwen2.5-1.5b", 1.54),
+        ("qwen2.5-7b", 7.62),
+        ("llama-3.2-1b", 1.24),
+        ("mistral-7b", 7.25),
+    ],
+)
 def test_config_only_architectures_have_published_sizes(name, params_b):
     model = models.build_random_model(name, dtype=torch.bfloat16, device="meta")
     n = sum(p.numel() for p in model.parameters()) / 1e9

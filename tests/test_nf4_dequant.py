@@ -13,8 +13,7 @@ import pytest
 import torch
 from _interpreter import run_in_triton_interpreter
 
-needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                               reason="bitsandbytes is not installed")
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
 SHAPES = ((70, 131), (1, 17), (64, 64), (3, 1000), (257, 300))  # 300 x 257 / 64 > 256 blocks: two 2nd-level blocks
 INTS = {2: torch.int16, 4: torch.int32}
 

@@ -16,8 +16,9 @@ from grpo_kit.model.loading import load_model
 from grpo_kit.model.offload import enable_offloaded_checkpointing
 from grpo_kit.model.quantize import is_quantized
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                                reason="bitsandbytes is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed"
+)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDS = torch.randint(3, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
 
@@ -50,8 +51,11 @@ def _step(name, impl, checkpointing, chunk_tokens=30, dtype=torch.float32):
     return counts, ref, out.logits.detach(), grads
 
 
-@pytest.mark.parametrize("name,dtype", [("tiny-llama", torch.float32), ("tiny-qwen2", torch.float32),
-                                        ("tiny-qwen2", torch.bfloat16)], ids=str)
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("tiny-llama", torch.float32), ("tiny-qwen2", torch.float32), ("tiny-qwen2", torch.bfloat16)],
+    ids=str,
+)
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_kit_matmul_gives_bitsandbytes_results(name, dtype, checkpointing):
     _, ref_b, logits_b, grads_b = _step(name, "bitsandbytes", checkpointing, dtype=dtype)
@@ -108,8 +112,12 @@ def _layer(compute_dtype, bias=True, weight_dtype=torch.float32):
 
     g = torch.Generator().manual_seed(5)
     layer = bnb.nn.Linear4bit(70, 33, bias=bias, compute_dtype=compute_dtype, quant_type="nf4")
-    layer.weight = bnb.nn.Params4bit((torch.randn(33, 70, generator=g) * 0.05).to(weight_dtype), requires_grad=False,
-                                     quant_type="nf4", compress_statistics=True)
+    layer.weight = bnb.nn.Params4bit(
+        (torch.randn(33, 70, generator=g) * 0.05).to(weight_dtype),
+        requires_grad=False,
+        quant_type="nf4",
+        compress_statistics=True,
+    )
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(33, generator=g) * 0.1, requires_grad=False)
     return layer.to("cpu")
@@ -127,9 +135,11 @@ def _run(layer, impl, x, **autocast):
     return y.detach(), x.grad
 
 
-@pytest.mark.parametrize("compute_dtype,x_dtype", [(None, torch.bfloat16), (None, torch.float32),
-                                                   (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "compute_dtype,x_dtype",
+    [(None, torch.bfloat16), (None, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=str,
+)
 def test_one_layer_follows_bitsandbytes_dtype_rules(compute_dtype, x_dtype):
     """Compute dtype set or not (bitsandbytes then takes the input's), input in another dtype, a bias, leading
     dimensions: the output and input gradient bitsandbytes' Linear4bit gives, in the input's dtype."""
@@ -182,7 +192,9 @@ def test_the_matmul_option_is_checked():
         load_model("tiny-llama", load_in_4bit=True, device="cpu", nf4_matmul="fast")
     import bitsandbytes as bnb
 
-    assert NM.use_nf4_matmul(model, "bitsandbytes") == 14 and type(model.model.layers[0].mlp.up_proj) is bnb.nn.Linear4bit
+    assert (
+        NM.use_nf4_matmul(model, "bitsandbytes") == 14 and type(model.model.layers[0].mlp.up_proj) is bnb.nn.Linear4bit
+    )
     # bitsandbytes' subclasses keep their class under the kit's (isinstance holds) and get it back; a class with a
     # forward of its own is left alone
     nf4 = bnb.nn.LinearNF4(64, 32, compute_dtype=torch.float32)
@@ -199,7 +211,9 @@ def test_the_matmul_option_is_checked():
 
     own = torch.nn.Sequential(Own(64, 32))
     assert NM.use_nf4_matmul(own, "kit") == 0 and type(own[0]) is Own
-    with pytest.raises(ConfigError, match=r"load_in_4bit_matmul='fast' is not allowed; choose one of \['kit', 'bitsandbytes'\]"):
+    with pytest.raises(
+        ConfigError, match=r"load_in_4bit_matmul='fast' is not allowed; choose one of \['kit', 'bitsandbytes'\]"
+    ):
         GRPOKitConfig(load_in_4bit_matmul="fast").validate()
     assert GRPOKitConfig.field_help()["load_in_4bit_matmul"]
 
@@ -248,8 +262,11 @@ def test_no_object_changes_class():
     model, _ = load_model("tiny-llama", load_in_4bit=True, device="cpu", nf4_matmul="bitsandbytes")
     pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     for impl, cls in (("kit", NM.KitLinear4bit), ("bitsandbytes", bnb.nn.Linear4bit)):
-        before = {name: (m, type(m), m.weight, m.weight.quant_state, m.bias)
-                  for name, m in pm.named_modules() if is_quantized(m)}
+        before = {
+            name: (m, type(m), m.weight, m.weight.quant_state, m.bias)
+            for name, m in pm.named_modules()
+            if is_quantized(m)
+        }
         types_before = [(m, type(m)) for m in pm.modules()]
         assert NM.use_nf4_matmul(pm, impl) == len(before) == 14
         assert all(type(m) is t for m, t in types_before)  # every object keeps its class

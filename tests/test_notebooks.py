@@ -27,8 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NB_DIR = ROOT / "notebooks"
 CHECK_TAG = "nbval-check-output"
 NAMES = sorted(p.stem for p in NB_DIR.glob("[0-9][0-9]_*.ipynb"))
-EXPECTED = ["01_grpo_math", "02_vram_profiling", "03_qwen2.5_grpo", "04_llama3.1_grpo_long_context",
-            "05_rewards_and_verifiers", "06_multi_turn_tools"]
+EXPECTED = [
+    "01_grpo_math",
+    "02_vram_profiling",
+    "03_qwen2.5_grpo",
+    "04_llama3.1_grpo_long_context",
+    "05_rewards_and_verifiers",
+    "06_multi_turn_tools",
+]
 
 
 def pictures(outputs: list) -> list:
@@ -36,10 +42,13 @@ def pictures(outputs: list) -> list:
     notebooks keep of the cells nbval does not check, so that they can be read without running them."""
     import nbformat
 
-    return [nbformat.from_dict({"output_type": "display_data", "metadata": {},
-                                "data": {"image/png": o["data"]["image/png"]}})
-            for o in outputs
-            if o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
+    return [
+        nbformat.from_dict(
+            {"output_type": "display_data", "metadata": {}, "data": {"image/png": o["data"]["image/png"]}}
+        )
+        for o in outputs
+        if o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+    ]
 
 
 def _ci_params() -> dict:
@@ -49,8 +58,13 @@ def _ci_params() -> dict:
 
 
 def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GRPO_KIT_STATIC_DASHBOARD="1", MPLBACKEND="Agg", TQDM_DISABLE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        GRPO_KIT_STATIC_DASHBOARD="1",
+        MPLBACKEND="Agg",
+        TQDM_DISABLE="1",
+    )
     return env
 
 
@@ -59,16 +73,37 @@ def _prepare(name: str, out: Path, params: dict | None = None) -> Path:
     import papermill as pm
 
     path = out / f"{name}.ipynb"
-    pm.execute_notebook(str(NB_DIR / f"{name}.ipynb"), str(path),
-                        parameters=_ci_params().get(name, {}) if params is None else params,
-                        prepare_only=True, kernel_name="python3", progress_bar=False)
+    pm.execute_notebook(
+        str(NB_DIR / f"{name}.ipynb"),
+        str(path),
+        parameters=_ci_params().get(name, {}) if params is None else params,
+        prepare_only=True,
+        kernel_name="python3",
+        progress_bar=False,
+    )
     return path
 
 
 def _nbval(path: Path, cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-           "--nbval-sanitize-with", str(NB_DIR / "nbval_sanitize.cfg"), "--nbval-current-env",
-           "--nbval-cell-timeout", "900", "-c", os.devnull, "--rootdir", str(cwd), str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--nbval-lax",
+        "--nbval-sanitize-with",
+        str(NB_DIR / "nbval_sanitize.cfg"),
+        "--nbval-current-env",
+        "--nbval-cell-timeout",
+        "900",
+        "-c",
+        os.devnull,
+        "--rootdir",
+        str(cwd),
+        str(path),
+    ]
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
 
 
@@ -103,9 +138,16 @@ def test_layout(name):
     assert code.index(tagged[0]) == 1, "the parameters cell follows the install cell"
     install = code[0].source
     assert '"google.colab" in sys.modules' in install and "GRPO_KIT_REPO" in install
-    reqs = "".join((ROOT / f).read_text() for f in ("requirements-kit.txt", "requirements-notebooks.txt",
-                                                     "grpo_kit/requirements-nodeps.txt", "requirements-vllm-cpu.txt",
-                                                     "requirements-vllm-cuda.txt"))
+    reqs = "".join(
+        (ROOT / f).read_text()
+        for f in (
+            "requirements-kit.txt",
+            "requirements-notebooks.txt",
+            "grpo_kit/requirements-nodeps.txt",
+            "requirements-vllm-cpu.txt",
+            "requirements-vllm-cuda.txt",
+        )
+    )
     for pin in re.findall(r'"([\w-]+==[\d.]+)"', install):
         assert pin in reqs, f"{name}: install cell pins {pin}, requirements differ"
     for c in code:
@@ -123,8 +165,13 @@ def _texts(nb) -> str:
     out = []
     for c in nb.cells:
         for o in c.get("outputs", []):
-            out.append(o.get("text", "") if o.get("output_type") == "stream" else
-                       o.get("data", {}).get("text/plain", "") if "data" in o else "\n".join(o.get("traceback", [])))
+            out.append(
+                o.get("text", "")
+                if o.get("output_type") == "stream"
+                else o.get("data", {}).get("text/plain", "")
+                if "data" in o
+                else "\n".join(o.get("traceback", []))
+            )
     return "\n".join(t if isinstance(t, str) else "".join(t) for t in out)
 
 
@@ -140,12 +187,12 @@ def closing_steps(text: str) -> int:
 # refreshed yet; the test fails as soon as one is clean, so the name cannot outlive the reason.
 STDERR_NOT_YET_REFRESHED = {
     "03_qwen2.5_grpo": "its committed run (2026-12-07, 4,360 s on the shared CPU) shows bitsandbytes' CPU-kernel "
-                       "line once: notebook_setup imported the run's code before quieting the console, fixed after "
-                       "that run (tests/test_dashboard.py holds it); the next refresh drops it",
+    "line once: notebook_setup imported the run's code before quieting the console, fixed after "
+    "that run (tests/test_dashboard.py holds it); the next refresh drops it",
     "04_llama3.1_grpo_long_context": "its CPU section is to be rebuilt around a task the embedded model learns "
-                                     "(issue 56 item 2); a refresh of the old one takes ~30 minutes",
+    "(issue 56 item 2); a refresh of the old one takes ~30 minutes",
     "06_multi_turn_tools": "its run is to be replaced by one that learns the tool (issue 56 item 1; the settings "
-                           "measured so far: .notes/tools_learning.md)",
+    "measured so far: .notes/tools_learning.md)",
 }
 
 # the least a committed real run shows: training steps its closing lines report (issue 36)
@@ -165,8 +212,12 @@ def test_committed_outputs_are_a_real_run(name):
         f"{name}: the committed outputs hold an error"
     )
     # a red box a reader meets: a library's warning or the kit's own line printed to stderr (issue 56)
-    stderr = ["".join(o.get("text", "")).strip()[:120] for c in code for o in c.get("outputs", [])
-              if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    stderr = [
+        "".join(o.get("text", "")).strip()[:120]
+        for c in code
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stderr"
+    ]
     if name in STDERR_NOT_YET_REFRESHED:
         assert stderr, f"{name} is clean now: take it out of STDERR_NOT_YET_REFRESHED"
     else:
@@ -186,12 +237,15 @@ def test_notebook_runs(name, tmp_path):
     assert res.returncode == 0, f"{name} failed under nbval:\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("name, params, needle", [
-    ("05_rewards_and_verifiers", {"num_problems": "many"}, "num_problems='many' has the wrong type"),
-    ("03_qwen2.5_grpo", {"model": "no-such-model"}, "model='no-such-model' is not a built-in name"),
-    # the full setup's 4-bit option is refused before any model loads on a machine without a CUDA GPU
-    ("04_llama3.1_grpo_long_context", {"setup": "full", "four_bit": True}, "load_in_4bit=True needs a CUDA GPU"),
-])
+@pytest.mark.parametrize(
+    "name, params, needle",
+    [
+        ("05_rewards_and_verifiers", {"num_problems": "many"}, "num_problems='many' has the wrong type"),
+        ("03_qwen2.5_grpo", {"model": "no-such-model"}, "model='no-such-model' is not a built-in name"),
+        # the full setup's 4-bit option is refused before any model loads on a machine without a CUDA GPU
+        ("04_llama3.1_grpo_long_context", {"setup": "full", "four_bit": True}, "load_in_4bit=True needs a CUDA GPU"),
+    ],
+)
 def test_bad_parameter_fails_in_validation_cell(name, params, needle, tmp_path):
     """A wrong type or an unknown model stops the notebook in the cell after the parameters."""
     import papermill as pm
@@ -201,8 +255,14 @@ def test_bad_parameter_fails_in_validation_cell(name, params, needle, tmp_path):
     os.environ.update(_env())
     try:
         with pytest.raises(pm.PapermillExecutionError) as err:
-            pm.execute_notebook(str(NB_DIR / f"{name}.ipynb"), str(out), parameters=params, kernel_name="python3",
-                                progress_bar=False, cwd=str(tmp_path))
+            pm.execute_notebook(
+                str(NB_DIR / f"{name}.ipynb"),
+                str(out),
+                parameters=params,
+                kernel_name="python3",
+                progress_bar=False,
+                cwd=str(tmp_path),
+            )
     finally:
         os.environ.clear()
         os.environ.update(old)
@@ -226,8 +286,9 @@ def refresh(names) -> None:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / f"{name}.ipynb"
-            pm.execute_notebook(str(NB_DIR / f"{name}.ipynb"), str(out), kernel_name="python3", cwd=tmp,
-                                progress_bar=False)
+            pm.execute_notebook(
+                str(NB_DIR / f"{name}.ipynb"), str(out), kernel_name="python3", cwd=tmp, progress_bar=False
+            )
             executed = nbformat.read(out, as_version=4)
         for c in executed.cells:  # papermill's bookkeeping, not the notebook's
             c.metadata.pop("papermill", None)
@@ -235,8 +296,10 @@ def refresh(names) -> None:
         executed.metadata.pop("papermill", None)
         nbformat.write(executed, NB_DIR / f"{name}.ipynb")
         load = os.getloadavg()
-        print(f"refreshed {name}: {time.perf_counter() - t0:.0f} s wall, load average "
-              f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"refreshed {name}: {time.perf_counter() - t0:.0f} s wall, load average "
+            f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs"
+        )
 
 
 if __name__ == "__main__":

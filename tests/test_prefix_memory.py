@@ -17,8 +17,9 @@ from grpo_kit.model.offload import enable_offloaded_checkpointing
 from grpo_kit.model.prefix import shared_group_hidden
 
 LLAMA = "llama-3.1-8b"
-LONG = dict(num_generations=8, prompt_length=126_976, completion_length=2_048, lora_rank=16, micro_batch_size=8,
-            standby=True)  # the row: 8 x (126,976 + 2,048), bf16 LoRA r = 16, vLLM in standby
+LONG = dict(
+    num_generations=8, prompt_length=126_976, completion_length=2_048, lora_rank=16, micro_batch_size=8, standby=True
+)  # the row: 8 x (126,976 + 2,048), bf16 LoRA r = 16, vLLM in standby
 
 
 def _gib(df, component):
@@ -72,8 +73,10 @@ def test_the_scoring_pass_runs_one_group_at_a_time():
     assert 0 < logits < 2**30  # the rest is one logits chunk
     assert F.shared_scoring_peak(a, 8, P, C, 2, chunk, 0) == F.kv_cache_bytes(a, P, 2) + max(
         F.scoring_forward_peak(a, 1, P, 2, chunk, 0),
-        F.scoring_forward_peak(a, 8, C, 2, chunk, 0) + F.prefix_attention_bytes(a, 8, P, C, 2, False)
-        + F.prefix_mask_bytes(P, C, 2))
+        F.scoring_forward_peak(a, 8, C, 2, chunk, 0)
+        + F.prefix_attention_bytes(a, 8, P, C, 2, False)
+        + F.prefix_mask_bytes(P, C, 2),
+    )
 
 
 def test_short_prompts_gain_nothing_and_auto_is_priced_unshared():
@@ -87,8 +90,25 @@ def test_short_prompts_gain_nothing_and_auto_is_priced_unshared():
 
 
 def test_vram_answers_with_and_without_sharing(capsys):
-    argv = ["--model", LLAMA, "--context", "129024", "--prompt-length", "126976", "--generations", "8",
-            "--micro-batch", "8", "--lora-rank", "16", "--standby", "--gpu-gib", "80", "--prefix-sharing", "both"]
+    argv = [
+        "--model",
+        LLAMA,
+        "--context",
+        "129024",
+        "--prompt-length",
+        "126976",
+        "--generations",
+        "8",
+        "--micro-batch",
+        "8",
+        "--lora-rank",
+        "16",
+        "--standby",
+        "--gpu-gib",
+        "80",
+        "--prefix-sharing",
+        "both",
+    ]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "method grpo_kit + prefix sharing: peak during" in out and "prompt keys and values" in out

@@ -52,27 +52,50 @@ def _batch(gen, vocab=1000):
     completion_mask = torch.zeros(B, C, dtype=torch.long)
     for i, j in enumerate(order):
         prompt, c = rows[j]
-        prompt_ids[i, W - prompt.numel():], prompt_mask[i, W - prompt.numel():] = prompt, 1
+        prompt_ids[i, W - prompt.numel() :], prompt_mask[i, W - prompt.numel() :] = prompt, 1
         completion_mask[i, :c] = 1
     completion_ids = torch.randint(3, vocab, (B, C), generator=gen).masked_fill(completion_mask == 0, 2)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                completion_mask=completion_mask, advantages=torch.randn(B, generator=gen),
-                num_items_in_batch=completion_mask.sum().float())
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.randn(B, generator=gen),
+        num_items_in_batch=completion_mask.sum().float(),
+    )
 
 
 def _trainer(name, tmp_path):
     model = build_random_model(name)
     tok = load_tokenizer(name)
     tok.padding_side = "left"
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=C, report_to="none", use_cpu=True, max_steps=1, temperature=0.7,
-                      bf16=False, save_strategy="no", disable_tqdm=True, seed=0, beta=0.04, epsilon=0.2,
-                      gradient_checkpointing=False)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=C,
+        report_to="none",
+        use_cpu=True,
+        max_steps=1,
+        temperature=0.7,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        beta=0.04,
+        epsilon=0.2,
+        gradient_checkpointing=False,
+    )
     trainer = EfficientGRPOTrainer(
-        model=model, reward_funcs=[correctness_reward], args=args,
-        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)), processing_class=tok,
-        offload_checkpointing=False, prefix_sharing=False,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=anatomy.lora_targets(model), task_type="CAUSAL_LM"))
+        model=model,
+        reward_funcs=[correctness_reward],
+        args=args,
+        train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
+        processing_class=tok,
+        offload_checkpointing=False,
+        prefix_sharing=False,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=anatomy.lora_targets(model), task_type="CAUSAL_LM"),
+    )
     gen = torch.Generator().manual_seed(1)
     for p in trainer.model.parameters():
         if p.requires_grad:  # a non-zero adapter, so that it matters
@@ -134,8 +157,7 @@ def test_shared_prompts_score_as_the_unshared_computation(name, tmp_path):
         warnings.simplefilter("error")  # said once already: not again
         for lt, lvl in LOSSES:
             _assert_same(_loss_and_grads(trainer, inputs, True, lt, lvl), want[lt, lvl], f"plain {lt}/{lvl}")
-    enable_offloaded_checkpointing(trainer.model, chunk_tokens=16, min_bytes=0, pin_memory=False,
-                                   _offload_on_cpu=True)
+    enable_offloaded_checkpointing(trainer.model, chunk_tokens=16, min_bytes=0, pin_memory=False, _offload_on_cpu=True)
     trainer._offloaded_checkpointing = True
     for lt, lvl in LOSSES:
         _assert_same(_loss_and_grads(trainer, inputs, True, lt, lvl), want[lt, lvl], f"offloaded {lt}/{lvl}")
@@ -169,8 +191,13 @@ def test_the_plan_groups_by_content_and_auto_shares_only_what_pays():
 
 
 def test_the_setting_takes_auto_true_false_only():
-    assert [check_prefix_sharing(v) for v in ("auto", True, False, "true", "False")] == ["auto", True, False, True,
-                                                                                         False]
+    assert [check_prefix_sharing(v) for v in ("auto", True, False, "true", "False")] == [
+        "auto",
+        True,
+        False,
+        True,
+        False,
+    ]
     for bad in ("yes", 1, None, "on"):
         with pytest.raises(ValueError, match="prefix_sharing must be auto, true or false"):
             check_prefix_sharing(bad)
@@ -211,12 +238,14 @@ def test_with_lora_dropout_the_offloaded_pass_equals_the_plain_one():
 
     def run(offload):
         torch.manual_seed(5)
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2,
-                                                                init_lora_weights=False,
-                                                                target_modules=anatomy.lora_targets(base)))
+        model = get_peft_model(
+            copy.deepcopy(base),
+            LoraConfig(
+                r=4, lora_alpha=8, lora_dropout=0.2, init_lora_weights=False, target_modules=anatomy.lora_targets(base)
+            ),
+        )
         if offload:
-            enable_offloaded_checkpointing(model, chunk_tokens=16, min_bytes=0, pin_memory=False,
-                                           _offload_on_cpu=True)
+            enable_offloaded_checkpointing(model, chunk_tokens=16, min_bytes=0, pin_memory=False, _offload_on_cpu=True)
         model.train()
         torch.manual_seed(6)
         hidden = shared_group_hidden(model, prompt, completions)
@@ -233,11 +262,14 @@ def _unshared_hidden(model, prompt, completions):
     box = []
     handle = anatomy.decoder_body(model).register_forward_hook(lambda _m, _i, out: box.append(out))
     try:
-        model(input_ids=torch.cat([prompt.expand(len(completions), -1), completions], 1), use_cache=False,
-              logits_to_keep=1)
+        model(
+            input_ids=torch.cat([prompt.expand(len(completions), -1), completions], 1),
+            use_cache=False,
+            logits_to_keep=1,
+        )
     finally:
         handle.remove()
-    return anatomy.last_hidden(box[-1])[:, prompt.numel() - 1:-1]
+    return anatomy.last_hidden(box[-1])[:, prompt.numel() - 1 : -1]
 
 
 @pytest.mark.parametrize("weights", ["full fine-tuning", "fp8 base weights"])
@@ -258,11 +290,11 @@ def test_it_composes_with_full_fine_tuning_and_fp8_base_weights(weights):
         model = copy.deepcopy(base)
         if weights == "fp8 base weights":
             torch.manual_seed(9)
-            model = get_peft_model(model, fp8_lora_config(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                                     target_modules=targets)))
+            model = get_peft_model(
+                model, fp8_lora_config(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets))
+            )
         if shared:
-            enable_offloaded_checkpointing(model, chunk_tokens=16, min_bytes=0, pin_memory=False,
-                                           _offload_on_cpu=True)
+            enable_offloaded_checkpointing(model, chunk_tokens=16, min_bytes=0, pin_memory=False, _offload_on_cpu=True)
         model.train()
         hidden = (shared_group_hidden if shared else _unshared_hidden)(model, prompt, completions)
         (hidden * weight).sum().backward()
@@ -280,10 +312,21 @@ def test_the_runs_setting_reaches_its_trainer(setting, tmp_path):
     never plans a pass. (It once stopped at the config: ``grpo_kit train`` never shared.)"""
     from grpo_kit.app.run import train
 
-    summary = train(GRPOKitConfig(model="tiny-llama", output_dir=str(tmp_path / "run"), generation_backend="hf",
-                                  prefix_sharing=setting, max_steps=1, num_train_samples=4, num_eval_samples=0,
-                                  max_completion_length=6, num_generations=4, per_device_train_batch_size=4,
-                                  save_steps=0))
+    summary = train(
+        GRPOKitConfig(
+            model="tiny-llama",
+            output_dir=str(tmp_path / "run"),
+            generation_backend="hf",
+            prefix_sharing=setting,
+            max_steps=1,
+            num_train_samples=4,
+            num_eval_samples=0,
+            max_completion_length=6,
+            num_generations=4,
+            per_device_train_batch_size=4,
+            save_steps=0,
+        )
+    )
     stats = summary["prefix_sharing"]
     assert stats["setting"] is setting
     if setting:

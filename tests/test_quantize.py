@@ -39,7 +39,9 @@ def test_quantize_replaces_the_linears_but_the_head_and_the_skipped(name):
     report = quantize_model(model, compute_dtype=torch.float32, device="cpu", skip_modules=["down_proj"])
     assert report["quantized_layers"] == 7 * 2 - n_down
     assert sorted(report["kept_16bit"]) == sorted(["lm_head", *[f"model.layers.{i}.mlp.down_proj" for i in range(2)]])
-    assert all(is_quantized(model.get_submodule(n)) for n in quantizable_linears(build_random_model(name), ["down_proj"]))
+    assert all(
+        is_quantized(model.get_submodule(n)) for n in quantizable_linears(build_random_model(name), ["down_proj"])
+    )
     # the bytes held are NF4's 4 bits + double-quantised absmax (nf4_dequant.NF4_BITS_PER_PARAM) per weight, plus
     # each tensor's 256-entry fp32 code of the second quantisation (1 KiB: noise beside an 8B's weights)
     n = report["quantized_layers"]
@@ -141,20 +143,42 @@ def test_a_quantised_grpo_step_trains_lora_only(tmp_path):
     from grpo_kit.tasks.rewards import completion_text
     from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
-    model, tok = load_model("tiny-llama", load_in_4bit=True, skip_modules="auto", device="cpu",
-                            calibration=[_ids(1, 16)], auto_allowance=0.05)
+    model, tok = load_model(
+        "tiny-llama",
+        load_in_4bit=True,
+        skip_modules="auto",
+        device="cpu",
+        calibration=[_ids(1, 16)],
+        auto_allowance=0.05,
+    )
     report = model.grpo_kit_quantization
     assert report["skip_modules"] == "auto" and report["auto"]["extra_bytes"] <= report["auto"]["allowance_bytes"]
     tok.padding_side = "left"
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, beta=0.04, report_to="none", use_cpu=True, max_steps=2,
-                      use_bias_correction_kl=False, bf16=False, learning_rate=5e-3, logging_steps=1,
-                      save_strategy="no", disable_tqdm=True, seed=0)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        beta=0.04,
+        report_to="none",
+        use_cpu=True,
+        max_steps=2,
+        use_bias_correction_kl=False,
+        bf16=False,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = EfficientGRPOTrainer(
-        model=model, args=args, processing_class=tok,
+        model=model,
+        args=args,
+        processing_class=tok,
         reward_funcs=[lambda prompts, completions, **kw: [len(completion_text(c)) % 5 / 4 for c in completions]],
         train_dataset=to_prompt_dataset(generate_tasks("arithmetic", 8, seed=0)),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS),
+    )
     packed = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.dtype == torch.uint8}
     lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
@@ -228,6 +252,7 @@ def test_skip_modules_auto_parses_from_yaml_and_cli(tmp_path):
 def test_4bit_on_a_cpu_only_machine_is_refused_in_validation_before_loading(tmp_path, monkeypatch):
     from grpo_kit.app import run
     from grpo_kit.model import loading as models
+
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = GRPOKitConfig(load_in_4bit=True, output_dir=str(tmp_path / "run"), max_steps=1)
     with pytest.raises(ConfigError, match="load_in_4bit=True needs a CUDA GPU .* device='auto' finds none"):
@@ -252,8 +277,12 @@ def test_a_checkpoint_loads_streamed_with_the_same_nf4_as_the_in_ram_path():
     assert a["kept_16bit"] == b["kept_16bit"] and a["quantized_layers"] == b["quantized_layers"] > 0
     assert a["quantized_weight_bytes"] == b["quantized_weight_bytes"]
     kept = set(a["kept_16bit"])
-    assert {"lm_head", "model.layers.3.mlp.down_proj", "model.layers.0.mlp.up_proj",
-            "model.layers.5.self_attn.k_proj"} <= kept and "model.layers.5.self_attn.q_proj" not in kept
+    assert {
+        "lm_head",
+        "model.layers.3.mlp.down_proj",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.5.self_attn.k_proj",
+    } <= kept and "model.layers.5.self_attn.q_proj" not in kept
     mods_a, mods_b = dict(streamed.named_modules()), dict(in_ram.named_modules())
     for name, m in mods_b.items():
         if is_quantized(m):  # compared before any forward (bitsandbytes' CPU backend repacks at the first one)

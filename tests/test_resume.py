@@ -27,19 +27,53 @@ from grpo_kit.trainer.checkpoints import (
 )
 
 WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
-TINY = ["--set", "model=tiny-llama", "--set", "max_steps=6", "--set", "save_steps=2", "--set", "num_train_samples=16",
-        "--set", "num_eval_samples=0", "--set", "max_completion_length=8", "--set", "num_generations=4",
-        "--set", "per_device_train_batch_size=4", "--set", "learning_rate=0.01", "--set", "seed=3"]
+TINY = [
+    "--set",
+    "model=tiny-llama",
+    "--set",
+    "max_steps=6",
+    "--set",
+    "save_steps=2",
+    "--set",
+    "num_train_samples=16",
+    "--set",
+    "num_eval_samples=0",
+    "--set",
+    "max_completion_length=8",
+    "--set",
+    "num_generations=4",
+    "--set",
+    "per_device_train_batch_size=4",
+    "--set",
+    "learning_rate=0.01",
+    "--set",
+    "seed=3",
+]
 # Columns that are a function of the math only (step_time_s and peak_memory_gib are measurements).
-EXACT_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "learning_rate", "grad_norm",
-                 "clip_ratio", "frac_reward_zero_std"]
+EXACT_COLUMNS = [
+    "step",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "kl",
+    "completion_length",
+    "learning_rate",
+    "grad_norm",
+    "clip_ratio",
+    "frac_reward_zero_std",
+]
 
 
 def _worker(args, cwd, log, env=None):
     """The CLI in a subprocess, output to the file ``log`` (a pipe nobody reads could fill and block it)."""
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, str(WORKER), "train", *args], cwd=cwd, stdout=fh,
-                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "train", *args],
+            cwd=cwd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     proc.log = Path(log)
     return proc
 
@@ -70,12 +104,15 @@ def _rows(run_dir):
 
 def test_sigkill_mid_step_and_mid_save_then_resume_is_bit_exact(tmp_path, repo_root):
     a, b = tmp_path / "A", tmp_path / "B"
-    uninterrupted = _worker([*TINY, "--output-dir", str(a)], repo_root, tmp_path / "a.log")  # runs alongside B's first leg
+    uninterrupted = _worker(
+        [*TINY, "--output-dir", str(a)], repo_root, tmp_path / "a.log"
+    )  # runs alongside B's first leg
 
     # Kill 1: in the middle of writing checkpoint-4 (its files in .tmp-checkpoint-4-*, no manifest, not
     # renamed); checkpoint-2 is complete, metrics.csv and samples.jsonl already hold steps 3 and 4.
-    first = _worker([*TINY, "--output-dir", str(b)], repo_root, tmp_path / "b1.log",
-                    env={"GRPO_KIT_TEST_PAUSE_AT_SAVE": "4"})
+    first = _worker(
+        [*TINY, "--output-dir", str(b)], repo_root, tmp_path / "b1.log", env={"GRPO_KIT_TEST_PAUSE_AT_SAVE": "4"}
+    )
     paused = b / "checkpoints" / "SAVE_PAUSED"
     _kill_when(first, paused.is_file)
     paused.unlink()
@@ -133,17 +170,23 @@ def test_sigkill_mid_step_and_mid_save_then_resume_is_bit_exact(tmp_path, repo_r
 # (b) atomic writes: a half-written or corrupted checkpoint is ignored, the previous one used.
 def _fill(value):
     def fill(folder):
-        save_state({"w": torch.full((4,), float(value)), "step": value, "nested": ({"a": [1, 2.5]}, None)},
-                   folder, "optimizer")
+        save_state(
+            {"w": torch.full((4,), float(value)), "step": value, "nested": ({"a": [1, 2.5]}, None)}, folder, "optimizer"
+        )
         (folder / "kit_state.json").write_text(json.dumps({"run": {"metrics": [{"step": value}]}}))
+
     return fill
 
 
 def test_state_codec_round_trip_without_pickle(tmp_path):
     import numpy as np
 
-    state = {"t": torch.arange(6, dtype=torch.bfloat16).view(2, 3), 3: (np.arange(4, dtype=np.uint32), "x"),
-             "d": torch.float16, "n": [None, True, 1.5]}
+    state = {
+        "t": torch.arange(6, dtype=torch.bfloat16).view(2, 3),
+        3: (np.arange(4, dtype=np.uint32), "x"),
+        "d": torch.float16,
+        "n": [None, True, 1.5],
+    }
     save_state(state, tmp_path, "s")
     back = load_state(tmp_path, "s")
     assert torch.equal(back["t"], state["t"]) and back["t"].dtype == torch.bfloat16
@@ -169,8 +212,21 @@ def test_half_written_checkpoint_is_never_published(tmp_path):
     assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # cleaned up on resume
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest", "no-manifest", "manifest-not-utf8",
-                                    "manifest-a-list", "manifest-no-sizes", "manifest-outside", "state-not-utf8"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncate",
+        "flip",
+        "delete",
+        "manifest",
+        "no-manifest",
+        "manifest-not-utf8",
+        "manifest-a-list",
+        "manifest-no-sizes",
+        "manifest-outside",
+        "state-not-utf8",
+    ],
+)
 def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, damage, capsys):
     write_checkpoint(tmp_path, 2, _fill(2), keep=0)
     newest = write_checkpoint(tmp_path, 4, _fill(4), keep=0)
@@ -222,8 +278,9 @@ def test_keep_and_same_step_resave(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # (c) bad input to --resume
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "grpo_kit", "train", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_kit", "train", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def _run_folder(tmp_path, **fields):

@@ -43,8 +43,10 @@ def test_merge_is_the_rounded_sum_and_restore_gives_every_bit_back(dtype, shape,
     saved = rm.merge_weight(w, factors)
     differ = _bits(w) != _bits(expect)
     assert differ.float().mean() < 1e-2  # a block's matmul may round a last bit differently: rare ties only
-    assert ((w.float() - expect.float()).abs()[differ & ~expect.isnan()] <= expect.float().abs()[differ & ~expect.isnan()]
-            * 2 ** -7 + 1e-30).all()
+    assert (
+        (w.float() - expect.float()).abs()[differ & ~expect.isnan()]
+        <= expect.float().abs()[differ & ~expect.isnan()] * 2**-7 + 1e-30
+    ).all()
     assert saved.kept > 0 and saved.positions.device.type == "cpu" == saved.values.device.type
     rm.restore_weight(w, saved)
     assert torch.equal(_bits(w), original)
@@ -168,8 +170,12 @@ def _peft_model(dtype, seed=0, **lora):
     from grpo_kit.model.loading import build_random_model
 
     model = build_random_model("tiny-llama", dtype=dtype, seed=seed)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"], **lora)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        **lora,
+    )
     pm = get_peft_model(model, cfg)
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -299,10 +305,21 @@ def _merge_generator(pm):
 
     gen = object.__new__(VLLMGenerator)
     storages = [p.untyped_storage() for p in pm.parameters()]  # stand-ins for the engine's tensors
-    gen.__dict__.update(llm=_FakeLLM(), share_weights=True, lora_sync="merge", _merge=None, last_merge=None,
-                        _lora_request=None, syncs=0, _closed=False, _sleeping=False, _tied=False,
-                        _checkpoint=weight_manifest(pm), _shared_params=[weakref.ref(p) for p in pm.parameters()],
-                        _engine_spans=[(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages])
+    gen.__dict__.update(
+        llm=_FakeLLM(),
+        share_weights=True,
+        lora_sync="merge",
+        _merge=None,
+        last_merge=None,
+        _lora_request=None,
+        syncs=0,
+        _closed=False,
+        _sleeping=False,
+        _tied=False,
+        _checkpoint=weight_manifest(pm),
+        _shared_params=[weakref.ref(p) for p in pm.parameters()],
+        _engine_spans=[(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages],
+    )
     return gen
 
 

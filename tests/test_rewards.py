@@ -8,12 +8,26 @@ from grpo_kit.tasks import rewards
 from grpo_kit.tasks.data import load_gsm8k_jsonl
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("$1,234.50", 1234.5), ("1234.", 1234.0), ("-7", -7.0), ("−7 degrees", -7.0), ("3/4", 0.75),
-    ("It costs 18 dollars.", 18.0), ("#### 1,000", 1000.0), ("The answer is 42, not 41", 42.0),
-    ("\\boxed{17}", 17.0), ("Answer: -3.5 m/s", -3.5), ("", None), ("none", None), ("x2 y3", None),
-    ("1/0", None), ("9" * 400, None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("$1,234.50", 1234.5),
+        ("1234.", 1234.0),
+        ("-7", -7.0),
+        ("−7 degrees", -7.0),
+        ("3/4", 0.75),
+        ("It costs 18 dollars.", 18.0),
+        ("#### 1,000", 1000.0),
+        ("The answer is 42, not 41", 42.0),
+        ("\\boxed{17}", 17.0),
+        ("Answer: -3.5 m/s", -3.5),
+        ("", None),
+        ("none", None),
+        ("x2 y3", None),
+        ("1/0", None),
+        ("9" * 400, None),
+    ],
+)
 def test_extract_number(text, expected):
     assert rewards.extract_number(text) == expected
 
@@ -68,7 +82,9 @@ def test_checked_reward_func_names_function_and_sample():
         return [None] * len(completions)
 
     comps = ["a", "x marks", "c"]
-    with pytest.raises(rewards.RewardFunctionError, match=r"'nan_on_second' returned nan for sample 1 \(completion 'x marks'\)"):
+    with pytest.raises(
+        rewards.RewardFunctionError, match=r"'nan_on_second' returned nan for sample 1 \(completion 'x marks'\)"
+    ):
         rewards.checked_reward_func(nan_on_second)(None, comps)
     with pytest.raises(rewards.RewardFunctionError, match=r"'raises_on_x' raised ZeroDivisionError: .* on sample 1"):
         rewards.checked_reward_func(raises_on_x)(["p"] * 3, comps)
@@ -112,12 +128,26 @@ def test_reward_errors_zero_scores_raising_samples_zero_with_a_warning(caplog):
 
 
 # --- issue 18: exact answers, linear time, overflow-safe values, a time limit per call -----------------------------
-@pytest.mark.parametrize("text,expected", [
-    ("1e400", None), ("2.5e3 m", 2500.0), ("\\frac{1}{2}", 0.5), ("Answer: -\\dfrac{3}{4}", -0.75),
-    ("1 000 000", 1e6), ("1\u202f000", 1000.0), ("1,23", None), ("#### 1_000", None), ("5,6,7", None),
-    ("1.2.3", None), ("12/25/2023", None), ("The answer is 1/2.", 0.5), ("nan", None), ("5-3", 3.0),
-    ("9" * 1001, None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("1e400", None),
+        ("2.5e3 m", 2500.0),
+        ("\\frac{1}{2}", 0.5),
+        ("Answer: -\\dfrac{3}{4}", -0.75),
+        ("1 000 000", 1e6),
+        ("1\u202f000", 1000.0),
+        ("1,23", None),
+        ("#### 1_000", None),
+        ("5,6,7", None),
+        ("1.2.3", None),
+        ("12/25/2023", None),
+        ("The answer is 1/2.", 0.5),
+        ("nan", None),
+        ("5-3", 3.0),
+        ("9" * 1001, None),
+    ],
+)
 def test_extract_number_reads_or_refuses_without_misreading(text, expected):
     assert rewards.extract_number(text) == expected
 
@@ -132,22 +162,50 @@ def test_extract_answer_is_exact_beyond_float_range():
     assert extract_answer("\\frac{2}{6}").value == Fraction(1, 3) and extract_answer("\\frac{2}{6}").exact
 
 
-@pytest.mark.parametrize("completion,answer,score", [
-    ("Answer: 20000019", "20000000", 0.0), ("Answer: 1000001", 1000000, 0.0), ("Answer: 20000000.5", 20000000, 0.0),
-    ("Answer: 1/3", "\\frac{2}{6}", 1.0), ("Answer: 0.30000000000000004", "0.3", 1.0), ("Answer: 2/4", 0.5, 1.0),
-    ("Answer: " + str(10**30 + 1), 10**30, 0.0), ("Answer: " + str(10**30), 10**30, 1.0), ("Answer: 1e400", 10**400, 1.0),
-    ("Answer: 0.333", "1/3", 0.0), ("Answer: 24.0", "24", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion,answer,score",
+    [
+        ("Answer: 20000019", "20000000", 0.0),
+        ("Answer: 1000001", 1000000, 0.0),
+        ("Answer: 20000000.5", 20000000, 0.0),
+        ("Answer: 1/3", "\\frac{2}{6}", 1.0),
+        ("Answer: 0.30000000000000004", "0.3", 1.0),
+        ("Answer: 2/4", 0.5, 1.0),
+        ("Answer: " + str(10**30 + 1), 10**30, 0.0),
+        ("Answer: " + str(10**30), 10**30, 1.0),
+        ("Answer: 1e400", 10**400, 1.0),
+        ("Answer: 0.333", "1/3", 0.0),
+        ("Answer: 24.0", "24", 1.0),
+    ],
+)
 def test_correctness_is_exact_for_integers_and_fractions(completion, answer, score):
     assert rewards.correctness_reward(None, [completion], [answer]) == [score]
 
 
 ADVERSARIAL = [
-    " " * 100_000, "Answer: 1" + " " * 100_000 + "x", "```" + " " * 100_000 + "x", "```\n" * 25_000,
-    "```python\n" * 10_000, "`" * 100_000, "1," * 50_000, "1 " * 50_000, "1/" * 50_000, "\\frac{" * 15_000,
-    "\\frac{1}{" * 10_000, "answer: " * 12_000, "answer:" + " " * 100_000, "Answer is " * 10_000, "9" * 100_000,
-    "1e" * 50_000, "-" * 100_000, "$ " * 50_000, "#### " * 20_000, "1." * 50_000, "1.1," * 25_000,
-    "\t\n " * 33_000 + "Answer: 1", ("x" * 1000 + "\n") * 100,
+    " " * 100_000,
+    "Answer: 1" + " " * 100_000 + "x",
+    "```" + " " * 100_000 + "x",
+    "```\n" * 25_000,
+    "```python\n" * 10_000,
+    "`" * 100_000,
+    "1," * 50_000,
+    "1 " * 50_000,
+    "1/" * 50_000,
+    "\\frac{" * 15_000,
+    "\\frac{1}{" * 10_000,
+    "answer: " * 12_000,
+    "answer:" + " " * 100_000,
+    "Answer is " * 10_000,
+    "9" * 100_000,
+    "1e" * 50_000,
+    "-" * 100_000,
+    "$ " * 50_000,
+    "#### " * 20_000,
+    "1." * 50_000,
+    "1.1," * 25_000,
+    "\t\n " * 33_000 + "Answer: 1",
+    ("x" * 1000 + "\n") * 100,
 ]
 
 
@@ -157,9 +215,13 @@ def test_reward_extractors_take_linear_time_on_adversarial_text(k):
     from grpo_kit.tasks.time_limit import call_with_time_limit
 
     text = ADVERSARIAL[k]
-    calls = [lambda: rewards.extract_number(text), lambda: rewards.format_strict_reward(None, [text]),
-             lambda: rewards.format_soft_reward(None, [text]), lambda: rewards.correctness_reward(None, [text], ["1"]),
-             lambda: extract_code(text)]
+    calls = [
+        lambda: rewards.extract_number(text),
+        lambda: rewards.format_strict_reward(None, [text]),
+        lambda: rewards.format_soft_reward(None, [text]),
+        lambda: rewards.correctness_reward(None, [text], ["1"]),
+        lambda: extract_code(text),
+    ]
     for call in calls:  # each well under a second on a slow CI core; the old regexes took minutes
         t = time.perf_counter()
         call_with_time_limit(5.0, call)
@@ -168,8 +230,10 @@ def test_reward_extractors_take_linear_time_on_adversarial_text(k):
 
 def test_reward_beyond_float_range_is_a_named_error():
     with pytest.raises(rewards.RewardFunctionError, match="'huge' returned a value that is no float for sample 1"):
+
         def huge(prompts, completions, **kw):
             return [1, 10**400]
+
         rewards.checked_reward_func(huge)(None, ["a", "b"])
     from fractions import Fraction
 
@@ -221,8 +285,19 @@ def test_reward_time_limit_interrupts_a_backtracking_regex():
         rewards.checked_reward_func(catastrophic, time_limit_s=float("inf"))
 
 
-@pytest.mark.parametrize("line", ["#### 1_000", "#### 1e400", "#### nan", "#### inf", "#### 1,23", "#### 5 apples",
-                                  "#### 0x10", "#### " + "9" * 2000])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "#### 1_000",
+        "#### 1e400",
+        "#### nan",
+        "#### inf",
+        "#### 1,23",
+        "#### 5 apples",
+        "#### 0x10",
+        "#### " + "9" * 2000,
+    ],
+)
 def test_gsm8k_answers_must_be_plain_numbers(line):
     from grpo_kit.tasks.data import parse_gsm8k_answer
 

@@ -10,8 +10,17 @@ import pytest
 
 from grpo_kit.app.run_folder import LOCK_FILE, RunFolderError, claim_run_folder, read_lock
 
-TINY = dict(model="tiny-llama", max_steps=2, save_steps=2, num_train_samples=8, num_eval_samples=2,
-            max_completion_length=4, num_generations=2, per_device_train_batch_size=2, seed=1)
+TINY = dict(
+    model="tiny-llama",
+    max_steps=2,
+    save_steps=2,
+    num_train_samples=8,
+    num_eval_samples=2,
+    max_completion_length=4,
+    num_generations=2,
+    per_device_train_batch_size=2,
+    seed=1,
+)
 
 
 def _old_run(tmp_path):
@@ -33,8 +42,11 @@ def test_new_run_into_a_run_folder_is_refused_and_overwrite_moves_it_aside(tmp_p
 
     run = _old_run(tmp_path)
     before = _tree(run)
-    with pytest.raises(RunFolderError, match=r"already holds a run \(config.yaml, metrics.csv, checkpoints\).*"
-                                             r"--resume.*--overwrite"):
+    with pytest.raises(
+        RunFolderError,
+        match=r"already holds a run \(config.yaml, metrics.csv, checkpoints\).*"
+        r"--resume.*--overwrite",
+    ):
         claim_run_folder(run)
     # the name train() calls (patching grpo_kit.model.loading's would reach run.py only on its first import)
     monkeypatch.setattr(run_mod, "load_tokenizer", lambda *a, **k: pytest.fail("a model was loaded"))

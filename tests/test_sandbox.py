@@ -24,8 +24,12 @@ def _block(code: str) -> str:
 
 
 def test_correct_code_runs_in_a_scratch_folder_with_a_minimal_environment():
-    r = run_python("import os, sys\nprint(6 * 7)\nprint(os.getcwd())\nprint(sorted(os.environ))\n"
-                   "open('scratch.txt', 'w').write('x')\nprint(sys.stdin.read().strip())", stdin="hello", limits=FAST)
+    r = run_python(
+        "import os, sys\nprint(6 * 7)\nprint(os.getcwd())\nprint(sorted(os.environ))\n"
+        "open('scratch.txt', 'w').write('x')\nprint(sys.stdin.read().strip())",
+        stdin="hello",
+        limits=FAST,
+    )
     assert r.ok and r.reason == "ok" and r.returncode == 0, r
     lines = r.stdout.splitlines()
     assert lines[0] == "42"
@@ -55,23 +59,29 @@ def test_memory_bomb_fails_inside_the_limit(code):
     assert not r.ok and r.reason == "memory limit (MemoryError)", r
 
 
-@pytest.mark.parametrize("code, reason", [
-    ("import os\nos._exit(3)", "exit code 3"),
-    ("import ctypes\nctypes.string_at(0)", "crashed: SIGSEGV"),
-    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "killed (SIGKILL"),
-    ("raise SystemExit('bye')", "exit code 1"),
-])
+@pytest.mark.parametrize(
+    "code, reason",
+    [
+        ("import os\nos._exit(3)", "exit code 3"),
+        ("import ctypes\nctypes.string_at(0)", "crashed: SIGSEGV"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "killed (SIGKILL"),
+        ("raise SystemExit('bye')", "exit code 1"),
+    ],
+)
 def test_crashes_are_reported(code, reason):
     r = run_python(code, limits=FAST)
     assert not r.ok and r.reason.startswith(reason), r
 
 
 @pytest.mark.parametrize("namespace", [True, False])
-@pytest.mark.parametrize("code", [
-    "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)",
-    "import socket\nsocket.getaddrinfo('example.com', 80)",
-    "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)",
+        "import socket\nsocket.getaddrinfo('example.com', 80)",
+        "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)",
+    ],
+)
 def test_network_attempts_fail(code, namespace):
     r = run_python(code, limits=_limits(timeout_s=5.0, memory_mb=256, network_namespace=namespace))
     assert not r.ok and "network access" in r.reason + r.stderr, r
@@ -81,9 +91,11 @@ def test_network_attempts_fail(code, namespace):
 
 
 def test_network_namespace_stops_raw_sockets_when_available():
-    code = ("import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.socket(2, 1, 0)\n"
-            "addr = struct.pack('<HH4s8x', 2, 0x5000, bytes([1, 1, 1, 1]))\n"
-            "rc = libc.connect(fd, addr, len(addr))\nprint(fd, rc, ctypes.get_errno())")
+    code = (
+        "import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.socket(2, 1, 0)\n"
+        "addr = struct.pack('<HH4s8x', 2, 0x5000, bytes([1, 1, 1, 1]))\n"
+        "rc = libc.connect(fd, addr, len(addr))\nprint(fd, rc, ctypes.get_errno())"
+    )
     r = run_python(code, limits=_limits(timeout_s=5.0, memory_mb=256))
     if not r.network.startswith("namespace"):
         pytest.skip("no network namespace here (needs root or unprivileged user namespaces)")
@@ -101,8 +113,11 @@ def test_subprocesses_refused_and_output_capped():
 def test_many_hangs_in_parallel_stay_within_the_timeout_bound():
     n, timeout = 8, 1.5
     t = time.perf_counter()
-    results = run_many(["while True: pass"] * (n // 2) + ["import time\ntime.sleep(60)"] * (n // 2),
-                       limits=_limits(timeout_s=timeout, memory_mb=256), max_workers=n)
+    results = run_many(
+        ["while True: pass"] * (n // 2) + ["import time\ntime.sleep(60)"] * (n // 2),
+        limits=_limits(timeout_s=timeout, memory_mb=256),
+        max_workers=n,
+    )
     took = time.perf_counter() - t
     assert all(r.reason.startswith("timeout") for r in results)
     assert took < timeout + 3.0, f"{n} hanging programs took {took:.1f} s with an {timeout} s timeout"
@@ -168,8 +183,10 @@ def test_outputs_are_files_the_parent_opened_not_paths_in_the_scratch_folder(tmp
     secret = tmp_path / "root_only.txt"
     secret.write_text("TOP SECRET")
     secret.chmod(0o600)
-    code = (f"import os\nos.mkfifo('stdout.txt')\nos.symlink({str(secret)!r}, 'stderr.txt')\n"
-            "os.mkfifo('net_mode')\nprint('done')")
+    code = (
+        f"import os\nos.mkfifo('stdout.txt')\nos.symlink({str(secret)!r}, 'stderr.txt')\n"
+        "os.mkfifo('net_mode')\nprint('done')"
+    )
     r = call_with_time_limit(20, run_python, code, limits=_limits(timeout_s=2.0, memory_mb=256, isolation="builtin"))
     # (a FIFO there used to hang the parent forever)
     assert r.ok and r.stdout == "done\n" and "TOP SECRET" not in r.stdout + r.stderr, r
@@ -178,15 +195,23 @@ def test_outputs_are_files_the_parent_opened_not_paths_in_the_scratch_folder(tmp
 @pytest.mark.parametrize("how", ["os", "ctypes"])
 def test_nothing_the_program_started_outlives_the_call(tmp_path, how):
     if not _namespaces():
-        pytest.skip("no PID namespace here (needs root or unprivileged user namespaces): a setsid() daemon can "
-                    "outlive the call, as the module docstring says")
+        pytest.skip(
+            "no PID namespace here (needs root or unprivileged user namespaces): a setsid() daemon can "
+            "outlive the call, as the module docstring says"
+        )
     flag = tmp_path / f"daemon-{how}"
     tmp_path.chmod(0o777)
     fork = "os.fork()" if how == "os" else "__import__('ctypes').CDLL(None).fork()"  # the audit hook sees no ctypes
-    code = (f"import os, time\nif {fork} == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
-            f"    open({str(flag)!r}, 'w').write('escaped')\n    os._exit(0)\nprint('parent exits')")
-    r = run_python(code, limits=_limits(timeout_s=5.0, memory_mb=256, allow_subprocess=(how == "os"),
-                                        isolation="builtin", filesystem="host"))  # a private root would hide the flag
+    code = (
+        f"import os, time\nif {fork} == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
+        f"    open({str(flag)!r}, 'w').write('escaped')\n    os._exit(0)\nprint('parent exits')"
+    )
+    r = run_python(
+        code,
+        limits=_limits(
+            timeout_s=5.0, memory_mb=256, allow_subprocess=(how == "os"), isolation="builtin", filesystem="host"
+        ),
+    )  # a private root would hide the flag
     assert r.stdout == "parent exits\n", r
     time.sleep(2.5)
     assert not flag.exists(), "a setsid() daemon outlived the sandboxed call"
@@ -195,8 +220,10 @@ def test_nothing_the_program_started_outlives_the_call(tmp_path, how):
 def test_killing_the_parent_does_not_reach_the_trainer():
     if not _namespaces():
         pytest.skip("no PID namespace here: the program sees the trainer as its parent (see the module docstring)")
-    for code in ["import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('tried')",
-                 "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill(libc.getppid(), 9)\nprint('tried')"]:
+    for code in [
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('tried')",
+        "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill(libc.getppid(), 9)\nprint('tried')",
+    ]:
         r = run_python(code, limits=FAST)
         assert r.duration_s < 10, r  # and this test process is still alive to check it
 
@@ -205,6 +232,7 @@ def test_root_without_privilege_drop_refuses_unless_opted_in(caplog, monkeypatch
     import sys
 
     from grpo_kit.tasks import sandbox
+
     default = SandboxLimits(timeout_s=5.0, memory_mb=256)
     r = run_python("import os\nprint(os.geteuid())", limits=default)
     if os.geteuid() != 0:
@@ -226,13 +254,16 @@ def test_root_without_privilege_drop_refuses_unless_opted_in(caplog, monkeypatch
 
 def test_concurrent_runs_get_their_own_uid_and_cannot_touch_each_other():
     from grpo_kit.tasks import sandbox
+
     if os.geteuid() != 0 or not sandbox._interpreter(FAST)[1]:
         pytest.skip("needs root with an interpreter an unprivileged uid can run")
-    code = ("import glob, os, time\ntime.sleep(0.5)\nmine = os.getcwd()\nhits = 0\n"
-            "for d in glob.glob(os.path.join(os.path.dirname(mine), 'grpo_kit_sandbox_*')):\n"
-            "    if d != mine:\n        try:\n            open(os.path.join(d, 'x'), 'w').write('x')\n"
-            "            hits += 1\n        except OSError:\n            pass\n"
-            "print(os.getuid(), hits)")
+    code = (
+        "import glob, os, time\ntime.sleep(0.5)\nmine = os.getcwd()\nhits = 0\n"
+        "for d in glob.glob(os.path.join(os.path.dirname(mine), 'grpo_kit_sandbox_*')):\n"
+        "    if d != mine:\n        try:\n            open(os.path.join(d, 'x'), 'w').write('x')\n"
+        "            hits += 1\n        except OSError:\n            pass\n"
+        "print(os.getuid(), hits)"
+    )
     results = run_many([code] * 3, limits=FAST, max_workers=3)
     uids = [int(r.stdout.split()[0]) for r in results]
     assert len(set(uids)) == 3 and all(u >= sandbox.SANDBOX_ID_BASE for u in uids), results
@@ -242,16 +273,20 @@ def test_concurrent_runs_get_their_own_uid_and_cannot_touch_each_other():
 WRONG_ADD = "def add(a, b):\n    return a - b\n"
 
 
-@pytest.mark.parametrize("cheat", [
-    WRONG_ADD + "import os\nos._exit(0)",
-    WRONG_ADD + "import sys\nsys.exit(0)",
-    WRONG_ADD + "import atexit, os\natexit.register(lambda: os._exit(0))",
-    "class Any:\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
-    "def add(a, b):\n    return Any()",
-    "class Five(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Five(0)",
-    WRONG_ADD + "import builtins\nbuiltins.AssertionError = SystemExit",
-    WRONG_ADD + "print('tests_completed')\nimport os\nos.write(1, b'[\"tests_completed\", true, \"x\"]')\nos._exit(0)",
-])
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        WRONG_ADD + "import os\nos._exit(0)",
+        WRONG_ADD + "import sys\nsys.exit(0)",
+        WRONG_ADD + "import atexit, os\natexit.register(lambda: os._exit(0))",
+        "class Any:\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+        "def add(a, b):\n    return Any()",
+        "class Five(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Five(0)",
+        WRONG_ADD + "import builtins\nbuiltins.AssertionError = SystemExit",
+        WRONG_ADD
+        + "print('tests_completed')\nimport os\nos.write(1, b'[\"tests_completed\", true, \"x\"]')\nos._exit(0)",
+    ],
+)
 def test_tests_mode_cannot_be_gamed_by_exiting_early_or_always_equal(cheat):
     fn = make_python_code_reward(FAST)
     tests = ["assert add(2, 3) == 5\nassert add(1, 1) != 3"]
@@ -259,10 +294,18 @@ def test_tests_mode_cannot_be_gamed_by_exiting_early_or_always_equal(cheat):
     assert fn(None, [_block("def add(a, b):\n    return a + b")], tests=tests) == [1.0]
 
 
-@pytest.mark.parametrize("program,score", [
-    ("print(*range(46))", 0.0), ("for i in range(100):\n    print(i, 'maybe')", 0.0), ("print('answer: 45')", 0.0),
-    ("print('working...')\nprint(45)", 1.0), ("print(' 45 ')", 1.0), ("print('90/2')", 1.0), ("print(45.5)", 0.0),
-])
+@pytest.mark.parametrize(
+    "program,score",
+    [
+        ("print(*range(46))", 0.0),
+        ("for i in range(100):\n    print(i, 'maybe')", 0.0),
+        ("print('answer: 45')", 0.0),
+        ("print('working...')\nprint(45)", 1.0),
+        ("print(' 45 ')", 1.0),
+        ("print('90/2')", 1.0),
+        ("print(45.5)", 0.0),
+    ],
+)
 def test_answer_mode_reads_the_final_answer_line(program, score):
     assert make_python_code_reward(FAST)(None, [_block(program)], answer=["45"]) == [score]
 
@@ -280,17 +323,21 @@ def test_path_unix_sockets_are_closed(tmp_path):
     server.listen(1)
     server.setblocking(False)
     try:
-        raw = ("import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.socket(1, 1, 0)\n"
-               f"addr = struct.pack('<H108s', 1, {path.encode()!r})\n"
-               "print(fd, ctypes.get_errno(), libc.connect(fd, addr, len(addr)))")
+        raw = (
+            "import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.socket(1, 1, 0)\n"
+            f"addr = struct.pack('<H108s', 1, {path.encode()!r})\n"
+            "print(fd, ctypes.get_errno(), libc.connect(fd, addr, len(addr)))"
+        )
         r = run_python(raw, limits=FAST)  # ctypes goes around the audit hook
         assert r.stdout.split()[:2] == ["-1", "1"], r  # EPERM: no AF_UNIX socket at all
         r = run_python(f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})", limits=FAST)
         assert not r.ok, r
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody got through
-        assert run_python("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1))",
-                          limits=FAST).stdout == "b'x'\n"  # unnamed pairs (asyncio, multiprocessing) still work
+        assert (
+            run_python("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1))", limits=FAST).stdout
+            == "b'x'\n"
+        )  # unnamed pairs (asyncio, multiprocessing) still work
     finally:
         server.close()
 
@@ -301,10 +348,12 @@ def test_bubblewrap_where_present_hides_the_host_and_is_required_when_asked(tmp_
     outside = tmp_path / "host_file.txt"
     outside.write_text("host")
     tmp_path.chmod(0o777)
-    code = (f"import os\nprint(os.path.exists({str(outside)!r}))\n"
-            "for p in ('/usr/grpo_kit_probe', '/tmp/grpo_kit_probe'):\n"
-            "    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n"
-            "    except OSError as e:\n        print('refused', p, e.errno)")
+    code = (
+        f"import os\nprint(os.path.exists({str(outside)!r}))\n"
+        "for p in ('/usr/grpo_kit_probe', '/tmp/grpo_kit_probe'):\n"
+        "    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n"
+        "    except OSError as e:\n        print('refused', p, e.errno)"
+    )
     r = run_python(code, limits=FAST)
     if r.isolation != "bwrap":
         pytest.skip("bubblewrap is not installed or cannot run here (Debian: apt-get install bubblewrap)")

@@ -60,13 +60,17 @@ def test_the_verdict_cannot_be_forged_from_the_program(cheat):
 
 
 def test_tests_see_plain_values_and_the_programs_exceptions():
-    code = ("def pair(n):\n    return (n, [n], {'k': n}, {n}, b'x', 1.5, None, True)\n"
-            "def boom(x):\n    raise ValueError(f'bad {x}')\n"
-            "class Box:\n    pass\n"
-            "def box():\n    return Box()\nCONST = 7\nprint('side output')")
-    tests = ("assert pair(2) == (2, [2], {'k': 2}, {2}, b'x', 1.5, None, True)\nassert CONST == 7\n"
-             "try:\n    boom(1)\n    assert False\nexcept ValueError as e:\n    assert 'bad 1' in str(e)\n"
-             "assert box() != box()\nassert isinstance(pair(1)[0], int)\nprint('tests ran')")
+    code = (
+        "def pair(n):\n    return (n, [n], {'k': n}, {n}, b'x', 1.5, None, True)\n"
+        "def boom(x):\n    raise ValueError(f'bad {x}')\n"
+        "class Box:\n    pass\n"
+        "def box():\n    return Box()\nCONST = 7\nprint('side output')"
+    )
+    tests = (
+        "assert pair(2) == (2, [2], {'k': 2}, {2}, b'x', 1.5, None, True)\nassert CONST == 7\n"
+        "try:\n    boom(1)\n    assert False\nexcept ValueError as e:\n    assert 'bad 1' in str(e)\n"
+        "assert box() != box()\nassert isinstance(pair(1)[0], int)\nprint('tests ran')"
+    )
     fn = make_python_code_reward(_limits())
     assert fn(None, [_block(code)], tests=[tests]) == [1.0], fn.last_results[0]
     assert fn.last_results[0].stdout == "side output\ntests ran\n", fn.last_results[0]
@@ -83,29 +87,37 @@ def test_the_process_block_has_no_flag_to_flip():
 
 
 def test_the_network_block_has_no_flag_to_flip_without_a_namespace():
-    code = ("import gc, sys\nfor o in gc.get_objects():\n"
-            "    if isinstance(o, dict) and '_ALLOWED_FAMILIES' in o:\n        o['_ALLOWED_FAMILIES'].add(2)\n"
-            "import ctypes\nprint(ctypes.CDLL(None).socket(2, 1, 0))")
+    code = (
+        "import gc, sys\nfor o in gc.get_objects():\n"
+        "    if isinstance(o, dict) and '_ALLOWED_FAMILIES' in o:\n        o['_ALLOWED_FAMILIES'].add(2)\n"
+        "import ctypes\nprint(ctypes.CDLL(None).socket(2, 1, 0))"
+    )
     r = run_python(code, limits=_limits(network_namespace=False))
     assert r.stdout.strip() == "-1", r
 
 
 def test_memory_holds_for_the_run_as_a_whole():
     # six processes each try to hold 300 MB at once under memory_mb=512: at most one may succeed
-    code = ("import os, time\nkids = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        try:\n            b = bytearray(300 * 2 ** 20)\n            print('held', flush=True)\n"
-            "            time.sleep(1.5)\n        except MemoryError:\n            print('refused', flush=True)\n"
-            "        os._exit(0)\n    if pid > 0:\n        kids.append(pid)\n"
-            "for pid in kids:\n    os.waitpid(pid, 0)\n")
+    code = (
+        "import os, time\nkids = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        try:\n            b = bytearray(300 * 2 ** 20)\n            print('held', flush=True)\n"
+        "            time.sleep(1.5)\n        except MemoryError:\n            print('refused', flush=True)\n"
+        "        os._exit(0)\n    if pid > 0:\n        kids.append(pid)\n"
+        "for pid in kids:\n    os.waitpid(pid, 0)\n"
+    )
     for pre in ("", "import ctypes\nos.fork = ctypes.CDLL(None).fork\n"):
-        r = run_python(pre + code if not pre else "import os\n" + pre + code,
-                       limits=_limits(memory_mb=512, timeout_s=10.0, allow_subprocess=not pre))
+        r = run_python(
+            pre + code if not pre else "import os\n" + pre + code,
+            limits=_limits(memory_mb=512, timeout_s=10.0, allow_subprocess=not pre),
+        )
         assert r.stdout.count("held") <= 1, r
 
 
 def test_processes_are_limited_per_run():
-    code = ("import os, time\nn = 0\nfor i in range(60):\n    try:\n        pid = os.fork()\n    except OSError:\n"
-            "        break\n    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n    n += 1\nprint(n)")
+    code = (
+        "import os, time\nn = 0\nfor i in range(60):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+        "        break\n    if pid == 0:\n        time.sleep(2)\n        os._exit(0)\n    n += 1\nprint(n)"
+    )
     r = run_python(code, limits=_limits(timeout_s=10.0, allow_subprocess=True))
     assert r.stdout.strip() and int(r.stdout) < 60 and int(r.stdout) <= sandbox.SandboxLimits().max_processes, r
 
@@ -113,11 +125,13 @@ def test_processes_are_limited_per_run():
 def test_tmp_and_shm_are_private_and_small():
     tag = uuid.uuid4().hex
     paths = [f"/tmp/grpo_kit_probe_{tag}", f"/dev/shm/grpo_kit_probe_{tag}", f"/var/tmp/grpo_kit_probe_{tag}"]
-    code = ("import os\n"
-            f"for p in {paths!r}:\n    try:\n        with open(p, 'wb') as f:\n            f.write(b'x' * 4096)\n"
-            "        print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.errno)\n"
-            "try:\n    with open('big', 'wb') as f:\n        for i in range(64):\n            f.write(b'x' * 2 ** 20)\n"
-            "    print('big file written')\nexcept OSError as e:\n    print('big file refused', e.errno)")
+    code = (
+        "import os\n"
+        f"for p in {paths!r}:\n    try:\n        with open(p, 'wb') as f:\n            f.write(b'x' * 4096)\n"
+        "        print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.errno)\n"
+        "try:\n    with open('big', 'wb') as f:\n        for i in range(64):\n            f.write(b'x' * 2 ** 20)\n"
+        "    print('big file written')\nexcept OSError as e:\n    print('big file refused', e.errno)"
+    )
     r = run_python(code, limits=_limits(disk_mb=16, max_output_bytes=64 << 20))
     for p in paths:
         assert not os.path.exists(p), f"{p} outlived the call: {r}"

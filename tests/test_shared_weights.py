@@ -94,8 +94,10 @@ def test_lora_on_the_shared_model_trains_adapters_only():
     hf = build_random_model("tiny-llama", dtype=torch.float32, seed=1)
     eng = engine_like(hf, lora_wrappers=True)
     before = {n: p.detach().clone() for n, p in eng.named_parameters()}
-    model = get_peft_model(build_shared_model(eng, model_config("tiny-llama"), torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = get_peft_model(
+        build_shared_model(eng, model_config("tiny-llama"), torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(2):
         loss = model(input_ids=torch.randint(0, 1000, (2, 9)), labels=torch.randint(0, 1000, (2, 9))).loss
@@ -110,8 +112,11 @@ def test_layouts_that_cannot_be_shared_say_which_weight_and_why():
     hf = build_random_model("tiny-llama", dtype=torch.float32)
     params = {n: (tuple(p.shape), p.dtype) for n, p in hf.named_parameters()}
     eng = engine_like(hf, lora_wrappers=False)
-    with pytest.raises(UnshareableError, match=r"model.embed_tokens.weight: engine dtype torch.float32, "
-                                               r"training dtype torch.bfloat16"):
+    with pytest.raises(
+        UnshareableError,
+        match=r"model.embed_tokens.weight: engine dtype torch.float32, "
+        r"training dtype torch.bfloat16",
+    ):
         engine_views(eng, {n: (s, torch.bfloat16) for n, (s, _) in params.items()})
     eng.packed_modules_mapping = {}
     with pytest.raises(UnshareableError, match=r"q_proj.weight: no engine module model.layers.0.self_attn.q_proj"):

@@ -39,12 +39,30 @@ def test_short_soak_flat_and_injected_leak_caught(tmp_path, repo_root):
     the first run freed but the allocator kept resident, so each run gets its own process.)"""
     runs = {}
     for name, extra in (("clean", []), ("leak", ["--leak-mib", "2"])):
-        cmd = [sys.executable, str(repo_root / "bench" / "soak.py"), "--steps", "20", "--warmup", "5",
-               "--out", str(tmp_path / name / "soak"),
-               "--runs-dir", str(tmp_path / name), "--check-floor", str(THRESHOLD), *extra,
-               *[a for s in SMALL for a in ("--set", s)]]
-        runs[name] = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root)})
+        cmd = [
+            sys.executable,
+            str(repo_root / "bench" / "soak.py"),
+            "--steps",
+            "20",
+            "--warmup",
+            "5",
+            "--out",
+            str(tmp_path / name / "soak"),
+            "--runs-dir",
+            str(tmp_path / name),
+            "--check-floor",
+            str(THRESHOLD),
+            *extra,
+            *[a for s in SMALL for a in ("--set", s)],
+        ]
+        runs[name] = subprocess.Popen(
+            cmd,
+            cwd=repo_root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root)},
+        )
     out = {name: proc.communicate(timeout=600)[0] for name, proc in runs.items()}
     assert runs["clean"].returncode == 0, out["clean"][-3000:]
     assert runs["leak"].returncode == 1 and "FAIL: RSS floor rises" in out["leak"], out["leak"][-3000:]

@@ -30,10 +30,14 @@ from grpo_kit.trainer.grpo_trainer import EfficientGRPOTrainer
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
 # The first turn of each row in a group of four: a good call, a plain answer, an unknown tool, two calls at once.
-FIRST_TURN = (CALL.format(name="calculator", args='{"expression": "2 + 3"}'), "Answer: 7<|im_end|>",
-              CALL.format(name="nope", args="{}"),
-              CALL.format(name="calculator", args='{"expression": "2 + 3"}')[:-len("<|im_end|>")] + "\n"
-              + CALL.format(name="calculator", args='{"expression": "4 * 4"}'))
+FIRST_TURN = (
+    CALL.format(name="calculator", args='{"expression": "2 + 3"}'),
+    "Answer: 7<|im_end|>",
+    CALL.format(name="nope", args="{}"),
+    CALL.format(name="calculator", args='{"expression": "2 + 3"}')[: -len("<|im_end|>")]
+    + "\n"
+    + CALL.format(name="calculator", args='{"expression": "4 * 4"}'),
+)
 
 
 def _script(tok, prompt_ids):
@@ -59,9 +63,14 @@ class ScriptedGenerator:
     def generate(self, prompts, num_generations=1, sampling=None):
         ids, lps = _script(self.tok, prompts)
         self.calls.append(len(prompts))
-        return GenerationResult(prompt_ids=prompts, completion_ids=ids, texts=[self.tok.decode(c) for c in ids],
-                                logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in lps],
-                                finish_reasons=["stop"] * len(ids), num_generations=1)
+        return GenerationResult(
+            prompt_ids=prompts,
+            completion_ids=ids,
+            texts=[self.tok.decode(c) for c in ids],
+            logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in lps],
+            finish_reasons=["stop"] * len(ids),
+            num_generations=1,
+        )
 
     def sync_weights(self, model):
         self.syncs += 1
@@ -101,11 +110,26 @@ def _pair(tiny, tmp_path, setting="grpo", engine_ratio=False, tools=(calculator,
         a.vllm_importance_sampling_mode = "token_truncate"
     ds = _dataset()
     gen = ScriptedGenerator(tok)
-    stock = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args[0], train_dataset=ds,
-                        processing_class=tok, peft_config=_lora(), tools=list(tools))
-    ours = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args[1], train_dataset=ds,
-                                processing_class=tok, peft_config=_lora(), tools=list(tools), generator=gen,
-                                importance_sampling_correction=engine_ratio)
+    stock = GRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=args[0],
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=_lora(),
+        tools=list(tools),
+    )
+    ours = EfficientGRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=args[1],
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=_lora(),
+        tools=list(tools),
+        generator=gen,
+        importance_sampling_correction=engine_ratio,
+    )
     stock._generate_single_turn = lambda ids, *a, **k: _script(tok, ids)
     if engine_ratio:
         stock.use_vllm = True  # TRL's correction on the scripted log-probs; its own vLLM is never called
@@ -125,8 +149,10 @@ def _pair(tiny, tmp_path, setting="grpo", engine_ratio=False, tools=(calculator,
 
 # top_entropy left out: the rows of a group share their prompt and open alike, so their first tokens' entropies tie
 # and any quantile of them falls on a tie, which float rounding breaks either way (tests/test_trainer.py holds it)
-@pytest.mark.parametrize("setting,engine_ratio", [(s, False) for s in SETTINGS if s != "top_entropy"] + [
-    (s, True) for s in ("grpo", "gspo", "dapo", "trl_default")])
+@pytest.mark.parametrize(
+    "setting,engine_ratio",
+    [(s, False) for s in SETTINGS if s != "top_entropy"] + [(s, True) for s in ("grpo", "gspo", "dapo", "trl_default")],
+)
 def test_tool_rollout_loss_grads_and_metrics_equal_stock_trl(tiny, tmp_path, setting, engine_ratio):
     """A fixed batch with tool calls (a good call, no call, an unknown tool, two calls in one turn): the rollout
     (ids, tool mask, advantages), the loss, LoRA gradients and every metric TRL logs are stock TRL's. engine_ratio:
@@ -148,12 +174,15 @@ def test_tool_rollout_loss_grads_and_metrics_equal_stock_trl(tiny, tmp_path, set
     logged = {k for k, v in stock._metrics["train"].items() if v}
     assert {"tools/call_frequency", "tools/failure_frequency", "completions/mean_length"} <= logged
     for k in logged:
-        assert ours._metrics["train"][k][-1] == pytest.approx(stock._metrics["train"][k][-1], rel=1e-4, abs=1e-6,
-                                                              nan_ok=True), k
+        assert ours._metrics["train"][k][-1] == pytest.approx(
+            stock._metrics["train"][k][-1], rel=1e-4, abs=1e-6, nan_ok=True
+        ), k
     m = ours._metrics["train"]
     assert m["tools/call_frequency"][-1] == pytest.approx(4 / 4)  # 1 + 1 + 2 calls over 4 rollouts
     assert m["tools/failure_frequency"][-1] == pytest.approx(1 / 4)  # the unknown tool
-    assert m["completions/mean_length"][-1] == pytest.approx((tm * out_ours["completion_mask"]).sum().item() / 4)  # model tokens
+    assert m["completions/mean_length"][-1] == pytest.approx(
+        (tm * out_ours["completion_mask"]).sum().item() / 4
+    )  # model tokens
 
 
 def test_tool_mask_changes_the_loss(tiny, tmp_path):
@@ -212,6 +241,7 @@ def test_a_bad_tool_is_a_logged_failure_and_the_rollout_goes_on(tiny, tmp_path, 
 
 def test_checked_tool_keeps_the_schema_and_truncates(tiny):
     from transformers.utils import get_json_schema
+
     _, tok = tiny
     wrapped = checked_tool(python, tokenizer=tok, max_output_tokens=5)
     assert get_json_schema(wrapped) == get_json_schema(python)
@@ -245,6 +275,7 @@ def test_chat_template_without_tools_named_with_what_it_lacks():
         check_tool_template(tok, "tiny-llama")
     check_tool_template(use_tool_template(tok), "tiny-llama")
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+
     assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
 
 
@@ -276,17 +307,32 @@ def test_environment_factory_on_the_kit_generator(tiny, tmp_path):
     model, tok = tiny
     gen = ScriptedGenerator(tok)
     args = _args(tmp_path, "grpo", num_generations=2, max_completion_length=160)
-    t = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
-                             train_dataset=_dataset(), processing_class=tok, peft_config=_lora(),
-                             environment_factory=_Counter, generator=gen, importance_sampling_correction=False)
+    t = EfficientGRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[_reward],
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tok,
+        peft_config=_lora(),
+        environment_factory=_Counter,
+        generator=gen,
+        importance_sampling_correction=False,
+    )
     t.model.train()
     t._generate_and_score_completions(_batch())
     assert gen.calls == [4, 3]
     assert sum(e.n for e in t.environments) == 3  # rows 0 and 3 (two calls); row 2 asked for an unknown tool
     with pytest.raises(ValueError, match="must define a callable `reset`"):
-        EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args, processing_class=tok,
-                             train_dataset=_dataset(), peft_config=_lora(),
-                             environment_factory=_NoReset, generator=gen)
+        EfficientGRPOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=[_reward],
+            args=args,
+            processing_class=tok,
+            train_dataset=_dataset(),
+            peft_config=_lora(),
+            environment_factory=_NoReset,
+            generator=gen,
+        )
 
 
 class _LongReset(_Counter):
@@ -304,10 +350,18 @@ def test_a_prompt_the_environments_reset_makes_too_long_stops_the_run_after_savi
 
     def trainer(env, limit):
         gen = ScriptedGenerator(tok)
-        t = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[_reward], args=args,
-                                 train_dataset=_dataset(), processing_class=tok, peft_config=_lora(),
-                                 environment_factory=env, generator=gen, importance_sampling_correction=False,
-                                 max_prompt_length=limit)
+        t = EfficientGRPOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=[_reward],
+            args=args,
+            train_dataset=_dataset(),
+            processing_class=tok,
+            peft_config=_lora(),
+            environment_factory=env,
+            generator=gen,
+            importance_sampling_correction=False,
+            max_prompt_length=limit,
+        )
         t.model.train()
         return t, gen
 
@@ -317,8 +371,11 @@ def test_a_prompt_the_environments_reset_makes_too_long_stops_the_run_after_savi
     t._generate_and_score_completions(_batch())
     short = max(len(ids) for ids in seen[0])
     t, gen = trainer(_LongReset, short + 20)
-    with pytest.raises(ValueError, match=r"tokens with what the environment's reset\(\) added, over "
-                                         rf"max_prompt_length={short + 20} .* Training state saved to"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens with what the environment's reset\(\) added, over "
+        rf"max_prompt_length={short + 20} .* Training state saved to",
+    ):
         t._generate_and_score_completions(_batch())
     assert gen.calls == [] and (tmp_path / "out" / "crash-step-0").is_dir()
     t, gen = trainer(_LongReset, short + 400)  # the briefing fits; the second turn (tool results) runs longer
@@ -331,15 +388,23 @@ def test_rollout_func_generates_through_the_kit_engine(tiny, tmp_path):
     gen = ScriptedGenerator(tok)
 
     def rollout(prompts, trainer):
-        ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-               for p in prompts]
+        ids = [
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False) for p in prompts
+        ]
         completion_ids, logprobs = trainer.kit_generate(ids)
         return {"prompt_ids": ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
     args = _args(tmp_path, "grpo", num_generations=2, max_completion_length=160)
-    t = EfficientGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[lambda prompts, completions, **k: [0.0, 1.0] * 2],
-                             args=args, train_dataset=_dataset(), processing_class=tok,
-                             peft_config=_lora(), rollout_func=rollout, generator=gen)
+    t = EfficientGRPOTrainer(
+        model=copy.deepcopy(model),
+        reward_funcs=[lambda prompts, completions, **k: [0.0, 1.0] * 2],
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tok,
+        peft_config=_lora(),
+        rollout_func=rollout,
+        generator=gen,
+    )
     assert t.use_vllm  # the engine's correction is on: TRL would sync a vLLM it does not have
     t.model.train()
     out = t._generate_and_score_completions(_batch())
@@ -350,15 +415,22 @@ def test_rollout_func_generates_through_the_kit_engine(tiny, tmp_path):
 def _rollout(final: str, tool_result: str = "408") -> list[dict]:
     """A multi-turn completion as TRL's tool loop hands it to the rewards: call, result, then the final turn."""
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}
-    return [{"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": tool_result},
-            {"role": "assistant", "content": final}]
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": tool_result},
+        {"role": "assistant", "content": final},
+    ]
 
 
 def test_answer_rewards_judge_the_final_assistant_message_only():
     """A bare tool result is not the model's answer: with the final turn silent or wrong, nothing is credited."""
-    completions = [_rollout("Answer: 408"), _rollout("I do not know."), _rollout(""), _rollout("Answer: 407"),
-                   _rollout("Answer: 408", tool_result="Answer: 1")]
+    completions = [
+        _rollout("Answer: 408"),
+        _rollout("I do not know."),
+        _rollout(""),
+        _rollout("Answer: 407"),
+        _rollout("Answer: 408", tool_result="Answer: 1"),
+    ]
     answers = ["408"] * len(completions)
     assert correctness_reward(None, completions, answers) == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert format_soft_reward(None, completions) == [1.0, 0.0, 0.0, 1.0, 1.0]
@@ -397,8 +469,9 @@ def test_tool_evaluation_is_the_training_rollout(tiny, tmp_path):
     _, tok = tiny
     examples = [{"question": r["prompt"][1]["content"], "answer": r["answer"]} for r in _batch()]
     fake = ScriptedModel(tok)
-    result = evaluate_with_tools(fake, tok, examples, [calculator], system_prompt="Use the calculator.",
-                                 max_new_tokens=160)
+    result = evaluate_with_tools(
+        fake, tok, examples, [calculator], system_prompt="Use the calculator.", max_new_tokens=160
+    )
     assert fake.calls == [4, 3] and fake.sampled is False  # greedy
     for i, sample in enumerate(result["samples"]):
         ids = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
@@ -411,15 +484,21 @@ def test_tool_evaluation_is_the_training_rollout(tiny, tmp_path):
     assert result["accuracy"] == 1 / 4 and [s["correct"] for s in result["samples"]] == [True, False, False, False]
     # a budget too small for the tool result: the rollout ends on its call, nothing is appended
     call = len(tok(FIRST_TURN[0], add_special_tokens=False)["input_ids"])
-    short = evaluate_with_tools(ScriptedModel(tok), tok, examples[:1], [calculator],
-                                system_prompt="Use the calculator.", max_new_tokens=call + 2)
+    short = evaluate_with_tools(
+        ScriptedModel(tok),
+        tok,
+        examples[:1],
+        [calculator],
+        system_prompt="Use the calculator.",
+        max_new_tokens=call + 2,
+    )
     assert short["tool_calls"] == 1 and [m["role"] for m in short["samples"][0]["messages"]] == ["assistant"]
     assert short["accuracy"] == 0.0
 
 
-
 class _Seen:
     """An environment that records each reset's row and each call, and hands the model a note to read."""
+
     log: list = []
 
     def reset(self, **row):
@@ -447,17 +526,30 @@ def test_tool_evaluation_runs_an_environment_as_training_does(tiny):
     examples = [{"question": r["prompt"][1]["content"], "answer": r["answer"]} for r in _batch()]
     fake = ScriptedModel(tok)
     _Seen.log = []
-    result = evaluate_with_tools(fake, tok, examples, [], environment=_Seen, system_prompt="Use the calculator.",
-                                 max_new_tokens=160)
-    assert [e for e in _Seen.log if e[0] == "reset"] == [("reset", "5"), ("reset", "5"), ("reset", "16"),
-                                                         ("reset", "16")]
+    result = evaluate_with_tools(
+        fake, tok, examples, [], environment=_Seen, system_prompt="Use the calculator.", max_new_tokens=160
+    )
+    assert [e for e in _Seen.log if e[0] == "reset"] == [
+        ("reset", "5"),
+        ("reset", "5"),
+        ("reset", "16"),
+        ("reset", "16"),
+    ]
     # rows 0 and 3 call the calculator (row 3 twice); row 2 names a tool the environment lacks
     assert [e[1:] for e in _Seen.log if e[0] == "call"] == [("5", "2 + 3"), ("16", "2 + 3"), ("16", "4 * 4")]
     assert result["tool_calls"] == 4 and result["tool_failures"] == 1 and result["accuracy"] == 1 / 4
-    first = tok.decode(tok.apply_chat_template(
-        [{"role": "system", "content": "Use the calculator."},
-         {"role": "user", "content": examples[0]["question"] + " (an environment note)"}],
-        tools=[_Seen().calculator], add_generation_prompt=True, tokenize=True, return_dict=False))
+    first = tok.decode(
+        tok.apply_chat_template(
+            [
+                {"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": examples[0]["question"] + " (an environment note)"},
+            ],
+            tools=[_Seen().calculator],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     assert fake.prompts[0] == first
 
 
@@ -471,8 +563,13 @@ def test_prompt_length_check_counts_the_tool_schema(tiny):
     _, tok = tiny
     examples = [{"question": "What is 123 * 456?", "answer": "56088"}]
     plain = len(prompt_ids(tok, examples[0]["question"], "Use the calculator."))
-    rendered = tok.apply_chat_template(make_prompt(examples[0]["question"], "Use the calculator."), tools=[calculator],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    rendered = tok.apply_chat_template(
+        make_prompt(examples[0]["question"], "Use the calculator."),
+        tools=[calculator],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert len(rendered) > plain + 50
     cfg = GRPOKitConfig(model="tiny-llama", task="multiplication", tools=["calculator"], max_prompt_length=plain + 10)
     with pytest.raises(ValueError, match=f"a prompt is {len(rendered)} tokens, over max_prompt_length={plain + 10}"):
@@ -481,10 +578,14 @@ def test_prompt_length_check_counts_the_tool_schema(tiny):
     assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == len(rendered)
     cfg.tools = []
     assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == plain
-    cfg.environment, cfg.max_prompt_length = _Seen, 10 ** 4  # an environment's methods are tools in the prompt too
-    with_env = tok.apply_chat_template(make_prompt(examples[0]["question"], "Use the calculator."),
-                                       tools=[_Seen().calculator], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)
+    cfg.environment, cfg.max_prompt_length = _Seen, 10**4  # an environment's methods are tools in the prompt too
+    with_env = tok.apply_chat_template(
+        make_prompt(examples[0]["question"], "Use the calculator."),
+        tools=[_Seen().calculator],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert check_prompt_lengths(tok, examples, cfg, "Use the calculator.") == len(with_env) > plain + 50
 
 
@@ -495,8 +596,9 @@ def test_calculator_prices_the_tool_turns_in_every_phase(method, vllm):
     from grpo_kit.memory import EstimateSpec, estimate, total_gpu_bytes
 
     common = dict(num_generations=8, prompt_length=700, lora_rank=16, method=method, vllm=vllm, micro_batch_size=4)
-    tools = estimate("llama-3.1-8b", EstimateSpec(completion_length=1000, tool_turns=2, tool_result_tokens=300,
-                                                  **common))
+    tools = estimate(
+        "llama-3.1-8b", EstimateSpec(completion_length=1000, tool_turns=2, tool_result_tokens=300, **common)
+    )
     longer = estimate("llama-3.1-8b", EstimateSpec(completion_length=1600, **common))
     plain = estimate("llama-3.1-8b", EstimateSpec(completion_length=1000, **common))
     assert list(tools["GB"]) == list(longer["GB"])
@@ -552,9 +654,22 @@ def test_tool_preflight_counts_spread_and_calls(tiny):
 
     _, tok = tiny
     fake = ScriptedModel(tok)
-    out = tool_preflight(fake, tok, [{"question": "What is 2 + 3?", "answer": "5"}], [calculator], num_generations=4,
-                         system_prompt="Use the calculator.", max_new_tokens=160)
+    out = tool_preflight(
+        fake,
+        tok,
+        [{"question": "What is 2 + 3?", "answer": "5"}],
+        [calculator],
+        num_generations=4,
+        system_prompt="Use the calculator.",
+        max_new_tokens=160,
+    )
     assert fake.sampled is True and fake.calls == [4, 3]
     # rows: a call then 5, a plain 7, an unknown tool then 5, two calls then 5
-    assert out == {"groups": 1, "spread_share": 1.0, "tool_call_rate": 1.0, "tool_use_share": 0.75,
-                   "tool_failure_rate": 0.25, "accuracy": 0.75}
+    assert out == {
+        "groups": 1,
+        "spread_share": 1.0,
+        "tool_call_rate": 1.0,
+        "tool_use_share": 0.75,
+        "tool_failure_rate": 0.25,
+        "accuracy": 0.75,
+    }

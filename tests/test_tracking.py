@@ -15,15 +15,21 @@ from grpo_kit.app import config_checks as config_module
 from grpo_kit.app.config import ConfigError, GRPOKitConfig
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("report_to=[tensorboard,wandb]", ["tensorboard", "wandb"]),
-    ("report_to=tensorboard, wandb", ["tensorboard", "wandb"]),
-    ('report_to=["trackio"]', ["trackio"]),
-    ("report_to=tensorboard", ["tensorboard"]),
-    ("report_to=[tensorboard,tensorboard]", ["tensorboard"]),
-    ("report_to=none", "none"), ("report_to=null", "none"), ("report_to=", "none"), ("report_to=[none]", "none"),
-    ("report_to=all", "all"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("report_to=[tensorboard,wandb]", ["tensorboard", "wandb"]),
+        ("report_to=tensorboard, wandb", ["tensorboard", "wandb"]),
+        ('report_to=["trackio"]', ["trackio"]),
+        ("report_to=tensorboard", ["tensorboard"]),
+        ("report_to=[tensorboard,tensorboard]", ["tensorboard"]),
+        ("report_to=none", "none"),
+        ("report_to=null", "none"),
+        ("report_to=", "none"),
+        ("report_to=[none]", "none"),
+        ("report_to=all", "all"),
+    ],
+)
 def test_set_parses_report_to(override, expected):
     assert GRPOKitConfig().apply_overrides([override]).report_to == expected
 
@@ -49,11 +55,14 @@ def test_report_to_reaches_trl():
     assert grpo_args(GRPOKitConfig(), "cpu", torch.float32).report_to == []  # "none", as TRL reads it
 
 
-@pytest.mark.parametrize("value,match", [
-    ("mlflow", r"'mlflow' is not a tracker the kit passes on; choose from \['tensorboard', 'wandb', 'trackio'\]"),
-    ("[none,tensorboard]", r"'none' is not a tracker the kit passes on.*'none' or 'all' alone"),
-    ("[1,2]", r"report_to=\[1, 2\] is not allowed"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("mlflow", r"'mlflow' is not a tracker the kit passes on; choose from \['tensorboard', 'wandb', 'trackio'\]"),
+        ("[none,tensorboard]", r"'none' is not a tracker the kit passes on.*'none' or 'all' alone"),
+        ("[1,2]", r"report_to=\[1, 2\] is not allowed"),
+    ],
+)
 def test_unknown_trackers_are_refused(value, match):
     with pytest.raises(ConfigError, match=match):
         GRPOKitConfig().apply_overrides([f"report_to={value}"]).validate()
@@ -64,7 +73,8 @@ def test_a_missing_tracker_is_refused_with_its_install_command(monkeypatch, tmp_
 
     monkeypatch.setattr(config_module, "tracker_installed", lambda name: name != "tensorboard")
     cfg = GRPOKitConfig(model="tiny-llama", output_dir=str(tmp_path / "run")).apply_overrides(
-        ["report_to=[wandb,tensorboard]"])
+        ["report_to=[wandb,tensorboard]"]
+    )
     with pytest.raises(ConfigError) as e:
         train(cfg)  # refused by validate(), before the run folder or any model
     assert str(e.value).count("\n  - ") == 1, e.value  # one message, for the one missing tracker
@@ -82,9 +92,24 @@ def test_the_availability_check_follows_transformers():
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_cli_refuses_a_missing_tracker_before_loading(tmp_path, repo_root):
-    r = subprocess.run([sys.executable, "-m", "grpo_kit", "train", "--set", "model=tiny-llama", "--set",
-                        "report_to=wandb", "--output-dir", str(tmp_path / "run")], cwd=repo_root,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_kit",
+            "train",
+            "--set",
+            "model=tiny-llama",
+            "--set",
+            "report_to=wandb",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert "wandb is not installed; install it with `python -m pip install wandb`" in r.stdout + r.stderr
     assert "held-out accuracy" not in r.stdout and not (tmp_path / "run").exists()
@@ -98,15 +123,30 @@ def test_two_step_run_writes_tensorboard_scalars(tmp_path):
     from grpo_kit.app.run import train
 
     run = tmp_path / "run"
-    cfg = GRPOKitConfig(model="tiny-llama", max_steps=2, num_train_samples=16, num_eval_samples=0,
-                        max_completion_length=6, num_generations=4, per_device_train_batch_size=4, save_steps=0,
-                        generation_backend="hf", output_dir=str(run)).apply_overrides(["report_to=tensorboard"])
+    cfg = GRPOKitConfig(
+        model="tiny-llama",
+        max_steps=2,
+        num_train_samples=16,
+        num_eval_samples=0,
+        max_completion_length=6,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        save_steps=0,
+        generation_backend="hf",
+        output_dir=str(run),
+    ).apply_overrides(["report_to=tensorboard"])
     train(cfg, progress=False)
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    wanted = {"train/reward", "train/loss", "train/frac_reward_zero_std", "train/rewards/correctness_reward/mean",
-              "train/generation/seconds", *(f"train/{k}" for k in KIT_LOGGED_METRICS)}
+    wanted = {
+        "train/reward",
+        "train/loss",
+        "train/frac_reward_zero_std",
+        "train/rewards/correctness_reward/mean",
+        "train/generation/seconds",
+        *(f"train/{k}" for k in KIT_LOGGED_METRICS),
+    }
     assert wanted <= tags, sorted(tags)
     with (run / "metrics.csv").open() as fh:
         rows = list(csv.DictReader(fh))
@@ -134,7 +174,12 @@ def test_the_notebooks_pass_report_to(name, repo_root, tmp_path, monkeypatch):
 
     monkeypatch.setenv("PYTHONPATH", str(repo_root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with pytest.raises(pm.PapermillExecutionError) as err:
-        pm.execute_notebook(str(repo_root / "notebooks" / f"{name}.ipynb"), str(tmp_path / "out.ipynb"),
-                            parameters={"report_to": "mlflow", "setup": "fallback"}, kernel_name="python3",
-                            progress_bar=False, cwd=str(tmp_path))
+        pm.execute_notebook(
+            str(repo_root / "notebooks" / f"{name}.ipynb"),
+            str(tmp_path / "out.ipynb"),
+            parameters={"report_to": "mlflow", "setup": "fallback"},
+            kernel_name="python3",
+            progress_bar=False,
+            cwd=str(tmp_path),
+        )
     assert "'mlflow' is not a tracker the kit passes on" in str(err.value)

@@ -22,17 +22,27 @@ def length_bonus(prompts, completions, **kwargs):
 def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
     from grpo_kit.app.run import train
 
-    cfg = GRPOKitConfig(model="tiny-llama", max_steps=2, num_train_samples=16, num_eval_samples=2,
-                        max_completion_length=6, num_generations=4, per_device_train_batch_size=4, save_steps=0,
-                        output_dir=str(tmp_path / "run"),
-                        reward_funcs=[length_bonus, "grpo_kit.tasks.rewards:format_strict_reward"])
+    cfg = GRPOKitConfig(
+        model="tiny-llama",
+        max_steps=2,
+        num_train_samples=16,
+        num_eval_samples=2,
+        max_completion_length=6,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        reward_funcs=[length_bonus, "grpo_kit.tasks.rewards:format_strict_reward"],
+    )
     summary = train(cfg)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2, out[-3000:]
-    pattern = (r"step {n}/2 \| reward -?\d+\.\d{{3}}±\d+\.\d{{3}} \| length_bonus \d+\.\d{{3}} format_strict "
-               r"\d+\.\d{{3}} \| no-signal groups \d+% \| kl -?\d+\.\d{{4}} \| len \d+\.\d \| \d+\.\d\d s/step \| "
-               r"peak \d+\.\d\d GiB")
+    pattern = (
+        r"step {n}/2 \| reward -?\d+\.\d{{3}}±\d+\.\d{{3}} \| length_bonus \d+\.\d{{3}} format_strict "
+        r"\d+\.\d{{3}} \| no-signal groups \d+% \| kl -?\d+\.\d{{4}} \| len \d+\.\d \| \d+\.\d\d s/step \| "
+        r"peak \d+\.\d\d GiB"
+    )
     for n, line in enumerate(lines, 1):
         assert re.fullmatch(pattern.format(n=n), line), line
     assert "'loss'" not in out and "{'" not in out  # TRL's raw dict is not printed
@@ -42,8 +52,13 @@ def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
     with (run / "metrics.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [r["step"] for r in rows] == ["1", "2"]
-    for key in ("rewards/length_bonus/mean", "rewards/format_strict_reward/std", "entropy",
-                "completions/clipped_ratio", "num_tokens"):  # TRL's full dict
+    for key in (
+        "rewards/length_bonus/mean",
+        "rewards/format_strict_reward/std",
+        "entropy",
+        "completions/clipped_ratio",
+        "num_tokens",
+    ):  # TRL's full dict
         assert key in rows[0], key
     assert float(rows[0]["rewards/length_bonus/mean"]) > 0
     saved = json.loads((run / "summary.json").read_text())
@@ -61,10 +76,22 @@ def test_two_steps_compact_lines_callable_and_module_rewards(tmp_path, capsys):
 
 
 def test_reward_import_errors_are_one_clear_line(repo_root, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "grpo_kit", "train", "--set",
-                        "reward_funcs=[correctness,no_such_rewards_mod:score,grpo_kit.tasks.rewards:nothing_here]",
-                        "--output-dir", str(tmp_path / "r")], cwd=repo_root, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_kit",
+            "train",
+            "--set",
+            "reward_funcs=[correctness,no_such_rewards_mod:score,grpo_kit.tasks.rewards:nothing_here]",
+            "--output-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "cannot import module 'no_such_rewards_mod' (ModuleNotFoundError" in r.stderr
     assert "module 'grpo_kit.tasks.rewards' has no attribute 'nothing_here'" in r.stderr

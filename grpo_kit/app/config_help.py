@@ -32,8 +32,7 @@ FIELD_HELP = {
         "0: none. A multiple of logging_steps. Resume with `train --resume RUN_DIR`."
     ),
     "keep_checkpoints": (
-        "Complete checkpoints kept (the newest N; 0: all). Older ones are deleted only "
-        "after a new one is complete."
+        "Complete checkpoints kept (the newest N; 0: all). Older ones are deleted only after a new one is complete."
     ),
     "max_bad_steps": (
         "Consecutive steps with a non-finite loss or gradient (each one skipped: no "
@@ -49,10 +48,7 @@ FIELD_HELP = {
         "their own settings say (WANDB_PROJECT, WANDB_DIR; Trackio's local store). A tracker "
         "that is not installed is refused with its install command."
     ),
-    "run_name": (
-        "The run's name in the trackers of report_to (TRL's `run_name`); null: each "
-        "tracker names it."
-    ),
+    "run_name": ("The run's name in the trackers of report_to (TRL's `run_name`); null: each tracker names it."),
     "device": f"Where to train: one of {DEVICES}; `auto` picks CUDA when available.",
     "dtype": (
         f"Training dtype, one of {DTYPES}; `auto`: bf16 on GPUs that support it, else fp16 "
@@ -64,8 +60,7 @@ FIELD_HELP = {
     ),
     "task": f"Training task, one of {TASKS}.",
     "levels": (
-        "Difficulty levels of the generated tasks (" + "; ".join(
-        f"{n}: {what}" for n, what in LEVELS.items()) + ")."
+        "Difficulty levels of the generated tasks (" + "; ".join(f"{n}: {what}" for n, what in LEVELS.items()) + ")."
     ),
     "dataset_path": (
         "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "
@@ -97,10 +92,7 @@ FIELD_HELP = {
     "top_p": "Nucleus sampling threshold in (0, 1].",
     "top_k": "Top-k sampling (0: off).",
     "min_p": "Min-p sampling threshold in [0, 1) (null or 0: off).",
-    "beta": (
-        "KL coefficient (k3 estimator against the reference model); 0 skips the "
-        "reference pass."
-    ),
+    "beta": ("KL coefficient (k3 estimator against the reference model); 0 skips the reference pass."),
     "epsilon": "Lower clipping range of the ratio.",
     "epsilon_high": "Upper clipping range (null: same as epsilon).",
     "loss_type": f"GRPO objective and normalisation (TRL's), one of {LOSS_TYPES}.",
@@ -146,14 +138,8 @@ FIELD_HELP = {
         "Wall-clock seconds one tool call may take (0: no limit); a "
         "call that runs longer is a tool failure and the rollout goes on."
     ),
-    "tool_output_tokens": (
-        "Tokens of a tool's text result the model sees; the rest is "
-        "cut with a marker."
-    ),
-    "max_tool_calling_iterations": (
-        "Rounds of tool calls per rollout (null: until the model "
-        "stops calling)."
-    ),
+    "tool_output_tokens": ("Tokens of a tool's text result the model sees; the rest is cut with a marker."),
+    "max_tool_calling_iterations": ("Rounds of tool calls per rollout (null: until the model stops calling)."),
     "tool_warmup_steps": (
         "Supervised warm-up before GRPO (0: none): this many AdamW steps on the adapter "
         "over worked calculator transcripts of the training questions (the call, the tool's "
@@ -315,10 +301,7 @@ FIELD_HELP = {
         "would only recompute). With the grpo_kit trainer on a GPU the layer inputs are "
         "offloaded to CPU RAM (grpo_kit.model.offload)."
     ),
-    "loss_chunk_size": (
-        "Rows per logits chunk in the efficient loss (null: chosen from free "
-        "memory)."
-    ),
+    "loss_chunk_size": ("Rows per logits chunk in the efficient loss (null: chosen from free memory)."),
     "scoring_batch_size": (
         "Completions per no-grad forward when the grpo_kit trainer "
         "scores a generation batch (the reference model's log-probs, and TRL's "

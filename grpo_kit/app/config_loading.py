@@ -117,7 +117,8 @@ def load_yaml(text: str, what: str):
 def coerce(key: str, value, annotation):
     """Coerce YAML/CLI/papermill values to the field's type, or raise a clear error."""
     typ = {"int": int, "float": float, "bool": bool, "str": str, "list": list}.get(
-        annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""), None)
+        annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""), None
+    )
     err = ConfigError(f"{key}={short(value)} has the wrong type: expected {getattr(typ, '__name__', annotation)}")
     if isinstance(annotation, str) and annotation.endswith(" | None"):  # null, or a value of the type
         if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
@@ -191,8 +192,10 @@ def read_config_file(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if p.stat().st_size > MAX_YAML_BYTES:
-        raise ConfigError(f"config file {str(path)!r} is {p.stat().st_size / 2**20:.1f} MiB; a config is at most "
-                          f"{MAX_YAML_BYTES / 2**20:.0f} MiB")
+        raise ConfigError(
+            f"config file {str(path)!r} is {p.stat().st_size / 2**20:.1f} MiB; a config is at most "
+            f"{MAX_YAML_BYTES / 2**20:.0f} MiB"
+        )
     try:
         return load_yaml(p.read_text(encoding="utf-8"), f"config file {str(path)!r}") or {}
     except UnicodeDecodeError as e:

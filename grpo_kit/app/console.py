@@ -28,14 +28,23 @@ _VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM sets its logger's level from it w
 # Third-party warnings a default run meets, each as (where it comes from: a logger's name or a warning category,
 # the start of its text, what it means for a kit run). Without ``verbose`` the kit's line replaces it, once.
 KNOWN_WARNINGS = (
-    (UserWarning, "TRL currently supports vLLM versions",
-     "TRL says the installed vLLM is outside the versions it was tested with; the kit drives vLLM itself "
-     "(grpo_kit.generation), not through TRL's vLLM code"),
-    ("transformers.training_args", "torch.distributed process group is initialized, but parallel_mode",
-     "transformers sees a torch.distributed group in a one-process run: vLLM's in-process engine opens a "
-     "one-process group; the run is not distributed"),
-    (FutureWarning, "`torch.distributed.reduce_op` is deprecated",
-     "vLLM's Triton dispatcher reads a deprecated torch name while it scans the loaded modules; harmless"),
+    (
+        UserWarning,
+        "TRL currently supports vLLM versions",
+        "TRL says the installed vLLM is outside the versions it was tested with; the kit drives vLLM itself "
+        "(grpo_kit.generation), not through TRL's vLLM code",
+    ),
+    (
+        "transformers.training_args",
+        "torch.distributed process group is initialized, but parallel_mode",
+        "transformers sees a torch.distributed group in a one-process run: vLLM's in-process engine opens a "
+        "one-process group; the run is not distributed",
+    ),
+    (
+        FutureWarning,
+        "`torch.distributed.reduce_op` is deprecated",
+        "vLLM's Triton dispatcher reads a deprecated torch name while it scans the loaded modules; harmless",
+    ),
     # an empty line: dropped without one. bitsandbytes (which peft imports) has no optional CPU 4-bit kernel here;
     # only 4-bit runs on the CPU would use it, and the kit runs 4-bit on CUDA only
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward", ""),
@@ -126,8 +135,10 @@ def console_line() -> str:
     """What the console leaves out, and how to see it (the plan's last line)."""
     if _STATE["verbose"]:
         return "console: verbose (vLLM's log and third-party warnings as the libraries print them)"
-    return (f"console: vLLM's log off (errors only), known third-party warnings one line each; {VERBOSE_HINT} "
-            "shows them all")
+    return (
+        f"console: vLLM's log off (errors only), known third-party warnings one line each; {VERBOSE_HINT} "
+        "shows them all"
+    )
 
 
 def _num(value, fmt: str) -> str:
@@ -151,13 +162,20 @@ def step_line(row: dict, max_steps: int | None = None) -> str:
     'step 3/40 | reward 0.500±0.250 | correctness 0.375 | no-signal groups 50% | kl 0.0012 | len 17.2 | 9.87 s/step | peak 1.23 GiB'
     """
     step = f"step {row.get('step')}" + (f"/{max_steps}" if max_steps else "")
-    per_reward = " ".join(f"{reward_name(k)} {_num(v, '.3f')}" for k, v in row.items()
-                          if k.startswith("rewards/") and k.endswith("/mean"))
+    per_reward = " ".join(
+        f"{reward_name(k)} {_num(v, '.3f')}" for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean")
+    )
     zero = row.get("frac_reward_zero_std")
-    parts = [step, f"reward {_num(row.get('reward_mean'), '.3f')}±{_num(row.get('reward_std'), '.3f')}",
-             per_reward, f"no-signal groups {_num(None if zero is None else 100 * zero, '.0f')}%",
-             f"kl {_num(row.get('kl'), '.4f')}", f"len {_num(row.get('completion_length'), '.1f')}",
-             f"{_num(row.get('step_time_s'), '.2f')} s/step", f"peak {_num(row.get('peak_memory_gib'), '.2f')} GiB"]
+    parts = [
+        step,
+        f"reward {_num(row.get('reward_mean'), '.3f')}±{_num(row.get('reward_std'), '.3f')}",
+        per_reward,
+        f"no-signal groups {_num(None if zero is None else 100 * zero, '.0f')}%",
+        f"kl {_num(row.get('kl'), '.4f')}",
+        f"len {_num(row.get('completion_length'), '.1f')}",
+        f"{_num(row.get('step_time_s'), '.2f')} s/step",
+        f"peak {_num(row.get('peak_memory_gib'), '.2f')} GiB",
+    ]
     return " | ".join(p for p in parts if p)
 
 
@@ -201,8 +219,9 @@ def _memory_text(memory: dict) -> str:
     dtype = "" if memory.get("kv_cache_dtype") in (None, "auto") else f" in {memory['kv_cache_dtype']}"
     text = f"vLLM's KV cache {memory['kv_cache_gib']:.2f} GiB{dtype} from {memory['kv_source']}"
     if "calculator_peak_gib" in memory:  # CUDA: the whole step priced against the free memory
-        text += (f"; the calculator's step peak {memory['calculator_peak_gib']:.2f} GiB of "
-                 f"{memory['free_gib']:.2f} GiB free")
+        text += (
+            f"; the calculator's step peak {memory['calculator_peak_gib']:.2f} GiB of {memory['free_gib']:.2f} GiB free"
+        )
     return text
 
 
@@ -211,8 +230,10 @@ def plan_lines(cfg, *, device: str, dtype, info: dict) -> list[str]:
     the engine shares the training weights or holds a copy, the memory plan, and what the console leaves out.
     ``info``: :func:`grpo_kit.generation.plan.start_generation`'s."""
     adapter = f"LoRA r={cfg.lora_rank}" if cfg.use_lora else "full fine-tuning"
-    lines = [f"plan: {cfg.model} on {device} in {str(dtype).removeprefix('torch.')}, {adapter}, task {cfg.task}, "
-             f"{cfg.max_steps} steps"]
+    lines = [
+        f"plan: {cfg.model} on {device} in {str(dtype).removeprefix('torch.')}, {adapter}, task {cfg.task}, "
+        f"{cfg.max_steps} steps"
+    ]
     generation = f"  generation: {info['backend']}" + (f" ({info['reason']})" if info.get("reason") else "")
     if info.get("weights"):
         generation += f", weights {info['weights']}"
@@ -228,12 +249,16 @@ def plan_lines(cfg, *, device: str, dtype, info: dict) -> list[str]:
     if info.get("memory_plan"):
         lines.append(f"  memory: {_memory_text(info['memory_plan'])}")
     if cfg.prefix_sharing is not False and cfg.trainer == "grpo_kit":
-        lines.append(f"  prefix sharing: {cfg.prefix_sharing} (a group's shared prompt scored once; auto: where it "
-                     f"is at least {AUTO_MIN_PROMPT_TOKENS:,} tokens and as long as the completions; summary.json "
-                     "counts what it did)")
+        lines.append(
+            f"  prefix sharing: {cfg.prefix_sharing} (a group's shared prompt scored once; auto: where it "
+            f"is at least {AUTO_MIN_PROMPT_TOKENS:,} tokens and as long as the completions; summary.json "
+            "counts what it did)"
+        )
     if cfg.sandbox_filesystem == "host":
-        lines.append("  sandbox: sandbox_filesystem=host, the weaker mode: model code sees the host's file system "
-                     "(run folders, data files, the home folder, as far as its uid may read them)")
+        lines.append(
+            "  sandbox: sandbox_filesystem=host, the weaker mode: model code sees the host's file system "
+            "(run folders, data files, the home folder, as far as its uid may read them)"
+        )
     lines.append(f"  {console_line()}")
     return lines
 
@@ -251,14 +276,17 @@ def _files_text(run_dir: Path) -> str:
 def closing_lines(summary: dict) -> list[str]:
     """The closing table of a run from its ``summary.json`` dict: held-out accuracy before -> after, steps and
     time, peak memory, the run folder and what it holds."""
+
     def acc(key):
         return _num(summary.get(key), ".3f")
 
     peak = "CUDA allocated" if summary.get("device") == "cuda" else "process RSS"
-    return [f"run folder: {summary['run_dir']}",
-            f"  held-out accuracy: {acc('accuracy_before')} -> {acc('accuracy_after')}",
-            f"  steps: {summary.get('steps')} ({_num(summary.get('train_seconds'), '.1f')} s training, "
-            f"{_num(summary.get('mean_step_time_s'), '.2f')} s/step; {_num(summary.get('total_seconds'), '.1f')} s "
-            "in all)",
-            f"  peak memory: {_num(summary.get('peak_memory_gib'), '.2f')} GiB ({peak})",
-            f"  files: {_files_text(Path(summary['run_dir']))}"]
+    return [
+        f"run folder: {summary['run_dir']}",
+        f"  held-out accuracy: {acc('accuracy_before')} -> {acc('accuracy_after')}",
+        f"  steps: {summary.get('steps')} ({_num(summary.get('train_seconds'), '.1f')} s training, "
+        f"{_num(summary.get('mean_step_time_s'), '.2f')} s/step; {_num(summary.get('total_seconds'), '.1f')} s "
+        "in all)",
+        f"  peak memory: {_num(summary.get('peak_memory_gib'), '.2f')} GiB ({peak})",
+        f"  files: {_files_text(Path(summary['run_dir']))}",
+    ]

@@ -14,9 +14,19 @@ from grpo_kit.tasks.tools import TOOL_OUTPUT_TOKENS, TOOL_TIME_LIMIT_S, checked_
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: str = "", max_new_tokens: int = 32,
-                      batch_size: int = 50, num_samples: int = 1, temperature: float = 0.0, seed: int = 0,
-                      progress: str | None = None) -> dict:
+def evaluate_accuracy(
+    model,
+    tokenizer,
+    examples: list[dict],
+    *,
+    system_prompt: str = "",
+    max_new_tokens: int = 32,
+    batch_size: int = 50,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: str | None = None,
+) -> dict:
     """Accuracy of ``model`` on ``examples`` (``question``/``answer`` dicts).
 
     ``temperature=0`` is greedy decoding; otherwise ``num_samples`` samples per problem
@@ -35,24 +45,29 @@ def evaluate_accuracy(model, tokenizer, examples: list[dict], *, system_prompt: 
     bar = tqdm(total=len(examples), desc=progress, unit="problem", disable=progress is None, leave=False)
     try:
         for start in range(0, len(examples), batch_size):
-            batch = examples[start:start + batch_size]
-            texts = [tokenizer.apply_chat_template(make_prompt(e["question"], system_prompt), tokenize=False,
-                                                   add_generation_prompt=True) for e in batch]
+            batch = examples[start : start + batch_size]
+            texts = [
+                tokenizer.apply_chat_template(
+                    make_prompt(e["question"], system_prompt), tokenize=False, add_generation_prompt=True
+                )
+                for e in batch
+            ]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **_decoding(temperature))
             if temperature > 0:
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
                 kwargs.update(num_return_sequences=num_samples)
             out = model.generate(**enc, **kwargs)
-            completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             reps = num_samples if temperature > 0 else 1
             for i, text in enumerate(completions):
                 ex = batch[i // reps]
                 ok = answer_matches(text, str(ex["answer"]))
                 correct.append(float(ok))
                 if len(samples) < 8:
-                    samples.append({"question": ex["question"], "answer": ex["answer"], "completion": text,
-                                    "correct": ok})
+                    samples.append(
+                        {"question": ex["question"], "answer": ex["answer"], "completion": text, "correct": ok}
+                    )
             bar.update(len(batch))
     finally:
         bar.close()
@@ -78,12 +93,16 @@ def _by_level(examples: list[dict], correct: list[float]) -> dict | None:
     levels = sorted({e.get("level") for e in examples if e.get("level") is not None})
     if not levels:
         return None
-    return {str(lv): sum(c for e, c in zip(examples, correct) if e.get("level") == lv)
-            / max(1, sum(1 for e in examples if e.get("level") == lv)) for lv in levels}
+    return {
+        str(lv): sum(c for e, c in zip(examples, correct) if e.get("level") == lv)
+        / max(1, sum(1 for e in examples if e.get("level") == lv))
+        for lv in levels
+    }
 
 
-def _greedy_turn(model, tokenizer, seqs: list[list[int]], budgets: list[int], temperature: float = 0.0
-                 ) -> list[list[int]]:
+def _greedy_turn(
+    model, tokenizer, seqs: list[list[int]], budgets: list[int], temperature: float = 0.0
+) -> list[list[int]]:
     """One greedy turn (``temperature`` > 0: sampled) for each token sequence (left-padded into one batch): at most
     ``budgets[i]`` new tokens, up to and including the first EOS, as TRL's transformers path keeps them."""
     device = next(model.parameters()).device
@@ -91,15 +110,16 @@ def _greedy_turn(model, tokenizer, seqs: list[list[int]], budgets: list[int], te
     width = max(len(s) for s in seqs)
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=device)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=device)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), pad_token_id=pad,
-                         **_decoding(temperature))
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), pad_token_id=pad, **_decoding(temperature)
+    )
     eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
     stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     turns = []
     for row, budget in zip(out[:, width:].tolist(), budgets):
         row = row[:budget]
         end = next((i for i, t in enumerate(row) if t in stops), None)
-        turns.append(row if end is None else row[:end + 1])
+        turns.append(row if end is None else row[: end + 1])
     return turns
 
 
@@ -124,12 +144,22 @@ def _call_tools(calls: list[dict], tools: dict) -> tuple[list[dict], int]:
 
 
 @torch.no_grad()
-def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, environment=None,
-                        system_prompt: str = "", max_new_tokens: int = 32,
-                        max_tool_calling_iterations: int | None = None,
-                        tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
-                        tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, batch_size: int = 50,
-                        progress: str | None = None, temperature: float = 0.0) -> dict:
+def evaluate_with_tools(
+    model,
+    tokenizer,
+    examples: list[dict],
+    tools: list,
+    *,
+    environment=None,
+    system_prompt: str = "",
+    max_new_tokens: int = 32,
+    max_tool_calling_iterations: int | None = None,
+    tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
+    tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS,
+    batch_size: int = 50,
+    progress: str | None = None,
+    temperature: float = 0.0,
+) -> dict:
     """Greedy multi-turn accuracy of ``model`` with ``tools`` on ``examples`` (``question``/``answer`` dicts).
 
     The rollout is training's: the prompt rendered with the tools' schema, each call parsed by TRL's
@@ -149,8 +179,9 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     from trl.chat_template_utils import parse_response  # lazy: imports TRL (the parser training reads calls with)
 
     def check(tool):
-        return checked_tool(tool, time_limit_s=tool_time_limit_s, tokenizer=tokenizer,
-                            max_output_tokens=tool_output_tokens)
+        return checked_tool(
+            tool, time_limit_s=tool_time_limit_s, tokenizer=tokenizer, max_output_tokens=tool_output_tokens
+        )
 
     checked = [check(t) for t in tools]
     was_training = model.training
@@ -159,10 +190,11 @@ def evaluate_with_tools(model, tokenizer, examples: list[dict], tools: list, *, 
     bar = tqdm(total=len(examples), desc=progress, unit="problem", disable=progress is None, leave=False)
     try:
         for start in range(0, len(examples), batch_size):
-            batch = examples[start:start + batch_size]
+            batch = examples[start : start + batch_size]
             setups = [_rollout_setup(e, system_prompt, checked, environment, check) for e in batch]
-            rollouts += _tool_rollouts(model, tokenizer, setups, parse_response, max_new_tokens,
-                                       max_tool_calling_iterations, temperature)
+            rollouts += _tool_rollouts(
+                model, tokenizer, setups, parse_response, max_new_tokens, max_tool_calling_iterations, temperature
+            )
             bar.update(len(batch))
     finally:
         bar.close()
@@ -181,8 +213,10 @@ def _rollout_setup(example: dict, system_prompt: str, tools: list, environment, 
     observation = instance.reset(**prompt_row(example, system_prompt))
     if observation is not None:
         if not isinstance(observation, str):
-            raise ValueError(f"{type(instance).__name__}.reset returned a {type(observation).__name__}; the held-out "
-                             "evaluation takes text (str) or None")
+            raise ValueError(
+                f"{type(instance).__name__}.reset returned a {type(observation).__name__}; the held-out "
+                "evaluation takes text (str) or None"
+            )
         messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
     return messages, tools + [check(m) for m in environment_tools(instance)]
 
@@ -192,8 +226,10 @@ def _tool_rollouts(model, tokenizer, setups, parse, budget, max_iterations, temp
     setup: its messages, completion ids, tool calls and failures."""
     tools = [t for _, t in setups]
     by_name = [{t.__name__: t for t in ts} for ts in tools]
-    prompts = [tokenizer.apply_chat_template(m, tools=ts or None, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False) for m, ts in setups]
+    prompts = [
+        tokenizer.apply_chat_template(m, tools=ts or None, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for m, ts in setups
+    ]
     completion_ids = _greedy_turn(model, tokenizer, prompts, [budget] * len(prompts), temperature)
     messages = [[parse(tokenizer, ids, prefix=p, tools=ts)] for p, ids, ts in zip(prompts, completion_ids, tools)]
     calls = [0] * len(setups)
@@ -215,42 +251,68 @@ def _tool_rollouts(model, tokenizer, setups, parse, budget, max_iterations, temp
             kept.append(i)
         if not kept:
             break
-        turns = _greedy_turn(model, tokenizer, seqs, [budget - (len(s) - len(prompts[i])) for s, i in zip(seqs, kept)],
-                             temperature)
+        turns = _greedy_turn(
+            model, tokenizer, seqs, [budget - (len(s) - len(prompts[i])) for s, i in zip(seqs, kept)], temperature
+        )
         active = []
         for i, seq, turn in zip(kept, seqs, turns):
-            completion_ids[i] = seq[len(prompts[i]):] + turn
+            completion_ids[i] = seq[len(prompts[i]) :] + turn
             if turn:
                 messages[i].append(parse(tokenizer, turn, prefix=seq, tools=tools[i]))
                 if messages[i][-1].get("tool_calls"):
                     active.append(i)
         iteration += 1
-    return [{"messages": m, "completion_ids": c, "tool_calls": n, "tool_failures": f}
-            for m, c, n, f in zip(messages, completion_ids, calls, failures)]
+    return [
+        {"messages": m, "completion_ids": c, "tool_calls": n, "tool_failures": f}
+        for m, c, n, f in zip(messages, completion_ids, calls, failures)
+    ]
 
 
 def _tool_eval_result(examples: list[dict], rollouts: list[dict], tokenizer) -> dict:
     """:func:`evaluate_with_tools`'s summary of the rollouts."""
-    correct = [float(answer_matches(final_answer_text(r["messages"]), str(e["answer"])))
-               for e, r in zip(examples, rollouts)]
+    correct = [
+        float(answer_matches(final_answer_text(r["messages"]), str(e["answer"]))) for e, r in zip(examples, rollouts)
+    ]
     calls = sum(r["tool_calls"] for r in rollouts)
     failures = sum(r["tool_failures"] for r in rollouts)
     n = max(1, len(rollouts))
-    result = {"accuracy": sum(correct) / n, "n": len(examples),
-              "tool_use_share": sum(1 for r in rollouts if r["tool_calls"]) / n, "tool_calls": calls,
-              "tool_failures": failures, "tool_failure_rate": failures / calls if calls else 0.0,
-              "correct": correct, "calls": [r["tool_calls"] for r in rollouts],
-              "samples": [{"question": e["question"], "answer": e["answer"], "messages": r["messages"],
-                           "completion": tokenizer.decode(r["completion_ids"]), "correct": bool(c)}
-                          for e, r, c in list(zip(examples, rollouts, correct))[:8]]}
+    result = {
+        "accuracy": sum(correct) / n,
+        "n": len(examples),
+        "tool_use_share": sum(1 for r in rollouts if r["tool_calls"]) / n,
+        "tool_calls": calls,
+        "tool_failures": failures,
+        "tool_failure_rate": failures / calls if calls else 0.0,
+        "correct": correct,
+        "calls": [r["tool_calls"] for r in rollouts],
+        "samples": [
+            {
+                "question": e["question"],
+                "answer": e["answer"],
+                "messages": r["messages"],
+                "completion": tokenizer.decode(r["completion_ids"]),
+                "correct": bool(c),
+            }
+            for e, r, c in list(zip(examples, rollouts, correct))[:8]
+        ],
+    }
     levels = _by_level(examples, correct)
     if levels:
         result["by_level"] = levels
     return result
 
 
-def tool_preflight(model, tokenizer, examples: list[dict], tools: list, *, num_generations: int,
-                   temperature: float = 1.0, seed: int = 0, **kwargs) -> dict:
+def tool_preflight(
+    model,
+    tokenizer,
+    examples: list[dict],
+    tools: list,
+    *,
+    num_generations: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    **kwargs,
+) -> dict:
     """Will a run with ``tools`` start with a learning signal? ``num_generations`` sampled rollouts of each example
     (training's tool loop, :func:`evaluate_with_tools`'s other arguments in ``kwargs``): the share of groups whose
     correctness differs (GRPO learns only from those), the tool-call rate (calls per rollout), the share of
@@ -258,7 +320,12 @@ def tool_preflight(model, tokenizer, examples: list[dict], tools: list, *, num_g
     torch.manual_seed(seed)
     repeated = [e for e in examples for _ in range(num_generations)]
     result = evaluate_with_tools(model, tokenizer, repeated, tools, temperature=temperature, **kwargs)
-    groups = [result["correct"][i:i + num_generations] for i in range(0, len(repeated), num_generations)]
-    return {"groups": len(groups), "spread_share": sum(len(set(g)) > 1 for g in groups) / max(1, len(groups)),
-            "tool_call_rate": result["tool_calls"] / max(1, len(repeated)), "tool_use_share": result["tool_use_share"],
-            "tool_failure_rate": result["tool_failure_rate"], "accuracy": result["accuracy"]}
+    groups = [result["correct"][i : i + num_generations] for i in range(0, len(repeated), num_generations)]
+    return {
+        "groups": len(groups),
+        "spread_share": sum(len(set(g)) > 1 for g in groups) / max(1, len(groups)),
+        "tool_call_rate": result["tool_calls"] / max(1, len(repeated)),
+        "tool_use_share": result["tool_use_share"],
+        "tool_failure_rate": result["tool_failure_rate"],
+        "accuracy": result["accuracy"],
+    }

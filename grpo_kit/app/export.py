@@ -50,25 +50,48 @@ def load_trained(run_dir: str | os.PathLike, *, dtype: torch.dtype | None = None
     if (run_dir / "model").is_dir():
         model = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype=dtype or torch.float32)
         return model.to(device).eval(), load_tokenizer(cfg.model)
-    raise ValueError(f"{str(run_dir)!r} holds no trained weights (no adapter/ or model/ folder): did the run "
-                     "reach its first save?")
+    raise ValueError(
+        f"{str(run_dir)!r} holds no trained weights (no adapter/ or model/ folder): did the run reach its first save?"
+    )
 
 
 @torch.no_grad()
-def answer(model, tokenizer, question: str, *, system_prompt: str | None = None, task: str = "arithmetic",
-           max_new_tokens: int = 64) -> str:
+def answer(
+    model,
+    tokenizer,
+    question: str,
+    *,
+    system_prompt: str | None = None,
+    task: str = "arithmetic",
+    max_new_tokens: int = 64,
+) -> str:
     """The model's greedy answer to ``question``, in the chat format training used."""
-    text = tokenizer.apply_chat_template(make_prompt(question, system_prompt or default_system_prompt(task)),
-                                         tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        make_prompt(question, system_prompt or default_system_prompt(task)), tokenize=False, add_generation_prompt=True
+    )
     device = next(model.parameters()).device
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def before_after(run_dir: str | os.PathLike, questions: list[str], *, dtype: torch.dtype | None = None,
-                 device: str = "cpu", max_new_tokens: int = 64) -> list[dict]:
+def before_after(
+    run_dir: str | os.PathLike,
+    questions: list[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    max_new_tokens: int = 64,
+) -> list[dict]:
     """Each question answered by the base model and by the trained one (greedy, the run's system prompt and
     task). A LoRA run loads once: "before" is the same model with its adapter disabled. Returns
     ``[{"question", "before", "after"}]``."""
@@ -86,8 +109,15 @@ def before_after(run_dir: str | os.PathLike, questions: list[str], *, dtype: tor
     return [{"question": q, "before": b, "after": a} for q, b, a in zip(questions, before, after)]
 
 
-def save_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-                device: str = "cpu", overwrite: bool = False, progress: bool = True) -> Path:
+def save_merged(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Merge the run's adapter into its base weights and save a plain 16-bit ``transformers`` checkpoint
     (safetensors + tokenizer) to ``out_dir``; returns it. ``dtype``: bf16, or fp16 for GPUs without bf16;
     the merge runs in that dtype on ``device`` (an 8B in bf16 needs 16 GB there: use ``device="cuda"``
@@ -100,8 +130,10 @@ def save_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
-            raise FileExistsError(f"{str(out)!r} already exists and is not empty; pass overwrite=True to move it "
-                                  "aside, or choose another folder")
+            raise FileExistsError(
+                f"{str(out)!r} already exists and is not empty; pass overwrite=True to move it "
+                "aside, or choose another folder"
+            )
         out.rename(out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"))
     bar = tqdm(total=3, desc="export", unit="stage", disable=not progress, leave=False)
     model, tok = load_trained(run_dir, dtype=dtype, device=device)

@@ -20,8 +20,20 @@ from grpo_kit.app.console import step_line
 from grpo_kit.app.preflight import advice, dead_reward_text
 from grpo_kit.tasks.rewards import completion_text
 
-METRIC_COLUMNS = ["step", "reward_mean", "reward_std", "loss", "kl", "completion_length", "step_time_s",
-                  "peak_memory_gib", "learning_rate", "grad_norm", "clip_ratio", "frac_reward_zero_std"]
+METRIC_COLUMNS = [
+    "step",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "kl",
+    "completion_length",
+    "step_time_s",
+    "peak_memory_gib",
+    "learning_rate",
+    "grad_norm",
+    "clip_ratio",
+    "frac_reward_zero_std",
+]
 # The kit's own per-step metrics, added to the trainer's logged dict for the trackers of report_to (TRL logs the
 # others: rewards per function, frac_reward_zero_std, generation/seconds, ...).
 KIT_LOGGED_METRICS = ("step_time_s", "peak_memory_gib")
@@ -52,9 +64,18 @@ class SampleRecorder:
         with self.path.open("a", encoding="utf-8") as fh:
             for i in range(min(self.keep, len(completions))):
                 prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
-                fh.write(json.dumps({"step": self.step, "prompt": prompt, "completion": completion_text(completions[i]),
-                                     "answer": columns.get("answer", [None] * len(completions))[i],
-                                     name: rewards[i]}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "step": self.step,
+                            "prompt": prompt,
+                            "completion": completion_text(completions[i]),
+                            "answer": columns.get("answer", [None] * len(completions))[i],
+                            name: rewards[i],
+                        }
+                    )
+                    + "\n"
+                )
         self.step += 1
 
 
@@ -84,11 +105,17 @@ class MetricsCallback(TrainerCallback):
         if "reward" not in logs or not state.is_world_process_zero:  # summary line, or another process
             return
         row = {
-            "step": state.global_step, "reward_mean": logs.get("reward"), "reward_std": logs.get("reward_std"),
-            "loss": logs.get("loss"), "kl": logs.get("kl"), "completion_length": logs.get("completions/mean_length"),
+            "step": state.global_step,
+            "reward_mean": logs.get("reward"),
+            "reward_std": logs.get("reward_std"),
+            "loss": logs.get("loss"),
+            "kl": logs.get("kl"),
+            "completion_length": logs.get("completions/mean_length"),
             "step_time_s": sum(self._times) / len(self._times) if self._times else None,
-            "peak_memory_gib": peak_memory_gib(self.device), "learning_rate": logs.get("learning_rate"),
-            "grad_norm": logs.get("grad_norm"), "clip_ratio": logs.get("clip_ratio/region_mean"),
+            "peak_memory_gib": peak_memory_gib(self.device),
+            "learning_rate": logs.get("learning_rate"),
+            "grad_norm": logs.get("grad_norm"),
+            "clip_ratio": logs.get("clip_ratio/region_mean"),
             # Share of groups whose rewards are all equal: zero advantage, so no learning signal.
             "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
         }
@@ -117,12 +144,19 @@ def first_step_advice(cfg: GRPOKitConfig, row: dict) -> str:
     means = {k: v for k, v in row.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
     tips = advice(cfg, zero, row.get("completions/clipped_ratio") or 0.0, means)
     head = f"pre-flight (step {row.get('step')}): {zero:.0%} of groups had no reward spread"
-    text = (f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight" if tips else
-            f"{head}: the start has a learning signal")
+    text = (
+        f"{head}; try: {'; '.join(tips)}. Details: python -m grpo_kit preflight"
+        if tips
+        else f"{head}: the start has a learning signal"
+    )
     # TRL logs each reward function's std over the step's samples: 0 means one value for all of them
-    dead = [dead_reward_text(k.removeprefix("rewards/").removesuffix("/std"), row.get(k.removesuffix("std") + "mean")
-                             or 0.0)
-            for k, v in row.items() if k.startswith("rewards/") and k.endswith("/std") and v == 0.0]
+    dead = [
+        dead_reward_text(
+            k.removeprefix("rewards/").removesuffix("/std"), row.get(k.removesuffix("std") + "mean") or 0.0
+        )
+        for k, v in row.items()
+        if k.startswith("rewards/") and k.endswith("/std") and v == 0.0
+    ]
     return "\n".join([text, *(f"pre-flight (step {row.get('step')}): {d}" for d in dead)])
 
 

@@ -26,8 +26,11 @@ from grpo_kit.model.loading import build_random_model, causal_lm_class, model_co
 from grpo_kit.model.offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing, layer_modes
 
 SUPPORTED_MARKER = "<!-- supported-models -->"
-_MODE_TEXT = {"split": "split (per-token work in slices)", "whole+mlp": "whole layer, MLP in slices",
-              "whole": "whole layer"}
+_MODE_TEXT = {
+    "split": "split (per-token work in slices)",
+    "whole+mlp": "whole layer, MLP in slices",
+    "whole": "whole layer",
+}
 
 
 def vllm_route(architecture: str) -> str:
@@ -71,13 +74,20 @@ def family_row(fam: Family) -> dict:
     route = vllm_route(arch)
     if route in ("native", "transformers backend"):
         run = "run on a GPU" if fam.key in GPU_ONE_COPY_RUN else "not yet run on a GPU"
-        vllm = (f"{route}; one copy of the weights on CUDA ({run})" if not found.experts else
-                f"{route}; a separate engine copy on CUDA (the engine's fused expert tensors are not mapped to "
-                "transformers')")
+        vllm = (
+            f"{route}; one copy of the weights on CUDA ({run})"
+            if not found.experts
+            else f"{route}; a separate engine copy on CUDA (the engine's fused expert tensors are not mapped to "
+            "transformers')"
+        )
     else:
         vllm = f"{route}: HF generate"
-    experts = (f"experts frozen ({'LoRA on them' if EXPERT_LORA else 'fused parameters: no LoRA, 16-bit'}); "
-               "router loss as TRL adds it, off under offload" if found.experts else "")
+    experts = (
+        f"experts frozen ({'LoRA on them' if EXPERT_LORA else 'fused parameters: no LoRA, 16-bit'}); "
+        "router loss as TRL adds it, off under offload"
+        if found.experts
+        else ""
+    )
     return {
         "family": fam.name,
         "model_type": ", ".join(fam.model_types),
@@ -95,16 +105,23 @@ def supported_models_page() -> str:
     """The "Supported models" table: one row per family, then what is refused and why."""
     rows = [family_row(f) for f in FAMILIES]
     keys = list(rows[0])
-    lines = [f"Generated from the family table with transformers {_version('transformers')}, "
-             f"{_vllm_version()} (the pinned CPU engine; the GPU path pins vllm 0.26.0) and PEFT "
-             f"{_version('peft')}.", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines = [
+        f"Generated from the family table with transformers {_version('transformers')}, "
+        f"{_vllm_version()} (the pinned CPU engine; the GPU path pins vllm 0.26.0) and PEFT "
+        f"{_version('peft')}.",
+        "",
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+    ]
     for r in rows:
         lines.append("| " + " | ".join(str(r[k]).replace("|", "\\|") for k in keys) + " |")
     lines += ["", "Refused before anything loads, with the reason:", ""]
     lines += [f"- `{t}`: {why}" for t, why in REFUSED.items()]
-    lines += ["- any other `model_type`: not among the families proven against TRL; `trainer: trl` trains it with "
-              "TRL's own loss",
-              "- a checkpoint with its own modelling code (`auto_map`), unless `trust_remote_code: true`"]
+    lines += [
+        "- any other `model_type`: not among the families proven against TRL; `trainer: trl` trains it with "
+        "TRL's own loss",
+        "- a checkpoint with its own modelling code (`auto_map`), unless `trust_remote_code: true`",
+    ]
     return "\n".join(lines)
 
 
@@ -126,11 +143,19 @@ def doctor_model(name: str, *, trust_remote_code: bool = False) -> list[tuple[st
         found = inspect_config(config)
     except ValueError as e:
         return rows + [("verdict", f"refused: {e}")]
-    rows += [("family", fam.name), ("decoder layers", f"{found.layers} x {found.layer_class}"),
-             ("logits", found.logit_form.describe()), ("LoRA targets (auto)", ", ".join(found.lora_targets)),
-             ("vLLM", vllm_route(causal_lm_class(config).__name__))]
+    rows += [
+        ("family", fam.name),
+        ("decoder layers", f"{found.layers} x {found.layer_class}"),
+        ("logits", found.logit_form.describe()),
+        ("LoRA targets (auto)", ", ".join(found.lora_targets)),
+        ("vLLM", vllm_route(causal_lm_class(config).__name__)),
+    ]
     if found.experts:
         rows.append(("experts", f"{found.experts} per layer, frozen (fused parameters, not LoRA targets)"))
-    rows.append(("verdict", "supported: efficient loss, offloaded checkpointing (its mode per layer is probed when "
-                            "training starts)"))
+    rows.append(
+        (
+            "verdict",
+            "supported: efficient loss, offloaded checkpointing (its mode per layer is probed when training starts)",
+        )
+    )
     return rows

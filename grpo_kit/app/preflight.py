@@ -35,6 +35,7 @@ class PreflightReport:
     """``zero_spread_share``: share of prompts whose ``num_generations`` weighted rewards are all equal, in
     [0, 1]; ``truncation_rate``: share of completions that hit ``max_completion_length``; ``histograms``:
     reward function name -> {value (or "lo..hi" bin): count}; ``means``: name -> mean reward."""
+
     num_prompts: int
     num_generations: int
     zero_spread_share: float
@@ -47,24 +48,29 @@ class PreflightReport:
     constant: dict = field(default_factory=dict)  # name -> the one value a reward function gave every sample
 
     def text(self) -> str:
-        lines = [f"pre-flight: {self.num_prompts} prompts x {self.num_generations} completions from the untrained "
-                 f"model ({self.seconds:.1f} s)",
-                 f"  groups with no reward spread (no learning signal): {self.zero_spread_share:.0%}",
-                 f"  completions cut at max_completion_length: {self.truncation_rate:.0%}"]
+        lines = [
+            f"pre-flight: {self.num_prompts} prompts x {self.num_generations} completions from the untrained "
+            f"model ({self.seconds:.1f} s)",
+            f"  groups with no reward spread (no learning signal): {self.zero_spread_share:.0%}",
+            f"  completions cut at max_completion_length: {self.truncation_rate:.0%}",
+        ]
         for name, hist in self.histograms.items():
             counts = ", ".join(f"{k}: {v}" for k, v in hist.items())
             lines.append(f"  {name}: mean {self.means[name]:.3f}; histogram {{{counts}}}")
         lines += [f"  {dead_reward_text(name, value)}" for name, value in self.constant.items()]
         lines += [f"  sample: {s!r}" for s in self.samples[:2]]
-        lines += ["advice:"] + [f"  - {a}" for a in self.advice] if self.advice else ["advice: none, the start "
-                                                                                        "has signal"]
+        lines += (
+            ["advice:"] + [f"  - {a}" for a in self.advice] if self.advice else ["advice: none, the start has signal"]
+        )
         return "\n".join(lines)
 
 
 def dead_reward_text(name: str, value: float) -> str:
     """What a reward function that gave every sample the same ``value`` means for the run."""
-    return (f"{name} gave {value:.3f} to every sample: it adds nothing to any advantage (does the prompt ask for "
-            "what it pays? drop it from reward_funcs, or make it pay for something the model can do)")
+    return (
+        f"{name} gave {value:.3f} to every sample: it adds nothing to any advantage (does the prompt ask for "
+        "what it pays? drop it from reward_funcs, or make it pay for something the model can do)"
+    )
 
 
 def constant_rewards(scores: dict) -> dict:
@@ -110,16 +116,20 @@ def advice(cfg, zero_spread_share: float, truncation_rate: float, means: dict | 
     if cfg.task in ("arithmetic", "word_problems", "long_document") and sorted(cfg.levels) != [1]:
         out.append(f"easier problems: --set levels=[1] (now {cfg.levels})")
     if truncation_rate > TRUNCATION_ADVICE_SHARE:
-        out.append(f"longer completions: {truncation_rate:.0%} hit max_completion_length={cfg.max_completion_length}"
-                   f"; try --set max_completion_length={2 * cfg.max_completion_length}")
+        out.append(
+            f"longer completions: {truncation_rate:.0%} hit max_completion_length={cfg.max_completion_length}"
+            f"; try --set max_completion_length={2 * cfg.max_completion_length}"
+        )
     if not any(isinstance(r, str) and r in FORMAT_REWARDS for r in cfg.reward_funcs):
         out.append("a format reward that pays partial credit: add format_soft to reward_funcs")
     if means is not None and all(abs(m) < 1e-12 for m in means.values()):
         out.append("an SFT warm-up on a few solved examples: the untrained model earned no reward at all")
     else:
         out.append("an SFT warm-up on a few solved examples, so that more completions earn a reward")
-    out.append(f"more completions per group (num_generations={cfg.num_generations}) raise the chance that a "
-               "group has one success")
+    out.append(
+        f"more completions per group (num_generations={cfg.num_generations}) raise the chance that a "
+        "group has one success"
+    )
     return out
 
 
@@ -147,19 +157,32 @@ def preflight(cfg, *, num_prompts: int = 8, backend: str = "hf") -> PreflightRep
     g = cfg.num_generations
     t0 = time.perf_counter()
     with torch.no_grad():
-        res = gen.generate(prompts, num_generations=g,
-                           sampling=SamplingConfig.from_config(cfg.spec(GenerationSpec), seed=cfg.seed, stop_token_ids=[tok.eos_token_id]))
+        res = gen.generate(
+            prompts,
+            num_generations=g,
+            sampling=SamplingConfig.from_config(
+                cfg.spec(GenerationSpec), seed=cfg.seed, stop_token_ids=[tok.eos_token_id]
+            ),
+        )
     seconds = time.perf_counter() - t0
     columns = {"answer": [e["answer"] for e in examples for _ in range(g)]}
     group_prompts = [m for m in messages for _ in range(g)]
     scores = {f.__name__.removesuffix("_reward"): f(group_prompts, res.texts, **columns) for f in funcs}
     total = [sum(w * (s[j] or 0.0) for w, s in zip(weights, scores.values())) for j in range(len(res))]
-    zero = sum(1 for i in range(len(examples)) if max(total[i * g:(i + 1) * g]) - min(total[i * g:(i + 1) * g])
-               < 1e-9) / len(examples)
+    zero = sum(
+        1 for i in range(len(examples)) if max(total[i * g : (i + 1) * g]) - min(total[i * g : (i + 1) * g]) < 1e-9
+    ) / len(examples)
     truncated = sum(r == "length" for r in res.finish_reasons) / len(res)
     means = {k: sum(v or 0.0 for v in s) / len(s) for k, s in scores.items()}
-    return PreflightReport(num_prompts=len(examples), num_generations=g, zero_spread_share=zero,
-                           truncation_rate=truncated, means=means,
-                           histograms={k: histogram([v or 0.0 for v in s]) for k, s in scores.items()},
-                           advice=advice(cfg, zero, truncated, means), seconds=seconds, samples=res.texts[:2],
-                           constant=constant_rewards(scores))
+    return PreflightReport(
+        num_prompts=len(examples),
+        num_generations=g,
+        zero_spread_share=zero,
+        truncation_rate=truncated,
+        means=means,
+        histograms={k: histogram([v or 0.0 for v in s]) for k, s in scores.items()},
+        advice=advice(cfg, zero, truncated, means),
+        seconds=seconds,
+        samples=res.texts[:2],
+        constant=constant_rewards(scores),
+    )

@@ -16,8 +16,16 @@ from grpo_kit.trainer.checkpoints import atomic_write_text
 
 # Config fields that may differ from the run folder's saved config when resuming: they change how
 # long the run goes, what is kept or where its metrics are reported, not the math of the steps already taken.
-SAFE_RESUME_OVERRIDES = ("max_steps", "save_steps", "keep_checkpoints", "max_bad_steps", "loss_chunk_size",
-                         "scoring_batch_size", "report_to", "run_name")
+SAFE_RESUME_OVERRIDES = (
+    "max_steps",
+    "save_steps",
+    "keep_checkpoints",
+    "max_bad_steps",
+    "loss_chunk_size",
+    "scoring_batch_size",
+    "report_to",
+    "run_name",
+)
 
 
 def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict | None = None):
@@ -46,17 +54,24 @@ def resume_config(run_dir: str | os.PathLike, overrides=(), config_values: dict 
             raise ConfigError(f"output_dir={d!r}: a resumed run writes to its own folder {str(run_dir)!r}")
     wanted.output_dir = str(run_dir)
     saved.output_dir = str(run_dir)
-    conflicts = [(k, v, getattr(wanted, k)) for k, v in saved.to_dict().items()
-                 if getattr(wanted, k) != v and k not in SAFE_RESUME_OVERRIDES]
+    conflicts = [
+        (k, v, getattr(wanted, k))
+        for k, v in saved.to_dict().items()
+        if getattr(wanted, k) != v and k not in SAFE_RESUME_OVERRIDES
+    ]
     if conflicts:
         lines = "; ".join(f"{k}: saved {a!r}, given {b!r}" for k, a, b in conflicts)
-        raise ConfigError(f"cannot resume {str(run_dir)!r} with a different config ({lines}). A resumed run uses the "
-                          f"run folder's config.yaml; the fields that may change on resume are "
-                          f"{', '.join(SAFE_RESUME_OVERRIDES)}. Start a new run folder to change the others.")
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r} with a different config ({lines}). A resumed run uses the "
+            f"run folder's config.yaml; the fields that may change on resume are "
+            f"{', '.join(SAFE_RESUME_OVERRIDES)}. Start a new run folder to change the others."
+        )
     return wanted.validate()
 
 
-def restore_run_files(run_dir: str | os.PathLike, run_state: dict, columns: list[str], samples_path: Path) -> list[dict]:
+def restore_run_files(
+    run_dir: str | os.PathLike, run_state: dict, columns: list[str], samples_path: Path
+) -> list[dict]:
     """Put ``metrics.csv`` and ``samples.jsonl`` back to what they were at the checkpoint.
 
     Rows and samples written after it (by the run that was killed) are dropped, so the resumed run

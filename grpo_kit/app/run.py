@@ -75,8 +75,9 @@ def _prompt_tools(cfg: GRPOKitConfig) -> list | None:
 
 def check_prompt_lengths(tokenizer, examples: list[dict], cfg: GRPOKitConfig, system_prompt: str) -> int:
     """:func:`grpo_kit.tasks.prompts.check_prompt_lengths` with the config's tools and ``max_prompt_length``."""
-    return check_prompt_tokens(tokenizer, examples, system_prompt, max_prompt_length=cfg.max_prompt_length,
-                               tools=_prompt_tools(cfg))
+    return check_prompt_tokens(
+        tokenizer, examples, system_prompt, max_prompt_length=cfg.max_prompt_length, tools=_prompt_tools(cfg)
+    )
 
 
 def _release(generator, *, standby: bool) -> None:
@@ -84,8 +85,9 @@ def _release(generator, *, standby: bool) -> None:
     try:
         generator.sleep() if standby else generator.close()
     except Exception as e:
-        print(f"warning: {'standby of' if standby else 'closing'} the {generator.name} generator failed: {e}",
-              flush=True)
+        print(
+            f"warning: {'standby of' if standby else 'closing'} the {generator.name} generator failed: {e}", flush=True
+        )
 
 
 def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
@@ -96,17 +98,32 @@ def grpo_args(cfg: GRPOKitConfig, device: str, dtype: torch.dtype):
     shared = {f.name for f in dataclasses.fields(GRPOConfig) if f.init} & {f.name for f in dataclasses.fields(cfg)}
     values = {name: getattr(cfg, name) for name in shared - set(KIT_ONLY_TRL_NAMES)}
     values.update(
-        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,  # 0: no checkpoints
-        min_p=cfg.min_p or None, reward_weights=cfg.reward_weights or None,  # 0 and []: off / all 1.0
-        gradient_checkpointing=cfg.checkpointing_on(device), data_seed=cfg.seed, use_cpu=(device == "cpu"),
-        bf16=(dtype == torch.bfloat16), fp16=(dtype == torch.float16),
+        save_strategy="steps" if cfg.save_steps else "no",
+        save_steps=cfg.save_steps or 500,  # 0: no checkpoints
+        min_p=cfg.min_p or None,
+        reward_weights=cfg.reward_weights or None,  # 0 and []: off / all 1.0
+        gradient_checkpointing=cfg.checkpointing_on(device),
+        data_seed=cfg.seed,
+        use_cpu=(device == "cpu"),
+        bf16=(dtype == torch.bfloat16),
+        fp16=(dtype == torch.float16),
         # the kit writes its own metrics.csv, samples.jsonl and console line (report_to passes by name)
-        disable_tqdm=False, log_completions=False, remove_unused_columns=False)
+        disable_tqdm=False,
+        log_completions=False,
+        remove_unused_columns=False,
+    )
     return GRPOConfig(**values)
 
 
-def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), resume: bool = False,
-          overwrite: bool = False, verbose: bool = False) -> dict:
+def train(
+    cfg: GRPOKitConfig,
+    *,
+    progress: bool = True,
+    callbacks: tuple = (),
+    resume: bool = False,
+    overwrite: bool = False,
+    verbose: bool = False,
+) -> dict:
     """Run the main job for a config; returns the summary also written to ``summary.json``.
 
     ``callbacks``: extra ``transformers.TrainerCallback`` objects (e.g. a notebook dashboard). ``verbose``: vLLM's
@@ -141,8 +158,19 @@ def train(cfg: GRPOKitConfig, *, progress: bool = True, callbacks: tuple = (), r
         signals.run_dir = run_dir  # a second signal names the checkpoint to resume from
         if lock is None:  # other processes: the main one owns the folder
             run_dir.mkdir(parents=True, exist_ok=True)
-        run = _Run(cfg, run_dir, device, resolve_dtype(cfg.spec(DeviceSpec), device), state.is_main_process,
-                   progress, train_ex, heldout, _system_prompt(cfg), config, signals)
+        run = _Run(
+            cfg,
+            run_dir,
+            device,
+            resolve_dtype(cfg.spec(DeviceSpec), device),
+            state.is_main_process,
+            progress,
+            train_ex,
+            heldout,
+            _system_prompt(cfg),
+            config,
+            signals,
+        )
         started = finished = False
         try:
             ready = _prepare(run, reward_funcs, callbacks, resume)
@@ -254,14 +282,17 @@ def check_task_size(cfg: GRPOKitConfig) -> None:
     """num_train_samples + num_eval_samples within the distinct problems the task can generate (ConfigError)."""
     most = max_distinct_problems(cfg.task, cfg.levels)
     if most is not None and cfg.num_train_samples + cfg.num_eval_samples > most:
-        raise ConfigError(f"num_train_samples={cfg.num_train_samples}: task={cfg.task!r} at levels {cfg.levels} has "
-                          f"only {most} distinct problems, and the held-out set takes num_eval_samples="
-                          f"{cfg.num_eval_samples} of them; ask for at most {max(0, most - cfg.num_eval_samples)}, "
-                          "or add levels")
+        raise ConfigError(
+            f"num_train_samples={cfg.num_train_samples}: task={cfg.task!r} at levels {cfg.levels} has "
+            f"only {most} distinct problems, and the held-out set takes num_eval_samples="
+            f"{cfg.num_eval_samples} of them; ask for at most {max(0, most - cfg.num_eval_samples)}, "
+            "or add levels"
+        )
 
 
-def check_before_load(cfg: GRPOKitConfig, config, device: str, train_ex: list, heldout: list,
-                      num_processes: int = 1) -> None:
+def check_before_load(
+    cfg: GRPOKitConfig, config, device: str, train_ex: list, heldout: list, num_processes: int = 1
+) -> None:
     """What the model's config, the data and the machine allow, checked before any model loads (ConfigError):
     lora_rank within the hidden size, prompt and completion within the context, a step's prompts within the
     data, the held-out set as large as asked, and the step within memory as the VRAM calculator prices it. The kit's
@@ -276,22 +307,31 @@ def check_before_load(cfg: GRPOKitConfig, config, device: str, train_ex: list, h
     errors = []
     hidden = getattr(config, "hidden_size", None)
     if cfg.use_lora and hidden and cfg.lora_rank > hidden:
-        errors.append(f"lora_rank={cfg.lora_rank} is more than the model's hidden size {hidden} (an adapter of a "
-                      f"higher rank than its weights adds nothing); choose at most {hidden}")
+        errors.append(
+            f"lora_rank={cfg.lora_rank} is more than the model's hidden size {hidden} (an adapter of a "
+            f"higher rank than its weights adds nothing); choose at most {hidden}"
+        )
     limit = getattr(config, "max_position_embeddings", None)
     if limit and cfg.max_prompt_length + cfg.max_completion_length > limit:
-        errors.append(f"max_prompt_length={cfg.max_prompt_length} + max_completion_length="
-                      f"{cfg.max_completion_length} is beyond the model's context ({limit} tokens, "
-                      f"max_position_embeddings); together they may be at most {limit}")
-    prompts = max(1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes
-                  // cfg.num_generations)
+        errors.append(
+            f"max_prompt_length={cfg.max_prompt_length} + max_completion_length="
+            f"{cfg.max_completion_length} is beyond the model's context ({limit} tokens, "
+            f"max_position_embeddings); together they may be at most {limit}"
+        )
+    prompts = max(
+        1, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes // cfg.num_generations
+    )
     if len(train_ex) < prompts:
-        errors.append(f"the data has {len(train_ex)} training problems, fewer training problems than one step takes "
-                      f"({prompts} prompts: per_device_train_batch_size x gradient_accumulation_steps x processes / "
-                      "num_generations); use more data or a smaller batch")
+        errors.append(
+            f"the data has {len(train_ex)} training problems, fewer training problems than one step takes "
+            f"({prompts} prompts: per_device_train_batch_size x gradient_accumulation_steps x processes / "
+            "num_generations); use more data or a smaller batch"
+        )
     if len(heldout) < cfg.num_eval_samples:
-        errors.append(f"num_eval_samples={cfg.num_eval_samples}, but the data has only {len(heldout)} held-out "
-                      f"problems; lower num_eval_samples to at most {len(heldout)}, or give more data")
+        errors.append(
+            f"num_eval_samples={cfg.num_eval_samples}, but the data has only {len(heldout)} held-out "
+            f"problems; lower num_eval_samples to at most {len(heldout)}, or give more data"
+        )
     errors += [p for p in (_memory_problem(cfg, config, device),) if p]
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  - " + "\n  - ".join(errors))
@@ -307,12 +347,13 @@ def _memory_problem(cfg: GRPOKitConfig, config, device: str) -> str | None:
     have = torch.cuda.get_device_properties(0).total_memory if on_gpu else psutil.virtual_memory().total
     if need <= have:
         return None
-    return (f"the step does not fit in memory: the VRAM calculator estimates {need / 2**30:.1f} GiB at its peak "
-            f"(num_generations={cfg.num_generations}, per_device_train_batch_size={cfg.per_device_train_batch_size}, "
-            f"max_prompt_length + max_completion_length = {cfg.max_prompt_length + cfg.max_completion_length}), "
-            f"and {'the GPU has' if on_gpu else 'this machine has'} {have / 2**30:.1f} GiB; lower them "
-            "(python -m grpo_kit vram prices other settings)")
-
+    return (
+        f"the step does not fit in memory: the VRAM calculator estimates {need / 2**30:.1f} GiB at its peak "
+        f"(num_generations={cfg.num_generations}, per_device_train_batch_size={cfg.per_device_train_batch_size}, "
+        f"max_prompt_length + max_completion_length = {cfg.max_prompt_length + cfg.max_completion_length}), "
+        f"and {'the GPU has' if on_gpu else 'this machine has'} {have / 2**30:.1f} GiB; lower them "
+        "(python -m grpo_kit vram prices other settings)"
+    )
 
 
 def _prepare(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> _Ready | dict:
@@ -321,13 +362,23 @@ def _prepare(run: _Run, reward_funcs: list, callbacks: tuple, resume: bool) -> _
     cfg = run.cfg
     point = _find_resume_point(run) if resume else None
     if point is not None and point.finishing and (run.run_dir / "summary.json").is_file():
-        print(f"the run in {run.run_dir} is already finished ({point.ckpt.name}, max_steps={cfg.max_steps}, "
-              f"summary.json written); nothing to do. To train longer: train --resume {run.run_dir} --set "
-              "max_steps=N", flush=True)
+        print(
+            f"the run in {run.run_dir} is already finished ({point.ckpt.name}, max_steps={cfg.max_steps}, "
+            f"summary.json written); nothing to do. To train longer: train --resume {run.run_dir} --set "
+            "max_steps=N",
+            flush=True,
+        )
         return {**read_json(run.run_dir / "summary.json"), "already_finished": True}
     if point is not None:
-        print(f"resuming from {point.ckpt}" + (" (max_steps reached: finishing the final save and evaluation, no "
-                                               "more training)" if point.finishing else ""), flush=True)
+        print(
+            f"resuming from {point.ckpt}"
+            + (
+                " (max_steps reached: finishing the final save and evaluation, no more training)"
+                if point.finishing
+                else ""
+            ),
+            flush=True,
+        )
     if run.is_main:
         cfg.save(run.run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
@@ -385,17 +436,34 @@ def _load(run: _Run) -> _Loaded:
         check_tool_template(tokenizer, cfg.model)  # one message naming what it lacks, before any model loads
     check_prompt_lengths(tokenizer, run.train_ex + run.heldout, cfg, run.system_prompt)
     targets = tuple(resolve_lora_targets(cfg.lora_target_modules, meta_model(config))) if cfg.use_lora else ()
-    plan = plan_generation(cfg.spec(GenerationSpec), model_config=config, device=run.device, dtype=dtype,
-                           num_processes=PartialState().num_processes)
-    quant = dict(load_in_4bit=True, skip_modules=cfg.load_in_4bit_skip_modules,
-                 auto_allowance=cfg.load_in_4bit_auto_allowance, nf4_matmul=cfg.load_in_4bit_matmul,
-                 calibration=calibration_batches(tokenizer, run.train_ex, run.system_prompt)) if cfg.load_in_4bit else {}
+    plan = plan_generation(
+        cfg.spec(GenerationSpec),
+        model_config=config,
+        device=run.device,
+        dtype=dtype,
+        num_processes=PartialState().num_processes,
+    )
+    quant = (
+        dict(
+            load_in_4bit=True,
+            skip_modules=cfg.load_in_4bit_skip_modules,
+            auto_allowance=cfg.load_in_4bit_auto_allowance,
+            nf4_matmul=cfg.load_in_4bit_matmul,
+            calibration=calibration_batches(tokenizer, run.train_ex, run.system_prompt),
+        )
+        if cfg.load_in_4bit
+        else {}
+    )
     # the config refuses 4 bit and FP8 together
     quant = dict(base_weights="fp8", fp8_block=cfg.fp8_block) if cfg.base_weights == "fp8" else quant
     generator, model, info = start_generation(
-        plan, tokenizer=tokenizer, dtype=dtype,
-        load_model=lambda: load_model(cfg.model, dtype=dtype, device=run.device, seed=cfg.seed,
-                                      trust_remote_code=cfg.trust_remote_code, **quant)[0])
+        plan,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        load_model=lambda: load_model(
+            cfg.model, dtype=dtype, device=run.device, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, **quant
+        )[0],
+    )
     info["model"] = model_plan(cfg, config, run.device, targets)
     if run.is_main:
         print("\n".join(plan_lines(cfg, device=run.device, dtype=dtype, info=info)), flush=True)
@@ -407,15 +475,26 @@ def model_plan(cfg: GRPOKitConfig, config, device: str, targets: tuple) -> dict:
     mixture of experts, its experts (frozen) and the router's load-balancing loss (summary.json, the plan line)."""
     found = inspect_config(config)
     family = family_of(getattr(config, "model_type", None))
-    out = {"family": family.name if family else getattr(config, "model_type", "?"), "layers": found.layers,
-           "logits": found.logit_form.describe(), "lora_targets": list(targets)}
+    out = {
+        "family": family.name if family else getattr(config, "model_type", "?"),
+        "layers": found.layers,
+        "logits": found.logit_form.describe(),
+        "lora_targets": list(targets),
+    }
     if found.experts:
         coef = router_aux_coef(config)
         offloaded = cfg.trainer == "grpo_kit" and device == "cuda" and cfg.checkpointing_on(device)
-        out["experts"] = (f"{found.experts} per layer, frozen: fused parameters, not LoRA targets (the pinned vLLM "
-                          "loads no adapter on them)")
-        out["router_aux_loss"] = ("none in the config" if not coef else f"off: {AUX_LOSS_OFF_REASON}" if offloaded
-                                  else f"x{coef:g}, added to the loss as TRL adds it")
+        out["experts"] = (
+            f"{found.experts} per layer, frozen: fused parameters, not LoRA targets (the pinned vLLM "
+            "loads no adapter on them)"
+        )
+        out["router_aux_loss"] = (
+            "none in the config"
+            if not coef
+            else f"off: {AUX_LOSS_OFF_REASON}"
+            if offloaded
+            else f"x{coef:g}, added to the loss as TRL adds it"
+        )
     return out
 
 
@@ -427,18 +506,34 @@ def _evaluate(run: _Run, model, tokenizer, when: str) -> dict:
     multi_turn = bool(cfg.tools or cfg.environment)
     if multi_turn:
         environment = resolve_environment(cfg.environment) if cfg.environment is not None else None
-        result = evaluate_with_tools(model, tokenizer, run.heldout, get_tools(cfg.tools), environment=environment,
-                                     system_prompt=run.system_prompt, max_new_tokens=cfg.max_completion_length,
-                                     max_tool_calling_iterations=cfg.max_tool_calling_iterations,
-                                     tool_time_limit_s=cfg.tool_time_limit_s or None,
-                                     tool_output_tokens=cfg.tool_output_tokens, progress=progress)
+        result = evaluate_with_tools(
+            model,
+            tokenizer,
+            run.heldout,
+            get_tools(cfg.tools),
+            environment=environment,
+            system_prompt=run.system_prompt,
+            max_new_tokens=cfg.max_completion_length,
+            max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+            tool_time_limit_s=cfg.tool_time_limit_s or None,
+            tool_output_tokens=cfg.tool_output_tokens,
+            progress=progress,
+        )
     else:
-        result = evaluate_accuracy(model, tokenizer, run.heldout, system_prompt=run.system_prompt,
-                                   max_new_tokens=cfg.max_completion_length, progress=progress)
+        result = evaluate_accuracy(
+            model,
+            tokenizer,
+            run.heldout,
+            system_prompt=run.system_prompt,
+            max_new_tokens=cfg.max_completion_length,
+            progress=progress,
+        )
     extra = f" (n={len(run.heldout)}, greedy)" if when == "before" else ""
     if multi_turn:
-        extra += (f"; tool used in {result['tool_use_share']:.0%} of answers, {result['tool_calls']} calls, "
-                  f"{result['tool_failures']} failed")
+        extra += (
+            f"; tool used in {result['tool_use_share']:.0%} of answers, {result['tool_calls']} calls, "
+            f"{result['tool_failures']} failed"
+        )
     if run.is_main:
         label = f"{when} training" if when in ("before", "after") else when
         print(f"held-out accuracy {label}: {result['accuracy']:.3f}{extra}", flush=True)
@@ -449,12 +544,22 @@ def _warm_up(run: _Run, trainer, tokenizer) -> dict:
     """The supervised tool warm-up (``tool_warmup_steps``) on the trainer's adapter, its line, and the held-out
     accuracy after it: the evals to add (``warmup`` and ``after_warmup``)."""
     cfg = run.cfg
-    info = tool_warmup(trainer.model, tokenizer, run.train_ex, tools=get_tools(cfg.tools),
-                       system_prompt=run.system_prompt, steps=cfg.tool_warmup_steps,
-                       learning_rate=cfg.tool_warmup_learning_rate, seed=cfg.seed)
+    info = tool_warmup(
+        trainer.model,
+        tokenizer,
+        run.train_ex,
+        tools=get_tools(cfg.tools),
+        system_prompt=run.system_prompt,
+        steps=cfg.tool_warmup_steps,
+        learning_rate=cfg.tool_warmup_learning_rate,
+        seed=cfg.seed,
+    )
     if run.is_main:
-        print(f"tool warm-up: {info['steps']} steps on {info['transcripts']} worked calculator transcripts, loss "
-              f"{info['loss_first']} -> {info['loss_last']} ({info['seconds']} s)", flush=True)
+        print(
+            f"tool warm-up: {info['steps']} steps on {info['transcripts']} worked calculator transcripts, loss "
+            f"{info['loss_first']} -> {info['loss_last']} ({info['seconds']} s)",
+            flush=True,
+        )
     added = {"warmup": info}
     if run.heldout and run.is_main:
         added["after_warmup"] = _evaluate(run, trainer.model, tokenizer, "after the tool warm-up")
@@ -468,8 +573,11 @@ def _run_files(run: _Run, point: _ResumePoint | None) -> _RunFiles:
     state = point.state if point is not None else {}
     history = []
     if point is not None:
-        history = restore_run_files(run.run_dir, state, metric_columns(state.get("metrics") or []),
-                                    samples_path) if run.is_main else []
+        history = (
+            restore_run_files(run.run_dir, state, metric_columns(state.get("metrics") or []), samples_path)
+            if run.is_main
+            else []
+        )
     else:
         samples_path.write_text("")
     os.chmod(samples_path, 0o600)  # the questions with their answers: for the run's user alone
@@ -488,22 +596,45 @@ def _make_trainer(run: _Run, loaded: _Loaded, reward_funcs: list, callbacks: tup
 
     cfg = run.cfg
     metrics = MetricsCallback(cfg, run.run_dir, run.device, files.history)
-    peft_config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                             target_modules=list(loaded.lora_targets), task_type="CAUSAL_LM") if cfg.use_lora else None
+    peft_config = (
+        LoraConfig(
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=list(loaded.lora_targets),
+            task_type="CAUSAL_LM",
+        )
+        if cfg.use_lora
+        else None
+    )
     if cfg.base_weights == "fp8":  # PEFT's LoRA layer for the FP8 base layers (use_lora: the config checked)
         peft_config = fp8_lora_config(peft_config)
     spec = cfg.spec(TrainerSpec)
-    trainer = make_trainer(spec, model=loaded.model, tokenizer=loaded.tokenizer, reward_funcs=reward_funcs,
-                           args=grpo_args(cfg, run.device, run.dtype),
-                           train_dataset=to_prompt_dataset(run.train_ex, run.system_prompt),
-                           callbacks=[metrics, *callbacks],
-                           peft_config=peft_config, generator=loaded.generator,
-                           reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
-                           memory_plan=loaded.plan.memory, on_rewards=files.recorder.record)
+    trainer = make_trainer(
+        spec,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        reward_funcs=reward_funcs,
+        args=grpo_args(cfg, run.device, run.dtype),
+        train_dataset=to_prompt_dataset(run.train_ex, run.system_prompt),
+        callbacks=[metrics, *callbacks],
+        peft_config=peft_config,
+        generator=loaded.generator,
+        reliable=True,  # NaN/inf and OOM guards, atomic resumable checkpoints
+        memory_plan=loaded.plan.memory,
+        on_rewards=files.recorder.record,
+    )
     samples_path, recorder = files.samples_path, files.recorder
-    configure_reliability(trainer, spec, run_state_provider=lambda: {
-        "metrics": list(files.history), "evals": evals, "recorder_step": recorder.step,
-        "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0})
+    configure_reliability(
+        trainer,
+        spec,
+        run_state_provider=lambda: {
+            "metrics": list(files.history),
+            "evals": evals,
+            "recorder_step": recorder.step,
+            "samples_bytes": samples_path.stat().st_size if samples_path.is_file() else 0,
+        },
+    )
     if not run.progress:
         trainer.args.disable_tqdm = True
     quiet_trainer_logs(trainer, progress_bar=run.progress)  # the compact step line instead of TRL's dict
@@ -561,8 +692,9 @@ def _fit(run: _Run, ready: _Ready, shared: bool) -> dict:
     train_seconds = time.perf_counter() - t_train
     if generator is not None and train_seconds > 0:  # what the GPU half of a step costs, measured per run
         gen_s = kit.generation_seconds
-        generation.update(generation_seconds=round(gen_s, 1),
-                          generation_share_of_training=round(gen_s / train_seconds, 3))
+        generation.update(
+            generation_seconds=round(gen_s, 1), generation_share_of_training=round(gen_s / train_seconds, 3)
+        )
     return {**generation, "train_seconds": train_seconds}
 
 
@@ -585,11 +717,17 @@ def _summary(run: _Run, ready: _Ready, generation_info: dict, train_seconds: flo
     # over the logged rows that carry a time (logging_steps > 1 logs fewer rows than steps)
     timed = [r["step_time_s"] for r in history if r["step_time_s"]]
     return {
-        "model": cfg.model, "task": cfg.task, "steps": cfg.max_steps if finishing else trainer.state.global_step,
-        "device": run.device, "dtype": str(run.dtype), "trainer": cfg.trainer, "train_seconds": round(train_seconds, 1),
+        "model": cfg.model,
+        "task": cfg.task,
+        "steps": cfg.max_steps if finishing else trainer.state.global_step,
+        "device": run.device,
+        "dtype": str(run.dtype),
+        "trainer": cfg.trainer,
+        "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - ready.t_start, 1),
         "mean_step_time_s": sum(timed) / len(timed) if timed else None,
-        "peak_memory_gib": peak_memory_gib(run.device), "metrics_finite": finite,
+        "peak_memory_gib": peak_memory_gib(run.device),
+        "metrics_finite": finite,
         "accuracy_before": evals.get("before", {}).get("accuracy"),
         "accuracy_after": evals.get("after", {}).get("accuracy"),
         "generation": generation_info,

@@ -37,8 +37,17 @@ from pathlib import Path
 from grpo_kit.readers.bounded import read_json
 
 # What a run writes into its folder (grpo_kit.app.run, grpo_kit.trainer.checkpoints); any one of them means "holds a run".
-RUN_FILES = ("config.yaml", "metrics.csv", "samples.jsonl", "summary.json", "eval.json", "rewards.png",
-             "checkpoints", "adapter", "model")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.csv",
+    "samples.jsonl",
+    "summary.json",
+    "eval.json",
+    "rewards.png",
+    "checkpoints",
+    "adapter",
+    "model",
+)
 LOCK_FILE = ".grpo_kit.lock"
 MAX_LOCK_BYTES = 1 << 16  # its content is a PID, a host name and a time
 # The operating system's read-only trees (the Filesystem Hierarchy Standard's; /lib* as well): never a run folder,
@@ -100,11 +109,12 @@ def unsafe_run_folder(path: str | os.PathLike) -> str | None:
             return f"{p} is the top of a file system"
         kept = sorted(e.name for e in os.scandir(p) if e.is_dir(follow_symlinks=False))
         if kept and not holds_run(p):
-            return (f"{p} already keeps other folders ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
-                    "and holds no run: the run's files would land among them, and --overwrite would move them all "
-                    "aside; use a new folder inside it")
+            return (
+                f"{p} already keeps other folders ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
+                "and holds no run: the run's files would land among them, and --overwrite would move them all "
+                "aside; use a new folder inside it"
+            )
     return None
-
 
 
 class RunFolderError(ValueError):
@@ -176,9 +186,11 @@ def _live_owner(run_dir: Path) -> dict | None:
 
 
 def _held_message(run_dir: Path, owner: dict) -> str:
-    return (f"run folder {str(run_dir)!r} is in use by process {owner.get('pid')} on {owner.get('host')} (started "
-            f"{owner.get('started')}); wait for that run to end, or stop it. If it is gone, delete "
-            f"{run_dir / LOCK_FILE}")
+    return (
+        f"run folder {str(run_dir)!r} is in use by process {owner.get('pid')} on {owner.get('host')} (started "
+        f"{owner.get('started')}); wait for that run to end, or stop it. If it is gone, delete "
+        f"{run_dir / LOCK_FILE}"
+    )
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -220,10 +232,17 @@ class RunLock:
                 os.close(fd)
                 raise RunFolderError(_held_message(self.run_dir, owner))
             if previous:
-                print(f"[grpo_kit] taking over the lock of {self.run_dir}: its owner (process "
-                      f"{previous.get('pid')}) is gone", file=sys.stderr, flush=True)
-            info = {"pid": os.getpid(), "host": socket.gethostname(),
-                    "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+                print(
+                    f"[grpo_kit] taking over the lock of {self.run_dir}: its owner (process "
+                    f"{previous.get('pid')}) is gone",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            info = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(info).encode(), 0)
             os.fsync(fd)
@@ -286,13 +305,13 @@ def claim_run_folder(run_dir: str | os.PathLike, *, resume: bool = False, overwr
             f"run folder {str(run_dir)!r} already holds a run ({', '.join(found)}); nothing was changed. "
             f"Continue it with `train --resume {run_dir}` (notebooks: grpo_kit.app.run.resume), or start "
             f"over with --overwrite (train(..., overwrite=True)), which moves the old run aside, or pick "
-            "another output_dir")
+            "another output_dir"
+        )
     try:
         aside = _aside_name(run_dir)
         os.rename(run_dir, aside)  # only the lock's holder moves it: a second claim was refused by the lock
         lock.moved_to(aside)
-        print(f"[grpo_kit] moved the run that was in {run_dir} to {aside} (--overwrite)", file=sys.stderr,
-              flush=True)
+        print(f"[grpo_kit] moved the run that was in {run_dir} to {aside} (--overwrite)", file=sys.stderr, flush=True)
         fresh = _locked_folder(run_dir)  # another claim may have made the new folder first: then it is theirs
     finally:
         lock.release()

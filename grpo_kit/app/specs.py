@@ -31,8 +31,7 @@ def layer_spec(cfg, kind: type):
     """The spec ``kind`` (one of :data:`LAYER_SPECS`) of the config ``cfg``: each field the config's field of the
     same name, a field whose type is another spec (``step``) that spec of the same config."""
     if kind not in LAYER_SPECS:
-        raise TypeError(f"{getattr(kind, '__name__', kind)!r} is no layer spec; the app builds "
-                        f"{', '.join(_BY_NAME)}")
+        raise TypeError(f"{getattr(kind, '__name__', kind)!r} is no layer spec; the app builds {', '.join(_BY_NAME)}")
     values = {}
     for f in dataclasses.fields(kind):
         inner = _BY_NAME.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))

@@ -48,26 +48,34 @@ def tool_transcript(example: dict, system_prompt: str) -> list[dict] | None:
     except (ToolError, ValueError):
         return None
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": example["question"]},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": result},
-            {"role": "assistant", "content": f"Answer: {result}"}]
+    return [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": example["question"]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": result},
+        {"role": "assistant", "content": f"Answer: {result}"},
+    ]
 
 
 def encode_transcript(tokenizer, messages: list[dict], tools: list) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of ``messages`` rendered by the tokenizer's chat template with ``tools``: labels are
     the ids inside the assistant's turns, ``IGNORE`` elsewhere. The template must be prefix-preserving (a turn
     renders the same whatever follows it), as TRL's tool loop needs too."""
+
     def render(msgs, prompt=False) -> str:
         return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=prompt)
 
     text = render(messages)
-    spans = [(len(render(messages[:i], prompt=True)), len(render(messages[: i + 1])))
-             for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = [
+        (len(render(messages[:i], prompt=True)), len(render(messages[: i + 1])))
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant"
+    ]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    labels = [t if any(a <= start < b for a, b in spans) else IGNORE
-              for t, (start, _) in zip(ids, enc["offset_mapping"])]
+    labels = [
+        t if any(a <= start < b for a, b in spans) else IGNORE for t, (start, _) in zip(ids, enc["offset_mapping"])
+    ]
     return ids, labels
 
 
@@ -82,18 +90,33 @@ def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> tupl
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def tool_warmup(model, tokenizer, examples: list[dict], *, tools: list, system_prompt: str, steps: int,
-                learning_rate: float, batch_size: int = 4, seed: int = 0) -> dict:
+def tool_warmup(
+    model,
+    tokenizer,
+    examples: list[dict],
+    *,
+    tools: list,
+    system_prompt: str,
+    steps: int,
+    learning_rate: float,
+    batch_size: int = 4,
+    seed: int = 0,
+) -> dict:
     """Train ``model``'s trainable parameters (the LoRA adapter) for ``steps`` AdamW steps on worked calculator
     transcripts of ``examples`` (module docstring), ``batch_size`` transcripts a step drawn with ``seed``.
     ValueError before any step when no example gives a transcript. Returns ``{"steps", "transcripts",
     "loss_first", "loss_last", "seconds"}`` (losses: mean cross-entropy per assistant token)."""
-    rows = [encode_transcript(tokenizer, t, tools) for ex in examples
-            if (t := tool_transcript(ex, system_prompt)) is not None]
+    rows = [
+        encode_transcript(tokenizer, t, tools)
+        for ex in examples
+        if (t := tool_transcript(ex, system_prompt)) is not None
+    ]
     if not rows:
-        raise ValueError("tool_warmup_steps: no training question holds an arithmetic expression the calculator "
-                         "evaluates to its answer (the warm-up writes calculator transcripts: task "
-                         f"{' or '.join(ARITHMETIC_TASKS)})")
+        raise ValueError(
+            "tool_warmup_steps: no training question holds an arithmetic expression the calculator "
+            "evaluates to its answer (the warm-up writes calculator transcripts: task "
+            f"{' or '.join(ARITHMETIC_TASKS)})"
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=learning_rate)
     device = next(model.parameters()).device
@@ -108,6 +131,10 @@ def tool_warmup(model, tokenizer, examples: list[dict], *, tools: list, system_p
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return {"steps": steps, "transcripts": len(rows), "loss_first": round(losses[0], 4) if losses else None,
-            "loss_last": round(losses[-1], 4) if losses else None,
-            "seconds": round(time.perf_counter() - start, 2)}
+    return {
+        "steps": steps,
+        "transcripts": len(rows),
+        "loss_first": round(losses[0], 4) if losses else None,
+        "loss_last": round(losses[-1], 4) if losses else None,
+        "seconds": round(time.perf_counter() - start, 2),
+    }

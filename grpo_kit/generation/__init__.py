@@ -39,14 +39,28 @@ from grpo_kit.generation.vllm_backend import (
 
 BACKENDS = GENERATION_BACKENDS
 
-__all__ = ["BACKENDS", "GenerationEngineError", "GenerationResult", "Generator", "HFGenerator", "SamplingConfig",
-           "UnsupportedArchitectureError", "VLLMGenerator", "VLLMNotInstalledError", "make_generator",
-           "process_logits", "sampling_logprobs_reference", "vllm_available", "vllm_install_advice",
-           "vllm_install_command"]
+__all__ = [
+    "BACKENDS",
+    "GenerationEngineError",
+    "GenerationResult",
+    "Generator",
+    "HFGenerator",
+    "SamplingConfig",
+    "UnsupportedArchitectureError",
+    "VLLMGenerator",
+    "VLLMNotInstalledError",
+    "make_generator",
+    "process_logits",
+    "sampling_logprobs_reference",
+    "vllm_available",
+    "vllm_install_advice",
+    "vllm_install_command",
+]
 
 
-def make_generator(backend: str = "auto", *, model=None, tokenizer=None, model_dir=None, fallback: bool = True,
-                   **vllm_kwargs) -> Generator:
+def make_generator(
+    backend: str = "auto", *, model=None, tokenizer=None, model_dir=None, fallback: bool = True, **vllm_kwargs
+) -> Generator:
     """A generator for ``backend`` (``"auto"``, ``"hf"`` or ``"vllm"``): the one place either is built.
 
     ``model``/``tokenizer``: the training model (HF backend; may also be given later via

@@ -81,13 +81,21 @@ class SamplingConfig:
         return self.temperature == 0
 
     @classmethod
-    def from_config(cls, gen: GenerationSpec, *, seed: int | None = None,
-                    stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
+    def from_config(
+        cls, gen: GenerationSpec, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()
+    ) -> SamplingConfig:
         """From a run's :class:`~grpo_kit.generation.spec.GenerationSpec` (or an object that makes one, such as the
         app's config): its sampling fields (TRL's names) and ``max_completion_length``."""
         gen = GenerationSpec.of(gen)
-        return cls(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p or 0.0,
-                   max_tokens=gen.step.max_completion_length, seed=seed, stop_token_ids=tuple(stop_token_ids))
+        return cls(
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            min_p=gen.min_p or 0.0,
+            max_tokens=gen.step.max_completion_length,
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+        )
 
 
 @dataclass
@@ -116,8 +124,10 @@ class GenerationResult:
                 raise ValueError(f"GenerationResult.{name} has {len(getattr(self, name))} entries, expected {n}")
         for j, (ids, lp) in enumerate(zip(self.completion_ids, self.logprobs)):
             if lp.dtype != torch.float32 or lp.shape != (len(ids),):
-                raise ValueError(f"GenerationResult.logprobs[{j}] must be fp32 of shape ({len(ids)},), "
-                                 f"got {lp.dtype} {tuple(lp.shape)}")
+                raise ValueError(
+                    f"GenerationResult.logprobs[{j}] must be fp32 of shape ({len(ids)},), "
+                    f"got {lp.dtype} {tuple(lp.shape)}"
+                )
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -138,8 +148,9 @@ class Generator(Protocol):
     name: str
     needs_sync: bool  # True while the backend holds no usable weights: sync_weights must run first
 
-    def generate(self, prompts: list[list[int]] | list[str], num_generations: int = 1,
-                 sampling: SamplingConfig | None = None) -> GenerationResult: ...
+    def generate(
+        self, prompts: list[list[int]] | list[str], num_generations: int = 1, sampling: SamplingConfig | None = None
+    ) -> GenerationResult: ...
 
     def sync_weights(self, model) -> dict:
         """Make the backend generate with ``model``'s current weights; returns timing info."""
@@ -163,8 +174,10 @@ def encode_prompts(tokenizer, prompts, *, vocab_size: int | None = None) -> list
     Every backend goes through here, so a string prompt becomes the same ids everywhere.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(f"prompts must be a non-empty list of strings or of token-id lists, got {type(prompts).__name__}"
-                         + (" (wrap a single prompt in a list)" if isinstance(prompts, str) else ""))
+        raise ValueError(
+            f"prompts must be a non-empty list of strings or of token-id lists, got {type(prompts).__name__}"
+            + (" (wrap a single prompt in a list)" if isinstance(prompts, str) else "")
+        )
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -195,8 +208,10 @@ def check_context(prompt_ids: list[list[int]], max_tokens: int, max_len: int, wh
     """Prompt + ``max_tokens`` must fit the context; ValueError naming the numbers otherwise."""
     longest = max(len(p) for p in prompt_ids)
     if longest + max_tokens > max_len:
-        raise ValueError(f"max_tokens={max_tokens} beyond the context: the longest prompt has {longest} tokens and "
-                         f"{what} is {max_len}, so max_tokens can be at most {max_len - longest}")
+        raise ValueError(
+            f"max_tokens={max_tokens} beyond the context: the longest prompt has {longest} tokens and "
+            f"{what} is {max_len}, so max_tokens can be at most {max_len - longest}"
+        )
 
 
 def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], str]:
@@ -204,5 +219,5 @@ def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], str
     stops = set(stop_ids)
     for k, t in enumerate(ids):
         if t in stops:
-            return ids[:k + 1], "stop"
+            return ids[: k + 1], "stop"
     return ids, "length"

@@ -80,9 +80,11 @@ class _SampledTokenLogprobs:
 
 def _eos_ids(tokenizer, model) -> list[int]:
     ids = []
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None),
-                                                                   "eos_token_id", None)):
-        for t in (src if isinstance(src, (list, tuple)) else [src]):
+    for src in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        for t in src if isinstance(src, (list, tuple)) else [src]:
             if t is not None and t not in ids:
                 ids.append(int(t))
     return ids
@@ -139,18 +141,24 @@ class HFGenerator:
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
                 for i in range(0, len(rows), step):
-                    ids, lps = self._generate_rows(model, rows[i:i + step], sampling, stop)
+                    ids, lps = self._generate_rows(model, rows[i : i + step], sampling, stop)
                     completions += ids
                     logprobs += lps
         finally:
             model.train(was_training)
         cut = [cut_at_stop(c, stop) for c in completions]
         completion_ids = [c for c, _ in cut]
-        logprobs = [lp[:len(c)].contiguous() for lp, c in zip(logprobs, completion_ids)]
+        logprobs = [lp[: len(c)].contiguous() for lp, c in zip(logprobs, completion_ids)]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return GenerationResult(prompt_ids=rows, completion_ids=completion_ids, texts=texts, logprobs=logprobs,
-                                finish_reasons=[r for _, r in cut], num_generations=num_generations,
-                                timings={"generate_s": time.perf_counter() - start})
+        return GenerationResult(
+            prompt_ids=rows,
+            completion_ids=completion_ids,
+            texts=texts,
+            logprobs=logprobs,
+            finish_reasons=[r for _, r in cut],
+            num_generations=num_generations,
+            timings={"generate_s": time.perf_counter() - start},
+        )
 
     def _generate_rows(self, model, rows, sampling, stop):
         from transformers import GenerationConfig, LogitsProcessorList  # lazy: transformers is slow to import
@@ -161,17 +169,27 @@ class HFGenerator:
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for j, r in enumerate(rows):  # left padding
-            input_ids[j, width - len(r):] = torch.tensor(r)
-            attention_mask[j, width - len(r):] = 1
+            input_ids[j, width - len(r) :] = torch.tensor(r)
+            attention_mask[j, width - len(r) :] = 1
         recorder = _SampledTokenLogprobs(sampling)
         # HF's own warpers stay off (neutral values): ours run inside the recorder, so the
         # recorded distribution is the sampled one.
         neutral = {} if sampling.greedy else dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None)
-        config = GenerationConfig(max_new_tokens=sampling.max_tokens, do_sample=not sampling.greedy,
-                                  min_new_tokens=sampling.min_tokens or None,
-                                  eos_token_id=stop, pad_token_id=pad, use_cache=True, **neutral)
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_tokens,
+            do_sample=not sampling.greedy,
+            min_new_tokens=sampling.min_tokens or None,
+            eos_token_id=stop,
+            pad_token_id=pad,
+            use_cache=True,
+            **neutral,
+        )
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
         new = out[:, width:].cpu()
         lps = recorder.finish(out[:, -1]).cpu()
         return [r.tolist() for r in new], [lp.float() for lp in lps]
@@ -198,14 +216,15 @@ class HFGenerator:
         return {"backend": "hf", "batch_size": self.batch_size}
 
 
-def sampling_logprobs_reference(model, prompt_ids: list[int], completion_ids: list[int],
-                                sampling: SamplingConfig) -> torch.Tensor:
+def sampling_logprobs_reference(
+    model, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig
+) -> torch.Tensor:
     """Plain reference: fp32 log-probs ``(len(completion_ids),)`` of ``completion_ids`` under
     the sampling distribution, from one full forward over prompt + completion (no cache)."""
     model = _unwrap(model)
     device = next(model.parameters()).device
     full = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
     with torch.no_grad():
-        logits = model(input_ids=full).logits[0, len(prompt_ids) - 1:-1].float()
+        logits = model(input_ids=full).logits[0, len(prompt_ids) - 1 : -1].float()
     logp = torch.log_softmax(process_logits(logits, sampling), dim=-1)
-    return logp.gather(1, full[0, len(prompt_ids):, None]).squeeze(1).cpu()
+    return logp.gather(1, full[0, len(prompt_ids) :, None]).squeeze(1).cpu()

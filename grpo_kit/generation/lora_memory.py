@@ -27,19 +27,31 @@ def adapter_state(model) -> tuple[dict[str, torch.Tensor], dict]:
 
     name = model.active_adapter
     cfg = model.peft_config[name]
-    problems = [what for what, bad in (("use_dora", getattr(cfg, "use_dora", False)),
-                                       ("rank_pattern", getattr(cfg, "rank_pattern", None)),
-                                       ("alpha_pattern", getattr(cfg, "alpha_pattern", None)),
-                                       (f"bias={cfg.bias!r}", cfg.bias != "none"),
-                                       ("modules_to_save", getattr(cfg, "modules_to_save", None))) if bad]
+    problems = [
+        what
+        for what, bad in (
+            ("use_dora", getattr(cfg, "use_dora", False)),
+            ("rank_pattern", getattr(cfg, "rank_pattern", None)),
+            ("alpha_pattern", getattr(cfg, "alpha_pattern", None)),
+            (f"bias={cfg.bias!r}", cfg.bias != "none"),
+            ("modules_to_save", getattr(cfg, "modules_to_save", None)),
+        )
+        if bad
+    ]
     if problems:
-        raise ValueError(f"the LoRA adapter uses {', '.join(problems)}, which vLLM cannot load as an adapter; "
-                         "sync it merged into a separate engine copy instead (vllm_share_weights=false, "
-                         "vllm_lora_sync='merge')")
+        raise ValueError(
+            f"the LoRA adapter uses {', '.join(problems)}, which vLLM cannot load as an adapter; "
+            "sync it merged into a separate engine copy instead (vllm_share_weights=false, "
+            "vllm_lora_sync='merge')"
+        )
     tensors = get_peft_model_state_dict(model, adapter_name=name)
     targets = cfg.target_modules
-    config = {"r": int(cfg.r), "lora_alpha": cfg.lora_alpha, "use_rslora": bool(cfg.use_rslora),
-              "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
+    config = {
+        "r": int(cfg.r),
+        "lora_alpha": cfg.lora_alpha,
+        "use_rslora": bool(cfg.use_rslora),
+        "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
+    }
     return tensors, config
 
 
@@ -74,9 +86,15 @@ def install_memory_loader(worker) -> None:
         helper.validate_legal(manager.lora_config)
         model = manager._adapter_manager.model
         return manager._lora_model_cls.from_lora_tensors(
-            lora_model_id=request.lora_int_id, tensors=tensors, peft_helper=helper, device=str(manager.device),
-            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=_name_mapper(model), skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+            lora_model_id=request.lora_int_id,
+            tensors=tensors,
+            peft_helper=helper,
+            device=str(manager.device),
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=_name_mapper(model),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
 
     manager._load_adapter = load
 

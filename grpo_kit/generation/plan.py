@@ -86,8 +86,9 @@ class GenerationPlan:
         return out
 
 
-def generation_model_dir(name: str, device: str, dtype: torch.dtype | None = None,
-                         config=None) -> tuple[Path | None, bool]:
+def generation_model_dir(
+    name: str, device: str, dtype: torch.dtype | None = None, config=None
+) -> tuple[Path | None, bool]:
     """``(folder, dummy_weights)``: the HF folder a vLLM engine starts from for model ``name``.
 
     The embedded model's cached export in the engine's dtype (``dtype``, or None: the one vLLM runs an fp32
@@ -119,13 +120,21 @@ def generation_model_dir(name: str, device: str, dtype: torch.dtype | None = Non
 
 
 def _share_decision(gen: GenerationSpec, device: str) -> tuple[bool, str]:
-    reasons = [why for why, bad in (("not on CUDA", device != "cuda"), ("full fine-tuning", not gen.step.use_lora),
-                                    ("4-bit training weights", gen.step.load_in_4bit)) if bad]
+    reasons = [
+        why
+        for why, bad in (
+            ("not on CUDA", device != "cuda"),
+            ("full fine-tuning", not gen.step.use_lora),
+            ("4-bit training weights", gen.step.load_in_4bit),
+        )
+        if bad
+    ]
     if gen.vllm_share_weights is False:
         return False, "vllm_share_weights=False"
     if reasons and gen.vllm_share_weights is True:
-        raise ValueError(f"vllm_share_weights=True is not possible here: {', '.join(reasons)}; set it to 'auto' or "
-                         "false")
+        raise ValueError(
+            f"vllm_share_weights=True is not possible here: {', '.join(reasons)}; set it to 'auto' or false"
+        )
     return not reasons, ", ".join(reasons)
 
 
@@ -147,8 +156,15 @@ def lora_dual_stream(gen: GenerationSpec, *, device: str) -> bool:
     return LORA_DUAL_STREAM_DEFAULT if gen.vllm_lora_dual_stream is None else bool(gen.vllm_lora_dual_stream)
 
 
-def memory_plan(gen: GenerationSpec, model_config, *, share_weights: bool, free_bytes: float, total_bytes: float,
-                batched_tokens: int = CUDA_BATCHED_TOKENS) -> dict:
+def memory_plan(
+    gen: GenerationSpec,
+    model_config,
+    *,
+    share_weights: bool,
+    free_bytes: float,
+    total_bytes: float,
+    batched_tokens: int = CUDA_BATCHED_TOKENS,
+) -> dict:
     """The CUDA memory plan: KV cache bytes, vLLM's share, and the calculator's phases, in GiB.
 
     On CUDA the engine sleeps while training runs either way (standby with shared weights; for a separate
@@ -161,10 +177,16 @@ def memory_plan(gen: GenerationSpec, model_config, *, share_weights: bool, free_
     """
     gen = GenerationSpec.of(gen)
     step, kv_gib = gen.step, gen.vllm_kv_cache_gib
-    df = estimate_for_config(step, model_config, vllm=True, standby=True, method="grpo_kit",
-                             offload=None if checkpointing_on(gen.gradient_checkpointing, "cuda") else False,
-                             vllm_batched_tokens=batched_tokens,
-                             kv_cache_bytes=kv_gib * 2**30 if kv_gib else None).set_index("component")
+    df = estimate_for_config(
+        step,
+        model_config,
+        vllm=True,
+        standby=True,
+        method="grpo_kit",
+        offload=None if checkpointing_on(gen.gradient_checkpointing, "cuda") else False,
+        vllm_batched_tokens=batched_tokens,
+        kv_cache_bytes=kv_gib * 2**30 if kv_gib else None,
+    ).set_index("component")
     row = lambda c: float(df.at[c, "GB"] * 1e9)  # noqa: E731
     weights, kv, workspace = row("model weights"), row("KV cache (generation)"), row("vLLM workspace (generation)")
     copy = 0.0 if share_weights else weights
@@ -172,14 +194,20 @@ def memory_plan(gen: GenerationSpec, model_config, *, share_weights: bool, free_
     phases["generation"] += copy
     need = max(phases.values())
     gib = lambda b: round(b / 2**30, 2)  # noqa: E731
-    plan = {"kv_cache_gib": round(kv / 2**30, 3), "kv_cache_dtype": step.kv_cache_dtype,
-            "kv_source": "vllm_kv_cache_gib" if kv_gib else "calculator (one generation batch)",
-            "generation_rows": step.per_device_train_batch_size * step.gradient_accumulation_steps,
-            "calculator_phases_gib": {k: gib(v) for k, v in phases.items()}, "calculator_peak_gib": gib(need),
-            "weights_gib": gib(weights), "engine_weight_copy_gib": gib(copy), "free_gib": gib(free_bytes),
-            "device_total_gib": gib(total_bytes),
-            # scoring_batch_size as this estimate resolved it (``auto``: priced with vLLM's generation phase)
-            "scoring_batch_size": df.attrs["scoring_batch"]}
+    plan = {
+        "kv_cache_gib": round(kv / 2**30, 3),
+        "kv_cache_dtype": step.kv_cache_dtype,
+        "kv_source": "vllm_kv_cache_gib" if kv_gib else "calculator (one generation batch)",
+        "generation_rows": step.per_device_train_batch_size * step.gradient_accumulation_steps,
+        "calculator_phases_gib": {k: gib(v) for k, v in phases.items()},
+        "calculator_peak_gib": gib(need),
+        "weights_gib": gib(weights),
+        "engine_weight_copy_gib": gib(copy),
+        "free_gib": gib(free_bytes),
+        "device_total_gib": gib(total_bytes),
+        # scoring_batch_size as this estimate resolved it (``auto``: priced with vLLM's generation phase)
+        "scoring_batch_size": df.attrs["scoring_batch"],
+    }
     if need + HEADROOM_BYTES > free_bytes:
         raise ValueError(
             f"vLLM generation cannot fit beside training on this GPU: the VRAM calculator puts the step at "
@@ -188,7 +216,8 @@ def memory_plan(gen: GenerationSpec, model_config, *, share_weights: bool, free_
             f"{plan['calculator_phases_gib']} GiB) but {free_bytes / 2**30:.1f} of "
             f"{total_bytes / 2**30:.1f} GiB is free (1 GiB kept as headroom). Lower vllm_kv_cache_gib, "
             "max_completion_length, per_device_train_batch_size or gradient_accumulation_steps; set "
-            "kv_cache_dtype=fp8; or generate with generation_backend=hf")
+            "kv_cache_dtype=fp8; or generate with generation_backend=hf"
+        )
     # vLLM checks its share against free memory at start-up; with an explicit KV size it uses it for nothing else.
     plan["vllm_share"] = min(0.95, math.ceil((weights + kv + workspace + HEADROOM_BYTES) / total_bytes * 100) / 100)
     plan["kv_cache_memory_bytes"] = int(kv)
@@ -199,13 +228,16 @@ def _outside_window(requested: str, device: str) -> str | None:
     """Why the installed vLLM is outside the versions the kit drives, or None; asked for by name, an error."""
     outside = check_vllm_version()
     if outside is not None and requested == "vllm":
-        raise ValueError(f"generation_backend='vllm': {outside}; install a tested vLLM "
-                         f"({vllm_install_advice(device == 'cuda')}) or use generation_backend='hf'")
+        raise ValueError(
+            f"generation_backend='vllm': {outside}; install a tested vLLM "
+            f"({vllm_install_advice(device == 'cuda')}) or use generation_backend='hf'"
+        )
     return outside
 
 
-def plan_generation(gen: GenerationSpec, *, model_config, device: str, dtype: torch.dtype,
-                    num_processes: int = 1) -> GenerationPlan:
+def plan_generation(
+    gen: GenerationSpec, *, model_config, device: str, dtype: torch.dtype, num_processes: int = 1
+) -> GenerationPlan:
     """Decide the generator for a run (see the module docstring); loads no model. ``gen``: a
     :class:`GenerationSpec`, or an object that makes one (:meth:`GenerationSpec.of`); ``model_config``: the
     model's transformers config, read once by the caller."""
@@ -218,17 +250,21 @@ def plan_generation(gen: GenerationSpec, *, model_config, device: str, dtype: to
 
     def hf(reason: str, warn: bool) -> GenerationPlan:
         if explicit:
-            raise ValueError(f"{', '.join(explicit)} need vLLM generation, but {reason}; "
-                             "leave them at their defaults or make vLLM usable")
+            raise ValueError(
+                f"{', '.join(explicit)} need vLLM generation, but {reason}; "
+                "leave them at their defaults or make vLLM usable"
+            )
         return GenerationPlan(requested, "hf", reason=reason if requested == "auto" else "", warn=warn)
 
     context = step.max_prompt_length + step.max_completion_length
     limit = getattr(model_config, "max_position_embeddings", None)
     if limit and context > limit:  # either backend would fail at the first generate call
-        raise ValueError(f"max_prompt_length + max_completion_length = {step.max_prompt_length} + "
-                         f"{step.max_completion_length} = {context} is beyond the model's context ({limit} tokens, "
-                         f"max_position_embeddings); lower max_completion_length to at most "
-                         f"{limit - step.max_prompt_length}")
+        raise ValueError(
+            f"max_prompt_length + max_completion_length = {step.max_prompt_length} + "
+            f"{step.max_completion_length} = {context} is beyond the model's context ({limit} tokens, "
+            f"max_position_embeddings); lower max_completion_length to at most "
+            f"{limit - step.max_prompt_length}"
+        )
     if requested == "hf":
         return hf("", False)
     if step.load_in_4bit:  # config refuses 'vllm' with it
@@ -242,18 +278,30 @@ def plan_generation(gen: GenerationSpec, *, model_config, device: str, dtype: to
     model_dir, dummy = generation_model_dir(step.model, device, dtype if device == "cuda" else None, model_config)
     if model_dir is None:
         if requested == "vllm":
-            raise ValueError(f"generation_backend='vllm' needs a model folder; model={step.model!r} is a "
-                             "random-weight built-in, which vLLM runs on CUDA only; use generation_backend='hf' or "
-                             "'auto'")
+            raise ValueError(
+                f"generation_backend='vllm' needs a model folder; model={step.model!r} is a "
+                "random-weight built-in, which vLLM runs on CUDA only; use generation_backend='hf' or "
+                "'auto'"
+            )
         return hf(f"model={step.model!r} has random weights and no checkpoint folder for vLLM", False)
     if requested == "auto" and num_processes > 1:
-        return hf(f"{num_processes} processes (colocated vLLM runs with one process here; set "
-                  "generation_backend='vllm' to force it)", True)
+        return hf(
+            f"{num_processes} processes (colocated vLLM runs with one process here; set "
+            "generation_backend='vllm' to force it)",
+            True,
+        )
     share, why = _share_decision(gen, device)
     if step.base_weights == "fp8" and not share:  # the engine's FP8 codes are the only copy
         return hf(f"base_weights='fp8' generates with vLLM only on shared weights ({why})", False)
-    plan = GenerationPlan(requested, "vllm", model_dir=model_dir, share_weights=share, share_reason=why,
-                          vllm_kwargs=_engine_kwargs(gen, device, share=share, dummy=dummy), explicit=explicit)
+    plan = GenerationPlan(
+        requested,
+        "vllm",
+        model_dir=model_dir,
+        share_weights=share,
+        share_reason=why,
+        vllm_kwargs=_engine_kwargs(gen, device, share=share, dummy=dummy),
+        explicit=explicit,
+    )
     if device != "cuda":
         _size_cpu_engine(plan, gen, model_config)
         return plan
@@ -271,18 +319,32 @@ def _engine_kwargs(gen: GenerationSpec, device: str, *, share: bool, dummy: bool
     ValueError for a dual stream asked for where nothing runs on it."""
     step = gen.step
     rank = next(r for r in VLLM_LORA_RANKS if r >= step.lora_rank) if step.lora_rank <= 512 else 512
-    kwargs = dict(max_model_len=step.max_prompt_length + step.max_completion_length, seed=gen.seed,
-                  kv_cache_dtype=step.kv_cache_dtype, gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
-                  share_weights=share, dummy_weights=dummy, lora_sync=lora_sync_mode(gen), max_lora_rank=rank,
-                  lora_dual_stream=lora_dual_stream(gen, device=device), base_weights=step.base_weights,
-                  enforce_eager=gen.vllm_enforce_eager, emulate_precision_casts=gen.vllm_emulate_precision_casts,
-                  fp8_block=gen.fp8_block)
+    kwargs = dict(
+        max_model_len=step.max_prompt_length + step.max_completion_length,
+        seed=gen.seed,
+        kv_cache_dtype=step.kv_cache_dtype,
+        gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+        share_weights=share,
+        dummy_weights=dummy,
+        lora_sync=lora_sync_mode(gen),
+        max_lora_rank=rank,
+        lora_dual_stream=lora_dual_stream(gen, device=device),
+        base_weights=step.base_weights,
+        enforce_eager=gen.vllm_enforce_eager,
+        emulate_precision_casts=gen.vllm_emulate_precision_casts,
+        fp8_block=gen.fp8_block,
+    )
     if gen.vllm_lora_dual_stream and not kwargs["lora_dual_stream"]:  # asked for, and nothing to run it on
-        raise ValueError("vllm_lora_dual_stream=True needs vLLM running the adapter in its LoRA kernels on CUDA, but "
-                         + ("this run is not on CUDA" if device != "cuda" else
-                            f"the adapter reaches vLLM merged (vllm_lora_sync resolves to 'merge' with "
-                            f"{'shared weights' if share else 'a separate engine copy'})")
-                         + "; set vllm_lora_sync='adapter', or leave vllm_lora_dual_stream null")
+        raise ValueError(
+            "vllm_lora_dual_stream=True needs vLLM running the adapter in its LoRA kernels on CUDA, but "
+            + (
+                "this run is not on CUDA"
+                if device != "cuda"
+                else f"the adapter reaches vLLM merged (vllm_lora_sync resolves to 'merge' with "
+                f"{'shared weights' if share else 'a separate engine copy'})"
+            )
+            + "; set vllm_lora_sync='adapter', or leave vllm_lora_dual_stream null"
+        )
     return kwargs
 
 
@@ -292,11 +354,15 @@ def _size_cuda_engine(plan: GenerationPlan, gen: GenerationSpec, model_config, d
     kwargs, step = plan.vllm_kwargs, gen.step
     gen_rows = step.per_device_train_batch_size * step.gradient_accumulation_steps
     batched = max(CUDA_BATCHED_TOKENS, gen_rows)  # what the engine gets is what the calculator prices (vLLM: >= seqs)
-    kwargs.update(dtype=str(dtype).removeprefix("torch."), max_num_seqs=gen_rows,
-                  llm_kwargs={"max_num_batched_tokens": batched, "enable_chunked_prefill": True})
+    kwargs.update(
+        dtype=str(dtype).removeprefix("torch."),
+        max_num_seqs=gen_rows,
+        llm_kwargs={"max_num_batched_tokens": batched, "enable_chunked_prefill": True},
+    )
     free, total = torch.cuda.mem_get_info()
-    mem = memory_plan(gen, model_config, share_weights=plan.share_weights, free_bytes=free, total_bytes=total,
-                      batched_tokens=batched)
+    mem = memory_plan(
+        gen, model_config, share_weights=plan.share_weights, free_bytes=free, total_bytes=total, batched_tokens=batched
+    )
     plan.memory = mem
     if gen.vllm_gpu_memory_utilization is None:
         kwargs.update(gpu_memory_utilization=mem["vllm_share"], kv_cache_memory_bytes=mem["kv_cache_memory_bytes"])
@@ -316,8 +382,10 @@ def cpu_kv_cache(gen: GenerationSpec, model_config) -> dict:
     that makes one."""
     step = GenerationSpec.of(gen).step
     rows = step.per_device_train_batch_size * step.gradient_accumulation_steps
-    tokens = max(vllm_kv_tokens(p, step.max_completion_length, 1, rows, block=CPU_BLOCK_TOKENS)
-                 for p in range(1, step.max_prompt_length + 1))
+    tokens = max(
+        vllm_kv_tokens(p, step.max_completion_length, 1, rows, block=CPU_BLOCK_TOKENS)
+        for p in range(1, step.max_prompt_length + 1)
+    )
     own = getattr(model_config, "dtype", None)
     dtype = own if own in (torch.bfloat16, torch.float16) else fp32_checkpoint_dtype()
     kv_b = 1 if step.kv_cache_dtype != "auto" else torch.empty(0, dtype=dtype).element_size()
@@ -339,10 +407,14 @@ def _size_cpu_engine(plan: GenerationPlan, gen: GenerationSpec, model_config) ->
     else:
         source = "vllm_gpu_memory_utilization (a share of RAM less this process's RSS)"
     size = plan.vllm_kwargs.get("kv_cache_memory_bytes")
-    plan.memory = {"kv_cache_gib": None if size is None else round(size / 2**30, 3),
-                   "kv_cache_dtype": gen.step.kv_cache_dtype, "kv_source": source, "generation_rows": kv["rows"],
-                   # as the trainer resolves it without a CUDA plan
-                   "scoring_batch_size": scoring_batch_for_config(gen.step, model_config)}
+    plan.memory = {
+        "kv_cache_gib": None if size is None else round(size / 2**30, 3),
+        "kv_cache_dtype": gen.step.kv_cache_dtype,
+        "kv_source": source,
+        "generation_rows": kv["rows"],
+        # as the trainer resolves it without a CUDA plan
+        "scoring_batch_size": scoring_batch_for_config(gen.step, model_config),
+    }
 
 
 def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torch.dtype):
@@ -359,27 +431,30 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
         return None, load_model(), info
     if plan.backend == "hf":
         if plan.warn:
-            warnings.warn(f"generation_backend='auto': {plan.reason}; generating with HF generate", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"generation_backend='auto': {plan.reason}; generating with HF generate", RuntimeWarning, stacklevel=2
+            )
         model = load_model()
         gen = make_generator("hf", model=model, tokenizer=tokenizer)
         return gen, model, {**info, **gen.options()}
     try:
-        gen = make_generator("vllm", model_dir=plan.model_dir, tokenizer=tokenizer, fallback=False,
-                             **plan.vllm_kwargs)
+        gen = make_generator("vllm", model_dir=plan.model_dir, tokenizer=tokenizer, fallback=False, **plan.vllm_kwargs)
     except (GenerationEngineError, UnsupportedArchitectureError, ValueError) as e:
         if plan.requested == "vllm" or plan.explicit:
             raise
         reason = f"vLLM could not start ({e})"
-        warnings.warn(f"generation_backend='auto': {reason}; generating with HF generate", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(f"generation_backend='auto': {reason}; generating with HF generate", RuntimeWarning, stacklevel=2)
         model = load_model()
         gen = make_generator("hf", model=model, tokenizer=tokenizer)
         return gen, model, {"requested": plan.requested, "backend": "hf", "reason": reason, **gen.options()}
     if gen.device == "cpu" and gen.kv_cache_dtype == "fp8":
-        warnings.warn("kv_cache_dtype='fp8' on vLLM's CPU backend: the KV cache really is FP8 (twice the tokens in "
-                      "the same memory), but the CPU backend generates with it much slower than with the default "
-                      "KV cache; use it to save memory, not time", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "kv_cache_dtype='fp8' on vLLM's CPU backend: the KV cache really is FP8 (twice the tokens in "
+            "the same memory), but the CPU backend generates with it much slower than with the default "
+            "KV cache; use it to save memory, not time",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     model = None
     if plan.share_weights:
         try:
@@ -387,13 +462,19 @@ def start_generation(plan: GenerationPlan, *, tokenizer, load_model, dtype: torc
         except UnshareableError as e:
             if gen.base_weights == "fp8":  # its placeholder weights cannot serve as a separate copy
                 gen.close()
-                warnings.warn(f"vLLM cannot share this model's FP8 weights ({e}); generating with HF generate",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"vLLM cannot share this model's FP8 weights ({e}); generating with HF generate",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 model = load_model()
                 gen = make_generator("hf", model=model, tokenizer=tokenizer)
                 return gen, model, {**info, "backend": "hf", "reason": str(e), **gen.options()}
-            warnings.warn(f"vLLM cannot share this model's weights ({e}); keeping a separate engine copy, synced "
-                          "each step", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"vLLM cannot share this model's weights ({e}); keeping a separate engine copy, synced each step",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             gen.share_weights = False
             info["weights"] = f"separate copy ({e})"
     if model is None:

@@ -106,10 +106,15 @@ def _read(scalars: list) -> list:
 def _non_finite(factor_lists: list) -> list[bool]:
     """For each weight's ``[(A, B, scale)]``: whether a scale, or any factor element, is NaN or inf (one wait
     for all)."""
-    finite = _read([torch.stack([torch.isfinite(x).all() for a, b, _ in factors for x in (a, b)]).all()
-                    for factors in factor_lists])
-    return [not (ok and all(math.isfinite(float(s)) for _, _, s in factors))
-            for ok, factors in zip(finite, factor_lists)]
+    finite = _read(
+        [
+            torch.stack([torch.isfinite(x).all() for a, b, _ in factors for x in (a, b)]).all()
+            for factors in factor_lists
+        ]
+    )
+    return [
+        not (ok and all(math.isfinite(float(s)) for _, _, s in factors)) for ok, factors in zip(finite, factor_lists)
+    ]
 
 
 def _factors_changed(entries: list) -> list[bool]:
@@ -148,8 +153,10 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight", finite_che
     failing part way gives its rows back first. Waits on the GPU: the kept elements' count, the finite check
     unless ``finite_checked``, and the kernel's probe on its first use per (device, dtype, rank)."""
     if weight.dim() != 2 or not weight.is_contiguous():
-        raise ValueError(f"{name}: merge_weight needs a contiguous (out, in) weight, got shape "
-                         f"{tuple(weight.shape)}, strides {weight.stride()}")
+        raise ValueError(
+            f"{name}: merge_weight needs a contiguous (out, in) weight, got shape "
+            f"{tuple(weight.shape)}, strides {weight.stride()}"
+        )
     if not finite_checked and _non_finite([factors])[0]:
         raise ValueError(f"{name}: the LoRA factors are not finite (NaN or inf in the adapter)")
     with torch.no_grad(), _full_precision():
@@ -160,11 +167,18 @@ def merge_weight(weight: torch.Tensor, factors, name: str = "weight", finite_che
         positions = miss.view(-1).nonzero().squeeze(1)  # the wait
         del miss
         if positions.numel() > MAX_KEPT_SHARE * weight.numel():
-            raise ValueError(f"{name}: the merge would keep more than {MAX_KEPT_SHARE:.0%} of the weight's elements "
-                             "to restore it (an adapter far larger than the weights); use vllm_lora_sync='adapter'")
-        saved = MergedWeight(factors=list(factors), factor_sum=_factor_sum(factors), backend=backend,
-                             positions=_to_host(positions.to(torch.int32 if weight.numel() < 2**31 else torch.int64)),
-                             values=_to_host(weight.view(-1)[positions]), bits=bits)
+            raise ValueError(
+                f"{name}: the merge would keep more than {MAX_KEPT_SHARE:.0%} of the weight's elements "
+                "to restore it (an adapter far larger than the weights); use vllm_lora_sync='adapter'"
+            )
+        saved = MergedWeight(
+            factors=list(factors),
+            factor_sum=_factor_sum(factors),
+            backend=backend,
+            positions=_to_host(positions.to(torch.int32 if weight.numel() < 2**31 else torch.int64)),
+            values=_to_host(weight.view(-1)[positions]),
+            bits=bits,
+        )
         if backend == "triton":
             K.run_triton(K.MERGE, weight, b, a)
             return saved
@@ -258,22 +272,32 @@ def lora_targets(model) -> list[tuple[str, object]]:
             if isinstance(base, torch.nn.Linear)
             else []
         )
-        why = ("FP8 base weights: merging into them would round them again, so their exact bits could not be "
-               "restored" if isinstance(base, FP8Linear)
-               else "its base layer is not nn.Linear" if not isinstance(base, torch.nn.Linear)
-               else "PEFT already merged it" if module.merged
-               else "fan_in_fan_out" if getattr(module, "fan_in_fan_out", False)
-               else "a LoRA variant (DoRA, ...)" if any(module.use_dora.get(a, False)
-                                                        or getattr(module, "lora_variant", {}).get(a) for a in adapters)
-               else "a LoRA bias" if any(getattr(module, "lora_bias", {}).get(a, False) for a in adapters)
-               else f"its weight is tied to {tied[:2]}" if tied else "")
+        why = (
+            "FP8 base weights: merging into them would round them again, so their exact bits could not be restored"
+            if isinstance(base, FP8Linear)
+            else "its base layer is not nn.Linear"
+            if not isinstance(base, torch.nn.Linear)
+            else "PEFT already merged it"
+            if module.merged
+            else "fan_in_fan_out"
+            if getattr(module, "fan_in_fan_out", False)
+            else "a LoRA variant (DoRA, ...)"
+            if any(module.use_dora.get(a, False) or getattr(module, "lora_variant", {}).get(a) for a in adapters)
+            else "a LoRA bias"
+            if any(getattr(module, "lora_bias", {}).get(a, False) for a in adapters)
+            else f"its weight is tied to {tied[:2]}"
+            if tied
+            else ""
+        )
         if why:
             problems.append(f"{name} ({why})")
         elif adapters:
             out.append((name, module))
     if problems:
-        raise ValueError(f"the LoRA adapter cannot be merged into the shared weights and restored: {problems[:3]}; "
-                         "use vllm_lora_sync='adapter'")
+        raise ValueError(
+            f"the LoRA adapter cannot be merged into the shared weights and restored: {problems[:3]}; "
+            "use vllm_lora_sync='adapter'"
+        )
     if not out:
         raise ValueError("the model has no active LoRA layers to merge")
     return out
@@ -300,8 +324,11 @@ class ReversibleLoraMerge:
     def _factors(self, module) -> list:
         if getattr(module, "disable_adapters", False):
             return []
-        return [(module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a]))
-                for a in module.active_adapters if a in module.lora_A]
+        return [
+            (module.lora_A[a].weight, module.lora_B[a].weight, float(module.scaling[a]))
+            for a in module.active_adapters
+            if a in module.lora_A
+        ]
 
     def merge(self) -> dict:
         """Merge every adapted weight; ValueError (nothing merged) for factors that are not finite. The GPU
@@ -309,12 +336,16 @@ class ReversibleLoraMerge:
         if self._saved is not None:
             raise RuntimeError("the adapter is already merged; restore() first")
         start = time.perf_counter()
-        work = [(name, module.get_base_layer().weight, factors) for name, module in self.targets
-                if (factors := self._factors(module))]
+        work = [
+            (name, module.get_base_layer().weight, factors)
+            for name, module in self.targets
+            if (factors := self._factors(module))
+        ]
         bad = [name for (name, _, _), nf in zip(work, _non_finite([f for _, _, f in work])) if nf]
         if bad:
-            raise ValueError(f"the LoRA factors of {bad[:3]} are not finite (NaN or inf in the adapter); nothing "
-                             "was merged")
+            raise ValueError(
+                f"the LoRA factors of {bad[:3]} are not finite (NaN or inf in the adapter); nothing was merged"
+            )
         self._saved = {}
         try:
             for name, weight, factors in work:
@@ -351,8 +382,10 @@ class ReversibleLoraMerge:
             else:
                 del self._saved[name]
         if failed:
-            raise RestoreError(f"{len(failed)} base weights could not be given back ({[n for n, _ in failed][:3]}): "
-                               f"{type(failed[0][1]).__name__}: {failed[0][1]}") from failed[0][1]
+            raise RestoreError(
+                f"{len(failed)} base weights could not be given back ({[n for n, _ in failed][:3]}): "
+                f"{type(failed[0][1]).__name__}: {failed[0][1]}"
+            ) from failed[0][1]
         self._saved = None
         return self._report(done, start)
 
@@ -360,5 +393,9 @@ class ReversibleLoraMerge:
     def _report(saved: dict, start: float) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {"weights": len(saved), "exceptions": sum(e.kept for e in saved.values()),
-                "exception_bytes": sum(e.kept_bytes for e in saved.values()), "seconds": time.perf_counter() - start}
+        return {
+            "weights": len(saved),
+            "exceptions": sum(e.kept for e in saved.values()),
+            "exception_bytes": sum(e.kept_bytes for e in saved.values()),
+            "seconds": time.perf_counter() - start,
+        }

@@ -87,12 +87,15 @@ def _engine_layer(engine_model, hf_name: str, packed: dict[str, list[str]]):
         sizes = list(getattr(layer, "output_sizes", []) or [])
         tensor = getattr(layer, attr, None)
         if len(sizes) != len(parts) or tensor is None or sum(sizes) != _out_rows(tensor):
-            raise UnshareableError(f"{hf_name}: the engine's fused {fused} does not split into {parts} "
-                                   f"(output_sizes {sizes}, {attr} {None if tensor is None else tuple(tensor.shape)})")
+            raise UnshareableError(
+                f"{hf_name}: the engine's fused {fused} does not split into {parts} "
+                f"(output_sizes {sizes}, {attr} {None if tensor is None else tuple(tensor.shape)})"
+            )
         k = parts.index(leaf)
         return layer, (sum(sizes[:k]), sizes[k])
-    raise UnshareableError(f"{hf_name}: no engine module {path} and no fused module holding {leaf!r} "
-                           f"(engine fusions: {packed or 'none'})")
+    raise UnshareableError(
+        f"{hf_name}: no engine module {path} and no fused module holding {leaf!r} (engine fusions: {packed or 'none'})"
+    )
 
 
 def _engine_tensor(engine_model, hf_name: str, packed: dict[str, list[str]]) -> torch.Tensor:
@@ -109,24 +112,30 @@ def _fp8_layout(layer, name: str) -> tuple[torch.Tensor, torch.Tensor, int | Non
     w = getattr(layer, "weight", None)
     w = w.data if isinstance(w, torch.nn.Parameter) else w
     if w is None or w.dtype != FP8_DTYPE:
-        raise UnshareableError(f"{name}: the engine's weight is {None if w is None else w.dtype}, not FP8 e4m3 (start "
-                               "the engine with vllm_fp8_quantization())")
+        raise UnshareableError(
+            f"{name}: the engine's weight is {None if w is None else w.dtype}, not FP8 e4m3 (start "
+            "the engine with vllm_fp8_quantization())"
+        )
     codes = w if w.is_contiguous() else w.t() if w.t().is_contiguous() else None
     scale = getattr(layer, "weight_scale_inv", None)
     scale = getattr(layer, "weight_scale", None) if scale is None else scale
     scale = scale.data if isinstance(scale, torch.nn.Parameter) else scale
     if codes is None or scale is None or scale.dtype != torch.float32:
-        raise UnshareableError(f"{name}: the engine's FP8 layout is not the kit's (weight strides {tuple(w.stride())}, "
-                               f"scale {None if scale is None else (tuple(scale.shape), scale.dtype)})")
+        raise UnshareableError(
+            f"{name}: the engine's FP8 layout is not the kit's (weight strides {tuple(w.stride())}, "
+            f"scale {None if scale is None else (tuple(scale.shape), scale.dtype)})"
+        )
     n, k = codes.shape
     if scale.numel() == n:  # per output channel
         return codes, scale.reshape(n, 1), None
     block = (getattr(layer, "weight_block_size", None) or [None])[0]
     if block and tuple(scale.shape) == (-(-n // block), -(-k // block)):
         return codes, scale, block
-    raise UnshareableError(f"{name}: the engine's FP8 scales {tuple(scale.shape)} are neither per channel nor "
-                           f"per block for ({n}, {k}) codes (per-tensor scales, vLLM's online quantization='fp8', "
-                           "cannot back the training model's per-channel scales)")
+    raise UnshareableError(
+        f"{name}: the engine's FP8 scales {tuple(scale.shape)} are neither per channel nor "
+        f"per block for ({n}, {k}) codes (per-tensor scales, vLLM's online quantization='fp8', "
+        "cannot back the training model's per-channel scales)"
+    )
 
 
 def fp8_engine_views(engine_model, layers: dict[str, tuple[int, int, int | None]]) -> dict[str, torch.Tensor]:
@@ -140,8 +149,10 @@ def fp8_engine_views(engine_model, layers: dict[str, tuple[int, int, int | None]
         layer, rows = _engine_layer(engine_model, f"{path}.weight", packed)
         codes, scale, engine_block = _fp8_layout(layer, path)
         if engine_block != block:
-            raise UnshareableError(f"{path}: the engine's FP8 scales are {engine_block or 'per channel'}, the "
-                                   f"training model's {block or 'per channel'}")
+            raise UnshareableError(
+                f"{path}: the engine's FP8 scales are {engine_block or 'per channel'}, the "
+                f"training model's {block or 'per channel'}"
+            )
         if rows is not None:
             off, size = rows
             if block and (off % block or (size % block and off + size != codes.shape[0])):
@@ -165,8 +176,10 @@ def engine_views(engine_model, hf_params: dict[str, tuple[tuple[int, ...], torch
     for name, (shape, dtype) in hf_params.items():
         t = _engine_tensor(engine_model, name, packed)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            raise UnshareableError(f"{name}: the engine holds it as {type(t).__name__}, not a plain tensor "
-                                   "(quantised engine weights cannot back a 16-bit training model)")
+            raise UnshareableError(
+                f"{name}: the engine holds it as {type(t).__name__}, not a plain tensor "
+                "(quantised engine weights cannot back a 16-bit training model)"
+            )
         t = t.data if isinstance(t, torch.nn.Parameter) else t
         if t.dtype != dtype:
             raise UnshareableError(f"{name}: engine dtype {t.dtype}, training dtype {dtype}")
@@ -187,8 +200,18 @@ def _fp8_meta_layers(model, dtype: torch.dtype, block: int | None) -> dict[str, 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lin = getattr(parent, child)
-        setattr(parent, child, FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                         compute_dtype=dtype, block=block, device="meta"))
+        setattr(
+            parent,
+            child,
+            FP8Linear(
+                lin.in_features,
+                lin.out_features,
+                bias=lin.bias is not None,
+                compute_dtype=dtype,
+                block=block,
+                device="meta",
+            ),
+        )
         layers[name] = (lin.out_features, lin.in_features, block)
     return layers
 
@@ -211,8 +234,7 @@ def build_shared_model(engine_model, config, dtype: torch.dtype, *, fp8: bool = 
     head = {n for n, _ in model.named_parameters() if n.startswith("lm_head.")} if tied else set()
     fp8_params = {f"{n}.{a}" for n in fp8_layers for a in ("weight", "weight_scale")}
     params = {n: p for n, p in model.named_parameters() if n not in head}
-    views = engine_views(engine_model, {n: (tuple(p.shape), p.dtype) for n, p in params.items()
-                                        if n not in fp8_params})
+    views = engine_views(engine_model, {n: (tuple(p.shape), p.dtype) for n, p in params.items() if n not in fp8_params})
     views.update(fp8_engine_views(engine_model, fp8_layers))
     device = next(iter(views.values())).device
     new = {id(p): torch.nn.Parameter(views[n], requires_grad=False) for n, p in params.items()}
@@ -289,15 +311,31 @@ def vllm_fp8_quantization(block: int | None = None) -> dict:
     W8A8-FP8, the kit's W8A8), or ``block`` x ``block`` weight tiles (vLLM's ``fp8`` method). lm_head stays in 16
     bit, as the kit's :func:`grpo_kit.model.fp8.quantize_model_fp8` keeps it."""
     if block is not None:
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [block, block], "ignored_layers": ["lm_head"]}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [block, block],
+            "ignored_layers": ["lm_head"],
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
-                            "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                                      "dynamic": True}}}}
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+    }
 
 
 def storage_spans(engine_model) -> list[tuple[int, int]]:

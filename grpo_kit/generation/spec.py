@@ -10,9 +10,16 @@ from grpo_kit.memory.spec import StepSpec
 
 # The options that only vLLM generation reads, with their "off" value: set to anything else they need vLLM (the
 # app's config refuses them with HF generation; the plan never drops them silently). kv_cache_dtype is the step's.
-VLLM_ONLY_OPTIONS = (("kv_cache_dtype", "auto"), ("vllm_gpu_memory_utilization", None), ("vllm_kv_cache_gib", None),
-                     ("vllm_lora_dual_stream", None), ("vllm_lora_sync", None), ("vllm_enforce_eager", None),
-                     ("vllm_emulate_precision_casts", False), ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT))
+VLLM_ONLY_OPTIONS = (
+    ("kv_cache_dtype", "auto"),
+    ("vllm_gpu_memory_utilization", None),
+    ("vllm_kv_cache_gib", None),
+    ("vllm_lora_dual_stream", None),
+    ("vllm_lora_sync", None),
+    ("vllm_enforce_eager", None),
+    ("vllm_emulate_precision_casts", False),
+    ("vllm_importance_sampling_mode", ENGINE_IS_DEFAULT),
+)
 
 
 @dataclass(frozen=True)

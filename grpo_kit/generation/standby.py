@@ -22,8 +22,11 @@ KV_TAG = "kv_cache"
 def _kv_allocations(asleep: bool):
     from vllm.device_allocator.cumem import CuMemAllocator  # lazy: vLLM is optional and slow to import
 
-    return [d for d in CuMemAllocator.get_instance().pointer_to_data.values()
-            if d.tag == KV_TAG and bool(d.is_asleep) == asleep]
+    return [
+        d
+        for d in CuMemAllocator.get_instance().pointer_to_data.values()
+        if d.tag == KV_TAG and bool(d.is_asleep) == asleep
+    ]
 
 
 def standby_in_worker(worker) -> int:
@@ -45,8 +48,10 @@ def resume_in_worker(worker) -> int:
     need = sum(d.handle[1] for d in pending)
     free, _ = torch.cuda.mem_get_info()
     if need > free:
-        raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB to come back but only {free / 2**30:.2f} GiB "
-                          "of the GPU is free (the training step holds the rest)")
+        raise MemoryError(
+            f"the KV cache needs {need / 2**30:.2f} GiB to come back but only {free / 2**30:.2f} GiB "
+            "of the GPU is free (the training step holds the rest)"
+        )
     for data in pending:
         create_and_map(data.handle)
         data.is_asleep = False

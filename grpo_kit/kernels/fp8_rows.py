@@ -53,8 +53,9 @@ def to_fp8(t: torch.Tensor) -> torch.Tensor:
     return t.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The row quantiser in torch (module docstring). x (M, K) any float dtype; ``col_scale`` float32 (1, K) or
     None -> ``(codes float8_e4m3fn (M, K), scale float32 (M, 1))``."""
     v = x.float() if col_scale is None else x.float() * col_scale
@@ -62,8 +63,9 @@ def quantize_rows_reference(x: torch.Tensor, col_scale: torch.Tensor | None = No
     return to_fp8(v / scale), scale
 
 
-def dequantize_channels_reference(codes: torch.Tensor, scale: torch.Tensor,
-                                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_channels_reference(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``codes`` float8_e4m3fn (N, K) times ``scale`` float32 (N, 1) in fp32, rounded once to ``dtype``."""
     w = codes.float() * scale
     return w if dtype == torch.float32 else w.to(dtype)
@@ -115,8 +117,9 @@ def _quantize_rows_kernel(X, COLS, Q, S, K, stride_x, MIN_AMAX, HAS_COLS: tl.con
         tl.store(q_row + k, tl.where(q != q, 0x7F, code).to(tl.uint8), mask=k < K)
 
 
-def _dequantize_channels_kernel(Q, S, OUT, N, K, stride_q, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
+def _dequantize_channels_kernel(
+    Q, S, OUT, N, K, stride_q, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows[:, None] < N) & (cols[None, :] < K)
@@ -138,8 +141,7 @@ def _kernels():
     return triton.jit(_quantize_rows_kernel), triton.jit(_dequantize_channels_kernel)
 
 
-def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows_reference` in one launch (CUDA, or any device under the interpreter). x (M, K)
     float16/bfloat16/float32 with unit column stride (copied otherwise); ``col_scale`` float32 (1, K) or None."""
     if x.stride(1) != 1:
@@ -150,15 +152,25 @@ def quantize_rows_triton(x: torch.Tensor, col_scale: torch.Tensor | None = None
     cols = x if col_scale is None else col_scale.reshape(k).float().contiguous()
     if m:
         with launch_device(x.device):
-            _kernels()[0][(m,)](x, cols, codes.view(torch.uint8), scale, k, x.stride(0), MIN_AMAX,
-                                HAS_COLS=col_scale is not None,
-                                BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(max(k, 16))), num_warps=4,
-                                **LAUNCH_OPTIONS)
+            _kernels()[0][(m,)](
+                x,
+                cols,
+                codes.view(torch.uint8),
+                scale,
+                k,
+                x.stride(0),
+                MIN_AMAX,
+                HAS_COLS=col_scale is not None,
+                BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(max(k, 16))),
+                num_warps=4,
+                **LAUNCH_OPTIONS,
+            )
     return codes, scale
 
 
-def dequantize_channels_triton(codes: torch.Tensor, scale: torch.Tensor,
-                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_channels_triton(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """:func:`dequantize_channels_reference` in one launch (CUDA, or any device under the interpreter). ``codes``
     (N, K) with unit column stride, ``scale`` float32 (N, 1); ``dtype`` float16, bfloat16 or float32."""
     if codes.stride(1) != 1:
@@ -169,9 +181,18 @@ def dequantize_channels_triton(codes: torch.Tensor, scale: torch.Tensor,
     if out.numel():
         with launch_device(codes.device):
             _kernels()[1][(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-                codes.view(torch.uint8), scale.reshape(n).contiguous(), out, n, k, codes.stride(0),
+                codes.view(torch.uint8),
+                scale.reshape(n).contiguous(),
+                out,
+                n,
+                k,
+                codes.stride(0),
                 HALF=OUT_DTYPE_CODE[dtype],
-                BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **LAUNCH_OPTIONS)
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                num_warps=4,
+                **LAUNCH_OPTIONS,
+            )
     return out
 
 
@@ -197,8 +218,10 @@ def kernels_match(device: str) -> bool:
             cd, sd = codes.to(device), scale.to(device)
             ok &= same_bits(dequantize_channels_triton(cd, sd, dtype), dequantize_channels_reference(cd, sd, dtype))
     except Exception as e:  # e.g. a GPU without FP8 (Triton compiles e4m3 from compute capability 8.9 on)
-        warnings.warn(f"the FP8 row kernels could not run on {device} ({type(e).__name__}); their torch twins "
-                      "serve there", stacklevel=3)
+        warnings.warn(
+            f"the FP8 row kernels could not run on {device} ({type(e).__name__}); their torch twins serve there",
+            stacklevel=3,
+        )
         return False
     return bool(ok)
 

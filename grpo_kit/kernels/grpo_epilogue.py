@@ -63,8 +63,7 @@ def softmax_grad_torch_(z: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, c
 # Triton path (one program per row, looping over the vocabulary in BLOCK-wide tiles)
 # ----------------------------------------------------------------------------------------------
 def _lse_logp_kernel(
-    Z, stride_z, IDS, LOGP, LSE, ENT, inv_temp, n_cols: tl.constexpr,
-    COMPUTE_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    Z, stride_z, IDS, LOGP, LSE, ENT, inv_temp, n_cols: tl.constexpr, COMPUTE_ENT: tl.constexpr, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z

@@ -66,8 +66,8 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
     table = _position_weights(str(flat.device))
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for s in range(0, flat.numel(), _SUM_CHUNK):
-        x = flat[s:s + _SUM_CHUNK]
-        total += (x.to(wide) * table[:x.numel()]).sum(dtype=torch.int64)
+        x = flat[s : s + _SUM_CHUNK]
+        total += (x.to(wide) * table[: x.numel()]).sum(dtype=torch.int64)
     return total
 
 
@@ -134,8 +134,9 @@ def restore_rows_torch(weight, b, a, start: int, end: int):
 # ----------------------------------------------------------------------------------------------
 # Triton: one kernel, three passes
 # ----------------------------------------------------------------------------------------------
-def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, PERIOD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+def _merge_kernel(
+    W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, PERIOD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     # MODE is a runtime value and every pass runs the same instructions: one compiled binary forms W + dW and
     # W' - dW alike for the scan, the merge and the restore. With MODE a constexpr each pass was its own
     # compilation, and on the H200 every restore checksum failed: where the dot's result has one use, as in
@@ -174,15 +175,23 @@ def _merge_kernel(W, B, A, MISS, SUMS, M, N, MODE, K: tl.constexpr, PERIOD: tl.c
 def _kernel():
     # no specialisation on the values or alignments that differ between passes or weights: one binary per
     # (dtype, K), which is what kernel_round_trips checks
-    return triton.jit(_merge_kernel, do_not_specialize=["M", "N", "MODE"],
-                      do_not_specialize_on_alignment=["W", "B", "A", "MISS", "SUMS"])
+    return triton.jit(
+        _merge_kernel,
+        do_not_specialize=["M", "N", "MODE"],
+        do_not_specialize_on_alignment=["W", "B", "A", "MISS", "SUMS"],
+    )
 
 
 def triton_usable(weight: torch.Tensor) -> bool:
     """The kernel takes this weight: Triton installed, a 16-bit contiguous 2-D weight on CUDA (or any device
     under the interpreter)."""
-    return (HAS_TRITON and weight.dtype in _INT_VIEW and weight.dim() == 2 and weight.is_contiguous()
-            and (weight.is_cuda or interpreter_active()))
+    return (
+        HAS_TRITON
+        and weight.dtype in _INT_VIEW
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and (weight.is_cuda or interpreter_active())
+    )
 
 
 def _tile() -> tuple[int, int, int]:
@@ -197,8 +206,21 @@ def run_triton(mode: int, weight, b, a):
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     miss = torch.empty(weight.shape if mode == SCAN else (1,), dtype=torch.int8, device=weight.device)
     sums = torch.empty(grid[0] * grid[1] if mode != MERGE else 1, dtype=torch.int64, device=weight.device)
-    _kernel()[grid](weight, b, a, miss, sums, m, n, mode, K=b.shape[1], PERIOD=_WEIGHT_PERIOD, BLOCK_M=bm, BLOCK_N=bn,
-                    num_warps=warps)
+    _kernel()[grid](
+        weight,
+        b,
+        a,
+        miss,
+        sums,
+        m,
+        n,
+        mode,
+        K=b.shape[1],
+        PERIOD=_WEIGHT_PERIOD,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=warps,
+    )
     return (miss if mode == SCAN else None), (sums.sum() if mode != MERGE else None)
 
 
@@ -224,5 +246,6 @@ def kernel_round_trips(device: str, dtype: torch.dtype, k: int) -> bool:
     restored_ok = bool(restored == bit_sum(w))  # the restore's checksum is R's, before the kept values go back
     w.view(-1)[keep] = kept
     ints = _INT_VIEW[dtype]
-    return (changed and restored_ok and torch.equal(w.view(ints), original.view(ints))
-            and bool(bits == bit_sum(original)))
+    return (
+        changed and restored_ok and torch.equal(w.view(ints), original.view(ints)) and bool(bits == bit_sum(original))
+    )

@@ -72,8 +72,20 @@ def dequantize_reference(packed: torch.Tensor, quant_state, dtype: torch.dtype |
     return (quant_state.code.to(b.device)[nibbles] * scale).to(dtype or quant_state.dtype).view(quant_state.shape)
 
 
-def _nf4_dequant_kernel(PACKED, ABSQ, CODE2, ABS2, OFFSET, CODE, OUT, NBYTES, QBLOCK: tl.constexpr,
-                        QBLOCK2: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _nf4_dequant_kernel(
+    PACKED,
+    ABSQ,
+    CODE2,
+    ABS2,
+    OFFSET,
+    CODE,
+    OUT,
+    NBYTES,
+    QBLOCK: tl.constexpr,
+    QBLOCK2: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # One program: BLOCK weights from BLOCK // 2 packed bytes, laid out as (constant blocks, bytes of a block),
     # so each block's constant is computed once and every byte is read once. OUT is the output seen as words of
     # two weights (int32 for 16-bit, int64 for float32): byte j's two weights are word j, the high nibble's
@@ -113,13 +125,27 @@ def compile_signature(dtype: str, nbytes_multiple_of_16: bool = True) -> tuple[d
     Triton's specialisation of the byte count, true for every weight of the built-in models."""
 
     out = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    sig = {"PACKED": "*u8", "ABSQ": "*u8", "CODE2": "*fp32", "ABS2": "*fp32", "OFFSET": "*fp32", "CODE": "*fp32",
-           "OUT": f"*i{_WORD[out].itemsize * 8}", "NBYTES": "i32", "QBLOCK": "constexpr", "QBLOCK2": "constexpr",
-           "HALF": "constexpr", "BLOCK": "constexpr"}
+    sig = {
+        "PACKED": "*u8",
+        "ABSQ": "*u8",
+        "CODE2": "*fp32",
+        "ABS2": "*fp32",
+        "OFFSET": "*fp32",
+        "CODE": "*fp32",
+        "OUT": f"*i{_WORD[out].itemsize * 8}",
+        "NBYTES": "i32",
+        "QBLOCK": "constexpr",
+        "QBLOCK2": "constexpr",
+        "HALF": "constexpr",
+        "BLOCK": "constexpr",
+    }
     const = {"QBLOCK": NF4_BLOCK, "QBLOCK2": NF4_NESTED_BLOCK, "HALF": OUT_DTYPE_CODE[out], "BLOCK": _BLOCK}
     # as Triton specialises a launch: every pointer 16-byte aligned (torch's allocations are), and the byte count
-    aligned = [i for i, (name, kind) in enumerate(sig.items())
-               if kind.startswith("*") or (name == "NBYTES" and nbytes_multiple_of_16)]
+    aligned = [
+        i
+        for i, (name, kind) in enumerate(sig.items())
+        if kind.startswith("*") or (name == "NBYTES" and nbytes_multiple_of_16)
+    ]
     return sig, const, {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
@@ -132,9 +158,14 @@ def triton_usable(packed: torch.Tensor, quant_state) -> bool:
     """The kernel takes this weight: Triton installed, NF4 with double quantisation (bitsandbytes' QLoRA
     default, and the kit's) in bitsandbytes' layout (not its CPU eval repacking), on CUDA (or any device under
     the interpreter)."""
-    return (HAS_TRITON and quant_state.quant_type == "nf4" and bool(quant_state.nested)
-            and not getattr(quant_state, "packing_format_for_cpu", False) and packed.dtype == torch.uint8
-            and (packed.is_cuda or interpreter_active()))
+    return (
+        HAS_TRITON
+        and quant_state.quant_type == "nf4"
+        and bool(quant_state.nested)
+        and not getattr(quant_state, "packing_format_for_cpu", False)
+        and packed.dtype == torch.uint8
+        and (packed.is_cuda or interpreter_active())
+    )
 
 
 def dequantize_triton(packed: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -151,9 +182,20 @@ def dequantize_triton(packed: torch.Tensor, quant_state, dtype: torch.dtype | No
     block = max(_BLOCK, quant_state.blocksize)
     with launch_device(dev):
         _kernel()[(triton.cdiv(2 * nbytes, block),)](
-            packed, quant_state.absmax, s2.code.to(dev), s2.absmax, offset, quant_state.code.to(dev), words, nbytes,
-            QBLOCK=quant_state.blocksize, QBLOCK2=s2.blocksize, HALF=OUT_DTYPE_CODE[dtype], BLOCK=block,
-            **LAUNCH_OPTIONS)
+            packed,
+            quant_state.absmax,
+            s2.code.to(dev),
+            s2.absmax,
+            offset,
+            quant_state.code.to(dev),
+            words,
+            nbytes,
+            QBLOCK=quant_state.blocksize,
+            QBLOCK2=s2.blocksize,
+            HALF=OUT_DTYPE_CODE[dtype],
+            BLOCK=block,
+            **LAUNCH_OPTIONS,
+        )
     return words.view(dtype)[:n].view(quant_state.shape)
 
 

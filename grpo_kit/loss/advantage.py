@@ -20,8 +20,10 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     Returns (N,) float; std + 1e-4 in the denominator, so a group of equal rewards gives 0.
     """
     if rewards.ndim != 1 or num_generations < 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
     if scale not in SCALE_REWARDS:
         raise ValueError(f"scale={scale!r} is not allowed; choose one of {list(SCALE_REWARDS)}")
     g = rewards.view(-1, num_generations)

@@ -20,8 +20,7 @@ def objective_spec(loss_type, beta, epsilon_low, epsilon_high, options) -> Objec
     unknown = sorted(set(options) - set(_SPEC_FIELDS))
     if unknown:
         raise ValueError(f"unknown loss option(s) {unknown}; allowed: {list(_SPEC_FIELDS)}")
-    return ObjectiveSpec(loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                         **options)
+    return ObjectiveSpec(loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, **options)
 
 
 def _check_token_tensor(name, x, shape, *, allow_none=True, mask=None):
@@ -47,11 +46,15 @@ def _check_importance_weights(weights, batch, length, mask):
     if weights is None:
         return None
     if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-        raise ValueError("importance_weights must be None or a floating tensor of shape (B, T), (B, 1) or (B,), got "
-                         f"{type(weights).__name__} {getattr(weights, 'dtype', '')}")
+        raise ValueError(
+            "importance_weights must be None or a floating tensor of shape (B, T), (B, 1) or (B,), got "
+            f"{type(weights).__name__} {getattr(weights, 'dtype', '')}"
+        )
     if tuple(weights.shape) not in ((batch,), (batch, 1), (batch, length)):
-        raise ValueError(f"importance_weights must have shape ({batch}, {length}), ({batch}, 1) or ({batch},), got "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(
+            f"importance_weights must have shape ({batch}, {length}), ({batch}, 1) or ({batch},), got "
+            f"{tuple(weights.shape)}"
+        )
     weights = weights.view(batch, 1) if weights.dim() == 1 else weights
     bad = ~torch.isfinite(weights) | (weights < 0)
     if weights.shape[1] == length:
@@ -84,8 +87,20 @@ def _check_mask(mask, shape):
         raise ValueError("completion_mask holds NaN or inf")
 
 
-def check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights, max_completion_length,
-                 num_items_in_batch, engine_correction=None, sampling_logps=None):
+def check_inputs(
+    spec,
+    B,
+    T,
+    mask,
+    advantages,
+    old_logps,
+    ref_logps,
+    importance_weights,
+    max_completion_length,
+    num_items_in_batch,
+    engine_correction=None,
+    sampling_logps=None,
+):
     """Checks both paths share; returns advantages as (B, 1) / (B, T), the importance weights
     as None / (B, 1) / (B, T) and the engine correction as None / (mode, clip_min, clip_max)."""
     check_normaliser_args(spec.loss_type, max_completion_length, num_items_in_batch)
@@ -100,8 +115,10 @@ def check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_
         if importance_weights is not None:
             raise ValueError("engine_correction forms the importance weights itself: pass importance_weights=None")
         if get_loss_type(spec.loss_type).takes_importance_weights:
-            raise ValueError(f"engine_correction does not apply to loss_type={spec.loss_type!r} (its policy term "
-                             "takes the importance weights itself): pass them as importance_weights")
+            raise ValueError(
+                f"engine_correction does not apply to loss_type={spec.loss_type!r} (its policy term "
+                "takes the importance weights itself): pass them as importance_weights"
+            )
         if not isinstance(sampling_logps, torch.Tensor) or tuple(sampling_logps.shape) != (B, T):
             raise ValueError(f"engine_correction needs the sampler's log-probs: sampling_logps of shape ({B}, {T})")
     return advantages, _check_importance_weights(importance_weights, B, T, mask), engine

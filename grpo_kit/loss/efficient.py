@@ -77,9 +77,7 @@ def _check_head(hidden, lm_head_weight, lm_head_bias, ids, ids_name):
         raise ValueError(f"hidden must be a floating tensor (B, T, H), got {getattr(hidden, 'shape', type(hidden))}")
     B, T, H = hidden.shape
     if not isinstance(lm_head_weight, torch.Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
-        raise ValueError(
-            f"lm_head_weight must be (V, H={H}), got {tuple(getattr(lm_head_weight, 'shape', ()))}"
-        )
+        raise ValueError(f"lm_head_weight must be (V, H={H}), got {tuple(getattr(lm_head_weight, 'shape', ()))}")
     if lm_head_weight.dtype != hidden.dtype:
         raise ValueError(f"lm_head_weight dtype {lm_head_weight.dtype} must equal hidden dtype {hidden.dtype}")
     if lm_head_weight.device != hidden.device:
@@ -87,7 +85,9 @@ def _check_head(hidden, lm_head_weight, lm_head_bias, ids, ids_name):
     V = lm_head_weight.shape[0]
     if lm_head_bias is not None:
         if lm_head_bias.shape != (V,) or lm_head_bias.dtype != hidden.dtype:
-            raise ValueError(f"lm_head_bias must be ({V},) {hidden.dtype}, got {tuple(lm_head_bias.shape)} {lm_head_bias.dtype}")
+            raise ValueError(
+                f"lm_head_bias must be ({V},) {hidden.dtype}, got {tuple(lm_head_bias.shape)} {lm_head_bias.dtype}"
+            )
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
         raise ValueError(f"{ids_name} must be an integer tensor")
     if tuple(ids.shape) != (B, T):
@@ -102,8 +102,9 @@ def _check_temperature_chunk(temperature, chunk_size, logit_scale=1.0, logit_sof
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if not isinstance(logit_scale, numbers.Real) or not math.isfinite(logit_scale) or logit_scale == 0:
         raise ValueError(f"logit_scale must be a finite non-zero number, got {logit_scale!r}")
-    if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real) or not math.isfinite(logit_softcap)
-                                      or logit_softcap <= 0):
+    if logit_softcap is not None and (
+        not isinstance(logit_softcap, numbers.Real) or not math.isfinite(logit_softcap) or logit_softcap <= 0
+    ):
         raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
     if chunk_size is not None and (not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -158,8 +159,9 @@ class _ChunkedHead:
     docstring).
     """
 
-    def __init__(self, hidden, weight, bias, ids, active, *, chunk_rows, temperature, backend, needs, scale=1.0,
-                 softcap=None):
+    def __init__(
+        self, hidden, weight, bias, ids, active, *, chunk_rows, temperature, backend, needs, scale=1.0, softcap=None
+    ):
         B, T, H = hidden.shape
         self.hidden, self.weight, self.bias, self.n_total = hidden, weight, bias, B * T
         self.n_rows = int(active.sum())
@@ -254,10 +256,11 @@ def _first_pass(head, *, with_entropy, store_rows, coefficient=None):
         if entropy is not None:
             entropy[start:end] = ent
         if coefficient is not None:
-            head.accumulate(start, end, h, z, lse, coefficient(start, end, logp_chunk),
-                            into_hidden=store_rows, into_head=True)
+            head.accumulate(
+                start, end, h, z, lse, coefficient(start, end, logp_chunk), into_hidden=store_rows, into_head=True
+            )
         elif store_rows:  # coefficient -1 gives dz = d logp / dz
-            head.accumulate(start, end, h, z, lse, minus_one[:end - start], into_hidden=True, into_head=False)
+            head.accumulate(start, end, h, z, lse, minus_one[: end - start], into_hidden=True, into_head=False)
         del z
     return logp, entropy
 
@@ -329,17 +332,30 @@ class _Batch:
         x = logp.view(B, T).detach().requires_grad_(need_grad)
         ent = None if entropy is None else entropy.view(B, T)
         with torch.enable_grad() if need_grad else torch.no_grad():
-            loss, parts = objective_loss(x, self.spec, self.mask, self.advantages, self.old, self.ref,
-                                         self.importance_weights, ent, self.entropy_mask_fn, self.weights,
-                                         self.sampling, self.engine)
+            loss, parts = objective_loss(
+                x,
+                self.spec,
+                self.mask,
+                self.advantages,
+                self.old,
+                self.ref,
+                self.importance_weights,
+                ent,
+                self.entropy_mask_fn,
+                self.weights,
+                self.sampling,
+                self.engine,
+            )
             grad = torch.autograd.grad(loss, x)[0].reshape(B * T) if need_grad else None
         return loss.detach(), grad, parts
 
     def token_inputs(self, head):
         """Normaliser weights, advantages, old, ref, importance weights of the active rows: (n,) fp32 or None."""
         B, T = self.mask.shape
-        return [None if x is None else head.select(x.expand(B, T).reshape(B * T))
-                for x in (self.weights, self.advantages, self.old, self.ref, self.importance_weights)]
+        return [
+            None if x is None else head.select(x.expand(B, T).reshape(B * T))
+            for x in (self.weights, self.advantages, self.old, self.ref, self.importance_weights)
+        ]
 
 
 def _in_loop_coefficient(batch, head):
@@ -404,23 +420,56 @@ def efficient_grpo_loss(
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     _check_temperature_chunk(temperature, chunk_size, logit_scale, logit_softcap)
     B, T, H, V = _check_head(hidden, lm_head_weight, lm_head_bias, completion_ids, "completion_ids")
-    adv, isw, engine = check_inputs(spec, B, T, completion_mask, advantages, old_logps, ref_logps,
-                                    importance_weights, max_completion_length, num_items_in_batch, engine_correction,
-                                    sampling_logps)
+    adv, isw, engine = check_inputs(
+        spec,
+        B,
+        T,
+        completion_mask,
+        advantages,
+        old_logps,
+        ref_logps,
+        importance_weights,
+        max_completion_length,
+        num_items_in_batch,
+        engine_correction,
+        sampling_logps,
+    )
     backend = _epi.resolve_backend(epilogue, hidden.device)
     if chunk_size is None:
-        chunk_size = auto_chunk_rows(V, hidden.dtype, hidden.device, backend, n_tokens=B * T,
-                                      softcap=logit_softcap is not None)
-    batch = _Batch(spec, completion_mask.float(),
-                   token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch),
-                   adv.detach().float(), _fp32(old_logps), None if spec.beta == 0 else _fp32(ref_logps), _fp32(isw),
-                   _fp32(sampling_logps), engine, entropy_mask_fn)
+        chunk_size = auto_chunk_rows(
+            V, hidden.dtype, hidden.device, backend, n_tokens=B * T, softcap=logit_softcap is not None
+        )
+    batch = _Batch(
+        spec,
+        completion_mask.float(),
+        token_weights(completion_mask, loss_type, max_completion_length, num_items_in_batch),
+        adv.detach().float(),
+        _fp32(old_logps),
+        None if spec.beta == 0 else _fp32(ref_logps),
+        _fp32(isw),
+        _fp32(sampling_logps),
+        engine,
+        entropy_mask_fn,
+    )
     grad_on = torch.is_grad_enabled()
-    needs = (grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad,
-             grad_on and lm_head_bias is not None and lm_head_bias.requires_grad)
-    head = _ChunkedHead(hidden, lm_head_weight, lm_head_bias, completion_ids.reshape(B * T).long(),
-                        batch.weights.reshape(B * T) != 0, chunk_rows=chunk_size, temperature=float(temperature),
-                        backend=backend, needs=needs, scale=logit_scale, softcap=logit_softcap)
+    needs = (
+        grad_on and hidden.requires_grad,
+        grad_on and lm_head_weight.requires_grad,
+        grad_on and lm_head_bias is not None and lm_head_bias.requires_grad,
+    )
+    head = _ChunkedHead(
+        hidden,
+        lm_head_weight,
+        lm_head_bias,
+        completion_ids.reshape(B * T).long(),
+        batch.weights.reshape(B * T) != 0,
+        chunk_rows=chunk_size,
+        temperature=float(temperature),
+        backend=backend,
+        needs=needs,
+        scale=logit_scale,
+        softcap=logit_softcap,
+    )
     with torch.no_grad():
         loss, logp, entropy, parts, scale = _loss_and_gradients(batch, head, bool(compute_entropy))
     if any(needs):
@@ -430,8 +479,10 @@ def efficient_grpo_loss(
         # one sync; checked on the outputs so that the inputs need no extra full pass
         raise ValueError("the GRPO loss is not finite: hidden or lm_head_weight (or lm_head_bias) hold NaN/inf")
     if not bool(torch.isfinite(loss)):  # gaps are clamped (MAX_LOG_GAP): only astronomic advantages get here
-        raise ValueError(f"the GRPO loss overflowed fp32: advantages up to {float(adv.abs().max()):.3g} times a "
-                         f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale")
+        raise ValueError(
+            f"the GRPO loss overflowed fp32: advantages up to {float(adv.abs().max()):.3g} times a "
+            f"ratio up to e^{MAX_LOG_GAP:.0f}; check the rewards' scale"
+        )
     ent = entropy.view(B, T) if entropy is not None and compute_entropy else None
     metrics = objective_metrics(parts, batch.advantages, batch.mask, spec, ent)
     return loss, {**metrics, **engine_metrics(logp.view(B, T), batch.old, batch.sampling, batch.mask, parts)}
@@ -459,8 +510,18 @@ def _loss_and_gradients(batch, head, compute_entropy):
     return loss, logp, entropy, parts, scale
 
 
-def per_token_logps(hidden, lm_head_weight, ids, *, temperature=1.0, chunk_size=None, lm_head_bias=None, epilogue="auto",
-                    logit_scale=1.0, logit_softcap=None):
+def per_token_logps(
+    hidden,
+    lm_head_weight,
+    ids,
+    *,
+    temperature=1.0,
+    chunk_size=None,
+    lm_head_bias=None,
+    epilogue="auto",
+    logit_scale=1.0,
+    logit_softcap=None,
+):
     """Chunked log p(ids[:, t] | hidden[:, t]) without grad, for reference / old-policy passes.
 
     hidden: (B, T, H); lm_head_weight: (V, H) same dtype; ids: (B, T) int in [0, V); ``logit_scale``,

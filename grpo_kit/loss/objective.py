@@ -48,9 +48,13 @@ ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequenc
 ENGINE_IS_DEFAULT = "sequence_mask"  # TRL 1.16's default mode
 ENGINE_IS_TOKEN_MODES = ENGINE_IS_MODES[:2]  # one ratio per token (what VESPO's own weighting needs)
 # TRL 1.16's names of the engine correction's metrics (:func:`engine_importance_metrics`)
-ENGINE_IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                     "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-                     "sampling/importance_sampling_ratio/max")
+ENGINE_IS_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
 
 # exp() of a log-prob gap overflows fp32 beyond ~88 nats, and inf * 0 (a zero advantage, a clipped
 # branch) is NaN. Gaps (logp - old for the ratio, ref - logp for the k3 KL) are clamped at 60 nats:
@@ -99,16 +103,20 @@ class ObjectiveSpec:
     def __post_init__(self):
         get_loss_type(self.loss_type)  # refuses a name no loss type is registered under
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                             f"got {self.importance_sampling_level!r}")
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be True or False, got {self.use_bias_correction_kl!r}")
         fix = {"beta": _real("beta", self.beta, low=0), "epsilon_low": _real("epsilon_low", self.epsilon_low, low=0)}
-        fix["epsilon_high"] = fix["epsilon_low"] if self.epsilon_high is None else _real(
-            "epsilon_high", self.epsilon_high, low=0)
+        fix["epsilon_high"] = (
+            fix["epsilon_low"] if self.epsilon_high is None else _real("epsilon_high", self.epsilon_high, low=0)
+        )
         fix["delta"] = _real("delta", self.delta, allow_none=True, positive=True)
-        fix["off_policy_mask_threshold"] = _real("off_policy_mask_threshold", self.off_policy_mask_threshold,
-                                                 allow_none=True)
+        fix["off_policy_mask_threshold"] = _real(
+            "off_policy_mask_threshold", self.off_policy_mask_threshold, allow_none=True
+        )
         q = _real("top_entropy_quantile", self.top_entropy_quantile, low=0)
         if q > 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {q!r}")
@@ -127,14 +135,21 @@ class ObjectiveSpec:
         head). A sequence ratio (GSPO), VESPO's sequence weight, the off-policy sequence mask and the
         entropy quantile (a batch threshold) couple the tokens, as does a loss type registered with
         ``token_local=False``."""
-        return (self.importance_sampling_level == "token" and get_loss_type(self.loss_type).token_local
-                and self.top_entropy_quantile >= 1.0 and self.off_policy_mask_threshold is None)
+        return (
+            self.importance_sampling_level == "token"
+            and get_loss_type(self.loss_type).token_local
+            and self.top_entropy_quantile >= 1.0
+            and self.off_policy_mask_threshold is None
+        )
 
 
 # The objective's options beside the loss type, beta and the clip range: the losses' keyword arguments, under
 # GRPOConfig's names (the trainer passes each from TRL's config).
-OBJECTIVE_OPTIONS = tuple(f.name for f in dataclasses.fields(ObjectiveSpec)
-                          if f.name not in ("loss_type", "beta", "epsilon_low", "epsilon_high"))
+OBJECTIVE_OPTIONS = tuple(
+    f.name
+    for f in dataclasses.fields(ObjectiveSpec)
+    if f.name not in ("loss_type", "beta", "epsilon_low", "epsilon_high")
+)
 
 
 def check_normaliser_args(loss_type, max_completion_length, num_items_in_batch):
@@ -144,14 +159,16 @@ def check_normaliser_args(loss_type, max_completion_length, num_items_in_batch):
     needs = get_loss_type(loss_type).normaliser.needs
     if "max_completion_length" in needs:
         if max_completion_length is None:
-            raise ValueError(f"loss_type={loss_type!r} needs max_completion_length (it divides by "
-                             "B * max_completion_length)")
+            raise ValueError(
+                f"loss_type={loss_type!r} needs max_completion_length (it divides by B * max_completion_length)"
+            )
         if not isinstance(max_completion_length, numbers.Integral) or max_completion_length <= 0:
             raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
     if "num_items_in_batch" in needs:
         if num_items_in_batch is None:
-            raise ValueError(f"loss_type={loss_type!r} needs num_items_in_batch (active tokens of the whole "
-                             "accumulated batch)")
+            raise ValueError(
+                f"loss_type={loss_type!r} needs num_items_in_batch (active tokens of the whole accumulated batch)"
+            )
         if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(num_items_in_batch.shape)}")
         n = num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
@@ -255,8 +272,13 @@ def engine_importance_metrics(old_logp, sampling_logp, mask, ratio):
     def pick(x, fn):
         return fn(x) if x.numel() else zero
 
-    values = (pick(delta, torch.mean), pick(delta, torch.max), pick(flat, torch.min), pick(flat, torch.mean),
-              pick(flat, torch.max))
+    values = (
+        pick(delta, torch.mean),
+        pick(delta, torch.max),
+        pick(flat, torch.min),
+        pick(flat, torch.mean),
+        pick(flat, torch.max),
+    )
     return dict(zip(ENGINE_IS_METRICS, values))
 
 
@@ -282,17 +304,34 @@ def _clip_metrics(parts, advantages, spec, mean, seq_mean):
     ratio = parts["ratio"]
     low = (ratio < 1 - spec.epsilon_low) & (advantages < 0)
     high = (ratio > 1 + spec.epsilon_high) & (advantages > 0)
-    return {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
-            "clip_ratio/region_mean": mean(low | high), "clip_ratio/low_min": nanmin(seq_mean(low)),
-            "clip_ratio/high_max": nanmax(seq_mean(high))}
+    return {
+        "clip_ratio/low_mean": mean(low),
+        "clip_ratio/high_mean": mean(high),
+        "clip_ratio/region_mean": mean(low | high),
+        "clip_ratio/low_min": nanmin(seq_mean(low)),
+        "clip_ratio/high_max": nanmax(seq_mean(high)),
+    }
 
 
-CLIP_METRICS = LossMetrics(("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                            "clip_ratio/low_min", "clip_ratio/high_max"), _clip_metrics)
-CISPO_METRICS = LossMetrics(("cispo_clip_ratio",), lambda parts, advantages, spec, mean, seq_mean: {
-    "cispo_clip_ratio": mean((parts["ratio"] > spec.epsilon_high) & (advantages > 0))})
-VESPO_METRICS = LossMetrics(("vespo/phi_seq_mean",), lambda parts, advantages, spec, mean, seq_mean: {
-    "vespo/phi_seq_mean": mean(parts["phi"])})
+CLIP_METRICS = LossMetrics(
+    (
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    ),
+    _clip_metrics,
+)
+CISPO_METRICS = LossMetrics(
+    ("cispo_clip_ratio",),
+    lambda parts, advantages, spec, mean, seq_mean: {
+        "cispo_clip_ratio": mean((parts["ratio"] > spec.epsilon_high) & (advantages > 0))
+    },
+)
+VESPO_METRICS = LossMetrics(
+    ("vespo/phi_seq_mean",), lambda parts, advantages, spec, mean, seq_mean: {"vespo/phi_seq_mean": mean(parts["phi"])}
+)
 
 
 def clipped_surrogate(t: PolicyInputs, spec):
@@ -341,8 +380,9 @@ def sapo(t, spec):
     return -torch.sigmoid(tau * (t.ratio - 1)) * 4 / tau * t.advantages
 
 
-@register_loss("vespo", normaliser="token_count", metrics=VESPO_METRICS, token_local=False,
-               takes_importance_weights=True)
+@register_loss(
+    "vespo", normaliser="token_count", metrics=VESPO_METRICS, token_local=False, takes_importance_weights=True
+)
 def vespo(t, spec):
     """VESPO: -phi(w) A logp with phi a detached gamma weight of the sequence ratio w, into which the
     importance weights fold (so it couples a sequence's tokens)."""
@@ -360,8 +400,9 @@ def luspo(t, spec):
 LOSS_TYPES = registered_loss_types()
 
 
-def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, importance_weights=None,
-                        entropy_mask=None, sampling_logp=None):
+def per_token_objective(
+    logp, old_logp, ref_logp, advantages, mask, spec, *, importance_weights=None, entropy_mask=None, sampling_logp=None
+):
     """Per-token GRPO loss before normalisation, as TRL 1.16 ``_compute_loss`` builds it.
 
     logp: (B, T) float, the policy's log-probs (gradient flows through it); old_logp, ref_logp:
@@ -392,8 +433,9 @@ def per_token_objective(logp, old_logp, ref_logp, advantages, mask, spec, *, imp
     policy = variant.policy(PolicyInputs(logp, old, ratio, advantages, mask, importance_weights), spec)
     policy, own_parts = policy if isinstance(policy, tuple) else (policy, {})
     if spec.off_policy_mask_threshold is not None:
-        policy = policy * off_policy_sequence_mask(logp, old if sampling_logp is None else sampling_logp, advantages,
-                                                   mask, spec.off_policy_mask_threshold)
+        policy = policy * off_policy_sequence_mask(
+            logp, old if sampling_logp is None else sampling_logp, advantages, mask, spec.off_policy_mask_threshold
+        )
     if entropy_mask is not None:
         policy = policy * entropy_mask
     if importance_weights is not None and not variant.takes_importance_weights:

@@ -54,14 +54,23 @@ def objective_loss(logp, spec, mask, adv, old, ref, isw, entropy, entropy_mask_f
     keeps them for the metrics."""
     engine_ratio = None
     if engine is not None:
-        isw = engine_ratio = engine_importance_weights(logp.detach() if old is None else old.detach(), sampling,
-                                                       mask, *engine)
+        isw = engine_ratio = engine_importance_weights(
+            logp.detach() if old is None else old.detach(), sampling, mask, *engine
+        )
     active = mask != 0
     old, ref, isw = fill_padding(logp, active, old, ref, isw)
     ent_mask = select_entropy_mask(spec, entropy, mask, entropy_mask_fn)
-    per_tok, parts = per_token_objective(logp, old, ref, adv, mask, spec, importance_weights=isw,
-                                         entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
-                                         sampling_logp=None if sampling is None else sampling.to(logp.dtype))
+    per_tok, parts = per_token_objective(
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        spec,
+        importance_weights=isw,
+        entropy_mask=None if ent_mask is None else ent_mask.to(logp.dtype),
+        sampling_logp=None if sampling is None else sampling.to(logp.dtype),
+    )
     if engine_ratio is not None:
         parts["engine_ratio"] = engine_ratio
     return (weights * per_tok).sum(), parts
@@ -71,8 +80,9 @@ def engine_metrics(logp, old, sampling, mask, parts) -> dict:
     """The ``sampling/*`` metrics of the engine correction :func:`objective_loss` formed (empty without one)."""
     if "engine_ratio" not in parts:
         return {}
-    return engine_importance_metrics(logp.detach() if old is None else old.detach(), sampling, mask,
-                                     parts["engine_ratio"])
+    return engine_importance_metrics(
+        logp.detach() if old is None else old.detach(), sampling, mask, parts["engine_ratio"]
+    )
 
 
 def grpo_loss_reference(
@@ -115,14 +125,29 @@ def grpo_loss_reference(
     """
     spec = objective_spec(loss_type, beta, epsilon_low, epsilon_high, options)
     if not isinstance(logps, torch.Tensor) or not logps.is_floating_point() or logps.dim() != 2:
-        raise ValueError(f"logps must be a floating (B, T) tensor, got {type(logps).__name__} "
-                         f"{getattr(logps, 'dtype', '')} of shape {tuple(getattr(logps, 'shape', ()))}")
+        raise ValueError(
+            f"logps must be a floating (B, T) tensor, got {type(logps).__name__} "
+            f"{getattr(logps, 'dtype', '')} of shape {tuple(getattr(logps, 'shape', ()))}"
+        )
     B, T = logps.shape
-    adv, isw, engine = check_inputs(spec, B, T, mask, advantages, old_logps, ref_logps, importance_weights,
-                                    max_completion_length, num_items_in_batch, engine_correction, sampling_logps)
+    adv, isw, engine = check_inputs(
+        spec,
+        B,
+        T,
+        mask,
+        advantages,
+        old_logps,
+        ref_logps,
+        importance_weights,
+        max_completion_length,
+        num_items_in_batch,
+        engine_correction,
+        sampling_logps,
+    )
     maskf = mask.to(logps.dtype)
     w = token_weights(mask, loss_type, max_completion_length, num_items_in_batch, dtype=logps.dtype)
-    loss, parts = objective_loss(logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w,
-                                  sampling_logps, engine)
+    loss, parts = objective_loss(
+        logps, spec, maskf, adv, old_logps, ref_logps, isw, entropy, entropy_mask_fn, w, sampling_logps, engine
+    )
     metrics = objective_metrics(parts, adv, maskf, spec, entropy)
     return loss, {**metrics, **engine_metrics(logps, old_logps, sampling_logps, maskf, parts)}

@@ -81,20 +81,25 @@ def _token_count_weights(m, max_completion_length, num_items_in_batch):
     return m / n.clamp(min=1.0)
 
 
-NORMALISERS = {n.name: n for n in (
-    # 1 / (B * L_i): mean over sequences of each sequence's token mean (L_i: active tokens of sequence i)
-    Normaliser("sequence_mean", lambda m, L, n: m / (m.shape[0] * m.sum(-1, keepdim=True).clamp(min=1.0)),
-               _sequence_share),
-    # 1 / sum(L_i): token mean over the micro-batch
-    Normaliser("token_mean", lambda m, L, n: m / m.sum().clamp(min=1.0), _token_share),
-    # 1 / (B * max_completion_length): Dr. GRPO's constant
-    Normaliser("max_length", lambda m, L, n: m / float(m.shape[0] * L), _sequence_share,
-               needs=("max_completion_length",)),
-    # 1 / B: per-sequence sums averaged over sequences (LUSPO)
-    Normaliser("sequence_sum", lambda m, L, n: m / float(max(m.shape[0], 1)), _sequence_share),
-    # 1 / num_items_in_batch: the active tokens of the whole accumulated batch (DAPO)
-    Normaliser("token_count", _token_count_weights, _whole_share, needs=("num_items_in_batch",), global_count=True),
-)}
+NORMALISERS = {
+    n.name: n
+    for n in (
+        # 1 / (B * L_i): mean over sequences of each sequence's token mean (L_i: active tokens of sequence i)
+        Normaliser(
+            "sequence_mean", lambda m, L, n: m / (m.shape[0] * m.sum(-1, keepdim=True).clamp(min=1.0)), _sequence_share
+        ),
+        # 1 / sum(L_i): token mean over the micro-batch
+        Normaliser("token_mean", lambda m, L, n: m / m.sum().clamp(min=1.0), _token_share),
+        # 1 / (B * max_completion_length): Dr. GRPO's constant
+        Normaliser(
+            "max_length", lambda m, L, n: m / float(m.shape[0] * L), _sequence_share, needs=("max_completion_length",)
+        ),
+        # 1 / B: per-sequence sums averaged over sequences (LUSPO)
+        Normaliser("sequence_sum", lambda m, L, n: m / float(max(m.shape[0], 1)), _sequence_share),
+        # 1 / num_items_in_batch: the active tokens of the whole accumulated batch (DAPO)
+        Normaliser("token_count", _token_count_weights, _whole_share, needs=("num_items_in_batch",), global_count=True),
+    )
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +130,14 @@ class LossType:
 _REGISTRY: dict[str, LossType] = {}
 
 
-def register_loss(name: str, *, normaliser: str, metrics: LossMetrics | None = None, token_local: bool = True,
-                  takes_importance_weights: bool = False):
+def register_loss(
+    name: str,
+    *,
+    normaliser: str,
+    metrics: LossMetrics | None = None,
+    token_local: bool = True,
+    takes_importance_weights: bool = False,
+):
     """Decorator: register ``fn(t: PolicyInputs, spec) -> term | (term, parts)`` as loss type ``name``.
 
     ``normaliser``: one of :data:`NORMALISERS`. Registering a name twice is refused (one definition each)."""

@@ -42,5 +42,23 @@ def plot_vs_context(*args, **kwargs):
     return _f(*args, **kwargs)
 
 
-__all__ = ["METHODS", "EstimateSpec", "estimate", "config_estimate_spec", "estimate_for_config", "scoring_batch_for_config", "compare", "published_table", "resolve_arch", "total_gpu_bytes", "Profiler",
-           "ProfileResult", "live_at_peak", "phase", "profile", "cli_main", "plot_components", "plot_vs_context"]
+__all__ = [
+    "METHODS",
+    "EstimateSpec",
+    "estimate",
+    "config_estimate_spec",
+    "estimate_for_config",
+    "scoring_batch_for_config",
+    "compare",
+    "published_table",
+    "resolve_arch",
+    "total_gpu_bytes",
+    "Profiler",
+    "ProfileResult",
+    "live_at_peak",
+    "phase",
+    "profile",
+    "cli_main",
+    "plot_components",
+    "plot_vs_context",
+]

@@ -80,8 +80,10 @@ def arch_from_config(cfg, name: str = "") -> Arch:
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in need if getattr(cfg, k, None) is None]
     if missing:
-        raise ValueError(f"model config {name or type(cfg).__name__} lacks {missing}; "
-                         "the calculator handles decoder configs with these numbers")
+        raise ValueError(
+            f"model config {name or type(cfg).__name__} lacks {missing}; "
+            "the calculator handles decoder configs with these numbers"
+        )
     heads = cfg.num_attention_heads
     model_type = getattr(cfg, "model_type", "") or ""
     experts = num_experts(cfg)
@@ -89,13 +91,21 @@ def arch_from_config(cfg, name: str = "") -> Arch:
     if experts:
         width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         active = int(cfg.num_experts_per_tok)
-        moe = dict(experts=experts, active_experts=active, expert_intermediate=width, intermediate=active * width,
-                   expert_bias=model_type == "gpt_oss")
+        moe = dict(
+            experts=experts,
+            active_experts=active,
+            expert_intermediate=width,
+            intermediate=active * width,
+            expert_bias=model_type == "gpt_oss",
+        )
     arch = Arch(
         name=name or getattr(cfg, "name_or_path", "") or model_type,
         model_type=model_type,
-        vocab=cfg.vocab_size, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
-        layers=cfg.num_hidden_layers, heads=heads,
+        vocab=cfg.vocab_size,
+        hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size,
+        layers=cfg.num_hidden_layers,
+        heads=heads,
         kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         tied=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -156,14 +166,20 @@ def resolve_arch(model) -> Arch:
             try:
                 return arch_from_config(model_config(model), model)
             except OSError as e:
-                raise ValueError(f"model={model!r}: its config.json is neither in the local hub cache nor "
-                                 f"reachable ({type(e).__name__}); pass a folder or a config.json path "
-                                 "instead") from None
-        raise ValueError(f"model={model!r} is not a built-in name or a path to a config.json. "
-                         f"Built-in names: {', '.join(BUILTIN_MODELS)}")
+                raise ValueError(
+                    f"model={model!r}: its config.json is neither in the local hub cache nor "
+                    f"reachable ({type(e).__name__}); pass a folder or a config.json path "
+                    "instead"
+                ) from None
+        raise ValueError(
+            f"model={model!r} is not a built-in name or a path to a config.json. "
+            f"Built-in names: {', '.join(BUILTIN_MODELS)}"
+        )
     if hasattr(model, "hidden_size") and hasattr(model, "num_hidden_layers"):
         return arch_from_config(model)
-    raise ValueError(f"model must be a built-in name, a config.json path or a transformers config, got {type(model).__name__}")
+    raise ValueError(
+        f"model must be a built-in name, a config.json path or a transformers config, got {type(model).__name__}"
+    )
 
 
 # ----------------------------------------------------------------------------- validation
@@ -197,12 +213,16 @@ def _check_sizes(spec: EstimateSpec) -> None:
     if lora_rank is not None:
         _int_at_least("lora_rank", lora_rank, 1)
     if quantization is not None and lora_rank is None:
-        raise ValueError(f"quantization={quantization!r} needs lora_rank: quantised weights are frozen, "
-                         "only LoRA adapters can train on top of them")
+        raise ValueError(
+            f"quantization={quantization!r} needs lora_rank: quantised weights are frozen, "
+            "only LoRA adapters can train on top of them"
+        )
     _check_bool("vllm", spec.vllm)
     kv_cache_dtype = spec.kv_cache_dtype
     if kv_cache_dtype is not None and kv_cache_dtype not in F.KV_DTYPE_BYTES:
-        raise ValueError(f"kv_cache_dtype must be None (= dtype) or one of {list(F.KV_DTYPE_BYTES)}, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be None (= dtype) or one of {list(F.KV_DTYPE_BYTES)}, got {kv_cache_dtype!r}"
+        )
     if spec.micro_batch_size is not None:
         _int_at_least("micro_batch_size", spec.micro_batch_size, 1)
     if spec.generation_batch is not None:
@@ -213,8 +233,9 @@ def _check_sizes(spec: EstimateSpec) -> None:
     if spec.standby and not spec.vllm:
         raise ValueError("standby=True describes a vLLM engine (vllm=True) that releases its KV cache while training")
     kv_cache_bytes = spec.kv_cache_bytes
-    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
-                                       or kv_cache_bytes <= 0):
+    if kv_cache_bytes is not None and (
+        isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real) or kv_cache_bytes <= 0
+    ):
         raise ValueError(f"kv_cache_bytes must be None or a number of bytes > 0, got {kv_cache_bytes!r}")
 
 
@@ -237,8 +258,10 @@ def _check_options(spec: EstimateSpec) -> None:
     _check_bool("old_policy_pass", spec.old_policy_pass, none_ok=True)
     _check_bool("prefix_sharing", spec.prefix_sharing)
     if spec.prefix_sharing and method != "grpo_kit":
-        raise ValueError(f"prefix_sharing applies to method='grpo_kit' only (TRL and Unsloth score every row's "
-                         f"prompt), got method={method!r}")
+        raise ValueError(
+            f"prefix_sharing applies to method='grpo_kit' only (TRL and Unsloth score every row's "
+            f"prompt), got method={method!r}"
+        )
     if spec.lora_dropout and spec.lora_rank is None:
         raise ValueError("lora_dropout=True needs lora_rank (LoRA dropout acts on the adapters)")
     scoring_batch = spec.scoring_batch
@@ -247,8 +270,10 @@ def _check_options(spec: EstimateSpec) -> None:
             raise ValueError(f"scoring_batch must be None, {AUTO!r} or an integer >= 1, got {scoring_batch!r}")
         _int_at_least("scoring_batch", scoring_batch, 1)
         if method != "grpo_kit":
-            raise ValueError(f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
-                             f"got method={method!r}")
+            raise ValueError(
+                f"scoring_batch applies to method='grpo_kit' only (the kit trainer's scoring_batch_size), "
+                f"got method={method!r}"
+            )
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -347,8 +372,13 @@ class EstimateSpec:
 
 def is_published_setup(a: Arch, G: int, P: int, C: int, dtype: str) -> bool:
     ref = resolve_arch(PUBLISHED_SETUP["model"])
-    same = (a.vocab, a.hidden, a.intermediate, a.layers, a.kv_dim) == (ref.vocab, ref.hidden, ref.intermediate,
-                                                                      ref.layers, ref.kv_dim)
+    same = (a.vocab, a.hidden, a.intermediate, a.layers, a.kv_dim) == (
+        ref.vocab,
+        ref.hidden,
+        ref.intermediate,
+        ref.layers,
+        ref.kv_dim,
+    )
     return same and G == PUBLISHED_SETUP["num_generations"] and P + C == PUBLISHED_SETUP["context"] and dtype == "bf16"
 
 
@@ -438,18 +468,35 @@ def _step(a: Arch, spec: EstimateSpec) -> _Step:
         chunk_tokens = F.auto_chunk_tokens(a) if chunk_tokens is None else int(chunk_tokens)
     lora = spec.lora_rank is not None
     return _Step(
-        a=a, method=method, dtype=spec.dtype, G=G, P=int(spec.prompt_length),
-        C=int(spec.completion_length) + tool_tokens, M=M, gen_rows=gen_rows, tool_tokens=tool_tokens,
+        a=a,
+        method=method,
+        dtype=spec.dtype,
+        G=G,
+        P=int(spec.prompt_length),
+        C=int(spec.completion_length) + tool_tokens,
+        M=M,
+        gen_rows=gen_rows,
+        tool_tokens=tool_tokens,
         # TRL scores one generation batch at a time, so no forward holds more of it than that
         S=None if spec.scoring_batch is None else min(int(spec.scoring_batch), gen_rows),
         offload=method in ("unsloth", "grpo_kit") if spec.offload is None else spec.offload,
-        chunk_tokens=chunk_tokens, lora_rank=spec.lora_rank, quantization=spec.quantization, vllm=spec.vllm,
-        standby=spec.standby, kv_cache_dtype=spec.kv_cache_dtype, kv_cache_bytes=spec.kv_cache_bytes,
-        vllm_batched_tokens=spec.vllm_batched_tokens, include_generation=spec.include_generation,
-        prefetch=spec.prefetch, loss_fp32=spec.loss_fp32, loss_epilogue=spec.loss_epilogue,
-        lora_dropout=spec.lora_dropout, prefix_sharing=spec.prefix_sharing,
+        chunk_tokens=chunk_tokens,
+        lora_rank=spec.lora_rank,
+        quantization=spec.quantization,
+        vllm=spec.vllm,
+        standby=spec.standby,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        kv_cache_bytes=spec.kv_cache_bytes,
+        vllm_batched_tokens=spec.vllm_batched_tokens,
+        include_generation=spec.include_generation,
+        prefetch=spec.prefetch,
+        loss_fp32=spec.loss_fp32,
+        loss_epilogue=spec.loss_epilogue,
+        lora_dropout=spec.lora_dropout,
+        prefix_sharing=spec.prefix_sharing,
         # only LoRA makes the old-policy pass (adapters on) differ from the reference pass (adapters off)
-        old_policy=lora and (spec.vllm if spec.old_policy_pass is None else spec.old_policy_pass))
+        old_policy=lora and (spec.vllm if spec.old_policy_pass is None else spec.old_policy_pass),
+    )
 
 
 def _row(component: str, where: str, nbytes: float, phases: tuple[str, ...], note: str) -> dict:
@@ -463,26 +510,58 @@ def _state_rows(s: _Step) -> list[dict]:
     a, b, persistent = s.a, s.b, s.step_phases
     n = F.param_counts(a)
     w = F.weight_bytes(a, b, s.quantization)
-    rows = [_row("model weights", "GPU", w, persistent, f"{n['total'] / 1e9:.2f}e9 params"
-                 + {"4bit": " (layer projections NF4 4.127 bit)",
-                    "fp8": " (layer projections FP8 e4m3, 1 B + fp32 scale per output channel)"}.get(
-                     s.quantization, f" x {b} B"))]
+    rows = [
+        _row(
+            "model weights",
+            "GPU",
+            w,
+            persistent,
+            f"{n['total'] / 1e9:.2f}e9 params"
+            + {
+                "4bit": " (layer projections NF4 4.127 bit)",
+                "fp8": " (layer projections FP8 e4m3, 1 B + fp32 scale per output channel)",
+            }.get(s.quantization, f" x {b} B"),
+        )
+    ]
     if s.vllm and s.method == "trl":
-        rows.append(_row("inference copy (vLLM)", "GPU", w, persistent,
-                         "TRL colocate: vLLM loads its own copy of the weights"))
+        rows.append(
+            _row("inference copy (vLLM)", "GPU", w, persistent, "TRL colocate: vLLM loads its own copy of the weights")
+        )
     else:
-        rows.append(_row("inference copy (vLLM)", "GPU", 0, persistent,
-                         "weights shared with vLLM" if s.vllm else "HF generate uses the training weights"))
+        rows.append(
+            _row(
+                "inference copy (vLLM)",
+                "GPU",
+                0,
+                persistent,
+                "weights shared with vLLM" if s.vllm else "HF generate uses the training weights",
+            )
+        )
     if s.lora:
         n_lora = F.lora_param_count(a, s.lora_rank)
-        rows.append(_row("LoRA + optimiser states", "GPU", F.lora_state_bytes(n_lora), persistent,
-                         f"{n_lora / 1e6:.1f}M adapter params x (4 B fp32 weight + 8 B AdamW)"))
+        rows.append(
+            _row(
+                "LoRA + optimiser states",
+                "GPU",
+                F.lora_state_bytes(n_lora),
+                persistent,
+                f"{n_lora / 1e6:.1f}M adapter params x (4 B fp32 weight + 8 B AdamW)",
+            )
+        )
         rows.append(_row("gradients", "GPU", n_lora * F.FP32, ("loss", "backward"), "fp32 LoRA gradients"))
     else:
-        rows.append(_row("LoRA + optimiser states", "GPU", F.full_optimizer_bytes(n["total"], b), persistent,
-                         f"full fine-tuning: AdamW exp_avg + exp_avg_sq, 2 x {b} B per parameter"))
-        rows.append(_row("gradients", "GPU", n["total"] * b, ("loss", "backward"),
-                         f"full fine-tuning: {b} B per parameter"))
+        rows.append(
+            _row(
+                "LoRA + optimiser states",
+                "GPU",
+                F.full_optimizer_bytes(n["total"], b),
+                persistent,
+                f"full fine-tuning: AdamW exp_avg + exp_avg_sq, 2 x {b} B per parameter",
+            )
+        )
+        rows.append(
+            _row("gradients", "GPU", n["total"] * b, ("loss", "backward"), f"full fine-tuning: {b} B per parameter")
+        )
     return rows
 
 
@@ -497,22 +576,48 @@ def _prefix_rows(s: _Step) -> list[dict]:
     """Prefix sharing's own GPU memory in the training phases: the prompts' keys and values of every layer."""
     if not s.prefix_sharing:
         return []
-    return [_row("prompt keys and values (prefix sharing)", "GPU", F.prefix_kv_bytes(s.a, s.prompts * s.P, s.b),
-                 ("loss", "backward"), f"{s.prompts} prompt(s) of {s.P} tokens, {s.a.layers} layers x 2 x "
-                 f"{s.a.kv_dim} x {s.b} B per token, held from the prompts' forward to each layer's backward")]
+    return [
+        _row(
+            "prompt keys and values (prefix sharing)",
+            "GPU",
+            F.prefix_kv_bytes(s.a, s.prompts * s.P, s.b),
+            ("loss", "backward"),
+            f"{s.prompts} prompt(s) of {s.P} tokens, {s.a.layers} layers x 2 x "
+            f"{s.a.kv_dim} x {s.b} B per token, held from the prompts' forward to each layer's backward",
+        )
+    ]
 
 
 def _checkpoint_rows(s: _Step) -> list[dict]:
     """The layer inputs that gradient checkpointing saves, on the GPU or offloaded to the CPU."""
     a, b = s.a, s.b
     if s.offload and a.layers > 1:
-        return [_row("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, s.tokens, b, 1), ("loss", "backward"),
-                     f"last layer's input stays on the GPU: {_tokens_what(s)} x {a.hidden} x {b} B"),
-                _row("saved activations (CPU)", "CPU", F.checkpoint_bytes(a, s.tokens, b, a.layers - 1), (),
-                     f"{a.layers - 1} layer inputs offloaded to pinned host RAM")]
-    return [_row("saved activations (GPU)", "GPU", F.checkpoint_bytes(a, s.tokens, b, a.layers), ("loss", "backward"),
-                 f"standard checkpointing: {a.layers} layer inputs of {_tokens_what(s)} x {a.hidden} x {b} B"),
-            _row("saved activations (CPU)", "CPU", 0, (), "nothing offloaded")]
+        return [
+            _row(
+                "saved activations (GPU)",
+                "GPU",
+                F.checkpoint_bytes(a, s.tokens, b, 1),
+                ("loss", "backward"),
+                f"last layer's input stays on the GPU: {_tokens_what(s)} x {a.hidden} x {b} B",
+            ),
+            _row(
+                "saved activations (CPU)",
+                "CPU",
+                F.checkpoint_bytes(a, s.tokens, b, a.layers - 1),
+                (),
+                f"{a.layers - 1} layer inputs offloaded to pinned host RAM",
+            ),
+        ]
+    return [
+        _row(
+            "saved activations (GPU)",
+            "GPU",
+            F.checkpoint_bytes(a, s.tokens, b, a.layers),
+            ("loss", "backward"),
+            f"standard checkpointing: {a.layers} layer inputs of {_tokens_what(s)} x {a.hidden} x {b} B",
+        ),
+        _row("saved activations (CPU)", "CPU", 0, (), "nothing offloaded"),
+    ]
 
 
 def _recompute_rows(s: _Step) -> list[dict]:
@@ -525,31 +630,53 @@ def _recompute_rows(s: _Step) -> list[dict]:
         rec, note = _prefix_recompute(s, extra_in)
     elif kit and not s.lora_dropout:
         rec = F.chunked_recompute_peak(a, s.tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
-        note = (f"chunked recompute ({s.chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads"
-                + (", next layer's input prefetched" if extra_in else ""))
+        note = f"chunked recompute ({s.chunk_tokens}-token slices): q/k/v, attention output + grad, hidden grads" + (
+            ", next layer's input prefetched" if extra_in else ""
+        )
     else:
         rec = F.full_recompute_peak(a, s.tokens, b, s.lora_rank, extra_in, s.lora_dropout)
-        note = ("whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
-                + (" (LoRA dropout: its masks cannot be split into slices)" if kit else "")
-                + (", dropout masks and each adapter's own dropped input" if s.lora_dropout else ""))
+        note = (
+            "whole layer recomputed with grad: all its saved activations + MLP backward grads + hidden grads"
+            + (" (LoRA dropout: its masks cannot be split into slices)" if kit else "")
+            + (", dropout masks and each adapter's own dropped input" if s.lora_dropout else "")
+        )
     rows = [_row("recompute peak of one layer", "GPU", rec, ("backward",), note)]
     if s.quantization == "4bit" and kit:  # grpo_kit.model.nf4_matmul: a layer's weights kept per call
         layer = sum(i * o for _, i, o in a.layer_linears())
-        rows.append(_row("dequantised 4-bit weights of one layer", "GPU", layer * b, ("backward",) + s.scoring_phase,
-                         f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) "
-                         f"dequantised to {b} B each, kept for its recompute and backward (grpo_kit.model.nf4_matmul)"))
+        rows.append(
+            _row(
+                "dequantised 4-bit weights of one layer",
+                "GPU",
+                layer * b,
+                ("backward",) + s.scoring_phase,
+                f"the running layer's {len(a.layer_linears())} projections ({layer / 1e6:.0f}M weights) "
+                f"dequantised to {b} B each, kept for its recompute and backward (grpo_kit.model.nf4_matmul)",
+            )
+        )
     elif s.quantization == "4bit":  # bitsandbytes dequantises one weight per matmul, forward and backward
-        rows.append(_row("dequantised 4-bit weight (transient)", "GPU", a.intermediate * a.hidden * b,
-                         ("loss", "backward"), f"the largest projection ({a.intermediate} x {a.hidden}) dequantised "
-                         f"to {b} B per weight for its matmul"))
+        rows.append(
+            _row(
+                "dequantised 4-bit weight (transient)",
+                "GPU",
+                a.intermediate * a.hidden * b,
+                ("loss", "backward"),
+                f"the largest projection ({a.intermediate} x {a.hidden}) dequantised "
+                f"to {b} B per weight for its matmul",
+            )
+        )
     elif s.quantization == "fp8":  # grpo_kit.model.fp8: one projection's matmul at a time
         slice_rows = s.chunk_tokens if kit and not s.lora_dropout else s.tokens
-        rows.append(_row("FP8 matmul transient (one projection)", "GPU",
-                         F.fp8_matmul_transient_bytes(a, b, min(slice_rows, s.tokens)),
-                         ("loss", "backward") + s.scoring_phase,
-                         f"the larger of the backward's dequantised {a.intermediate} x {a.hidden} weight (fp32 and "
-                         f"{b} B) and the W8A8 forward's per-row quantised input ({min(slice_rows, s.tokens)} rows x "
-                         f"{a.intermediate}: fp32 copy, fp32 quotient, e4m3 codes)"))
+        rows.append(
+            _row(
+                "FP8 matmul transient (one projection)",
+                "GPU",
+                F.fp8_matmul_transient_bytes(a, b, min(slice_rows, s.tokens)),
+                ("loss", "backward") + s.scoring_phase,
+                f"the larger of the backward's dequantised {a.intermediate} x {a.hidden} weight (fp32 and "
+                f"{b} B) and the W8A8 forward's per-row quantised input ({min(slice_rows, s.tokens)} rows x "
+                f"{a.intermediate}: fp32 copy, fp32 quotient, e4m3 codes)",
+            )
+        )
     return rows
 
 
@@ -565,14 +692,18 @@ def _prefix_recompute(s: _Step, extra_in: int) -> tuple[float, str]:
             return F.full_recompute_peak(a, tokens, b, s.lora_rank, extra_in, True)
         return F.chunked_recompute_peak(a, tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
 
-    completions = (layer(M * C) + F.prefix_attention_bytes(a, M, P, C, b, with_grad=True)
-                   + F.prefix_mask_bytes(P, C, b))
+    completions = layer(M * C) + F.prefix_attention_bytes(a, M, P, C, b, with_grad=True) + F.prefix_mask_bytes(P, C, b)
     prompts = layer(s.prompts * P) + F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers
-    which = ("a completions' layer (the prompt's keys and values expanded to its rows, their gradient, its mask)"
-             if completions >= prompts else "a prompts' layer (with its keys' and values' incoming gradient)")
+    which = (
+        "a completions' layer (the prompt's keys and values expanded to its rows, their gradient, its mask)"
+        if completions >= prompts
+        else "a prompts' layer (with its keys' and values' incoming gradient)"
+    )
     how = "each layer whole (LoRA dropout)" if s.lora_dropout else f"{s.chunk_tokens}-token slices"
-    return max(completions, prompts), (f"prefix-shared recompute, {how}; the larger is {which}"
-                                       + (", next layer's input prefetched" if extra_in else ""))
+    return max(completions, prompts), (
+        f"prefix-shared recompute, {how}; the larger is {which}"
+        + (", next layer's input prefetched" if extra_in else "")
+    )
 
 
 def _kit_logits_chunk(s: _Step, token_rows: int) -> tuple[int, int]:
@@ -592,24 +723,60 @@ def _loss_rows(s: _Step) -> list[dict]:
     norm = F.final_norm_bytes(a, s.tokens, b, not s.lora)
     if s.method == "trl":
         if s.loss_fp32:
-            logits = _row("logits for the loss", "GPU", F.logits_bytes(3, M, C, a.vocab, F.FP32), ("loss",),
-                          f"3 x ({M} seq, {C} tok, {a.vocab} vocab) x 4 B: fp32 log-softmax output, its gradient "
-                          "and the input gradient at the loss backward")
+            logits = _row(
+                "logits for the loss",
+                "GPU",
+                F.logits_bytes(3, M, C, a.vocab, F.FP32),
+                ("loss",),
+                f"3 x ({M} seq, {C} tok, {a.vocab} vocab) x 4 B: fp32 log-softmax output, its gradient "
+                "and the input gradient at the loss backward",
+            )
         else:
-            logits = _row("logits for the loss", "GPU", F.logits_bytes(2, M, C, a.vocab, b), ("loss",),
-                          f"2 x ({M} seq, {C} tok, {a.vocab} vocab) x {b} B: logits + log-softmax saved for backward")
-        return [logits, _row("final norm + hidden states (loss)", "GPU", norm, ("loss",),
-                             "final RMSNorm's saved fp32 input; the head's gradient is built in backward")]
+            logits = _row(
+                "logits for the loss",
+                "GPU",
+                F.logits_bytes(2, M, C, a.vocab, b),
+                ("loss",),
+                f"2 x ({M} seq, {C} tok, {a.vocab} vocab) x {b} B: logits + log-softmax saved for backward",
+            )
+        return [
+            logits,
+            _row(
+                "final norm + hidden states (loss)",
+                "GPU",
+                norm,
+                ("loss",),
+                "final RMSNorm's saved fp32 input; the head's gradient is built in backward",
+            ),
+        ]
     if s.method == "unsloth":
-        logits = _row("logits for the loss", "GPU", F.logits_bytes(2, 1, C, a.vocab, b), ("loss",),
-                      f"one sequence at a time: 2 x ({C} tok, {a.vocab} vocab) x {b} B")
+        logits = _row(
+            "logits for the loss",
+            "GPU",
+            F.logits_bytes(2, 1, C, a.vocab, b),
+            ("loss",),
+            f"one sequence at a time: 2 x ({C} tok, {a.vocab} vocab) x {b} B",
+        )
     else:
         rows_c, per_elt = _kit_logits_chunk(s, M * C)
-        logits = _row("logits for the loss", "GPU", rows_c * a.vocab * per_elt, ("loss",),
-                      f"one chunk of {rows_c} token rows x {a.vocab} vocab x {per_elt} B")
-    return [logits, _row("final norm + hidden states (loss)", "GPU", norm + s.tokens * a.hidden * b + M * C * a.hidden * b,
-                         ("loss",), "final RMSNorm's fp32 input, the final hidden states and their gradient (computed "
-                         "in the forward, completion tokens)")]
+        logits = _row(
+            "logits for the loss",
+            "GPU",
+            rows_c * a.vocab * per_elt,
+            ("loss",),
+            f"one chunk of {rows_c} token rows x {a.vocab} vocab x {per_elt} B",
+        )
+    return [
+        logits,
+        _row(
+            "final norm + hidden states (loss)",
+            "GPU",
+            norm + s.tokens * a.hidden * b + M * C * a.hidden * b,
+            ("loss",),
+            "final RMSNorm's fp32 input, the final hidden states and their gradient (computed "
+            "in the forward, completion tokens)",
+        ),
+    ]
 
 
 def _scoring_rows(s: _Step) -> list[dict]:
@@ -622,21 +789,35 @@ def _scoring_rows(s: _Step) -> list[dict]:
     slice_tokens = None if s.lora_dropout else s.chunk_tokens  # dropout: each layer runs whole
     if s.prefix_sharing:  # one group at a time: its prompt once, then its rows' completions
         rows_g = min(S, s.G)
-        return [_row("scoring pass (no grad)", "GPU",
-                     F.shared_scoring_peak(a, rows_g, s.P, s.C, s.b, slice_tokens, rows_s * a.vocab * per_elt,
-                                           s.old_policy),
-                     ("scoring",), f"{S} sequences per scoring call, prefix-shared: one group at a time, its "
-                     f"prompt's keys and values ({a.layers} layers) and the larger of the prompt's forward and its "
-                     f"{rows_g} completions' (the prompt's keys and values expanded to each), one logits chunk of "
-                     f"{rows_s} rows")]
-    return [_row("scoring pass (no grad)", "GPU",
-                 F.scoring_forward_peak(a, S, s.T, s.b, slice_tokens, rows_s * a.vocab * per_elt, s.old_policy),
-                 ("scoring",),
-                 f"{S} sequences per no-grad forward (" + ("old-policy log-probs, adapters on, the larger of its two "
-                                                           "passes" if s.old_policy else "reference log-probs")
-                 + "): embeddings, a layer's input and output, its attention or "
-                 + (f"one {s.chunk_tokens}-token MLP slice" if slice_tokens else "its whole MLP (LoRA dropout: unsliced)")
-                 + f", and one logits chunk of {rows_s} rows")]
+        return [
+            _row(
+                "scoring pass (no grad)",
+                "GPU",
+                F.shared_scoring_peak(a, rows_g, s.P, s.C, s.b, slice_tokens, rows_s * a.vocab * per_elt, s.old_policy),
+                ("scoring",),
+                f"{S} sequences per scoring call, prefix-shared: one group at a time, its "
+                f"prompt's keys and values ({a.layers} layers) and the larger of the prompt's forward and its "
+                f"{rows_g} completions' (the prompt's keys and values expanded to each), one logits chunk of "
+                f"{rows_s} rows",
+            )
+        ]
+    return [
+        _row(
+            "scoring pass (no grad)",
+            "GPU",
+            F.scoring_forward_peak(a, S, s.T, s.b, slice_tokens, rows_s * a.vocab * per_elt, s.old_policy),
+            ("scoring",),
+            f"{S} sequences per no-grad forward ("
+            + (
+                "old-policy log-probs, adapters on, the larger of its two passes"
+                if s.old_policy
+                else "reference log-probs"
+            )
+            + "): embeddings, a layer's input and output, its attention or "
+            + (f"one {s.chunk_tokens}-token MLP slice" if slice_tokens else "its whole MLP (LoRA dropout: unsliced)")
+            + f", and one logits chunk of {rows_s} rows",
+        )
+    ]
 
 
 def _generation_rows(s: _Step) -> list[dict]:
@@ -647,29 +828,56 @@ def _generation_rows(s: _Step) -> list[dict]:
     if not s.include_generation:
         return [_row("KV cache (generation)", "GPU", 0, (), "not counted: training step only")]
     if not s.vllm:
-        return [_row("KV cache (generation)", "GPU", F.kv_cache_bytes(a, s.gen_rows * s.T, kv_b), ("generation",),
-                     f"HF generate, {s.gen_rows} sequences; {kv_what}; freed before training")]
+        return [
+            _row(
+                "KV cache (generation)",
+                "GPU",
+                F.kv_cache_bytes(a, s.gen_rows * s.T, kv_b),
+                ("generation",),
+                f"HF generate, {s.gen_rows} sequences; {kv_what}; freed before training",
+            )
+        ]
     prompts = s.gen_rows // G
     slots = F.vllm_kv_tokens(s.P, s.C, G, prompts)
     given = s.kv_cache_bytes is not None
     kv = float(s.kv_cache_bytes) if given else F.kv_cache_bytes(a, slots, kv_b)
-    how = ("the KV budget given" if given else f"{prompts} prompt(s) once (prefix cache) + {G} completions each"
-           + (f" over all turns ({s.tool_tokens} tokens of tool results)" if s.tool_tokens else "")
-           + f", {slots} slots in {F.VLLM_BLOCK_TOKENS}-token blocks")
-    return [_row("KV cache (generation)", "GPU", kv, ("generation",) if s.standby else s.step_phases,
-                 f"vLLM: {how}; {kv_what}; " + ("released while training (standby)" if s.standby else "stays resident")),
-            _row("vLLM workspace (generation)", "GPU", F.vllm_workspace_bytes(a, s.vllm_batched_tokens, s.gen_rows, s.b),
-                 ("generation",), f"one layer's activations for {s.vllm_batched_tokens} batched tokens + fp32 sampler "
-                 f"buffers for {s.gen_rows} rows")]
+    how = (
+        "the KV budget given"
+        if given
+        else f"{prompts} prompt(s) once (prefix cache) + {G} completions each"
+        + (f" over all turns ({s.tool_tokens} tokens of tool results)" if s.tool_tokens else "")
+        + f", {slots} slots in {F.VLLM_BLOCK_TOKENS}-token blocks"
+    )
+    return [
+        _row(
+            "KV cache (generation)",
+            "GPU",
+            kv,
+            ("generation",) if s.standby else s.step_phases,
+            f"vLLM: {how}; {kv_what}; " + ("released while training (standby)" if s.standby else "stays resident"),
+        ),
+        _row(
+            "vLLM workspace (generation)",
+            "GPU",
+            F.vllm_workspace_bytes(a, s.vllm_batched_tokens, s.gen_rows, s.b),
+            ("generation",),
+            f"one layer's activations for {s.vllm_batched_tokens} batched tokens + fp32 sampler "
+            f"buffers for {s.gen_rows} rows",
+        ),
+    ]
 
 
 # Components whose figure Unsloth published, and the published row each matches; the notes say how they compare.
-_PUBLISHED_ROWS = {"saved activations (GPU)": "training memory", "logits for the loss": "GRPO loss (logits)",
-                   "inference copy (vLLM)": "inference weights", "KV cache (generation)": "KV cache (20K)"}
+_PUBLISHED_ROWS = {
+    "saved activations (GPU)": "training memory",
+    "logits for the loss": "GRPO loss (logits)",
+    "inference copy (vLLM)": "inference weights",
+    "KV cache (generation)": "KV cache (20K)",
+}
 _PUBLISHED_NOTES = {
     ("trl", "training memory"): "published 414 GB 'training memory': no published derivation (shown, not derived)",
     ("unsloth", "training memory"): "published 42 GB 'training memory' is counted in Unsloth's VRAM total; "
-                                    "one bf16 checkpoint per layer is 42.9 GB",
+    "one bf16 checkpoint per layer is 42.9 GB",
     ("grpo_kit", "training memory"): "Unsloth's published 42 GB 'training memory' (counted in its VRAM total)",
     ("any", "KV cache (20K)"): "published 2.5 (GiB) counts one 20,480-token sequence",
     ("any", "GRPO loss (logits)"): "published figure is in GiB",
@@ -679,8 +887,11 @@ _PUBLISHED_NOTES = {
 def _mark_published(s: _Step, rows: list[dict]) -> bool:
     """Fills each row's ``published`` (Unsloth's figure for it, NaN unless the setup is the published one; TRL's
     column for ``trl``, Unsloth's otherwise) and notes how they compare. Returns whether the setup is published."""
-    published = (is_published_setup(s.a, s.G, s.P, s.C, s.dtype) and not s.loss_fp32
-                 and s.offload == (s.method in ("unsloth", "grpo_kit")))
+    published = (
+        is_published_setup(s.a, s.G, s.P, s.C, s.dtype)
+        and not s.loss_fp32
+        and s.offload == (s.method in ("unsloth", "grpo_kit"))
+    )
     pub_map = dict(_PUBLISHED_ROWS)
     if s.method in ("unsloth", "grpo_kit"):  # their saved activations sit on the CPU
         pub_map["saved activations (CPU)"] = pub_map.pop("saved activations (GPU)")
@@ -696,31 +907,67 @@ def _mark_published(s: _Step, rows: list[dict]) -> bool:
 
 def _table(s: _Step, rows: list[dict]) -> pd.DataFrame:
     """The rows with the peak phase marked, the GPU and CPU totals appended, the step in ``attrs``."""
-    phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"])
-                 for ph in s.step_phases}
+    phase_tot = {ph: sum(r["bytes"] for r in rows if r["where"] == "GPU" and ph in r["phases"]) for ph in s.step_phases}
     peak_phase = max(phase_tot, key=lambda k: (phase_tot[k], k == "backward"))
     for r in rows:
         r["in_peak"] = r["where"] == "GPU" and peak_phase in r["phases"] and r["bytes"] > 0
     published = _mark_published(s, rows)
-    rows.append(dict(component="total GPU (peak)", where="GPU", bytes=phase_tot[peak_phase], phases=(), in_peak=True,
-                     published=PUBLISHED["total"][1 if s.method == "trl" else 0] if published else math.nan,
-                     note=f"peak during the {peak_phase} phase; excludes CUDA context and fragmentation"))
-    rows.append(dict(component="total CPU", where="CPU", bytes=sum(r["bytes"] for r in rows if r["where"] == "CPU"),
-                     phases=(), in_peak=False, published=math.nan, note="pinned host RAM for offloaded layer inputs"))
+    rows.append(
+        dict(
+            component="total GPU (peak)",
+            where="GPU",
+            bytes=phase_tot[peak_phase],
+            phases=(),
+            in_peak=True,
+            published=PUBLISHED["total"][1 if s.method == "trl" else 0] if published else math.nan,
+            note=f"peak during the {peak_phase} phase; excludes CUDA context and fragmentation",
+        )
+    )
+    rows.append(
+        dict(
+            component="total CPU",
+            where="CPU",
+            bytes=sum(r["bytes"] for r in rows if r["where"] == "CPU"),
+            phases=(),
+            in_peak=False,
+            published=math.nan,
+            note="pinned host RAM for offloaded layer inputs",
+        )
+    )
     df = pd.DataFrame(rows)
     df["GB"] = df["bytes"] / GB
     df["GiB"] = df["bytes"] / GiB
     df = df[["component", "where", "GB", "GiB", "in_peak", "published", "note"]]
-    df.attrs.update(dict(model=s.a.name, method=s.method, num_generations=s.G, prompt_length=s.P,
-                         completion_length=s.C - s.tool_tokens, tool_tokens=s.tool_tokens,
-                         sequence_length=s.T, micro_batch_size=s.M, dtype=s.dtype, lora_rank=s.lora_rank,
-                         quantization=s.quantization, vllm=s.vllm, kv_cache_dtype=s.kv_cache_dtype or s.dtype,
-                         include_generation=s.include_generation, generation_batch=s.gen_rows, standby=s.standby,
-                         scoring_batch=s.S, lora_dropout=s.lora_dropout, old_policy_pass=bool(s.old_policy),
-                         offload=s.offload, loss_fp32=s.loss_fp32, loss_epilogue=s.loss_epilogue,
-                         prefix_sharing=s.prefix_sharing,
-                         peak_phase=peak_phase, phase_bytes=phase_tot,
-                         published_source=PUBLISHED_SOURCE if published else None))
+    df.attrs.update(
+        dict(
+            model=s.a.name,
+            method=s.method,
+            num_generations=s.G,
+            prompt_length=s.P,
+            completion_length=s.C - s.tool_tokens,
+            tool_tokens=s.tool_tokens,
+            sequence_length=s.T,
+            micro_batch_size=s.M,
+            dtype=s.dtype,
+            lora_rank=s.lora_rank,
+            quantization=s.quantization,
+            vllm=s.vllm,
+            kv_cache_dtype=s.kv_cache_dtype or s.dtype,
+            include_generation=s.include_generation,
+            generation_batch=s.gen_rows,
+            standby=s.standby,
+            scoring_batch=s.S,
+            lora_dropout=s.lora_dropout,
+            old_policy_pass=bool(s.old_policy),
+            offload=s.offload,
+            loss_fp32=s.loss_fp32,
+            loss_epilogue=s.loss_epilogue,
+            prefix_sharing=s.prefix_sharing,
+            peak_phase=peak_phase,
+            phase_bytes=phase_tot,
+            published_source=PUBLISHED_SOURCE if published else None,
+        )
+    )
     return df
 
 
@@ -744,14 +991,26 @@ def estimate(model, spec: EstimateSpec) -> pd.DataFrame:
         NaN otherwise. ``df.attrs`` holds the inputs, the peak phase and the per-phase GPU totals (bytes).
     """
     if not isinstance(spec, EstimateSpec):
-        raise TypeError(f"estimate(model, spec): spec must be an EstimateSpec, got {type(spec).__name__} "
-                        f"{spec!r:.200}; make one with EstimateSpec(num_generations=..., prompt_length=..., "
-                        "completion_length=..., ...)")
+        raise TypeError(
+            f"estimate(model, spec): spec must be an EstimateSpec, got {type(spec).__name__} "
+            f"{spec!r:.200}; make one with EstimateSpec(num_generations=..., prompt_length=..., "
+            "completion_length=..., ...)"
+        )
     if spec.scoring_batch == AUTO:
         return auto_scoring_batch(model, spec)
     s = _step(resolve_arch(model), spec)
-    return _table(s, [*_state_rows(s), *_checkpoint_rows(s), *_prefix_rows(s), *_recompute_rows(s), *_loss_rows(s),
-                      *_scoring_rows(s), *_generation_rows(s)])
+    return _table(
+        s,
+        [
+            *_state_rows(s),
+            *_checkpoint_rows(s),
+            *_prefix_rows(s),
+            *_recompute_rows(s),
+            *_loss_rows(s),
+            *_scoring_rows(s),
+            *_generation_rows(s),
+        ],
+    )
 
 
 def auto_scoring_batch(model, spec: EstimateSpec) -> pd.DataFrame:
@@ -800,8 +1059,11 @@ def scoring_batch_for_config(step: StepSpec, model=None, **overrides) -> int | N
     try:
         return estimate_for_config(step, model, **overrides).attrs["scoring_batch"]
     except ValueError as e:  # an architecture resolve_arch does not know: score as TRL does
-        warnings.warn(f"scoring_batch_size='auto': the VRAM calculator cannot price this model ({e}); scoring "
-                      "per_device_train_batch_size sequences per forward", stacklevel=2)
+        warnings.warn(
+            f"scoring_batch_size='auto': the VRAM calculator cannot price this model ({e}); scoring "
+            "per_device_train_batch_size sequences per forward",
+            stacklevel=2,
+        )
         return None
 
 
@@ -814,19 +1076,24 @@ def config_estimate_spec(step: StepSpec, **overrides) -> EstimateSpec:
     covers the tools' schema (the app checks the rendered prompts), so no ``tool_turns`` are added on top."""
     s = StepSpec.of(step)
     quantization = "4bit" if s.load_in_4bit else "fp8" if s.base_weights == "fp8" else None
-    kw = dict(num_generations=s.num_generations, prompt_length=s.max_prompt_length,
-              completion_length=s.max_completion_length,
-              dtype={"fp32": "fp32", "fp16": "fp16"}.get(s.dtype, "bf16"),
-              lora_rank=s.lora_rank if s.use_lora else None, quantization=quantization,
-              method="trl" if s.trainer == "trl" else "grpo_kit", vllm=s.generation_backend == "vllm",
-              kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else None,
-              micro_batch_size=s.per_device_train_batch_size,
-              generation_batch=s.per_device_train_batch_size * s.gradient_accumulation_steps,
-              scoring_batch=None if s.trainer == "trl" else s.scoring_batch_size,
-              lora_dropout=bool(s.use_lora and s.lora_dropout),
-              old_policy_pass=True if s.num_iterations > 1 else None,  # else: with vLLM's sampling correction
-              # `auto` shares only what pays at the batch's own lengths: priced unshared, its bound
-              prefix_sharing=s.prefix_sharing is True and s.trainer != "trl")
+    kw = dict(
+        num_generations=s.num_generations,
+        prompt_length=s.max_prompt_length,
+        completion_length=s.max_completion_length,
+        dtype={"fp32": "fp32", "fp16": "fp16"}.get(s.dtype, "bf16"),
+        lora_rank=s.lora_rank if s.use_lora else None,
+        quantization=quantization,
+        method="trl" if s.trainer == "trl" else "grpo_kit",
+        vllm=s.generation_backend == "vllm",
+        kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else None,
+        micro_batch_size=s.per_device_train_batch_size,
+        generation_batch=s.per_device_train_batch_size * s.gradient_accumulation_steps,
+        scoring_batch=None if s.trainer == "trl" else s.scoring_batch_size,
+        lora_dropout=bool(s.use_lora and s.lora_dropout),
+        old_policy_pass=True if s.num_iterations > 1 else None,  # else: with vLLM's sampling correction
+        # `auto` shares only what pays at the batch's own lengths: priced unshared, its bound
+        prefix_sharing=s.prefix_sharing is True and s.trainer != "trl",
+    )
     kw.update(overrides)
     return EstimateSpec(**kw)
 
@@ -912,8 +1179,17 @@ def published_table(model="llama-3.1-8b") -> pd.DataFrame:
             row[f"{who}_derived"] = val
             row[f"{who}_status"] = status
         rows.append(row)
-    cols = ["component", "unsloth_published", "unsloth_derived", "unsloth_status", "trl_published", "trl_derived",
-            "trl_status", "unit", "derivation"]
+    cols = [
+        "component",
+        "unsloth_published",
+        "unsloth_derived",
+        "unsloth_status",
+        "trl_published",
+        "trl_derived",
+        "trl_status",
+        "unit",
+        "derivation",
+    ]
     df = pd.DataFrame(rows)[cols]
     df.attrs["source"] = PUBLISHED_SOURCE
     return df

@@ -31,6 +31,7 @@ class FitVerdict:
     ``peak_phase`` (the step's largest phase); ``shortest_peak_gib``: the peak at ``prompt_length + 1`` tokens;
     ``weights_what`` / ``optimizer_what``: those two in words (vLLM's copy of the weights where it has one; the
     LoRA adapters with their optimiser state)."""
+
     method: str
     context: int
     peak_gib: float
@@ -56,23 +57,31 @@ class FitVerdict:
         if w > self.gpu_gib:
             return f"{self.weights_what} alone take {w:.2f} GiB (the step {peak:.2f} GiB)"
         if w + opt > self.gpu_gib:
-            return (f"{self.weights_what} ({w:.2f} GiB) and {self.optimizer_what} ({opt:.2f} GiB) alone take "
-                    f"{w + opt:.2f} GiB (the step {peak:.2f} GiB)")
+            return (
+                f"{self.weights_what} ({w:.2f} GiB) and {self.optimizer_what} ({opt:.2f} GiB) alone take "
+                f"{w + opt:.2f} GiB (the step {peak:.2f} GiB)"
+            )
         phase = f"{self.weights_what} take {w:.2f} GiB and the step's {self.peak_phase} phase {peak:.2f} GiB"
         return phase + (f", {kv:.2f} GiB of it the KV cache" if self.peak_phase == "generation" and kv > 0 else "")
 
     def text(self) -> str:
-        head = (f"{self.method}: fits, {self.peak_gib:.2f} of {self.gpu_gib:.2f} GiB "
-                f"({self.gpu_gib - self.peak_gib:.2f} GiB to spare)" if self.fits else
-                f"{self.method}: does not fit on {self.gpu_gib:.2f} GiB: {self.reason()}")
+        head = (
+            f"{self.method}: fits, {self.peak_gib:.2f} of {self.gpu_gib:.2f} GiB "
+            f"({self.gpu_gib - self.peak_gib:.2f} GiB to spare)"
+            if self.fits
+            else f"{self.method}: does not fit on {self.gpu_gib:.2f} GiB: {self.reason()}"
+        )
         if self.max_context is not None:
-            longest = (f"the longest context that fits is {self.max_context:,} tokens"
-                       + (" (or more: the search stops there)" if self.max_context >= MAX_SEARCH_CONTEXT else ""))
+            longest = f"the longest context that fits is {self.max_context:,} tokens" + (
+                " (or more: the search stops there)" if self.max_context >= MAX_SEARCH_CONTEXT else ""
+            )
         elif self.weights_gib + self.optimizer_gib > self.gpu_gib:
             longest = "no context fits"
         else:
-            longest = (f"no context fits: at {self.prompt_length + 1:,} tokens (the prompt and one more) the step "
-                       f"needs {self.shortest_peak_gib:.2f} GiB")
+            longest = (
+                f"no context fits: at {self.prompt_length + 1:,} tokens (the prompt and one more) the step "
+                f"needs {self.shortest_peak_gib:.2f} GiB"
+            )
         return f"{head}; {longest}"
 
 
@@ -86,9 +95,20 @@ def detected_gpu_gib() -> tuple[float, str] | None:
 
 # Compute capability of the GPUs the kit names (NVIDIA's published values): FP8 tensor cores from
 # grpo_kit.model.fp8.FP8_MIN_CAPABILITY on.
-GPU_CAPABILITY = {"T4": (7, 5), "V100": (7, 0), "A100": (8, 0), "A10G": (8, 6), "RTX 3090": (8, 6), "L4": (8, 9),
-                  "RTX 4090": (8, 9), "L40S": (8, 9), "H100": (9, 0), "H200": (9, 0), "B200": (10, 0),
-                  "RTX 5090": (12, 0)}
+GPU_CAPABILITY = {
+    "T4": (7, 5),
+    "V100": (7, 0),
+    "A100": (8, 0),
+    "A10G": (8, 6),
+    "RTX 3090": (8, 6),
+    "L4": (8, 9),
+    "RTX 4090": (8, 9),
+    "L40S": (8, 9),
+    "H100": (9, 0),
+    "H200": (9, 0),
+    "B200": (10, 0),
+    "RTX 5090": (12, 0),
+}
 
 
 def has_fp8(gpu: str | None = None) -> bool:
@@ -151,15 +171,23 @@ def fit_verdict(model, gpu_gib: float, spec: EstimateSpec) -> FitVerdict:
     df = estimate(model, spec)
     longest = longest_fitting_context(model, gpu_gib * GIB, spec)
     shortest = None if longest is not None else _peak_bytes(model, prompt_length + 1, spec) / GIB
-    return FitVerdict(method=spec.method, context=context, peak_gib=total_gpu_bytes(df) / GIB, gpu_gib=gpu_gib,
-                      max_context=longest, prompt_length=prompt_length,
-                      weights_gib=_gib(df, "model weights", "inference copy (vLLM)"),
-                      optimizer_gib=_gib(df, "LoRA + optimiser states"), kv_cache_gib=_gib(df, "KV cache (generation)"),
-                      peak_phase=df.attrs["peak_phase"], shortest_peak_gib=shortest,
-                      weights_what="the weights" + (" and vLLM's copy of them" if _gib(df, "inference copy (vLLM)")
-                                                    else ""),
-                      optimizer_what="the LoRA adapters with their optimiser state" if df.attrs["lora_rank"] else
-                      "the optimiser state")
+    return FitVerdict(
+        method=spec.method,
+        context=context,
+        peak_gib=total_gpu_bytes(df) / GIB,
+        gpu_gib=gpu_gib,
+        max_context=longest,
+        prompt_length=prompt_length,
+        weights_gib=_gib(df, "model weights", "inference copy (vLLM)"),
+        optimizer_gib=_gib(df, "LoRA + optimiser states"),
+        kv_cache_gib=_gib(df, "KV cache (generation)"),
+        peak_phase=df.attrs["peak_phase"],
+        shortest_peak_gib=shortest,
+        weights_what="the weights" + (" and vLLM's copy of them" if _gib(df, "inference copy (vLLM)") else ""),
+        optimizer_what="the LoRA adapters with their optimiser state"
+        if df.attrs["lora_rank"]
+        else "the optimiser state",
+    )
 
 
 # Colab's free T4: 15 GiB nominal, less of it visible to torch; the budget leaves room for the CUDA context and the
@@ -170,30 +198,48 @@ FREE_T4_GIB = 14.0
 PRESET_ROUND = 256
 
 
-def free_t4_preset(model="llama-3.1-8b", *, num_generations: int = 8, prompt_length: int = 512,
-                   lora_rank: int = 16) -> dict:
+def free_t4_preset(
+    model="llama-3.1-8b", *, num_generations: int = 8, prompt_length: int = 512, lora_rank: int = 16
+) -> dict:
     """Settings for a free Colab T4 (fp16, no bf16): 4-bit base weights (QLoRA), HF generation (4-bit runs
     generate with HF ``generate``, all ``num_generations`` of a prompt at once), one sequence per
     micro-batch, and the longest context (prompt + completion, rounded down to ``PRESET_ROUND``) whose
     whole step, generation's KV cache included, the calculator fits in ``FREE_T4_GIB``. Returns
     ``context_length``, ``four_bit``, ``dtype``, ``generation_backend``, ``budget_gib`` and
     ``estimate_gib`` (the calculator's peak at that context); raises ValueError when nothing fits."""
-    spec = EstimateSpec(num_generations=num_generations, prompt_length=prompt_length,
-                        completion_length=1,  # the search below varies it
-                        dtype="fp16", lora_rank=lora_rank, quantization="4bit", micro_batch_size=1, vllm=False,
-                        include_generation=True)
+    spec = EstimateSpec(
+        num_generations=num_generations,
+        prompt_length=prompt_length,
+        completion_length=1,  # the search below varies it
+        dtype="fp16",
+        lora_rank=lora_rank,
+        quantization="4bit",
+        micro_batch_size=1,
+        vllm=False,
+        include_generation=True,
+    )
     longest = longest_fitting_context(model, FREE_T4_GIB * GIB, spec)
     context = None if longest is None else longest // PRESET_ROUND * PRESET_ROUND
     if context is None or context <= prompt_length:
-        raise ValueError(f"free_t4_preset: {model!r} with {num_generations} generations does not fit "
-                         f"{FREE_T4_GIB} GiB in 4-bit even at a {prompt_length}-token prompt")
+        raise ValueError(
+            f"free_t4_preset: {model!r} with {num_generations} generations does not fit "
+            f"{FREE_T4_GIB} GiB in 4-bit even at a {prompt_length}-token prompt"
+        )
     peak = _peak_bytes(model, context, spec) / GIB
-    return dict(context_length=context, four_bit=True, dtype="fp16", generation_backend="hf",
-                budget_gib=FREE_T4_GIB, estimate_gib=peak, base_weights=base_weights_for("T4")["base_weights"])
+    return dict(
+        context_length=context,
+        four_bit=True,
+        dtype="fp16",
+        generation_backend="hf",
+        budget_gib=FREE_T4_GIB,
+        estimate_gib=peak,
+        base_weights=base_weights_for("T4")["base_weights"],
+    )
 
 
-def config_fit(step: StepSpec, *, calculator_model=None, gpu_gib: float | None = None,
-               detect: bool = True) -> tuple[FitVerdict, str]:
+def config_fit(
+    step: StepSpec, *, calculator_model=None, gpu_gib: float | None = None, detect: bool = True
+) -> tuple[FitVerdict, str]:
     """The kit's step for a run (:class:`StepSpec`, or an object that makes one such as the app's config) against a
     GPU: the detected one (``detect``), else ``gpu_gib``. Returns the verdict and where the GPU size came from.
     ``calculator_model``: the built-in architecture to price (default ``step.model``, e.g. for a hub id without a
@@ -216,10 +262,18 @@ def require_fit(step: StepSpec, *, calculator_model=None, gpu_gib: float | None 
     verdict, source = config_fit(step, calculator_model=calculator_model, gpu_gib=gpu_gib)
     print(f"{source}: {verdict.text()}")
     if not verdict.fits:
-        fix = (f"max_completion_length <= {verdict.max_context - step.max_prompt_length}"
-               if verdict.max_context and verdict.max_context > step.max_prompt_length else "a smaller model")
-        weights = ("FP8 base weights (base_weights='fp8'), " if step.base_weights != "fp8" and detected_gpu_gib()
-                   and has_fp8() else "")
-        raise RuntimeError(f"the run does not fit: {verdict.text()}; try {fix}, fewer generations per micro-batch, "
-                           f"{weights}4-bit weights (load_in_4bit) or an FP8 KV cache (kv_cache_dtype='fp8')")
+        fix = (
+            f"max_completion_length <= {verdict.max_context - step.max_prompt_length}"
+            if verdict.max_context and verdict.max_context > step.max_prompt_length
+            else "a smaller model"
+        )
+        weights = (
+            "FP8 base weights (base_weights='fp8'), "
+            if step.base_weights != "fp8" and detected_gpu_gib() and has_fp8()
+            else ""
+        )
+        raise RuntimeError(
+            f"the run does not fit: {verdict.text()}; try {fix}, fewer generations per micro-batch, "
+            f"{weights}4-bit weights (load_in_4bit) or an FP8 KV cache (kv_cache_dtype='fp8')"
+        )
     return verdict

@@ -31,7 +31,6 @@ FP32 = 4
 FP8_BYTES = FP8_DTYPE.itemsize  # an e4m3 weight (grpo_kit.model.fp8)
 
 
-
 @dataclass(frozen=True)
 class Arch:
     """The config numbers the calculator needs (from a transformers config)."""
@@ -107,8 +106,13 @@ def param_counts(a: Arch) -> dict[str, int]:
     if a.mlp_bias and not a.experts:
         bias += 2 * a.intermediate + a.hidden
     experts = a.layers * a.expert_params()
-    other = (a.vocab * a.hidden * (1 if a.tied else 2) + a.layers * (2 * a.hidden + bias) + a.hidden + experts
-             + a.extra_params)
+    other = (
+        a.vocab * a.hidden * (1 if a.tied else 2)
+        + a.layers * (2 * a.hidden + bias)
+        + a.hidden
+        + experts
+        + a.extra_params
+    )
     return {"layer_linear": lin, "experts": experts, "other": other, "total": lin + other}
 
 
@@ -185,8 +189,9 @@ def final_norm_bytes(a: Arch, tokens: int, b: int, trainable_base: bool) -> int:
 DROPOUT_MASK_BYTES = 1
 
 
-def layer_saved_terms(a: Arch, b: int, lora: bool, lora_dropout: bool = False,
-                      mask_bytes: int = DROPOUT_MASK_BYTES) -> dict[str, dict[str, int]]:
+def layer_saved_terms(
+    a: Arch, b: int, lora: bool, lora_dropout: bool = False, mask_bytes: int = DROPOUT_MASK_BYTES
+) -> dict[str, dict[str, int]]:
     """Bytes per token that autograd saves inside ONE decoder layer's forward, by tensor.
 
     Returns ``{"attn": {...}, "mlp": {...}}``: the input-norm / q,k,v / attention part and the
@@ -239,8 +244,9 @@ def layer_saved_terms(a: Arch, b: int, lora: bool, lora_dropout: bool = False,
     return {"attn": attn, "mlp": mlp}
 
 
-def layer_saved_bytes_per_token(a: Arch, b: int, lora_rank: int | None, lora_dropout: bool = False,
-                                mask_bytes: int = DROPOUT_MASK_BYTES) -> tuple[int, int]:
+def layer_saved_bytes_per_token(
+    a: Arch, b: int, lora_rank: int | None, lora_dropout: bool = False, mask_bytes: int = DROPOUT_MASK_BYTES
+) -> tuple[int, int]:
     """(attention part, MLP part) of :func:`layer_saved_terms`, including the LoRA A outputs
     (4r bytes per adapted linear: 3 in the attention part, 4 in the MLP part)."""
     terms = layer_saved_terms(a, b, lora_rank is not None, lora_dropout and lora_rank is not None, mask_bytes)
@@ -259,8 +265,9 @@ def mlp_backward_transient_per_token(a: Arch, b: int, lora: bool) -> int:
     return 3 * b * I + (FP32 * I if lora else 0)
 
 
-def full_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
-                        lora_dropout: bool = False) -> int:
+def full_recompute_peak(
+    a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int, lora_dropout: bool = False
+) -> int:
     """One layer's backward under standard (HF / Unsloth) checkpointing, or grpo_kit's with LoRA dropout (its
     random masks cannot be split into slices): the whole layer is recomputed with grad, so all of
     :func:`layer_saved_bytes_per_token` exists at once, plus the MLP-backward gradients, plus the incoming and
@@ -279,8 +286,9 @@ def auto_chunk_tokens(a: Arch) -> int:
     return min(16384, max(1024, t))
 
 
-def chunked_recompute_peak(a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int,
-                           chunk_tokens: int) -> int:
+def chunked_recompute_peak(
+    a: Arch, tokens: int, b: int, lora_rank: int | None, brought_back: int, chunk_tokens: int
+) -> int:
     """One layer's backward under ``grpo_kit.model.offload`` (per-token work in slices of
     ``chunk_tokens`` tokens; only attention sees the whole sequence). Per token of the whole
     micro-batch: incoming gradient gy, outgoing gx and ``brought_back`` inputs (b*h each),
@@ -316,8 +324,9 @@ def prefix_kv_bytes(a: Arch, prompt_tokens: int, b: int) -> int:
     return kv_cache_bytes(a, prompt_tokens, b)
 
 
-def prefix_attention_bytes(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
-                           with_grad: bool) -> int:
+def prefix_attention_bytes(
+    a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int, with_grad: bool
+) -> int:
     """The completions' attention reads its group's prompt keys and values expanded to every row:
     ``rows x (P + C) x 2 kv x b``; with grad, also their gradient (the same size) before the sum over the rows
     into the one prompt."""
@@ -332,16 +341,26 @@ def prefix_mask_bytes(prompt_tokens: int, completion_tokens: int, b: int) -> int
     return completion_tokens * (prompt_tokens + completion_tokens) * (1 + b)
 
 
-def shared_scoring_peak(a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int,
-                        chunk_tokens: int | None, logits_chunk_bytes: float, adapters: bool = False) -> float:
+def shared_scoring_peak(
+    a: Arch,
+    rows: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    b: int,
+    chunk_tokens: int | None,
+    logits_chunk_bytes: float,
+    adapters: bool = False,
+) -> float:
     """The no-grad scoring forward of one group with prefix sharing (groups run one after another): the prompt's
     keys and values of every layer, then the larger of the prompt's forward (one sequence of P tokens) and the
     ``rows`` completions' forward (C tokens each) with the prompt's keys and values expanded to every row and
     their mask (:func:`scoring_forward_peak` for each, one logits chunk counted once)."""
     prompt = scoring_forward_peak(a, 1, prompt_tokens, b, chunk_tokens, 0, adapters)
-    completions = (scoring_forward_peak(a, rows, completion_tokens, b, chunk_tokens, 0, adapters)
-                   + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False)
-                   + prefix_mask_bytes(prompt_tokens, completion_tokens, b))
+    completions = (
+        scoring_forward_peak(a, rows, completion_tokens, b, chunk_tokens, 0, adapters)
+        + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False)
+        + prefix_mask_bytes(prompt_tokens, completion_tokens, b)
+    )
     return prefix_kv_bytes(a, prompt_tokens, b) + max(prompt, completions) + logits_chunk_bytes
 
 
@@ -351,8 +370,15 @@ def shared_scoring_peak(a: Arch, rows: int, prompt_tokens: int, completion_token
 ADAPTER_FP32_TEMPS = 4
 
 
-def scoring_forward_peak(a: Arch, sequences: int, seq_tokens: int, b: int, chunk_tokens: int | None,
-                         logits_chunk_bytes: float, adapters: bool = False) -> float:
+def scoring_forward_peak(
+    a: Arch,
+    sequences: int,
+    seq_tokens: int,
+    b: int,
+    chunk_tokens: int | None,
+    logits_chunk_bytes: float,
+    adapters: bool = False,
+) -> float:
     """The no-grad forward that scores ``sequences`` sequences of ``seq_tokens`` tokens at once (the reference
     log-probs), bytes. Alive through the pass: per token the embeddings, a layer's input and its output (3 b*h).
     Then the larger of two moments: attention, with q/k/v (b*(q + 2kv)), its output and that output made
@@ -394,8 +420,9 @@ def kv_cache_bytes(a: Arch, cached_tokens: int, kv_b: int) -> int:
 VLLM_BLOCK_TOKENS = 16  # vLLM's KV cache block (tokens per block), its CUDA default
 
 
-def vllm_kv_tokens(prompt_tokens: int, completion_tokens: int, generations: int, prompts: int,
-                   block: int = VLLM_BLOCK_TOKENS) -> int:
+def vllm_kv_tokens(
+    prompt_tokens: int, completion_tokens: int, generations: int, prompts: int, block: int = VLLM_BLOCK_TOKENS
+) -> int:
     """KV cache slots vLLM holds while it generates ``generations`` completions of each of
     ``prompts`` prompts at once: per prompt its full blocks once (prefix caching shares them), then
     per completion the prompt's last partial block (copied, not shared), its own tokens and one

@@ -23,7 +23,9 @@ from grpo_kit.memory.formulas import GiB
 _TOTALS = ("total GPU (peak)", "total CPU")
 
 
-def plot_components(estimates, *, unit: str = "GiB", title: str | None = None, budget_gib: float | None = None) -> Figure:
+def plot_components(
+    estimates, *, unit: str = "GiB", title: str | None = None, budget_gib: float | None = None
+) -> Figure:
     """Stacked bars of GPU components at the peak.
 
     ``estimates``: one :func:`estimate` DataFrame, or a dict ``label -> DataFrame``.
@@ -63,15 +65,28 @@ def plot_components(estimates, *, unit: str = "GiB", title: str | None = None, b
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel(f"GPU memory at the peak ({unit})")
     first = next(iter(estimates.values())).attrs
-    ax.set_title(title or (f"{first.get('model', '')}: {first.get('num_generations')} generations x "
-                           f"{first.get('prompt_length', 0) + first.get('completion_length', 0)} tokens"))
+    ax.set_title(
+        title
+        or (
+            f"{first.get('model', '')}: {first.get('num_generations')} generations x "
+            f"{first.get('prompt_length', 0) + first.get('completion_length', 0)} tokens"
+        )
+    )
     ax.legend(list(handles.values()), list(handles), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
 
 
-def plot_vs_context(model, contexts, spec: EstimateSpec, *, methods=METHODS, measured=None,
-                    budget_gib: float | None = None, title: str | None = None) -> Figure:
+def plot_vs_context(
+    model,
+    contexts,
+    spec: EstimateSpec,
+    *,
+    methods=METHODS,
+    measured=None,
+    budget_gib: float | None = None,
+    title: str | None = None,
+) -> Figure:
     """Estimated GPU peak (GiB) against context length (tokens per sequence), one line per
     method: ``spec`` with each method, its prompt length and the rest of each context as completion;
     ``measured``: dict ``label -> [(context, GiB), ...]`` drawn as markers."""
@@ -82,13 +97,23 @@ def plot_vs_context(model, contexts, spec: EstimateSpec, *, methods=METHODS, mea
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot(1, 1, 1)
     for m in methods:
-        ys = [total_gpu_bytes(estimate(model, dataclasses.replace(spec, method=m, completion_length=c - prompt_length)))
-              / GiB for c in contexts]
+        ys = [
+            total_gpu_bytes(estimate(model, dataclasses.replace(spec, method=m, completion_length=c - prompt_length)))
+            / GiB
+            for c in contexts
+        ]
         ax.plot(contexts, ys, marker=".", label=f"estimate: {m}")
     for label, pts in (measured or {}).items():
         pts = sorted(pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="none", marker="o", markersize=7,
-                markerfacecolor="none", label=f"measured: {label}")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            linestyle="none",
+            marker="o",
+            markersize=7,
+            markerfacecolor="none",
+            label=f"measured: {label}",
+        )
     if budget_gib is not None:
         ax.axhline(budget_gib, color="black", linestyle="--", linewidth=1, label=f"{budget_gib:g} GiB budget")
     ax.set_xscale("log", base=2)

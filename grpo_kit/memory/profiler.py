@@ -197,14 +197,33 @@ class Profiler:
         peak_GiB, peak_over_start_GiB, peak_reserved_GiB`` (CUDA only, else NaN), ``seconds``."""
         rows = []
         for ph in sorted(self.phases, key=lambda p: p.start_s):
-            rows.append(dict(
-                phase=ph.name, depth=ph.depth, device=self.device,
-                start_GiB=ph.start / GiB, end_GiB=ph.end / GiB, peak_GiB=ph.peak / GiB,
-                peak_over_start_GiB=(ph.peak - ph.start) / GiB,
-                peak_reserved_GiB=ph.peak_reserved / GiB if self.cuda else float("nan"),
-                seconds=ph.end_s - ph.start_s))
-        return pd.DataFrame(rows, columns=["phase", "depth", "device", "start_GiB", "end_GiB", "peak_GiB",
-                                           "peak_over_start_GiB", "peak_reserved_GiB", "seconds"])
+            rows.append(
+                dict(
+                    phase=ph.name,
+                    depth=ph.depth,
+                    device=self.device,
+                    start_GiB=ph.start / GiB,
+                    end_GiB=ph.end / GiB,
+                    peak_GiB=ph.peak / GiB,
+                    peak_over_start_GiB=(ph.peak - ph.start) / GiB,
+                    peak_reserved_GiB=ph.peak_reserved / GiB if self.cuda else float("nan"),
+                    seconds=ph.end_s - ph.start_s,
+                )
+            )
+        return pd.DataFrame(
+            rows,
+            columns=[
+                "phase",
+                "depth",
+                "device",
+                "start_GiB",
+                "end_GiB",
+                "peak_GiB",
+                "peak_over_start_GiB",
+                "peak_reserved_GiB",
+                "seconds",
+            ],
+        )
 
 
 # frames inside these (path fragments) are the allocator's machinery, not the code that asked for the memory
@@ -238,8 +257,13 @@ def _live_at_end(snapshot: dict, device: int, free_action: str) -> dict[int, dic
     if "segments" not in snapshot:
         return None
     states = ("active_allocated", *_PENDING_FREE) if free_action == "free_completed" else ("active_allocated",)
-    return {b["address"]: {"size": b["size"]} for seg in snapshot["segments"] if seg.get("device", 0) == device
-            for b in seg.get("blocks", []) if b.get("state") in states}
+    return {
+        b["address"]: {"size": b["size"]}
+        for seg in snapshot["segments"]
+        if seg.get("device", 0) == device
+        for b in seg.get("blocks", [])
+        if b.get("state") in states
+    }
 
 
 def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
@@ -273,11 +297,17 @@ def live_at_peak(snapshot: dict, *, device: int = 0, top: int = 20) -> dict:
         g = groups.setdefault(_where(blk.get("frames", [])), [0, 0])  # None: made before the recording
         g[0] += 1
         g[1] += blk["size"]
-    rows = sorted(({"where": k, "blocks": n, "gib": round(b / GiB, 4)} for k, (n, b) in groups.items()),
-                  key=lambda r: -r["gib"])
+    rows = sorted(
+        ({"where": k, "blocks": n, "gib": round(b / GiB, 4)} for k, (n, b) in groups.items()), key=lambda r: -r["gib"]
+    )
     peak = sum(b["size"] for b in peak_blocks)
-    return {"peak_gib": round(peak / GiB, 4), "event": peak_at, "events": len(events), "absolute": end is not None,
-            "allocations": rows[:top]}
+    return {
+        "peak_gib": round(peak / GiB, 4),
+        "event": peak_at,
+        "events": len(events),
+        "absolute": end is not None,
+        "allocations": rows[:top],
+    }
 
 
 def _peak_blocks_forward(events: list[dict], free_action: str) -> tuple[int, list[dict]]:
@@ -312,8 +342,10 @@ def _peak_blocks_backward(events: list[dict], free_action: str, end: dict[int, d
         elif e.get("action") == free_action:
             made_by[i] = open_allocs.pop(e.get("addr"), None)
     # the blocks live at the end: those still open were allocated inside the window
-    at_end = {a: {"size": b["size"], "frames": (open_allocs[a].get("frames") or []) if a in open_allocs else None}
-              for a, b in end.items()}
+    at_end = {
+        a: {"size": b["size"], "frames": (open_allocs[a].get("frames") or []) if a in open_allocs else None}
+        for a, b in end.items()
+    }
 
     def undo(live: dict, i: int) -> int:
         """``live``: the blocks after event i, made those before it; returns the change in bytes."""
@@ -351,7 +383,9 @@ def phase(name: str):
         yield ph
 
 
-def profile(fn, *args, device: str | None = None, interval: float = 0.002, snapshot: bool = False, **kwargs) -> ProfileResult:
+def profile(
+    fn, *args, device: str | None = None, interval: float = 0.002, snapshot: bool = False, **kwargs
+) -> ProfileResult:
     """Run ``fn(*args, **kwargs)`` and measure its memory: phase ``total`` plus any phases ``fn``
     opens with :func:`phase`. Returns a :class:`ProfileResult` (``.value``, ``.table``,
     ``.snapshot``). ``device``/``interval``/``snapshot`` as for :class:`Profiler`."""

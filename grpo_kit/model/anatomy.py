@@ -59,8 +59,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         names = set(getattr(causal_lm(model), "_no_split_modules", None) or ())
         layers = _outermost(body, lambda m: type(m).__name__ in names)
     if not layers:
-        raise AnatomyError(f"{type(causal_lm(model)).__name__}: no decoder layers (neither transformers' "
-                           "GradientCheckpointingLayer modules nor its _no_split_modules classes in the body)")
+        raise AnatomyError(
+            f"{type(causal_lm(model)).__name__}: no decoder layers (neither transformers' "
+            "GradientCheckpointingLayer modules nor its _no_split_modules classes in the body)"
+        )
     return layers
 
 
@@ -116,8 +118,12 @@ class LogitForm:
 
 # Config fields that scale the logits, in the order a model's forward reads them (the first one set wins), and
 # whether the value multiplies or divides. These are the fields TRL 1.16's fused log-prob head reads as well.
-LOGIT_SCALE_FIELDS = (("logit_scale", "multiply"), ("output_multiplier", "multiply"),
-                      ("lm_head_multiplier", "multiply"), ("logits_scaling", "divide"))
+LOGIT_SCALE_FIELDS = (
+    ("logit_scale", "multiply"),
+    ("output_multiplier", "multiply"),
+    ("lm_head_multiplier", "multiply"),
+    ("logits_scaling", "divide"),
+)
 LOGIT_SOFTCAP_FIELD = "final_logit_softcapping"
 
 
@@ -162,9 +168,11 @@ def check_logit_form(model: nn.Module, form: LogitForm, *, tokens: int = 6) -> f
     gap = float((ours - logits).abs().max()) / spread
     tol = 1e-4 if out.weight.dtype == torch.float32 else 5e-2
     if not math.isfinite(gap) or gap > tol:
-        raise AnatomyError(f"{type(lm).__name__}: its logits are not {form.describe()} (max difference {gap:.3g} "
-                           "of their spread): a logit transform the kit does not know; training on these log-probs "
-                           "would not be the model's")
+        raise AnatomyError(
+            f"{type(lm).__name__}: its logits are not {form.describe()} (max difference {gap:.3g} "
+            "of their spread): a logit transform the kit does not know; training on these log-probs "
+            "would not be the model's"
+        )
     return gap
 
 
@@ -195,8 +203,9 @@ def lora_targets(model: nn.Module) -> list[str]:
             if isinstance(m, nn.Linear) and not _is_router(name, m):
                 names.add(name.rsplit(".", 1)[-1])
     if not names:
-        raise AnatomyError(f"{type(causal_lm(model)).__name__}: no linear projections in its decoder layers "
-                           "for LoRA to target")
+        raise AnatomyError(
+            f"{type(causal_lm(model)).__name__}: no linear projections in its decoder layers for LoRA to target"
+        )
     return sorted(names)
 
 
@@ -220,8 +229,9 @@ def resolve_lora_targets(targets, model) -> tuple[str, ...]:
     missing = [t for t in targets if t not in names]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora_target_modules {missing} do not exist in {type(model).__name__}; "
-                         f"its linear layers are: {linear}")
+        raise ValueError(
+            f"lora_target_modules {missing} do not exist in {type(model).__name__}; its linear layers are: {linear}"
+        )
     return tuple(targets)
 
 
@@ -279,7 +289,16 @@ def inspect_config(config) -> Anatomy:
     layers = decoder_layers(model)
     head(model)
     form = logit_form(config)
-    return Anatomy(model_class=type(model).__name__, layer_class=type(layers[0]).__name__, layers=len(layers),
-                   logit_form=form, lora_targets=tuple(lora_targets(model)), experts=num_experts(config),
-                   tied=bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                                     "tie_word_embeddings", False)))
+    return Anatomy(
+        model_class=type(model).__name__,
+        layer_class=type(layers[0]).__name__,
+        layers=len(layers),
+        logit_form=form,
+        lora_targets=tuple(lora_targets(model)),
+        experts=num_experts(config),
+        tied=bool(
+            getattr(
+                config.get_text_config() if hasattr(config, "get_text_config") else config, "tie_word_embeddings", False
+            )
+        ),
+    )

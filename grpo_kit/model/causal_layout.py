@@ -20,8 +20,9 @@ __all__ = ["MASK_BUILDING_ATTENTION", "roll_left_pads", "completion_rows"]
 MASK_BUILDING_ATTENTION = ("sdpa", "eager")
 
 
-def roll_left_pads(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_width: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+def roll_left_pads(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """``input_ids`` (B, T) with each row rolled left by its leading pads, those counts (B,) int64, and whether any
     row moved; None where the layout needs the mask: a row whose mask is not [0 ... 0][1 ... 1][0 ... 0] (a pad
     between real tokens), or an empty prompt (no real token in the first ``prompt_width`` columns, so nothing
@@ -47,4 +48,4 @@ def completion_rows(hidden: torch.Tensor, lead: torch.Tensor, completion_len: in
     backward keeps the indices, not ``hidden``."""
     B, T, C = hidden.size(0), hidden.size(1), completion_len
     cols = torch.arange(T - C - 1, T - 1, device=hidden.device)[None] - lead[:, None]  # (B, C), >= 0 (non-empty
-    return hidden[torch.arange(B, device=hidden.device)[:, None], cols]                # prompts)
+    return hidden[torch.arange(B, device=hidden.device)[:, None], cols]  # prompts)

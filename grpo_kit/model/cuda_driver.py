@@ -35,8 +35,13 @@ def _query(field: str) -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        r = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
-                           text=True, errors="replace", timeout=30)
+        r = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in r.stdout.strip().splitlines()] if r.returncode == 0 else []
@@ -71,10 +76,12 @@ def vllm_blocked(version: str | None) -> str | None:
     driver is unknown)."""
     if runs(VLLM_CUDA_MAJOR, version) is not False:
         return None
-    return (f"vLLM's CUDA build and the torch it brings are built for CUDA {VLLM_CUDA_MAJOR}, which needs an NVIDIA "
-            f"driver >= {MIN_DRIVER[VLLM_CUDA_MAJOR]}; this machine's driver is {version}{_runs_up_to(version)}, "
-            "so installing vLLM would replace the installed torch with one that cannot use the GPU (update the "
-            "driver to get vLLM)")
+    return (
+        f"vLLM's CUDA build and the torch it brings are built for CUDA {VLLM_CUDA_MAJOR}, which needs an NVIDIA "
+        f"driver >= {MIN_DRIVER[VLLM_CUDA_MAJOR]}; this machine's driver is {version}{_runs_up_to(version)}, "
+        "so installing vLLM would replace the installed torch with one that cannot use the GPU (update the "
+        "driver to get vLLM)"
+    )
 
 
 def torch_requirement(version: str | None) -> str | None:
@@ -89,10 +96,12 @@ def torch_blocked(torch_cuda: str | None, version: str | None) -> str | None:
     major = branch(torch_cuda)
     if major is None or runs(major, version) is not False:
         return None
-    return (f"this torch is built for CUDA {torch_cuda}, which needs an NVIDIA driver >= {MIN_DRIVER[major]}; the "
-            f"driver is {version}{_runs_up_to(version)}. Install a torch built for a CUDA the driver runs"
-            + (f" (pip install '{CUDA12_TORCH}': PyPI's CUDA 12 builds)" if runs(12, version) else "")
-            + ", or update the driver")
+    return (
+        f"this torch is built for CUDA {torch_cuda}, which needs an NVIDIA driver >= {MIN_DRIVER[major]}; the "
+        f"driver is {version}{_runs_up_to(version)}. Install a torch built for a CUDA the driver runs"
+        + (f" (pip install '{CUDA12_TORCH}': PyPI's CUDA 12 builds)" if runs(12, version) else "")
+        + ", or update the driver"
+    )
 
 
 def _runs_up_to(version: str | None) -> str:

@@ -48,8 +48,9 @@ def resolve_device(run: DeviceSpec) -> str:
     device = DeviceSpec.of(run).device
     if device == "cuda" and not torch.cuda.is_available():
         why = unusable_gpu()
-        raise ValueError(f"device='cuda' but torch sees no CUDA device{f': {why}' if why else ''}; use device=auto "
-                         "or cpu")
+        raise ValueError(
+            f"device='cuda' but torch sees no CUDA device{f': {why}' if why else ''}; use device=auto or cpu"
+        )
     if device == "auto":
         if torch.cuda.is_available():
             return "cuda"

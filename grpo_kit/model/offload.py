@@ -78,9 +78,11 @@ _PROBE_TOKENS = 12  # the probe's sequence: a few slices of _PROBE_CHUNK tokens,
 _PROBE_CHUNK = 4
 
 # Why an MoE model trains without its router's load-balancing loss here (the trainer turns it off, the plan says so).
-AUX_LOSS_OFF_REASON = ("the MoE router's load-balancing loss is off under offloaded checkpointing: each layer runs "
-                       "without grad in the forward and is recomputed in backward, so the routers' logits the loss "
-                       "reads carry no gradient; set gradient_checkpointing: false to train with it, as TRL does")
+AUX_LOSS_OFF_REASON = (
+    "the MoE router's load-balancing loss is off under offloaded checkpointing: each layer runs "
+    "without grad in the forward and is recomputed in backward, so the routers' logits the loss "
+    "reads carry no gradient; set gradient_checkpointing: false to train with it, as TRL does"
+)
 _STATE_ATTR = "_grpo_kit_offload_state"
 _MLP_ATTR = "_grpo_kit_chunked_mlp"
 
@@ -173,7 +175,10 @@ class _BufferPool:
             warnings.warn(
                 f"grpo_kit.model.offload: could not page-lock {buf.nbytes / 2**20:.0f} MiB of host memory "
                 "(not enough pinned memory, or no CUDA); using pageable copies, which are slower and "
-                "synchronous.", RuntimeWarning, stacklevel=4)
+                "synchronous.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return buf
 
     def release(self, buf: _HostBuffer) -> None:
@@ -264,8 +269,14 @@ class _Offloader:
         self.pool = _BufferPool(pin_memory)
         self._streams: dict = {}
         self._last = None  # weakref to the last record made, to link the next layer's to it
-        self.configure(offload=offload, pin_memory=pin_memory, min_bytes=min_bytes, prefetch=prefetch,
-                       chunk_tokens=chunk_tokens, offload_cpu=offload_cpu)
+        self.configure(
+            offload=offload,
+            pin_memory=pin_memory,
+            min_bytes=min_bytes,
+            prefetch=prefetch,
+            chunk_tokens=chunk_tokens,
+            offload_cpu=offload_cpu,
+        )
 
     def configure(self, *, offload, pin_memory, min_bytes, prefetch, chunk_tokens, offload_cpu):
         self.offload, self.min_bytes, self.prefetch = offload, min_bytes, prefetch
@@ -379,9 +390,17 @@ def _attention(layer, q, k, v, attention_mask, kwargs, sliding):
     else:  # older transformers: a plain mapping, eager not in it
         iface = mod.eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
     extra = {} if sliding is None else {"sliding_window": sliding}
-    out, _ = iface(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
-                   dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
-                   **extra, **kwargs)
+    out, _ = iface(
+        attn,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attention_mask,
+        dropout=0.0 if not attn.training else attn.attention_dropout,
+        scaling=attn.scaling,
+        **extra,
+        **kwargs,
+    )
     B, T = q.shape[:2]
     return out.reshape(B, T, -1)
 
@@ -403,8 +422,10 @@ class _SplitPrefix:
             self.keys, self.values = k.transpose(1, 2), v.transpose(1, 2)
             return k, v
         B = k.shape[0]
-        return (torch.cat([self.keys.expand(B, -1, -1, -1).transpose(1, 2), k], 1),
-                torch.cat([self.values.expand(B, -1, -1, -1).transpose(1, 2), v], 1))
+        return (
+            torch.cat([self.keys.expand(B, -1, -1, -1).transpose(1, 2), k], 1),
+            torch.cat([self.values.expand(B, -1, -1, -1).transpose(1, 2), v], 1),
+        )
 
     def leaves(self) -> None:
         """``attend``, before the recompute: the prompt's keys and values as leaves that collect their gradient."""
@@ -553,17 +574,35 @@ class _OffloadedLayer(torch.autograd.Function):
                     torch.autograd.backward(y, gy)
                 gx = xg.grad if need_gx else None
             else:
-                gx = _chunked_backward(job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
-                                       job.chunk, need_gx)
+                gx = _chunked_backward(
+                    job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk, need_gx
+                )
         return None, None, gx
 
 
 class _Job:
     """Everything one layer call needs again in backward (tensors shared across layers)."""
 
-    __slots__ = ("layer", "offloader", "layer_index", "is_last", "orig_forward", "call_kwargs", "cos_sin",
-                 "mask", "attn_kwargs", "sliding", "whole", "dropout", "rec", "rng", "autocast", "chunk",
-                 "prefix_mode", "prefix_len")
+    __slots__ = (
+        "layer",
+        "offloader",
+        "layer_index",
+        "is_last",
+        "orig_forward",
+        "call_kwargs",
+        "cos_sin",
+        "mask",
+        "attn_kwargs",
+        "sliding",
+        "whole",
+        "dropout",
+        "rec",
+        "rng",
+        "autocast",
+        "chunk",
+        "prefix_mode",
+        "prefix_len",
+    )
 
 
 def _autocast_state(device):
@@ -652,8 +691,13 @@ def _mlp_slices(mlp, x, chunk):
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs, 1).view(*x.shape[:-1], -1)
     first = torch.cat([o[0] for o in outs], 1).view(*x.shape[:-1], -1)
-    return (first, *(torch.cat(parts, 0) if isinstance(parts[0], torch.Tensor) else parts[0]
-                     for parts in zip(*(o[1:] for o in outs))))
+    return (
+        first,
+        *(
+            torch.cat(parts, 0) if isinstance(parts[0], torch.Tensor) else parts[0]
+            for parts in zip(*(o[1:] for o in outs))
+        ),
+    )
 
 
 def _chunked_mlp_forward(mlp, *args, **kwargs):
@@ -661,8 +705,14 @@ def _chunked_mlp_forward(mlp, *args, **kwargs):
     than one slice of them, the original forward otherwise (decoding, short sequences)."""
     st = mlp.__dict__[_MLP_ATTR]
     x = args[0] if args else kwargs.get("hidden_states")
-    if (len(args) != 1 or kwargs or not isinstance(x, torch.Tensor) or x.dim() != 3
-            or x.shape[0] * x.shape[1] <= st["chunk"]() or (mlp.training and st["dropout"])):
+    if (
+        len(args) != 1
+        or kwargs
+        or not isinstance(x, torch.Tensor)
+        or x.dim() != 3
+        or x.shape[0] * x.shape[1] <= st["chunk"]()
+        or (mlp.training and st["dropout"])
+    ):
         return st["orig_forward"](*args, **kwargs)
     chunk = st["chunk"]()
     trainable = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in mlp.parameters()))
@@ -696,19 +746,23 @@ def _wrapped_forward(layer, *args, **kwargs):
     if split and cos_sin is None:
         return st["orig_forward"](hidden_states, **call_kwargs)
     trainable = torch.is_grad_enabled() and (
-        hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters()))
+        hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
+    )
     cached = call_kwargs.get("past_key_values") is not None
     dropout = _has_active_dropout(layer)
     attn_kwargs = {k: v for k, v in call_kwargs.items() if k not in ("attention_mask", "position_embeddings")}
     if not trainable:
         if cached or dropout or not split:  # generation with a cache; or the layer as written
             return st["orig_forward"](hidden_states, **call_kwargs)
-        return _chunked_forward(layer, hidden_states, *cos_sin, call_kwargs.get("attention_mask"), attn_kwargs,
-                                st["sliding"], chunk)
+        return _chunked_forward(
+            layer, hidden_states, *cos_sin, call_kwargs.get("attention_mask"), attn_kwargs, st["sliding"], chunk
+        )
     for k, v in list(call_kwargs.items()) + list(zip(("cos", "sin"), cos_sin or ())):
         if isinstance(v, torch.Tensor) and v.requires_grad:
-            raise ValueError(f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
-                             "only hidden_states may (its gradient is the only one passed back).")
+            raise ValueError(
+                f"offloaded checkpointing: argument {k!r} of {type(layer).__name__} requires grad; "
+                "only hidden_states may (its gradient is the only one passed back)."
+            )
     cache = call_kwargs.get("past_key_values")
     if isinstance(cache, PrefixCache):  # prefix sharing: the prompt's keys and values pass explicitly
         return _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout)
@@ -789,11 +843,13 @@ class _OffloadedPrefixLayer(torch.autograd.Function):
         need_gx = ctx.needs_input_grad[2]
         attend = job.prefix_mode == "attend"
         if not job.whole:
-            prefix = _SplitPrefix(job.prefix_mode, *(ctx.saved_tensors if attend else ()),
-                                  grads=(None, None) if attend else gkv)
+            prefix = _SplitPrefix(
+                job.prefix_mode, *(ctx.saved_tensors if attend else ()), grads=(None, None) if attend else gkv
+            )
             with _autocast_ctx(x.device, job.autocast), layer_weight_cache():
-                gx = _chunked_backward(job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding,
-                                       job.chunk, need_gx, prefix)
+                gx = _chunked_backward(
+                    job.layer, x, gy, *job.cos_sin, job.mask, job.attn_kwargs, job.sliding, job.chunk, need_gx, prefix
+                )
             return (None, None, gx, *prefix.grads) if attend else (None, None, gx, None, None)
         leaves = [t.detach().requires_grad_() for t in ctx.saved_tensors] if attend else []
         rng = _restored_rng(x.device, job.rng) if job.rng is not None else nullcontext()
@@ -825,8 +881,11 @@ def _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout):
     # layer, or one with active dropout, runs as written with a cache of its own (_LayerKV)
     job.cos_sin, job.mask = call_kwargs.get("position_embeddings"), call_kwargs.get("attention_mask")
     job.whole = dropout or st["mode"] != "split" or job.cos_sin is None
-    job.attn_kwargs = {k: v for k, v in call_kwargs.items()
-                       if k not in ("attention_mask", "position_embeddings", "past_key_values", "use_cache")}
+    job.attn_kwargs = {
+        k: v
+        for k, v in call_kwargs.items()
+        if k not in ("attention_mask", "position_embeddings", "past_key_values", "use_cache")
+    }
     job.sliding, job.chunk = st["sliding"], job.offloader.chunk_tokens or st["auto_chunk"]
     anchor = _GradAnchor.get()
     if cache.mode == "attend":
@@ -843,12 +902,16 @@ def _prefix_layer(layer, st, hidden_states, call_kwargs, cache, dropout):
 def _split_layout(layer: nn.Module) -> bool:
     """Whether the layer has the children the split mode reads (the probe then holds its output to the layer's)."""
     attn = getattr(layer, "self_attn", None)
-    return (attn is not None and {n for n, _ in layer.named_children()} <= _SPLIT_LAYER_CHILDREN
-            and _SPLIT_LAYER_CHILDREN - {"mlp"} <= {n for n, _ in layer.named_children()}
-            and hasattr(layer, "mlp") and {n for n, _ in attn.named_children()} <= _SPLIT_ATTN_CHILDREN
-            and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"))
-            and (hasattr(attn, "q_norm") == hasattr(attn, "k_norm"))
-            and getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None) is not None)
+    return (
+        attn is not None
+        and {n for n, _ in layer.named_children()} <= _SPLIT_LAYER_CHILDREN
+        and _SPLIT_LAYER_CHILDREN - {"mlp"} <= {n for n, _ in layer.named_children()}
+        and hasattr(layer, "mlp")
+        and {n for n, _ in attn.named_children()} <= _SPLIT_ATTN_CHILDREN
+        and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"))
+        and (hasattr(attn, "q_norm") == hasattr(attn, "k_norm"))
+        and getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None) is not None
+    )
 
 
 def _close(a, b) -> bool:
@@ -899,15 +962,24 @@ def _probe(model: nn.Module, layers: list[nn.Module]) -> list[dict]:
             raise AnatomyError(f"{type(layer).__name__}: the probe's forward did not reach this layer")
         args, kwargs, y = calls[id(layer)]
         if not isinstance(y, torch.Tensor):
-            raise AnatomyError(f"{type(layer).__name__} returns {type(y).__name__}, not a tensor: offloaded "
-                               "checkpointing passes one tensor between layers")
+            raise AnatomyError(
+                f"{type(layer).__name__} returns {type(y).__name__}, not a tensor: offloaded "
+                "checkpointing passes one tensor between layers"
+            )
         x, named = _call_args(inspect.signature(layer.forward), args, kwargs)
         info = dict(mode="whole", mlp=None, hidden=x.shape[-1], dtype=x.dtype)
         if _split_layout(layer) and named.get("position_embeddings") is not None:
             attn_kwargs = {k: v for k, v in named.items() if k not in ("attention_mask", "position_embeddings")}
             try:
-                mine = _chunked_forward(layer, x, *named["position_embeddings"], named.get("attention_mask"),
-                                        attn_kwargs, _sliding_window(layer.self_attn), _PROBE_CHUNK)
+                mine = _chunked_forward(
+                    layer,
+                    x,
+                    *named["position_embeddings"],
+                    named.get("attention_mask"),
+                    attn_kwargs,
+                    _sliding_window(layer.self_attn),
+                    _PROBE_CHUNK,
+                )
             except Exception:  # noqa: BLE001 - any failure means: not this layout
                 mine = None
             if _close(mine, y):
@@ -944,9 +1016,16 @@ def _position_wise_child(layer: nn.Module, calls: dict, x: torch.Tensor) -> str 
 # --------------------------------------------------------------------------- public API
 
 
-def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pin_memory: bool = True,
-                                   min_bytes: int = 2 * 2**20, prefetch: bool = True, chunk_tokens: int | None = None,
-                                   _offload_on_cpu: bool = False) -> nn.Module:
+def enable_offloaded_checkpointing(
+    model: nn.Module,
+    *,
+    offload: bool = True,
+    pin_memory: bool = True,
+    min_bytes: int = 2 * 2**20,
+    prefetch: bool = True,
+    chunk_tokens: int | None = None,
+    _offload_on_cpu: bool = False,
+) -> nn.Module:
     """Turn on offloaded checkpointing for every decoder layer of ``model``.
 
     Args:
@@ -976,15 +1055,22 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
             raise ValueError(f"{name} must be a bool, got {val!r}")
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                     or chunk_tokens < 1):
+    if chunk_tokens is not None and (
+        isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+    ):
         raise ValueError(f"chunk_tokens must be None or an int >= 1, got {chunk_tokens!r}")
     try:
         layers = decoder_layers(model)
     except AnatomyError as e:
         raise AnatomyError(f"enable_offloaded_checkpointing: {e}") from None
-    opts = dict(offload=offload, pin_memory=pin_memory, min_bytes=min_bytes, prefetch=prefetch,
-                chunk_tokens=chunk_tokens, offload_cpu=_offload_on_cpu)
+    opts = dict(
+        offload=offload,
+        pin_memory=pin_memory,
+        min_bytes=min_bytes,
+        prefetch=prefetch,
+        chunk_tokens=chunk_tokens,
+        offload_cpu=_offload_on_cpu,
+    )
     existing = [l.__dict__[_STATE_ATTR]["offloader"] for l in layers if _STATE_ATTR in l.__dict__]
     if existing:
         offloader = existing[0]
@@ -999,16 +1085,27 @@ def enable_offloaded_checkpointing(model: nn.Module, *, offload: bool = True, pi
             continue
         info = probed[id(layer)]
         had_instance_forward = "forward" in layer.__dict__
-        mlp = getattr(layer, "mlp", None) if info["mode"] == "split" else (
-            getattr(layer, info["mlp"]) if info["mlp"] else None)
+        mlp = (
+            getattr(layer, "mlp", None)
+            if info["mode"] == "split"
+            else (getattr(layer, info["mlp"]) if info["mlp"] else None)
+        )
         state = dict(
-            offloader=offloader, index=i, is_last=i == len(layers) - 1, mode=info["mode"],
-            hidden=info["hidden"], dtype=info["dtype"], signature=inspect.signature(layer.forward),
-            orig_forward=layer.forward, instance_forward=layer.__dict__.get("forward") if had_instance_forward else None,
+            offloader=offloader,
+            index=i,
+            is_last=i == len(layers) - 1,
+            mode=info["mode"],
+            hidden=info["hidden"],
+            dtype=info["dtype"],
+            signature=inspect.signature(layer.forward),
+            orig_forward=layer.forward,
+            instance_forward=layer.__dict__.get("forward") if had_instance_forward else None,
             had_instance_forward=had_instance_forward,
             sliding=_sliding_window(layer.self_attn) if info["mode"] == "split" else None,
             auto_chunk=_auto_chunk_tokens(mlp) if mlp is not None else 16384,
-            hf_gc=getattr(layer, "gradient_checkpointing", None), mlp=info["mlp"])
+            hf_gc=getattr(layer, "gradient_checkpointing", None),
+            mlp=info["mlp"],
+        )
         layer.__dict__[_STATE_ATTR] = state
         if info["mlp"] is not None:
             _wrap_mlp(mlp, state, offloader)
@@ -1022,9 +1119,12 @@ def _wrap_mlp(mlp: nn.Module, layer_state: dict, offloader: _Offloader) -> None:
     """Run ``mlp`` (a whole-mode layer's position-wise child) over slices of tokens (:func:`_chunked_mlp_forward`)."""
     had = "forward" in mlp.__dict__
     mlp.__dict__[_MLP_ATTR] = dict(
-        orig_forward=mlp.forward, had_instance_forward=had, instance_forward=mlp.__dict__.get("forward"),
+        orig_forward=mlp.forward,
+        had_instance_forward=had,
+        instance_forward=mlp.__dict__.get("forward"),
         chunk=lambda: offloader.chunk_tokens or layer_state["auto_chunk"],
-        dropout=any(isinstance(m, nn.Dropout) and m.p > 0 for m in mlp.modules()))
+        dropout=any(isinstance(m, nn.Dropout) and m.p > 0 for m in mlp.modules()),
+    )
     mlp.forward = types.MethodType(_chunked_mlp_forward, mlp)
 
 

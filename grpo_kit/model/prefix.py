@@ -37,9 +37,20 @@ from transformers.cache_utils import Cache
 
 from grpo_kit.model.anatomy import decoder_body, decoder_layers, last_hidden
 
-__all__ = ["AUTO_MIN_PROMPT_TOKENS", "AUTO_MIN_PROMPT_PER_COMPLETION", "PREFIX_SHARING_CHOICES", "PrefixCache",
-           "PrefixPlan", "SharedGroup", "check_prefix_sharing", "hf_checkpointing_drops_cache",
-           "hf_checkpointing_paused", "plan_prefix_groups", "prefix_shared_hidden", "shared_group_hidden"]
+__all__ = [
+    "AUTO_MIN_PROMPT_TOKENS",
+    "AUTO_MIN_PROMPT_PER_COMPLETION",
+    "PREFIX_SHARING_CHOICES",
+    "PrefixCache",
+    "PrefixPlan",
+    "SharedGroup",
+    "check_prefix_sharing",
+    "hf_checkpointing_drops_cache",
+    "hf_checkpointing_paused",
+    "plan_prefix_groups",
+    "prefix_shared_hidden",
+    "shared_group_hidden",
+]
 
 PREFIX_SHARING_CHOICES = ("auto", True, False)
 # ``auto`` shares a group where its prompt is at least this long ...
@@ -95,8 +106,10 @@ class PrefixCache(Cache):
             return key_states, value_states
         k, v = self.keys[layer_idx], self.values[layer_idx]
         rows = key_states.shape[0]
-        return (torch.cat([k.expand(rows, -1, -1, -1), key_states], dim=-2),
-                torch.cat([v.expand(rows, -1, -1, -1), value_states], dim=-2))
+        return (
+            torch.cat([k.expand(rows, -1, -1, -1), key_states], dim=-2),
+            torch.cat([v.expand(rows, -1, -1, -1), value_states], dim=-2),
+        )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length if self.mode == "attend" else 0
@@ -147,8 +160,9 @@ def _pays(prompt_len: int, completion_tokens: float) -> bool:
     return prompt_len >= max(AUTO_MIN_PROMPT_TOKENS, AUTO_MIN_PROMPT_PER_COMPLETION * completion_tokens)
 
 
-def plan_prefix_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask=None, *,
-                       mode="auto") -> PrefixPlan:
+def plan_prefix_groups(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask=None, *, mode="auto"
+) -> PrefixPlan:
     """Group the rows of a batch by their real prompt tokens.
 
     prompt_ids, prompt_mask: (B, P) int, TRL's left-padded prompts; completion_mask: (B, C) or None (then ``auto``
@@ -161,8 +175,9 @@ def plan_prefix_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comp
     if mode is False or B < 2:
         return PrefixPlan((), tuple(range(B)))
     ids, mask = prompt_ids.detach().cpu(), prompt_mask.detach().cpu().bool()
-    lengths = (completion_mask.detach().cpu().float().sum(1) if completion_mask is not None
-               else torch.zeros(B)).tolist()
+    lengths = (
+        completion_mask.detach().cpu().float().sum(1) if completion_mask is not None else torch.zeros(B)
+    ).tolist()
     P = ids.shape[1]
     real = mask.sum(1)
     left_padded = mask.eq(torch.arange(P)[None] >= (P - real)[:, None]).all(1)
@@ -173,7 +188,7 @@ def plan_prefix_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comp
             unshared.append(row)
             layout += 1
             continue
-        key = ids[row, P - int(real[row]):].numpy().tobytes()
+        key = ids[row, P - int(real[row]) :].numpy().tobytes()
         by_prompt.setdefault(key, []).append(row)
     groups, alone, short = [], 0, 0
     for rows in by_prompt.values():
@@ -183,7 +198,7 @@ def plan_prefix_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comp
         elif len(rows) < 2:
             alone += 1
         else:
-            groups.append(SharedGroup(tuple(rows), prompt_ids[rows[0], P - n_real:]))
+            groups.append(SharedGroup(tuple(rows), prompt_ids[rows[0], P - n_real :]))
             continue
         unshared.extend(rows)
     return PrefixPlan(tuple(groups), tuple(sorted(unshared)), alone=alone, short=short, layout=layout)
@@ -196,8 +211,12 @@ def hf_checkpointing_drops_cache(model: nn.Module) -> bool:
     """Whether HF's per-layer gradient checkpointing is on for a layer in training: its ``__call__`` then sets
     ``past_key_values=None`` (a recompute would append to a cache twice), so the completions would not see the
     prompt at all."""
-    return any(getattr(layer, "gradient_checkpointing", False) and layer.training
-               and not getattr(layer, "_can_checkpoint_with_cache", False) for layer in decoder_layers(model))
+    return any(
+        getattr(layer, "gradient_checkpointing", False)
+        and layer.training
+        and not getattr(layer, "_can_checkpoint_with_cache", False)
+        for layer in decoder_layers(model)
+    )
 
 
 @contextlib.contextmanager
@@ -236,8 +255,10 @@ def shared_group_hidden(model: nn.Module, prompt: torch.Tensor, completion_ids: 
     once, summed over the G completions.
     """
     if torch.is_grad_enabled() and hf_checkpointing_drops_cache(model):
-        raise ValueError("prefix sharing in a training pass needs HF's gradient checkpointing off (it drops the "
-                         "KV cache in training); the kit's offloaded checkpointing keeps it")
+        raise ValueError(
+            "prefix sharing in a training pass needs HF's gradient checkpointing off (it drops the "
+            "KV cache in training); the kit's offloaded checkpointing keeps it"
+        )
     G, C = completion_ids.shape
     cache = PrefixCache()
     with _body_output(model) as box:
@@ -271,4 +292,3 @@ def prefix_shared_hidden(model: nn.Module, plan: PrefixPlan, completion_ids: tor
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return hidden.index_select(0, inverse.to(hidden.device))
-

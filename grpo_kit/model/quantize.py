@@ -40,9 +40,20 @@ from torch import nn
 
 from grpo_kit.kernels.nf4_dequant import NF4_BITS_PER_PARAM, NF4_BLOCK
 
-__all__ = ["ALWAYS_16BIT", "NF4_BLOCK", "check_bitsandbytes", "quantizable_linears", "quantize_model",
-           "nf4_load_config", "quantization_report",
-           "nf4_roundtrip", "layer_errors", "auto_skip_modules", "is_quantized", "dequantized_weight"]
+__all__ = [
+    "ALWAYS_16BIT",
+    "NF4_BLOCK",
+    "check_bitsandbytes",
+    "quantizable_linears",
+    "quantize_model",
+    "nf4_load_config",
+    "quantization_report",
+    "nf4_roundtrip",
+    "layer_errors",
+    "auto_skip_modules",
+    "is_quantized",
+    "dequantized_weight",
+]
 
 ALWAYS_16BIT = ("lm_head",)
 BNB_INSTALL = "python -m pip install bitsandbytes==0.50.2"
@@ -76,8 +87,7 @@ def _values(module: nn.Module, name: str, materialize):
     return materialize(module, name, p) if p.is_meta else p.data
 
 
-def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip_modules=(),
-                   materialize=None) -> dict:
+def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip_modules=(), materialize=None) -> dict:
     """Replace ``model``'s linear layers (but ``lm_head`` and ``skip_modules``) by NF4 ``Linear4bit``
     with double quantisation, in place, one layer at a time (peak: one 16-bit layer beside the rest).
 
@@ -96,11 +106,23 @@ def quantize_model(model: nn.Module, *, compute_dtype: torch.dtype, device, skip
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lin = getattr(parent, child)
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,
-                              compress_statistics=True, quant_type="nf4", device="meta")
+        q = bnb.nn.Linear4bit(
+            lin.in_features,
+            lin.out_features,
+            bias=lin.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
         weight, bias = _values(lin, "weight", materialize), _values(lin, "bias", materialize)
-        q.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False, quant_type="nf4",
-                                     compress_statistics=True, blocksize=NF4_BLOCK)
+        q.weight = bnb.nn.Params4bit(
+            weight.to(compute_dtype),
+            requires_grad=False,
+            quant_type="nf4",
+            compress_statistics=True,
+            blocksize=NF4_BLOCK,
+        )
         del weight
         if bias is not None:
             q.bias = nn.Parameter(bias.to(compute_dtype), requires_grad=False)
@@ -115,9 +137,12 @@ def quantization_report(model: nn.Module, compute_dtype: torch.dtype) -> dict:
     weights (packed 4-bit data + absmax constants) and the compute dtype."""
     quantized = [m for m in model.modules() if is_quantized(m)]
     kept = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    return {"quantized_layers": len(quantized), "kept_16bit": kept,
-            "quantized_weight_bytes": sum(_quantized_bytes(m.weight) for m in quantized),
-            "compute_dtype": str(compute_dtype).removeprefix("torch.")}
+    return {
+        "quantized_layers": len(quantized),
+        "kept_16bit": kept,
+        "quantized_weight_bytes": sum(_quantized_bytes(m.weight) for m in quantized),
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
+    }
 
 
 def nf4_load_config(compute_dtype: torch.dtype, keep_16bit):
@@ -128,9 +153,13 @@ def nf4_load_config(compute_dtype: torch.dtype, keep_16bit):
     check_bitsandbytes()
     from transformers import BitsAndBytesConfig  # lazy: transformers is slow to import
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype,
-                              llm_int8_skip_modules=[re.escape(n) + "$" for n in keep_16bit])
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=[re.escape(n) + "$" for n in keep_16bit],
+    )
 
 
 def _quantized_bytes(p) -> int:
@@ -177,6 +206,7 @@ def layer_errors(model: nn.Module, batches, *, skip_modules=(), max_tokens: int 
                 x = args[0].reshape(-1, args[0].shape[-1])[: max_tokens - seen[name]]
                 inputs[name].append(x.detach())
                 seen[name] += x.shape[0]
+
         return fn
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
@@ -198,8 +228,9 @@ def layer_errors(model: nn.Module, batches, *, skip_modules=(), max_tokens: int 
     return errors
 
 
-def auto_skip_modules(model: nn.Module, batches, *, allowance_bytes: float, skip_modules=(),
-                      dtype_bytes: int = 2) -> tuple[list[str], dict]:
+def auto_skip_modules(
+    model: nn.Module, batches, *, allowance_bytes: float, skip_modules=(), dtype_bytes: int = 2
+) -> tuple[list[str], dict]:
     """The layers ``load_in_4bit_skip_modules: auto`` keeps in 16 bit (rule: module docstring), beside the
     fixed ``skip_modules``. ``allowance_bytes``: the extra memory they may cost, each costing its 16-bit
     size (``dtype_bytes`` per weight) minus its NF4 size. Returns ``(names, report)``; the report holds
@@ -212,8 +243,12 @@ def auto_skip_modules(model: nn.Module, batches, *, allowance_bytes: float, skip
         if spent + extra[name] <= allowance_bytes:
             chosen.append(name)
             spent += extra[name]
-    report = {"rule": "relative NF4 output error on calibration activations per extra 16-bit byte, largest first, "
-                      "within the allowance",
-              "allowance_bytes": int(allowance_bytes), "extra_bytes": int(spent), "chosen": chosen,
-              "errors": {k: round(v, 6) for k, v in sorted(errors.items(), key=lambda kv: -kv[1])}}
+    report = {
+        "rule": "relative NF4 output error on calibration activations per extra 16-bit byte, largest first, "
+        "within the allowance",
+        "allowance_bytes": int(allowance_bytes),
+        "extra_bytes": int(spent),
+        "chosen": chosen,
+        "errors": {k: round(v, 6) for k, v in sorted(errors.items(), key=lambda kv: -kv[1])},
+    }
     return chosen, report

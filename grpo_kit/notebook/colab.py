@@ -22,8 +22,22 @@ REPORTED = ("grpo_kit", "torch", "transformers", "trl", "peft", "accelerate", "v
 # Distributions whose replacement under a kernel that already imported them asks for a restart: the kit's own
 # libraries, with compiled parts or deep import trees. Not the kernel's plumbing (psutil, packaging, ...), which
 # ipykernel imports at start and whose old copy serves the kit as well.
-RESTART_IF_REPLACED = ("torch", "numpy", "transformers", "tokenizers", "safetensors", "trl", "peft", "accelerate",
-                       "datasets", "pandas", "matplotlib", "bitsandbytes", "triton", "vllm")
+RESTART_IF_REPLACED = (
+    "torch",
+    "numpy",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "pandas",
+    "matplotlib",
+    "bitsandbytes",
+    "triton",
+    "vllm",
+)
 
 
 def _requirements(extra: str | None) -> list[str]:
@@ -91,15 +105,20 @@ def install_runtime(*, generate: bool) -> dict[str, str]:
         print(f"vLLM not installed: {blocked}; the kit generates with HF generate")
     loaded = _loaded_distributions()
     for args in install_plan(generate=generate, gpu=gpu is not None, driver=driver):
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"pip install {' '.join(args)} failed:\n{(r.stdout + r.stderr)[-3000:]}")
     stale = [f"{d} {v} -> {now}" for d, v in loaded.items() if (now := _version(d)) != v]
     if stale:  # the old code stays loaded in this kernel beside the new files: mixed versions fail later, obscurely
-        raise RuntimeError(f"pip replaced packages this kernel had already imported ({', '.join(stale[:5])}): "
-                           "restart the session (Runtime > Restart session) and run the notebook again from the "
-                           "top; this cell will then find everything installed")
+        raise RuntimeError(
+            f"pip replaced packages this kernel had already imported ({', '.join(stale[:5])}): "
+            "restart the session (Runtime > Restart session) and run the notebook again from the "
+            "top; this cell will then find everything installed"
+        )
     versions = {name: v for name in REPORTED if (v := _version(name)) is not None}
     print("installed: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     return versions

@@ -32,17 +32,39 @@ from grpo_kit.readers.bounded import parse_json
 
 MODES = ("auto", "widgets", "static")
 # TRL 1.16 log keys -> dashboard column names
-_LOG_KEYS = {"reward": "reward_mean", "reward_std": "reward_std", "loss": "loss", "kl": "kl",
-             "completions/mean_length": "completion_length", "frac_reward_zero_std": "frac_reward_zero_std",
-             "step_time": "step_time_s", "tools/call_frequency": "tool_call_frequency",
-             "tools/failure_frequency": "tool_failure_frequency"}
+_LOG_KEYS = {
+    "reward": "reward_mean",
+    "reward_std": "reward_std",
+    "loss": "loss",
+    "kl": "kl",
+    "completions/mean_length": "completion_length",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "step_time": "step_time_s",
+    "tools/call_frequency": "tool_call_frequency",
+    "tools/failure_frequency": "tool_failure_frequency",
+}
 # (row key, title); two rows of four panels. "rewards": one line per reward function (rewards/<fn>/mean).
-PANELS = (("reward_mean", "reward (mean ± std)"), ("rewards", "each reward function"),
-          ("frac_reward_zero_std", "no-signal groups"), ("loss", "loss"), ("kl", "KL (k3)"),
-          ("completion_length", "completion length"), ("step_time_s", "step time"), ("memory", "memory"))
-Y_LABELS = {"reward_mean": "reward", "rewards": "mean reward", "frac_reward_zero_std": "share of groups",
-            "loss": "loss", "kl": "KL", "completion_length": "tokens", "step_time_s": "seconds",
-            "memory": "GiB", "tools": "per rollout / per call"}
+PANELS = (
+    ("reward_mean", "reward (mean ± std)"),
+    ("rewards", "each reward function"),
+    ("frac_reward_zero_std", "no-signal groups"),
+    ("loss", "loss"),
+    ("kl", "KL (k3)"),
+    ("completion_length", "completion length"),
+    ("step_time_s", "step time"),
+    ("memory", "memory"),
+)
+Y_LABELS = {
+    "reward_mean": "reward",
+    "rewards": "mean reward",
+    "frac_reward_zero_std": "share of groups",
+    "loss": "loss",
+    "kl": "KL",
+    "completion_length": "tokens",
+    "step_time_s": "seconds",
+    "memory": "GiB",
+    "tools": "per rollout / per call",
+}
 PANEL_ROWS = 2
 # With tools (TRL logs tools/call_frequency): calls per rollout and the share of calls that failed.
 TOOL_PANEL = ("tools", "tool calls")
@@ -122,8 +144,13 @@ class LiveDashboard(TrainerCallback):
     logged (floats) and the ``memory_now()`` keys.
     """
 
-    def __init__(self, mode: str = "auto", samples_path: str | os.PathLike | None = None, num_samples: int = 6,
-                 display: bool = True):
+    def __init__(
+        self,
+        mode: str = "auto",
+        samples_path: str | os.PathLike | None = None,
+        num_samples: int = 6,
+        display: bool = True,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not allowed; choose one of {list(MODES)}")
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 0:
@@ -168,8 +195,9 @@ class LiveDashboard(TrainerCallback):
         for key, name in _LOG_KEYS.items():
             if logs.get(key) is not None:
                 row[name] = float(logs[key])
-        row.update({k: float(v) for k, v in logs.items()
-                    if k.startswith("rewards/") and k.endswith("/mean") and v is not None})
+        row.update(
+            {k: float(v) for k, v in logs.items() if k.startswith("rewards/") and k.endswith("/mean") and v is not None}
+        )
         row.update(memory_now())
         self.history.append(row)
         return row
@@ -185,7 +213,7 @@ class LiveDashboard(TrainerCallback):
         panels = self.panels()
         cols = -(-len(panels) // PANEL_ROWS)
         fig, axes = plt.subplots(PANEL_ROWS, cols, figsize=(3.2 * cols, 2.6 * PANEL_ROWS), squeeze=False)
-        for ax in axes.flat[len(panels):]:  # an odd panel count leaves one cell empty
+        for ax in axes.flat[len(panels) :]:  # an odd panel count leaves one cell empty
             ax.remove()
         steps = [r["step"] for r in self.history]
         for ax, (key, title) in zip(axes.flat, panels):
@@ -201,14 +229,19 @@ class LiveDashboard(TrainerCallback):
                     ax.legend(fontsize=7)
                 continue
             if key == "tools":
-                for tkey, label in (("tool_call_frequency", "calls per rollout"),
-                                    ("tool_failure_frequency", "failed share of calls")):
+                for tkey, label in (
+                    ("tool_call_frequency", "calls per rollout"),
+                    ("tool_failure_frequency", "failed share of calls"),
+                ):
                     ax.plot(steps, [r.get(tkey, float("nan")) for r in self.history], marker=".", label=label)
                 ax.legend(fontsize=7)
                 continue
             if key == "memory":
-                for mkey, label in (("cpu_rss_gib", "CPU RSS"), ("gpu_allocated_gib", "GPU allocated"),
-                                    ("gpu_peak_gib", "GPU peak")):
+                for mkey, label in (
+                    ("cpu_rss_gib", "CPU RSS"),
+                    ("gpu_allocated_gib", "GPU allocated"),
+                    ("gpu_peak_gib", "GPU peak"),
+                ):
                     vals = [r.get(mkey) for r in self.history]
                     if any(v is not None for v in vals):
                         ax.plot(steps, vals, marker=".", label=label)
@@ -219,8 +252,9 @@ class LiveDashboard(TrainerCallback):
             ax.plot(steps, vals, marker=".", color="C0")
             if key == "reward_mean":
                 std = [r.get("reward_std", 0.0) for r in self.history]
-                ax.fill_between(steps, [m - s for m, s in zip(vals, std)], [m + s for m, s in zip(vals, std)],
-                                alpha=0.2, color="C0")
+                ax.fill_between(
+                    steps, [m - s for m, s in zip(vals, std)], [m + s for m, s in zip(vals, std)], alpha=0.2, color="C0"
+                )
         fig.tight_layout()
         return fig
 

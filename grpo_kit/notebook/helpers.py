@@ -100,14 +100,24 @@ class NotebookSetup:
         """The one line the notebook prints: what runs where, and why the fallback."""
         c = self.config
         why = f" ({self.reason})" if self.reason else ""
-        return (f"setup: {self.name}{why}: {c.model}, task {c.task}, {c.max_steps} steps of {c.num_generations} "
-                f"completions up to {c.max_completion_length} tokens, on {self.device} in "
-                f"{str(self.dtype).removeprefix('torch.')}")
+        return (
+            f"setup: {self.name}{why}: {c.model}, task {c.task}, {c.max_steps} steps of {c.num_generations} "
+            f"completions up to {c.max_completion_length} tokens, on {self.device} in "
+            f"{str(self.dtype).removeprefix('torch.')}"
+        )
 
 
-def notebook_setup(full: dict, fallback: dict | None = None, *, setup: str = "auto", need_packages: tuple = (),
-                   verbose: bool = False, extras: dict | None = None, extra_types: dict | None = None,
-                   show: bool = True) -> NotebookSetup:
+def notebook_setup(
+    full: dict,
+    fallback: dict | None = None,
+    *,
+    setup: str = "auto",
+    need_packages: tuple = (),
+    verbose: bool = False,
+    extras: dict | None = None,
+    extra_types: dict | None = None,
+    show: bool = True,
+) -> NotebookSetup:
     """A training notebook's setup in one call: the kit's quiet console first (so no third-party warning of the
     imports that follow reaches the notebook; ``verbose`` brings them back), both settings validated before
     anything loads (``full`` / ``fallback``: ``GRPOKitConfig`` fields; ``extras`` / ``extra_types``: the
@@ -118,8 +128,10 @@ def notebook_setup(full: dict, fallback: dict | None = None, *, setup: str = "au
     quiet_console(verbose)
     from grpo_kit.app.run import resolve_device, resolve_dtype  # lazy: it imports peft, which warns: console first
 
-    configs = {"full": validate_params(full, extras, extra_types),
-               "fallback": None if fallback is None else validate_params(fallback)}
+    configs = {
+        "full": validate_params(full, extras, extra_types),
+        "fallback": None if fallback is None else validate_params(fallback),
+    }
     # with no fallback, auto has nothing to fall back to
     name, blockers = _setup_choice("full" if fallback is None and setup == "auto" else setup, need_packages, "setup")
     if name == "fallback" and fallback is None:
@@ -144,7 +156,6 @@ def full_setup_blockers(need_packages: tuple = ()) -> list[str]:
     for package in need_packages:
         if importlib.util.find_spec(package) is None:
             if package == "vllm":
-
                 blockers.append(f"vllm is not installed ({vllm_install_advice()})")
             else:
                 blockers.append(f"{package} is not installed")
@@ -161,7 +172,7 @@ def kl_estimates(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict:
     ``k3 = r - 1 - log r`` (unbiased for KL(pi_theta || pi_ref), always >= 0; the GRPO paper's).
     """
     log_r = ref_logp - logp
-    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": k3_kl(logp, ref_logp)}
+    return {"k1": -log_r, "k2": log_r**2 / 2, "k3": k3_kl(logp, ref_logp)}
 
 
 def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -184,8 +195,11 @@ def show_figure(fig, dpi: int = 100) -> None:
 
 # Where an installed package keeps the checkout's data folders (pyproject.toml's package-dir maps them).
 # Notebook 03's model choices (hub ids) and the built-in architecture the calculator prices for each.
-NOTEBOOK_MODELS = {"Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b", "Qwen/Qwen3-1.7B": "qwen3-1.7b",
-                   "google/gemma-3-1b-it": "gemma-3-1b"}
+NOTEBOOK_MODELS = {
+    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
+    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
+    "google/gemma-3-1b-it": "gemma-3-1b",
+}
 RESULTS_DIR = "bench/results"  # the committed benchmark results, relative to the checkout
 _PACKAGED_DIRS = {"data": "_data", RESULTS_DIR: "_results"}
 
@@ -201,7 +215,7 @@ def repo_file(relative: str):
         return p
     for folder, packaged in _PACKAGED_DIRS.items():
         if relative == folder or relative.startswith(folder + "/"):
-            p = package / packaged / relative[len(folder):].lstrip("/")
+            p = package / packaged / relative[len(folder) :].lstrip("/")
             return p if p.exists() else None
     return None
 
@@ -211,10 +225,14 @@ def run_report(summary: dict) -> str:
 
     run_dir = Path(summary["run_dir"])
     evals = read_json(run_dir / "eval.json")
-    lines = [f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)"
-             for when in ("before", "after") if when in evals]
-    lines.append(f"{summary['steps']} steps in {summary['train_seconds']} s, "
-                 f"peak memory {summary['peak_memory_gib']:.2f} GiB")
+    lines = [
+        f"held-out accuracy {when:>6}: {evals[when]['accuracy']:.3f}  (n={evals[when]['n']}, greedy)"
+        for when in ("before", "after")
+        if when in evals
+    ]
+    lines.append(
+        f"{summary['steps']} steps in {summary['train_seconds']} s, peak memory {summary['peak_memory_gib']:.2f} GiB"
+    )
     saved = run_dir / ("adapter" if (run_dir / "adapter").is_dir() else "model")
     lines.append(f"{saved.name} files: {sorted(p.name for p in saved.iterdir())}")
     return "\n".join(lines)
@@ -223,12 +241,21 @@ def run_report(summary: dict) -> str:
 # What each benchmark row of the results' data files is, for a legend: the peers by name (their versions are in
 # each row's `run`), the kit as grpo_kit.
 PEER_LABELS = {
-    "ours": "grpo_kit", "ours_offload": "grpo_kit (offloaded checkpoints)", "ours_torch": "grpo_kit (torch twin)",
-    "ours_gspo": "grpo_kit GSPO", "ours_cispo": "grpo_kit CISPO",
-    "naive": "naive fp32 logits", "trl": "TRL 1.16", "unsloth": "Unsloth", "cce": "Cut Cross-Entropy",
-    "liger": "Liger-Kernel", "baseline": "TRL-style (HF checkpointing, full logits)",
-    "grpo_kit_fp8": "grpo_kit (shared weights, FP8 KV)", "grpo_kit_bf16": "grpo_kit (shared weights, bf16 KV)",
-    "grpo_kit_merge": "grpo_kit (shared weights, merged adapter)", "grpo_kit_copy": "grpo_kit (separate vLLM copy)",
+    "ours": "grpo_kit",
+    "ours_offload": "grpo_kit (offloaded checkpoints)",
+    "ours_torch": "grpo_kit (torch twin)",
+    "ours_gspo": "grpo_kit GSPO",
+    "ours_cispo": "grpo_kit CISPO",
+    "naive": "naive fp32 logits",
+    "trl": "TRL 1.16",
+    "unsloth": "Unsloth",
+    "cce": "Cut Cross-Entropy",
+    "liger": "Liger-Kernel",
+    "baseline": "TRL-style (HF checkpointing, full logits)",
+    "grpo_kit_fp8": "grpo_kit (shared weights, FP8 KV)",
+    "grpo_kit_bf16": "grpo_kit (shared weights, bf16 KV)",
+    "grpo_kit_merge": "grpo_kit (shared weights, merged adapter)",
+    "grpo_kit_copy": "grpo_kit (separate vLLM copy)",
 }
 
 
@@ -252,8 +279,18 @@ def bench_rows(benchmark: str):
         if r.get("superseded"):
             continue
         shape = {k: int(v) for k, v in (kv.split("=") for kv in r["shape"].split())}
-        rows.append(dict(r["figures"], row=r["row"], model=r["model"], card=r["card"], command=r["command"],
-                         date=r["date"], dtype=r.get("dtype", ""), **shape))
+        rows.append(
+            dict(
+                r["figures"],
+                row=r["row"],
+                model=r["model"],
+                card=r["card"],
+                command=r["command"],
+                date=r["date"],
+                dtype=r.get("dtype", ""),
+                **shape,
+            )
+        )
     return pd.DataFrame(rows)
 
 

@@ -81,8 +81,12 @@ def _digit_run(text: str, i: int) -> int:
 
 def _is_group(text: str, j: int, sep: str) -> bool:
     """``text[j]`` is ``sep`` followed by exactly three digits (then no fourth)."""
-    return (j + 4 <= len(text) and text[j] == sep and all(c in _DIGITS for c in text[j + 1:j + 4])
-            and (j + 4 == len(text) or text[j + 4] not in _DIGITS))
+    return (
+        j + 4 <= len(text)
+        and text[j] == sep
+        and all(c in _DIGITS for c in text[j + 1 : j + 4])
+        and (j + 4 == len(text) or text[j + 4] not in _DIGITS)
+    )
 
 
 def _unsigned(text: str, i: int, evaluate: bool):
@@ -122,7 +126,7 @@ def _unsigned(text: str, i: int, evaluate: bool):
     if not (ok and evaluate):
         return ok, None, exact, exponent, j
     whole = int("".join(text[a:b] for a, b in pieces))
-    value = Fraction(whole) + (Fraction(int(text[frac[0]:frac[1]]), 10 ** (frac[1] - frac[0])) if frac else 0)
+    value = Fraction(whole) + (Fraction(int(text[frac[0] : frac[1]]), 10 ** (frac[1] - frac[0])) if frac else 0)
     return ok, (value * Fraction(10) ** exp if exp else value), exact, exponent, j
 
 

@@ -22,7 +22,7 @@ SMOLLM2_TOOL_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call>' }}"
     "{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -32,7 +32,7 @@ SMOLLM2_TOOL_TEMPLATE = (
     "{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
@@ -52,8 +52,13 @@ TOOL_RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
-                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
@@ -74,8 +79,11 @@ def tool_template_problems(tokenizer) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         return ["a chat template"]
     calls = [{"type": "function", "function": {"name": _NAME, "arguments": {_KEY: _VALUE}}}]
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
-                {"role": "tool", "name": _NAME, "content": _RESULT}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "name": _NAME, "content": _RESULT},
+    ]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as e:  # the template's own error is what it lacks
@@ -94,10 +102,13 @@ def check_tool_template(tokenizer, name: str) -> None:
     """Raise one ``ValueError`` naming the template of model ``name`` and what it lacks for tool calling."""
     problems = tool_template_problems(tokenizer)
     if problems:
-        raise ValueError(f"the chat template of {name!r} cannot carry tool calls: it lacks "
-                         + "; ".join(problems) + ". Use a model whose template supports tools, or, for SmolLM2 and "
-                         "the kit's tiny models, the kit's template (grpo_kit.tasks.chat_template.use_tool_template; "
-                         "set by the app when tools are configured).")
+        raise ValueError(
+            f"the chat template of {name!r} cannot carry tool calls: it lacks "
+            + "; ".join(problems)
+            + ". Use a model whose template supports tools, or, for SmolLM2 and "
+            "the kit's tiny models, the kit's template (grpo_kit.tasks.chat_template.use_tool_template; "
+            "set by the app when tools are configured)."
+        )
 
 
 def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
@@ -107,12 +118,15 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, return_dict=False)
-    full = tokenizer.apply_chat_template(dummy + list(tool_messages), add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    full = tokenizer.apply_chat_template(
+        dummy + list(tool_messages), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
     if eos:  # templates that close a turn with EOS + newline: the boundary is the EOS
-        prefix = prefix[:eos[-1] + 1]
-    if full[:len(prefix)] != prefix:
-        raise ValueError("the chat template is not prefix-preserving around tool results: the EOS-trimmed "
-                         "assistant turn is not a prefix of the turn followed by its tool results")
-    return full[len(prefix):]
+        prefix = prefix[: eos[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ValueError(
+            "the chat template is not prefix-preserving around tool results: the EOS-trimmed "
+            "assistant turn is not a prefix of the turn followed by its tool results"
+        )
+    return full[len(prefix) :]

@@ -24,7 +24,7 @@ def _fence_body_start(text: str, i: int) -> tuple[int, bool] | None:
     while j < n and text[j] in " \t":
         j += 1
     for tag in _PYTHON_TAGS:
-        if text[j:j + len(tag)].lower() == tag:
+        if text[j : j + len(tag)].lower() == tag:
             k = j + len(tag)
             while k < n and text[k] in " \t":
                 k += 1
@@ -74,8 +74,9 @@ def _column(kwargs: dict, name: str, n: int):
     return list(value)
 
 
-def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers: int | None = None,
-                            name: str = "python_code_reward"):
+def make_python_code_reward(
+    limits: SandboxLimits | None = None, *, max_workers: int | None = None, name: str = "python_code_reward"
+):
     """A TRL reward function that runs the completion's Python code in the sandbox.
 
     Per sample, the dataset columns decide what "right" means (the first one present wins):
@@ -116,8 +117,9 @@ def make_python_code_reward(limits: SandboxLimits | None = None, *, max_workers:
                 suites.append(None)
             programs.append(code)
             idx.append(i)
-        results = run_many(programs, stdins=[str(stdins[i] or "") for i in idx], tests=suites, limits=lim,
-                           max_workers=max_workers)
+        results = run_many(
+            programs, stdins=[str(stdins[i] or "") for i in idx], tests=suites, limits=lim, max_workers=max_workers
+        )
         scores = [0.0] * n
         reward.last_results = [None] * n
         for i, res in zip(idx, results):

@@ -32,10 +32,12 @@ ARITHMETIC_SYSTEM_PROMPT = "Give only the final answer, in the form: Answer: <nu
 
 
 # With tools: a worked example, since a 135M model that has never seen the call format does not produce it.
-TOOL_SYSTEM_PROMPT = ("Use the calculator tool for arithmetic, then give the final answer in the form: "
-                      "Answer: <number>\nExample. User: What is 12 × 34?\nAssistant: <tool_call>\n"
-                      '{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>\n'
-                      "Tool: 408\nAssistant: Answer: 408")
+TOOL_SYSTEM_PROMPT = (
+    "Use the calculator tool for arithmetic, then give the final answer in the form: "
+    "Answer: <number>\nExample. User: What is 12 × 34?\nAssistant: <tool_call>\n"
+    '{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>\n'
+    "Tool: 408\nAssistant: Answer: 408"
+)
 
 
 # Tasks whose questions are one bare arithmetic expression: answer-only prompts, and the tool warm-up's transcripts.
@@ -50,6 +52,8 @@ def default_system_prompt(task: str, tools: bool = False) -> str:
     if task == "long_document":
         return LONG_DOCUMENT_SYSTEM_PROMPT
     return ARITHMETIC_SYSTEM_PROMPT if task in ARITHMETIC_TASKS else DEFAULT_SYSTEM_PROMPT
+
+
 HELDOUT_SEED = 1_000_003  # fixed: the held-out set is the same whatever the training seed
 
 LEVELS = {
@@ -82,8 +86,7 @@ def arithmetic_problem(rng: random.Random, level: int) -> dict:
         a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
     elif level == 4:
         op = rng.choice("+-*")
-        a, b = (rng.randint(10, 99), rng.randint(2, 9)) if op == "*" else (rng.randint(100, 999),
-                                                                           rng.randint(100, 999))
+        a, b = (rng.randint(10, 99), rng.randint(2, 9)) if op == "*" else (rng.randint(100, 999), rng.randint(100, 999))
     else:
         raise ValueError(f"level={level!r} is not allowed; choose one of {sorted(LEVELS)}")
     if op == "-" and b > a:  # keep results non-negative at the easy levels
@@ -111,11 +114,13 @@ def word_problem(rng: random.Random, level: int) -> dict:
         (f"{name} shares {k * a} {item} equally among {k} friends. How many {item} does each friend get?", a),
     ]
     two_step = [
-        (f"{name} has {a} {item}, buys {k} packs of {b} {item}, then gives away {a // 2}. "
-         f"How many {item} does {name} have?", a + k * b - a // 2),
+        (
+            f"{name} has {a} {item}, buys {k} packs of {b} {item}, then gives away {a // 2}. "
+            f"How many {item} does {name} have?",
+            a + k * b - a // 2,
+        ),
         (f"{name} earns ${a} a day for {k} days and spends ${b}. How many dollars are left?", a * k - b),
-        (f"{name} has {a} {item} and {other} has {k} times as many. How many {item} do they have together?",
-         a + k * a),
+        (f"{name} has {a} {item} and {other} has {k} times as many. How many {item} do they have together?", a + k * a),
     ]
     question, answer = rng.choice(one_step if level <= 2 else two_step)
     return {"question": question, "answer": _fmt(answer), "level": level}
@@ -130,14 +135,17 @@ def multiplication_problem(rng: random.Random, level: int) -> dict:
     a calculator tool."""
     if level not in MULTIPLICATION_DIGITS:
         raise ValueError(f"level={level!r} is not allowed; choose one of {sorted(MULTIPLICATION_DIGITS)}")
-    a, b = (rng.randint(10 ** (d - 1) + 1, 10 ** d - 1) for d in MULTIPLICATION_DIGITS[level])
+    a, b = (rng.randint(10 ** (d - 1) + 1, 10**d - 1) for d in MULTIPLICATION_DIGITS[level])
     return {"question": f"What is {a} × {b}?", "answer": str(a * b), "level": level}
 
 
-TASK_GENERATORS = {"arithmetic": arithmetic_problem, "word_problems": word_problem,
-                   "multiplication": multiplication_problem,
-                   # a fact in a document of 1K-128K tokens by level (grpo_kit.tasks.long_document)
-                   "long_document": long_document_problem}
+TASK_GENERATORS = {
+    "arithmetic": arithmetic_problem,
+    "word_problems": word_problem,
+    "multiplication": multiplication_problem,
+    # a fact in a document of 1K-128K tokens by level (grpo_kit.tasks.long_document)
+    "long_document": long_document_problem,
+}
 # Every task name: the generated ones, and GSM8K-format jsonl (load_gsm8k).
 TASKS = (*TASK_GENERATORS, "gsm8k")
 
@@ -177,6 +185,7 @@ def train_heldout_split(task: str, n_train: int, n_heldout: int, *, levels=(1, 2
 
 # --- GSM8K ---------------------------------------------------------------------------
 
+
 def parse_gsm8k_answer(answer: str) -> str:
     """The number after ``####`` in a GSM8K answer, commas removed.
 
@@ -192,8 +201,10 @@ def parse_gsm8k_answer(answer: str) -> str:
         raise ValueError("answer has an empty '####' line")
     number = single_number(tail)
     if number is None or number.exponent:
-        raise ValueError(f"answer's '####' line is not a plain number: {tail[:80]!r} (expected digits, optionally "
-                         "with a sign, $, thousands commas, a decimal part or a /denominator)")
+        raise ValueError(
+            f"answer's '####' line is not a plain number: {tail[:80]!r} (expected digits, optionally "
+            "with a sign, $, thousands commas, a decimal part or a /denominator)"
+        )
     if number.exact and number.value.denominator == 1:
         return str(number.value.numerator)
     return "".join(c for c in tail.replace("\u2212", "-") if c not in "$, \u00a0\u202f\u2009")
@@ -247,19 +258,25 @@ def load_gsm8k(path: str | Path | None = None, *, split: str = "train", limit: i
 
         ds = load_dataset("openai/gsm8k", "main", split=split)
     except Exception as e:  # offline, or the hub refuses
-        raise ValueError(f"could not load openai/gsm8k from the hub ({type(e).__name__}: {e}); "
-                         "pass a local GSM8K-format jsonl as dataset_path") from None
+        raise ValueError(
+            f"could not load openai/gsm8k from the hub ({type(e).__name__}: {e}); "
+            "pass a local GSM8K-format jsonl as dataset_path"
+        ) from None
     rows = ds if limit is None else ds.select(range(min(limit, len(ds))))
-    return [{"question": r["question"], "answer": parse_gsm8k_answer(r["answer"]), "solution": r["answer"]}
-            for r in rows]
+    return [
+        {"question": r["question"], "answer": parse_gsm8k_answer(r["answer"]), "solution": r["answer"]} for r in rows
+    ]
 
 
 # --- prompts -------------------------------------------------------------------------
 
+
 def make_prompt(question: str, system_prompt: str = "") -> list[dict]:
     """Conversational prompt (system + user); the trainer renders it with the chat template."""
-    return [{"role": "system", "content": system_prompt or DEFAULT_SYSTEM_PROMPT},
-            {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": system_prompt or DEFAULT_SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+    ]
 
 
 def prompt_row(example: dict, system_prompt: str = "") -> dict:
@@ -303,8 +320,11 @@ def build_datasets(data: DataSpec) -> tuple[list[dict], list[dict]]:
     d = DataSpec.of(data)
     if d.task == "gsm8k":
         if d.eval_dataset_path or not d.dataset_path:  # GSM8K's test split: the given file, or the hub's
-            heldout = (load_gsm8k(d.eval_dataset_path or None, split="test", limit=d.num_eval_samples)
-                       if d.num_eval_samples else [])
+            heldout = (
+                load_gsm8k(d.eval_dataset_path or None, split="test", limit=d.num_eval_samples)
+                if d.num_eval_samples
+                else []
+            )
             train = load_gsm8k(d.dataset_path or None, split="train", limit=d.num_train_samples)
             asked = {e["question"] for e in heldout}
             return [e for e in train if e["question"] not in asked], heldout
@@ -312,6 +332,6 @@ def build_datasets(data: DataSpec) -> tuple[list[dict], list[dict]]:
         rows = load_gsm8k(d.dataset_path, limit=d.num_train_samples + d.num_eval_samples)
         rng = random.Random(HELDOUT_SEED)
         rng.shuffle(rows)
-        heldout, train = rows[:d.num_eval_samples], rows[d.num_eval_samples:]
-        return train[:d.num_train_samples], heldout
+        heldout, train = rows[: d.num_eval_samples], rows[d.num_eval_samples :]
+        return train[: d.num_train_samples], heldout
     return train_heldout_split(d.task, d.num_train_samples, d.num_eval_samples, levels=tuple(d.levels), seed=d.seed)

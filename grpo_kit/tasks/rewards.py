@@ -76,8 +76,7 @@ def _content_text(content) -> str:
         return content
     if isinstance(content, list):  # multimodal / OpenAI-style parts: the text parts, in order
         return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    raise CompletionFormatError(f"message content must be a str, None or a list of parts, got "
-                                f"{type(content).__name__}")
+    raise CompletionFormatError(f"message content must be a str, None or a list of parts, got {type(content).__name__}")
 
 
 def extract_number(text: str) -> float | None:
@@ -152,7 +151,7 @@ def _is_answer_line(line: str) -> bool:
     line = line.strip()
     if not line.startswith(ANSWER_PREFIX):
         return False
-    rest = line[len(ANSWER_PREFIX):].strip()
+    rest = line[len(ANSWER_PREFIX) :].strip()
     return single_number(rest[:-1] if rest.endswith(".") else rest) is not None
 
 
@@ -186,9 +185,13 @@ def resolve_reward_func(spec):
     ...
     ValueError: reward function 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz' (ModuleNotFoundError: No module named 'no_such_module_xyz')
     """
-    return resolve_entry(spec, "reward function", REWARD_FUNCTIONS,
-                         f"a built-in name ({', '.join(REWARD_FUNCTIONS)}), 'module:function' (an importable module) "
-                         "or, from Python, a callable")
+    return resolve_entry(
+        spec,
+        "reward function",
+        REWARD_FUNCTIONS,
+        f"a built-in name ({', '.join(REWARD_FUNCTIONS)}), 'module:function' (an importable module) "
+        "or, from Python, a callable",
+    )
 
 
 def get_reward_funcs(specs) -> list:
@@ -204,6 +207,7 @@ def reward_func_spec(spec) -> str:
     builtin = next((name for name, fn in REWARD_FUNCTIONS.items() if fn is spec), None)
     return builtin or f"{getattr(spec, '__module__', None) or '?'}:{getattr(spec, '__qualname__', type(spec).__name__)}"
 
+
 class RewardFunctionError(ValueError):
     """A reward function returned something unusable or raised; the message names it and the sample."""
 
@@ -217,8 +221,7 @@ def _excerpt(x, n: int = 80) -> str:
 REWARD_TIME_LIMIT_S = 60.0
 
 
-def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S,
-                        on_rewards=None):
+def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None):
     """Wrap a reward function so bad output stops training with a message naming it and the sample.
 
     Allowed per sample: a finite number that fits a float, or ``None`` (TRL's "not applicable to this
@@ -248,8 +251,9 @@ def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None 
     """
     if on_error not in REWARD_ERRORS:
         raise ValueError(f"on_error={on_error!r} is not allowed; choose one of {list(REWARD_ERRORS)}")
-    if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s)
-                                         and time_limit_s >= 0):
+    if time_limit_s is not None and not (
+        isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s) and time_limit_s >= 0
+    ):
         raise ValueError(f"time_limit_s={time_limit_s!r} must be a finite number of seconds >= 0 (0: no limit)")
     name = getattr(fn, "__name__", type(fn).__name__)
 
@@ -257,8 +261,13 @@ def checked_reward_func(fn, on_error: str = "raise", time_limit_s: float | None 
         try:
             out = call_with_time_limit(time_limit_s, fn, prompts, completions, **kwargs)
         except TimeLimitExceeded:
-            _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) on a batch of %d "
-                         "completions; re-running them one by one", name, time_limit_s, len(completions))
+            _log.warning(
+                "reward function %r ran past its time limit (reward_time_limit_s=%g) on a batch of %d "
+                "completions; re-running them one by one",
+                name,
+                time_limit_s,
+                len(completions),
+            )
             out = _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, None)
         except Exception as e:
             out = _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, e)
@@ -277,19 +286,24 @@ def _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, 
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
     scores = []
     for i in range(n):
-        one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+        one = {k: (v[i : i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
         # An equal share of what is left, so one slow sample cannot starve the ones after it.
         left = None if deadline is None else (deadline - time.monotonic()) / (n - i)
         where = f"on sample {i} (completion {_excerpt(completions[i])})"
         try:
             if left is not None and left <= 0:
                 raise TimeLimitExceeded("no time left")
-            r1 = call_with_time_limit(left, fn, None if prompts is None else prompts[i:i + 1], completions[i:i + 1],
-                                      **one)
+            r1 = call_with_time_limit(
+                left, fn, None if prompts is None else prompts[i : i + 1], completions[i : i + 1], **one
+            )
             scores.append(list(r1)[0] if isinstance(r1, (list, tuple)) and len(r1) == 1 else r1)
         except TimeLimitExceeded:
-            _log.warning("reward function %r ran past its time limit (reward_time_limit_s=%g) %s; scored 0.0",
-                         name, time_limit_s, where)
+            _log.warning(
+                "reward function %r ran past its time limit (reward_time_limit_s=%g) %s; scored 0.0",
+                name,
+                time_limit_s,
+                where,
+            )
             scores.append(0.0)
         except Exception as e1:
             msg = f"reward function {name!r} raised {type(e1).__name__}: {e1} {where}"
@@ -298,8 +312,9 @@ def _one_by_one(fn, name, on_error, time_limit_s, prompts, completions, kwargs, 
             _log.warning("%s; scored 0.0 (reward_errors='zero')", msg)
             scores.append(0.0)
     if batch_error is not None and on_error == "raise":
-        raise RewardFunctionError(f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} "
-                                  f"on a batch of {n} completions") from batch_error
+        raise RewardFunctionError(
+            f"reward function {name!r} raised {type(batch_error).__name__}: {batch_error} on a batch of {n} completions"
+        ) from batch_error
     return scores
 
 
@@ -307,8 +322,9 @@ def _checked_values(name: str, out, completions) -> list:
     """A reward function's output as floats (or None), or a ``RewardFunctionError`` naming what is wrong."""
     n = len(completions)
     if not isinstance(out, (list, tuple)) and not hasattr(out, "__len__"):
-        raise RewardFunctionError(f"reward function {name!r} returned {type(out).__name__}, expected a list "
-                                  f"of {n} floats (or None)")
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {type(out).__name__}, expected a list of {n} floats (or None)"
+        )
     out = list(out)
     if len(out) != n:
         raise RewardFunctionError(f"reward function {name!r} returned {len(out)} values for {n} completions")
@@ -318,17 +334,21 @@ def _checked_values(name: str, out, completions) -> list:
             values.append(None)
             continue
         if isinstance(r, bool) or not isinstance(r, (int, float)) and not hasattr(r, "__float__"):
-            raise RewardFunctionError(f"reward function {name!r} returned {r!r} for sample {i}; expected a "
-                                      "number or None")
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {r!r} for sample {i}; expected a number or None"
+            )
         try:
             value = float(r)
         except (OverflowError, ValueError, TypeError) as e:  # 10**400, or a __float__ that fails
-            raise RewardFunctionError(f"reward function {name!r} returned a value that is no float for sample "
-                                      f"{i} ({type(e).__name__}: {e}; completion {_excerpt(completions[i])})"
-                                      ) from None
+            raise RewardFunctionError(
+                f"reward function {name!r} returned a value that is no float for sample "
+                f"{i} ({type(e).__name__}: {e}; completion {_excerpt(completions[i])})"
+            ) from None
         if not math.isfinite(value):
-            raise RewardFunctionError(f"reward function {name!r} returned {value} for sample {i} "
-                                      f"(completion {_excerpt(completions[i])}); rewards must be finite "
-                                      "(None means 'not applicable')")
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {value} for sample {i} "
+                f"(completion {_excerpt(completions[i])}); rewards must be finite "
+                "(None means 'not applicable')"
+            )
         values.append(value)
     return values

@@ -174,8 +174,10 @@ class SandboxLimits:
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation={self.isolation!r} is not allowed; choose one of {list(ISOLATIONS)}")
         if self.filesystem is not None and self.filesystem not in FILESYSTEMS:
-            raise ValueError(f"filesystem={self.filesystem!r} is not allowed; choose one of {list(FILESYSTEMS)} "
-                             "or None (the process's setting)")
+            raise ValueError(
+                f"filesystem={self.filesystem!r} is not allowed; choose one of {list(FILESYSTEMS)} "
+                "or None (the process's setting)"
+            )
 
 
 @dataclass
@@ -253,17 +255,20 @@ _ROOT_WARNED = False
 
 def _refuse_as_root() -> SandboxResult:
     global _ROOT_WARNED
-    reason = ("refused: running as root and the code cannot run as an unprivileged user (no interpreter it may "
-              f"start: {sys.executable}, {', '.join(_SYSTEM_PYTHONS)}); set SandboxLimits(allow_root=True) to run "
-              "model code as root anyway")
+    reason = (
+        "refused: running as root and the code cannot run as an unprivileged user (no interpreter it may "
+        f"start: {sys.executable}, {', '.join(_SYSTEM_PYTHONS)}); set SandboxLimits(allow_root=True) to run "
+        "model code as root anyway"
+    )
     if not _ROOT_WARNED:
         logger.warning("grpo_kit.tasks.sandbox %s", reason)
         _ROOT_WARNED = True
     return SandboxResult(ok=False, reason=reason, returncode=None)
 
 
-def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = None,
-               tests: str | None = None) -> SandboxResult:
+def run_python(
+    code: str, *, stdin: str = "", limits: SandboxLimits | None = None, tests: str | None = None
+) -> SandboxResult:
     """Run ``code`` (a Python program) in a sandboxed subprocess; never raises for what the code does.
 
     ``stdin`` is fed to the program; stdout and stderr come back (up to ``max_output_bytes``).
@@ -278,8 +283,12 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
         return _run_checked(code, stdin, lim, tests)
     except Exception as e:  # a fault of the sandbox itself: a 0 with a reason, never an exception into training
         logger.warning("grpo_kit.tasks.sandbox: the sandbox failed: %s: %s", type(e).__name__, e)
-        return SandboxResult(ok=False, reason=f"sandbox error: {type(e).__name__}: {e}", returncode=None,
-                             duration_s=time.perf_counter() - t0)
+        return SandboxResult(
+            ok=False,
+            reason=f"sandbox error: {type(e).__name__}: {e}",
+            returncode=None,
+            duration_s=time.perf_counter() - t0,
+        )
 
 
 def _run_checked(code: str, stdin: str, lim: SandboxLimits, tests: str | None) -> SandboxResult:
@@ -290,9 +299,12 @@ def _run_checked(code: str, stdin: str, lim: SandboxLimits, tests: str | None) -
     try:
         bwrap = _bwrap(lim, uid, python)
         if lim.isolation == "bwrap" and bwrap is None:
-            return SandboxResult(ok=False, reason="refused: isolation='bwrap' but bubblewrap (bwrap) is not installed "
-                                 "or cannot create namespaces here (Debian: apt-get install bubblewrap)",
-                                 returncode=None)
+            return SandboxResult(
+                ok=False,
+                reason="refused: isolation='bwrap' but bubblewrap (bwrap) is not installed "
+                "or cannot create namespaces here (Debian: apt-get install bubblewrap)",
+                returncode=None,
+            )
         fs = lim.filesystem or _DEFAULT_FILESYSTEM[0]
         if fs == "minimal" and _MINIMAL_OK.get(bwrap is not None) is False:
             return _refuse_filesystem(_MINIMAL_WHY.get(bwrap is not None, "it failed before"))
@@ -337,9 +349,11 @@ def default_filesystem() -> str:
 
 def _refuse_filesystem(why: str) -> SandboxResult:
     global _FS_WARNED
-    reason = (f"refused: {why}; without the minimal file system the program could read the host's files (run "
-              "folders, data files, the home folder). Set SandboxLimits(filesystem='host') (train: "
-              "sandbox_filesystem: host) to run it with the host's file system visible")
+    reason = (
+        f"refused: {why}; without the minimal file system the program could read the host's files (run "
+        "folders, data files, the home folder). Set SandboxLimits(filesystem='host') (train: "
+        "sandbox_filesystem: host) to run it with the host's file system visible"
+    )
     if not _FS_WARNED:
         logger.warning("grpo_kit.tasks.sandbox %s", reason)
         _FS_WARNED = True
@@ -358,8 +372,16 @@ def _clean_up(scratch: str, cgroup: str | None) -> None:
         logger.warning("grpo_kit.tasks.sandbox: %d entries of a run were left behind", failed)
 
 
-def _child_config(lim: SandboxLimits, uid: int | None, scratch: str, cgroup: str | None, payload, report,
-                  python: str, bwrap: str | None) -> dict:
+def _child_config(
+    lim: SandboxLimits,
+    uid: int | None,
+    scratch: str,
+    cgroup: str | None,
+    payload,
+    report,
+    python: str,
+    bwrap: str | None,
+) -> dict:
     """What the harness (sandbox_child.py) needs: limits per process, sized so that the run as a whole stays
     within ``memory_mb`` and ``max_processes`` (a cgroup, where there is one, holds the sum by itself), and the
     file system to build (the host paths it shows; bubblewrap, where it runs, has built it already)."""
@@ -368,11 +390,26 @@ def _child_config(lim: SandboxLimits, uid: int | None, scratch: str, cgroup: str
         mem = max(mem // lim.max_processes, 32 * 2**20)  # RLIMIT_AS is per process: the sum stays under the limit
     fs = lim.filesystem or _DEFAULT_FILESYSTEM[0]
     paths, links = exposed_paths(python) if fs == "minimal" and bwrap is None else ([], [])
-    return dict(cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))), mem=mem, nproc=lim.max_processes,
-                fsize=lim.max_output_bytes, netns=lim.network_namespace, subprocess=lim.allow_subprocess,
-                uid=uid, payload_fd=payload.fileno(), report_fd=report.fileno(), scratch=scratch,
-                disk_mb=lim.disk_mb, cgroup=cgroup, nofile=MAX_OPEN_FILES, max_value=MAX_VALUE_BYTES,
-                filesystem=fs, root_ready=fs == "minimal" and bwrap is not None, paths=paths, links=links)
+    return dict(
+        cpu=int(lim.cpu_s or max(1, math.ceil(lim.timeout_s))),
+        mem=mem,
+        nproc=lim.max_processes,
+        fsize=lim.max_output_bytes,
+        netns=lim.network_namespace,
+        subprocess=lim.allow_subprocess,
+        uid=uid,
+        payload_fd=payload.fileno(),
+        report_fd=report.fileno(),
+        scratch=scratch,
+        disk_mb=lim.disk_mb,
+        cgroup=cgroup,
+        nofile=MAX_OPEN_FILES,
+        max_value=MAX_VALUE_BYTES,
+        filesystem=fs,
+        root_ready=fs == "minimal" and bwrap is not None,
+        paths=paths,
+        links=links,
+    )
 
 
 # Descriptors per process of the program: pipes and socket pairs hold kernel memory outside its address space,
@@ -395,8 +432,16 @@ def _start_child(scratch, cfg, python, uid, bwrap, **files) -> subprocess.Popen:
     """The judge's process in ``scratch``: the bootstrap with its config, inside bubblewrap where given; a clean
     environment, one thread per math library, its own session (so the whole tree can be killed). ``files``: the
     standard streams and the payload and report descriptors (``pass_fds``)."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": scratch,
+        "TMPDIR": scratch,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONIOENCODING": "utf-8",
+    }
     argv = [python, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
     as_user = {}
     if bwrap:  # bubblewrap starts as the run's uid (dropped by Popen, in C), so the bootstrap has none to drop
@@ -407,7 +452,9 @@ def _start_child(scratch, cfg, python, uid, bwrap, **files) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=scratch, env=env, start_new_session=True, close_fds=True, **files, **as_user)
 
 
-def _result(got: dict, rc, stdout: str, stderr: str, *, timed_out: bool, lim, t0: float, bwrap, cgroup) -> SandboxResult:
+def _result(
+    got: dict, rc, stdout: str, stderr: str, *, timed_out: bool, lim, t0: float, bwrap, cgroup
+) -> SandboxResult:
     """The run's :class:`SandboxResult` from the judge's report ``got`` and the process's exit code ``rc``."""
     if isinstance(got.get("status"), int):  # the judge's report: the program's own status
         rc = os.waitstatus_to_exitcode(got["status"])
@@ -415,11 +462,18 @@ def _result(got: dict, rc, stdout: str, stderr: str, *, timed_out: bool, lim, t0
     if isinstance(got.get("judge_error"), str) and not timed_out:
         reason = f"judge error: {got['judge_error']}"
     filesystem = got.get("filesystem") if got.get("filesystem") in FILESYSTEMS else None
-    return SandboxResult(ok=(rc == 0 and not timed_out), reason=reason, returncode=rc, stdout=stdout, stderr=stderr,
-                         duration_s=time.perf_counter() - t0, network=str(got.get("net", "")),
-                         tests_completed=got.get("tests_completed") is True, isolation="bwrap" if bwrap else "builtin",
-                         extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None,
-                                "filesystem": filesystem})
+    return SandboxResult(
+        ok=(rc == 0 and not timed_out),
+        reason=reason,
+        returncode=rc,
+        stdout=stdout,
+        stderr=stderr,
+        duration_s=time.perf_counter() - t0,
+        network=str(got.get("net", "")),
+        tests_completed=got.get("tests_completed") is True,
+        isolation="bwrap" if bwrap else "builtin",
+        extra={"mounts": got.get("mounts") is True, "cgroup": cgroup is not None, "filesystem": filesystem},
+    )
 
 
 def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> SandboxResult:
@@ -434,16 +488,30 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
             os.chown(scratch, uid, uid)
         os.chmod(scratch, 0o700)
         inp.write(stdin.encode("utf-8", "surrogatepass"))
-        payload.write(json.dumps({"code": code, "tests": tests, "secret": secret, "program": _PROGRAM})
-                      .encode("utf-8", "surrogatepass"))
+        payload.write(
+            json.dumps({"code": code, "tests": tests, "secret": secret, "program": _PROGRAM}).encode(
+                "utf-8", "surrogatepass"
+            )
+        )
         payload_bytes = payload.tell()
         for fh in (inp, payload):
             fh.flush()
             fh.seek(0)
-        cfg = {**_child_config(lim, uid, scratch, cgroup, payload, report, python, bwrap),
-               "payload_bytes": payload_bytes}
-        proc = _start_child(scratch, cfg, python, uid, bwrap, stdin=inp, stdout=out, stderr=err,
-                            pass_fds=(payload.fileno(), report.fileno()))
+        cfg = {
+            **_child_config(lim, uid, scratch, cgroup, payload, report, python, bwrap),
+            "payload_bytes": payload_bytes,
+        }
+        proc = _start_child(
+            scratch,
+            cfg,
+            python,
+            uid,
+            bwrap,
+            stdin=inp,
+            stdout=out,
+            stderr=err,
+            pass_fds=(payload.fileno(), report.fileno()),
+        )
         try:
             proc.wait(timeout=lim.timeout_s)
         except subprocess.TimeoutExpired:
@@ -451,13 +519,31 @@ def _run_in(scratch, code, stdin, tests, lim, python, uid, bwrap, cgroup) -> San
         _kill_all(proc, report, secret)
         got = _reports(report, secret)
         if isinstance(got.get("refused"), str):  # the judge ran nothing: the file system asked for is impossible
-            return SandboxResult(ok=False, reason=f"refused: {got['refused'][:500]}", returncode=None,
-                                 duration_s=time.perf_counter() - t0, extra={"filesystem": None})
-        return _result(got, proc.returncode, _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes),
-                       timed_out=timed_out, lim=lim, t0=t0, bwrap=bwrap, cgroup=cgroup)
+            return SandboxResult(
+                ok=False,
+                reason=f"refused: {got['refused'][:500]}",
+                returncode=None,
+                duration_s=time.perf_counter() - t0,
+                extra={"filesystem": None},
+            )
+        return _result(
+            got,
+            proc.returncode,
+            _read(out, lim.max_output_bytes),
+            _read(err, lim.max_output_bytes),
+            timed_out=timed_out,
+            lim=lim,
+            t0=t0,
+            bwrap=bwrap,
+            cgroup=cgroup,
+        )
     except OSError as e:  # could not start the child (fork limit, disk full): a 0 with a reason
-        return SandboxResult(ok=False, reason=f"sandbox could not run the code: {e}", returncode=None,
-                             duration_s=time.perf_counter() - t0)
+        return SandboxResult(
+            ok=False,
+            reason=f"sandbox could not run the code: {e}",
+            returncode=None,
+            duration_s=time.perf_counter() - t0,
+        )
     finally:
         if proc is not None:
             _kill_all(proc, report, secret)
@@ -490,11 +576,17 @@ def _give_id(uid: int) -> None:
 def _unprivileged_can_run(python: str) -> bool:
     """Whether an unprivileged uid can start ``python`` and import what the bootstrap needs (probed once each)."""
     if python not in _RUNNABLE:
-        code = (f"import os; os.setgroups([]); os.setgid({SANDBOX_ID_BASE - 1}); os.setuid({SANDBOX_ID_BASE - 1}); "
-                "import json, socket, ast, ctypes, resource")
+        code = (
+            f"import os; os.setgroups([]); os.setgid({SANDBOX_ID_BASE - 1}); os.setuid({SANDBOX_ID_BASE - 1}); "
+            "import json, socket, ast, ctypes, resource"
+        )
         try:
-            _RUNNABLE[python] = subprocess.run([python, "-I", "-c", code], cwd="/", env={"PATH": "/usr/bin:/bin"},
-                                               capture_output=True, timeout=30).returncode == 0
+            _RUNNABLE[python] = (
+                subprocess.run(
+                    [python, "-I", "-c", code], cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True, timeout=30
+                ).returncode
+                == 0
+            )
         except (OSError, subprocess.SubprocessError):
             _RUNNABLE[python] = False
     return _RUNNABLE[python]
@@ -505,13 +597,32 @@ _BWRAP_OK: dict[bool, bool] = {}
 # What of the host the program sees in the minimal file system, read-only, where it exists: the system's programs
 # and shared libraries, what the dynamic loader and the C library read, the time zones. The interpreter's own files
 # (its executable, standard library, packages and shared library) are added by exposed_paths.
-SYSTEM_PATHS = ("/usr/bin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libexec", "/usr/local/bin",
-                "/usr/local/lib", "/usr/share/zoneinfo", "/bin", "/lib", "/lib32", "/lib64", "/libx32",
-                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd",
-                "/etc/group", "/etc/nsswitch.conf")
+SYSTEM_PATHS = (
+    "/usr/bin",
+    "/usr/lib",
+    "/usr/lib32",
+    "/usr/lib64",
+    "/usr/libexec",
+    "/usr/local/bin",
+    "/usr/local/lib",
+    "/usr/share/zoneinfo",
+    "/bin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+)
 _EXPOSED: dict[str, tuple[list[str], list[list[str]]]] = {}
-_INTERPRETER_PATHS = ("import json, sys, sysconfig; print(json.dumps([sys.executable, "
-                      "sysconfig.get_config_var('LIBDIR'), *sys.path]))")
+_INTERPRETER_PATHS = (
+    "import json, sys, sysconfig; print(json.dumps([sys.executable, sysconfig.get_config_var('LIBDIR'), *sys.path]))"
+)
 
 
 def exposed_paths(python: str) -> tuple[list[str], list[list[str]]]:
@@ -521,8 +632,13 @@ def exposed_paths(python: str) -> tuple[list[str], list[list[str]]]:
     interpreter lives there, and then only its own files."""
     if python not in _EXPOSED:
         try:
-            out = subprocess.run([python, "-I", "-c", _INTERPRETER_PATHS], capture_output=True, timeout=30, cwd="/",
-                                 env={"PATH": "/usr/bin:/bin"}).stdout
+            out = subprocess.run(
+                [python, "-I", "-c", _INTERPRETER_PATHS],
+                capture_output=True,
+                timeout=30,
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin"},
+            ).stdout
             own = [p for p in parse_json(out, f"{python}'s paths") if isinstance(p, str)]
         except (OSError, ValueError, subprocess.SubprocessError):  # its own files then come from SYSTEM_PATHS only
             own = [python]
@@ -564,8 +680,11 @@ def _bwrap_argv(bwrap: str, scratch: str, python: str, filesystem: str) -> list[
     argv += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     home = os.path.realpath(os.path.expanduser("~"))
     keep = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))]
-    if home not in ("/", "") and os.path.isdir(home) and not any(k == home or k.startswith(home + os.sep)
-                                                                  for k in keep):
+    if (
+        home not in ("/", "")
+        and os.path.isdir(home)
+        and not any(k == home or k.startswith(home + os.sep) for k in keep)
+    ):
         argv += ["--tmpfs", home]
     return argv + ["--bind", scratch, scratch, "--chdir", scratch, "--"]
 
@@ -581,8 +700,15 @@ def _bwrap(lim: SandboxLimits, uid: int | None, python: str) -> str | None:
         scratch = tempfile.mkdtemp(prefix="grpo_kit_sandbox_probe_")
         try:
             os.chmod(scratch, 0o777)
-            _BWRAP_OK[key] = subprocess.run(_bwrap_argv(path, scratch, python, "minimal") + [python, "-I", "-c", ""],
-                                            capture_output=True, timeout=30, **as_user).returncode == 0
+            _BWRAP_OK[key] = (
+                subprocess.run(
+                    _bwrap_argv(path, scratch, python, "minimal") + [python, "-I", "-c", ""],
+                    capture_output=True,
+                    timeout=30,
+                    **as_user,
+                ).returncode
+                == 0
+            )
         except (OSError, subprocess.SubprocessError):
             _BWRAP_OK[key] = False
         finally:
@@ -597,7 +723,7 @@ def _interpreter(lim: SandboxLimits) -> tuple[str, bool]:
     the first one an unprivileged uid can run (pyenv under ``/root`` cannot be)."""
     if os.geteuid() != 0 or not lim.drop_privileges:
         return lim.python or sys.executable, False
-    for python in ([lim.python] if lim.python else [sys.executable, *_SYSTEM_PYTHONS]):
+    for python in [lim.python] if lim.python else [sys.executable, *_SYSTEM_PYTHONS]:
         if os.path.isfile(python) and _unprivileged_can_run(python):
             return python, True
     return lim.python or sys.executable, False
@@ -625,8 +751,9 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def run_many(codes, *, stdins=None, tests=None, limits: SandboxLimits | None = None,
-             max_workers: int | None = None) -> list[SandboxResult]:
+def run_many(
+    codes, *, stdins=None, tests=None, limits: SandboxLimits | None = None, max_workers: int | None = None
+) -> list[SandboxResult]:
     """Run many programs, ``max_workers`` at a time (default: the CPU count, at most 8).
 
     ``stdins``, ``tests``: one per program (see :func:`run_python`), or None. Wall time is bounded by
@@ -641,5 +768,8 @@ def run_many(codes, *, stdins=None, tests=None, limits: SandboxLimits | None = N
         return []
     workers = max(1, min(len(codes), max_workers or default_workers()))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpo_kit_sandbox") as pool:
-        return list(pool.map(lambda job: run_python(job[0], stdin=job[1], tests=job[2], limits=limits),
-                             zip(codes, stdins, tests)))
+        return list(
+            pool.map(
+                lambda job: run_python(job[0], stdin=job[1], tests=job[2], limits=limits), zip(codes, stdins, tests)
+            )
+        )

@@ -40,11 +40,18 @@ TRUNCATION_MARKER = " ...[truncated]"
 # The python tool's sandbox: a short wall clock (a rollout waits for it), 256 MiB of address space.
 PYTHON_TOOL_LIMITS = SandboxLimits(timeout_s=5.0, memory_mb=256)
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_EXPONENT = 64  # 10**64 is plenty for arithmetic; 9**9**9 would not finish
-_MAX_OPERAND = 10 ** 30
+_MAX_OPERAND = 10**30
 
 
 class ToolError(Exception):
@@ -106,8 +113,12 @@ def resolve_tool(spec):
     """One tool from a config entry: a ready tool's name (``READY_TOOLS``), a ``module:function`` string (dots
     allowed after the colon for a class attribute), or a callable, returned as is. A bad entry raises ``ValueError``
     naming it and what failed."""
-    return resolve_entry(spec, "tool", READY_TOOLS,
-                         f"a ready tool ({', '.join(READY_TOOLS)}) or 'module:function' (an importable module)")
+    return resolve_entry(
+        spec,
+        "tool",
+        READY_TOOLS,
+        f"a ready tool ({', '.join(READY_TOOLS)}) or 'module:function' (an importable module)",
+    )
 
 
 def get_tools(specs) -> list:
@@ -148,8 +159,11 @@ ENVIRONMENT_HOOKS = ("reset", "get_reward")  # an environment's methods TRL call
 def environment_tools(instance) -> list:
     """The tools one environment instance offers, as TRL 1.16 takes them: the bound public methods its class
     defines (by name, as ``inspect.getmembers`` lists them), but :data:`ENVIRONMENT_HOOKS`."""
-    return [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
-            if name not in ENVIRONMENT_HOOKS and not name.startswith("_")]
+    return [
+        getattr(instance, name)
+        for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+        if name not in ENVIRONMENT_HOOKS and not name.startswith("_")
+    ]
 
 
 def truncate_tokens(text: str, tokenizer, max_tokens: int | None) -> str:
@@ -163,8 +177,13 @@ def truncate_tokens(text: str, tokenizer, max_tokens: int | None) -> str:
     return tokenizer.decode(ids[:max_tokens]) + TRUNCATION_MARKER
 
 
-def checked_tool(fn, *, time_limit_s: float | None = TOOL_TIME_LIMIT_S, tokenizer=None,
-                 max_output_tokens: int | None = TOOL_OUTPUT_TOKENS):
+def checked_tool(
+    fn,
+    *,
+    time_limit_s: float | None = TOOL_TIME_LIMIT_S,
+    tokenizer=None,
+    max_output_tokens: int | None = TOOL_OUTPUT_TOKENS,
+):
     """``fn`` as the rollout calls it: its name, signature and docstring kept (the schema the model sees), any
     failure one :class:`ToolError` with a logged warning, a text result cut to ``max_output_tokens`` tokens."""
     if getattr(fn, "_grpo_kit_checked_tool", False):

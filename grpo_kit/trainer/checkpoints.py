@@ -50,7 +50,6 @@ KIT_STATE = "kit_state.json"
 TRAINER_STATE = "trainer_state.json"
 
 
-
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the run."""
 
@@ -65,8 +64,10 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 def resume_hint(run_dir: str | os.PathLike) -> str:
     """How to continue the run in ``run_dir``, for the CLI and for notebooks."""
-    return (f"continue with `python -m grpo_kit train --resume {run_dir}` (notebooks: "
-            f"grpo_kit.app.run.resume({str(run_dir)!r}))")
+    return (
+        f"continue with `python -m grpo_kit train --resume {run_dir}` (notebooks: "
+        f"grpo_kit.app.run.resume({str(run_dir)!r}))"
+    )
 
 
 def disk_full_error(run_dir: str | os.PathLike, error: OSError, what: str) -> DiskFullError:
@@ -76,9 +77,11 @@ def disk_full_error(run_dir: str | os.PathLike, error: OSError, what: str) -> Di
     free = shutil.disk_usage(existing).free
     saved = list_checkpoints(run_dir)
     last = f"the last complete checkpoint, {saved[-1]}, is intact" if saved else "no checkpoint was complete yet"
-    return DiskFullError(f"disk full while writing {what} in {where}: {free / 2**20:.1f} MiB free there "
-                         f"({error.strerror or error}); {last}. Free some space, then "
-                         + (resume_hint(run_dir) if saved else "start the run again"))
+    return DiskFullError(
+        f"disk full while writing {what} in {where}: {free / 2**20:.1f} MiB free there "
+        f"({error.strerror or error}); {last}. Free some space, then "
+        + (resume_hint(run_dir) if saved else "start the run again")
+    )
 
 
 class Interrupted(RuntimeError):
@@ -127,8 +130,11 @@ class SignalStop:
         name = signal.Signals(signum).name
         if self.signum is not None:  # the second: at once, naming what is left to resume from
             saved = list_checkpoints(self.run_dir) if self.run_dir is not None else []
-            left = (f"resume from {saved[-1]}: {resume_hint(self.run_dir)}" if saved else
-                    "no checkpoint is complete yet: start the run again")
+            left = (
+                f"resume from {saved[-1]}: {resume_hint(self.run_dir)}"
+                if saved
+                else "no checkpoint is complete yet: start the run again"
+            )
             print(f"[grpo_kit] {name} again: stopping at once, without saving; {left}", file=sys.stderr, flush=True)
             self._restore()
             signal.raise_signal(signum)
@@ -137,8 +143,12 @@ class SignalStop:
         if not self.training:
             raise Interrupted(f"stopped by {name} {self.hint}", signum)
 
-        print(f"[grpo_kit] {name}: saving a checkpoint at the end of this step, then stopping (send it again to "
-              "stop at once, without saving)", file=sys.stderr, flush=True)
+        print(
+            f"[grpo_kit] {name}: saving a checkpoint at the end of this step, then stopping (send it again to "
+            "stop at once, without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +237,6 @@ def save_state(obj, folder: str | os.PathLike, name: str) -> None:
 
 
 def load_state(folder: str | os.PathLike, name: str, device: str | torch.device = "cpu"):
-
     folder = Path(folder)
     device = torch.device(device)  # accelerate's CPU device under several processes is cpu:0, which safetensors refuses
     tensors = load_file(str(folder / f"{name}.safetensors"), device="cpu" if device.type == "cpu" else str(device))
@@ -352,8 +361,11 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
                 if _step_of(final) is not None and not final.exists() and verify_checkpoint(p) is None:
                     os.rename(p, final)
                     fsync_dir(root)
-                    print(f"[grpo_kit] restored {final} from {p.name} (a save of that step was cut short)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[grpo_kit] restored {final} from {p.name} (a save of that step was cut short)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
             if p.name.startswith(".tmp-") or p.name.startswith(".old-"):
                 shutil.rmtree(p, ignore_errors=True)
@@ -487,10 +499,11 @@ class ResumableTrainerMixin:
         control.should_save = True
         control.should_training_stop = True
         ckpt = checkpoints_dir(args.output_dir) / f"{PREFIX}{state.global_step}"
-        channel(self).stop_error = Interrupted(f"training stopped by {signal.Signals(signals.signum).name} at step "
-                                      f"{state.global_step} of {state.max_steps}; state saved in {ckpt}; "
-                                      + resume_hint(args.output_dir), signals.signum)
-
+        channel(self).stop_error = Interrupted(
+            f"training stopped by {signal.Signals(signals.signum).name} at step "
+            f"{state.global_step} of {state.max_steps}; state saved in {ckpt}; " + resume_hint(args.output_dir),
+            signals.signum,
+        )
 
     # -- what is saved besides model/optimizer --------------------------------------------------
     def _kit_sampler(self):
@@ -512,19 +525,34 @@ class ResumableTrainerMixin:
 
     def _kit_snapshot(self) -> dict:
         metrics = getattr(self, "_metrics", None)
-        return {"rng": get_rng_state(), "trl_step": int(getattr(self, "_step", 0)),
-                "trl_metrics": ({m: {k: list(v) for k, v in d.items()} for m, d in metrics.items()}
-                                if isinstance(metrics, dict) else None),
-                "run": self.run_state_provider() if self.run_state_provider else None}
+        return {
+            "rng": get_rng_state(),
+            "trl_step": int(getattr(self, "_step", 0)),
+            "trl_metrics": (
+                {m: {k: list(v) for k, v in d.items()} for m, d in metrics.items()}
+                if isinstance(metrics, dict)
+                else None
+            ),
+            "run": self.run_state_provider() if self.run_state_provider else None,
+        }
 
     def _kit_state(self, snapshot: dict) -> dict:
         sampler = self._kit_sampler()
         sampler_state = None
         if sampler is not None and self._kit_epoch_begin is not None:
-            sampler_state = {"epoch": self._kit_epoch_begin[0], "epoch_start": self._kit_epoch_begin[1],
-                             "current": sampler.generator.get_state().tolist()}
-        return {"format": 1, "global_step": self.state.global_step, "trl_step": snapshot["trl_step"],
-                "sampler": sampler_state, "trl_metrics": snapshot["trl_metrics"], "run": snapshot["run"]}
+            sampler_state = {
+                "epoch": self._kit_epoch_begin[0],
+                "epoch_start": self._kit_epoch_begin[1],
+                "current": sampler.generator.get_state().tolist(),
+            }
+        return {
+            "format": 1,
+            "global_step": self.state.global_step,
+            "trl_step": snapshot["trl_step"],
+            "sampler": sampler_state,
+            "trl_metrics": snapshot["trl_metrics"],
+            "run": snapshot["run"],
+        }
 
     # -- save ------------------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial=None, *, mid_step: bool = False):
@@ -546,6 +574,7 @@ class ResumableTrainerMixin:
         if not writes:
             return None
         sharding = _sharding()
+
         def fill(tmp: Path):
             if hasattr(unwrapped, "peft_config") and weights is not None:  # FSDP2: the adapter gathered whole
                 sharding.write_adapter(unwrapped, tmp / "adapter", weights)
@@ -571,8 +600,9 @@ class ResumableTrainerMixin:
             self.state.save_to_json(str(tmp / TRAINER_STATE))
             (tmp / KIT_STATE).write_text(json.dumps(self._kit_state(snapshot)))
 
-        return write_checkpoint(self.args.output_dir, self.state.global_step, fill,
-                                keep=int(getattr(self, "keep_checkpoints", 2) or 0))
+        return write_checkpoint(
+            self.args.output_dir, self.state.global_step, fill, keep=int(getattr(self, "keep_checkpoints", 2) or 0)
+        )
 
     def _kit_whole_state(self, unwrapped, *, keep: bool):
         """(model tensors, optimizer state dict) to write. Under FSDP2 both gathered whole by every process, in the
@@ -664,9 +694,11 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> Path:
     remove_stale_temporaries(run_dir)
     ckpt = last_checkpoint(run_dir)
     if ckpt is None:
-        raise CheckpointError(f"no complete checkpoint in {checkpoints_dir(run_dir)}; the run saves one every "
-                              "save_steps steps (save_steps=0: none), so there is nothing to resume from. "
-                              "Start the run again instead.")
+        raise CheckpointError(
+            f"no complete checkpoint in {checkpoints_dir(run_dir)}; the run saves one every "
+            "save_steps steps (save_steps=0: none), so there is nothing to resume from. "
+            "Start the run again instead."
+        )
     return ckpt
 
 

@@ -64,10 +64,16 @@ class KitGenerationMixin:
     call is checked: ``tool_time_limit_s`` (wall seconds; None: no limit) and ``tool_output_tokens`` (tokens of a
     text result kept; None: all), and ``max_prompt_length`` (tokens of a first-turn prompt; None: unchecked)."""
 
-    def __init__(self, *args, generator=None, importance_sampling_correction: bool | None = None,
-                 tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
-                 tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS, max_prompt_length: int | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        *args,
+        generator=None,
+        importance_sampling_correction: bool | None = None,
+        tool_time_limit_s: float | None = TOOL_TIME_LIMIT_S,
+        tool_output_tokens: int | None = TOOL_OUTPUT_TOKENS,
+        max_prompt_length: int | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.tool_time_limit_s, self.tool_output_tokens = tool_time_limit_s, tool_output_tokens
         self.kit_max_prompt_length, self._kit_first_turn = max_prompt_length, False
@@ -78,9 +84,13 @@ class KitGenerationMixin:
             return
         self._check_kit_generation_supported()
         self.kit_sampling = SamplingConfig(
-            temperature=float(self.temperature), top_p=float(self.top_p if self.top_p is not None else 1.0),
-            top_k=int(self.top_k or 0), min_p=float(self.min_p or 0.0), max_tokens=int(self.max_completion_length),
-            stop_token_ids=tuple(int(t) for t in self.eos_token_ids))
+            temperature=float(self.temperature),
+            top_p=float(self.top_p if self.top_p is not None else 1.0),
+            top_k=int(self.top_k or 0),
+            min_p=float(self.min_p or 0.0),
+            max_tokens=int(self.max_completion_length),
+            stop_token_ids=tuple(int(t) for t in self.eos_token_ids),
+        )
         if importance_sampling_correction is None:
             importance_sampling_correction = bool(getattr(self.args, "vllm_importance_sampling_correction", False))
         self.kit_importance_sampling = bool(importance_sampling_correction)
@@ -102,16 +112,20 @@ class KitGenerationMixin:
         if getattr(self.args, "generation_kwargs", None):  # user extras; TRL's own dict is built from args
             problems.append(f"args.generation_kwargs={self.args.generation_kwargs}")
         if problems:
-            raise ValueError("generator= (kit generation) does not support: " + "; ".join(problems)
-                             + ". Pass generator=None to use TRL's own generation.")
+            raise ValueError(
+                "generator= (kit generation) does not support: "
+                + "; ".join(problems)
+                + ". Pass generator=None to use TRL's own generation."
+            )
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._kit_first_turn:
             self._kit_first_turn = False
             self._check_prompt_lengths(prompt_ids)
         if self.kit_generator is None:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         if images is not None or multimodal_fields:
             raise ValueError("kit generation is text-only: got images or multimodal fields")
         mode = "train" if self.model.training else "eval"
@@ -125,8 +139,9 @@ class KitGenerationMixin:
                 channel(self).sync_log.append({"step": self.state.global_step, **info})
                 self._metrics[mode]["generation/sync_seconds"].append(time.perf_counter() - start)
             with profiling_context(self, f"kit.{self.kit_generator.name}.generate"):
-                result = self.kit_generator.generate([list(p) for p in prompt_ids], num_generations=1,
-                                                     sampling=self.kit_sampling)
+                result = self.kit_generator.generate(
+                    [list(p) for p in prompt_ids], num_generations=1, sampling=self.kit_sampling
+                )
             for key in ("merge_s", "restore_s"):  # the adapter merged into shared weights for this call
                 if key in result.timings:
                     self._metrics[mode][f"generation/{key.removesuffix('_s')}_seconds"].append(result.timings[key])
@@ -150,12 +165,17 @@ class KitGenerationMixin:
         longest = max((len(p) for p in prompt_ids), default=0)
         if self.kit_max_prompt_length is None or longest <= self.kit_max_prompt_length:
             return
-        what = ("with what the environment's reset() added" if getattr(self, "environments", None)
-                else "as rendered for generation")
+        what = (
+            "with what the environment's reset() added"
+            if getattr(self, "environments", None)
+            else "as rendered for generation"
+        )
         path = self._kit_save_after_crash()
-        raise ValueError(f"a prompt is {longest} tokens {what}, over max_prompt_length={self.kit_max_prompt_length} "
-                         "(the engine's context and the memory plan are sized for it): raise max_prompt_length or "
-                         f"shorten the prompt. Training state saved to {path}")
+        raise ValueError(
+            f"a prompt is {longest} tokens {what}, over max_prompt_length={self.kit_max_prompt_length} "
+            "(the engine's context and the memory plan are sized for it): raise max_prompt_length or "
+            f"shorten the prompt. Training state saved to {path}"
+        )
 
     def _generate(self, prompts):
         if self.kit_generator is not None and self.rollout_func is not None:
@@ -172,8 +192,12 @@ class KitGenerationMixin:
         # TRL rebuilds the per-rollout tool tables every batch (environment methods are per instance): wrap them here
         for table in getattr(self, "_sync_tool_dicts", None) or ():
             for name, tool in table.items():
-                table[name] = checked_tool(tool, time_limit_s=self.tool_time_limit_s, tokenizer=self._tokenizer,
-                                           max_output_tokens=self.tool_output_tokens)
+                table[name] = checked_tool(
+                    tool,
+                    time_limit_s=self.tool_time_limit_s,
+                    tokenizer=self._tokenizer,
+                    max_output_tokens=self.tool_output_tokens,
+                )
         return super()._tool_call_loop(*args, **kwargs)
 
     def _kit_save_after_crash(self) -> str:

@@ -82,10 +82,12 @@ from grpo_kit.trainer.spec import TrainerSpec
 
 # GRPOConfig options the efficient loss does not compute: (test on the config, what to say, why).
 UNSUPPORTED = (
-    (lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy,
-     "an entropy bonus (entropy_coef, use_adaptive_entropy)",
-     "its gradient w.r.t. the logits is not a multiple of d logp / d logits, which is all the chunked epilogue "
-     "computes"),
+    (
+        lambda a: a.entropy_coef != 0.0 or a.use_adaptive_entropy,
+        "an entropy bonus (entropy_coef, use_adaptive_entropy)",
+        "its gradient w.r.t. the logits is not a multiple of d logp / d logits, which is all the chunked epilogue "
+        "computes",
+    ),
     (lambda a: a.use_vllm, "use_vllm", "TRL's own vLLM; use the kit's generation_backend instead"),
 )
 # TRL's metric names the kit logs for every loss type; each type's own (clip ratios, ...) come from the registry
@@ -100,9 +102,12 @@ def _checked(funcs, on_error: str = "raise", time_limit_s: float | None = REWARD
     scores (the run folder's samples.jsonl)."""
     single = not isinstance(funcs, (list, tuple))
     funcs = [resolve_reward_func(f) if isinstance(f, str) and ":" in f else f for f in ([funcs] if single else funcs)]
-    out = [checked_reward_func(f, on_error, time_limit_s, on_rewards=on_rewards if i == 0 else None)
-           if callable(f) and not isinstance(f, torch.nn.Module) and not inspect.iscoroutinefunction(f) else f
-           for i, f in enumerate(funcs)]
+    out = [
+        checked_reward_func(f, on_error, time_limit_s, on_rewards=on_rewards if i == 0 else None)
+        if callable(f) and not isinstance(f, torch.nn.Module) and not inspect.iscoroutinefunction(f)
+        else f
+        for i, f in enumerate(funcs)
+    ]
     return out[0] if single else out
 
 
@@ -133,10 +138,18 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
     generation) and ``importance_sampling_correction``.
     """
 
-    def __init__(self, *args, loss_chunk_size: int | None = None, offload_checkpointing: bool | None = None,
-                 reward_errors: str = "raise", scoring_batch_size: int | None = None,
-                 reward_time_limit_s: float | None = REWARD_TIME_LIMIT_S, on_rewards=None, prefix_sharing=False,
-                 **kwargs):
+    def __init__(
+        self,
+        *args,
+        loss_chunk_size: int | None = None,
+        offload_checkpointing: bool | None = None,
+        reward_errors: str = "raise",
+        scoring_batch_size: int | None = None,
+        reward_time_limit_s: float | None = REWARD_TIME_LIMIT_S,
+        on_rewards=None,
+        prefix_sharing=False,
+        **kwargs,
+    ):
         prefix_sharing = check_prefix_sharing(prefix_sharing)
         training_args = kwargs.get("args")
         if training_args is not None:
@@ -165,28 +178,40 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
                 self.aux_loss_enabled = False
         self._offloaded_checkpointing = bool(offload_checkpointing)
         if prefix_sharing is True and self.accelerator.num_processes > 1:
-            raise ValueError("prefix_sharing: true is proven on one process only (its two forwards per micro-batch "
-                             "are not proven under DDP or FSDP); use auto (off there) or false")
+            raise ValueError(
+                "prefix_sharing: true is proven on one process only (its two forwards per micro-batch "
+                "are not proven under DDP or FSDP); use auto (off there) or false"
+            )
         self.prefix_sharing = prefix_sharing
-        self.prefix_sharing_stats = dict(passes=0, groups=0, shared_rows=0, alone_rows=0, short_rows=0,
-                                         layout_rows=0, prompt_tokens_saved=0)
+        self.prefix_sharing_stats = dict(
+            passes=0, groups=0, shared_rows=0, alone_rows=0, short_rows=0, layout_rows=0, prompt_tokens_saved=0
+        )
         self._prefix_said: set = set()
 
     @staticmethod
     def _check_supported(args) -> None:
         problems = [f"{what} ({why})" for refused, what, why in UNSUPPORTED if refused(args)]
         if problems:
-            raise ValueError("EfficientGRPOTrainer does not support: " + "; ".join(problems)
-                             + ". Use trainer='trl' (TRL's GRPOTrainer) for these settings.")
+            raise ValueError(
+                "EfficientGRPOTrainer does not support: "
+                + "; ".join(problems)
+                + ". Use trainer='trl' (TRL's GRPOTrainer) for these settings."
+            )
 
     def _check_vespo_importance_sampling(self) -> None:
         """TRL refuses VESPO with a sequence-level engine ratio, but only when ``use_vllm`` is set at its
         construction; the kit's generation mixin sets it afterwards, so the same check runs here."""
-        if (self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
-                and self.vllm_importance_sampling_mode not in ENGINE_IS_TOKEN_MODES):
-            raise ValueError("loss_type='vespo' with the importance-sampling correction needs "
-                             f"vllm_importance_sampling_mode {' or '.join(map(repr, ENGINE_IS_TOKEN_MODES))}, got "
-                             f"{self.vllm_importance_sampling_mode!r}")
+        if (
+            self.loss_type == "vespo"
+            and self.use_vllm
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ENGINE_IS_TOKEN_MODES
+        ):
+            raise ValueError(
+                "loss_type='vespo' with the importance-sampling correction needs "
+                f"vllm_importance_sampling_mode {' or '.join(map(repr, ENGINE_IS_TOKEN_MODES))}, got "
+                f"{self.vllm_importance_sampling_mode!r}"
+            )
 
     # -- hidden states ------------------------------------------------------------------
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep, aux=False):
@@ -219,7 +244,7 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         aux_loss = router_balance_loss(out.router_logits, causal_lm(model).config, tokens) if aux else None
         if lead is not None:
             return completion_rows(hidden, lead, logits_to_keep), aux_loss
-        return hidden[:, -logits_to_keep - 1:-1, :], aux_loss
+        return hidden[:, -logits_to_keep - 1 : -1, :], aux_loss
 
     def _scored_hidden(self, model, input_ids, attention_mask, logits_to_keep, aux=False):
         """:meth:`_completion_hidden`'s ``(hidden, aux)``, with the prompts that rows share run once per group where
@@ -243,25 +268,38 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         if self.prefix_sharing is False or aux or self.accelerator.num_processes > 1:
             return None
         P = input_ids.size(1) - logits_to_keep
-        plan = plan_prefix_groups(input_ids[:, :P], attention_mask[:, :P], attention_mask[:, P:],
-                                  mode=self.prefix_sharing)
+        plan = plan_prefix_groups(
+            input_ids[:, :P], attention_mask[:, :P], attention_mask[:, P:], mode=self.prefix_sharing
+        )
         if plan.groups and torch.is_grad_enabled():
             if self._offloaded_checkpointing:
                 keep_hf_checkpointing_off(self.model)
             if hf_checkpointing_drops_cache(model):
-                self._say_once("hf_checkpointing", "prefix sharing is off in the training pass: HF's gradient "
-                               "checkpointing drops the KV cache the completions read (the kit's offloaded "
-                               "checkpointing keeps it); the reference and old-policy passes still share")
+                self._say_once(
+                    "hf_checkpointing",
+                    "prefix sharing is off in the training pass: HF's gradient "
+                    "checkpointing drops the KV cache the completions read (the kit's offloaded "
+                    "checkpointing keeps it); the reference and old-policy passes still share",
+                )
                 return None
         stats = self.prefix_sharing_stats
-        for key, value in (("passes", 1), ("groups", len(plan.groups)), ("shared_rows", plan.shared_rows),
-                           ("alone_rows", plan.alone), ("short_rows", plan.short), ("layout_rows", plan.layout),
-                           ("prompt_tokens_saved", plan.tokens_saved)):
+        for key, value in (
+            ("passes", 1),
+            ("groups", len(plan.groups)),
+            ("shared_rows", plan.shared_rows),
+            ("alone_rows", plan.alone),
+            ("short_rows", plan.short),
+            ("layout_rows", plan.layout),
+            ("prompt_tokens_saved", plan.tokens_saved),
+        ):
             stats[key] += value
         if plan.alone:
-            self._say_once("alone", f"prefix sharing: {plan.alone} of {input_ids.size(0)} rows have a prompt no other "
-                           "row of their batch shares (a group whose prompts differ, or one that TRL's shuffle split "
-                           "across micro-batches) and are scored unshared; counted in prefix_sharing_stats")
+            self._say_once(
+                "alone",
+                f"prefix sharing: {plan.alone} of {input_ids.size(0)} rows have a prompt no other "
+                "row of their batch shares (a group whose prompts differ, or one that TRL's shuffle split "
+                "across micro-batches) and are scored unshared; counted in prefix_sharing_stats",
+            )
         return plan
 
     def _say_once(self, key: str, message: str) -> None:
@@ -277,8 +315,17 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         return dict(logit_scale=self.logit_form.scale, logit_softcap=self.logit_form.softcap)
 
     # -- override 1: log-probs without logits ----------------------------------------------
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         if any(v is not None for v in multimodal.values()):
             raise ValueError("EfficientGRPOTrainer supports text-only models (no images)")
         # Only TRL's no-grad scoring passes come here (the loss is _compute_loss's): TRL chunks them by
@@ -289,11 +336,20 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             sl = slice(start, start + batch_size)
             with torch.no_grad():
-                hidden, aux_loss = self._scored_hidden(model, input_ids[sl], attention_mask[sl], logits_to_keep,
-                                                       aux=compute_aux_loss)
-                out.append(per_token_logps(hidden.to(weight.dtype), weight, input_ids[sl, -logits_to_keep:],
-                                           temperature=self.temperature, chunk_size=self.loss_chunk_size,
-                                           lm_head_bias=bias, **self._logit_kwargs()))
+                hidden, aux_loss = self._scored_hidden(
+                    model, input_ids[sl], attention_mask[sl], logits_to_keep, aux=compute_aux_loss
+                )
+                out.append(
+                    per_token_logps(
+                        hidden.to(weight.dtype),
+                        weight,
+                        input_ids[sl, -logits_to_keep:],
+                        temperature=self.temperature,
+                        chunk_size=self.loss_chunk_size,
+                        lm_head_bias=bias,
+                        **self._logit_kwargs(),
+                    )
+                )
                 aux.append(aux_loss)
         # Entropy needs the full distribution per token: the loss pass reports it instead.
         return torch.cat(out, 0), None, torch.stack(aux).mean() if compute_aux_loss else None
@@ -307,8 +363,9 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
-        hidden, aux_loss = self._scored_hidden(model, input_ids, attention_mask, logits_to_keep,
-                                               aux=self.aux_loss_enabled)
+        hidden, aux_loss = self._scored_hidden(
+            model, input_ids, attention_mask, logits_to_keep, aux=self.aux_loss_enabled
+        )
         weight, bias = self._head(model)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -319,16 +376,31 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         loss, metrics = efficient_grpo_loss(
-            hidden.to(weight.dtype), weight, completion_ids, mask, inputs["advantages"],
-            old_logps=inputs.get("old_per_token_logps"), ref_logps=inputs.get("ref_per_token_logps"),
-            beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
-            temperature=self.temperature, max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items, chunk_size=self.loss_chunk_size, lm_head_bias=bias, compute_entropy=True,
-            importance_weights=self._importance_weights(inputs), engine_correction=self._engine_correction(inputs),
+            hidden.to(weight.dtype),
+            weight,
+            completion_ids,
+            mask,
+            inputs["advantages"],
+            old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs.get("ref_per_token_logps"),
+            beta=self.beta,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type,
+            temperature=self.temperature,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items,
+            chunk_size=self.loss_chunk_size,
+            lm_head_bias=bias,
+            compute_entropy=True,
+            importance_weights=self._importance_weights(inputs),
+            engine_correction=self._engine_correction(inputs),
             # TRL's own mask: its quantile is taken over every process's tokens
             entropy_mask_fn=lambda ent, m: self.get_high_entropy_mask(ent, m, 1 - self.top_entropy_quantile),
             sampling_logps=inputs.get("sampling_per_token_logps"),  # off-policy mask; None: the old log-probs
-            **self._logit_kwargs(), **{name: getattr(self.args, name) for name in OBJECTIVE_OPTIONS})
+            **self._logit_kwargs(),
+            **{name: getattr(self.args, name) for name in OBJECTIVE_OPTIONS},
+        )
         if not normaliser.global_count:
             loss = loss / accum
         if aux_loss is not None:  # as TRL 1.16 adds it: scaled for gradient accumulation like the policy loss
@@ -353,16 +425,22 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
         floating-point noise, and dropout when the adapter has it). VESPO (a loss type that takes the importance
         weights itself) keeps TRL's path."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        return bool(self.use_vllm and self.vllm_importance_sampling_correction
-                    and not get_loss_type(self.loss_type).takes_importance_weights
-                    and self.args.gradient_accumulation_steps % generate_every == 0)
+        return bool(
+            self.use_vllm
+            and self.vllm_importance_sampling_correction
+            and not get_loss_type(self.loss_type).takes_importance_weights
+            and self.args.gradient_accumulation_steps % generate_every == 0
+        )
 
     def _engine_correction(self, inputs):
         """``(mode, clip_min, clip_max)`` for the loss when TRL left the ratio to it, else None."""
         if "importance_sampling_ratio" in inputs or not self._engine_ratio_in_loss():
             return None
-        return (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
-                self.vllm_importance_sampling_clip_max)
+        return (
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
 
     # -- override 3: no old-policy pass when the policy has not moved ----------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -386,8 +464,21 @@ class EfficientGRPOTrainer(KitGenerationMixin, GRPOTrainer):
             self._metrics[mode][name].append(reduce(gathered).item())
 
 
-def make_trainer(spec: TrainerSpec, *, model, tokenizer, reward_funcs, args, train_dataset, callbacks=(), peft_config=None,
-                 generator=None, reliable: bool = False, memory_plan: dict | None = None, on_rewards=None):
+def make_trainer(
+    spec: TrainerSpec,
+    *,
+    model,
+    tokenizer,
+    reward_funcs,
+    args,
+    train_dataset,
+    callbacks=(),
+    peft_config=None,
+    generator=None,
+    reliable: bool = False,
+    memory_plan: dict | None = None,
+    on_rewards=None,
+):
     """Build the trainer ``spec.step.trainer`` names (``grpo_kit`` or ``trl``) with TRL's constructor arguments.
     ``spec``: the run's :class:`~grpo_kit.trainer.spec.TrainerSpec`, or an object that makes one (the app's config).
 
@@ -413,8 +504,15 @@ def make_trainer(spec: TrainerSpec, *, model, tokenizer, reward_funcs, args, tra
     """
     spec = TrainerSpec.of(spec)
     tokenizer.padding_side = "left"  # TRL requires left padding for generation
-    kwargs = dict(model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
-                  processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config)
+    kwargs = dict(
+        model=model,
+        reward_funcs=list(reward_funcs),
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+        peft_config=peft_config,
+    )
     if spec.tools:
         kwargs["tools"] = get_tools(spec.tools)
     if spec.environment is not None:
@@ -422,16 +520,30 @@ def make_trainer(spec: TrainerSpec, *, model, tokenizer, reward_funcs, args, tra
     checks = (spec.reward_errors, spec.reward_time_limit_s, on_rewards)
     if spec.step.trainer == "trl":
         if generator is not None:
-            raise ValueError("trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
-                             "a kit generator needs trainer='grpo_kit'")
+            raise ValueError(
+                "trainer='trl' (TRL's stock GRPOTrainer) generates with TRL's own HF path; "
+                "a kit generator needs trainer='grpo_kit'"
+            )
         kwargs["reward_funcs"] = _checked(kwargs["reward_funcs"], *checks)  # TRL's own class checks nothing
         return (with_reliability(GRPOTrainer) if reliable else GRPOTrainer)(**kwargs)
     if generator is not None:
         kwargs["importance_sampling_correction"] = getattr(generator, "name", None) != "hf"
     cls = with_reliability(EfficientGRPOTrainer) if reliable else EfficientGRPOTrainer
-    scoring = (memory_plan["scoring_batch_size"] if memory_plan and spec.step.scoring_batch_size == "auto"
-               else scoring_batch_for_config(spec.step, model.config))
-    return cls(**kwargs, loss_chunk_size=spec.loss_chunk_size, scoring_batch_size=scoring, generator=generator,
-               reward_errors=checks[0], reward_time_limit_s=checks[1], on_rewards=checks[2],
-               tool_time_limit_s=spec.tool_time_limit_s or None, tool_output_tokens=spec.tool_output_tokens,
-               max_prompt_length=spec.step.max_prompt_length, prefix_sharing=spec.step.prefix_sharing)
+    scoring = (
+        memory_plan["scoring_batch_size"]
+        if memory_plan and spec.step.scoring_batch_size == "auto"
+        else scoring_batch_for_config(spec.step, model.config)
+    )
+    return cls(
+        **kwargs,
+        loss_chunk_size=spec.loss_chunk_size,
+        scoring_batch_size=scoring,
+        generator=generator,
+        reward_errors=checks[0],
+        reward_time_limit_s=checks[1],
+        on_rewards=checks[2],
+        tool_time_limit_s=spec.tool_time_limit_s or None,
+        tool_output_tokens=spec.tool_output_tokens,
+        max_prompt_length=spec.step.max_prompt_length,
+        prefix_sharing=spec.step.prefix_sharing,
+    )

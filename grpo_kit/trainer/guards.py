@@ -73,8 +73,12 @@ def _split_batch(inputs: dict, parts: int) -> list[dict]:
     bounds = [(i * B) // parts for i in range(parts + 1)]
     out = []
     for s, e in zip(bounds[:-1], bounds[1:]):
-        out.append({k: (v[s:e] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == B else v)
-                    for k, v in inputs.items()})
+        out.append(
+            {
+                k: (v[s:e] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == B else v)
+                for k, v in inputs.items()
+            }
+        )
     return out
 
 
@@ -94,9 +98,11 @@ def vram_estimate_text(step: StepSpec, model_config=None) -> str:
     try:
         df = estimate_for_config(step, model_config)
         gib = total_gpu_bytes(df) / 2**30
-        return (f"the VRAM calculator estimates {gib:.1f} GiB peak for this config (prompt up to "
-                f"{step.max_prompt_length} + completion {step.max_completion_length} tokens, micro-batch "
-                f"{step.per_device_train_batch_size}; `python -m grpo_kit vram --help` to try others)")
+        return (
+            f"the VRAM calculator estimates {gib:.1f} GiB peak for this config (prompt up to "
+            f"{step.max_prompt_length} + completion {step.max_completion_length} tokens, micro-batch "
+            f"{step.per_device_train_batch_size}; `python -m grpo_kit vram --help` to try others)"
+        )
     except Exception as e:  # the estimate is advice; never hide the OOM behind it
         return f"no VRAM estimate for this model ({type(e).__name__}: {e})"
 
@@ -154,8 +160,9 @@ class GuardedTrainerMixin:
     # -- non-finite loss --------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         try:
-            loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            loss = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         except ValueError as err:
             # The kit's efficient loss refuses non-finite inputs (advantages, old/ref log-probs, hidden states)
             # with a ValueError instead of returning NaN. When the diagnosis finds such a term, this is a bad
@@ -216,7 +223,9 @@ class GuardedTrainerMixin:
                 check("KL", k3_kl(logps, ref))
         except Exception as e:  # diagnosis must not turn a skipped step into a crash
             terms[f"(policy pass failed: {type(e).__name__})"] = []
-        rewards = getattr(self, "_logs", {}).get("rewards", {}) if isinstance(getattr(self, "_logs", None), dict) else {}
+        rewards = (
+            getattr(self, "_logs", {}).get("rewards", {}) if isinstance(getattr(self, "_logs", None), dict) else {}
+        )
         for name, values in rewards.items():
             bad = [i for i, v in enumerate(list(values)) if isinstance(v, float) and not math.isfinite(v)]
             if bad:
@@ -233,14 +242,20 @@ class GuardedTrainerMixin:
                 texts[i] = tok.decode(ids_i, skip_special_tokens=True)[:200] if tok is not None else ids_i.tolist()[:50]
             except Exception:
                 pass
-        return {"loss": float(loss.detach().float().reshape(-1)[0]) if loss is not None else float("nan"),
-                "terms": terms, "samples": texts, "found": found}
+        return {
+            "loss": float(loss.detach().float().reshape(-1)[0]) if loss is not None else float("nan"),
+            "terms": terms,
+            "samples": texts,
+            "found": found,
+        }
 
     def _guard_check_grads(self) -> None:
         if self._guard_checked:
             return
         self._guard_checked = True
-        bad = [n for n, p in self.model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        bad = [
+            n for n, p in self.model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
         self._guard_bad_grads = bad
 
     def _clip_grad_norm(self, model):
@@ -262,8 +277,12 @@ class GuardedTrainerMixin:
             n = self.guard_counts["consecutive_bad"] + 1
             limit = self.max_bad_steps
             self._guard_event(
-                "nonfinite", f"non-finite loss or gradient, update skipped ({n} in a row, stop at {limit}): "
-                + " | ".join(parts), reports=reports, bad_grads=bad_grads[:20], consecutive=n)
+                "nonfinite",
+                f"non-finite loss or gradient, update skipped ({n} in a row, stop at {limit}): " + " | ".join(parts),
+                reports=reports,
+                bad_grads=bad_grads[:20],
+                consecutive=n,
+            )
         self._guard_reports, self._guard_bad_grads, self._guard_checked = [], None, False
 
     def _guard_after_step(self, control) -> None:
@@ -282,7 +301,8 @@ class GuardedTrainerMixin:
                 f"gradient (max_bad_steps={self.max_bad_steps}); each update was skipped, so the weights are those "
                 f"of the last good step. State saved in {ckpt}; the terms and samples involved are in "
                 f"{self.guard_log_path or Path(self.args.output_dir) / 'guard_events.jsonl'}. Lower learning_rate, "
-                "check the reward functions' output, or raise max_bad_steps.")
+                "check the reward functions' output, or raise max_bad_steps."
+            )
 
     # -- out of memory ----------------------------------------------------------------------------
     def _free_memory(self) -> None:
@@ -321,16 +341,28 @@ class GuardedTrainerMixin:
             if hasattr(self, "loss_chunk_size") and hasattr(self, "_head") and batch is not None:
                 old = self._current_chunk(batch)
                 self.loss_chunk_size = max(1, old // 2)
-                self._guard_event("oom", f"CUDA out of memory in a micro-batch; loss_chunk_size {old} -> "
-                                  f"{self.loss_chunk_size} rows, retrying the same micro-batch", setting="loss_chunk_size",
-                                  old=old, new=self.loss_chunk_size, error=str(error)[:300])
+                self._guard_event(
+                    "oom",
+                    f"CUDA out of memory in a micro-batch; loss_chunk_size {old} -> "
+                    f"{self.loss_chunk_size} rows, retrying the same micro-batch",
+                    setting="loss_chunk_size",
+                    old=old,
+                    new=self.loss_chunk_size,
+                    error=str(error)[:300],
+                )
                 with _replace_prepare_inputs(self, batch):
                     return super().training_step(model, inputs, num_items_in_batch)
             self._split_parts = 2
             B = self.args.per_device_train_batch_size
-            self._guard_event("oom", f"CUDA out of memory in a micro-batch; micro-batch {B} -> {B // 2} sequences "
-                              "(two halves per micro-batch from now on), retrying the same micro-batch",
-                              setting="per_device_train_batch_size", old=B, new=B // 2, error=str(error)[:300])
+            self._guard_event(
+                "oom",
+                f"CUDA out of memory in a micro-batch; micro-batch {B} -> {B // 2} sequences "
+                "(two halves per micro-batch from now on), retrying the same micro-batch",
+                setting="per_device_train_batch_size",
+                old=B,
+                new=B // 2,
+                error=str(error)[:300],
+            )
             return self._split_training_step(model, inputs, num_items_in_batch, reuse=reuse)
         except torch.cuda.OutOfMemoryError as err:
             self._free_memory()
@@ -338,7 +370,11 @@ class GuardedTrainerMixin:
 
     def _split_training_step(self, model, inputs, num_items_in_batch, *, reuse: bool):
         """One micro-batch as ``_split_parts`` smaller ones (same total loss and gradient)."""
-        full = self._buffered_inputs[self._step % self.args.steps_per_generation] if reuse else self._prepare_inputs(inputs)
+        full = (
+            self._buffered_inputs[self._step % self.args.steps_per_generation]
+            if reuse
+            else self._prepare_inputs(inputs)
+        )
         parts = _split_batch(full, self._split_parts)
         weights = split_weights(parts, full, getattr(self, "loss_type", "grpo"))
         total = None
@@ -362,23 +398,37 @@ class GuardedTrainerMixin:
             print(f"[grpo_kit] could not save the state after the OOM: {type(e).__name__}: {e}", file=sys.stderr)
         spec = getattr(self, "guard_spec", None)
         if hasattr(self, "loss_chunk_size") and self._split_parts == 1:
-            first = (f"loss_chunk_size (now {self.loss_chunk_size}; already halved once): set e.g. "
-                     f"loss_chunk_size={max(1, (self.loss_chunk_size or 2) // 2)}")
+            first = (
+                f"loss_chunk_size (now {self.loss_chunk_size}; already halved once): set e.g. "
+                f"loss_chunk_size={max(1, (self.loss_chunk_size or 2) // 2)}"
+            )
         else:
             first = "per_device_train_batch_size (already halved once)"
-        settings = [first, "per_device_train_batch_size (smaller, a multiple of num_generations, with more "
-                    "gradient_accumulation_steps)", "max_completion_length", "gradient_checkpointing=true"]
+        settings = [
+            first,
+            "per_device_train_batch_size (smaller, a multiple of num_generations, with more "
+            "gradient_accumulation_steps)",
+            "max_completion_length",
+            "gradient_checkpointing=true",
+        ]
         if getattr(self, "scoring_batch_size", None):  # the no-grad scoring pass may be what ran out
             chosen = ", chosen by 'auto'" if spec is not None and spec.step.scoring_batch_size == "auto" else ""
-            settings.insert(1, f"scoring_batch_size (now {self.scoring_batch_size}{chosen}; null scores "
-                               "per_device_train_batch_size sequences per forward)")
-        advice = self.oom_advice() if callable(self.oom_advice) else (
-            vram_estimate_text(spec.step) if spec is not None else "no VRAM estimate (no kit config)")
+            settings.insert(
+                1,
+                f"scoring_batch_size (now {self.scoring_batch_size}{chosen}; null scores "
+                "per_device_train_batch_size sequences per forward)",
+            )
+        advice = (
+            self.oom_advice()
+            if callable(self.oom_advice)
+            else (vram_estimate_text(spec.step) if spec is not None else "no VRAM estimate (no kit config)")
+        )
         where = f"state saved in {ckpt}" if ckpt else "the state could not be saved"
         channel(self).stop_error = OutOfMemoryStop(
             f"CUDA out of memory again at step {self.state.global_step + 1} after the automatic halving; {where}. "
             f"Change one of: {'; '.join(settings)}, then resume. {advice[:1].upper() + advice[1:]}. "
-            f"Original error: {str(error).splitlines()[0][:200] if str(error) else type(error).__name__}")
+            f"Original error: {str(error).splitlines()[0][:200] if str(error) else type(error).__name__}"
+        )
         raise channel(self).stop_error from error
 
 
@@ -404,9 +454,11 @@ def with_reliability(base: type) -> type:
     if issubclass(base, GuardedTrainerMixin):
         return base
     if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (GuardedTrainerMixin, ResumableTrainerMixin, base),
-                              {"__module__": base.__module__, "__doc__": base.__doc__,
-                               "__qualname__": base.__qualname__})
+        _CLASSES[base] = type(
+            base.__name__,
+            (GuardedTrainerMixin, ResumableTrainerMixin, base),
+            {"__module__": base.__module__, "__doc__": base.__doc__, "__qualname__": base.__qualname__},
+        )
     return _CLASSES[base]
 
 
@@ -417,8 +469,10 @@ def configure_reliability(trainer, spec: TrainerSpec | None = None, *, run_state
     ``max_bad_steps``, ``keep_checkpoints`` and the OOM message's VRAM estimate come from it. ``run_state_provider``: see :class:`grpo_kit.trainer.checkpoints.ResumableTrainerMixin`.
     """
     if not isinstance(trainer, GuardedTrainerMixin):
-        raise TypeError(f"{type(trainer).__name__} has no guards: build it from with_reliability(its class) "
-                        "(grpo_kit.trainer.grpo_trainer.make_trainer(..., reliable=True) does)")
+        raise TypeError(
+            f"{type(trainer).__name__} has no guards: build it from with_reliability(its class) "
+            "(grpo_kit.trainer.grpo_trainer.make_trainer(..., reliable=True) does)"
+        )
     if spec is not None:
         spec = TrainerSpec.of(spec)
         trainer.max_bad_steps = spec.max_bad_steps

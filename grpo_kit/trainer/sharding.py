@@ -44,11 +44,15 @@ def check_launch_env() -> None:
     environment (so before any model loads). Raises ValueError naming it and what works."""
     if _flag("ACCELERATE_USE_DEEPSPEED"):
         stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "?")
-        raise ValueError(f"DeepSpeed ZeRO stage {stage} is not supported by the kit yet: no test proves it (the "
-                         f"output head is not gathered under ZeRO-3). What works: {PROVEN}.")
+        raise ValueError(
+            f"DeepSpeed ZeRO stage {stage} is not supported by the kit yet: no test proves it (the "
+            f"output head is not gathered under ZeRO-3). What works: {PROVEN}."
+        )
     if _flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise ValueError(f"FSDP version {os.environ.get('FSDP_VERSION', '1')} (FSDP1) is not supported by the kit: "
-                         f"no test proves it; set fsdp_version: 2 in the accelerate config. What works: {PROVEN}.")
+        raise ValueError(
+            f"FSDP version {os.environ.get('FSDP_VERSION', '1')} (FSDP1) is not supported by the kit: "
+            f"no test proves it; set fsdp_version: 2 in the accelerate config. What works: {PROVEN}."
+        )
 
 
 def check_sharding(args, *, offload_checkpointing: bool | None = None) -> None:
@@ -57,22 +61,30 @@ def check_sharding(args, *, offload_checkpointing: bool | None = None) -> None:
     selected here (:func:`_select_fsdp_on_cpu`)."""
     check_launch_env()
     if getattr(args, "deepspeed", None):
-        raise ValueError(f"TrainingArguments.deepspeed is not supported by the kit yet (no test proves it). "
-                         f"What works: {PROVEN}.")
+        raise ValueError(
+            f"TrainingArguments.deepspeed is not supported by the kit yet (no test proves it). What works: {PROVEN}."
+        )
     if getattr(args, "fsdp", None) and str((getattr(args, "fsdp_config", None) or {}).get("version", 1)) != "2":
-        raise ValueError(f"TrainingArguments.fsdp with FSDP1 is not supported by the kit (no test proves it); set "
-                         f"fsdp_config={{'version': 2}}. What works: {PROVEN}.")
+        raise ValueError(
+            f"TrainingArguments.fsdp with FSDP1 is not supported by the kit (no test proves it); set "
+            f"fsdp_config={{'version': 2}}. What works: {PROVEN}."
+        )
     fsdp = _flag("ACCELERATE_USE_FSDP") or bool(getattr(args, "fsdp", None))
     if offload_checkpointing is None:  # the trainer's default: on for gradient checkpointing on CUDA
-        offload_checkpointing = (torch.cuda.is_available() and not getattr(args, "use_cpu", False)
-                                 and bool(getattr(args, "gradient_checkpointing", False)))
+        offload_checkpointing = (
+            torch.cuda.is_available()
+            and not getattr(args, "use_cpu", False)
+            and bool(getattr(args, "gradient_checkpointing", False))
+        )
     if fsdp and offload_checkpointing:
         # The kit's wrapper recomputes each decoder layer inside its own autograd function's backward, outside
         # the module call whose hooks make FSDP gather that layer's weights; FSDP's activation checkpointing
         # (fsdp_activation_checkpointing in the accelerate config) wraps the same layers the FSDP way.
-        raise ValueError("offloaded checkpointing does not compose with FSDP's per-layer wrapping: its recompute "
-                         "runs outside the layer call that gathers the layer's shards. Use "
-                         "fsdp_activation_checkpointing: true in the accelerate config instead.")
+        raise ValueError(
+            "offloaded checkpointing does not compose with FSDP's per-layer wrapping: its recompute "
+            "runs outside the layer call that gathers the layer's shards. Use "
+            "fsdp_activation_checkpointing: true in the accelerate config instead."
+        )
     if fsdp and (_flag("ACCELERATE_USE_CPU") or getattr(args, "use_cpu", False)):
         _select_fsdp_on_cpu(args)
 
@@ -83,8 +95,7 @@ def _select_fsdp_on_cpu(args) -> None:
     environment describes, before the Trainer builds its Accelerator on that state; torch's ``fully_shard``
     runs on the CPU with gloo."""
     mixed = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
-    state = AcceleratorState(cpu=True, mixed_precision=mixed, dynamo_plugin=TorchDynamoPlugin(),
-                             _from_accelerator=True)
+    state = AcceleratorState(cpu=True, mixed_precision=mixed, dynamo_plugin=TorchDynamoPlugin(), _from_accelerator=True)
     if state.distributed_type == DistributedType.MULTI_CPU:
         state.fsdp_plugin = FullyShardedDataParallelPlugin()
         if mixed != "no":
@@ -138,6 +149,7 @@ def whole_state(obj, *, keep: bool):
     """``obj`` (nested dicts, lists and tuples of tensors and scalars, e.g. a state dict) with every DTensor gathered
     whole onto the CPU, one at a time. Collective: every process calls it on the same structure (same order).
     ``keep``: this process writes the result; the others gather, drop each tensor at once and get None."""
+
     def whole(t):
         if not isinstance(t, DTensor):
             return t
@@ -184,8 +196,11 @@ def write_adapter(peft_model: torch.nn.Module, folder: str | os.PathLike, tensor
     from peft.utils import SAFETENSORS_WEIGHTS_NAME  # lazy: peft imports transformers; LoRA checkpoints only
 
     peft_model.save_pretrained(folder, safe_serialization=True, state_dict={})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, SAFETENSORS_WEIGHTS_NAME),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(folder, SAFETENSORS_WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
 
 
 def save_whole(model: torch.nn.Module, folder: str | os.PathLike, *, writes: bool) -> None:
@@ -220,7 +235,7 @@ def loading_whole_tensors(model: torch.nn.Module):
 
     def cut(module, state_dict, prefix, *args):
         for key, value in state_dict.items():
-            target = targets.get(key[len(prefix):])
+            target = targets.get(key[len(prefix) :])
             if target is not None and not isinstance(value, DTensor) and value.shape == target.shape:
                 state_dict[key] = _shard_like(value, target)
 
