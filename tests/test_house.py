@@ -21,8 +21,11 @@ def _functions(tree):
 def _code_start(f) -> int:
     """The line of a function's first statement after its docstring (past its end where it has none)."""
     body = f.body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
-                                                                                                   str):
+    if (
+        isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         return body[1].lineno if len(body) > 1 else f.end_lineno + 1
     return body[0].lineno
 
@@ -47,7 +50,7 @@ def unexplained_inner_imports(pkg: Path) -> list[str]:
             for node in ast.walk(f):
                 if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
                     seen.add(node.lineno)
-                    text = lines[node.lineno - 1: node.end_lineno]
+                    text = lines[node.lineno - 1 : node.end_lineno]
                     if not any("#" in t and t.split("#", 1)[1].strip() for t in text):
                         out.append(f"{p.relative_to(pkg.parent)}:{node.lineno} {text[0].strip()}")
     return out
@@ -68,8 +71,10 @@ def test_the_checks_can_fail(tmp_path):
     pkg.mkdir()
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES + 1))
     at_limit = "\n".join(f"    y{i} = {i}" for i in range(MAX_LINES))
-    (pkg / "a.py").write_text(f"def long():\n{body}\n\ndef short():\n    import json\n    import vllm  # lazy: optional\n"
-                              f'\ndef documented(\n    a,\n    b,\n):\n    """Docs."""\n{at_limit}\n')
+    (pkg / "a.py").write_text(
+        f"def long():\n{body}\n\ndef short():\n    import json\n    import vllm  # lazy: optional\n"
+        f'\ndef documented(\n    a,\n    b,\n):\n    """Docs."""\n{at_limit}\n'
+    )
     assert long_functions(pkg) == [f"grpo_kit/a.py:1 long ({MAX_LINES + 1} lines)"]  # signature lines aside
     assert unexplained_inner_imports(pkg) == ["grpo_kit/a.py:" + str(MAX_LINES + 5) + " import json"]
 
@@ -80,8 +85,10 @@ def test_public_names_without_importing_trl(name):
     import subprocess
     import sys
 
-    code = (f"import sys, grpo_kit; assert 'trl' not in sys.modules, 'import grpo_kit imported trl'; "
-            f"obj = grpo_kit.{name}; assert obj is not None; from grpo_kit import {name}")
+    code = (
+        f"import sys, grpo_kit; assert 'trl' not in sys.modules, 'import grpo_kit imported trl'; "
+        f"obj = grpo_kit.{name}; assert obj is not None; from grpo_kit import {name}"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -109,19 +116,44 @@ def test_no_result_paths_dates_or_sessions_in_the_package():
 def test_the_diary_check_can_fail(tmp_path):
     pkg = tmp_path / "grpo_kit"
     pkg.mkdir()
-    (pkg / "a.py").write_text('"""Measured 0.3 s (bench/results/step.md) on 2026-12-05."""\nSRC_SOURCE = "blog (2025-02-20)"\n')
+    (pkg / "a.py").write_text(
+        '"""Measured 0.3 s (bench/results/step.md) on 2026-12-05."""\nSRC_SOURCE = "blog (2025-02-20)"\n'
+    )
     assert diary_lines(pkg) == ['grpo_kit/a.py:1 """Measured 0.3 s (bench/results/step.md) on 2026-12-05."""']
 
 
 # Every YAML or JSON parse of the package goes through a bounded reader (a size limit, a depth limit, one clear
 # error); these are they. The sandbox's two scripts run without the package, each with a bounded parse of its own.
-BOUNDED_READERS = {"grpo_kit/readers/bounded.py": None,  # the whole module
-                   "grpo_kit/app/config_loading.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, in limits
-                   "grpo_kit/tasks/sandbox_child.py": {"_parse"}, "grpo_kit/tasks/sandbox_program.py": {"_parse"}}
-_PARSERS = {"json": {"load", "loads", "JSONDecoder", "scanner"},
-            "yaml": {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all",
-                     "unsafe_load_all", "compose", "compose_all", "parse", "scan", "Loader", "SafeLoader",
-                     "FullLoader", "UnsafeLoader", "BaseLoader", "CLoader", "CSafeLoader"}}
+BOUNDED_READERS = {
+    "grpo_kit/readers/bounded.py": None,  # the whole module
+    "grpo_kit/app/config_loading.py": {"_LimitedLoader", "load_yaml"},  # the config's YAML, in limits
+    "grpo_kit/tasks/sandbox_child.py": {"_parse"},
+    "grpo_kit/tasks/sandbox_program.py": {"_parse"},
+}
+_PARSERS = {
+    "json": {"load", "loads", "JSONDecoder", "scanner"},
+    "yaml": {
+        "load",
+        "safe_load",
+        "full_load",
+        "unsafe_load",
+        "load_all",
+        "safe_load_all",
+        "full_load_all",
+        "unsafe_load_all",
+        "compose",
+        "compose_all",
+        "parse",
+        "scan",
+        "Loader",
+        "SafeLoader",
+        "FullLoader",
+        "UnsafeLoader",
+        "BaseLoader",
+        "CLoader",
+        "CSafeLoader",
+    },
+}
 
 
 def unbounded_parses(pkg: Path) -> list[str]:
@@ -165,12 +197,19 @@ def test_every_yaml_and_json_parse_goes_through_a_bounded_reader():
 def test_the_parse_check_can_fail(tmp_path):
     pkg = tmp_path / "grpo_kit"
     (pkg / "tasks").mkdir(parents=True)
-    (pkg / "a.py").write_text("import json, yaml as y\nfrom json import loads as L\n"
-                              "def f(t):\n    return json.loads(t), y.safe_load(t), L(t), json.dumps(t)\n")
-    (pkg / "tasks" / "sandbox_child.py").write_text("import json\ndef _parse(t):\n    return json.loads(t)\n"
-                                                    "def other(t):\n    return json.loads(t)\n")
-    assert unbounded_parses(pkg) == ["grpo_kit/a.py:4 json.loads", "grpo_kit/a.py:4 yaml.safe_load",
-                                     "grpo_kit/a.py:4 json.loads", "grpo_kit/tasks/sandbox_child.py:5 json.loads"]
+    (pkg / "a.py").write_text(
+        "import json, yaml as y\nfrom json import loads as L\n"
+        "def f(t):\n    return json.loads(t), y.safe_load(t), L(t), json.dumps(t)\n"
+    )
+    (pkg / "tasks" / "sandbox_child.py").write_text(
+        "import json\ndef _parse(t):\n    return json.loads(t)\ndef other(t):\n    return json.loads(t)\n"
+    )
+    assert unbounded_parses(pkg) == [
+        "grpo_kit/a.py:4 json.loads",
+        "grpo_kit/a.py:4 yaml.safe_load",
+        "grpo_kit/a.py:4 json.loads",
+        "grpo_kit/tasks/sandbox_child.py:5 json.loads",
+    ]
 
 
 def test_ruff_check_passes():
@@ -178,8 +217,25 @@ def test_ruff_check_passes():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=PKG.parent, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=PKG.parent, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_ruff_format_check_passes():
+    """The tree as ruff formats it (``[tool.ruff.format]``): code laid out by hand differently fails here; run
+    ``ruff format .`` to fix."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."],
+        cwd=PKG.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -189,14 +245,19 @@ def test_no_backslash_continuations():
     import tokenize
 
     found = []
-    for path in sorted([*PKG.rglob("*.py"), *(PKG.parent / "tests").glob("*.py"), *(PKG.parent / "bench").glob("*.py")]):
+    for path in sorted(
+        [*PKG.rglob("*.py"), *(PKG.parent / "tests").glob("*.py"), *(PKG.parent / "bench").glob("*.py")]
+    ):
         text = path.read_text()
         in_string = set()
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
             if tok.type == tokenize.STRING:
                 in_string.update(range(tok.start[0], tok.end[0]))
-        found += [f"{path.relative_to(PKG.parent)}:{n}" for n, line in enumerate(text.splitlines(), 1)
-                  if line.rstrip().endswith("\\") and not line.lstrip().startswith("#") and n not in in_string]
+        found += [
+            f"{path.relative_to(PKG.parent)}:{n}"
+            for n, line in enumerate(text.splitlines(), 1)
+            if line.rstrip().endswith("\\") and not line.lstrip().startswith("#") and n not in in_string
+        ]
     assert not found, found
 
 
@@ -206,8 +267,11 @@ def test_no_private_name_is_imported_across_modules():
     for path in sorted(PKG.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("grpo_kit"):
-                found += [f"{path.relative_to(PKG.parent)}:{node.lineno} {node.module}.{a.name}" for a in node.names
-                          if a.name.startswith("_") and not a.name.startswith("__")]
+                found += [
+                    f"{path.relative_to(PKG.parent)}:{node.lineno} {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     assert not found, found
 
 
@@ -234,12 +298,14 @@ def config_reads(pkg: Path, config_fields: set[str], config_only: set[str]) -> l
                     out.append(f"{rel}:{f.lineno} {f.name} is annotated with GRPOKitConfig")
                 params = {a.arg for a in args}
                 for node in ast.walk(f):
-                    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                            and node.value.id in params):
+                    if not (
+                        isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in params
+                    ):
                         continue
                     name, attr = node.value.id, node.attr
                     if (name in CONFIG_PARAMETERS and attr in config_fields) or (
-                            name not in TRL_OBJECTS and attr in config_only):
+                        name not in TRL_OBJECTS and attr in config_only
+                    ):
                         out.append(f"{rel}:{node.lineno} {f.name} reads {name}.{attr}")
     return out
 
@@ -269,10 +335,13 @@ def test_the_config_check_can_fail(tmp_path):
     (pkg / "memory" / "a.py").write_text(
         "def f(cfg):\n    return cfg.max_steps\n"
         "def g(run: 'GRPOKitConfig'):\n    return 1\n"
-        "def h(spec, args):\n    return spec.report_to, args.report_to, spec.lora_rank\n")
+        "def h(spec, args):\n    return spec.report_to, args.report_to, spec.lora_rank\n"
+    )
     assert config_reads(pkg, {"max_steps", "report_to", "lora_rank"}, {"report_to"}) == [
-        "grpo_kit/memory/a.py:2 f reads cfg.max_steps", "grpo_kit/memory/a.py:3 g is annotated with GRPOKitConfig",
-        "grpo_kit/memory/a.py:6 h reads spec.report_to"]
+        "grpo_kit/memory/a.py:2 f reads cfg.max_steps",
+        "grpo_kit/memory/a.py:3 g is annotated with GRPOKitConfig",
+        "grpo_kit/memory/a.py:6 h reads spec.report_to",
+    ]
 
 
 def test_each_layer_spec_carries_config_fields_its_layer_reads():
