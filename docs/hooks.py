@@ -32,8 +32,9 @@ LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 
 
 def _mounted(repo_path: str) -> bool:
-    return repo_path in SINGLE or any(repo_path.startswith(folder + "/") and repo_path.endswith(exts)
-                                      for folder, exts in MOUNTS.items())
+    return repo_path in SINGLE or any(
+        repo_path.startswith(folder + "/") and repo_path.endswith(exts) for folder, exts in MOUNTS.items()
+    )
 
 
 @event_priority(100)  # before mkdocs-jupyter's on_files, which turns the mounted notebooks into pages
@@ -44,8 +45,7 @@ def on_files(files, config):
     for path in paths:
         rel = path.relative_to(REPO).as_posix()
         if path.is_file() and _mounted(rel) and files.get_file_from_path(rel) is None:
-            files.append(File(rel, src_dir=str(REPO), dest_dir=site,
-                              use_directory_urls=config["use_directory_urls"]))
+            files.append(File(rel, src_dir=str(REPO), dest_dir=site, use_directory_urls=config["use_directory_urls"]))
     for layer in LAYERS:
         files.append(File.generated(config, f"api/{layer}.md", content=api_page(layer)))
     return files
@@ -57,8 +57,15 @@ def api_page(layer: str) -> str:
     edit here."""
     folder = REPO / "grpo_kit" / layer
     modules = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
-    lines = [f"# {layer}/", "", f"::: grpo_kit.{layer}", "    options:", "      members: false",
-             "      show_root_heading: false", ""]
+    lines = [
+        f"# {layer}/",
+        "",
+        f"::: grpo_kit.{layer}",
+        "    options:",
+        "      members: false",
+        "      show_root_heading: false",
+        "",
+    ]
     for module in modules:
         lines += [f"::: grpo_kit.{layer}.{module}", ""]
     return "\n".join(lines)
@@ -68,6 +75,7 @@ def _rewrite_links(markdown: str, src_uri: str, on_disk: str) -> str:
     """Point links at the mounted copies: a docs page's ``../bench/results/x.md`` becomes the site's
     ``bench/results/x.md``; a mounted result page's link out of the mounted folders (to a script, say) becomes
     code text, since the site carries the results, not the source."""
+
     def fix(m):
         target = m.group(2)
         if "://" in target or target.startswith(("#", "mailto:", "/")):
@@ -78,12 +86,13 @@ def _rewrite_links(markdown: str, src_uri: str, on_disk: str) -> str:
             new = posixpath.relpath(repo_path, posixpath.dirname(src_uri) or ".")
             return m.group(1) + new + ("#" + frag if frag else "") + m.group(3)
         if repo_path.startswith(DOCS + "/"):  # a mounted page's link into the documentation
-            new = posixpath.relpath(repo_path[len(DOCS) + 1:], posixpath.dirname(src_uri) or ".")
+            new = posixpath.relpath(repo_path[len(DOCS) + 1 :], posixpath.dirname(src_uri) or ".")
             return m.group(1) + new + ("#" + frag if frag else "") + m.group(3)
         if on_disk != DOCS + "/" + src_uri:
-            text = m.group(1)[m.group(1).index("[") + 1:-2]
+            text = m.group(1)[m.group(1).index("[") + 1 : -2]
             return f"{text} (`{repo_path}`)"
         return m.group(0)
+
     return LINK.sub(fix, markdown)
 
 
@@ -116,8 +125,10 @@ def on_page_markdown(markdown, page, config, files):
         from grpo_kit.generation.versions import TESTED_VERSIONS  # lazy: only the build needs the kit
 
         rows = ["| package | tested | outside the window |", "|---|---|---|"]
-        rows += [f"| `{p}` | {lo if lo == hi else f'{lo} - {hi}'} | {risk} |" for p, (lo, hi, risk) in
-                 TESTED_VERSIONS.items()]
+        rows += [
+            f"| `{p}` | {lo if lo == hi else f'{lo} - {hi}'} | {risk} |"
+            for p, (lo, hi, risk) in TESTED_VERSIONS.items()
+        ]
         markdown = markdown.replace(VERSIONS_MARKER, "\n".join(rows))
     if SUPPORTED_MARKER in markdown:
         from grpo_kit.app.models import supported_models_page  # lazy: only the build needs the kit (and torch)
