@@ -3,6 +3,8 @@ prompt priced once in each training phase (and, by vLLM's prefix cache, once in 
 values held through the loss and backward (held to what autograd keeps on the CPU), and the issue's question
 answered: does 8 x (126,976 + 2,048) fit an 80 GB card, with and without sharing."""
 
+import dataclasses
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -32,9 +34,14 @@ def test_a_forward_runs_each_groups_prompt_once():
     assert F.shared_prefix_tokens(100, 10, rows=4, generations=8) == 100 + 4 * 10  # part of one group
     a = resolve_arch(LLAMA)
     assert F.prefix_kv_bytes(a, 1000, 2) == 2 * 32 * 1000 * 1024 * 2  # K and V, 32 layers, 8 KV heads of 128
-    assert F.prefix_attention_bytes(a, 8, 1000, 24, 2, with_grad=False) == 8 * 1024 * 2 * 1024 * 2
-    assert F.prefix_attention_bytes(a, 8, 1000, 24, 2, with_grad=True) == 2 * 8 * 1024 * 2 * 1024 * 2
-    assert F.prefix_mask_bytes(1000, 24, 2) == 24 * 1024 * 3  # bool, then bf16 additive
+    # the prompt's and the row's keys and values joined per row (8 KV heads of 128), then repeated to the 32 query
+    # heads (transformers' SDPA path with a mask); with grad, each again as its gradient
+    joined_and_repeated = 8 * 1024 * 2 * (1024 + 4096) * 2
+    assert F.prefix_attention_bytes(a, 8, 1000, 24, 2, with_grad=False) == joined_and_repeated
+    assert F.prefix_attention_bytes(a, 8, 1000, 24, 2, with_grad=True) == 2 * joined_and_repeated
+    mha = dataclasses.replace(a, kv_heads=a.heads)  # no grouped heads: nothing to repeat
+    assert F.prefix_attention_bytes(mha, 8, 1000, 24, 2, with_grad=False) == 8 * 1024 * 2 * 4096 * 2
+    assert F.prefix_mask_bytes(8, 1000, 24, 2) == 24 * 1024 * (1 + 8 * 2)  # bool once, then bf16 additive per row
 
 
 def test_the_training_phases_price_the_shared_prompt_once():
@@ -50,7 +57,7 @@ def test_the_training_phases_price_the_shared_prompt_once():
     assert "prompt keys and values (prefix sharing)" not in set(off["component"])
     # generation: vLLM's prefix cache holds each prompt once with or without it
     assert _gib(on, "KV cache (generation)") == _gib(off, "KV cache (generation)")
-    assert _gib(on, "recompute peak of one layer") < _gib(off, "recompute peak of one layer") / 4
+    assert _gib(on, "recompute peak of one layer") < _gib(off, "recompute peak of one layer") / 2
     on_phases, off_phases = on.attrs["phase_bytes"], off.attrs["phase_bytes"]
     assert on_phases["backward"] < off_phases["backward"] / 1.5 and on_phases["loss"] < off_phases["loss"]
 
@@ -61,7 +68,8 @@ def test_the_issues_row_fits_an_80_gb_card_only_with_sharing():
     on = fit_verdict(LLAMA, 80, EstimateSpec(**LONG, prefix_sharing=True))
     assert off.context == on.context == context
     assert not off.fits and off.peak_gib > 100
-    assert on.fits and on.peak_gib < 60 and on.max_context > context
+    # priced at well under the unshared step; the whole step measured past 80 GiB on an H100 (docs/long_context.md)
+    assert on.peak_gib < off.peak_gib / 1.4 and on.fits == (on.peak_gib <= 80)
 
 
 def test_the_scoring_pass_runs_one_group_at_a_time():
@@ -75,7 +83,7 @@ def test_the_scoring_pass_runs_one_group_at_a_time():
         F.scoring_forward_peak(a, 1, P, 2, chunk, 0),
         F.scoring_forward_peak(a, 8, C, 2, chunk, 0)
         + F.prefix_attention_bytes(a, 8, P, C, 2, False)
-        + F.prefix_mask_bytes(P, C, 2),
+        + F.prefix_mask_bytes(8, P, C, 2),
     )
 
 
@@ -143,7 +151,8 @@ def test_the_training_pass_holds_the_prompts_keys_and_values_as_priced():
 
 
 def test_the_completions_mask_is_one_c_by_p_plus_c_broadcast_over_rows():
-    """What prefix_mask_bytes prices: transformers hands SDPA one boolean (C, P + C) mask, stride 0 over the rows."""
+    """What prefix_mask_bytes prices: transformers hands SDPA one boolean (C, P + C) mask, stride 0 over the rows
+    (SDPA then makes it additive, one per row)."""
     model = build_random_model("tiny-llama")
     seen, layer = [], model.model.layers[0]
     forward = layer.forward
@@ -159,4 +168,4 @@ def test_the_completions_mask_is_one_c_by_p_plus_c_broadcast_over_rows():
     assert seen[0] is None  # the prompt: causal, no mask
     mask = seen[1]
     assert mask.shape == (G, 1, C - 1, P + C - 1) and mask.stride(0) == 0 and mask.dtype == torch.bool
-    assert mask.untyped_storage().nbytes() == F.prefix_mask_bytes(P, C - 1, 0)
+    assert mask.untyped_storage().nbytes() == F.prefix_mask_bytes(G, P, C - 1, 0)  # the bool mask, once

@@ -692,7 +692,9 @@ def _prefix_recompute(s: _Step, extra_in: int) -> tuple[float, str]:
             return F.full_recompute_peak(a, tokens, b, s.lora_rank, extra_in, True)
         return F.chunked_recompute_peak(a, tokens, b, s.lora_rank, extra_in, s.chunk_tokens)
 
-    completions = layer(M * C) + F.prefix_attention_bytes(a, M, P, C, b, with_grad=True) + F.prefix_mask_bytes(P, C, b)
+    completions = (
+        layer(M * C) + F.prefix_attention_bytes(a, M, P, C, b, with_grad=True) + F.prefix_mask_bytes(M, P, C, b)
+    )
     prompts = layer(s.prompts * P) + F.prefix_kv_bytes(a, s.prompts * P, b) // a.layers
     which = (
         "a completions' layer (the prompt's keys and values expanded to its rows, their gradient, its mask)"

@@ -327,18 +327,23 @@ def prefix_kv_bytes(a: Arch, prompt_tokens: int, b: int) -> int:
 def prefix_attention_bytes(
     a: Arch, rows: int, prompt_tokens: int, completion_tokens: int, b: int, with_grad: bool
 ) -> int:
-    """The completions' attention reads its group's prompt keys and values expanded to every row:
-    ``rows x (P + C) x 2 kv x b``; with grad, also their gradient (the same size) before the sum over the rows
-    into the one prompt."""
-    n = rows * (prompt_tokens + completion_tokens) * 2 * a.kv_dim * b
+    """The completions' attention over their group's prompt: the prompt's keys and values expanded to every row
+    and joined to the row's own, ``rows x (P + C) x 2 kv x b``; with a 2-D mask (which the completions need,
+    their queries sitting after the prompt), transformers' SDPA path then repeats them to every query head
+    (``repeat_kv``: ``rows x (P + C) x 2 x heads x head_dim x b`` more where the model groups its query heads).
+    With grad, each of them again as its gradient, before the sum over the rows into the one prompt."""
+    joined = rows * (prompt_tokens + completion_tokens) * 2 * a.kv_dim * b
+    repeated = 0 if a.heads == a.kv_heads else rows * (prompt_tokens + completion_tokens) * 2 * a.q_dim * b
+    n = joined + repeated
     return 2 * n if with_grad else n
 
 
-def prefix_mask_bytes(prompt_tokens: int, completion_tokens: int, b: int) -> int:
+def prefix_mask_bytes(rows: int, prompt_tokens: int, completion_tokens: int, b: int) -> int:
     """The completions' attention mask: their queries sit after the prompt, so SDPA's own causal flag (aligned to
-    the top left) does not fit and transformers passes a boolean (C, P + C) mask, broadcast over rows and heads,
-    which SDPA turns into an additive one in the compute dtype: ``C x (P + C) x (1 + b)``."""
-    return completion_tokens * (prompt_tokens + completion_tokens) * (1 + b)
+    the top left) does not fit and transformers passes a boolean (C, P + C) mask, broadcast over the ``rows`` (a
+    stride-0 view), which SDPA turns into an additive one in the compute dtype, one per row (the broadcast view
+    is made dense): ``C x (P + C) x (1 + rows x b)``."""
+    return completion_tokens * (prompt_tokens + completion_tokens) * (1 + rows * b)
 
 
 def shared_scoring_peak(
@@ -359,7 +364,7 @@ def shared_scoring_peak(
     completions = (
         scoring_forward_peak(a, rows, completion_tokens, b, chunk_tokens, 0, adapters)
         + prefix_attention_bytes(a, rows, prompt_tokens, completion_tokens, b, False)
-        + prefix_mask_bytes(prompt_tokens, completion_tokens, b)
+        + prefix_mask_bytes(rows, prompt_tokens, completion_tokens, b)
     )
     return prefix_kv_bytes(a, prompt_tokens, b) + max(prompt, completions) + logits_chunk_bytes
 
