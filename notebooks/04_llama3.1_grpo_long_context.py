@@ -19,17 +19,19 @@
 # On a GPU (how much memory: see the calculator below; the full run was not timed or run here) the run uses
 # everything the kit has for long context: offloaded gradient checkpointing (each layer's input parked in CPU RAM), the
 # efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
-# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the embedded model at a 2,048-token
-# window (CI runs it with 2 steps × 4 generations at 72 tokens).
+# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the main job (`python -m grpo_kit
+# train`: the embedded model on arithmetic, 2 prompts x 8 completions a step, 40 steps), which learns; the
+# long-context parts on a CPU are the calculator's, the committed GPU measurements', and the long-document section,
+# which scores a 1K-token document with and without prefix sharing on this machine (CI runs it all with 2 steps ×
+# 4 generations at 72 tokens).
 #
-# **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for;
-# the calculator below says whether the chosen context fits). Measured: the outputs below are the CPU fallback with the
-# parameters as they stand (the embedded model at a 2,048-token window, 5 steps × 8 completions, HF generation, 50
-# held-out problems): 1,581 s for the whole notebook on a 2-core CPU that another job shared for part of the run
-# (steps 1-3 took 21-41 s, steps 4-5 216-631 s). In 5 steps of one prompt no sampled group earned a reward, so
-# the adapter did not move (notebook 03 shows the same model learning over 40 steps); the run is here for the
-# memory at a long window, measured beside the calculator's. The full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200
-# (`bench/results/notebooks_gpu.md`). Not timed on a T4.
+# **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for; the
+# calculator below says whether the chosen context fits). Measured: the outputs below are the CPU fallback with the
+# parameters as they stand: the embedded model on arithmetic, 40 steps × 2 prompts × 8 completions, vLLM's CPU engine,
+# 50 held-out problems: 405 s for the whole notebook on a 2-core CPU (load average 1.8), 340.8 s of it training (8.4 s
+# a step), held-out accuracy 0.040 -> 0.600; the long-document section scored its group in 15.2 s with every row's
+# prompt and 3.0 s with the prompt once. The full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2
+# steps) 275 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 #
 # **Free T4:** `preset = "free_t4"` sets 4-bit base weights (QLoRA), fp16, HF generation and the longest context
 # whose whole step the calculator fits in 14 GiB (`grpo_kit.memory.fit.free_t4_preset`): 8,192 tokens for
@@ -85,9 +87,14 @@ vllm_lora_sync = ""
 gpu_gib = 80.0  # the card's memory, for the calculator's budget line
 generation_backend = "vllm"  # full setup; "hf" generates with transformers (slow at long context, no FP8 KV)
 fallback_model = "smollm2-135m-instruct"
-fallback_max_prompt_length = 64
-fallback_context_length = 2048  # the CPU run's window: prompt + completion tokens per sequence
-fallback_max_steps = 5
+# the CPU fallback is the main job (`python -m grpo_kit train`): the embedded model on arithmetic, 2 prompts x 8 a step
+fallback_max_prompt_length = 256
+fallback_context_length = 280  # prompt + completion tokens per sequence
+fallback_max_steps = 40
+fallback_generation_backend = "auto"  # vLLM's CPU engine where installed, else HF generate
+# the long-document section: a level-0 document (about 1K tokens) scored by the embedded model with and without sharing
+doc_generations = 8
+doc_completion_tokens = 64
 setup = "auto"  # "auto" | "full" | "fallback"
 preset = ""  # "free_t4": Colab's free T4 (15 GiB, fp16): 4-bit, HF generation, the longest context that fits
 dashboard = "auto"
@@ -99,6 +106,10 @@ report_to = "none"  # trackers (TRL's report_to): "tensorboard", "wandb", "track
 verbose = False  # True: vLLM's log and third-party warnings as the libraries print them (the CLI's --verbose)
 
 # %%
+from grpo_kit.notebook.helpers import quiet_console
+
+quiet_console(verbose)  # the kit's own lines from here on, before the imports below can warn (verbose: all of them)
+
 from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.generation.sync import LORA_SYNC_MODES
@@ -119,10 +130,12 @@ if preset == "free_t4":  # the calculator picks the context: the whole step, HF 
 extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit, fp8_weights=fp8_weights,
               fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
               fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard,
-              save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset, verbose=verbose)
+              save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset, verbose=verbose,
+              doc_generations=doc_generations, doc_completion_tokens=doc_completion_tokens)
 types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_weights=bool, fp8_kv_cache=bool, gpu_gib=float,
              fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
-             save_merged_weights=bool, hub_repo=str, preset=str, verbose=bool)
+             save_merged_weights=bool, hub_repo=str, preset=str, verbose=bool, doc_generations=int,
+             doc_completion_tokens=int)
 check_model_name(calculator_model)
 validate_params({}, extras, types)  # types first, so the comparisons below are safe
 for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
@@ -137,10 +150,10 @@ full = dict(common, model=model, per_device_train_batch_size=1, gradient_accumul
             max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
             max_completion_length=context_length - max_prompt_length, generation_backend=generation_backend,
             learning_rate=2e-5)
-fallback = dict(common, model=fallback_model, per_device_train_batch_size=num_generations, task="arithmetic",
-                max_steps=fallback_max_steps,
-                max_prompt_length=fallback_max_prompt_length,
-                max_completion_length=fallback_context_length - fallback_max_prompt_length, generation_backend="hf")
+fallback = dict(common, model=fallback_model, per_device_train_batch_size=2 * num_generations, task="arithmetic",
+                max_steps=fallback_max_steps, max_prompt_length=fallback_max_prompt_length,
+                max_completion_length=fallback_context_length - fallback_max_prompt_length,
+                generation_backend=fallback_generation_backend)
 validate_params(full)
 # vLLM is needed only where the full setup generates with it: not in 4-bit (the free-T4 preset), not with "hf"
 uses_vllm = generation_backend != "hf" and not four_bit
@@ -280,6 +293,104 @@ print(f"on a T4 in 4-bit (preset='free_t4': fp16, HF generation): {t4['context_l
       f"the step {t4['estimate_gib']:.2f} of {t4['budget_gib']} GiB")
 
 # %% [markdown]
+# ## Long documents: a group's prompt scored once
+# RL on long inputs is mostly long *prompts*: a document, a repository, a tool history, with a few thousand tokens of
+# answer. The G completions of a group then share one long prompt, and a GRPO step scores that prompt G times in each
+# of the policy, reference and old-policy passes, unless `prefix_sharing` (`auto` by default: where a group's prompts
+# are equal and at least 1,024 tokens long) runs the prompt's forward once per group and lets the G completions
+# attend to its keys and values (`grpo_kit.model.prefix`; the gradient of all G completions flows back into the one
+# prompt forward). vLLM's prefix cache already holds the prompt's KV once in generation. The built-in task
+# `long_document` (`configs/long_document.yaml`) asks for a five-digit code placed once in a generated document of
+# 1K (level 0) to 128K tokens (level 4) among distractor codes.
+#
+# First the calculator: 8 completions of 2,048 tokens after a 126,976-token document, Llama-3.1-8B, LoRA r=16, the
+# whole group in one micro-batch, with and without prefix sharing, against an 80 GiB card. Measured on an H100
+# (`bench rl_step`, `bench/results/rl_step.md`): at half that document, 8 x (63,488 + 2,048), the shared step ran in
+# 119 s at a 54.9 GiB peak; at 126,976 tokens the shared step ran out of memory in the policy's backward, where the
+# completions' attention still copies the prompt's keys and values to every row and query head (docs/memory.md):
+# the calculator's "fits" there is not borne out yet.
+
+# %% tags=["nbval-check-output"]
+from dataclasses import replace
+
+from grpo_kit.memory import EstimateSpec
+from grpo_kit.memory.fit import fit_verdict
+
+long_doc = EstimateSpec(num_generations=8, prompt_length=126_976, completion_length=2048, lora_rank=lora_rank,
+                        micro_batch_size=8, standby=True)  # the group in one micro-batch, vLLM sharing the weights
+print(f"tokens per scoring pass: {8 * (126_976 + 2048):,} with every row's prompt, {126_976 + 8 * 2048:,} with the "
+      "prompt once")
+for sharing in (False, True):
+    v = fit_verdict(calculator_model, gpu_gib, replace(long_doc, prefix_sharing=sharing))
+    print(f"prefix sharing {'on: ' if sharing else 'off:'} {v.text()}")
+
+# %% [markdown]
+# Then on this machine: one level-0 problem (about 1K tokens) and 8 completions of 64 tokens scored by the embedded
+# model both ways, no gradient: the G rows each with the whole prompt (as TRL 1.16 and Unsloth score them), and the
+# prompt once with the 8 completions attending to it. The log-probs agree to float rounding; the times are this
+# machine's.
+
+# %%
+import random
+import time
+
+import torch
+
+from grpo_kit.app.run import resolve_device
+from grpo_kit.model.anatomy import decoder_body, last_hidden
+from grpo_kit.model.loading import load_model, load_tokenizer
+from grpo_kit.model.prefix import shared_group_hidden
+from grpo_kit.tasks.long_document import long_document_problem
+
+device = resolve_device(cfg)  # the run's device: the GPU where there is one
+problem = long_document_problem(random.Random(seed), level=0)
+print(problem["question"][-400:], "\nanswer:", problem["answer"], " fact at depth", problem["depth"])
+doc_tok = load_tokenizer(fallback_model)
+doc_model = load_model(fallback_model, dtype=torch.float32, device=device)[0].eval()
+prompt_ids = torch.tensor(doc_tok(problem["question"])["input_ids"], device=device)
+G_doc, C_doc = doc_generations, doc_completion_tokens
+completion_ids = torch.randint(0, len(doc_tok), (G_doc, C_doc), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def completion_logps(hidden):
+    """(G, C) log-probs of the completion tokens from the (G, C, H) hidden states that predict them."""
+    logits = doc_model.get_output_embeddings()(hidden).float()
+    return torch.log_softmax(logits, -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def timed(fn):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+with torch.no_grad():
+    shared_group_hidden(doc_model, prompt_ids[:64], completion_ids[:, :8])  # warm-up
+    rows = torch.cat([prompt_ids.expand(G_doc, -1), completion_ids], dim=1)
+    unshared, unshared_s = timed(lambda: last_hidden(decoder_body(doc_model)(input_ids=rows))[:, -C_doc - 1:-1])
+    shared, shared_s = timed(lambda: shared_group_hidden(doc_model, prompt_ids, completion_ids))
+    gap = (completion_logps(unshared) - completion_logps(shared)).abs().max().item()
+P_doc = len(prompt_ids)
+tokens = {"every row its prompt": G_doc * (P_doc + C_doc), "prompt once": P_doc + G_doc * C_doc}
+seconds = {"every row its prompt": unshared_s, "prompt once": shared_s}
+print(f"prompt {P_doc:,} tokens, {G_doc} completions of {C_doc}: tokens run {tokens['every row its prompt']:,} -> "
+      f"{tokens['prompt once']:,}; {unshared_s:.2f} s -> {shared_s:.2f} s ({unshared_s / shared_s:.1f}x) on {device}; "
+      f"largest |log-prob difference| {gap:.1e}")
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 2.6))
+for ax, values, label in ((a1, tokens, "tokens through the model"), (a2, seconds, f"seconds on {device}")):
+    ax.barh(list(values), list(values.values()), color=["C1", "k"], alpha=0.8)
+    ax.set_xlabel(label)
+    ax.invert_yaxis()
+    ax.grid(alpha=0.3, axis="x")
+a1.set_title(f"One group's scoring pass: {G_doc} x ({P_doc:,} + {C_doc}) tokens, the embedded model", fontsize=9)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
 # ## Does it fit? The calculator against this GPU
 # The calculator's estimate for the config as it will train (`grpo_kit.memory.fit.require_fit`) against the
 # detected GPU's memory (`gpu_gib` without one): the full setup stops here with the numbers and what to change
@@ -305,13 +416,10 @@ else:
 # Without it, `fp8_kv_cache` becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
 # 16-bit weights with training (measured: the 20K step in 28.3 GiB on an H200, 28.6 on an H100, where TRL
 # colocate took 54.7), and `vllm_lora_sync` becomes the
-# config's field of that name. The fallback uses none of them: on the CPU it trains the embedded model with a
-# 2,048-token window per sequence (prompt + completion); its completions end where the model stops (the
-# dashboard's completion-length panel shows how long they were), so the window bounds the memory, it is
-# not always filled. The measured memory printed after the run is not the calculator's quantity on the CPU: it is
-# the process's peak RSS over the whole run (Python, torch, transformers and TRL take about 0.8 GiB once
-# imported; the held-out evaluation generates its 50 answers in one batch, each up to the window, before
-# training starts; the allocator keeps what it freed), where the calculator prices one training step. On a GPU
+# config's field of that name. The fallback uses none of them: on the CPU it trains the embedded model as the main
+# job does (prompt up to 256 tokens, completions up to 24). The measured memory printed after the run is not the
+# calculator's quantity on the CPU: it is the process's peak RSS over the whole run (Python, torch, transformers, TRL
+# and, with vLLM's CPU engine, its KV cache), where the calculator prices one training step. On a GPU
 # the measured figure is the allocator's peak.
 
 # %%
