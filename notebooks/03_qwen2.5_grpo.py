@@ -27,9 +27,8 @@
 # **Runtime:** GPU, a T4 or better (Colab: Runtime > Change runtime type > T4 GPU; the notebook's metadata asks
 # for it). Measured: the outputs below are the CPU fallback with the parameters as they stand
 # (the embedded model, vLLM's CPU engine, 40 steps of 2 prompts × 8 completions of at most 24 tokens, 200
-# held-out problems before and after): 376 s for the whole notebook on a 2-core CPU alone (an earlier run);
-# this run took 4,360 s with the 2 cores shared by three other jobs (load average 5-10), held-out 0.070 -> 0.700
-# (`python tests/test_notebooks.py --refresh`). The full setup (Qwen2.5-1.5B architecture, HF
+# held-out problems before and after): 388 s for the whole notebook on a 2-core CPU (load average 2.0), 294.0 s of it
+# training, held-out 0.070 -> 0.700 (`python tests/test_notebooks.py --refresh`). The full setup (Qwen2.5-1.5B architecture, HF
 # generation, 3 steps x 128 tokens) 88 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 
 # %%

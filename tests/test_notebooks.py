@@ -186,9 +186,6 @@ def closing_steps(text: str) -> int:
 # Committed runs made before the quiet console came first in every notebook: named, each with why it was not
 # refreshed yet; the test fails as soon as one is clean, so the name cannot outlive the reason.
 STDERR_NOT_YET_REFRESHED = {
-    "03_qwen2.5_grpo": "its committed run (2026-12-07, 4,360 s on the shared CPU) shows bitsandbytes' CPU-kernel "
-    "line once: notebook_setup imported the run's code before quieting the console, fixed after "
-    "that run (tests/test_dashboard.py holds it); the next refresh drops it",
     "06_multi_turn_tools": "its run is to be replaced by one that learns the tool (issue 56 item 1; the settings "
     "measured so far: .notes/tools_learning.md)",
 }
