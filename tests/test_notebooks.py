@@ -187,7 +187,7 @@ def closing_steps(text: str) -> int:
 # refreshed yet; the test fails as soon as one is clean, so the name cannot outlive the reason.
 STDERR_NOT_YET_REFRESHED = {
     "06_multi_turn_tools": "its run is to be replaced by one that learns the tool (issue 56 item 1; the settings "
-    "measured so far: .notes/tools_learning.md)",
+    "measured so far: .notes/tools_learning.md)"
 }
 
 # the least a committed real run shows: training steps its closing lines report (issue 36)
