@@ -67,3 +67,23 @@ def test_the_config_is_a_valid_run_whose_prompts_fit():
     system = default_system_prompt(cfg.task)
     check_prompt_lengths(tok, examples, system, max_prompt_length=cfg.max_prompt_length)
     assert max(len(prompt_ids(tok, e["question"], system)) for e in examples) > 0.85 * cfg.max_prompt_length
+
+
+def test_each_task_takes_its_own_levels():
+    """The long-document task's level 0 (a 1K-token document) passes the config and the generator; the other tasks
+    keep 1-4, and a level a task lacks is refused naming the task's own."""
+    from grpo_kit.app.config import ConfigError
+    from grpo_kit.tasks.data import task_levels
+
+    assert task_levels("long_document") == tuple(sorted(LONG_DOCUMENT_TOKENS)) and task_levels("arithmetic") == (
+        1,
+        2,
+        3,
+        4,
+    )
+    cfg = GRPOKitConfig(task="long_document", levels=[0], max_prompt_length=1280).validate()
+    assert [e["level"] for e in generate_tasks("long_document", 2, levels=tuple(cfg.levels))] == [0, 0]
+    with pytest.raises(ConfigError, match=r"levels=\[0\]: each must be one of \[1, 2, 3, 4\] for task='arithmetic'"):
+        GRPOKitConfig(task="arithmetic", levels=[0]).validate()
+    with pytest.raises(ValueError, match=r"each must be one of \[1, 2, 3, 4\]"):
+        generate_tasks("arithmetic", 1, levels=(0,))

@@ -25,7 +25,7 @@ from grpo_kit.memory.formulas import KV_DTYPE_BYTES
 from grpo_kit.model.fp8 import BASE_WEIGHTS, FP8_BLOCK, fp8_support
 from grpo_kit.model.loading import check_model_name
 from grpo_kit.model.nf4_matmul import NF4_MATMULS
-from grpo_kit.tasks.data import ARITHMETIC_TASKS, LEVELS, TASKS
+from grpo_kit.tasks.data import ARITHMETIC_TASKS, TASKS, task_levels
 from grpo_kit.tasks.rewards import REWARD_ERRORS, get_reward_funcs
 from grpo_kit.tasks.sandbox import FILESYSTEMS
 from grpo_kit.tasks.tools import get_tools, resolve_environment
@@ -370,9 +370,10 @@ def _list_problems(cfg) -> list[str] | None:
         errors.append(
             f"reward_weights has {len(cfg.reward_weights)} entries but reward_funcs has {len(cfg.reward_funcs)}"
         )
-    bad_levels = [lv for lv in cfg.levels if isinstance(lv, bool) or lv not in LEVELS]
+    allowed = task_levels(cfg.task)
+    bad_levels = [lv for lv in cfg.levels if isinstance(lv, bool) or lv not in allowed]
     if cfg.task != "gsm8k" and (not cfg.levels or bad_levels):
-        errors.append(f"levels={cfg.levels!r}: each must be one of {sorted(LEVELS)}, at least one")
+        errors.append(f"levels={cfg.levels!r}: each must be one of {list(allowed)} for task={cfg.task!r}, at least one")
     skip = cfg.load_in_4bit_skip_modules
     if skip != "auto" and not (isinstance(skip, list) and all(isinstance(m, str) and m for m in skip)):
         errors.append(f"load_in_4bit_skip_modules={skip!r} is not allowed: 'auto' or a list of non-empty module names")

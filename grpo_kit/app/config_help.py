@@ -13,6 +13,7 @@ from grpo_kit.loss.advantage import SCALE_REWARDS
 from grpo_kit.loss.objective import ENGINE_IS_MODES, LOSS_TYPES
 from grpo_kit.model.fp8 import BASE_WEIGHTS
 from grpo_kit.tasks.data import LEVELS, TASKS
+from grpo_kit.tasks.long_document import LONG_DOCUMENT_LEVELS
 from grpo_kit.tasks.rewards import REWARD_ERRORS, REWARD_FUNCTIONS
 from grpo_kit.tasks.tools import READY_TOOLS
 
@@ -60,7 +61,11 @@ FIELD_HELP = {
     ),
     "task": f"Training task, one of {TASKS}.",
     "levels": (
-        "Difficulty levels of the generated tasks (" + "; ".join(f"{n}: {what}" for n, what in LEVELS.items()) + ")."
+        "Difficulty levels of the generated tasks (arithmetic: "
+        + "; ".join(f"{n}: {what}" for n, what in LEVELS.items())
+        + "; long_document: "
+        + "; ".join(f"{n}: {what}" for n, what in LONG_DOCUMENT_LEVELS.items())
+        + ")."
     ),
     "dataset_path": (
         "GSM8K-format jsonl (`question`, `answer` with `#### N`) for task=gsm8k; empty: "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grpo_kit.readers.bounded import parse_json, read_lines
 from grpo_kit.tasks.answers import single_number
-from grpo_kit.tasks.long_document import LONG_DOCUMENT_SYSTEM_PROMPT, long_document_problem
+from grpo_kit.tasks.long_document import LONG_DOCUMENT_SYSTEM_PROMPT, LONG_DOCUMENT_TOKENS, long_document_problem
 
 # A GSM8K row is a question and a worked answer, a few KiB; the whole of GSM8K is a few MiB.
 MAX_DATA_LINE_BYTES = 1 << 20
@@ -150,13 +150,19 @@ TASK_GENERATORS = {
 TASKS = (*TASK_GENERATORS, "gsm8k")
 
 
+def task_levels(task: str) -> tuple[int, ...]:
+    """The levels ``task`` generates (sorted): the long-document task's document sizes (0-4), the others' 1-4."""
+    return tuple(sorted(LONG_DOCUMENT_TOKENS if task == "long_document" else LEVELS))
+
+
 def generate_tasks(task: str, n: int, *, levels=(1, 2), seed: int = 0, exclude: set[str] | None = None) -> list[dict]:
     """``n`` distinct problems, deterministic for a seed; questions in ``exclude`` are skipped."""
     if task not in TASK_GENERATORS:
         raise ValueError(f"task={task!r} cannot be generated; choose one of {list(TASK_GENERATORS)}")
-    bad = [lv for lv in levels if lv not in LEVELS]
+    allowed = task_levels(task)
+    bad = [lv for lv in levels if lv not in allowed]
     if bad or not levels:
-        raise ValueError(f"levels={list(levels)!r}: each must be one of {sorted(LEVELS)}")
+        raise ValueError(f"levels={list(levels)!r}: each must be one of {list(allowed)}")
     if n < 0:
         raise ValueError(f"n={n} must be >= 0")
     rng = random.Random(f"{task}:{seed}")
