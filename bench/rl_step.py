@@ -1027,7 +1027,9 @@ def main(argv=None) -> int:
         p.error(f"--memory-history {a.memory_history}: a number of events >= 1, or 0 (off)")
     if a.prompt < 1:
         p.error(f"--prompt {a.prompt}: a number of tokens >= 1")
-    a.prefix_sharing = {"true": True, "false": False}.get(a.prefix_sharing, a.prefix_sharing)
+    from grpo_kit.model.prefix import check_prefix_sharing  # lazy: torch only once the arguments parsed
+
+    a.prefix_sharing = check_prefix_sharing(a.prefix_sharing)  # the kit's own reading of auto / true / false
     if a.gen_tokens > a.completion:  # the row's engine holds prompt + completion tokens per sequence, no more
         p.error(
             f"--gen-tokens {a.gen_tokens} must be at most --completion {a.completion} (the engine's context is "
