@@ -18,20 +18,31 @@
 #
 # The model may call a tool in its rollout: TRL 1.16's tool loop parses the call, runs the tool, appends the
 # result and lets the model go on; the kit's generator serves every turn and the tool-result tokens are out of
-# the loss. This notebook writes a tool and an environment, checks before training that the start carries a
-# learning signal (groups with reward spread, tool-call rate), trains the embedded SmolLM2-135M-Instruct on
-# multi-digit multiplication with the kit's calculator (`configs/tools.yaml` is the same run from the CLI),
-# with the dashboard's tool-call panel, and shows the same held-out questions before and after.
+# the loss. This notebook writes a tool and an environment, checks whether the untrained start carries a learning
+# signal (groups with reward spread, tool-call rate), then trains the embedded SmolLM2-135M-Instruct on
+# 2-digit × 2-digit multiplication with the kit's calculator (`configs/tools.yaml` is the same run from the CLI): a
+# short supervised warm-up on worked calculator transcripts, then 20 GRPO steps with the dashboard's tool-call
+# panel, and a table of the same 16 held-out questions before, after the warm-up and after GRPO, answered with the
+# calculator and, by the same weights, without it.
 #
-# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU), HF generation. Measured: the outputs below are a run with
-# the parameters as they stand (3 steps × 4 rollouts, 4 held-out questions): 115 s for the whole notebook on a
-# 2-core CPU (`python tests/test_notebooks.py --refresh 06_multi_turn_tools`). What they show: the untrained 135M
-# model does not call the tool (no call in the pre-flight, in training or on the held-out questions, before or
-# after), so no group has a reward spread and GRPO has nothing to learn from; the pre-flight says so before the
-# run. A model that calls tools, or a supervised warm-up first, is what this task needs: with
-# `tool_warmup_steps = 30` (worked calculator transcripts of the training questions) the same model answered all
-# 32 held-out questions of `configs/tools.yaml`'s run through the calculator (0.000 -> 1.000) before GRPO began,
-# which then found no reward spread left to learn from (`bench learning`, 2-core CPU).
+# Why a *short* warm-up, and temperature 0.5 (measured on these 16 held-out questions, 2-core CPU,
+# `.notes/tools_learning.md`): the untrained model calls the calculator in 2 of 16 answers and gets none right, so
+# GRPO alone has no group with a reward spread. 4 warm-up steps already take it to 16 of 16 through the calculator
+# (30 steps, `configs/tools.yaml`'s earlier setting, did the same on 32 questions), after which greedy answers
+# leave nothing to learn. 3 steps leave it calling the calculator in 10 of 16 answers (0.625, every call right);
+# sampled at 0.5 it then calls it in about 40% of rollouts and 62% of groups (8 training prompts x 4) have a reward
+# spread (at 0.7: 28% and 38%). With the tool the operands' size does not matter; whether the model calls it does.
+#
+# **What the run below shows:** with the calculator, held-out accuracy 0% -> 62% after the warm-up -> 100% after
+# the 20 GRPO steps, every answer calling it at the end; without the tool the same weights stay at 0% (four-digit
+# products by heart are beyond a 135M model), so what GRPO raised is the use of the tool. With one prompt a step the
+# reward per step is noisy (it depends on the question): its mean over steps 1-5 is 0.55, over 16-20 0.80. After
+# GRPO the model's last turn repeats the tool's result in the tool-response tags rather than writing
+# `Answer: <n>`: the correctness reward reads the number and pays; a format reward would be the way to ask for more.
+#
+# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU), HF generation, fp32. Measured: 547 s for the whole
+# notebook on a 2-core CPU, load average 2.0 (`python tests/test_notebooks.py --refresh 06_multi_turn_tools`); the
+# train cell 520 s of it, 19.8 s a GRPO step.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
@@ -56,16 +67,20 @@ elif importlib.util.find_spec("grpo_kit") is None:
 # %% tags=["parameters"]
 model = "smollm2-135m-instruct"  # a built-in (the kit gives it a tool-calling template) or a tool-capable hub model
 levels = [2]  # multiplication levels: operand digits grow with the level
-max_steps = 3
+max_steps = 20  # GRPO steps, after the warm-up
 num_generations = 4
 per_device_train_batch_size = 4  # 1 prompt x 4 generations per step
 max_completion_length = 96  # all turns together, tool results included (TRL's budget)
 max_prompt_length = 512  # the tools' schema and the worked example are in the prompt
 max_tool_calling_iterations = 2
-# supervised steps on worked calculator transcripts before GRPO (0: none; configs/tools.yaml takes 30)
-tool_warmup_steps = 0
+# supervised steps on worked calculator transcripts before GRPO (0: none): 3 leave the model calling the tool
+# in about 60% of answers, so GRPO's groups still differ; 30 left nothing for GRPO to learn (first cell)
+tool_warmup_steps = 3
+# the rollouts' sampling temperature: after the short warm-up, 0.5 samples the calculator call in about 40% of
+# rollouts (0.7: about 30%), so most groups differ (first cell)
+temperature = 0.5
 num_train_samples = 64
-num_eval_samples = 4
+num_eval_samples = 16
 preflight_prompts = 1  # prompts the pre-flight samples (num_generations rollouts each)
 dashboard = "auto"  # "auto" | "widgets" | "static"
 output_dir = "runs/06_multi_turn_tools"
@@ -73,20 +88,21 @@ seed = 0
 verbose = False  # True: vLLM's log and third-party warnings as the libraries print them (the CLI's --verbose)
 
 # %%
-from grpo_kit.notebook.helpers import validate_params
+from grpo_kit.notebook.helpers import notebook_setup
 
-cfg = validate_params(dict(model=model, task="multiplication", levels=levels, tools=["calculator"],
-                           max_steps=max_steps, num_generations=num_generations,
-                           per_device_train_batch_size=per_device_train_batch_size,
-                           max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
-                           max_tool_calling_iterations=max_tool_calling_iterations, tool_warmup_steps=tool_warmup_steps,
-                           num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
-                           reward_funcs=["correctness", "format_soft"], generation_backend="hf",
-                           output_dir=output_dir, seed=seed, use_lora=True),
-                      dict(preflight_prompts=preflight_prompts, dashboard=dashboard, verbose=verbose),
-                      dict(preflight_prompts=int, dashboard=str, verbose=bool))
-print(f"model={cfg.model}  task={cfg.task} levels={cfg.levels}  tools={cfg.tools}  steps={cfg.max_steps}  "
-      f"G={cfg.num_generations}  completion<={cfg.max_completion_length} tokens (all turns)")
+# checked before anything loads; the kit's quiet console from here on; the line says what runs where
+run = notebook_setup(dict(model=model, task="multiplication", levels=levels, tools=["calculator"],
+                          max_steps=max_steps, num_generations=num_generations,
+                          per_device_train_batch_size=per_device_train_batch_size,
+                          max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
+                          max_tool_calling_iterations=max_tool_calling_iterations,
+                          tool_warmup_steps=tool_warmup_steps, temperature=temperature,
+                          num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
+                          reward_funcs=["correctness"], generation_backend="hf",
+                          output_dir=output_dir, seed=seed, use_lora=True),
+                     verbose=verbose, extras=dict(preflight_prompts=preflight_prompts, dashboard=dashboard),
+                     extra_types=dict(preflight_prompts=int, dashboard=str))
+cfg = run.config
 
 # %% [markdown]
 # ## 1. Writing a tool
@@ -97,6 +113,7 @@ print(f"model={cfg.model}  task={cfg.task} levels={cfg.levels}  tools={cfg.tools
 
 # %%
 import json
+import logging
 
 from transformers.utils import get_json_schema
 
@@ -116,10 +133,13 @@ def multiply(a: int, b: int) -> str:
 print(json.dumps(get_json_schema(multiply), indent=1))
 tool = checked_tool(multiply, time_limit_s=5.0)
 print("multiply(37, 48) ->", tool(a=37, b=48))
+logging.getLogger("grpo_kit.tasks.tools").setLevel(logging.ERROR)  # in a rollout a failure is a logged warning
 try:
     tool(a="thirty", b=2)
 except ToolError as e:
-    print("a failing call:", e)
+    print("a failing call:", e)  # what the model reads back, as {"error": ...}
+finally:
+    logging.getLogger("grpo_kit.tasks.tools").setLevel(logging.NOTSET)
 
 # %% [markdown]
 # ## 2. Writing an environment
@@ -167,14 +187,12 @@ print("tools:", [n for n, _ in inspect.getmembers(CalculatorEnv, inspect.isfunct
 # %%
 import torch
 
-from grpo_kit.app.run import resolve_device, resolve_dtype
 from grpo_kit.model.loading import load_model
 from grpo_kit.tasks.chat_template import check_tool_template, use_tool_template
 from grpo_kit.tasks.data import build_datasets, default_system_prompt, make_prompt
 
 torch.manual_seed(seed)
-device = resolve_device(cfg)
-policy, tokenizer = load_model(cfg.model, dtype=resolve_dtype(cfg, device), device=device, seed=seed)
+policy, tokenizer = load_model(cfg.model, dtype=run.dtype, device=run.device, seed=seed)
 use_tool_template(tokenizer)
 check_tool_template(tokenizer, cfg.model)
 system_prompt = default_system_prompt(cfg.task, tools=True)
@@ -189,43 +207,87 @@ print(tokenizer.apply_chat_template(make_prompt(heldout[0]["question"], system_p
 # with reward spread and the tool-call rate.
 
 # %%
-from grpo_kit.app.evaluation import tool_preflight
+from grpo_kit.app.evaluation import evaluate_accuracy, tool_preflight
 
 check = tool_preflight(policy, tokenizer, train_examples[:preflight_prompts], [calculator],
                        num_generations=cfg.num_generations, system_prompt=system_prompt,
                        max_new_tokens=cfg.max_completion_length,
-                       max_tool_calling_iterations=cfg.max_tool_calling_iterations, seed=seed)
+                       max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                       temperature=cfg.temperature, seed=seed)
 print(f"groups with reward spread: {check['spread_share']:.0%} of {check['groups']}; tool calls per rollout: "
       f"{check['tool_call_rate']:.2f} ({check['tool_use_share']:.0%} of rollouts called it, "
       f"{check['tool_failure_rate']:.0%} of calls failed); sampled accuracy {check['accuracy']:.0%}")
+
+
+def without_tool(model) -> float:
+    """Greedy held-out accuracy of ``model`` with no tool offered (the answer-only prompt): multiplication by heart."""
+    return evaluate_accuracy(model, tokenizer, heldout, system_prompt=default_system_prompt(cfg.task),
+                             max_new_tokens=32)["accuracy"]  # the prompt asks for the number alone
+
+
+no_tool = {"before": without_tool(policy)}
+print(f"held-out accuracy without the tool, before training: {no_tool['before']:.0%} (n={len(heldout)})")
 del policy
 
 # %% [markdown]
-# ## 5. Train, with the dashboard
-# The dashboard's last panel is TRL's tool metrics per step: calls per rollout and the failed share of calls.
-# The held-out evaluation before and after runs the same tool loop, greedy.
+# ## 5. Warm up, train, with the dashboard
+# `train` evaluates the held-out questions, runs the supervised warm-up (`tool_warmup_steps` steps on worked
+# calculator transcripts of the training questions), evaluates again, then runs GRPO. The dashboard's last panel is
+# TRL's tool metrics per GRPO step: calls per rollout and the failed share of calls. The held-out evaluations run
+# the same tool loop, greedy; a callback asks the same weights without the tool as well.
 
 # %%
+from transformers import TrainerCallback
+
 from grpo_kit.app.run import train
 from grpo_kit.notebook.dashboard import LiveDashboard
 
+
+class WithoutTool(TrainerCallback):
+    """The same weights asked without the tool: when GRPO begins (after the warm-up) and after its last step."""
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        no_tool["after_warmup"] = without_tool(model)
+
+    def on_train_end(self, args, state, control, model=None, **kw):
+        no_tool["after"] = without_tool(model)
+
+
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
-summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True, verbose=verbose)
+summary = train(cfg, progress=True, callbacks=(dash, WithoutTool()), overwrite=True, verbose=verbose)
 
 # %% [markdown]
-# ## 6. Before → after on the same questions
+# ## 6. Before → after warm-up → after GRPO, on the same questions
+# With the calculator: the run's greedy held-out evaluation through the tool loop (`eval.json`). Without it: the
+# same weights with no tool offered and the answer-only prompt, i.e. multiplication by heart. Then the reward and
+# the calls per rollout over the GRPO steps (`metrics.csv`), in blocks of steps.
 
 # %%
 from pathlib import Path
 
+import pandas as pd
+
 from grpo_kit.tasks.rewards import final_answer_text
 
-evals = json.loads((Path(summary["run_dir"]) / "eval.json").read_text())
-for when in (w for w in ("before", "after_warmup", "after") if w in evals):  # after_warmup: tool_warmup_steps
-    r = evals[when]
-    print(f"{when:>6}: accuracy {r['accuracy']:.0%}, tool used in {r['tool_use_share']:.0%} of answers, "
-          f"{r['tool_calls']} calls, {r['tool_failures']} failed (n={r['n']})")
+run_dir = Path(summary["run_dir"])
+evals = json.loads((run_dir / "eval.json").read_text())
+stages = {"before": "before", "after_warmup": f"after warm-up ({cfg.tool_warmup_steps} steps)",
+          "after": f"after GRPO ({cfg.max_steps} steps)"}
+table = pd.DataFrame([{"held-out": label, "with the calculator": f"{evals[w]['accuracy']:.0%}",
+                       "answers calling it": f"{evals[w]['tool_use_share']:.0%}",
+                       "failed calls": evals[w]["tool_failures"],
+                       "without the tool": f"{no_tool[w]:.0%}" if w in no_tool else "-"}
+                      for w, label in stages.items() if w in evals])
+print(f"held-out accuracy, greedy, n={evals['before']['n']}:\n{table.to_string(index=False)}")
+
+metrics = pd.read_csv(run_dir / "metrics.csv")
+block = max(1, len(metrics) // 4)
+by_block = metrics.groupby((metrics["step"] - 1) // block).agg(
+    steps=("step", lambda s: f"{s.min()}-{s.max()}"), reward=("reward_mean", "mean"),
+    calls_per_rollout=("tools/call_frequency", "mean"), no_spread=("frac_reward_zero_std", "mean"))
+print(f"\nGRPO steps in blocks of {block} (means):\n{by_block.round(3).to_string(index=False)}")
+
 for b, a in list(zip(evals["before"]["samples"], evals["after"]["samples"]))[:3]:
     print(f"\nQ: {b['question']}  (answer {b['answer']})")
     for when, s in (("before", b), ("after", a)):

@@ -266,3 +266,21 @@ def test_default_run_console(repo_root, tmp_path):
     assert gen["weight_syncs"] == 2 and gen["share_weights"] is False
     assert gen["kv_cache_dtype"] == ("fp8" if fp8 else "auto")
     assert out.count("kv_cache_dtype='fp8' on vLLM's CPU backend") == (1 if fp8 else 0)  # the documented warning
+
+
+def test_the_kits_own_warnings_reach_stdout_not_stderr():
+    """A fresh process with no logging set up (a notebook's kernel, the CLI): a tool call that failed in a rollout
+    is the kit's line on stdout, so a notebook shows it in the cell's output, not in a stderr box; a process that
+    configured logging keeps its handlers (the line goes there, once)."""
+    fresh = (
+        "import logging\n"
+        "from grpo_kit.app.console import quiet_console\n"
+        "quiet_console(False)\n"
+        "logging.getLogger('grpo_kit.tasks.tools').warning('grpo_kit: tool %r raised ValueError: x', 'calculator')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "grpo_kit: tool 'calculator' raised ValueError: x" in r.stdout and "raised" not in r.stderr
+    configured = "import logging\nlogging.basicConfig(format='user: %(message)s')\n" + fresh
+    r = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, timeout=300)
+    assert r.stderr.count("user: grpo_kit: tool 'calculator' raised") == 1 and "raised" not in r.stdout

@@ -15,7 +15,7 @@ import torch
 from grpo_kit.app.config import ConfigError
 from grpo_kit.loss.advantage import group_advantages
 from grpo_kit.notebook.dashboard import PANELS, LiveDashboard, read_samples, samples_html, widget_frontend_available
-from grpo_kit.notebook.helpers import choose_setup, exact_kl, in_colab, kl_estimates, notebook_setup, validate_params
+from grpo_kit.notebook.helpers import exact_kl, in_colab, kl_estimates, notebook_setup, validate_params
 
 TRL_LOG = {
     "loss": 0.5,
@@ -124,13 +124,7 @@ def test_validate_params_errors_name_the_parameter():
     validate_params({}, {"gpu_gib": 80}, {"gpu_gib": float})  # an int is a fine float
 
 
-def test_choose_setup_falls_back_without_gpu():
-    name, settings = choose_setup({"model": "big"}, {"model": "small"})
-    if not torch.cuda.is_available():
-        assert (name, settings) == ("fallback", {"model": "small"})
-    assert choose_setup({"a": 1}, {"a": 2}, force="full") == ("full", {"a": 1})
-    with pytest.raises(ValueError, match="force='gpu'"):
-        choose_setup({}, {}, force="gpu")
+def test_not_in_colab():
     assert in_colab() is False
 
 
@@ -164,6 +158,11 @@ def test_notebook_setup_is_one_call_that_says_what_it_chose(capsys):
         notebook_setup(full, fallback, extras={"dashboard": 3}, extra_types={"dashboard": str})
     with pytest.raises(ValueError, match="setup='gpu' is not allowed"):
         notebook_setup(full, fallback, setup="gpu")
+    # what only a GPU can run joins the full setup where it is chosen, and is checked only there
+    gpu_only = dict(load_in_4bit=True, generation_backend="hf")
+    assert notebook_setup(full, fallback, full_on_gpu=gpu_only, show=False).name == "fallback"
+    with pytest.raises(ConfigError, match="load_in_4bit=True needs a CUDA GPU"):
+        notebook_setup(full, fallback, setup="full", full_on_gpu=gpu_only, show=False)
 
 
 def test_notebook_setup_quiets_the_console_before_its_imports_warn(repo_root):
@@ -181,24 +180,27 @@ def test_notebook_setup_quiets_the_console_before_its_imports_warn(repo_root):
     assert "gemm_4bit" not in r.stderr + r.stdout and "note:" not in r.stdout, r.stderr[-2000:]
 
 
-def test_choose_setup_says_why_it_falls_back(monkeypatch, capsys):
+def test_notebook_setup_says_why_it_falls_back(monkeypatch, capsys):
     import grpo_kit.notebook.helpers as nu
     from grpo_kit.generation import vllm_backend
     from grpo_kit.model import cuda_driver
 
+    # device cpu in both: the choice is under test here, not the device's dtype
+    full = dict(model="Qwen/Qwen2.5-1.5B-Instruct", task="gsm8k", device="cpu")
+    fallback = dict(model="smollm2-135m-instruct", task="arithmetic", device="cpu")
     # a T4 whose driver is too old for vLLM's CUDA build: no vLLM, so a setup that needs it falls back, saying why
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(nu.importlib.util, "find_spec", lambda name: None if name == "vllm" else object())
     monkeypatch.setattr(vllm_backend, "gpu_name", lambda: "Tesla T4")
     monkeypatch.setattr(vllm_backend, "driver_version", lambda: "550.54.15")
     monkeypatch.setattr(nu, "online", lambda: True)
-    assert choose_setup({"a": 1}, {"a": 2}, need_packages=("vllm",))[0] == "fallback"
+    assert notebook_setup(full, fallback, need_packages=("vllm",)).name == "fallback"
     out = capsys.readouterr().out
-    assert "setup: the offline fallback, since vllm is not installed (vLLM's CUDA build" in out and "550.54.15" in out
+    assert "setup: fallback (vllm is not installed (vLLM's CUDA build" in out and "550.54.15" in out
     # the same machine with a setup that generates with HF (notebook 04's free-T4 preset): the full setup
-    assert choose_setup({"a": 1}, {"a": 2}, need_packages=())[0] == "full" and capsys.readouterr().out == ""
+    assert notebook_setup(full, fallback, need_packages=(), show=False).name == "full"
     monkeypatch.setattr(nu, "online", lambda: False)
-    assert choose_setup({"a": 1}, {"a": 2})[0] == "fallback"
+    assert notebook_setup(full, fallback).name == "fallback"
     assert "the model hub is not reachable" in capsys.readouterr().out
     # no GPU torch can use, and the driver is why
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -183,15 +183,8 @@ def closing_steps(text: str) -> int:
     return max(done, default=0)
 
 
-# Committed runs made before the quiet console came first in every notebook: named, each with why it was not
-# refreshed yet; the test fails as soon as one is clean, so the name cannot outlive the reason.
-STDERR_NOT_YET_REFRESHED = {
-    "06_multi_turn_tools": "its run is to be replaced by one that learns the tool (issue 56 item 1; the settings "
-    "measured so far: .notes/tools_learning.md)"
-}
-
 # the least a committed real run shows: training steps its closing lines report (issue 36)
-MIN_COMMITTED_STEPS = {"03_qwen2.5_grpo": 20, "04_llama3.1_grpo_long_context": 40}
+MIN_COMMITTED_STEPS = {"03_qwen2.5_grpo": 20, "04_llama3.1_grpo_long_context": 20, "06_multi_turn_tools": 20}
 
 
 @pytest.mark.parametrize("name", EXPECTED)
@@ -213,10 +206,7 @@ def test_committed_outputs_are_a_real_run(name):
         for o in c.get("outputs", [])
         if o.get("output_type") == "stream" and o.get("name") == "stderr"
     ]
-    if name in STDERR_NOT_YET_REFRESHED:
-        assert stderr, f"{name} is clean now: take it out of STDERR_NOT_YET_REFRESHED"
-    else:
-        assert not stderr, f"{name}: the committed outputs print to stderr: {stderr}"
+    assert not stderr, f"{name}: the committed outputs print to stderr: {stderr}"
     if name in MIN_COMMITTED_STEPS:
         steps = closing_steps(_texts(nb))
         assert steps >= MIN_COMMITTED_STEPS[name], (

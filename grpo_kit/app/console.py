@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -107,15 +108,37 @@ def warn_once_per_message() -> None:
     warnings.showwarning = show
 
 
+class _StdoutLines(logging.StreamHandler):
+    """The kit's own log lines (a tool call that failed in a rollout, a reward that raised) on whatever
+    ``sys.stdout`` is when they are written: a notebook cell's output, not its stderr box."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ sets it; the current stdout is read at each line instead
+        pass
+
+
+def _kit_lines_to_stdout() -> None:
+    """Route the ``grpo_kit`` loggers' warnings to stdout where nothing else would show them (no handler of the
+    user's, only Python's last-resort stderr); a process that configured logging keeps its own handlers."""
+    kit = logging.getLogger("grpo_kit")
+    if not kit.handlers and not logging.getLogger().handlers:
+        kit.addHandler(_StdoutLines())
+
+
 def quiet_console(verbose: bool = False) -> None:
     """Set what third-party code prints for the runs that follow in this process (call before they import it:
     vLLM reads its level when imported). Quiet (default): vLLM's log at errors only, unless ``VLLM_LOGGING_LEVEL``
     is set in the environment (its loading bar goes with it); the :data:`KNOWN_WARNINGS` as the kit's
     line, once; every other warning once. ``verbose``: all of it as the libraries print it (repeats of one
-    Python warning text still once). transformers' progress bars go with the quiet console. The kit's notes go to
-    stdout with its other lines, so a notebook shows no stderr box for them."""
+    Python warning text still once). transformers' progress bars go with the quiet console. The kit's notes and its
+    loggers' warnings go to stdout with its other lines, so a notebook shows no stderr box for them."""
     _STATE["verbose"] = bool(verbose)
     warn_once_per_message()
+    _kit_lines_to_stdout()
     for where, _, _ in KNOWN_WARNINGS:
         logger = logging.getLogger(where) if isinstance(where, str) else None
         if logger is not None and not any(isinstance(f, _KnownLogLines) for f in logger.filters):

@@ -63,19 +63,6 @@ def validate_params(config: dict, extras: dict | None = None, extra_types: dict 
     return GRPOKitConfig.from_dict(dict(config)).validate()
 
 
-def choose_setup(full: dict, fallback: dict, *, need_packages: tuple = (), force: str = "auto") -> tuple[str, dict]:
-    """Pick the notebook's full setup (a GPU torch can use, ``need_packages`` importable, the hub reachable)
-    or its offline fallback. ``force``: ``"auto"``, ``"full"`` or ``"fallback"``; ``"auto"`` prints why when it
-    falls back (:func:`full_setup_blockers`).
-
-    Returns ``(name, settings)`` with name ``"full"`` or ``"fallback"`` and a copy of the settings.
-    """
-    name, blockers = _setup_choice(force, need_packages, "force")
-    if blockers:
-        print(f"setup: the offline fallback, since {'; '.join(blockers)}")
-    return name, dict(full if name == "full" else fallback)
-
-
 def _setup_choice(choice: str, need_packages: tuple, param: str) -> tuple[str, list[str]]:
     """``"full"`` or ``"fallback"`` for a notebook's ``choice`` (``"auto"``, ``"full"`` or ``"fallback"``, the
     parameter named ``param`` in the error), and why ``"auto"`` fell back (:func:`full_setup_blockers`; [] else)."""
@@ -116,6 +103,7 @@ def notebook_setup(
     verbose: bool = False,
     extras: dict | None = None,
     extra_types: dict | None = None,
+    full_on_gpu: dict | None = None,
     show: bool = True,
 ) -> NotebookSetup:
     """A training notebook's setup in one call: the kit's quiet console first (so no third-party warning of the
@@ -124,7 +112,9 @@ def notebook_setup(
     notebook's own parameters, see :func:`validate_params`), then the full setup where it can run here (a GPU
     torch can use, ``need_packages`` importable, the hub reachable) or else the fallback; ``setup`` ``"full"`` /
     ``"fallback"`` forces one. The device and dtype are the run's (bf16 where the GPU has it, fp16 on a T4, fp32
-    on the CPU). Prints :meth:`NotebookSetup.line` unless ``show`` is False."""
+    on the CPU). ``full_on_gpu``: fields the full setup adds that ask this machine for a GPU (4-bit or FP8 base
+    weights); they join ``full`` and are checked only where the full setup is chosen, since a CPU machine that
+    falls back cannot answer for them. Prints :meth:`NotebookSetup.line` unless ``show`` is False."""
     quiet_console(verbose)
     from grpo_kit.app.run import resolve_device, resolve_dtype  # lazy: it imports peft, which warns: console first
 
@@ -137,6 +127,8 @@ def notebook_setup(
     if name == "fallback" and fallback is None:
         raise ValueError("setup='fallback' needs the fallback settings")
     cfg = configs[name]
+    if name == "full" and full_on_gpu:
+        cfg = validate_params({**full, **full_on_gpu})
     device = resolve_device(cfg)
     chosen = NotebookSetup(name, cfg, device, resolve_dtype(cfg, device), "; ".join(blockers))
     if show:
