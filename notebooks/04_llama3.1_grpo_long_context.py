@@ -19,19 +19,23 @@
 # On a GPU (how much memory: see the calculator below; the full run was not timed or run here) the run uses
 # everything the kit has for long context: offloaded gradient checkpointing (each layer's input parked in CPU RAM), the
 # efficient loss (no (B, T, V) logits), weights shared with vLLM; the calculator below also prices 4-bit
-# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to the main job (`python -m grpo_kit
-# train`: the embedded model on arithmetic, 2 prompts x 8 completions a step, 40 steps), which learns; the
-# long-context parts on a CPU are the calculator's, the committed GPU measurements', and the long-document section,
-# which scores a 1K-token document with and without prefix sharing on this machine (CI runs it all with 2 steps ×
-# 4 generations at 72 tokens).
+# weights and an FP8 KV cache. Offline or on a CPU it falls back by itself to long documents at a CPU's size: the
+# embedded model finds a five-digit code in a ~1K-token generated document (`long_document` level 0), 8 completions
+# a step sharing the document as their prompt, which prefix sharing scores once per group; the long-context parts
+# on a CPU are the calculator's, the committed GPU measurements', and the long-document section, which scores a
+# 1K-token document with and without prefix sharing on this machine (CI runs it all with 2 steps of 8 completions
+# of 8 tokens).
 #
 # **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for; the
 # calculator below says whether the chosen context fits). Measured: the outputs below are the CPU fallback with the
-# parameters as they stand: the embedded model on arithmetic, 40 steps × 2 prompts × 8 completions, vLLM's CPU engine,
-# 50 held-out problems: 405 s for the whole notebook on a 2-core CPU (load average 1.8), 340.8 s of it training (8.4 s
-# a step), held-out accuracy 0.040 -> 0.600; the long-document section scored its group in 15.2 s with every row's
-# prompt and 3.0 s with the prompt once. The full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2
-# steps) 275 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
+# parameters as they stand: long documents at level 0 (988-token prompts), 20 steps of 8 completions up to 32 tokens,
+# vLLM's CPU engine, the prompt scored once per group: 502 s for the whole notebook on a 2-core CPU (load average
+# 1.9), the train cell 449 s of it: 259 s training (12.8 s a step), the rest loading, vLLM's start and the two
+# held-out evaluations (24 documents, HF generate over ~1K-token prompts); held-out accuracy 0.250 -> 0.333 (6 -> 8 of 24). With one document a step the reward
+# per step is noisy: its mean is 0.06 over steps 1-10
+# and 0.21 over steps 11-20, and the completions shorten from ~28 to ~19 tokens (the trained model stops after the
+# code it names). The long-document section scored its group in 15.2 s with every row's prompt and 2.6 s with the
+# prompt once. The full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 #
 # **Free T4:** `preset = "free_t4"` sets 4-bit base weights (QLoRA), fp16, HF generation and the longest context
 # whose whole step the calculator fits in 14 GiB (`grpo_kit.memory.fit.free_t4_preset`): 8,192 tokens for
@@ -87,10 +91,12 @@ vllm_lora_sync = ""
 gpu_gib = 80.0  # the card's memory, for the calculator's budget line
 generation_backend = "vllm"  # full setup; "hf" generates with transformers (slow at long context, no FP8 KV)
 fallback_model = "smollm2-135m-instruct"
-# the CPU fallback is the main job (`python -m grpo_kit train`): the embedded model on arithmetic, 2 prompts x 8 a step
-fallback_max_prompt_length = 256
-fallback_context_length = 280  # prompt + completion tokens per sequence
-fallback_max_steps = 40
+# the CPU fallback trains on long documents: level 0 (about 1K tokens), 8 completions a step sharing the prompt
+fallback_max_prompt_length = 1280
+fallback_context_length = 1312  # prompt + completion tokens: the answer takes ~20 tokens
+fallback_max_steps = 20
+fallback_num_eval_samples = 24
+fallback_learning_rate = 1e-4
 fallback_generation_backend = "auto"  # vLLM's CPU engine where installed, else HF generate
 # the long-document section: a level-0 document (about 1K tokens) scored by the embedded model with and without sharing
 doc_generations = 8
@@ -112,14 +118,12 @@ quiet_console(verbose)  # the kit's own lines from here on, before the imports b
 
 from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.model.loading import check_model_name
-from grpo_kit.generation.sync import LORA_SYNC_MODES
-from grpo_kit.notebook.helpers import choose_setup, validate_params
+from grpo_kit.notebook.helpers import notebook_setup
 
-if preset not in ("", "free_t4"):
-    raise ValueError(f"preset={preset!r} is not allowed: '' (the parameters as set) or 'free_t4'")
-if vllm_lora_sync not in ("", *LORA_SYNC_MODES):
-    raise ValueError(f"vllm_lora_sync={vllm_lora_sync!r} is not allowed: '' (the kit's default) or one of "
-                     f"{list(LORA_SYNC_MODES)}")
+check_model_name(calculator_model)  # the architecture the calculator prices
+if context_length <= max_prompt_length:
+    raise ValueError(f"context_length={context_length} must be larger than max_prompt_length={max_prompt_length}")
+
 if preset == "free_t4":  # the calculator picks the context: the whole step, HF generate's KV cache included
     t4 = free_t4_preset(calculator_model, num_generations=num_generations, prompt_length=max_prompt_length,
                         lora_rank=lora_rank)
@@ -127,46 +131,38 @@ if preset == "free_t4":  # the calculator picks the context: the whole step, HF 
                                                              t4["budget_gib"])
     print(f"preset free_t4: context {context_length:,} tokens, 4-bit, fp16, HF generation; the calculator's "
           f"step: {t4['estimate_gib']:.2f} of {t4['budget_gib']} GiB")
-extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit, fp8_weights=fp8_weights,
-              fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib, fallback_context_length=fallback_context_length,
-              fallback_max_prompt_length=fallback_max_prompt_length, setup=setup, dashboard=dashboard,
-              save_merged_weights=save_merged_weights, hub_repo=hub_repo, preset=preset, verbose=verbose,
-              doc_generations=doc_generations, doc_completion_tokens=doc_completion_tokens)
-types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_weights=bool, fp8_kv_cache=bool, gpu_gib=float,
-             fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
-             save_merged_weights=bool, hub_repo=str, preset=str, verbose=bool, doc_generations=int,
-             doc_completion_tokens=int)
-check_model_name(calculator_model)
-validate_params({}, extras, types)  # types first, so the comparisons below are safe
-for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
-                          ("fallback_context_length", fallback_context_length, fallback_max_prompt_length)):
-    if ctx <= prompt:
-        raise ValueError(f"{name}={ctx} must be larger than its prompt length {prompt}")
-common = dict(num_generations=num_generations, num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
-              output_dir=output_dir, seed=seed, use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
-              gradient_checkpointing=True, report_to=report_to)
-# the full setup trains one sequence per micro-batch (what the calculator below prices); the tiny fallback all at once
+elif preset:
+    raise ValueError(f"preset={preset!r} is not allowed: '' (the parameters as set) or 'free_t4'")
+common = dict(num_generations=num_generations, num_train_samples=num_train_samples, output_dir=output_dir, seed=seed,
+              use_lora=True, lora_rank=lora_rank, lora_alpha=2 * lora_rank, report_to=report_to)
+# the full setup trains one sequence per micro-batch (what the calculator below prices); 4-bit generates with HF
 full = dict(common, model=model, per_device_train_batch_size=1, gradient_accumulation_steps=num_generations,
+            gradient_checkpointing=True,
             max_prompt_length=max_prompt_length, task=task, dataset_path=dataset_path, max_steps=max_steps,
-            max_completion_length=context_length - max_prompt_length, generation_backend=generation_backend,
-            learning_rate=2e-5)
-fallback = dict(common, model=fallback_model, per_device_train_batch_size=2 * num_generations, task="arithmetic",
-                max_steps=fallback_max_steps, max_prompt_length=fallback_max_prompt_length,
+            max_completion_length=context_length - max_prompt_length, num_eval_samples=num_eval_samples,
+            generation_backend="hf" if four_bit else generation_backend, learning_rate=2e-5,
+            **({} if four_bit else dict(kv_cache_dtype="fp8" if fp8_kv_cache else "auto",
+                                        vllm_lora_sync=vllm_lora_sync or None)))
+# the CPU fallback: long documents at level 0, the group's prompt scored once, the whole group in one micro-batch;
+# no checkpointing (a 1K window fits a CPU's memory, and recomputing costs time there)
+fallback = dict(common, model=fallback_model, task="long_document", levels=[0], prefix_sharing=True,
+                gradient_checkpointing=False,
+                per_device_train_batch_size=num_generations, max_steps=fallback_max_steps,
+                max_prompt_length=fallback_max_prompt_length,
                 max_completion_length=fallback_context_length - fallback_max_prompt_length,
-                generation_backend=fallback_generation_backend)
-validate_params(full)
-# vLLM is needed only where the full setup generates with it: not in 4-bit (the free-T4 preset), not with "hf"
-uses_vllm = generation_backend != "hf" and not four_bit
-chosen, settings = choose_setup(full, fallback, need_packages=("vllm",) if uses_vllm else (), force=setup)
-if chosen == "full" and four_bit:  # checked by validate_params below: no bitsandbytes stops here, not mid-run
-    settings.update(load_in_4bit=True, generation_backend="hf")  # vLLM cannot take 4-bit training weights yet
-elif chosen == "full" and generation_backend != "hf":
-    settings.update(kv_cache_dtype="fp8" if fp8_kv_cache else "auto", vllm_lora_sync=vllm_lora_sync or None)
-if chosen == "full" and fp8_weights:  # a GPU without FP8 tensor cores is refused below, naming it
-    settings.update(base_weights="fp8")
-cfg = validate_params(settings)
-print(f"setup: {chosen}  model={cfg.model}  context={cfg.max_prompt_length + cfg.max_completion_length}  "
-      f"steps={cfg.max_steps}  G={cfg.num_generations}")
+                num_eval_samples=fallback_num_eval_samples, learning_rate=fallback_learning_rate,
+                generation_backend=fallback_generation_backend, reward_funcs=["correctness"])
+# both checked before anything loads; 4-bit and FP8 weights only where the full setup runs (they need its GPU);
+# vLLM is needed only where the full setup generates with it
+run = notebook_setup(full, fallback, setup=setup, verbose=verbose,
+                     need_packages=("vllm",) if generation_backend != "hf" and not four_bit else (),
+                     full_on_gpu=dict(load_in_4bit=four_bit, base_weights="fp8" if fp8_weights else "16bit"),
+                     extras=dict(calculator_model=calculator_model, gpu_gib=gpu_gib, dashboard=dashboard,
+                                 save_merged_weights=save_merged_weights, hub_repo=hub_repo,
+                                 doc_generations=doc_generations, doc_completion_tokens=doc_completion_tokens),
+                     extra_types=dict(calculator_model=str, gpu_gib=float, dashboard=str, save_merged_weights=bool,
+                                      hub_repo=str, doc_generations=int, doc_completion_tokens=int))
+cfg, device, dtype = run.config, run.device, run.dtype  # dtype: bf16 where supported, fp16 on a T4, fp32 on a CPU
 
 # %% [markdown]
 # ## What the full run needs: the calculator
@@ -281,9 +277,10 @@ if rl is not None:
 from grpo_kit.memory import config_estimate_spec
 from grpo_kit.memory.fit import fit_verdict
 
-full_cfg = validate_params(dict(full, load_in_4bit=True, generation_backend="hf") if four_bit else
-                           dict(full, kv_cache_dtype="fp8" if fp8_kv_cache else "auto"))
-full_spec = config_estimate_spec(full_cfg)  # prompt + completion: context_length tokens
+from grpo_kit.notebook.helpers import validate_params
+
+# the full setup's step (prompt + completion: context_length tokens) with its base weights, on any machine
+full_spec = config_estimate_spec(validate_params(full), quantization="4bit" if four_bit else "fp8" if fp8_weights else None)
 for card, gib in (("T4 (15 GiB)", 15.0), ("L4 (24 GiB)", 24.0), ("A100 40GB", 40.0), ("H100 80GB", 80.0)):
     v = fit_verdict(calculator_model, gib, full_spec)
     print(f"{card:>12} at {context_length:,} tokens: {v.text()}")
@@ -336,13 +333,11 @@ import time
 
 import torch
 
-from grpo_kit.app.run import resolve_device
 from grpo_kit.model.anatomy import decoder_body, last_hidden
 from grpo_kit.model.loading import load_model, load_tokenizer
 from grpo_kit.model.prefix import shared_group_hidden
 from grpo_kit.tasks.long_document import long_document_problem
 
-device = resolve_device(cfg)  # the run's device: the GPU where there is one
 problem = long_document_problem(random.Random(seed), level=0)
 print(problem["question"][-400:], "\nanswer:", problem["answer"], " fact at depth", problem["depth"])
 doc_tok = load_tokenizer(fallback_model)
@@ -399,7 +394,7 @@ plt.show()
 # %%
 from grpo_kit.memory.fit import config_fit, require_fit
 
-if chosen == "full":  # the config as it will train; stops with the numbers when it would not fit
+if run.name == "full":  # the config as it will train; stops with the numbers when it would not fit
     require_fit(cfg, calculator_model=calculator_model, gpu_gib=gpu_gib)
 else:
     verdict, source = config_fit(cfg, gpu_gib=gpu_gib)
@@ -416,18 +411,17 @@ else:
 # Without it, `fp8_kv_cache` becomes `kv_cache_dtype="fp8"` for vLLM, which shares the
 # 16-bit weights with training (measured: the 20K step in 28.3 GiB on an H200, 28.6 on an H100, where TRL
 # colocate took 54.7), and `vllm_lora_sync` becomes the
-# config's field of that name. The fallback uses none of them: on the CPU it trains the embedded model as the main
-# job does (prompt up to 256 tokens, completions up to 24). The measured memory printed after the run is not the
+# config's field of that name. The fallback uses none of them: on the CPU it trains the embedded model on level-0
+# long documents (prompts up to 1,280 tokens, completions up to 32, no checkpointing, `prefix_sharing=True`: the
+# run's summary counts the rows scored with their group's prompt once). The measured memory printed after the run is not the
 # calculator's quantity on the CPU: it is the process's peak RSS over the whole run (Python, torch, transformers, TRL
 # and, with vLLM's CPU engine, its KV cache), where the calculator prices one training step. On a GPU
 # the measured figure is the allocator's peak.
 
 # %%
 from grpo_kit.notebook.dashboard import LiveDashboard
-from grpo_kit.app.run import resolve_device, resolve_dtype, train
+from grpo_kit.app.run import train
 
-device = resolve_device(cfg)
-print("device:", device, " dtype:", resolve_dtype(cfg, device))
 dash = LiveDashboard(mode=dashboard)
 # overwrite=True: running this cell again moves the earlier run aside (RUN.replaced-<time>), never deletes it
 summary = train(cfg, progress=True, callbacks=(dash,), overwrite=True, verbose=verbose)
@@ -453,8 +447,9 @@ from grpo_kit.tasks.data import build_datasets
 from grpo_kit.app.export import before_after
 
 questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
-for row in before_after(summary["run_dir"], questions, device=device, dtype=resolve_dtype(cfg, device)):
-    print(f"Q: {row['question']}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
+for row in before_after(summary["run_dir"], questions, device=device, dtype=dtype):
+    question = row["question"] if len(row["question"]) < 400 else "..." + row["question"][-300:]  # a document's end
+    print(f"Q: {question}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
 
 # %% [markdown]
 # ## Merged 16-bit weights, and the Hub
@@ -465,11 +460,8 @@ for row in before_after(summary["run_dir"], questions, device=device, dtype=reso
 # %%
 from grpo_kit.app.export import push_to_hub, save_merged
 
-import torch
-
 if save_merged_weights:
-    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=resolve_dtype(cfg, device)
-                         if device == "cuda" else torch.float32, device=device, overwrite=True)
+    merged = save_merged(summary["run_dir"], f"{summary['run_dir']}-merged", dtype=dtype, device=device, overwrite=True)
     print("merged weights:", merged)
     if hub_repo:
         print("pushed:", push_to_hub(merged, hub_repo))
