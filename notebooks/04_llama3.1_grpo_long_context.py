@@ -29,12 +29,12 @@
 # **Runtime:** GPU (Colab: Runtime > Change runtime type > T4 GPU, which the notebook's metadata asks for; the
 # calculator below says whether the chosen context fits). Measured: the outputs below are the CPU fallback with the
 # parameters as they stand: long documents at level 0 (988-token prompts), 20 steps of 8 completions up to 32 tokens,
-# vLLM's CPU engine, the prompt scored once per group: 502 s for the whole notebook on a 2-core CPU (load average
-# 1.9), the train cell 449 s of it: 259 s training (12.8 s a step), the rest loading, vLLM's start and the two
+# vLLM's CPU engine, the prompt scored once per group: 552 s for the whole notebook on a 2-core CPU (load average
+# 1.9), the train cell 497 s of it: 281 s training (13.9 s a step), the rest loading, vLLM's start and the two
 # held-out evaluations (24 documents, HF generate over ~1K-token prompts); held-out accuracy 0.250 -> 0.333 (6 -> 8 of 24). With one document a step the reward
 # per step is noisy: its mean is 0.06 over steps 1-10
 # and 0.21 over steps 11-20, and the completions shorten from ~28 to ~19 tokens (the trained model stops after the
-# code it names). The long-document section scored its group in 15.2 s with every row's prompt and 2.6 s with the
+# code it names). The long-document section scored its group in 16.9 s with every row's prompt and 3.0 s with the
 # prompt once. The full setup (Llama-3.2-1B architecture at 1.5K context, HF generation, 2 steps) 275 s on an H200 (`bench/results/notebooks_gpu.md`). Not timed on a T4.
 #
 # **Free T4:** `preset = "free_t4"` sets 4-bit base weights (QLoRA), fp16, HF generation and the longest context
@@ -447,7 +447,8 @@ from grpo_kit.tasks.data import build_datasets
 from grpo_kit.app.export import before_after
 
 questions = [e["question"] for e in build_datasets(cfg)[1][:2]]  # held-out problems the run never trained on
-for row in before_after(summary["run_dir"], questions, device=device, dtype=dtype):
+for row in before_after(summary["run_dir"], questions, device=device, dtype=dtype,
+                        max_new_tokens=cfg.max_completion_length):  # the run's own completion budget
     question = row["question"] if len(row["question"]) < 400 else "..." + row["question"][-300:]  # a document's end
     print(f"Q: {question}\n  before: {row['before']!r}\n  after:  {row['after']!r}")
 
