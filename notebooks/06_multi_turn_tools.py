@@ -40,9 +40,10 @@
 # GRPO the model's last turn repeats the tool's result in the tool-response tags rather than writing
 # `Answer: <n>`: the correctness reward reads the number and pays; a format reward would be the way to ask for more.
 #
-# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU), HF generation, fp32. Measured: 547 s for the whole
-# notebook on a 2-core CPU, load average 2.0 (`python tests/test_notebooks.py --refresh 06_multi_turn_tools`); the
-# train cell 520 s of it, 19.8 s a GRPO step.
+# **Runtime:** CPU (Colab: Runtime > Change runtime type > CPU), HF generation, fp32. Measured: 601 s for the whole
+# notebook on a 2-core CPU, load average 1.9 (`python tests/test_notebooks.py --refresh 06_multi_turn_tools`); the
+# train cell 572 s of it, 22.2 s a GRPO step. An earlier run of the same code but the last cell's tables took 547 s
+# (19.8 s a step), with the same rewards and accuracies.
 
 # %%
 # Colab: install the kit and what this notebook needs (pip's output hidden; the installed versions printed at
@@ -267,6 +268,7 @@ summary = train(cfg, progress=True, callbacks=(dash, WithoutTool()), overwrite=T
 from pathlib import Path
 
 import pandas as pd
+from IPython.display import display
 
 from grpo_kit.tasks.rewards import final_answer_text
 
@@ -279,14 +281,16 @@ table = pd.DataFrame([{"held-out": label, "with the calculator": f"{evals[w]['ac
                        "failed calls": evals[w]["tool_failures"],
                        "without the tool": f"{no_tool[w]:.0%}" if w in no_tool else "-"}
                       for w, label in stages.items() if w in evals])
-print(f"held-out accuracy, greedy, n={evals['before']['n']}:\n{table.to_string(index=False)}")
+print(f"held-out accuracy, greedy, n={evals['before']['n']}:")
+display(table.style.hide(axis="index"))
 
 metrics = pd.read_csv(run_dir / "metrics.csv")
 block = max(1, len(metrics) // 4)
 by_block = metrics.groupby((metrics["step"] - 1) // block).agg(
     steps=("step", lambda s: f"{s.min()}-{s.max()}"), reward=("reward_mean", "mean"),
     calls_per_rollout=("tools/call_frequency", "mean"), no_spread=("frac_reward_zero_std", "mean"))
-print(f"\nGRPO steps in blocks of {block} (means):\n{by_block.round(3).to_string(index=False)}")
+print(f"GRPO steps in blocks of {block} (means):")
+display(by_block.round(3).style.hide(axis="index").format(precision=2))
 
 for b, a in list(zip(evals["before"]["samples"], evals["after"]["samples"]))[:3]:
     print(f"\nQ: {b['question']}  (answer {b['answer']})")
