@@ -118,11 +118,25 @@ quiet_console(verbose)  # the kit's own lines from here on, before the imports b
 
 from grpo_kit.memory.fit import free_t4_preset
 from grpo_kit.model.loading import check_model_name
-from grpo_kit.notebook.helpers import notebook_setup
+from grpo_kit.notebook.helpers import notebook_setup, validate_params
 
+# the notebook's own parameters by their types first, so the comparisons below are safe
+extras = dict(calculator_model=calculator_model, context_length=context_length, four_bit=four_bit,
+              fp8_weights=fp8_weights, fp8_kv_cache=fp8_kv_cache, gpu_gib=gpu_gib,
+              fallback_context_length=fallback_context_length, fallback_max_prompt_length=fallback_max_prompt_length,
+              setup=setup, dashboard=dashboard, save_merged_weights=save_merged_weights, hub_repo=hub_repo,
+              preset=preset, verbose=verbose, doc_generations=doc_generations,
+              doc_completion_tokens=doc_completion_tokens)
+types = dict(calculator_model=str, context_length=int, four_bit=bool, fp8_weights=bool, fp8_kv_cache=bool,
+             gpu_gib=float, fallback_context_length=int, fallback_max_prompt_length=int, setup=str, dashboard=str,
+             save_merged_weights=bool, hub_repo=str, preset=str, verbose=bool, doc_generations=int,
+             doc_completion_tokens=int)
+validate_params({}, extras, types)
 check_model_name(calculator_model)  # the architecture the calculator prices
-if context_length <= max_prompt_length:
-    raise ValueError(f"context_length={context_length} must be larger than max_prompt_length={max_prompt_length}")
+for name, ctx, prompt in (("context_length", context_length, max_prompt_length),
+                          ("fallback_context_length", fallback_context_length, fallback_max_prompt_length)):
+    if ctx <= prompt:
+        raise ValueError(f"{name}={ctx} must be larger than its prompt length {prompt}")
 
 if preset == "free_t4":  # the calculator picks the context: the whole step, HF generate's KV cache included
     t4 = free_t4_preset(calculator_model, num_generations=num_generations, prompt_length=max_prompt_length,
@@ -156,12 +170,7 @@ fallback = dict(common, model=fallback_model, task="long_document", levels=[0], 
 # vLLM is needed only where the full setup generates with it
 run = notebook_setup(full, fallback, setup=setup, verbose=verbose,
                      need_packages=("vllm",) if generation_backend != "hf" and not four_bit else (),
-                     full_on_gpu=dict(load_in_4bit=four_bit, base_weights="fp8" if fp8_weights else "16bit"),
-                     extras=dict(calculator_model=calculator_model, gpu_gib=gpu_gib, dashboard=dashboard,
-                                 save_merged_weights=save_merged_weights, hub_repo=hub_repo,
-                                 doc_generations=doc_generations, doc_completion_tokens=doc_completion_tokens),
-                     extra_types=dict(calculator_model=str, gpu_gib=float, dashboard=str, save_merged_weights=bool,
-                                      hub_repo=str, doc_generations=int, doc_completion_tokens=int))
+                     full_on_gpu=dict(load_in_4bit=four_bit, base_weights="fp8" if fp8_weights else "16bit"))
 cfg, device, dtype = run.config, run.device, run.dtype  # dtype: bf16 where supported, fp16 on a T4, fp32 on a CPU
 
 # %% [markdown]
@@ -276,8 +285,6 @@ if rl is not None:
 # %% tags=["nbval-check-output"]
 from grpo_kit.memory import config_estimate_spec
 from grpo_kit.memory.fit import fit_verdict
-
-from grpo_kit.notebook.helpers import validate_params
 
 # the full setup's step (prompt + completion: context_length tokens) with its base weights, on any machine
 full_spec = config_estimate_spec(validate_params(full), quantization="4bit" if four_bit else "fp8" if fp8_weights else None)

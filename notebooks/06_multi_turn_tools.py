@@ -101,8 +101,8 @@ run = notebook_setup(dict(model=model, task="multiplication", levels=levels, too
                           num_train_samples=num_train_samples, num_eval_samples=num_eval_samples,
                           reward_funcs=["correctness"], generation_backend="hf",
                           output_dir=output_dir, seed=seed, use_lora=True),
-                     verbose=verbose, extras=dict(preflight_prompts=preflight_prompts, dashboard=dashboard),
-                     extra_types=dict(preflight_prompts=int, dashboard=str))
+                     verbose=verbose, extras=dict(preflight_prompts=preflight_prompts, dashboard=dashboard, verbose=verbose),
+                     extra_types=dict(preflight_prompts=int, dashboard=str, verbose=bool))
 cfg = run.config
 
 # %% [markdown]
